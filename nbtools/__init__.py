@@ -1,0 +1,51 @@
+"""nbtools: train embeddings larger than GPU memory from Jupyter and Colab.
+
+Tables and optimizer state live in pinned host RAM; each step moves only the rows a batch
+touches. Heavy optional pieces (cupy, ipywidgets, matplotlib, NVML) load only when used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+
+class NbtoolsError(Exception):
+    """Base class of the errors nbtools raises itself."""
+
+
+# name -> module that defines it; resolved on first access so `import nbtools` stays cheap.
+_LAZY = {
+    "describe": "nbtools.devices",
+    "resolve_device": "nbtools.devices",
+    "HostTensor": "nbtools.hostmem",
+    "host_empty": "nbtools.hostmem",
+    "host_zeros": "nbtools.hostmem",
+    "pin_tensor": "nbtools.hostmem",
+    "pinned_bytes": "nbtools.hostmem",
+    "transfer_counters": "nbtools.hostmem",
+    "OffloadedEmbedding": "nbtools.tables",
+    "OffloadedEmbeddingBag": "nbtools.tables",
+    "OffloadOptimizer": "nbtools.optim",
+    "plan": "nbtools.optim",
+    "Plan": "nbtools.optim",
+    "PinnedLoader": "nbtools.loader",
+    "Dashboard": "nbtools.dashboard",
+    "ThroughputMeter": "nbtools.meters",
+    "CheckpointManager": "nbtools.checkpoint",
+}
+
+__all__ = ["NbtoolsError", "__version__", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbtools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,292 @@
+"""Host memory that the GPU reads and writes directly.
+
+``torch.empty(..., pin_memory=True)`` rounds every allocation up to a power of two (a 5.1 GB
+table pins 8 GiB) and is slow to allocate. nbtools instead allocates plainly, touches every page
+(zero fill), and registers the pages in place with ``cudaHostRegister``: exact in size, and
+undone with ``cudaHostUnregister`` when the memory is closed or collected.
+
+A registered buffer has a *zero-copy CUDA view*: a CUDA tensor aliasing the same host bytes, so
+``index_select`` / ``index_copy_`` on it are GPU kernels that read and write host RAM over PCIe.
+Without CUDA the same objects hold ordinary memory and report ``pinned=False``; the "CUDA view"
+is then the host tensor itself, so every caller runs unchanged on the CPU.
+
+Every pinned byte nbtools holds is counted (:func:`pinned_bytes`), as are the bytes its tables
+move between host and GPU (:func:`transfer_counters`): neither NVML nor /proc can see them.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from . import NbtoolsError
+from .devices import cuda_ok, human_bytes, memlock_limit
+
+_CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
+_CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)
+
+_lock = threading.Lock()
+_regions: dict[int, tuple[str, int]] = {}   # key -> (name, bytes) of memory registered now
+_keys = itertools.count()
+_counters = {"h2d_bytes": 0, "d2h_bytes": 0}
+
+
+class PinningError(NbtoolsError, RuntimeError):
+    """cudaHostRegister refused memory (container limits, memlock, driver)."""
+
+
+def pinned_bytes() -> int:
+    """Bytes of host memory that nbtools has registered with CUDA right now.
+
+    >>> pinned_bytes() >= 0
+    True
+    """
+    with _lock:
+        return sum(n for _, n in _regions.values())
+
+
+def pinned_regions() -> list[tuple[str, int]]:
+    """``(name, bytes)`` for each registered region, largest first."""
+    with _lock:
+        return sorted(_regions.values(), key=lambda r: -r[1])
+
+
+def transfer_counters() -> dict:
+    """Cumulative bytes nbtools itself moved host->GPU and GPU->host (a copy of the counters).
+
+    >>> sorted(transfer_counters())
+    ['d2h_bytes', 'h2d_bytes']
+    """
+    return dict(_counters)
+
+
+def count_transfer(h2d: int = 0, d2h: int = 0) -> None:
+    """Add to the transfer counters (called by tables, loaders and checkpoints)."""
+    _counters["h2d_bytes"] += int(h2d)
+    _counters["d2h_bytes"] += int(d2h)
+
+
+def _check(err, what: str, nbytes: int) -> None:
+    code = int(err)
+    if code == 0:
+        return
+    torch.cuda.cudart().cudaGetLastError()          # clear it, so later CUDA calls are unaffected
+    limit = memlock_limit()
+    raise PinningError(
+        f"{what} failed for {human_bytes(nbytes)} (cudaError {code}). The container or driver "
+        f"refused to lock this memory (memlock limit: {human_bytes(limit) if limit else 'unlimited'}). "
+        "Pass pin=False to use ordinary pageable memory (slower transfers, same results), or free "
+        "other pinned memory first.")
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(
+        ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
+    _check(err, "cudaHostRegister", nbytes)
+
+
+def _unregister(ptr: int, key: int) -> None:
+    with _lock:
+        if _regions.pop(key, None) is None:
+            return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:     # interpreter shutdown: the CUDA context may already be gone
+        pass
+
+
+class _CudaArrayView:
+    """Exposes a registered host range through ``__cuda_array_interface__`` (as bytes).
+
+    Holding ``owner`` keeps the host memory alive for as long as a CUDA view of it exists.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+            "strides": None, "stream": None}
+
+
+def cuda_alias(host: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A CUDA tensor aliasing the registered, contiguous host tensor ``host`` (zero-copy)."""
+    if not host.is_contiguous():
+        raise ValueError("cuda_alias needs a contiguous host tensor")
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    nbytes = host.numel() * host.element_size()
+    with torch.cuda.device(device):   # the view must be made with its device current
+        raw = torch.as_tensor(_CudaArrayView(host.data_ptr(), nbytes, host), device=device)
+    return raw.view(host.dtype).view(host.shape)
+
+
+class HostTensor:
+    """A host tensor, registered with CUDA when it can be, plus its zero-copy CUDA view.
+
+    Args:
+        shape: tensor shape.
+        dtype: torch dtype.
+        pin: register with CUDA (ignored without CUDA, where ``pinned`` is False).
+        name: label for :func:`pinned_regions` and error messages.
+        device: CUDA device the zero-copy view lives on (default: current).
+
+    The memory is zero-filled (which also touches every page before registering it).
+
+    >>> h = HostTensor((4, 3), torch.float32, name="demo")
+    >>> h.tensor.shape, h.tensor.sum().item()
+    (torch.Size([4, 3]), 0.0)
+    >>> h.view().device.type in ("cpu", "cuda")
+    True
+    >>> h.close()
+    """
+
+    def __init__(self, shape, dtype=torch.float32, *, pin: bool = True, name: str = "tensor",
+                 device=None):
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"HostTensor shape must be non-negative, got {shape}")
+        self.name = name
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        # numpy owns the bytes so that we can hook their release (weakref.finalize fires before
+        # numpy frees the data), and unregister exactly then.
+        self._raw = np.empty(max(self.nbytes, 1), dtype=np.uint8)
+        self.tensor = torch.from_numpy(self._raw)[: self.nbytes].view(dtype).view(shape)
+        self.tensor.zero_()   # touch every page (multi-threaded memset) before pinning
+        self.pinned = False
+        self._view = None
+        self._device = device
+        self._key = None
+        if pin and cuda_ok() and self.nbytes > 0:
+            ptr = self._raw.ctypes.data
+            _register(ptr, self._raw.nbytes)
+            self._key = next(_keys)
+            with _lock:
+                _regions[self._key] = (name, self._raw.nbytes)
+            self._finalizer = weakref.finalize(self._raw, _unregister, ptr, self._key)
+            self.pinned = True
+
+    def view(self) -> torch.Tensor:
+        """The tensor the compute device indexes: the zero-copy CUDA alias when pinned, else
+        the host tensor itself."""
+        if not self.pinned:
+            return self.tensor
+        if self._view is None:
+            self._view = cuda_alias(self.tensor, self._device)
+        return self._view
+
+    def close(self) -> None:
+        """Unregister now. The host tensor stays valid as ordinary memory; CUDA views made
+        earlier must not be used after this."""
+        self._view = None
+        if self.pinned:
+            self._finalizer()
+            self.pinned = False
+
+    def __repr__(self):
+        return (f"HostTensor(name={self.name!r}, shape={tuple(self.tensor.shape)}, "
+                f"dtype={self.tensor.dtype}, bytes={self.nbytes}, pinned={self.pinned})")
+
+
+def host_zeros(shape, dtype=torch.float32, *, pin: bool = True, name: str = "tensor") -> HostTensor:
+    """Allocate a zero-filled :class:`HostTensor` (pinned when CUDA is there)."""
+    return HostTensor(shape, dtype, pin=pin, name=name)
+
+
+host_empty = host_zeros   # pages must be touched before pinning anyway, so "empty" is zeros
+
+
+class pin_tensor:
+    """Register an existing contiguous CPU tensor in place, without copying it.
+
+    Keeps ``tensor`` alive; :meth:`close` (or collection of this object) unregisters it.
+    Without CUDA this does nothing and ``pinned`` is False.
+
+    >>> t = torch.arange(6.0)
+    >>> p = pin_tensor(t, name="data")
+    >>> p.tensor is t
+    True
+    >>> p.close()
+    """
+
+    def __init__(self, tensor: torch.Tensor, *, name: str = "tensor"):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"pin_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"pin_tensor needs a contiguous CPU tensor, got device={tensor.device}, "
+                             f"contiguous={tensor.is_contiguous()}; call .contiguous().cpu() first")
+        self.tensor = tensor
+        self.name = name
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.pinned = False
+        self._view = None
+        if cuda_ok() and self.nbytes > 0 and not tensor.is_pinned():
+            ptr = tensor.data_ptr()
+            _register(ptr, self.nbytes)
+            key = next(_keys)
+            with _lock:
+                _regions[key] = (name, self.nbytes)
+            self._finalizer = weakref.finalize(self, _unregister, ptr, key)
+            self.pinned = True
+
+    def view(self) -> torch.Tensor:
+        """Zero-copy CUDA alias (or the CPU tensor itself without pinning)."""
+        if not self.pinned:
+            return self.tensor
+        if self._view is None:
+            self._view = cuda_alias(self.tensor)
+        return self._view
+
+    def close(self) -> None:
+        self._view = None
+        if self.pinned:
+            self._finalizer()
+            self.pinned = False
+
+
+def probe_pinning() -> str:
+    """Try to register a small buffer; say whether zero-copy pinning works here."""
+    try:
+        h = HostTensor((1024,), torch.float32, name="probe")
+        ok = h.pinned
+        if ok:
+            v = h.view()
+            v.fill_(1.0)
+            torch.cuda.synchronize()
+            ok = bool(h.tensor.sum().item() == 1024)
+        h.close()
+        return "zero-copy ok (cudaHostRegister + mapped view)" if ok else "registration refused"
+    except Exception as e:   # report, never crash describe()
+        return f"failed: {e}"
+
+
+# --- row gather / scatter ---------------------------------------------------------------------
+# Zero-copy index_select moves 4-byte elements per thread: short rows then reach about half the
+# PCIe rate. Viewing rows as 16-byte elements (complex128 is the only 16-byte dtype) makes each
+# thread move 16 bytes, when the row length and the address allow it.
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    if (t.is_cuda and t.dim() == 2 and t.is_contiguous() and t.dtype != torch.complex128
+            and (t.shape[1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
+        return t.view(torch.complex128)
+    return t
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src.index_select(0, idx)`` with wide loads where possible; ``src`` may be a zero-copy
+    view (the rows then cross PCIe and are counted)."""
+    return _wide(src).index_select(0, idx).view(src.dtype)
+
+
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst.index_copy_(0, idx, rows)`` with wide stores where possible."""
+    wd = _wide(dst)
+    if wd is not dst:
+        rows = rows.contiguous()
+        wr = _wide(rows)
+        if wr is not rows:
+            wd.index_copy_(0, idx, wr)
+            return
+    dst.index_copy_(0, idx, rows)
