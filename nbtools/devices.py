@@ -121,3 +121,14 @@ def describe(file=None) -> dict:
 
 
 human_bytes = _human
+
+
+def synchronize(device) -> None:
+    """Wait for queued GPU work on ``device`` (no-op on the CPU).
+
+    nbtools calls this before the host reads memory that GPU kernels may still be writing
+    (``table.weight``, ``state_dict()``).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

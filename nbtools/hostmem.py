@@ -290,3 +290,50 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> No
             wd.index_copy_(0, idx, wr)
             return
     dst.index_copy_(0, idx, rows)
+
+
+class RowStore:
+    """The rows of a 2-D host tensor as the compute device reaches them.
+
+    Three modes, chosen once:
+      * ``zero-copy``: pinned host memory, CUDA compute: GPU kernels index host RAM directly.
+      * ``staged``: pageable host memory, CUDA compute (``pin=False``): the CPU gathers into a
+        temporary, which is copied to the GPU (slower; the fallback when pinning is refused).
+      * ``host``: CPU compute: plain indexing.
+
+    ``idx`` must be on the compute device. Bytes that cross PCIe are counted.
+
+    >>> store = RowStore(HostTensor((5, 2), name="demo"), torch.device("cpu"))
+    >>> store.scatter(torch.tensor([1, 3]), torch.ones(2, 2))
+    >>> store.gather(torch.tensor([3])).tolist()
+    [[1.0, 1.0]]
+    """
+
+    def __init__(self, host: "HostTensor", device: torch.device):
+        self.host = host
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.mode = "zero-copy" if host.pinned else "staged"
+        else:
+            self.mode = "host"
+        shape = host.tensor.shape
+        self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
+            * host.tensor.element_size()
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.mode == "host":
+            return self.host.tensor.index_select(0, idx)
+        count_transfer(h2d=idx.numel() * self.row_bytes)
+        if self.mode == "zero-copy":
+            return gather_rows(self.host.view(), idx)
+        return self.host.tensor.index_select(0, idx.cpu()).to(self.device)
+
+    def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.mode == "host":
+            self.host.tensor.index_copy_(0, idx, rows)
+            return
+        count_transfer(d2h=idx.numel() * self.row_bytes)
+        if self.mode == "zero-copy":
+            scatter_rows(self.host.view(), idx, rows)
+        else:
+            self.host.tensor.index_copy_(0, idx.cpu(), rows.cpu())

@@ -1,0 +1,526 @@
+"""Any ``torch.optim`` optimizer, training offloaded tables with per-row state in host memory.
+
+For each table, a step:
+  1. takes the gradients of the rows looked up since the last step, summed per id (so an id
+     that appears many times in a batch loses nothing);
+  2. gathers those rows and each per-row state tensor (``exp_avg``, ``square_avg``, ...) from
+     host memory onto the compute device;
+  3. runs the stock optimizer on a scratch parameter holding only those rows, with the table's
+     global scalar state (``step``, ASGD's ``eta``/``mu``, NAdam's ``mu_product``), exactly as
+     ``torch.optim.SparseAdam`` keeps one global step;
+  4. writes the rows and their state back.
+
+Semantics are **lazy**: only rows touched since the last step change. Untouched rows get no
+momentum decay and no weight decay; their state stays as it was. When every row is touched
+every step, the result equals the same optimizer on a dense ``nn.Embedding``.
+
+Optimizers whose state is per element and whose update treats each row on its own are
+supported: SGD (momentum, nesterov, weight decay), Adam, AdamW, Adamax, NAdam, RAdam, Adadelta,
+Adagrad, RMSprop (centered, momentum), Rprop, ASGD and SparseAdam. Others (LBFGS, Adafactor,
+Muon, ...) are refused: a probe checks, on a tiny parameter, that updating rows together equals
+updating them one by one.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from . import NbtoolsError
+from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
+from .hostmem import HostTensor, RowStore
+from .tables import _OffloadedTable, check_fits
+
+
+class UnsupportedOptimizerError(NbtoolsError, TypeError):
+    """The optimizer's state or update is not per row, so it cannot train an offloaded table."""
+
+
+class NonFiniteGradientError(NbtoolsError, FloatingPointError):
+    """A table gradient held inf/nan; the table and its state were left unchanged."""
+
+
+# Per-row state that does not start at zero, as each optimizer itself initialises it.
+# (group hyper-parameters -> {state name: initial value}); everything else starts at zero.
+_NONZERO_INITIAL_STATE = {
+    torch.optim.Adagrad: lambda g: {"sum": g["initial_accumulator_value"]},
+    torch.optim.Rprop: lambda g: {"step_size": g["lr"]},
+}
+
+# Never row-separable, refused without probing (their step needs a closure or mixes rows).
+_REFUSED = tuple(c for c in (getattr(torch.optim, n, None) for n in ("LBFGS", "Adafactor", "Muon"))
+                 if c is not None)
+
+_NOT_HYPER = ("params",)
+
+
+@dataclasses.dataclass
+class OffloadConfig:
+    """nbtools-specific options of :class:`OffloadOptimizer` (not passed to the optimizer)."""
+
+    # What a table step does when its summed gradient holds inf/nan: "raise" a
+    # NonFiniteGradientError, or "skip" that table's step (counted in `skipped_steps`).
+    # Either way nothing non-finite is written into the table.
+    nonfinite: str = "raise"
+    # Check on a tiny parameter that the optimizer updates rows independently (cheap; leave on).
+    probe: bool = True
+
+
+def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
+    """Dense [U, dim] row gradients as the sparse gradient SparseAdam requires."""
+    idx = torch.arange(grad.shape[0], device=grad.device).unsqueeze(0)
+    return torch.sparse_coo_tensor(idx, grad, grad.shape, is_coalesced=True,
+                                   check_invariants=False)
+
+
+def _set_grad(p: torch.Tensor, grad: torch.Tensor, sparse: bool) -> None:
+    p.grad = _sparse_rows_grad(grad) if sparse else grad
+
+
+def _step_rows(cls, hyper, weight, grad, sparse, steps=2):
+    """Run ``steps`` steps of ``cls`` on ``weight``; each step's gradient is ``grad`` times one
+    pseudo-random row broadcast over all rows, so any subset of rows sees the same gradients."""
+    p = nn.Parameter(weight.clone())
+    opt = cls([p], **hyper)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for _ in range(steps):
+        noise = torch.randn((1, grad.shape[1]), generator=gen).to(grad)
+        _set_grad(p, grad * noise, sparse)
+        opt.step()
+    return p.detach(), opt.state[p]
+
+
+def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: bool = True):
+    """Find which state of ``cls`` is per element and check that rows update independently.
+
+    Returns (row state names -> dtype, scalar state names, the optimizer's full param group).
+    """
+    if _REFUSED and issubclass(cls, _REFUSED):
+        raise UnsupportedOptimizerError(
+            f"{cls.__name__} cannot train an offloaded table: its update is not per row "
+            "(it needs a closure or mixes rows). Use Adam, AdamW, SGD, Adagrad, RMSprop, ...")
+    sparse = issubclass(cls, torch.optim.SparseAdam)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    weight = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
+    grad = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
+    try:
+        together, state = _step_rows(cls, hyper, weight, grad, sparse)
+        probe_opt = cls([nn.Parameter(weight.clone())], **hyper)
+    except TypeError:
+        raise                    # a wrong keyword argument: torch's own message says which
+    except Exception as e:
+        raise UnsupportedOptimizerError(
+            f"{cls.__name__}({hyper}) failed a probe step on a small parameter: {e}") from e
+    group = {k: v for k, v in probe_opt.param_groups[0].items() if k not in _NOT_HYPER}
+    row_state, scalar_state = {}, []
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == weight.shape:
+            row_state[key] = value.dtype
+        elif not torch.is_tensor(value) or value.numel() == 1:
+            scalar_state.append(key)
+        else:
+            raise UnsupportedOptimizerError(
+                f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
+                f"of shape {tuple(weight.shape)}: not per row, so it cannot be offloaded by row")
+    if check_separable:
+        # Rows updated together must equal rows updated one at a time, with the same grads.
+        for r in range(weight.shape[0]):
+            alone, _ = _step_rows(cls, hyper, weight[r:r + 1], grad[r:r + 1], sparse)
+            if not torch.allclose(alone.float(), together[r:r + 1].float(), rtol=1e-4, atol=1e-6):
+                raise UnsupportedOptimizerError(
+                    f"{cls.__name__} updates rows jointly (a row's update depends on other "
+                    "rows), so lazy per-row offloading would change its results")
+    return row_state, scalar_state, group
+
+
+def _initial_row_state(cls, group: dict, names) -> dict:
+    for base, init in _NONZERO_INITIAL_STATE.items():
+        if issubclass(cls, base):
+            values = init(group)
+            return {n: float(values.get(n, 0.0)) for n in names}
+    return {n: 0.0 for n in names}
+
+
+def _check_hyper(cls, hyper: dict) -> None:
+    if issubclass(cls, torch.optim.SGD) and hyper.get("momentum", 0) and hyper.get("dampening", 0):
+        raise UnsupportedOptimizerError(
+            "SGD with dampening > 0 is not supported for offloaded tables: torch starts each "
+            "momentum buffer at the row's first gradient undamped, which a lazily touched row "
+            "cannot reproduce exactly. Use dampening=0 (the default).")
+
+
+class _TableSlot:
+    """One table's share of an OffloadOptimizer: hyper-parameters, host state, scratch optimizer."""
+
+    def __init__(self, name, table: _OffloadedTable, cls, group: dict, probe: bool):
+        self.name, self.table, self.cls = name, table, cls
+        _check_hyper(cls, group)
+        dtype = table._host.tensor.dtype
+        row_state, self.scalar_names, full = probe_row_state(
+            cls, group, table.embedding_dim, table.device, dtype, check_separable=probe)
+        self.ctor_kwargs = dict(group)                  # what the user passed
+        self.group = {"params": [], **full, **group}   # what schedulers see and change
+        self.sparse = issubclass(cls, torch.optim.SparseAdam)
+        n, d = table.num_embeddings, table.embedding_dim
+        state_bytes = sum(n * d * torch.empty((), dtype=dt).element_size()
+                          for dt in row_state.values())
+        check_fits(state_bytes, f"optimizer state of table {name!r} "
+                               f"({len(row_state)} per-row tensors: {', '.join(row_state)})",
+                   "Use nbtools.plan(...) to size it, or an optimizer with less state "
+                   "(SGD, Adagrad).")
+        init = _initial_row_state(cls, self.group, row_state)
+        self.row_state = {}
+        for key, dt in row_state.items():
+            host = HostTensor((n, d), dt, pin=table.pinned, name=f"{name}.{key}",
+                              device=table.device if table.device.type == "cuda" else None)
+            if init[key]:
+                host.tensor.fill_(init[key])
+            self.row_state[key] = RowStore(host, table.device)
+        self.scalar_state = None      # created by the optimizer itself at the first step
+        self.opt = None
+        self.skipped_steps = 0
+
+    def hyper(self) -> dict:
+        return {k: v for k, v in self.group.items() if k not in _NOT_HYPER}
+
+    def step(self, nonfinite: str) -> None:
+        ids, grad = self.table.take_grad()
+        if ids is None:
+            return
+        if not bool(torch.isfinite(grad).all()):        # note: a CPU-GPU sync point
+            if nonfinite == "skip":
+                self.skipped_steps += 1
+                return
+            raise NonFiniteGradientError(
+                f"table {self.name!r}: the gradient of {ids.numel():,} rows holds inf/nan; the "
+                "table and its optimizer state were left unchanged. Lower the learning rate, "
+                "check the loss, or pass config=OffloadConfig(nonfinite='skip').")
+        p = nn.Parameter(self.table._rows.gather(ids))
+        _set_grad(p, grad.to(p.dtype), self.sparse)
+        if self.opt is None:
+            self.opt = self.cls([p], **self.ctor_kwargs)
+        else:
+            self.opt.param_groups[0]["params"] = [p]
+        self.opt.param_groups[0].update(self.hyper())     # LR schedulers change self.group
+        if self.scalar_state is not None:
+            # Per-row state for these rows, plus the table's global scalar state.
+            state = {k: store.gather(ids) for k, store in self.row_state.items()}
+            state.update(self.scalar_state)
+            self.opt.state = defaultdict(dict, {p: state})
+        # else: the very first step lets the optimizer create its state exactly as it would
+        # (Adagrad already did in its constructor).
+        self.opt.step()
+        state = self.opt.state[p]
+        self.table._rows.scatter(ids, p.detach())
+        for key, store in self.row_state.items():
+            if key not in state:
+                raise UnsupportedOptimizerError(
+                    f"{self.cls.__name__} dropped state {key!r} between steps (hyper-parameters "
+                    "changed?); offloaded tables need a fixed set of per-row state")
+            store.scatter(ids, state[key])
+        self.scalar_state = {k: v for k, v in state.items() if k not in self.row_state}
+        self.opt.state = defaultdict(dict)       # drop references to this step's rows
+        self.opt.param_groups[0]["params"] = []
+
+    def state_dict(self) -> dict:
+        return {
+            "group": copy.deepcopy(self.hyper()),
+            "scalar_state": copy.deepcopy(self.scalar_state),
+            "row_state": {k: store.host.tensor for k, store in self.row_state.items()},
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        missing = set(self.row_state) ^ set(sd["row_state"])
+        if missing:
+            raise ValueError(f"table {self.name!r}: state has per-row tensors "
+                             f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.row_state)}")
+        for key, store in self.row_state.items():
+            src, dst = sd["row_state"][key], store.host.tensor
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"table {self.name!r}: state {key!r} has shape {tuple(src.shape)},"
+                                 f" expected {tuple(dst.shape)}")
+            if src is not dst:
+                dst.copy_(src)
+        self.group.update(copy.deepcopy(sd["group"]))
+        scalar = sd["scalar_state"]
+        self.scalar_state = None if scalar is None else {
+            k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalar.items()}
+
+
+def _is_param(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _split_groups(model_or_params):
+    """-> (list of (table, group overrides), list of dense param group dicts)."""
+    if isinstance(model_or_params, _OffloadedTable):
+        model_or_params = [model_or_params]
+    if isinstance(model_or_params, nn.Module):
+        tables = [(m, {}, name) for name, m in model_or_params.named_modules()
+                  if isinstance(m, _OffloadedTable)]
+        dense = [p for p in model_or_params.parameters() if p.requires_grad]
+        return tables, ([{"params": dense}] if dense else [])
+    try:
+        items = list(model_or_params)
+    except TypeError:
+        raise TypeError(f"OffloadOptimizer takes an nn.Module, or an iterable of tables, "
+                        f"parameters or param-group dicts; got {type(model_or_params).__name__}")
+    tables, dense = [], []
+    loose = []
+    for item in items:
+        if isinstance(item, dict):
+            overrides = {k: v for k, v in item.items() if k != "params"}
+            params = item.get("params", [])
+            params = [params] if isinstance(params, (torch.Tensor, nn.Module)) else list(params)
+            group_dense = []
+            for p in params:
+                if isinstance(p, _OffloadedTable):
+                    tables.append((p, overrides, None))
+                elif _is_param(p):
+                    group_dense.append(p)
+                else:
+                    raise TypeError(f"param group holds a {type(p).__name__}; expected tables or "
+                                    "tensors")
+            if group_dense:
+                dense.append({"params": group_dense, **overrides})
+        elif isinstance(item, _OffloadedTable):
+            tables.append((item, {}, None))
+        elif isinstance(item, nn.Module):
+            sub_tables, sub_dense = _split_groups(item)
+            tables.extend(sub_tables)
+            dense.extend(sub_dense)
+        elif _is_param(item):
+            loose.append(item)
+        else:
+            raise TypeError(f"OffloadOptimizer got a {type(item).__name__}; expected offloaded "
+                            "tables, tensors, modules or param-group dicts")
+    if loose:
+        dense.insert(0, {"params": loose})
+    return tables, dense
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """One optimizer for a model whose embedding tables live in host memory.
+
+    Args:
+        optimizer_class: any per-element ``torch.optim`` optimizer class (``torch.optim.Adam``).
+        model_or_params: an ``nn.Module`` (its offloaded tables and ordinary parameters are
+            found), or an iterable of tables, parameters and param-group dicts.
+        config: :class:`OffloadConfig` (nbtools options); optional.
+        **optimizer_kwargs: passed to the optimizer (``lr=...``, ``betas=...``).
+
+    Ordinary parameters (a Linear layer on the GPU, ...) are optimised by ``optimizer_class``
+    as usual. Each table gets its own param group (``param_groups[-len(tables):]``), so LR
+    schedulers work. See the module docs for the lazy semantics.
+
+    >>> from nbtools import OffloadedEmbedding
+    >>> table = OffloadedEmbedding(100, 4, device="cpu")
+    >>> opt = OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    >>> table(torch.tensor([1, 2, 2])).sum().backward()
+    >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer_class, model_or_params, *, config: OffloadConfig | None = None,
+                 **optimizer_kwargs):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+                            f"torch.optim.Adam, got {optimizer_class!r}")
+        self.config = config or OffloadConfig()
+        if self.config.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"OffloadConfig.nonfinite must be 'raise' or 'skip', "
+                             f"got {self.config.nonfinite!r}")
+        self.optimizer_class = optimizer_class
+        tables, dense_groups = _split_groups(model_or_params)
+        if not tables and not dense_groups:
+            raise ValueError("OffloadOptimizer got no offloaded tables and no parameters")
+        if dense_groups and issubclass(optimizer_class, torch.optim.SparseAdam):
+            raise UnsupportedOptimizerError(
+                "SparseAdam only takes sparse gradients, but the model also has ordinary "
+                f"parameters ({sum(len(g['params']) for g in dense_groups)} tensors). Use "
+                "torch.optim.Adam: on offloaded tables it is lazy like SparseAdam.")
+        dense = optimizer_class(dense_groups, **optimizer_kwargs) if dense_groups else None
+        slots: list[_TableSlot] = []
+        seen = set()
+        for table, overrides, path in tables:
+            if any(s.table is table for s in slots):
+                continue
+            name = table.name if table.name != type(table).__name__ or not path else path
+            base, k = name, 1
+            while name in seen:
+                k += 1
+                name = f"{base}_{k}"
+            seen.add(name)
+            slots.append(_TableSlot(name, table, optimizer_class,
+                                    {**optimizer_kwargs, **overrides}, self.config.probe))
+        defaults = dict(dense.defaults) if dense else \
+            {k: v for k, v in slots[0].group.items() if k != "params"}
+        # torch.optim.Optimizer.__init__ sets up hooks and the step wrapper schedulers rely on;
+        # its placeholder group is replaced right after.
+        super().__init__([torch.empty(0, requires_grad=True)], defaults)
+        self._dense, self._slots = dense, slots
+        self.param_groups = (list(self._dense.param_groups) if self._dense else []) + \
+            [s.group for s in self._slots]
+        self.state = self._dense.state if self._dense else defaultdict(dict)
+
+    # --- what a training loop calls -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update the ordinary parameters and every table's touched rows."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._dense is not None:
+            self._dense.step()
+        for slot in self._slots:
+            slot.step(self.config.nonfinite)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._dense is not None:
+            self._dense.zero_grad(set_to_none=set_to_none)
+        for slot in self._slots:
+            slot.table.clear_pending()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not hasattr(self, "_slots"):      # torch's own __init__ adds the placeholder group
+            return super().add_param_group(param_group)
+        raise NotImplementedError("OffloadOptimizer does not add param groups after creation; "
+                                  "build a new OffloadOptimizer with all tables and parameters")
+
+    # --- introspection ------------------------------------------------------------------------
+    @property
+    def tables(self) -> dict:
+        """Table name -> table."""
+        return {s.name: s.table for s in self._slots}
+
+    def table_state(self, table) -> dict:
+        """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
+        slot = self._slot(table)
+        synchronize(slot.table.device)
+        return {k: store.host.tensor for k, store in slot.row_state.items()}
+
+    def skipped_steps(self, table) -> int:
+        """How many steps of ``table`` were skipped for non-finite gradients."""
+        return self._slot(table).skipped_steps
+
+    def _slot(self, table) -> _TableSlot:
+        for s in self._slots:
+            if s.table is table or s.name == table:
+                return s
+        raise KeyError(f"no table {table!r} in this optimizer; it has {list(self.tables)}")
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Dense optimizer state plus, per table, hyper-parameters, scalar state and per-row
+        state as the live host tensors (no copies)."""
+        for slot in self._slots:
+            synchronize(slot.table.device)
+        return {
+            "format": "nbtools.OffloadOptimizer/1",
+            "optimizer_class": self.optimizer_class.__name__,
+            "dense": self._dense.state_dict() if self._dense else None,
+            "tables": {s.name: s.state_dict() for s in self._slots},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("format") != "nbtools.OffloadOptimizer/1":
+            raise ValueError("not an OffloadOptimizer state_dict (missing format "
+                             "'nbtools.OffloadOptimizer/1')")
+        if state_dict["optimizer_class"] != self.optimizer_class.__name__:
+            raise ValueError(f"state_dict is for {state_dict['optimizer_class']}, this optimizer "
+                             f"is {self.optimizer_class.__name__}")
+        names = set(state_dict["tables"])
+        if names != {s.name for s in self._slots}:
+            raise ValueError(f"state_dict has tables {sorted(names)}, this optimizer has "
+                             f"{sorted(s.name for s in self._slots)}")
+        if (state_dict["dense"] is None) != (self._dense is None):
+            raise ValueError("state_dict and optimizer disagree on having ordinary parameters")
+        for slot in self._slots:
+            synchronize(slot.table.device)
+            slot.load_state_dict(state_dict["tables"][slot.name])
+        if self._dense is not None:
+            self._dense.load_state_dict(state_dict["dense"])
+            self.param_groups[: len(self._dense.param_groups)] = self._dense.param_groups
+
+    def __repr__(self) -> str:
+        lines = [f"OffloadOptimizer({self.optimizer_class.__name__},"]
+        for s in self._slots:
+            lines.append(f"  table {s.name!r}: {s.table.num_embeddings:,} x {s.table.embedding_dim}"
+                         f" {s.table.transfer_mode}, per-row state {list(s.row_state)}")
+        if self._dense is not None:
+            n = sum(p.numel() for g in self._dense.param_groups for p in g["params"])
+            lines.append(f"  dense: {n:,} parameters")
+        return "\n".join(lines) + ")"
+
+
+# --- planning -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+    """What a table and its optimizer state need, computed before anything is allocated."""
+
+    num_rows: int
+    dim: int
+    dtype: str
+    optimizer: str
+    row_state: list
+    table_bytes: int
+    state_bytes: int
+    host_bytes: int            # table + state, all in (pinned) host memory
+    gpu_bytes_per_step: int    # rows, grads and state of one batch of unique ids on the GPU
+    host_available_bytes: int | None
+    fits: bool
+
+    def __str__(self) -> str:
+        avail = human_bytes(self.host_available_bytes)
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"{self.num_rows:,} x {self.dim} {self.dtype} with {self.optimizer} "
+                f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
+                f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
+                f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
+                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}")
+
+
+def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
+         unique_ids_per_step: int = 65536, **optimizer_kwargs) -> Plan:
+    """Size a table and its optimizer state before allocating anything.
+
+    Args:
+        num_rows, dim: table shape.
+        optimizer: optimizer class (or its name, e.g. ``"adam"``).
+        dtype: table dtype.
+        unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
+        **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
+
+    >>> p = plan(10_000_000, 128, "adam")
+    >>> p.row_state, p.host_bytes == 3 * 10_000_000 * 128 * 4
+    (['exp_avg', 'exp_avg_sq'], True)
+    """
+    if isinstance(optimizer, str):
+        lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+                  if isinstance(getattr(torch.optim, n), type)}
+        if optimizer.lower() not in lookup:
+            raise ValueError(f"unknown optimizer {optimizer!r}; use a torch.optim class or one of "
+                             f"{sorted(lookup)}")
+        optimizer = lookup[optimizer.lower()]
+    optimizer_kwargs.setdefault("lr", 1e-3)
+    row_state, _, _ = probe_row_state(optimizer, optimizer_kwargs, 4, torch.device("cpu"), dtype,
+                                      check_separable=False)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    table_bytes = num_rows * dim * itemsize
+    state_bytes = len(row_state) * table_bytes
+    host = table_bytes + state_bytes
+    rows = min(unique_ids_per_step, num_rows) * dim * itemsize
+    available = host_memory_bytes()["available"]
+    return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
+                list(row_state), table_bytes, state_bytes, host,
+                gpu_bytes_per_step=rows * (3 + 2 * len(row_state)),
+                host_available_bytes=available,
+                fits=available is None or host <= 0.9 * available)
+
+
+__all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",
+           "NonFiniteGradientError", "resolve_device"]
