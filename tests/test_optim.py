@@ -1,0 +1,346 @@
+"""OffloadOptimizer against independent references, on every device the machine has.
+
+References:
+  * torch's own sparse path: nn.Embedding(sparse=True) + SparseAdam / SGD / Adagrad;
+  * the dense optimizer on nn.Embedding when every row is touched every step;
+  * a "frozen untouched rows" reference for partial batches: the stock optimizer on the dense
+    table, then untouched rows' weight and per-row state put back as they were.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools.optim import NonFiniteGradientError, OffloadConfig, UnsupportedOptimizerError
+
+ROWS, DIM = 40, 8
+O = torch.optim
+
+# (optimizer class, kwargs) for every supported optimizer and its interesting variants.
+CASES = [
+    (O.SGD, dict(lr=0.1)),
+    (O.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    (O.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    (O.Adam, dict(lr=0.05)),
+    (O.Adam, dict(lr=0.05, amsgrad=True, weight_decay=0.01)),
+    (O.AdamW, dict(lr=0.05, weight_decay=0.1)),
+    (O.Adamax, dict(lr=0.05)),
+    (O.NAdam, dict(lr=0.05)),
+    (O.RAdam, dict(lr=0.05)),
+    (O.Adadelta, dict(lr=1.0)),
+    (O.Adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)),
+    (O.RMSprop, dict(lr=0.01)),
+    (O.RMSprop, dict(lr=0.01, centered=True, momentum=0.5)),
+    (O.Rprop, dict(lr=0.01)),
+    (O.ASGD, dict(lr=0.05, t0=3)),
+]
+IDS = [f"{c.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for c, kw in CASES]
+
+
+def batches(steps, *, full_first=True, seed=0, rows=ROWS):
+    """Id batches with many duplicates; the first (optionally) touches every row."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(steps):
+        if t == 0 and full_first:
+            ids = torch.cat([torch.randperm(rows, generator=gen), torch.randint(0, rows, (20,), generator=gen)])
+        else:
+            k = int(torch.randint(3, rows // 2, (1,), generator=gen))
+            pool = torch.randperm(rows, generator=gen)[:k]
+            ids = pool[torch.randint(0, k, (3 * k,), generator=gen)]   # duplicates galore
+        out.append(ids.view(-1, 1) if t % 2 else ids)                  # 1-D and 2-D ids
+    return out
+
+
+def targets(steps, n_max=200, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n_max, DIM, generator=gen) for _ in range(steps)]
+
+
+def loss_of(rows, target):
+    rows = rows.reshape(-1, DIM)
+    return ((rows - target[: rows.shape[0]]) ** 2).sum() + rows.pow(3).sum() * 0.01
+
+
+def make_table(device, init):
+    table = OffloadedEmbedding(ROWS, DIM, device=device, name="t")
+    table.weight.copy_(init)
+    return table
+
+
+def run_offloaded(cls, kw, device, init, id_batches, tgts):
+    table = make_table(device, init)
+    opt = OffloadOptimizer(cls, [table], **kw)
+    for ids, tgt in zip(id_batches, tgts):
+        opt.zero_grad()
+        loss_of(table(ids.to(device)), tgt.to(device)).backward()
+        opt.step()
+    return table.weight.clone().cpu(), opt
+
+
+@pytest.mark.parametrize("cls,kw", [(O.SparseAdam, dict(lr=0.05)), (O.SGD, dict(lr=0.1)),
+                                    (O.Adagrad, dict(lr=0.1)),
+                                    (O.Adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.3))],
+                         ids=["SparseAdam", "SGD", "Adagrad", "Adagrad-init"])
+def test_matches_torch_sparse_path(cls, kw, device):
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+    id_batches, tgts = batches(25, full_first=False), targets(25)
+    ref = nn.Embedding(ROWS, DIM, sparse=True).to(device)
+    ref.weight.data.copy_(init)
+    ref_opt = cls(ref.parameters(), **kw)
+    for ids, tgt in zip(id_batches, tgts):
+        ref_opt.zero_grad()
+        loss_of(ref(ids.to(device)), tgt.to(device)).backward()
+        ref_opt.step()
+    got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts)
+    torch.testing.assert_close(got, ref.weight.detach().cpu(), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_matches_dense_when_every_row_is_touched(cls, kw, device):
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(5)
+    id_batches = [torch.cat([torch.randperm(ROWS, generator=gen), torch.randint(0, ROWS, (25,), generator=gen)])
+                  for _ in range(8)]
+    tgts = targets(8)
+    ref = nn.Embedding(ROWS, DIM).to(device)
+    ref.weight.data.copy_(init)
+    ref_opt = cls(ref.parameters(), **kw)
+    for ids, tgt in zip(id_batches, tgts):
+        ref_opt.zero_grad()
+        loss_of(ref(ids.to(device)), tgt.to(device)).backward()
+        ref_opt.step()
+    got, opt = run_offloaded(cls, kw, device, init, id_batches, tgts)
+    torch.testing.assert_close(got, ref.weight.detach().cpu(), rtol=2e-5, atol=2e-6)
+    # per-row state matches too
+    ref_state = ref_opt.state[ref.weight]
+    for key, value in opt.table_state("t").items():
+        torch.testing.assert_close(value.cpu(), ref_state[key].cpu(), rtol=2e-5, atol=2e-6)
+
+
+def documented_initial_value(cls, kw, key):
+    """Per-row state before a row's first update, as torch's optimizer docs define it."""
+    if cls is O.Adagrad and key == "sum":
+        return kw.get("initial_accumulator_value", 0.0)
+    if cls is O.Rprop and key == "step_size":
+        return kw["lr"]
+    return 0.0
+
+
+def frozen_reference(cls, kw, device, init, id_batches, tgts):
+    """Stock dense optimizer; untouched rows (weight and per-row state) restored after each step."""
+    w = nn.Parameter(init.clone().to(device))
+    opt = cls([w], **kw)
+    for ids, tgt in zip(id_batches, tgts):
+        touched = torch.zeros(ROWS, dtype=torch.bool, device=device)
+        touched[ids.reshape(-1).to(device)] = True
+        keep_w = w.detach().clone()
+        keep_state = {k: v.clone() for k, v in opt.state[w].items()
+                      if torch.is_tensor(v) and v.shape == w.shape}
+        first = not opt.state[w]
+        opt.zero_grad()
+        loss_of(F.embedding(ids.to(device), w), tgt.to(device)).backward()
+        opt.step()
+        with torch.no_grad():
+            w[~touched] = keep_w[~touched]
+            for k, v in keep_state.items():
+                opt.state[w][k][~touched] = v[~touched]
+            if first:      # rows not touched yet hold the optimizer's initial state
+                for k, v in opt.state[w].items():
+                    if torch.is_tensor(v) and v.shape == w.shape:
+                        v[~touched] = documented_initial_value(cls, kw, k)
+    return w.detach().cpu()
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_partial_batches_match_frozen_rows_reference(cls, kw, device):
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(6))
+    id_batches, tgts = batches(22, full_first=True, seed=7), targets(22, seed=8)
+    expected = frozen_reference(cls, kw, device, init, id_batches, tgts)
+    got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+def test_rows_first_touched_late_start_from_the_optimizers_initial_state(cls, kw, device):
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(11))
+    id_batches, tgts = batches(22, full_first=False, seed=12), targets(22, seed=13)
+    expected = frozen_reference(cls, kw, device, init, id_batches, tgts)
+    got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=3e-6)
+
+
+def test_untouched_rows_and_state_do_not_change(device):
+    table = make_table(device, torch.randn(ROWS, DIM))
+    opt = OffloadOptimizer(O.Adam, [table], lr=0.1, weight_decay=0.5)
+    before = table.weight.clone()
+    table(torch.tensor([1, 2], device=device)).sum().backward()
+    opt.step()
+    after = table.weight
+    changed = (after != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [1, 2]
+    state = opt.table_state(table)
+    assert (state["exp_avg"][3:] == 0).all() and (state["exp_avg"][1:3] != 0).all()
+
+
+def test_lookups_in_one_step_are_summed(device):
+    """Context and negative sample hitting the same id in separate lookups: nothing is lost."""
+    init = torch.randn(ROWS, DIM)
+    table = make_table(device, init)
+    opt = OffloadOptimizer(O.SGD, [table], lr=1.0)
+    a, b = torch.tensor([1, 2, 2], device=device), torch.tensor([2, 5], device=device)
+    (table(a).sum() + 2 * table(b).sum()).backward()
+    opt.step()
+    expected = init.clone()
+    expected[1] -= 1
+    expected[2] -= 4     # 2 from the first lookup, 2 from the second
+    expected[5] -= 2
+    torch.testing.assert_close(table.weight.cpu(), expected)
+
+
+def test_model_with_dense_parameters(device):
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.emb, self.out = table, nn.Linear(DIM, 1)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids)).sum()
+
+    init = torch.randn(ROWS, DIM)
+    model = Model(make_table(device, init)).to(device)
+    ref = Model(nn.Embedding(ROWS, DIM)).to(device)
+    ref.emb.weight.data.copy_(init)
+    ref.out.load_state_dict(model.out.state_dict())
+    opt = OffloadOptimizer(O.SGD, model, lr=0.1)
+    ref_opt = O.SGD(ref.parameters(), lr=0.1)
+    assert len(opt.param_groups) == 2
+    for ids in batches(5, full_first=False):
+        ids = ids.to(device)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(ids).backward()
+            o.step()
+    torch.testing.assert_close(model.out.weight, ref.out.weight)
+    torch.testing.assert_close(model.emb.weight.cpu(), ref.emb.weight.detach().cpu())
+
+
+def test_state_dict_round_trip_with_scheduler(device):
+    init = torch.randn(ROWS, DIM)
+    id_batches, tgts = batches(12, seed=9), targets(12, seed=10)
+
+    def build():
+        table = make_table(device, init)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
+        return table, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def train(table, opt, sched, rng):
+        for ids, tgt in zip(id_batches[rng], tgts[rng]):
+            opt.zero_grad()
+            loss_of(table(ids.to(device)), tgt.to(device)).backward()
+            opt.step()
+            sched.step()
+
+    table, opt, sched = build()
+    train(table, opt, sched, slice(0, 6))
+    saved = copy.deepcopy((table.state_dict(), opt.state_dict(), sched.state_dict()))
+    train(table, opt, sched, slice(6, 12))
+
+    table2, opt2, sched2 = build()
+    table2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+    train(table2, opt2, sched2, slice(6, 12))
+    assert torch.equal(table2.weight, table.weight)
+
+
+def test_per_row_grad_scale(device):
+    init = torch.randn(ROWS, DIM)
+    table = make_table(device, init)
+    scale = torch.rand(ROWS) + 0.5
+    table.set_grad_scale(scale)
+    opt = OffloadOptimizer(O.SGD, [table], lr=1.0)
+    ids = torch.tensor([3, 3, 7], device=device)
+    table(ids).sum().backward()
+    opt.step()
+    expected = init.clone()
+    expected[3] -= 2 * scale[3]
+    expected[7] -= scale[7]
+    torch.testing.assert_close(table.weight.cpu(), expected)
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_nonfinite_gradient_leaves_table_intact(mode, device):
+    table = make_table(device, torch.randn(ROWS, DIM))
+    opt = OffloadOptimizer(O.Adam, [table], lr=0.1, config=OffloadConfig(nonfinite=mode))
+    table(torch.tensor([1, 2], device=device)).sum().backward()
+    opt.step()
+    w, s = table.weight.clone(), {k: v.clone() for k, v in opt.table_state(table).items()}
+    step = opt.state_dict()["tables"]["t"]["scalar_state"]["step"].item()
+    (table(torch.tensor([2, 4], device=device)).sum() * float("inf")).backward()
+    if mode == "raise":
+        with pytest.raises(NonFiniteGradientError, match="left unchanged"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.skipped_steps(table) == 1
+    assert torch.equal(table.weight, w)
+    for k, v in opt.table_state(table).items():
+        assert torch.equal(v, s[k])
+    assert opt.state_dict()["tables"]["t"]["scalar_state"]["step"].item() == step
+    # still usable
+    table(torch.tensor([2], device=device)).sum().backward()
+    opt.step()
+    assert not torch.equal(table.weight, w)
+
+
+class JointSGD(torch.optim.Optimizer):
+    """An update that normalises by the whole tensor's gradient norm: rows are not independent."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p -= g["lr"] * p.grad / p.grad.norm()
+
+
+@pytest.mark.parametrize("cls,kw", [(O.LBFGS, {}), (O.Adafactor, {}), (JointSGD, {})])
+def test_unsupported_optimizers_are_refused(cls, kw):
+    table = OffloadedEmbedding(10, 4, device="cpu")
+    with pytest.raises(UnsupportedOptimizerError, match=cls.__name__):
+        OffloadOptimizer(cls, [table], **kw)
+
+
+def test_bad_optimizer_arguments():
+    table = OffloadedEmbedding(10, 4, device="cpu")
+    with pytest.raises(TypeError, match="optimizer_class"):
+        OffloadOptimizer("adam", [table])
+    with pytest.raises(UnsupportedOptimizerError, match="dampening"):
+        OffloadOptimizer(O.SGD, [table], lr=0.1, momentum=0.9, dampening=0.1)
+    with pytest.raises(UnsupportedOptimizerError, match="SparseAdam only takes sparse"):
+        OffloadOptimizer(O.SparseAdam, [table, nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="nonfinite"):
+        OffloadOptimizer(O.SGD, [table], lr=0.1, config=OffloadConfig(nonfinite="ignore"))
+    with pytest.raises(TypeError):
+        OffloadOptimizer(O.SGD, [table], lr=0.1, not_an_argument=1)
+
+
+def test_param_groups_per_table():
+    a = OffloadedEmbedding(10, 4, device="cpu", name="a")
+    b = OffloadedEmbedding(10, 4, device="cpu", name="b")
+    opt = OffloadOptimizer(O.SGD, [{"params": [a], "lr": 1.0}, {"params": [b]}], lr=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [1.0, 0.5]
+    wa, wb = a.weight.clone(), b.weight.clone()
+    (a(torch.tensor([0])).sum() + b(torch.tensor([0])).sum()).backward()
+    opt.step()
+    torch.testing.assert_close(a.weight[0], wa[0] - 1.0)
+    torch.testing.assert_close(b.weight[0], wb[0] - 0.5)

@@ -1,0 +1,172 @@
+"""Offloaded tables against nn.Embedding / nn.EmbeddingBag / F.embedding, and bad input."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import nbtools
+from nbtools import OffloadedEmbedding, OffloadedEmbeddingBag, OffloadOptimizer
+from nbtools.tables import HostMemoryError
+
+
+def test_import_is_light():
+    code = ("import sys, nbtools; heavy = [m for m in ('cupy', 'ipywidgets', 'matplotlib', "
+            "'pynvml', 'gdown') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_forward_matches_f_embedding(device):
+    table = OffloadedEmbedding(100, 6, device=device)
+    ids = torch.randint(0, 100, (4, 5, 3))
+    out = table(ids)
+    assert out.device.type == device.type and out.shape == (4, 5, 3, 6)
+    torch.testing.assert_close(out.cpu(), F.embedding(ids, table.weight))
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 49), max_size=60), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_ids_property(ids, dtype):
+    table = OffloadedEmbedding(50, 3, device="cpu")
+    t = torch.tensor(ids, dtype=dtype)
+    out = table(t)
+    assert out.shape == (len(ids), 3)
+    torch.testing.assert_close(out, F.embedding(t.long(), table.weight))
+    if ids:
+        out.sum().backward()
+        got_ids, grad = table.take_grad()
+        counts = torch.bincount(t.long(), minlength=50)
+        assert got_ids.tolist() == sorted(set(ids))
+        torch.testing.assert_close(grad[:, 0], counts[got_ids].float())
+
+
+def test_max_id_and_cpu_ids_on_any_device(device):
+    table = OffloadedEmbedding(7, 2, device=device)
+    out = table(torch.tensor([6, 0, 6]))         # CPU ids, whatever the compute device
+    torch.testing.assert_close(out.cpu(), table.weight[[6, 0, 6]])
+
+
+def test_padding_idx_matches_nn_embedding(device):
+    ref = nn.Embedding(20, 4, padding_idx=3, sparse=True).to(device)
+    table = OffloadedEmbedding(20, 4, padding_idx=3, device=device)
+    assert (table.weight[3] == 0).all()
+    table.weight.copy_(ref.weight.detach().cpu())
+    opt = OffloadOptimizer(torch.optim.SGD, [table], lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ids = torch.tensor([[3, 1, 3], [2, 3, 1]], device=device)
+    for m, o in ((table, opt), (ref, ref_opt)):
+        out = m(ids)
+        (out * torch.arange(1.0, 5.0, device=device)).sum().backward()
+        o.step()
+    torch.testing.assert_close(table.weight.cpu(), ref.weight.detach().cpu())
+    assert (table.weight[3] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_bag_matches_nn_embedding_bag(mode, padding_idx, device):
+    ref = nn.EmbeddingBag(30, 5, mode=mode, padding_idx=padding_idx).to(device)
+    bag = OffloadedEmbeddingBag(30, 5, mode=mode, padding_idx=padding_idx, device=device)
+    bag.weight.copy_(ref.weight.detach().cpu())
+    padded = torch.tensor([[4, 5, 0, 0], [7, 7, 7, 1], [0, 9, 0, 0]], device=device)
+    torch.testing.assert_close(bag(padded), ref(padded))
+    flat = torch.tensor([4, 5, 7, 7, 7, 1, 9, 0], device=device)
+    offsets = torch.tensor([0, 2, 6], device=device)
+    torch.testing.assert_close(bag(flat, offsets), ref(flat, offsets))
+    # gradients reach the same rows with the same values
+    bag(padded).pow(2).sum().backward()
+    ref(padded).pow(2).sum().backward()
+    ids, grad = bag.take_grad()
+    torch.testing.assert_close(grad, ref.weight.grad[ids])
+    untouched = torch.ones(30, dtype=torch.bool)
+    untouched[ids.cpu()] = False
+    assert (ref.weight.grad.cpu()[untouched] == 0).all()
+
+
+def test_bag_mean_divides_by_real_length():
+    bag = OffloadedEmbeddingBag(10, 2, mode="mean", padding_idx=0, device="cpu")
+    bag.weight.copy_(torch.arange(20.0).view(10, 2))
+    bag.weight[0].zero_()
+    out = bag(torch.tensor([[2, 4, 0, 0, 0]]))
+    torch.testing.assert_close(out, ((bag.weight[2] + bag.weight[4]) / 2).unsqueeze(0))
+
+
+def _intact(table, before):
+    assert torch.equal(table.weight, before)
+    table(torch.tensor([0, 1])).sum()          # still usable
+
+
+def test_out_of_range_ids_raise_index_error_naming_the_table(device):
+    table = OffloadedEmbedding(50, 3, device=device, name="items")
+    before = table.weight.clone()
+    with pytest.raises(IndexError, match=r"table 'items' has 50 rows but ids contain 53 \(first at position 2\)"):
+        table(torch.tensor([1, 2, 53, 60]))
+    with pytest.raises(IndexError, match=r"ids contain -1 \(first at position \(1, 0\)\)"):
+        table(torch.tensor([[1, 2], [-1, 3]]))
+    _intact(table, before)
+
+
+def test_bad_id_types(device):
+    table = OffloadedEmbedding(50, 3, device=device)
+    before = table.weight.clone()
+    with pytest.raises(TypeError, match="ids must be integers, got dtype torch.float32"):
+        table(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="bool"):
+        table(torch.tensor([True]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        table("abc")
+    _intact(table, before)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="num_embeddings"):
+        OffloadedEmbedding(0, 3)
+    with pytest.raises(ValueError, match="embedding_dim"):
+        OffloadedEmbedding(3, 2.5)
+    with pytest.raises(ValueError, match="padding_idx=9"):
+        OffloadedEmbedding(3, 2, padding_idx=9)
+    with pytest.raises(TypeError, match="floating"):
+        OffloadedEmbedding(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="mode"):
+        OffloadedEmbeddingBag(3, 2, mode="median")
+
+
+def test_table_too_large_is_refused_before_allocating():
+    before = nbtools.pinned_bytes()
+    with pytest.raises(HostMemoryError, match=r"needs .* host memory .*nbtools.plan"):
+        OffloadedEmbedding(10**12, 128, name="huge")
+    assert nbtools.pinned_bytes() == before
+    p = nbtools.plan(10**12, 128, "adam")
+    assert not p.fits and "does NOT fit" in str(p)
+
+
+def test_state_dict_holds_the_live_host_tensor():
+    table = OffloadedEmbedding(10, 2, device="cpu")
+    sd = table.state_dict()
+    assert sd["weight"].data_ptr() == table.weight.data_ptr()
+    other = OffloadedEmbedding(10, 2, device="cpu")
+    other.load_state_dict(sd)
+    assert torch.equal(other.weight, table.weight)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        OffloadedEmbedding(11, 2, device="cpu").load_state_dict(sd)
+    model = nn.Sequential(table)
+    model.to(torch.float64)                    # not a parameter: stays as it is
+    assert table.weight.dtype == torch.float32
+
+
+def test_eval_under_no_grad_records_nothing():
+    table = OffloadedEmbedding(10, 2, device="cpu")
+    with torch.no_grad():
+        table(torch.tensor([1, 2]))
+    assert table.take_grad() == (None, None)
+
+
+def test_describe_and_counters():
+    info = nbtools.describe(file=open("/dev/null", "w"))
+    assert info["torch"] == torch.__version__
+    assert set(nbtools.transfer_counters()) == {"h2d_bytes", "d2h_bytes"}
