@@ -267,8 +267,11 @@ def probe_pinning() -> str:
 # PCIe rate. Viewing rows as 16-byte elements (complex128 is the only 16-byte dtype) makes each
 # thread move 16 bytes, when the row length and the address allow it.
 
+WIDE_ACCESS = True   # benchmarks turn it off to measure what it buys
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    if (t.is_cuda and t.dim() == 2 and t.is_contiguous() and t.dtype != torch.complex128
+    if (WIDE_ACCESS and t.is_cuda and t.dim() == 2 and t.is_contiguous() and t.dtype != torch.complex128
             and (t.shape[1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
         return t.view(torch.complex128)
     return t

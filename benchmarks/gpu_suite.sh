@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
+#   bash benchmarks/gpu_suite.sh [tests|bench|all] [bench name filter]
+# On the lent GPU machine (no network) carry pure-Python wheels in .whl/ (see benchmarks/RESULTS.md);
+# they are installed into /tmp/site, never over the machine's own torch.
+set -u
+what=${1:-all}
+filter=${2:-}
+out=${OUT:-artifacts/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+python3 -c "import nbtools; nbtools.describe()"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  echo "=== CUDA tests"
+  python3 -m pytest -q -p no:cacheprovider tests/ nbtools/ 2>&1 | tee "$out/pytest.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in benchmarks/bench_*.py; do
+    case "$b" in *"$filter"*) ;; *) continue ;; esac
+    echo "=== $b"
+    timeout 420 python3 "$b" --out "$out" 2>&1 | tee "$out/$(basename "$b" .py).log" | tail -30
+  done
+fi
+echo "=== summary"
+tail -1 "$out/pytest.log" 2>/dev/null
+exit $status
