@@ -176,34 +176,40 @@ class PinnedLoader:
             self._views.append(view.reshape(view.shape[0], row) if view.dim() > 1 else view)
         self._row_bytes = sum(n * t.element_size() for n, t in zip(self._row_numel, self._host))
         self._side = None        # CUDA side stream, made on first use
-        self._perm = None        # (epoch, device permutation) of the epoch being iterated
+        self._perm = None        # (epoch, order on the device, on the host if needed)
         self._token = None       # the iterator allowed to advance the loader now
 
     # --- host placement ------------------------------------------------------------------
     def _place(self, t: torch.Tensor, name: str, cuda: bool):
-        """Return (host tensor, tensor the device gathers from)."""
+        """Return (host tensor, tensor the device gathers from).
+
+        The second is a zero-copy CUDA alias of pinned memory; or the host tensor itself on the
+        CPU, and also on CUDA when pinning was refused (the batch is then gathered on the CPU
+        and copied: same batches, slower).
+        """
         if t.device.type == "cpu" and t.is_contiguous():
-            if not cuda:
-                return t, t
-            if t.numel() == 0:   # nothing to read: no registration, no alias
-                return t, torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            key = (t.data_ptr(), t.numel() * t.element_size())
-            holder = _pinned_by_us.get(key)
-            if holder is None and not t.is_pinned():
-                holder = hostmem.pin_tensor(t, name=name)
-                _pinned_by_us[key] = holder
-            if holder is not None:
-                self._holders.append(holder)
-            # pinned by us, by torch (pin_memory()) or by the caller: alias it on the device
-            return t, hostmem.cuda_alias(t, self.device)
-        # one contiguous host copy (pinned when the loader computes on CUDA)
-        h = hostmem.HostTensor(t.shape, t.dtype, pin=cuda, name=name,
-                               device=self.device if cuda else None)
-        h.tensor.copy_(t)
-        self._holders.append(h)
-        if cuda and h.nbytes == 0:
-            return h.tensor, torch.empty(t.shape, dtype=t.dtype, device=self.device)
-        return h.tensor, h.view()
+            host = t
+        else:   # one contiguous host copy, pinned below when the loader computes on CUDA
+            host = hostmem.HostTensor(t.shape, t.dtype, pin=False, name=name).tensor
+            host.copy_(t)
+        if not cuda:
+            return host, host
+        if host.numel() == 0:   # nothing to read: no registration, no alias
+            return host, torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        key = (host.data_ptr(), host.numel() * host.element_size())
+        holder = _pinned_by_us.get(key)
+        if holder is None and not host.is_pinned():
+            try:
+                holder = hostmem.pin_tensor(host, name=name)
+            except hostmem.PinningError as e:
+                warnings.warn(f"PinnedLoader: {e}\nGathering {name} on the CPU and copying it "
+                              "to the GPU instead: same batches, slower.", stacklevel=3)
+                return host, host
+            _pinned_by_us[key] = holder
+        if holder is not None:
+            self._holders.append(holder)
+        # pinned by us, by torch (pin_memory()) or by the caller: alias it on the device
+        return host, hostmem.cuda_alias(host, self.device)
 
     @property
     def tensors(self) -> tuple:
@@ -234,9 +240,10 @@ class PinnedLoader:
             return torch.arange(self.num_samples, dtype=dtype, device=device)
         return permutation(self.num_samples, self.seed, epoch, device)
 
-    def _device_permutation(self, epoch: int) -> torch.Tensor:
+    def _load_permutation(self, epoch: int) -> None:
+        """Make ``self._perm = (epoch, order on the device, order on the host or None)``."""
         if self._perm is not None and self._perm[0] == epoch:
-            return self._perm[1]
+            return
         self._perm = None    # free the previous epoch's before sorting the next
         try:
             perm = self.permutation(epoch, self.device)
@@ -244,8 +251,10 @@ class PinnedLoader:
             warnings.warn(f"PinnedLoader: not enough GPU memory to sort {self.num_samples:,} keys "
                           "(about 40 bytes each); ordering on the CPU instead (same order, slower)")
             perm = self.permutation(epoch, "cpu").to(self.device)
-        self._perm = (epoch, perm)
-        return perm
+        staged = perm.is_cuda and any(not v.is_cuda for v in self._views)
+        self._perm = (epoch, perm, perm.cpu() if staged else None)
+        if perm.is_cuda:
+            perm.record_stream(self._side)   # read there; keep it until those reads end
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next iteration."""
@@ -282,27 +291,33 @@ class PinnedLoader:
         self._perm = None
 
     # --- iteration -----------------------------------------------------------------------
-    def _gather(self, idx: torch.Tensor):
-        """One batch (after ``transform``) for the sample indices ``idx`` (on the device)."""
+    def _gather(self, b: int):
+        """Batch ``b`` of the current permutation (after ``transform``), on the device."""
+        sl = slice(b * self.batch_size, (b + 1) * self.batch_size)
+        idx = self._perm[1][sl]
         n = idx.shape[0]
-        batch = tuple(
-            hostmem.gather_rows(v, idx).view(n, *h.shape[1:]) if row else
-            torch.empty((n, *h.shape[1:]), dtype=h.dtype, device=self.device)
-            for v, h, row in zip(self._views, self._host, self._row_numel))
+        batch = []
+        for v, h, row in zip(self._views, self._host, self._row_numel):
+            if not row:
+                rows = torch.empty((n, row), dtype=h.dtype, device=self.device)
+            elif v.device == idx.device:
+                rows = hostmem.gather_rows(v, idx)
+            else:   # pinning was refused: gather on the CPU, then copy
+                rows = hostmem.gather_rows(v, self._perm[2][sl]).to(self.device)
+            batch.append(rows.view(n, *h.shape[1:]))
         if self.device.type == "cuda":
             hostmem.count_transfer(h2d=n * self._row_bytes)
-        return batch if self.transform is None else self.transform(*batch)
+        return tuple(batch) if self.transform is None else self.transform(*batch)
 
-    def _prefetch(self, perm: torch.Tensor, b: int):
+    def _prefetch(self, b: int):
         """Start gathering batch ``b``; on CUDA it runs on the side stream."""
-        idx = perm[b * self.batch_size:(b + 1) * self.batch_size]
         if self._side is None:
-            return self._gather(idx)
+            return self._gather(b)
         # Wait for the consumer's work so far: the permutation and anything the transform
         # reads are ready, and the gather runs at most one batch ahead of the model.
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            return self._gather(idx)
+            return self._gather(b)
 
     def _hand_over(self, batch):
         """Make the consumer's stream wait for ``batch`` and keep its memory until it is done."""
@@ -330,17 +345,15 @@ class PinnedLoader:
             bar = tqdm(total=nb, initial=start, desc=f"epoch {epoch}", unit="batch")
         try:
             if start < nb:
-                perm = self._device_permutation(epoch)
-                if perm.is_cuda:
-                    perm.record_stream(self._side)   # read there; keep it until those reads end
-                pending = self._prefetch(perm, start)
+                self._load_permutation(epoch)
+                pending = self._prefetch(start)
                 for b in range(start, nb):
                     if self._token is not token:
                         raise RuntimeError("this PinnedLoader was iterated again while an earlier "
                                            "loop over it was still running; use one loop at a time")
                     batch = self._hand_over(pending)
                     if b + 1 < nb:
-                        pending = self._prefetch(perm, b + 1)
+                        pending = self._prefetch(b + 1)
                     self.position = b + 1
                     if bar is not None:
                         bar.update(1)

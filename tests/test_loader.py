@@ -280,3 +280,42 @@ def test_cuda_two_loaders_share_one_tensor():
     already = torch.arange(100).pin_memory()   # pinned by torch: aliased, not registered again
     c = PinnedLoader(already, batch_size=30, device="cuda")
     assert torch.equal(torch.cat([t for (t,) in c]).cpu(), c.permutation(0).long())
+
+
+def test_consumer_may_write_into_its_batches(device):
+    tensors = _dataset(90)
+    loader = PinnedLoader(*tensors, batch_size=8, device=device, seed=4)
+    want = _cpu_reference(loader, tensors, 0)
+    got = []
+    for batch in loader:
+        got.append(tuple(t.clone() for t in batch))
+        for t in batch:
+            t.zero_()                          # the model scribbles on its input
+    _assert_same(got, want)
+
+
+@pytest.mark.gpu
+def test_cuda_batches_survive_a_slow_consumer():
+    """A batch dropped while the consumer's stream still reads it must not be reused by the
+    side stream too early (record_stream), nor read before it is gathered (wait_stream)."""
+    tensors = _dataset(600)
+    loader = PinnedLoader(*tensors, batch_size=32, device="cuda", seed=2)
+    want = _cpu_reference(loader, tensors, 0)
+    got = []
+    for batch in loader:
+        torch.cuda._sleep(2_000_000)          # the consumer's stream lags far behind
+        got.append(tuple(t.clone() for t in batch))
+        del batch
+    torch.cuda.synchronize()
+    _assert_same(got, want)
+
+
+@pytest.mark.gpu
+def test_cuda_falls_back_when_pinning_is_refused(monkeypatch):
+    def refuse(*a, **k):
+        raise hostmem.PinningError("cudaHostRegister failed (test)")
+    monkeypatch.setattr(hostmem, "pin_tensor", refuse)
+    tensors = _dataset(70)
+    with pytest.warns(UserWarning, match="same batches, slower"):
+        loader = PinnedLoader(*tensors, batch_size=16, device="cuda", seed=5)
+    _assert_same(list(loader), _cpu_reference(loader, tensors, 0))
