@@ -16,7 +16,6 @@ move between host and GPU (:func:`transfer_counters`): neither NVML nor /proc ca
 from __future__ import annotations
 
 import itertools
-import mmap
 import threading
 import weakref
 
@@ -28,7 +27,6 @@ from .devices import cuda_ok, human_bytes, memlock_limit
 
 _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)
-_HUGE = 2 * 2**20                  # transparent huge page size on x86-64
 
 _lock = threading.Lock()
 _regions: dict[int, tuple[str, int]] = {}   # key -> (name, bytes) of memory registered now
@@ -124,24 +122,6 @@ def cuda_alias(host: torch.Tensor, device: torch.device | None = None) -> torch.
     return raw.view(host.dtype).view(host.shape)
 
 
-HUGE_PAGES = True   # default of HostTensor(huge_pages=...)
-
-
-def _allocate(nbytes: int, huge_pages: bool) -> np.ndarray:
-    """Uninitialised host bytes as a numpy array; 2 MiB-aligned and madvised for huge pages
-    when asked and large enough (Linux only; elsewhere plain memory)."""
-    if not huge_pages or nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
-    region = mmap.mmap(-1, nbytes + _HUGE)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass                       # THP off: ordinary pages, same behaviour
-    whole = np.frombuffer(region, dtype=np.uint8)
-    offset = -whole.ctypes.data % _HUGE
-    return whole[offset: offset + nbytes]      # a view: keeps the mapping alive
-
-
 class HostTensor:
     """A host tensor, registered with CUDA when it can be, plus its zero-copy CUDA view.
 
@@ -151,8 +131,6 @@ class HostTensor:
         pin: register with CUDA (ignored without CUDA, where ``pinned`` is False).
         name: label for :func:`pinned_regions` and error messages.
         device: CUDA device the zero-copy view lives on (default: current).
-        huge_pages: back large pinned buffers with 2 MiB transparent huge pages (default:
-            :data:`HUGE_PAGES`), so the GPU walks fewer page-table entries on random rows.
 
     The memory is zero-filled (which also touches every page before registering it).
 
@@ -165,17 +143,16 @@ class HostTensor:
     """
 
     def __init__(self, shape, dtype=torch.float32, *, pin: bool = True, name: str = "tensor",
-                 device=None, huge_pages: bool | None = None):
+                 device=None):
         shape = tuple(int(s) for s in shape)
-        huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
         if any(s < 0 for s in shape):
             raise ValueError(f"HostTensor shape must be non-negative, got {shape}")
         self.name = name
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        # numpy owns (or views) the bytes so that we can hook their release: weakref.finalize
-        # fires before numpy lets go of the data, so we unregister exactly then.
-        self._raw = _allocate(self.nbytes, huge_pages and pin and cuda_ok())
+        # numpy owns the bytes so that we can hook their release (weakref.finalize fires before
+        # numpy frees the data), and unregister exactly then.
+        self._raw = np.empty(max(self.nbytes, 1), dtype=np.uint8)
         self.tensor = torch.from_numpy(self._raw)[: self.nbytes].view(dtype).view(shape)
         self.tensor.zero_()   # touch every page (multi-threaded memset) before pinning
         self.pinned = False
