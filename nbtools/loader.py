@@ -22,7 +22,10 @@ same order.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import mmap
 import numbers
 import warnings
 import weakref
@@ -38,6 +41,10 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15   # splitmix64 increment (odd: i -> i * golden is a bijection)
 _MUL1 = 0xBF58476D1CE4E5B9     # splitmix64 finalizer constants
 _MUL2 = 0x94D049BB133111EB
+_PAGE = mmap.PAGESIZE          # cudaHostRegister locks whole pages
+# Smaller contiguous tensors are copied into pages of their own rather than registered in place:
+# registering them would lock the pages they share with neighbouring allocations.
+_IN_PLACE_MIN_BYTES = 1 << 20
 
 # Tensors this module registered with CUDA, by (data pointer, bytes): a second loader over the
 # same tensor shares the registration instead of relying on memory the first one may release.
@@ -76,8 +83,8 @@ def permutation(num_samples: int, seed: int, epoch: int, device="cpu") -> torch.
     """The order in which :class:`PinnedLoader` visits ``num_samples`` samples in ``epoch``.
 
     Identical on every device (the keys are exact integer hashes and distinct, so sorting them
-    has one answer). int32 when ``num_samples < 2**31`` (half the memory), else int64. Sorting
-    needs about 40 bytes per sample of transient memory on ``device``.
+    has one answer). int64; sorting needs about 40 bytes per sample of transient memory on
+    ``device``.
 
     >>> permutation(6, seed=0, epoch=0).tolist() == permutation(6, seed=0, epoch=0).tolist()
     True
@@ -87,9 +94,34 @@ def permutation(num_samples: int, seed: int, epoch: int, device="cpu") -> torch.
     state = _mix_int(_mix_int(seed) + epoch)
     keys = torch.arange(1, num_samples + 1, dtype=torch.int64, device=device)
     keys.mul_(_signed(_GOLDEN)).add_(_signed(state))   # the splitmix64 state of sample i
-    order = torch.argsort(_mix_(keys))
-    del keys
-    return order.to(torch.int32) if num_samples < 2**31 else order
+    return torch.argsort(_mix_(keys))
+
+
+def _page_copy(t: torch.Tensor):
+    """Copy ``t`` into whole pages of its own; return (the copy, the uint8 pages holding it).
+
+    Registering the pages then cannot collide with another registration on a shared page.
+    """
+    nbytes = t.numel() * t.element_size()
+    size = -(-max(nbytes, 1) // _PAGE) * _PAGE
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    pages = raw[start:start + size]
+    host = pages[:nbytes].view(t.dtype).view(t.shape)
+    host.copy_(t)
+    return host, pages
+
+
+def _whole_range_pinned(t: torch.Tensor) -> bool:
+    """Whether the first and the last byte of ``t`` are in page-locked memory.
+
+    ``Tensor.is_pinned()`` only looks at the first byte, which may sit on a page locked for a
+    neighbouring allocation.
+    """
+    if not t.is_pinned():
+        return False
+    last = t.data_ptr() + t.numel() * t.element_size() - 1
+    return torch.frombuffer((ctypes.c_uint8 * 1).from_address(last), dtype=torch.uint8).is_pinned()
 
 
 def _tensors_in(obj):
@@ -112,9 +144,9 @@ class PinnedLoader:
 
     Args:
         *tensors: CPU tensors of any dtypes and trailing shapes with the same first dimension
-            (samples). A contiguous CPU tensor is pinned in place, without a copy (it is read
-            while the loader exists: do not resize it); anything else (non-contiguous, on the
-            GPU) is copied once into pinned host memory.
+            (samples). A contiguous CPU tensor of 1 MiB or more is pinned in place, without a
+            copy (it is read while the loader exists: do not resize it); anything else (small,
+            non-contiguous, on the GPU) is copied once into pinned host memory.
         batch_size: samples per batch (the last batch of an epoch may be smaller).
         shuffle: visit samples in a new order each epoch (else in order 0, 1, 2, ...).
         drop_last: skip the last, smaller batch of each epoch.
@@ -164,7 +196,7 @@ class PinnedLoader:
         self.num_samples = int(tensors[0].shape[0])
         self.epoch = 0
         self.position = 0        # batches of `epoch` already handed out
-        self._holders = []       # keep registrations (pin_tensor / HostTensor) alive
+        self._holders = []       # keep our registrations (pin_tensor) alive
         self._host = []          # host tensors, in input order
         self._views = []         # what the device gathers from: (N, row) or (N,)
         cuda = self.device.type == "cuda"
@@ -187,28 +219,31 @@ class PinnedLoader:
         CPU, and also on CUDA when pinning was refused (the batch is then gathered on the CPU
         and copied: same batches, slower).
         """
-        if t.device.type == "cpu" and t.is_contiguous():
-            host = t
-        else:   # one contiguous host copy, pinned below when the loader computes on CUDA
-            host = hostmem.HostTensor(t.shape, t.dtype, pin=False, name=name).tensor
-            host.copy_(t)
+        in_place = t.device.type == "cpu" and t.is_contiguous()
+        nbytes = t.numel() * t.element_size()
         if not cuda:
+            return (t, t) if in_place else (_page_copy(t)[0],) * 2
+        if nbytes == 0:   # nothing to read: no registration, no alias
+            return t.cpu(), torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        if in_place:
+            holder = _pinned_by_us.get((t.data_ptr(), nbytes))
+            if holder is None and _whole_range_pinned(t):   # by torch (pin_memory()) or the caller
+                return t, hostmem.cuda_alias(t, self.device)
+            if holder is None and nbytes >= _IN_PLACE_MIN_BYTES:
+                # cudaHostRegister locks whole pages: when one is shared with memory registered
+                # before, registering in place fails, and a private copy (below) will not
+                with contextlib.suppress(hostmem.PinningError):
+                    holder = _pinned_by_us[(t.data_ptr(), nbytes)] = hostmem.pin_tensor(t, name=name)
+            if holder is not None:
+                self._holders.append(holder)
+                return t, hostmem.cuda_alias(t, self.device)
+        host, pages = _page_copy(t)
+        try:
+            self._holders.append(hostmem.pin_tensor(pages, name=name))
+        except hostmem.PinningError as e:
+            warnings.warn(f"PinnedLoader: {e}\nGathering {name} on the CPU and copying it to the "
+                          "GPU instead: same batches, slower.", stacklevel=3)
             return host, host
-        if host.numel() == 0:   # nothing to read: no registration, no alias
-            return host, torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        key = (host.data_ptr(), host.numel() * host.element_size())
-        holder = _pinned_by_us.get(key)
-        if holder is None and not host.is_pinned():
-            try:
-                holder = hostmem.pin_tensor(host, name=name)
-            except hostmem.PinningError as e:
-                warnings.warn(f"PinnedLoader: {e}\nGathering {name} on the CPU and copying it "
-                              "to the GPU instead: same batches, slower.", stacklevel=3)
-                return host, host
-            _pinned_by_us[key] = holder
-        if holder is not None:
-            self._holders.append(holder)
-        # pinned by us, by torch (pin_memory()) or by the caller: alias it on the device
         return host, hostmem.cuda_alias(host, self.device)
 
     @property
@@ -236,8 +271,7 @@ class PinnedLoader:
         """
         epoch = self.epoch if epoch is None else int(epoch)
         if not self.shuffle:
-            dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
-            return torch.arange(self.num_samples, dtype=dtype, device=device)
+            return torch.arange(self.num_samples, device=device)
         return permutation(self.num_samples, self.seed, epoch, device)
 
     def _load_permutation(self, epoch: int) -> None:
@@ -251,10 +285,15 @@ class PinnedLoader:
             warnings.warn(f"PinnedLoader: not enough GPU memory to sort {self.num_samples:,} keys "
                           "(about 40 bytes each); ordering on the CPU instead (same order, slower)")
             perm = self.permutation(epoch, "cpu").to(self.device)
-        staged = perm.is_cuda and any(not v.is_cuda for v in self._views)
-        self._perm = (epoch, perm, perm.cpu() if staged else None)
+        host_perm = None
         if perm.is_cuda:
+            if any(not v.is_cuda for v in self._views):   # pinning was refused for some
+                host_perm = perm.cpu()
+            if self.num_samples < 2**31:
+                # half the GPU memory; (on the CPU, index_select is ~100x slower with int32)
+                perm = perm.to(torch.int32)
             perm.record_stream(self._side)   # read there; keep it until those reads end
+        self._perm = (epoch, perm, host_perm)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next iteration."""

@@ -27,7 +27,7 @@ def _dataset(n):
 
 def _cpu_reference(loader, tensors, epoch):
     """The batches of `epoch`, built on the CPU from the loader's permutation."""
-    perm = loader.permutation(epoch).long()
+    perm = loader.permutation(epoch)
     nb, bs = len(loader), loader.batch_size
     return [tuple(t[perm[b * bs:(b + 1) * bs]] for t in tensors) for b in range(nb)]
 
@@ -77,9 +77,9 @@ def test_batches_match_cpu_reference(device):
 def test_permutation_same_on_every_device(device):
     for n, seed, epoch in [(1, 0, 0), (1000, 0, 0), (1000, 0, 1), (4097, -5, 3), (4097, 2**64 - 1, 9)]:
         p = permutation(n, seed, epoch, device)
-        assert p.device.type == device.type and p.dtype == torch.int32
+        assert p.device.type == device.type and p.dtype == torch.int64
         assert torch.equal(p.cpu(), permutation(n, seed, epoch))
-        assert torch.equal(p.sort().values.cpu(), torch.arange(n, dtype=torch.int32))
+        assert torch.equal(p.sort().values.cpu(), torch.arange(n))
 
 
 def test_permutation_depends_on_seed_and_epoch():
@@ -149,9 +149,9 @@ def test_breaking_out_continues_where_it_stopped(device):
     loader = PinnedLoader(ids, batch_size=8, device=device)
     first = next(iter(loader))[0].cpu()
     rest = [b.cpu() for (b,) in loader]
-    assert torch.equal(torch.cat([first, *rest]), loader.permutation(0).long())
+    assert torch.equal(torch.cat([first, *rest]), loader.permutation(0))
     loader.set_epoch(5)
-    assert torch.equal(torch.cat([b.cpu() for (b,) in loader]), loader.permutation(5).long())
+    assert torch.equal(torch.cat([b.cpu() for (b,) in loader]), loader.permutation(5))
 
 
 def test_transform_runs_on_the_device_batch(device):
@@ -172,9 +172,10 @@ def test_transform_runs_on_the_device_batch(device):
 
 
 def test_contiguous_cpu_tensors_are_not_copied(device):
-    x = torch.randn(30, 4)
-    view_t = torch.arange(60).view(2, 30).t()            # non-contiguous: one host copy
-    loader = PinnedLoader(x, view_t, batch_size=7, device=device)
+    n = 2**16 + 3                                        # 1 MiB and more: pinned in place
+    x = torch.randn(n, 4)
+    view_t = torch.arange(2 * n).view(2, n).t()          # non-contiguous: one host copy
+    loader = PinnedLoader(x, view_t, batch_size=4096, device=device)
     assert loader.tensors[0].data_ptr() == x.data_ptr()
     assert loader.tensors[1].is_contiguous() and torch.equal(loader.tensors[1], view_t)
     _assert_same(list(loader), _cpu_reference(loader, (x, view_t.contiguous()), 0))
@@ -257,9 +258,9 @@ def test_bad_state_raises_clear_errors():
 
 @pytest.mark.gpu
 def test_cuda_pins_in_place_and_copies_gpu_input():
-    x = torch.arange(1000, dtype=torch.float32).view(250, 4)
-    g = torch.arange(250, device="cuda")
-    loader = PinnedLoader(x, g, batch_size=64, device="cuda")
+    x = torch.arange(2**20, dtype=torch.float32).view(2**18, 4)
+    g = torch.arange(2**18, device="cuda")
+    loader = PinnedLoader(x, g, batch_size=8192, device="cuda")
     assert x.is_pinned() and loader.tensors[0].data_ptr() == x.data_ptr()
     assert loader.tensors[1].device.type == "cpu" and loader.tensors[1].is_pinned()
     for bx, bg in loader:
@@ -269,17 +270,17 @@ def test_cuda_pins_in_place_and_copies_gpu_input():
 
 @pytest.mark.gpu
 def test_cuda_two_loaders_share_one_tensor():
-    x = torch.arange(300, dtype=torch.int64)
-    a = PinnedLoader(x, batch_size=50, device="cuda")
-    b = PinnedLoader(x, batch_size=50, device="cuda", seed=3)
+    x = torch.arange(2**18, dtype=torch.int64)           # 2 MiB: pinned in place
+    a = PinnedLoader(x, batch_size=8192, device="cuda")
+    b = PinnedLoader(x, batch_size=8192, device="cuda", seed=3)
     a.close()
     del a
-    assert x.is_pinned()                       # b still holds the registration
+    assert x.is_pinned() and len(b._holders) == 1   # b still holds the one registration
     got = torch.cat([t for (t,) in b]).cpu()
-    assert torch.equal(got, b.permutation(0).long())
+    assert torch.equal(got, b.permutation(0))
     already = torch.arange(100).pin_memory()   # pinned by torch: aliased, not registered again
     c = PinnedLoader(already, batch_size=30, device="cuda")
-    assert torch.equal(torch.cat([t for (t,) in c]).cpu(), c.permutation(0).long())
+    assert torch.equal(torch.cat([t for (t,) in c]).cpu(), c.permutation(0))
 
 
 def test_consumer_may_write_into_its_batches(device):

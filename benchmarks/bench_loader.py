@@ -1,0 +1,327 @@
+"""Epochs/s of PinnedLoader against DataLoader and against data already on the GPU.
+
+Two datasets, each feeding a small model (forward + backward + optimizer step per batch):
+  images  MNIST-sized: 60,000 x 28 x 28 uint8 + int64 labels, batch 512, an MLP 784-256-10
+          with Adam (the batch is normalised on the GPU inside the step).
+  pairs   an id-pair stream: 100,000,000 x 2 int64 ids, batch 32,768, skip-gram with negative
+          sampling (two 1M x 64 nn.Embedding(sparse=True) tables, 5 negatives, SGD).
+Compared, per dataset:
+  ceiling       the same tensors already on the GPU, batches x[perm[i:i+bs]] (torch.randperm on
+                the GPU each epoch): the speed to approach.
+  PinnedLoader  nbtools.PinnedLoader over the CPU tensors (pinned in place; the GPU gathers).
+  DataLoader    over a TensorDataset, pin_memory False/True x num_workers 0/2/4/8 (fork, so the
+                tensors are shared with the workers, not copied); batches moved with
+                .to(device, non_blocking=pin_memory). Images: the usual per-sample DataLoader
+                (shuffle=True). Pairs: per-sample indexing over 100M samples takes hours, so the
+                sampler yields whole batches of indices (a BatchSampler over one precomputed
+                permutation, as index tensors, batch_size=None), plus one row with the stock
+                BatchSampler(RandomSampler(ds)) for reference.
+PinnedLoader and ceiling are timed over whole epochs after a warm-up epoch (the per-epoch
+permutation included). DataLoader rows are timed over a window of at most --max-batches batches
+or --window-s seconds after a few warm-up batches, and epochs/s is extrapolated from the batch
+rate: worker start-up and the sampler's per-epoch shuffle are left out, in DataLoader's favour.
+
+GPU idle fraction = 1 - (time the compute stream spent inside model steps, from CUDA events
+around each step) / wall time: waiting for data or for copies counts as idle.
+
+    python benchmarks/bench_loader.py --out artifacts/gpu    # GPU machine, about 2-3 minutes
+    python benchmarks/bench_loader.py --quick                # small, runs on a CPU in < 1 min
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nbtools import hostmem  # noqa: E402
+from nbtools.devices import resolve_device, synchronize  # noqa: E402
+from nbtools.loader import PinnedLoader  # noqa: E402
+
+
+# --- models: one step = forward, backward, optimizer step --------------------------------------
+
+def image_step(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+
+    def step(x, y):
+        logits = model(x.view(len(x), -1).float().div_(255))   # normalise on the device
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def pair_step(device, vocab, dim, negatives=5):
+    torch.manual_seed(0)
+    emb_in = nn.Embedding(vocab, dim, sparse=True).to(device)
+    emb_out = nn.Embedding(vocab, dim, sparse=True).to(device)
+    opt = torch.optim.SGD([emb_in.weight, emb_out.weight], lr=0.05)
+
+    def step(pairs):
+        u, v = emb_in(pairs[:, 0]), emb_out(pairs[:, 1])                       # (B, d)
+        neg = emb_out(torch.randint(vocab, (len(pairs), negatives), device=device))  # (B, k, d)
+        pos = F.logsigmoid((u * v).sum(-1))
+        negs = F.logsigmoid(-torch.bmm(neg, u.unsqueeze(-1)).squeeze(-1)).sum(-1)
+        loss = -(pos + negs).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+def measure(batches, step, device, *, warmup, max_batches, window_s, to_device=None):
+    """Run ``step`` over ``batches``; time up to ``max_batches`` after ``warmup`` of them.
+
+    Returns wall seconds, batches timed and GPU-busy seconds (CUDA events around each step).
+    """
+    cuda = device.type == "cuda"
+    it = iter(batches)
+    for batch in itertools.islice(it, warmup):
+        step(*(to_device(batch) if to_device else batch))
+    synchronize(device)
+    events, n = [], 0
+    t0 = time.perf_counter()
+    for batch in it:
+        if to_device:
+            batch = to_device(batch)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(*batch)
+            end.record()
+            events.append((start, end))
+        else:
+            step(*batch)
+        n += 1
+        if n >= max_batches or time.perf_counter() - t0 > window_s:
+            break
+    synchronize(device)
+    wall = time.perf_counter() - t0
+    busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 if cuda else None
+    del it                                     # stops DataLoader workers now
+    return {"wall_s": wall, "batches": n, "busy_s": busy}
+
+
+def summarise(m, batches_per_epoch, extrapolated):
+    rate = m["batches"] / m["wall_s"] if m["wall_s"] > 0 else float("nan")
+    return {"epochs_per_s": rate / batches_per_epoch, "batches_per_s": rate,
+            "batches_measured": m["batches"], "wall_s": m["wall_s"],
+            "gpu_idle_frac": None if m["busy_s"] is None else max(0.0, 1 - m["busy_s"] / m["wall_s"]),
+            "extrapolated": extrapolated}
+
+
+def epochs_of(loader_or_fn, epochs):
+    """Batches of ``epochs`` consecutive epochs (a loader, or a function giving one epoch)."""
+    for _ in range(epochs):
+        yield from (loader_or_fn() if callable(loader_or_fn) else loader_or_fn)
+
+
+def on_gpu_epoch(tensors, batch_size):
+    """One epoch of the ceiling: every tensor already on the device, batches gathered there."""
+    def epoch():
+        n = tensors[0].shape[0]
+        perm = torch.randperm(n, device=tensors[0].device)
+        for i in range(0, n, batch_size):
+            idx = perm[i:i + batch_size]
+            yield tuple(t[idx] for t in tensors)
+    return epoch
+
+
+class IndexBatches:
+    """A BatchSampler over one precomputed permutation that yields index tensors (no Python
+    lists): the fastest way for a DataLoader to ask a TensorDataset for whole batches."""
+
+    def __init__(self, n, batch_size, seed=0):
+        self.perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        self.batch_size = batch_size
+
+    def __len__(self):
+        return -(-len(self.perm) // self.batch_size)
+
+    def __iter__(self):
+        for i in range(0, len(self.perm), self.batch_size):
+            yield self.perm[i:i + self.batch_size].clone()   # clone: workers get 1 batch, not the perm
+
+
+# --- one dataset --------------------------------------------------------------------------------
+
+def bench_dataset(name, tensors, step, batch_size, device, args, per_sample):
+    n = tensors[0].shape[0]
+    nb = -(-n // batch_size)
+    res = {"samples": n, "batch_size": batch_size, "batches_per_epoch": nb,
+           "shapes": [list(t.shape) for t in tensors], "dtypes": [str(t.dtype) for t in tensors],
+           "results": {}}
+    out = res["results"]
+    pin_ok = device.type == "cuda"
+    ctx = "fork" if platform.system() == "Linux" else None
+
+    def to_dev(pin):
+        return lambda b: tuple(t.to(device, non_blocking=pin) for t in b)
+
+    # DataLoader first: the tensors are not registered with CUDA yet, so forked workers share
+    # their pages plainly.
+    ds = TensorDataset(*tensors)
+    index_batches = None if per_sample else IndexBatches(n, batch_size)
+    for pin in (False, True):
+        if pin and not pin_ok:
+            continue
+        for w in args.workers:
+            kw = dict(num_workers=w, pin_memory=pin, multiprocessing_context=ctx if w else None)
+            if per_sample:
+                dl = DataLoader(ds, batch_size=batch_size, shuffle=True, **kw)
+            else:
+                dl = DataLoader(ds, sampler=index_batches, batch_size=None, **kw)
+            key = f"DataLoader pin={pin} workers={w}"
+            m = measure(dl, step, device, warmup=args.dl_warmup, max_batches=args.max_batches,
+                        window_s=args.window_s, to_device=to_dev(pin))
+            out[key] = summarise(m, nb, extrapolated=True)
+            print(f"{name:7s} {key:36s} {out[key]['epochs_per_s']:9.3f} epochs/s", flush=True)
+            del dl
+            gc.collect()
+    if not per_sample:   # the stock BatchSampler(RandomSampler), for reference
+        w = max(args.workers)
+        pin = pin_ok
+        dl = DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), batch_size, False),
+                        batch_size=None, num_workers=w, pin_memory=pin,
+                        multiprocessing_context=ctx if w else None)
+        key = f"DataLoader BatchSampler(RandomSampler) pin={pin} workers={w}"
+        m = measure(dl, step, device, warmup=args.dl_warmup, max_batches=args.max_batches,
+                    window_s=args.window_s, to_device=to_dev(pin))
+        out[key] = summarise(m, nb, extrapolated=True)
+        print(f"{name:7s} {key:36s} {out[key]['epochs_per_s']:9.3f} epochs/s", flush=True)
+        del dl
+    del index_batches, ds
+    gc.collect()
+
+    # PinnedLoader: pinned in place, the GPU gathers each batch from host RAM.
+    t0 = time.perf_counter()
+    loader = PinnedLoader(*tensors, batch_size=batch_size, device=device, seed=0)
+    res["pinned_setup_s"] = time.perf_counter() - t0
+    h2d0 = hostmem.transfer_counters()["h2d_bytes"]
+    m = measure(epochs_of(loader, 1 + args.epochs), step, device, warmup=nb,
+                max_batches=args.epochs * nb, window_s=float("inf"))
+    out["PinnedLoader"] = summarise(m, nb, extrapolated=False)
+    moved = hostmem.transfer_counters()["h2d_bytes"] - h2d0
+    out["PinnedLoader"]["h2d_GBps"] = moved * m["batches"] / ((m["batches"] + nb) * m["wall_s"]) / 1e9
+    print(f"{name:7s} {'PinnedLoader':36s} {out['PinnedLoader']['epochs_per_s']:9.3f} epochs/s", flush=True)
+    loader.close()
+    del loader
+    gc.collect()
+
+    # Ceiling: the same data already on the GPU.
+    on_dev = [t.to(device) for t in tensors]
+    m = measure(epochs_of(on_gpu_epoch(on_dev, batch_size), 1 + args.epochs), step, device,
+                warmup=nb, max_batches=args.epochs * nb, window_s=float("inf"))
+    out["ceiling (data on GPU)"] = summarise(m, nb, extrapolated=False)
+    print(f"{name:7s} {'ceiling (data on GPU)':36s} {out['ceiling (data on GPU)']['epochs_per_s']:9.3f} "
+          "epochs/s", flush=True)
+    del on_dev
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    ceiling = out["ceiling (data on GPU)"]["epochs_per_s"]
+    dls = {k: v["epochs_per_s"] for k, v in out.items() if k.startswith("DataLoader")}
+    best = max(dls, key=dls.get)
+    res["pinned_vs_ceiling"] = out["PinnedLoader"]["epochs_per_s"] / ceiling
+    res["best_dataloader"] = best
+    res["pinned_vs_best_dataloader"] = out["PinnedLoader"]["epochs_per_s"] / dls[best]
+    return res
+
+
+def print_table(name, res, device_name):
+    shapes = " + ".join(f"{'x'.join(f'{s:,}' for s in sh)} {dt.replace('torch.', '')}"
+                        for sh, dt in zip(res["shapes"], res["dtypes"]))
+    print(f"\n## {name}: {shapes}, batch {res['batch_size']:,} "
+          f"({res['batches_per_epoch']:,} batches/epoch), {device_name}")
+    print(f"{'method':<52}{'epochs/s':>10}{'vs ceiling':>12}{'GPU idle':>10}  measured")
+    ceiling = res["results"]["ceiling (data on GPU)"]["epochs_per_s"]
+    for k, v in sorted(res["results"].items(), key=lambda kv: -kv[1]["epochs_per_s"]):
+        idle = "N/A" if v["gpu_idle_frac"] is None else f"{100 * v['gpu_idle_frac']:.0f}%"
+        how = (f"{v['batches_measured']:,} batches, extrapolated" if v["extrapolated"]
+               else f"{v['batches_measured'] / res['batches_per_epoch']:.0f} epochs")
+        print(f"{k:<52}{v['epochs_per_s']:>10.3f}{v['epochs_per_s'] / ceiling:>11.2f}x{idle:>10}  {how}")
+    print(f"PinnedLoader: {res['pinned_vs_ceiling']:.2f}x the ceiling, "
+          f"{res['pinned_vs_best_dataloader']:.2f}x the best DataLoader ({res['best_dataloader']}); "
+          f"pinning took {res['pinned_setup_s']:.2f} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=60_000, help="image samples (28 x 28 uint8)")
+    ap.add_argument("--image-batch", type=int, default=512)
+    ap.add_argument("--pairs", type=int, default=100_000_000, help="id pairs (int64)")
+    ap.add_argument("--pair-batch", type=int, default=32_768)
+    ap.add_argument("--vocab", type=int, default=1_000_000, help="ids in the pair stream")
+    ap.add_argument("--dim", type=int, default=64, help="embedding dimension of the pair model")
+    ap.add_argument("--workers", default="0,2,4,8", help="DataLoader num_workers settings")
+    ap.add_argument("--epochs", type=int, default=0, help="timed epochs (0: 10 images, 2 pairs)")
+    ap.add_argument("--max-batches", type=int, default=400, help="DataLoader: batches timed at most")
+    ap.add_argument("--window-s", type=float, default=4.0, help="DataLoader: seconds timed at most")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly (< 1 min)")
+    ap.add_argument("--out", default=None, help="write DIR/loader.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.images, args.pairs, args.vocab, args.dim = 6_000, 1_000_000, 10_000, 16
+        args.pair_batch, args.workers, args.max_batches, args.window_s = 16_384, "0,2", 20, 0.5
+    args.workers = [int(w) for w in args.workers.split(",")]
+    args.dl_warmup = 3 if args.quick else 10
+    device = resolve_device(args.device)
+    device_name = f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "cpu"
+    t_start = time.perf_counter()
+    res = {"device": device_name, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "idle_definition": "1 - sum(CUDA event time inside model steps) / wall time",
+           "dataloader_timing": "window after warm-up batches, epochs/s extrapolated from batches/s"}
+    print(f"# {device_name}, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (args.images, 28, 28), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (args.images,), generator=g)
+    args.epochs = args.epochs or (2 if args.quick else 10)
+    res["images"] = bench_dataset("images", (images, labels), image_step(device), args.image_batch,
+                                  device, args, per_sample=True)
+    del images, labels
+    gc.collect()
+
+    pairs = torch.randint(0, args.vocab, (args.pairs, 2), generator=g)
+    args.epochs = 1 if args.quick else 2
+    res["pairs"] = bench_dataset("pairs", (pairs,), pair_step(device, args.vocab, args.dim),
+                                 args.pair_batch, device, args, per_sample=False)
+    del pairs
+    res["total_s"] = time.perf_counter() - t_start
+
+    print_table("images", res["images"], device_name)
+    print_table("id pairs", res["pairs"], device_name)
+    p = res["pairs"]
+    print(f"\ntargets on the id-pair stream: >= 0.9x ceiling: {p['pinned_vs_ceiling']:.2f}x "
+          f"({'met' if p['pinned_vs_ceiling'] >= 0.9 else 'NOT met'}); >= 3x best DataLoader: "
+          f"{p['pinned_vs_best_dataloader']:.2f}x "
+          f"({'met' if p['pinned_vs_best_dataloader'] >= 3 else 'NOT met'})")
+    print(f"DataLoader rows: timed over a window after warm-up, epochs/s extrapolated from "
+          f"batches/s. Total {res['total_s']:.0f} s.")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "loader.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
