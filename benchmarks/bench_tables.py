@@ -4,7 +4,6 @@ One step = lookup of a batch of ids, a small loss, backward, optimizer step. Com
   gpu_sparse_adam   nn.Embedding(sparse=True) on the GPU + torch.optim.SparseAdam (needs the
                     table on the GPU: the speed to approach)
   offload_adam      nbtools.OffloadedEmbedding + OffloadOptimizer(Adam), zero-copy
-  offload_adam_narrow  the same with 4-byte instead of 16-byte row loads/stores
   manual_offload    CPU index_select into pinned buffers, copy to the GPU, Adam on the rows,
                     copy back, CPU index_copy_ (what people write by hand)
   cpu_sparse_adam   the table on the CPU with SparseAdam, rows copied to the GPU for the model
@@ -52,22 +51,19 @@ def loss_of(rows):
     return rows.float().pow(2).sum() * 1e-3
 
 
-def bench_offload(n, dim, batches, device, narrow=False):
+def bench_offload(n, dim, batches, device):
     t0 = time.perf_counter()
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name=f"t{n}")
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3)
     alloc_s = time.perf_counter() - t0
-    hostmem.WIDE_ACCESS = not narrow
 
     def step(ids):
         opt.zero_grad()
         loss_of(table(ids)).backward()
         opt.step()
 
-    try:
-        ms = timed_steps(step, batches, device)
-    finally:
-        hostmem.WIDE_ACCESS = True
+    ms = timed_steps(step, batches, device)
+    table.close()
     del opt, table
     gc.collect()
     return ms, alloc_s
@@ -128,29 +124,31 @@ def bench_manual(n, dim, batches, device):
     return ms
 
 
-def gather_rates(device, n_rows=4_000_000, n_ids=65536):
-    """GB/s of zero-copy index_select from pinned host memory, by row length and load width."""
+def gather_rates(device, n_ids=65536):
+    """GB/s of zero-copy row gathers and scatters from pinned host memory, by row length and
+    table size (sorted unique ids, as a table step issues them), and the bulk-copy ceiling."""
     out = {}
-    for dim in (128, 384):
-        h = hostmem.HostTensor((n_rows, dim), torch.float32, name="gather-bench")
-        view = h.view()
-        idx = torch.randint(0, n_rows, (n_ids,), device=device)
-        for wide in (True, False):
-            hostmem.WIDE_ACCESS = wide
-            for _ in range(3):
-                hostmem.gather_rows(view, idx)
-            synchronize(device)
-            t0 = time.perf_counter()
-            reps = 20
-            for _ in range(reps):
-                hostmem.gather_rows(view, idx)
-            synchronize(device)
-            dt = (time.perf_counter() - t0) / reps
-            out[f"gather_{dim * 4}B_rows_{'wide' if wide else 'narrow'}_GBps"] = n_ids * dim * 4 / dt / 1e9
-        hostmem.WIDE_ACCESS = True
-        h.close()
-        del h, view
-    # the ceiling: a pinned bulk copy host -> GPU
+    for row_bytes, sizes_gib in ((512, (0.5, 2, 8, 20)), (1536, (1.5, 6, 24))):
+        dim = row_bytes // 4
+        for gib in sizes_gib:
+            rows = int(gib * 2**30 / row_bytes)
+            h = hostmem.HostTensor((rows, dim), torch.float32, name="gather-bench")
+            view = h.view()
+            idx = torch.unique(torch.randint(0, rows, (n_ids,), device=device))
+            vals = torch.randn(idx.numel(), dim, device=device)
+            for name, fn in (("gather", lambda: hostmem.gather_rows(view, idx)),
+                             ("scatter", lambda: hostmem.scatter_rows(view, idx, vals))):
+                for _ in range(3):
+                    fn()
+                synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                synchronize(device)
+                rate = 20 * idx.numel() * row_bytes / (time.perf_counter() - t0) / 1e9
+                out[f"{name} {row_bytes}B rows, {gib:g} GiB table (GB/s)"] = rate
+            h.close()
+            del h, view
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty_like(src, device=device)
     dst.copy_(src)
@@ -159,7 +157,7 @@ def gather_rates(device, n_rows=4_000_000, n_ids=65536):
     for _ in range(10):
         dst.copy_(src, non_blocking=True)
     synchronize(device)
-    out["pinned_memcpy_h2d_GBps"] = src.numel() * 10 / (time.perf_counter() - t0) / 1e9
+    out["pinned bulk memcpy host->GPU (GB/s)"] = src.numel() * 10 / (time.perf_counter() - t0) / 1e9
     return out
 
 
@@ -189,7 +187,6 @@ def main():
     sm["offload_adam"], _ = bench_offload(args.rows, args.dim, batches, device)
     print("offload_adam", sm["offload_adam"], flush=True)
     if device.type == "cuda":
-        sm["offload_adam_narrow"], _ = bench_offload(args.rows, args.dim, batches, device, narrow=True)
         sm["gpu_sparse_adam"] = bench_torch_embedding(args.rows, args.dim, batches, device,
                                                       torch.optim.SparseAdam, True, device)
         sm["gpu_dense_adam"] = bench_torch_embedding(args.rows, args.dim, batches, device,
@@ -219,7 +216,7 @@ def main():
         print(f"{n:>12,} rows  {'-' if v is None else f'{v:.2f} ms/step'}  "
               f"(allocate+init {'-' if alloc is None else f'{alloc:.1f} s'})")
     for k, v in res.get("gather", {}).items():
-        print(f"{k:<40}{v:8.1f}")
+        print(f"{k:<44}{v:8.1f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "tables.json"), "w") as f:

@@ -263,35 +263,17 @@ def probe_pinning() -> str:
 
 
 # --- row gather / scatter ---------------------------------------------------------------------
-# Zero-copy index_select moves 4-byte elements per thread: short rows then reach about half the
-# PCIe rate. Viewing rows as 16-byte elements (complex128 is the only 16-byte dtype) makes each
-# thread move 16 bytes, when the row length and the address allow it.
-
-WIDE_ACCESS = True   # benchmarks turn it off to measure what it buys
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    if (WIDE_ACCESS and t.is_cuda and t.dim() == 2 and t.is_contiguous() and t.dtype != torch.complex128
-            and (t.shape[1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
-        return t.view(torch.complex128)
-    return t
-
+# Measured on an H100 (benchmarks/RESULTS.md): zero-copy gathers are bound by the number of row
+# requests and page translations, not by bytes; 16-byte loads bought nothing over index_select.
+# What helps is fewer, longer rows: tables keep [weight | optimizer state] interleaved per row.
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``src.index_select(0, idx)`` with wide loads where possible; ``src`` may be a zero-copy
-    view (the rows then cross PCIe and are counted)."""
-    return _wide(src).index_select(0, idx).view(src.dtype)
+    """``src.index_select(0, idx)``; ``src`` may be a zero-copy view (rows then cross PCIe)."""
+    return src.index_select(0, idx)
 
 
 def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst.index_copy_(0, idx, rows)`` with wide stores where possible."""
-    wd = _wide(dst)
-    if wd is not dst:
-        rows = rows.contiguous()
-        wr = _wide(rows)
-        if wr is not rows:
-            wd.index_copy_(0, idx, wr)
-            return
+    """``dst.index_copy_(0, idx, rows)``; ``dst`` may be a zero-copy view."""
     dst.index_copy_(0, idx, rows)
 
 
@@ -323,15 +305,24 @@ class RowStore:
         self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
             * host.tensor.element_size()
 
-    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+    def _cols(self, tensor: torch.Tensor, start: int, stop):
+        if start == 0 and stop is None:
+            return tensor
+        return tensor[:, start:stop]
+
+    def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
+        """Rows ``idx`` (columns ``start:stop``) on the compute device."""
         if self.mode == "host":
-            return self.host.tensor.index_select(0, idx)
-        count_transfer(h2d=idx.numel() * self.row_bytes)
+            return self._cols(self.host.tensor, start, stop).index_select(0, idx)
+        width = (stop if stop is not None else self.host.tensor.shape[1]) - start \
+            if self.host.tensor.dim() > 1 else 1
+        count_transfer(h2d=idx.numel() * width * self.host.tensor.element_size())
         if self.mode == "zero-copy":
-            return gather_rows(self.host.view(), idx)
-        return self.host.tensor.index_select(0, idx.cpu()).to(self.device)
+            return gather_rows(self._cols(self.host.view(), start, stop), idx)
+        return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
 
     def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write whole rows ``idx``."""
         if self.mode == "host":
             self.host.tensor.index_copy_(0, idx, rows)
             return

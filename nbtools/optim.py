@@ -31,8 +31,7 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
-from .hostmem import HostTensor, RowStore
-from .tables import _OffloadedTable, check_fits
+from .tables import _OffloadedTable, copy_unless_same
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -153,7 +152,11 @@ def _check_hyper(cls, hyper: dict) -> None:
 
 
 class _TableSlot:
-    """One table's share of an OffloadOptimizer: hyper-parameters, host state, scratch optimizer."""
+    """One table's share of an OffloadOptimizer: hyper-parameters, scalar state, scratch optimizer.
+
+    Per-row state lives in the table itself, interleaved after each row's weight
+    (:meth:`_OffloadedTable.attach_state`).
+    """
 
     def __init__(self, name, table: _OffloadedTable, cls, group: dict, probe: bool):
         self.name, self.table, self.cls = name, table, cls
@@ -161,24 +164,16 @@ class _TableSlot:
         dtype = table._host.tensor.dtype
         row_state, self.scalar_names, full = probe_row_state(
             cls, group, table.embedding_dim, table.device, dtype, check_separable=probe)
+        odd = {k: str(v) for k, v in row_state.items() if v != dtype}
+        if odd:
+            raise UnsupportedOptimizerError(
+                f"{cls.__name__} keeps per-row state in another dtype than the table ({dtype}): "
+                f"{odd}; offloaded tables store state in the table's dtype")
         self.ctor_kwargs = dict(group)                  # what the user passed
         self.group = {"params": [], **full, **group}   # what schedulers see and change
         self.sparse = issubclass(cls, torch.optim.SparseAdam)
-        n, d = table.num_embeddings, table.embedding_dim
-        state_bytes = sum(n * d * torch.empty((), dtype=dt).element_size()
-                          for dt in row_state.values())
-        check_fits(state_bytes, f"optimizer state of table {name!r} "
-                               f"({len(row_state)} per-row tensors: {', '.join(row_state)})",
-                   "Use nbtools.plan(...) to size it, or an optimizer with less state "
-                   "(SGD, Adagrad).")
-        init = _initial_row_state(cls, self.group, row_state)
-        self.row_state = {}
-        for key, dt in row_state.items():
-            host = HostTensor((n, d), dt, pin=table.pinned, name=f"{name}.{key}",
-                              device=table.device if table.device.type == "cuda" else None)
-            if init[key]:
-                host.tensor.fill_(init[key])
-            self.row_state[key] = RowStore(host, table.device)
+        self.names = list(row_state)
+        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names))
         self.scalar_state = None      # created by the optimizer itself at the first step
         self.opt = None
         self.skipped_steps = 0
@@ -187,7 +182,8 @@ class _TableSlot:
         return {k: v for k, v in self.group.items() if k not in _NOT_HYPER}
 
     def step(self, nonfinite: str) -> None:
-        ids, grad = self.table.take_grad()
+        table, d = self.table, self.table.embedding_dim
+        ids, grad, rows, state = table.take_grad()
         if ids is None:
             return
         if not bool(torch.isfinite(grad).all()):        # note: a CPU-GPU sync point
@@ -198,7 +194,7 @@ class _TableSlot:
                 f"table {self.name!r}: the gradient of {ids.numel():,} rows holds inf/nan; the "
                 "table and its optimizer state were left unchanged. Lower the learning rate, "
                 "check the loss, or pass config=OffloadConfig(nonfinite='skip').")
-        p = nn.Parameter(self.table._rows.gather(ids))
+        p = nn.Parameter(rows)
         _set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
             self.opt = self.cls([p], **self.ctor_kwargs)
@@ -206,44 +202,47 @@ class _TableSlot:
             self.opt.param_groups[0]["params"] = [p]
         self.opt.param_groups[0].update(self.hyper())     # LR schedulers change self.group
         if self.scalar_state is not None:
-            # Per-row state for these rows, plus the table's global scalar state.
-            state = {k: store.gather(ids) for k, store in self.row_state.items()}
-            state.update(self.scalar_state)
-            self.opt.state = defaultdict(dict, {p: state})
+            # These rows' own state, plus the table's global scalar state.
+            if state is None and self.names:
+                state = table._rows.gather(ids, d)
+            st = {k: state[:, i * d:(i + 1) * d].contiguous() for i, k in enumerate(self.names)}
+            st.update(self.scalar_state)
+            self.opt.state = defaultdict(dict, {p: st})
         # else: the very first step lets the optimizer create its state exactly as it would
         # (Adagrad already did in its constructor).
         self.opt.step()
-        state = self.opt.state[p]
-        self.table._rows.scatter(ids, p.detach())
-        for key, store in self.row_state.items():
-            if key not in state:
-                raise UnsupportedOptimizerError(
-                    f"{self.cls.__name__} dropped state {key!r} between steps (hyper-parameters "
-                    "changed?); offloaded tables need a fixed set of per-row state")
-            store.scatter(ids, state[key])
-        self.scalar_state = {k: v for k, v in state.items() if k not in self.row_state}
+        st = self.opt.state[p]
+        missing = [k for k in self.names if k not in st]
+        if missing:
+            raise UnsupportedOptimizerError(
+                f"{self.cls.__name__} dropped state {missing} between steps (hyper-parameters "
+                "changed?); offloaded tables need a fixed set of per-row state")
+        # One write per row: [weight | state...], the layout of the host table.
+        table._rows.scatter(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
+        self.scalar_state = {k: v for k, v in st.items() if k not in self.names}
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []
+
+    def row_state(self) -> dict:
+        return {k: self.table.state_columns(k) for k in self.names}
 
     def state_dict(self) -> dict:
         return {
             "group": copy.deepcopy(self.hyper()),
             "scalar_state": copy.deepcopy(self.scalar_state),
-            "row_state": {k: store.host.tensor for k, store in self.row_state.items()},
+            "row_state": self.row_state(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        missing = set(self.row_state) ^ set(sd["row_state"])
-        if missing:
+        if set(self.names) != set(sd["row_state"]):
             raise ValueError(f"table {self.name!r}: state has per-row tensors "
-                             f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.row_state)}")
-        for key, store in self.row_state.items():
-            src, dst = sd["row_state"][key], store.host.tensor
+                             f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.names)}")
+        for key, dst in self.row_state().items():
+            src = sd["row_state"][key]
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"table {self.name!r}: state {key!r} has shape {tuple(src.shape)},"
                                  f" expected {tuple(dst.shape)}")
-            if src is not dst:
-                dst.copy_(src)
+            copy_unless_same(dst, src)
         self.group.update(copy.deepcopy(sd["group"]))
         scalar = sd["scalar_state"]
         self.scalar_state = None if scalar is None else {
@@ -399,9 +398,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def table_state(self, table) -> dict:
         """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
-        slot = self._slot(table)
-        synchronize(slot.table.device)
-        return {k: store.host.tensor for k, store in slot.row_state.items()}
+        return self._slot(table).row_state()
 
     def skipped_steps(self, table) -> int:
         """How many steps of ``table`` were skipped for non-finite gradients."""
@@ -450,7 +447,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         lines = [f"OffloadOptimizer({self.optimizer_class.__name__},"]
         for s in self._slots:
             lines.append(f"  table {s.name!r}: {s.table.num_embeddings:,} x {s.table.embedding_dim}"
-                         f" {s.table.transfer_mode}, per-row state {list(s.row_state)}")
+                         f" {s.table.transfer_mode}, per-row state {s.names}")
         if self._dense is not None:
             n = sum(p.numel() for g in self._dense.param_groups for p in g["params"])
             lines.append(f"  dense: {n:,} parameters")

@@ -8,6 +8,12 @@ grows with the batch, never with the table.
 
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
 ``model.to("cuda")`` leaves it where it is.
+
+Layout: once an optimizer attaches its per-row state, each host row holds
+``[weight | state_1 | ... | state_k]``. A training lookup gathers whole rows, so a step reads and
+writes one long row per id instead of k + 1 short ones: on an H100, zero-copy gathers of
+1,536-byte rows kept ~48 GB/s on a 23 GiB table where 512-byte rows fell to ~20 GB/s
+(benchmarks/RESULTS.md). ``table.weight`` is then a strided view of the first columns.
 """
 from __future__ import annotations
 
@@ -38,6 +44,16 @@ def check_fits(nbytes: int, what: str, hint: str = "") -> None:
         raise HostMemoryError(
             f"{what} needs {human_bytes(nbytes)} of host memory but only "
             f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
+
+
+def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, skipped when ``src`` is the very same memory (a state dict of live
+    host tensors handed back)."""
+    if (src.device == dst.device and src.data_ptr() == dst.data_ptr()
+            and src.stride() == dst.stride() and src.dtype == dst.dtype):
+        return
+    with torch.no_grad():
+        dst.copy_(src)
 
 
 def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
@@ -80,7 +96,8 @@ class _OffloadedTable(nn.Module):
                                 device=self.device if self.device.type == "cuda" else None)
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
-        self._pending = []           # (unique ids, gathered rows leaf) per lookup since last step
+        self._state_names = []       # optimizer state interleaved after the weight, in order
+        self._pending = []           # (unique ids, rows leaf, state rows) per lookup since last step
         self._warned_pending = False
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
@@ -94,7 +111,48 @@ class _OffloadedTable(nn.Module):
         """All rows, as a CPU tensor aliasing the (pinned) host memory. Reading it waits for
         queued GPU writes first, so what you read is current. Write to it to initialise."""
         synchronize(self.device)
-        return self._host.tensor
+        return self._host.tensor[:, : self.embedding_dim]
+
+    def state_columns(self, name: str) -> torch.Tensor:
+        """Host view of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows."""
+        synchronize(self.device)
+        i = self._state_names.index(name) + 1
+        d = self.embedding_dim
+        return self._host.tensor[:, i * d:(i + 1) * d]
+
+    def attach_state(self, names, initial: dict) -> None:
+        """Give every row room for per-row optimizer state, stored after its weight.
+
+        Called once by :class:`nbtools.OffloadOptimizer`. The host table is reallocated as
+        ``[weight | state...]`` per row (the old one is released); state columns start at
+        ``initial[name]``. References to ``table.weight`` taken before this point to the old
+        memory: create the optimizer first.
+        """
+        names = list(names)
+        if self._state_names:
+            raise ValueError(f"table {self.name!r} already carries optimizer state "
+                             f"{self._state_names}; use one OffloadOptimizer per table")
+        if not names:
+            return
+        old = self._host
+        d, n = self.embedding_dim, self.num_embeddings
+        width = d * (1 + len(names))
+        check_fits(n * width * old.tensor.element_size(),
+                   f"table {self.name!r} with optimizer state ({', '.join(names)})",
+                   "Use nbtools.plan(...) to size it, or an optimizer with less state "
+                   "(SGD, Adagrad).")
+        synchronize(self.device)
+        new = HostTensor((n, width), old.tensor.dtype, pin=old.pinned, name=self.name,
+                         device=self.device if self.device.type == "cuda" else None)
+        chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))   # bounded temporaries
+        for start in range(0, n, chunk):
+            new.tensor[start:start + chunk, :d].copy_(old.tensor[start:start + chunk])
+        for i, name in enumerate(names, start=1):
+            if initial.get(name, 0.0):
+                new.tensor[:, i * d:(i + 1) * d].fill_(initial[name])
+        old.close()
+        self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
+        self._pending.clear()
 
     @property
     def pinned(self) -> bool:
@@ -133,6 +191,7 @@ class _OffloadedTable(nn.Module):
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         synchronize(self.device)
+        self._pending.clear()
         self._host.close()
         self._rows = RowStore(self._host, self.device)
 
@@ -168,11 +227,18 @@ class _OffloadedTable(nn.Module):
                 f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
                 f"(first at {_ids_error_position(bad, ids.shape)}); valid ids are 0 to "
                 f"{self.num_embeddings - 1:,}")
+        recording = torch.is_grad_enabled() and self.trainable
+        d = self.embedding_dim
         with torch.no_grad():
-            rows = self._rows.gather(uniq)
-        if torch.is_grad_enabled() and self.trainable:
+            if recording and self._state_names:
+                # Training: whole rows now, so the optimizer step needs no second gather.
+                full = self._rows.gather(uniq)
+                rows, state = full[:, :d].clone(), full[:, d:]
+            else:
+                rows, state = self._rows.gather(uniq, 0, d), None
+        if recording:
             rows.requires_grad_(True)
-            self._pending.append((uniq, rows))
+            self._pending.append((uniq, rows, state))
             if len(self._pending) > _PENDING_WARN and not self._warned_pending:
                 self._warned_pending = True
                 warnings.warn(
@@ -182,31 +248,43 @@ class _OffloadedTable(nn.Module):
         return rows, inv
 
     def take_grad(self):
-        """Gradients of the rows looked up since the last call, summed per id.
+        """What the optimizer needs for the rows looked up since the last call.
 
-        Returns ``(ids, grad)`` with unique ids (padding row excluded, per-row scale applied),
-        or ``(None, None)`` when no row has a gradient. Clears the pending lookups. Called by
-        :class:`OffloadOptimizer`.
+        Returns ``(ids, grad, rows, state)``: unique ids (padding row excluded), their gradients
+        summed over every occurrence in every lookup (per-row scale applied), the weight rows
+        and the state columns as gathered (``state`` is None when no state is attached or the
+        lookups predate it). All None when no row has a gradient. Clears the pending lookups.
+        Called by :class:`OffloadOptimizer`.
         """
-        records = [(u, r.grad) for u, r in self._pending if r.grad is not None]
+        records = [rec for rec in self._pending if rec[1].grad is not None]
         self._pending.clear()
         if not records:
-            return None, None
+            return None, None, None, None
         if len(records) == 1:
-            ids, grad = records[0]
+            ids, leaf, state = records[0]
+            grad, rows = leaf.grad, leaf.detach()
         else:                        # several lookups this step: one more dedup across them
-            ids, inv = torch.unique(torch.cat([u for u, _ in records]), return_inverse=True)
-            grad = torch.zeros(ids.numel(), self.embedding_dim, dtype=records[0][1].dtype,
+            all_ids = torch.cat([r[0] for r in records])
+            ids, inv = torch.unique(all_ids, return_inverse=True)
+            grad = torch.zeros(ids.numel(), self.embedding_dim, dtype=records[0][1].grad.dtype,
                                device=self.device)
-            grad.index_add_(0, inv, torch.cat([g for _, g in records]))
+            grad.index_add_(0, inv, torch.cat([r[1].grad for r in records]))
+            # Rows (and state) of one id are identical in every lookup: take any occurrence.
+            pick = torch.empty(ids.numel(), dtype=torch.long, device=self.device)
+            pick.scatter_(0, inv, torch.arange(all_ids.numel(), device=self.device))
+            rows = torch.cat([r[1].detach() for r in records])[pick]
+            states = [r[2] for r in records]
+            state = None if any(s is None for s in states) else torch.cat(states)[pick]
         if self.padding_idx is not None:
             keep = ids != self.padding_idx
-            ids, grad = ids[keep], grad[keep]
-            if ids.numel() == 0:
-                return None, None
+            if not bool(keep.all()):
+                ids, grad, rows = ids[keep], grad[keep], rows[keep]
+                state = None if state is None else state[keep]
+                if ids.numel() == 0:
+                    return None, None, None, None
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather(ids).to(grad.dtype)
-        return ids, grad
+        return ids, grad, rows, state
 
     def clear_pending(self) -> None:
         self._pending.clear()
@@ -227,10 +305,7 @@ class _OffloadedTable(nn.Module):
             error_msgs.append(f"size mismatch for {key}: checkpoint has {tuple(src.shape)}, table "
                               f"{self.name!r} is ({self.num_embeddings}, {self.embedding_dim})")
             return
-        dst = self.weight                      # synchronises first
-        if src is not dst:
-            with torch.no_grad():
-                dst.copy_(src)
+        copy_unless_same(self.weight, src)     # .weight synchronises first
 
     def extra_repr(self) -> str:
         s = (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "

@@ -71,12 +71,18 @@ def make_table(device, init):
     return table
 
 
-def run_offloaded(cls, kw, device, init, id_batches, tgts):
+def run_offloaded(cls, kw, device, init, id_batches, tgts, split=False):
     table = make_table(device, init)
     opt = OffloadOptimizer(cls, [table], **kw)
     for ids, tgt in zip(id_batches, tgts):
         opt.zero_grad()
-        loss_of(table(ids.to(device)), tgt.to(device)).backward()
+        ids = ids.reshape(-1).to(device)
+        if split:      # the same batch as two lookups (context + negatives, say)
+            h = ids.numel() // 2
+            rows = torch.cat([table(ids[:h]), table(ids[h:])])
+        else:
+            rows = table(ids)
+        loss_of(rows, tgt.to(device)).backward()
         opt.step()
     return table.weight.clone().cpu(), opt
 
@@ -171,6 +177,33 @@ def test_rows_first_touched_late_start_from_the_optimizers_initial_state(cls, kw
     expected = frozen_reference(cls, kw, device, init, id_batches, tgts)
     got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts)
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("cls,kw", [CASES[1], CASES[4], CASES[10], CASES[13]],
+                         ids=[IDS[1], IDS[4], IDS[10], IDS[13]])
+def test_several_lookups_per_step_match_one(cls, kw, device):
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(14))
+    id_batches, tgts = batches(12, full_first=False, seed=15), targets(12, seed=16)
+    expected = frozen_reference(cls, kw, device, init, id_batches, tgts)
+    got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts, split=True)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=3e-6)
+
+
+def test_rows_are_stored_as_weight_then_state(device):
+    table = make_table(device, torch.randn(ROWS, DIM))
+    pending = table(torch.tensor([1, 2], device=device))     # looked up before the optimizer
+    opt = OffloadOptimizer(O.Adam, [table], lr=0.1)
+    assert table._host.tensor.shape == (ROWS, 3 * DIM)
+    table(torch.tensor([1, 2], device=device)).sum().backward()
+    opt.step()
+    host = table._host.tensor
+    assert torch.equal(host[:, :DIM], table.weight)
+    assert torch.equal(host[:, DIM:2 * DIM], opt.table_state(table)["exp_avg"])
+    sd = opt.state_dict()["tables"]["t"]["row_state"]
+    assert sd["exp_avg_sq"].data_ptr() == host[:, 2 * DIM:].data_ptr()
+    with pytest.raises(ValueError, match="already carries optimizer state"):
+        OffloadOptimizer(O.Adam, [table], lr=0.1)
+    del pending
 
 
 def test_untouched_rows_and_state_do_not_change(device):
