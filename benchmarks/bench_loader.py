@@ -168,69 +168,57 @@ def bench_dataset(name, tensors, step, batch_size, device, args, per_sample):
            "shapes": [list(t.shape) for t in tensors], "dtypes": [str(t.dtype) for t in tensors],
            "results": {}}
     out = res["results"]
-    pin_ok = device.type == "cuda"
-    ctx = "fork" if platform.system() == "Linux" else None
 
-    def to_dev(pin):
-        return lambda b: tuple(t.to(device, non_blocking=pin) for t in b)
+    def run(key, batches, whole_epochs, to_device=None):
+        if whole_epochs:   # a warm-up epoch, then args.epochs timed epochs
+            m = measure(batches, step, device, warmup=nb, max_batches=args.epochs * nb,
+                        window_s=float("inf"))
+        else:              # a few warm-up batches, then a window
+            m = measure(batches, step, device, warmup=args.dl_warmup, max_batches=args.max_batches,
+                        window_s=args.window_s, to_device=to_device)
+        out[key] = summarise(m, nb, extrapolated=not whole_epochs)
+        print(f"{name:7s} {key:58s} {out[key]['epochs_per_s']:9.3f} epochs/s", flush=True)
+        gc.collect()
+        return m
 
     # DataLoader first: the tensors are not registered with CUDA yet, so forked workers share
     # their pages plainly.
     ds = TensorDataset(*tensors)
     index_batches = None if per_sample else IndexBatches(n, batch_size)
-    for pin in (False, True):
-        if pin and not pin_ok:
-            continue
-        for w in args.workers:
-            kw = dict(num_workers=w, pin_memory=pin, multiprocessing_context=ctx if w else None)
-            if per_sample:
-                dl = DataLoader(ds, batch_size=batch_size, shuffle=True, **kw)
-            else:
-                dl = DataLoader(ds, sampler=index_batches, batch_size=None, **kw)
-            key = f"DataLoader pin={pin} workers={w}"
-            m = measure(dl, step, device, warmup=args.dl_warmup, max_batches=args.max_batches,
-                        window_s=args.window_s, to_device=to_dev(pin))
-            out[key] = summarise(m, nb, extrapolated=True)
-            print(f"{name:7s} {key:36s} {out[key]['epochs_per_s']:9.3f} epochs/s", flush=True)
-            del dl
-            gc.collect()
+    fork = "fork" if platform.system() == "Linux" else None
+    settings = [(pin, w, None) for pin in (False, True) for w in args.workers
+                if device.type == "cuda" or not pin]
     if not per_sample:   # the stock BatchSampler(RandomSampler), for reference
-        w = max(args.workers)
-        pin = pin_ok
-        dl = DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), batch_size, False),
-                        batch_size=None, num_workers=w, pin_memory=pin,
-                        multiprocessing_context=ctx if w else None)
-        key = f"DataLoader BatchSampler(RandomSampler) pin={pin} workers={w}"
-        m = measure(dl, step, device, warmup=args.dl_warmup, max_batches=args.max_batches,
-                    window_s=args.window_s, to_device=to_dev(pin))
-        out[key] = summarise(m, nb, extrapolated=True)
-        print(f"{name:7s} {key:36s} {out[key]['epochs_per_s']:9.3f} epochs/s", flush=True)
+        settings.append((device.type == "cuda", max(args.workers), "BatchSampler(RandomSampler) "))
+    for pin, w, stock in settings:
+        kw = dict(num_workers=w, pin_memory=pin, multiprocessing_context=fork if w else None)
+        if per_sample:
+            dl = DataLoader(ds, batch_size=batch_size, shuffle=True, **kw)
+        elif stock:
+            dl = DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), batch_size, False),
+                            batch_size=None, **kw)
+        else:
+            dl = DataLoader(ds, sampler=index_batches, batch_size=None, **kw)
+        run(f"DataLoader {stock or ''}pin={pin} workers={w}", dl, False,
+            lambda b, pin=pin: tuple(t.to(device, non_blocking=pin) for t in b))
         del dl
     del index_batches, ds
-    gc.collect()
 
     # PinnedLoader: pinned in place, the GPU gathers each batch from host RAM.
     t0 = time.perf_counter()
     loader = PinnedLoader(*tensors, batch_size=batch_size, device=device, seed=0)
     res["pinned_setup_s"] = time.perf_counter() - t0
     h2d0 = hostmem.transfer_counters()["h2d_bytes"]
-    m = measure(epochs_of(loader, 1 + args.epochs), step, device, warmup=nb,
-                max_batches=args.epochs * nb, window_s=float("inf"))
-    out["PinnedLoader"] = summarise(m, nb, extrapolated=False)
-    moved = hostmem.transfer_counters()["h2d_bytes"] - h2d0
-    out["PinnedLoader"]["h2d_GBps"] = moved * m["batches"] / ((m["batches"] + nb) * m["wall_s"]) / 1e9
-    print(f"{name:7s} {'PinnedLoader':36s} {out['PinnedLoader']['epochs_per_s']:9.3f} epochs/s", flush=True)
+    run("PinnedLoader", epochs_of(loader, 1 + args.epochs), True)
+    per_epoch = (hostmem.transfer_counters()["h2d_bytes"] - h2d0) / (1 + args.epochs)
+    out["PinnedLoader"]["h2d_bytes_per_epoch"] = per_epoch
+    out["PinnedLoader"]["h2d_GBps"] = per_epoch * out["PinnedLoader"]["epochs_per_s"] / 1e9
     loader.close()
     del loader
-    gc.collect()
 
     # Ceiling: the same data already on the GPU.
     on_dev = [t.to(device) for t in tensors]
-    m = measure(epochs_of(on_gpu_epoch(on_dev, batch_size), 1 + args.epochs), step, device,
-                warmup=nb, max_batches=args.epochs * nb, window_s=float("inf"))
-    out["ceiling (data on GPU)"] = summarise(m, nb, extrapolated=False)
-    print(f"{name:7s} {'ceiling (data on GPU)':36s} {out['ceiling (data on GPU)']['epochs_per_s']:9.3f} "
-          "epochs/s", flush=True)
+    run("ceiling (data on GPU)", epochs_of(on_gpu_epoch(on_dev, batch_size), 1 + args.epochs), True)
     del on_dev
     gc.collect()
     if device.type == "cuda":
@@ -250,13 +238,13 @@ def print_table(name, res, device_name):
                         for sh, dt in zip(res["shapes"], res["dtypes"]))
     print(f"\n## {name}: {shapes}, batch {res['batch_size']:,} "
           f"({res['batches_per_epoch']:,} batches/epoch), {device_name}")
-    print(f"{'method':<52}{'epochs/s':>10}{'vs ceiling':>12}{'GPU idle':>10}  measured")
+    print(f"{'method':<60}{'epochs/s':>10}{'vs ceiling':>12}{'GPU idle':>10}  measured")
     ceiling = res["results"]["ceiling (data on GPU)"]["epochs_per_s"]
     for k, v in sorted(res["results"].items(), key=lambda kv: -kv[1]["epochs_per_s"]):
         idle = "N/A" if v["gpu_idle_frac"] is None else f"{100 * v['gpu_idle_frac']:.0f}%"
         how = (f"{v['batches_measured']:,} batches, extrapolated" if v["extrapolated"]
                else f"{v['batches_measured'] / res['batches_per_epoch']:.0f} epochs")
-        print(f"{k:<52}{v['epochs_per_s']:>10.3f}{v['epochs_per_s'] / ceiling:>11.2f}x{idle:>10}  {how}")
+        print(f"{k:<60}{v['epochs_per_s']:>10.3f}{v['epochs_per_s'] / ceiling:>11.2f}x{idle:>10}  {how}")
     print(f"PinnedLoader: {res['pinned_vs_ceiling']:.2f}x the ceiling, "
           f"{res['pinned_vs_best_dataloader']:.2f}x the best DataLoader ({res['best_dataloader']}); "
           f"pinning took {res['pinned_setup_s']:.2f} s")
