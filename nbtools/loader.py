@@ -231,19 +231,26 @@ class PinnedLoader:
                 return t, hostmem.cuda_alias(t, self.device)
             if holder is None and nbytes >= _IN_PLACE_MIN_BYTES:
                 # cudaHostRegister locks whole pages: when one is shared with memory registered
-                # before, registering in place fails, and a private copy (below) will not
+                # before, registering in place fails (or pin_tensor skips it: is_pinned() says
+                # yes), and a private copy (below) will not
                 with contextlib.suppress(hostmem.PinningError):
-                    holder = _pinned_by_us[(t.data_ptr(), nbytes)] = hostmem.pin_tensor(t, name=name)
+                    pinned = hostmem.pin_tensor(t, name=name)
+                    if pinned.pinned:
+                        holder = _pinned_by_us[(t.data_ptr(), nbytes)] = pinned
             if holder is not None:
                 self._holders.append(holder)
                 return t, hostmem.cuda_alias(t, self.device)
         host, pages = _page_copy(t)
         try:
-            self._holders.append(hostmem.pin_tensor(pages, name=name))
+            holder = hostmem.pin_tensor(pages, name=name)
+            problem = None if holder.pinned else "fresh host pages already read as pinned"
         except hostmem.PinningError as e:
-            warnings.warn(f"PinnedLoader: {e}\nGathering {name} on the CPU and copying it to the "
-                          "GPU instead: same batches, slower.", stacklevel=3)
+            problem = e
+        if problem is not None:
+            warnings.warn(f"PinnedLoader: {problem}\nGathering {name} on the CPU and copying it "
+                          "to the GPU instead: same batches, slower.", stacklevel=3)
             return host, host
+        self._holders.append(holder)
         return host, hostmem.cuda_alias(host, self.device)
 
     @property
@@ -255,6 +262,8 @@ class PinnedLoader:
     def close(self) -> None:
         """Release this loader's hold on the pinned memory (unregistered once no other loader
         uses it). The loader cannot be iterated afterwards."""
+        if self._side is not None:
+            self._side.synchronize()   # a prefetch may still be reading the host memory
         self._holders, self._views, self._perm = [], [], None
 
     # --- order ---------------------------------------------------------------------------
@@ -378,6 +387,9 @@ class PinnedLoader:
         epoch, start = self.epoch, self.position
         if self.device.type == "cuda" and self._side is None:
             self._side = torch.cuda.Stream(device=self.device)
+            # when the loader is collected, let its last gathers finish before the pinned memory
+            # they read is unregistered and freed (weakref callbacks run before attributes go)
+            weakref.finalize(self, self._side.synchronize)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm   # only when asked: import nbtools stays light

@@ -320,3 +320,20 @@ def test_cuda_falls_back_when_pinning_is_refused(monkeypatch):
     with pytest.warns(UserWarning, match="same batches, slower"):
         loader = PinnedLoader(*tensors, batch_size=16, device="cuda", seed=5)
     _assert_same(list(loader), _cpu_reference(loader, tensors, 0))
+
+
+@pytest.mark.gpu
+def test_cuda_dropping_a_loader_mid_epoch_is_safe():
+    """The pinned memory is unregistered and freed only after the side stream's last gathers."""
+    for i in range(4):
+        x = torch.randn(2**18, 8)                  # 8 MiB: pinned in place
+        small = torch.arange(2**18) % 7            # 2 MiB, also in place
+        loader = PinnedLoader(x, small, torch.zeros(2**18, 3, dtype=torch.uint8), batch_size=4096,
+                              device="cuda", transform=lambda a, b, c: (a * 2, b, c))
+        it = iter(loader)
+        next(it), next(it)
+        if i % 2:
+            loader.close()
+        del it, loader, x, small
+    torch.cuda.synchronize()
+    assert hostmem.pinned_bytes() >= 0
