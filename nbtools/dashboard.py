@@ -127,8 +127,9 @@ def _e(s) -> str:
 
 def _badge(label, value, sub="", title="") -> str:
     return (f'<div class="nbtools-badge" title="{_e(title)}" style="display:inline-block;'
-            'min-width:104px;margin:0 6px 6px 0;padding:5px 9px;border:1px solid #e2e2e2;'
-            'border-radius:6px;background:#f7f8fa;vertical-align:top">'
+            'box-sizing:border-box;width:calc(20% - 6px);min-width:120px;margin:0 6px 6px 0;'
+            'padding:5px 9px;border:1px solid #e2e2e2;border-radius:6px;background:#f7f8fa;'
+            'vertical-align:top;white-space:nowrap;overflow:hidden">'
             f'<div style="font-size:11px;color:{_C["muted"]}">{_e(label)}</div>'
             f'<div class="nbtools-value" style="font-size:17px;font-weight:600;color:#111">'
             f'{_e(value)}</div>'
@@ -163,9 +164,11 @@ def _sub(a, b):
 
 
 def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_=(),
-                error: str = "", note: str = "", image_png: bytes | None = None) -> str:
+                error: str = "", note: str = "", image_png: bytes | None = None,
+                frame: bool = True) -> str:
     """The whole dashboard as one HTML string (badges, bars, diagnosis, warnings); with
-    ``image_png`` the plot is inlined (the static snapshot)."""
+    ``image_png`` the plot is inlined (the static snapshot). ``frame=False`` leaves out the
+    border, which the widget view draws around the HTML and the plot together."""
     r = rec
     unit = r.get("unit", "samples")
     mark, colour, word = _STATE[state]
@@ -183,8 +186,11 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
     badges = "".join([
         _badge(f"{unit}/s", fmt_count(r.get("samples_per_s")),
                f"mean {fmt_count(r.get('mean_samples_per_s'))}", "throughput, last 10 s"),
-        _badge("step", fmt_seconds(step), f"data {_pct(r.get('data_wait_s'), step)}",
-               "mean wall time per step since the last refresh"),
+        _badge("step", fmt_seconds(step), " · ".join(
+            f"{n} {_pct(r.get(k), step)}" for n, k in
+            (("data", "data_wait_s"), ("xfer", "transfer_s"), ("compute", "compute_s"))
+            if r.get(k) is not None) or "no breakdown",
+            "mean wall time per step since the last refresh; data wait, transfer, compute"),
         _badge("GPU memory", fmt_bytes(r.get("gpu_used_bytes")),
                f"of {fmt_bytes(r.get('gpu_total_bytes'))}",
                f"NVML; this process {fmt_bytes(r.get('gpu_process_bytes'))}"),
@@ -210,7 +216,7 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
     ])
     gt, gu = r.get("gpu_total_bytes"), r.get("gpu_used_bytes")
     ta, tr = r.get("torch_allocated_bytes"), r.get("torch_reserved_bytes")
-    bars = _bar("GPU memory", gt, [("torch allocated", ta, _C["gpu"]),
+    bars = "" if gt is None else _bar("GPU memory", gt, [("torch allocated", ta, _C["gpu"]),
                                    ("torch cache", _sub(tr, ta), _C["cache"]),
                                    ("other", _sub(gu, tr) if tr is not None else gu, _C["other"])],
                 f"{fmt_bytes(gu)} / {fmt_bytes(gt)} ({_pct(gu, gt)})",
@@ -241,11 +247,15 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
             f'refreshed at {fmt_seconds(r.get("time_s"))} · dashboard overhead '
             f'{"N/A" if over is None else f"{over:.2f}%"}{(" · " + _e(note)) if note else ""}'
             '</div>')
-    border = _C["fail"] if state == "failed" else "#d0d0d0"
+    box = (f"border:2px solid {_frame_colour(state)};border-radius:8px;padding:8px 10px;"
+           if frame else "")
     return (f'<div class="nbtools-dashboard nbtools-{state}" style="font-family:system-ui,'
-            f'-apple-system,Segoe UI,Roboto,sans-serif;color:#222;background:#fff;'
-            f'border:2px solid {border};border-radius:8px;padding:8px 10px;max-width:'
-            f'{900}px">{head}<div>{badges}</div>{bars}{diag}{warn}{img}{foot}</div>')
+            f'-apple-system,Segoe UI,Roboto,sans-serif;color:#222;background:#fff;{box}'
+            f'max-width:900px">{head}<div>{badges}</div>{bars}{diag}{warn}{img}{foot}</div>')
+
+
+def _frame_colour(state: str) -> str:
+    return _C["fail"] if state == "failed" else "#d0d0d0"
 
 
 def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
@@ -280,6 +290,7 @@ class _Plotter:
 
     def __init__(self, unit: str, width_px: int = 860):
         _, Figure, FigureCanvasAgg = _matplotlib()
+        from matplotlib import ticker
         dpi = 100
         self.fig = Figure(figsize=(width_px / dpi, 4.6), dpi=dpi, facecolor="white")
         FigureCanvasAgg(self.fig)
@@ -303,7 +314,7 @@ class _Plotter:
             a.set_ylabel(ylabel, fontsize=8)
             a.tick_params(labelsize=7)
             a.grid(True, lw=0.4, alpha=0.5)
-            a.legend(loc="upper left", fontsize=7, frameon=False, ncol=4)
+            a.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: fmt_count(v)))
         self._extra = []
         self.fig.subplots_adjust(left=0.075, right=0.99, top=0.98, bottom=0.09, hspace=0.12)
 
@@ -313,8 +324,17 @@ class _Plotter:
         minutes = bool(t) and (t[-1] - t[0]) > 600
         div = 60.0 if minutes else 1.0
         x = [v / div for v in t]
+        shown = [[], [], []]
         for i, key, scale, line in self.lines:
-            line.set_data(x, [math.nan if r.get(key) is None else r[key] / scale for r in recs])
+            y = [math.nan if r.get(key) is None else r[key] / scale for r in recs]
+            line.set_data(x, y)
+            if any(v == v for v in y):     # a legend entry only for series with readings
+                shown[i].append(line)
+        for a, lines in zip(self.ax, shown):
+            if lines:
+                a.legend(handles=lines, loc="upper left", fontsize=7, frameon=False, ncol=4)
+            elif a.get_legend() is not None:
+                a.get_legend().remove()
         for artist in self._extra:
             artist.remove()
         self._extra = [self.ax[k].axvline(r["time_s"] / div, color="#888", ls=":", lw=1)
@@ -325,9 +345,10 @@ class _Plotter:
             self._extra.append(self.ax[1].axhline(link / 1e9, color="#444", ls=":", lw=1))
         for a in self.ax:
             a.relim()
+            a.autoscale(enable=True, axis="y")   # set_ylim below turns it off each time
             a.autoscale_view()
             lo, hi = a.get_ylim()
-            a.set_ylim(0, max(hi, 1e-9) * 1.08)
+            a.set_ylim(0, max(hi, 1e-9) * 1.3)   # headroom for the legend row
         if x:
             span = (x[-1] - x[0]) or 1.0
             self.ax[2].set_xlim(x[0], x[-1] + 0.02 * span)
@@ -335,6 +356,29 @@ class _Plotter:
         buf = io.BytesIO()
         self.fig.savefig(buf, format="png", dpi=self.fig.dpi, facecolor="white")
         return buf.getvalue()
+
+
+class HistoryPlot:
+    """A rendered history plot: ``.png`` bytes; shows itself in a notebook."""
+
+    def __init__(self, png: bytes):
+        self.png = png
+
+    def _repr_png_(self):
+        return self.png
+
+    def __repr__(self):
+        return f"HistoryPlot({len(self.png):,} bytes of PNG)"
+
+
+def plot_history(history, unit: str | None = None, *, width_px: int = 860) -> HistoryPlot:
+    """Re-plot a saved history (a JSONL path or a :class:`~nbtools.meters.History`), e.g. after
+    resuming from a disconnect; dotted lines mark where a run was resumed."""
+    if not isinstance(history, History):
+        history = History.load(history)
+    if unit is None:
+        unit = next((r["unit"] for r in reversed(history.records) if r.get("unit")), "samples")
+    return HistoryPlot(_Plotter(unit, width_px).render(history))
 
 
 # --- the dashboard -----------------------------------------------------------------------------
@@ -443,10 +487,13 @@ class Dashboard:
         W = _widgets()
         _matplotlib()   # fail now, with the install hint, rather than at the first plot
         self._html = W.HTML(value=render_html({"unit": self.monitor.unit}, title=self.title,
-                                              note="waiting for the first step"))
+                                              note="waiting for the first step", frame=False))
         self._image = W.Image(format="png")
         self._image.layout.display = "none"   # until there is a plot
-        self.widget = W.VBox([self._html, self._image])
+        # the frame goes around the HTML and the plot together (Layout works in 7.7 and 8.x)
+        self.widget = W.VBox([self._html, self._image], layout=W.Layout(
+            border=f"2px solid {_frame_colour('running')}", padding="6px 10px",
+            max_width="924px"))
         if self.display:
             from IPython.display import display
             self._handle = display(self.widget, display_id=True)
@@ -457,7 +504,7 @@ class Dashboard:
         return "N/A: " + "; ".join(reasons.values()) if reasons else ""
 
     def _plot(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.monitor.clock()
         if not force and now < self._next_plot:
             return
         t0 = time.perf_counter()
@@ -477,7 +524,8 @@ class Dashboard:
         if self.mode == "widget":
             self._html.value = render_html(rec, state=self.state, title=self.title,
                                            warnings_=self.warnings, error=self.error,
-                                           note=self._note())
+                                           note=self._note(), frame=False)
+            self.widget.layout.border = f"2px solid {_frame_colour(self.state)}"
         else:
             self._draw_text(rec, final)
         self.monitor.add_overhead(time.perf_counter() - t0)
@@ -492,7 +540,7 @@ class Dashboard:
         for w in self.monitor.new_warnings:
             print(("\n" if tty else "") + f"[nbtools] warning: {w}", file=f)
         line = render_text(rec, state=self.state, title=self.title)
-        now = time.monotonic()
+        now = self.monitor.clock()
         if tty:   # one status line, rewritten in place
             try:
                 width = os.get_terminal_size(f.fileno()).columns - 1

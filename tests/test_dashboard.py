@@ -1,0 +1,284 @@
+"""The dashboard view, with the fake backend and a fake clock: text fallback, widget updates,
+throttling, red-on-exception, the static snapshot, thread mode and history resume."""
+import io
+import subprocess
+import sys
+import types
+
+import pytest
+
+import nbtools
+from nbtools import dashboard as dashmod
+from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html
+from nbtools.meters import FakeBackend, FakeClock, History, Monitor
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def make(mode="text", unit="rows", backend=None, clock=None, display=True, history=None, **cfg):
+    """A dashboard on the fake backend; text mode writes to ``dash.out``."""
+    out = io.StringIO()
+    config = DashboardConfig(mode=mode, pcie="manual", file=out, **cfg)
+    clock = clock or FakeClock()
+    mon = Monitor(unit, backend=backend or FakeBackend(clock=clock), clock=clock, config=config,
+                  history=history)
+    dash = Dashboard(unit, title="test run", config=config, display=display, monitor=mon)
+    dash.out, dash.clock = out, clock
+    return dash
+
+
+def run(dash, steps=100, dt=0.1, n=256):
+    for _ in range(steps):
+        dash.clock.advance(dt)
+        dash.step(n)
+
+
+# --- text fallback -------------------------------------------------------------------------------
+
+def test_text_mode_prints_throttled_lines_and_a_summary():
+    dash = make(text_every_s=5.0)
+    run(dash, steps=200)               # 20 s of fake time
+    lines = dash.out.getvalue().splitlines()
+    assert 4 <= len(lines) <= 5        # one line per 5 s, not one per refresh
+    assert "2.56k rows/s" in lines[-1] and "GPU 6.0 GiB/80.0 GiB 60% busy" in lines[-1]
+    dash.close()
+    text = dash.out.getvalue()
+    assert "[nbtools] test run: finished after 20 s, 200 steps, 51.2k rows" in text
+    assert dash.state == "finished"
+    dash.close()                       # idempotent
+    assert dash.out.getvalue() == text
+
+
+def test_text_mode_shows_na_and_prints_each_warning_once():
+    b = FakeBackend(gpu_used_bytes=None, gpu_total_bytes=None, gpu_util_percent=None,
+                    host_used_bytes=63 << 30)
+    dash = make(backend=b)
+    run(dash, steps=50)
+    dash.close()
+    text = dash.out.getvalue()
+    assert "GPU" not in text.splitlines()[0]              # no GPU readings: not shown as 0
+    assert text.count("warning: host RAM 63.0 GiB of 64.0 GiB") == 2   # when fired + summary
+    assert dash.summary()["warnings"] == [w for w in dash.warnings] and len(dash.warnings) == 1
+
+
+def test_display_false_prints_nothing():
+    dash = make(display=False)
+    run(dash, steps=30)
+    dash.close()
+    assert dash.out.getvalue() == "" and dash.record["step"] == 30
+
+
+def test_tty_rewrites_one_line():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    dash = make()
+    dash._file = tty = Tty()
+    run(dash, steps=30)
+    assert tty.getvalue().count("\r") >= 2 and "\n" not in tty.getvalue()
+
+
+# --- red on exception ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exc", [ValueError("bad batch\nsecond line"), KeyboardInterrupt()])
+def test_turns_red_and_reraises(exc):
+    dash = make()
+    with pytest.raises(type(exc)):
+        with dash:
+            run(dash, steps=20)
+            raise exc
+    assert dash.state == "failed"
+    name = type(exc).__name__
+    assert dash.error.startswith(f"stopped by {name}") and dash.error.endswith("at step 20")
+    assert "second line" not in dash.error
+    assert f"[nbtools] stopped by {name}" in dash.out.getvalue()
+    assert "nbtools-failed" in dash.snapshot_html()
+
+
+def test_a_failing_notebook_cell_turns_it_red():
+    dash = make()
+    run(dash, steps=5)
+    dash._after_cell(types.SimpleNamespace(error_in_exec=None))
+    assert dash.state == "running"
+    dash._after_cell(types.SimpleNamespace(error_in_exec=ZeroDivisionError("x")))
+    assert dash.state == "failed" and "ZeroDivisionError" in dash.error
+
+
+# --- widget view ---------------------------------------------------------------------------------
+
+widgets = pytest.importorskip("ipywidgets")
+
+
+def test_widget_updates_throttled_with_badges_bars_and_plot():
+    dash = make(mode="widget", display=False, plot_every_s=2.0)
+    values = []
+    dash._html.observe(lambda ch: values.append(ch["new"]), "value")
+    run(dash, steps=100, dt=0.05)       # 5 s of fake time: 5-6 refreshes
+    assert 5 <= len(values) <= 6
+    html = dash._html.value
+    assert html.count('class="nbtools-badge"') == 10 and "5.12k" in html
+    assert "GPU memory</b> 6.0 GiB / 80.0 GiB (8%)" in html
+    assert "⚑" in html and "border:2px" not in html          # the VBox draws the frame
+    assert bytes(dash._image.value).startswith(PNG) and dash._image.layout.display == ""
+    assert "#d0d0d0" in dash.widget.layout.border
+    dash.close()
+    assert dash.state == "finished"
+
+
+def test_widget_turns_red_on_failure():
+    dash = make(mode="widget", display=False)
+    with pytest.raises(RuntimeError):
+        with dash:
+            run(dash, steps=10)
+            raise RuntimeError("CUDA out of memory")
+    assert "#d62728" in dash.widget.layout.border
+    assert "stopped by RuntimeError: CUDA out of memory at step 10" in dash._html.value
+
+
+class FakeHandle:
+    def __init__(self):
+        self.updates = []
+
+    def update(self, obj, **kw):
+        self.updates.append((obj, kw))
+
+
+def test_close_leaves_a_static_snapshot(monkeypatch):
+    shown = []
+    handle = FakeHandle()
+    ipd = pytest.importorskip("IPython.display")
+    monkeypatch.setattr(ipd, "display", lambda obj, **kw: shown.append(obj) or handle)
+    dash = make(mode="widget")
+    assert shown == [dash.widget]
+    run(dash, steps=40)
+    dash.close()
+    (bundle, kw), = handle.updates
+    assert kw == {"raw": True}
+    assert 'class="nbtools-dashboard nbtools-finished"' in bundle["text/html"]
+    assert 'src="data:image/png;base64,' in bundle["text/html"]
+    assert "[test run finished" in bundle["text/plain"]
+    assert dash.widget.comm is None           # the live widgets are closed
+
+
+def test_freeze_false_keeps_the_widget(monkeypatch):
+    handle = FakeHandle()
+    ipd = pytest.importorskip("IPython.display")
+    monkeypatch.setattr(ipd, "display", lambda obj, **kw: handle)
+    dash = make(mode="widget", freeze=False)
+    run(dash, steps=20)
+    dash.close()
+    assert handle.updates == [] and dash.widget.comm is not None
+
+
+def test_missing_ipywidgets_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    with pytest.raises(ImportError, match=r"nbtools-offload\[notebook\]"):
+        make(mode="widget", display=False)
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="mode='html'"):
+        Dashboard(config=DashboardConfig(mode="html"))
+
+
+# --- thread mode ---------------------------------------------------------------------------------
+
+def test_thread_mode_refreshes_while_the_loop_is_stalled():
+    import time
+    dash = make(display=False, thread=True, refresh_s=0.01)
+    assert dash._thread is not None
+    dash.step(10)                        # the loop only counts ...
+    deadline = time.monotonic() + 5
+    while len(dash.history) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)                 # ... the thread refreshes although no step comes
+    assert len(dash.history) >= 3
+    dash.close()
+    assert not dash._thread.is_alive()
+
+
+def test_thread_mode_is_refused_in_colab(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    assert dashmod.thread_mode_supported()[0] is False
+    with pytest.warns(UserWarning, match="Colab"):
+        dash = make(display=False, thread=True)
+    assert dash._thread is None
+    dash.close()
+
+
+def test_thread_mode_is_refused_on_ipykernel_7_0_0(monkeypatch):
+    import importlib.metadata
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "7.0.0" if name == "ipykernel" else "1")
+    ok, why = dashmod.thread_mode_supported()
+    assert not ok and "7.0.0" in why
+
+
+# --- history ---------------------------------------------------------------------------------------
+
+def test_history_path_continues_after_a_disconnect(tmp_path):
+    path = tmp_path / "meters.jsonl"
+    first = make(history=History(str(path)))
+    run(first, steps=30)
+    first.close()
+    n = len(History.load(path))
+    # "reconnected": a new dashboard given the same path continues it
+    config = DashboardConfig(mode="text", pcie="manual", file=io.StringIO())
+    clock = FakeClock()
+    mon = Monitor("rows", backend=FakeBackend(), clock=clock, config=config,
+                  history=History.load(path, append=True))
+    second = Dashboard("rows", config=config, monitor=mon, display=False)
+    for _ in range(20):
+        clock.advance(0.1)
+        second.step(1)
+    second.close()
+    h = History.load(path)
+    assert len(h) > n and sum(bool(r.get("resumed")) for r in h.records) == 1
+    times = h.column("time_s")
+    assert times == sorted(times)
+    png = plot_history(path)
+    assert png.png.startswith(PNG) and png._repr_png_() is png.png
+
+
+def test_history_argument_as_a_path(tmp_path):
+    path = tmp_path / "runs" / "m.jsonl"
+    dash = Dashboard("rows", history=str(path), config=DashboardConfig(mode="text"), display=False)
+    dash.step(1)
+    dash.close()
+    assert path.exists() and Dashboard("rows", history=path, display=False,
+                                       config=DashboardConfig(mode="text")).history.records
+
+
+def test_save_history(tmp_path):
+    dash = make(display=False)
+    run(dash, steps=25)
+    dash.save_history(tmp_path / "h.jsonl")
+    assert len(History.load(tmp_path / "h.jsonl")) == len(dash.history)
+
+
+# --- rendering, machine check, import cost -------------------------------------------------------
+
+def test_render_html_escapes_and_handles_an_empty_record():
+    html = render_html({}, title="<script>", error="x < y")
+    assert "<script>" not in html and "&lt;script&gt;" in html and "x &lt; y" in html
+    assert html.count("N/A") >= 8
+
+
+def test_bandwidth_check_text_on_cpu():
+    out = io.StringIO()
+    res = dashmod.bandwidth_check(1 << 16, device="cpu", file=out)
+    assert res["pinned_h2d_bytes_per_s"] is None
+    assert "pinned host → GPU" in out.getvalue() and "N/A" in out.getvalue()
+    html = dashmod.render_bandwidth_html({**res, "link_bytes_per_s": 63e9,
+                                          "pinned_h2d_bytes_per_s": 50e9})
+    assert html.count('class="nbtools-bar"') == 5 and "50.0 GB/s of 63.0 GB/s (79%)" in html
+
+
+def test_import_stays_light():
+    # (pynvml is not in the list: `import torch` itself imports it when it is installed)
+    code = ("import sys, nbtools, nbtools.meters, nbtools.dashboard; "
+            "nbtools.Dashboard, nbtools.ThroughputMeter; "
+            "print(sorted(m for m in ('ipywidgets', 'matplotlib', 'psutil', 'IPython') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=nbtools.__path__[0] + "/..")
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,482 @@
+"""Headless meters with the fake backend and a fake clock: no GPU, no NVML, no sleeps."""
+import json
+import math
+import types
+
+import pytest
+
+from nbtools import meters
+from nbtools.meters import (CounterUnwrapper, FakeBackend, FakeClock, History, Meters, Monitor,
+                            MonitorConfig, PcieSampler, StepTimer, SystemBackend, ThroughputMeter,
+                            Warnings, diagnose)
+
+MANUAL = MonitorConfig(pcie="manual")
+
+
+def monitor(unit="samples", backend=None, clock=None, **cfg):
+    clock = clock or FakeClock()
+    backend = backend or FakeBackend(clock=clock)
+    return Monitor(unit, backend=backend, clock=clock,
+                   config=MonitorConfig(pcie="manual", **cfg)), backend, clock
+
+
+# --- readings and N/A ---------------------------------------------------------------------------
+
+def test_meters_read_has_every_key_with_units():
+    rec = Meters(FakeBackend(), clock=FakeClock(), pcie="manual").read()
+    for keys in (meters.GPU_KEYS, meters.TORCH_KEYS, meters.HOST_KEYS, meters.NBTOOLS_KEYS,
+                 meters.LINK_KEYS):
+        assert set(keys) <= set(rec)
+    assert rec["gpu_used_bytes"] == 6 << 30
+    assert rec["pinned_bytes"] == (8 << 30) + 0       # nbtools + torch host allocator
+    assert all(k.endswith(("_bytes", "_s", "_per_s", "_percent", "_gen", "_width", "_source"))
+               for k in rec), sorted(rec)
+
+
+@pytest.mark.parametrize("reader", ["gpu", "torch_memory", "host", "nbtools", "pcie_counters",
+                                    "pcie_throughput"], ids=lambda r: f"{r}_reader")  # not the gpu marker
+def test_a_failing_reader_reads_as_na(reader):
+    b = FakeBackend()
+    b.fail.add(reader)
+    m = Meters(b, clock=FakeClock(), pcie="manual")
+    m.pcie.poll()
+    m.pcie.poll()
+    rec = m.read()   # never raises
+    keys = {"gpu": meters.GPU_KEYS, "torch_memory": meters.TORCH_KEYS, "host": meters.HOST_KEYS,
+            "nbtools": meters.NBTOOLS_KEYS}.get(reader, ())
+    assert all(rec[k] is None for k in keys)
+    if reader == "nbtools":
+        assert rec["pinned_bytes"] == 0          # torch's part is still there
+        assert rec["nbtools_h2d_bytes_per_s"] is None
+
+
+def test_link_failure_and_missing_values_are_na():
+    b = FakeBackend(gpu_total_bytes=None, pcie_gen=None)
+    b.fail.add("link")
+    rec = Meters(b, clock=FakeClock(), pcie="off").read()
+    assert rec["link_bytes_per_s"] is None and rec["gpu_total_bytes"] is None
+    assert rec["pcie_rx_bytes_per_s"] is None and rec["pcie_source"] is None
+
+
+def test_system_backend_on_cpu_reads_host_and_na_for_gpu():
+    b = SystemBackend("cpu")
+    rec = Meters(b, clock=FakeClock()).read()
+    assert rec["gpu_used_bytes"] is None and rec["torch_allocated_bytes"] is None
+    assert rec["host_total_bytes"] > 0 and rec["process_rss_bytes"] > 0
+    assert rec["pcie_rx_bytes_per_s"] is None
+    assert "gpu" in b.na_reasons
+
+
+def test_host_readings_without_psutil_come_from_proc(monkeypatch):
+    b = SystemBackend("cpu")
+    b._psutil = None
+    out = b.host()
+    assert out["host_total_bytes"] > 0 and out["process_rss_bytes"] > 0
+    assert out["host_used_bytes"] == out["host_total_bytes"] - out["host_available_bytes"]
+
+
+def _fake_pynvml(fail_init=False, field_ret=0, value_type=1):
+    """A stand-in for the pynvml module, enough for SystemBackend's NVML paths."""
+    class NVMLError(Exception):
+        pass
+
+    def init():
+        if fail_init:
+            raise NVMLError("Driver Not Loaded")
+
+    def field_values(handle, ids):
+        return [types.SimpleNamespace(nvmlReturn=field_ret, valueType=value_type,
+                                      value=types.SimpleNamespace(uiVal=1000 + i, ulVal=0, ullVal=0))
+                for i, _ in enumerate(ids)]
+
+    return types.SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=init, nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: "handle",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=3 << 30, total=16 << 30),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=77),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+        nvmlDeviceGetMaxPcieLinkGeneration=lambda h: 4, nvmlDeviceGetMaxPcieLinkWidth=lambda h: 16,
+        nvmlDeviceGetFieldValues=field_values, nvmlDeviceGetPcieThroughput=lambda h, c: 2000 + c,
+        NVML_FI_DEV_PCIE_COUNT_RX_BYTES=198, NVML_FI_DEV_PCIE_COUNT_TX_BYTES=197,
+        NVML_VALUE_TYPE_UNSIGNED_LONG_LONG=3, NVML_VALUE_TYPE_UNSIGNED_LONG=2,
+        NVML_PCIE_UTIL_RX_BYTES=1, NVML_PCIE_UTIL_TX_BYTES=0)
+
+
+def test_system_backend_nvml_paths_with_a_fake_pynvml(monkeypatch):
+    b = SystemBackend("cpu")
+    b._nvml, b._handle = _fake_pynvml(), "handle"
+    gpu = b.gpu()
+    assert gpu["gpu_used_bytes"] == 3 << 30 and gpu["gpu_util_percent"] == 77.0
+    assert gpu["gpu_process_bytes"] is None            # our pid is not in the list: N/A
+    assert b.link()["link_bytes_per_s"] == pytest.approx(16 * 1969.2e6)
+    assert b.pcie_counters() == (1000, 1001)
+    assert b.pcie_throughput("rx") == (2000 + 1) * 1024.0
+
+
+def test_unsupported_pcie_counters_stop_being_asked():
+    b = SystemBackend("cpu")
+    b._nvml, b._handle = _fake_pynvml(field_ret=3), "handle"   # NVML_ERROR_NOT_SUPPORTED
+    assert b.pcie_counters() is None
+    assert not b._counters_ok and "pcie_counters" in b.na_reasons
+
+
+def test_nvml_missing_or_failing_is_na_not_a_crash(monkeypatch):
+    import sys
+    b = SystemBackend("cpu")
+    monkeypatch.setitem(sys.modules, "pynvml", None)          # not installed
+    b._init_nvml()
+    assert "nvidia-ml-py" in b.na_reasons["gpu"] and b._nvml is None
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
+    b._init_nvml()
+    assert b.na_reasons["gpu"].startswith("NVML failed") and b._nvml is None
+    assert b.gpu() == dict.fromkeys(meters.GPU_KEYS)
+
+
+# --- PCIe counters ------------------------------------------------------------------------------
+
+def test_unwrap_32bit_counter_across_many_wraps():
+    u = CounterUnwrapper(bits=32, max_rate=126e9)
+    total, value, t = 0, 2**32 - 1000, 0.0
+    u.update(value, t)
+    for _ in range(100):          # 1.5 GiB per 20 ms: wraps every ~3 reads
+        t += 0.02
+        value = (value + 1_500_000_000) % 2**32
+        total += u.update(value, t)
+    assert total == 100 * 1_500_000_000
+
+
+def test_unwrap_drops_gaps_that_may_hide_wraps():
+    u = CounterUnwrapper(bits=32, max_rate=126e9)   # safe gap: 2**32 / 126e9 = 34 ms
+    u.update(0, 0.0)
+    assert u.update(100, 0.05) is None              # 50 ms: could have wrapped: not trusted
+    assert u.update(300, 0.06) == 200
+
+
+def test_unwrap_widens_when_the_counter_is_64bit():
+    u = CounterUnwrapper(bits=32)
+    u.update(2**33, 0.0)
+    assert u.bits == 64 and u.update(2**33 + 5, 1.0) == 5
+
+
+def test_pcie_sampler_rates_from_wrapping_counters():
+    clock = FakeClock()
+    b = FakeBackend()
+    s = PcieSampler(b, clock, max_rate=63e9)
+    s.poll()
+    for _ in range(50):           # 1 s at 48 GB/s in, 12 GB/s out: the rx counter wraps 11 times
+        clock.advance(0.02)
+        b.move(rx_bytes=int(48e9 * 0.02), tx_bytes=int(12e9 * 0.02))
+        s.poll()
+    r = s.read()
+    assert r["pcie_source"] == "counters"
+    assert r["pcie_rx_bytes_per_s"] == pytest.approx(48e9, rel=1e-6)
+    assert r["pcie_tx_bytes_per_s"] == pytest.approx(12e9, rel=1e-6)
+    # a stalled poller (one 0.5 s gap) loses that interval, not the rate
+    clock.advance(0.5)
+    b.move(rx_bytes=int(48e9 * 0.5))
+    s.poll()
+    for _ in range(10):
+        clock.advance(0.02)
+        b.move(rx_bytes=int(10e9 * 0.02))
+        s.poll()
+    assert s.read()["pcie_rx_bytes_per_s"] == pytest.approx(10e9, rel=1e-6)
+
+
+def test_pcie_sampler_falls_back_to_the_throughput_query():
+    b = FakeBackend()
+    b.fail.add("pcie_counters")
+    b.throughput = [30e9, 5e9]
+    s = PcieSampler(b, FakeClock())
+    s.poll()
+    s.poll()
+    assert s.read() == {"pcie_rx_bytes_per_s": 30e9, "pcie_tx_bytes_per_s": 5e9,
+                        "pcie_source": "throughput"}
+
+
+def test_pcie_sampler_na_when_nothing_is_available():
+    b = FakeBackend()
+    b.fail.update({"pcie_counters", "pcie_throughput"})
+    s = PcieSampler(b, FakeClock())
+    s.poll()
+    s.poll()
+    assert s.source == "n/a"
+    assert s.read() == {"pcie_rx_bytes_per_s": None, "pcie_tx_bytes_per_s": None,
+                        "pcie_source": None}
+    s.start()                 # the thread sees nothing to read and ends by itself
+    s._thread.join(timeout=2)
+    assert not s._thread.is_alive()
+    s.stop()
+
+
+def test_pcie_sampler_thread_polls_in_the_background():
+    b = FakeBackend()
+    s = PcieSampler(b, poll_s=0.001)
+    s.start()
+    try:
+        deadline = __import__("time").monotonic() + 5
+        while b.calls["pcie_counters"] < 5 and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.005)
+    finally:
+        s.stop()
+    assert b.calls["pcie_counters"] >= 5 and s._thread is None
+
+
+def test_nbtools_transfer_rates():
+    clock = FakeClock()
+    b = FakeBackend()
+    m = Meters(b, clock=clock, pcie="manual")
+    m.read()
+    clock.advance(2.0)
+    b.move(rx_bytes=10 << 30, tx_bytes=2 << 30, nbtools=True)
+    rec = m.read()
+    assert rec["nbtools_h2d_bytes_per_s"] == (10 << 30) / 2
+    assert rec["nbtools_d2h_bytes_per_s"] == (2 << 30) / 2
+
+
+# --- throughput and step time -------------------------------------------------------------------
+
+def test_throughput_window_follows_a_rate_change():
+    clock = FakeClock()
+    tm = ThroughputMeter("words", clock=clock, window_s=10)
+    for _ in range(200):
+        clock.advance(0.1)
+        tm.update(100)            # 1000 words/s
+    for _ in range(200):
+        clock.advance(0.1)
+        tm.update(300)            # 3000 words/s
+    r = tm.read()
+    assert r["samples_per_s"] == pytest.approx(3000, rel=1e-6)
+    assert r["mean_samples_per_s"] == pytest.approx(2000, rel=1e-6)
+    assert r["samples_total"] == 80_000 and r["unit"] == "words"
+    assert len(tm._points) <= 60  # bounded memory
+
+
+def test_throughput_before_any_time_passes_is_na():
+    tm = ThroughputMeter(clock=FakeClock())
+    assert tm.read()["samples_per_s"] is None and tm.read()["mean_samples_per_s"] is None
+
+
+def test_step_timer_on_the_host_clock():
+    clock = FakeClock()
+    st = StepTimer(clock=clock)
+    batches = iter(range(5))
+
+    def loader():
+        for b in batches:
+            clock.advance(0.003)   # the loader makes us wait 3 ms
+            yield b
+
+    for _ in st.data(loader()):
+        with st.transfer():
+            clock.advance(0.001)
+        with st.compute():
+            clock.advance(0.006)
+        st.step()
+    r = st.read()
+    assert r["step_s"] == pytest.approx(0.010)
+    assert r["data_wait_s"] == pytest.approx(0.003)
+    assert r["transfer_s"] == pytest.approx(0.001)
+    assert r["compute_s"] == pytest.approx(0.006)
+    assert st.read() == r        # nothing new: the last reading stays
+
+
+def test_step_timer_cuda_events_resolve_lazily_without_sync():
+    clock = FakeClock()
+    b = FakeBackend(clock=clock)
+    st = StepTimer(clock=clock, event_factory=b.event)
+    for _ in range(4):
+        with st.transfer():
+            clock.advance(0.002)
+        with st.compute():
+            clock.advance(0.005)
+        st.step()
+    assert st.read()["compute_s"] is None       # the GPU has not reached the events: no wait
+    for _ in range(2):
+        with st.compute():
+            clock.advance(0.005)
+        st.step()
+    b.gpu_done()                                # now it has
+    r = st.read()
+    assert r["transfer_s"] == pytest.approx(0.002) and r["compute_s"] == pytest.approx(0.005)
+    assert len(b.events) <= 2 * 2 * 6 and not st._pending
+    n = len(b.events)
+    with st.compute():
+        clock.advance(0.001)
+    assert len(b.events) == n                   # resolved events are reused
+
+
+def test_step_timer_times_at_most_one_step_per_interval():
+    clock = FakeClock()
+    b = FakeBackend(clock=clock)
+    st = StepTimer(clock=clock, event_factory=b.event, min_interval_s=0.01)
+    for _ in range(100):        # 1 ms steps: about one in ten is timed
+        with st.compute():
+            clock.advance(0.001)
+        st.step()
+    assert 9 <= len(st._pending) <= 11
+
+
+def test_step_timer_never_queues_without_bound():
+    clock = FakeClock()
+    b = FakeBackend(clock=clock)
+    st = StepTimer(clock=clock, event_factory=b.event)
+    for _ in range(StepTimer.MAX_PENDING + 50):
+        with st.compute():
+            clock.advance(0.001)
+        st.step()
+    assert len(st._pending) == StepTimer.MAX_PENDING
+
+
+# --- the monitor: throttling, overhead, history -------------------------------------------------
+
+def test_monitor_refreshes_at_most_once_per_refresh_s():
+    mon, b, clock = monitor()
+    refreshes = 0
+    for _ in range(1000):         # 10 s of 10 ms steps
+        clock.advance(0.01)
+        refreshes += mon.step(64) is not None
+    assert 10 <= refreshes <= 11
+    assert b.calls["gpu"] == refreshes and len(mon.history) == refreshes
+    assert mon.record["samples_per_s"] == pytest.approx(6400)
+    assert mon.record["step_s"] == pytest.approx(0.01)
+
+
+def test_monitor_backs_off_when_refreshing_is_expensive():
+    mon, b, clock = monitor(refresh_s=1.0, max_overhead=0.01)
+    mon.step()
+    mon.add_overhead(0.05)        # a 50 ms refresh may only run every 5 s
+    nxt = mon._next               # (plus what the refresh itself cost)
+    assert clock() + 5.0 <= nxt < clock() + 6.0
+    before = mon.overhead_s
+    mon.add_overhead(1.0, reschedule=False)   # the plot schedules itself
+    assert mon._next == nxt and mon.overhead_s == pytest.approx(before + 1.0)
+
+
+def test_monitor_diagnosis_and_warnings_in_the_record():
+    clock = FakeClock()
+    b = FakeBackend(clock=clock, gpu_used_bytes=78 << 30)
+    mon, _, _ = monitor(backend=b, clock=clock)
+    clock.advance(0.5)
+    rec = mon.step(10)
+    assert rec["diagnosis"] == mon.diagnosis
+    assert mon.new_warnings and "GPU memory" in mon.new_warnings[0]
+    clock.advance(2)
+    mon.step(10)
+    assert mon.new_warnings == []             # fired once
+
+
+def test_history_jsonl_round_trip(tmp_path):
+    path = tmp_path / "ckpt" / "meters.jsonl"
+    mon, b, clock = monitor(history_path=str(path))
+    for _ in range(50):
+        clock.advance(0.1)
+        mon.step(8)
+    mon.close()
+    h = History.load(path)
+    assert len(h) == len(mon.history.records) == 5
+    assert h.records == json.loads(json.dumps(mon.history.records))
+    assert h.column("samples_total")[-1] == mon.history.records[-1]["samples_total"]
+
+
+def test_history_survives_a_torn_last_line_and_resumes(tmp_path):
+    path = tmp_path / "meters.jsonl"
+    mon, b, clock = monitor(history_path=str(path))
+    for _ in range(30):
+        clock.advance(0.1)
+        mon.step(8)
+    mon.close()
+    last_t = mon.history.records[-1]["time_s"]
+    with open(path, "a") as f:
+        f.write('{"time_s": 99, "gpu_us')           # the disconnect cut this write off
+    h = History.load(path, append=True)
+    assert h.skipped_lines == 1 and len(h) == 3
+    # a new run (new process, new clock) continues the time axis and marks the resume
+    clock2 = FakeClock(start=1000.0)
+    mon2 = Monitor("samples", backend=FakeBackend(), clock=clock2, config=MANUAL, history=h)
+    clock2.advance(0.5)
+    rec = mon2.step(8)
+    assert rec["resumed"] is True and rec["time_s"] == pytest.approx(last_t + 1.0 + 0.5)
+    clock2.advance(1.5)
+    assert "resumed" not in mon2.step(8)
+    mon2.close()
+    again = History.load(path)
+    assert again.skipped_lines == 1 and len(again) == 5
+
+
+def test_history_save_is_atomic_and_bounded(tmp_path):
+    h = History(max_records=100)
+    for i in range(250):
+        h.append({"time_s": float(i), "x": math.inf if i == 3 else i})
+    assert len(h) <= 100 and h.records[-1]["time_s"] == 249.0
+    p = tmp_path / "h.jsonl"
+    h.save(p)
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert History.load(p).records[-1] == {"time_s": 249.0, "x": 249}
+
+
+# --- diagnosis and warnings ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("rec, start", [
+    ({"data_wait_s": 0.004, "step_s": 0.01, "gpu_util_percent": 20}, "data-bound: 40%"),
+    ({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "gpu_util_percent": 100},
+     "transfer-bound: PCIe RX at 48 of 55 GB/s; consider the hot-row cache"),
+    ({"pcie_tx_bytes_per_s": 40e9, "pcie_rx_bytes_per_s": 1e9, "link_bytes_per_s": 63e9},
+     "transfer-bound: PCIe TX at 40 of 63"),
+    ({"nbtools_h2d_bytes_per_s": 50e9, "link_bytes_per_s": 63e9}, "transfer-bound: PCIe RX at 50"),
+    ({"transfer_s": 0.006, "step_s": 0.01}, "transfer-bound: host<->GPU copies take 60%"),
+    ({"gpu_util_percent": 95, "pcie_rx_bytes_per_s": 2e9, "link_bytes_per_s": 63e9},
+     "compute-bound: GPU busy 95%"),
+    ({"gpu_util_percent": 30, "step_s": 0.01}, "host-bound: GPU busy only 30%"),
+    ({"gpu_util_percent": 70, "step_s": 0.01}, "balanced: GPU busy 70%"),
+    ({"step_s": 0.01}, "no GPU readings"),
+    ({}, "warming up"),
+])
+def test_diagnose(rec, start):
+    assert diagnose(rec).startswith(start)
+
+
+def test_diagnose_uses_a_measured_link_ceiling():
+    rec = {"pcie_rx_bytes_per_s": 40e9, "link_bytes_per_s": 126e9, "gpu_util_percent": 99}
+    assert diagnose(rec).startswith("compute-bound")
+    assert diagnose(rec, link_bytes_per_s=50e9).startswith("transfer-bound: PCIe RX at 40 of 50")
+
+
+def test_warnings_fire_once_each():
+    w = Warnings(warmup_s=5)
+    host = {"host_used_bytes": 60 << 30, "host_total_bytes": 64 << 30, "pinned_bytes": 40 << 30}
+    first = w.check(host)
+    assert len(first) == 1 and "40.0 GiB of it pinned" in first[0]
+    assert w.check(host) == []
+    gpu = {"gpu_used_bytes": 10 << 30, "torch_reserved_bytes": 75 << 30,
+           "gpu_total_bytes": 80 << 30}
+    assert "GPU memory 75.0 GiB" in w.check(gpu)[0] and w.check(gpu) == []
+    assert set(w.fired) == {"host_memory", "gpu_memory"}
+
+
+def test_throughput_drop_warns_after_warmup_only():
+    w = Warnings(warmup_s=10, drop_fraction=0.5)
+    assert w.check({"samples_per_s": 10.0, "elapsed_s": 1}) == []
+    assert w.check({"samples_per_s": 1000.0, "elapsed_s": 2}) == []      # warm-up: not counted
+    assert w.check({"samples_per_s": 1000.0, "elapsed_s": 11}) == []
+    assert w.check({"samples_per_s": 600.0, "elapsed_s": 12}) == []
+    msg = w.check({"samples_per_s": 400.0, "elapsed_s": 13, "unit": "words"})
+    assert msg == ["throughput dropped to 400 words/s from 1k words/s; see the diagnosis line"]
+    assert w.check({"samples_per_s": 100.0, "elapsed_s": 14}) == []
+
+
+def test_warnings_with_na_readings_stay_quiet():
+    assert Warnings().check(dict.fromkeys(["gpu_used_bytes", "gpu_total_bytes", "host_used_bytes",
+                                           "host_total_bytes", "samples_per_s"])) == []
+
+
+# --- formatting and the machine check -----------------------------------------------------------
+
+def test_formatting():
+    assert meters.fmt_rate(512e6) == "512.0 MB/s" and meters.fmt_rate(0) == "0.0 GB/s"
+    assert meters.fmt_count(999) == "999" and meters.fmt_count(123456) == "123k"
+    assert meters.fmt_seconds(0.0004) == "400 µs" and meters.fmt_seconds(75) == "1:15"
+
+
+def test_measure_bandwidth_on_cpu_is_na():
+    r = meters.measure_bandwidth(1 << 16, device="cpu")
+    assert all(r[k] is None for k in r if k.endswith("_per_s"))
