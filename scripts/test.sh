@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's test command. On a fresh machine it sets itself up (a .venv with torch, the
+# package and its dev extras), then runs the whole test suite; extra arguments go to pytest.
+# GPU machines: use benchmarks/gpu_suite.sh instead (it keeps the machine's own torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+# A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
+# unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+pip install -q -e ".[dev]"
+if [ -f scripts/browser_test.sh ] && [ "${NBTOOLS_SKIP_BROWSER:-0}" != 1 ]; then
+  bash scripts/browser_test.sh
+fi
+python -m pytest -q "$@"
