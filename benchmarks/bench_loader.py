@@ -20,6 +20,8 @@ PinnedLoader and ceiling are timed over whole epochs after a warm-up epoch (the 
 permutation included). DataLoader rows are timed over a window of at most --max-batches batches
 or --window-s seconds after a few warm-up batches, and epochs/s is extrapolated from the batch
 rate: worker start-up and the sampler's per-epoch shuffle are left out, in DataLoader's favour.
+Then PinnedLoader vs ceiling on the pairs at other batch sizes (--pair-sweep, 1 timed epoch
+each): small batches are bound by Python launch overhead, large ones by the PCIe gather.
 
 GPU idle fraction = 1 - (time the compute stream spent inside model steps, from CUDA events
 around each step) / wall time: waiting for data or for copies counts as idle.
@@ -161,7 +163,7 @@ class IndexBatches:
 
 # --- one dataset --------------------------------------------------------------------------------
 
-def bench_dataset(name, tensors, step, batch_size, device, args, per_sample):
+def bench_dataset(name, tensors, step, batch_size, device, args, per_sample, dataloaders=True):
     n = tensors[0].shape[0]
     nb = -(-n // batch_size)
     res = {"samples": n, "batch_size": batch_size, "batches_per_epoch": nb,
@@ -184,11 +186,11 @@ def bench_dataset(name, tensors, step, batch_size, device, args, per_sample):
     # DataLoader first: the tensors are not registered with CUDA yet, so forked workers share
     # their pages plainly.
     ds = TensorDataset(*tensors)
-    index_batches = None if per_sample else IndexBatches(n, batch_size)
+    index_batches = None if per_sample or not dataloaders else IndexBatches(n, batch_size)
     fork = "fork" if platform.system() == "Linux" else None
     settings = [(pin, w, None) for pin in (False, True) for w in args.workers
-                if device.type == "cuda" or not pin]
-    if not per_sample:   # the stock BatchSampler(RandomSampler), for reference
+                if (device.type == "cuda" or not pin) and dataloaders]
+    if not per_sample and dataloaders:   # the stock BatchSampler(RandomSampler), for reference
         settings.append((device.type == "cuda", max(args.workers), "BatchSampler(RandomSampler) "))
     for pin, w, stock in settings:
         kw = dict(num_workers=w, pin_memory=pin, multiprocessing_context=fork if w else None)
@@ -225,9 +227,11 @@ def bench_dataset(name, tensors, step, batch_size, device, args, per_sample):
         torch.cuda.empty_cache()
 
     ceiling = out["ceiling (data on GPU)"]["epochs_per_s"]
-    dls = {k: v["epochs_per_s"] for k, v in out.items() if k.startswith("DataLoader")}
-    best = max(dls, key=dls.get)
     res["pinned_vs_ceiling"] = out["PinnedLoader"]["epochs_per_s"] / ceiling
+    dls = {k: v["epochs_per_s"] for k, v in out.items() if k.startswith("DataLoader")}
+    if not dls:
+        return res
+    best = max(dls, key=dls.get)
     res["best_dataloader"] = best
     res["pinned_vs_best_dataloader"] = out["PinnedLoader"]["epochs_per_s"] / dls[best]
     return res
@@ -256,6 +260,8 @@ def main():
     ap.add_argument("--image-batch", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=100_000_000, help="id pairs (int64)")
     ap.add_argument("--pair-batch", type=int, default=32_768)
+    ap.add_argument("--pair-sweep", default="8192,131072",
+                    help="more pair batch sizes, PinnedLoader vs ceiling only (1 timed epoch)")
     ap.add_argument("--vocab", type=int, default=1_000_000, help="ids in the pair stream")
     ap.add_argument("--dim", type=int, default=64, help="embedding dimension of the pair model")
     ap.add_argument("--workers", default="0,2,4,8", help="DataLoader num_workers settings")
@@ -269,6 +275,7 @@ def main():
     if args.quick:
         args.images, args.pairs, args.vocab, args.dim = 6_000, 1_000_000, 10_000, 16
         args.pair_batch, args.workers, args.max_batches, args.window_s = 16_384, "0,2", 20, 0.5
+        args.pair_sweep = "65536"
     args.workers = [int(w) for w in args.workers.split(",")]
     args.dl_warmup = 3 if args.quick else 10
     device = resolve_device(args.device)
@@ -283,21 +290,35 @@ def main():
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (args.images, 28, 28), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (args.images,), generator=g)
-    args.epochs = args.epochs or (2 if args.quick else 10)
+    epochs = args.epochs
+    args.epochs = epochs or (2 if args.quick else 10)
     res["images"] = bench_dataset("images", (images, labels), image_step(device), args.image_batch,
                                   device, args, per_sample=True)
     del images, labels
     gc.collect()
 
     pairs = torch.randint(0, args.vocab, (args.pairs, 2), generator=g)
-    args.epochs = 1 if args.quick else 2
-    res["pairs"] = bench_dataset("pairs", (pairs,), pair_step(device, args.vocab, args.dim),
-                                 args.pair_batch, device, args, per_sample=False)
+    args.epochs = epochs or (1 if args.quick else 2)
+    step = pair_step(device, args.vocab, args.dim)
+    res["pairs"] = bench_dataset("pairs", (pairs,), step, args.pair_batch, device, args,
+                                 per_sample=False)
+    args.epochs = 1
+    res["pair_sweep"] = {int(bs): bench_dataset("pairs", (pairs,), step, int(bs), device, args,
+                                                per_sample=False, dataloaders=False)
+                         for bs in args.pair_sweep.split(",") if bs}
     del pairs
     res["total_s"] = time.perf_counter() - t_start
 
     print_table("images", res["images"], device_name)
     print_table("id pairs", res["pairs"], device_name)
+    print("\n## id pairs by batch size (the others: 1 timed epoch each)")
+    print(f"{'batch':>10}{'Pinned ep/s':>14}{'ceiling ep/s':>14}{'ratio':>8}{'GPU idle P/C':>14}")
+    for bs, r in sorted({args.pair_batch: res["pairs"], **res["pair_sweep"]}.items()):
+        pl, ce = r["results"]["PinnedLoader"], r["results"]["ceiling (data on GPU)"]
+        idle = ("N/A" if pl["gpu_idle_frac"] is None else
+                f"{100 * pl['gpu_idle_frac']:.0f}%/{100 * ce['gpu_idle_frac']:.0f}%")
+        print(f"{bs:>10,}{pl['epochs_per_s']:>14.3f}{ce['epochs_per_s']:>14.3f}"
+              f"{r['pinned_vs_ceiling']:>7.2f}x{idle:>14}")
     p = res["pairs"]
     print(f"\ntargets on the id-pair stream: >= 0.9x ceiling: {p['pinned_vs_ceiling']:.2f}x "
           f"({'met' if p['pinned_vs_ceiling'] >= 0.9 else 'NOT met'}); >= 3x best DataLoader: "

@@ -357,25 +357,29 @@ class PinnedLoader:
             hostmem.count_transfer(h2d=n * self._row_bytes)
         return tuple(batch) if self.transform is None else self.transform(*batch)
 
-    def _prefetch(self, b: int):
+    def _prefetch(self, b: int, main):
         """Start gathering batch ``b``; on CUDA it runs on the side stream."""
-        if self._side is None:
+        if main is None:
             return self._gather(b)
         # Wait for the consumer's work so far: the permutation and anything the transform
         # reads are ready, and the gather runs at most one batch ahead of the model.
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             return self._gather(b)
 
-    def _hand_over(self, batch):
-        """Make the consumer's stream wait for ``batch`` and keep its memory until it is done."""
-        if self._side is not None:
-            main = torch.cuda.current_stream(self.device)
+    def _hand_over(self, batch, main):
+        """Make the consumer's stream ``main`` wait for ``batch`` and keep its memory until
+        ``main`` is done with it."""
+        if main is not None:
             main.wait_stream(self._side)   # only this batch is queued there so far
             for t in _tensors_in(batch):
                 if t.is_cuda:
                     t.record_stream(main)   # allocated on the side stream, used on main
         return batch
+
+    def _consumer_stream(self):
+        """The stream the loop body runs on now (None on the CPU)."""
+        return None if self._side is None else torch.cuda.current_stream(self.device)
 
     def __iter__(self):
         if not self._views and self._host:
@@ -397,14 +401,15 @@ class PinnedLoader:
         try:
             if start < nb:
                 self._load_permutation(epoch)
-                pending = self._prefetch(start)
+                pending = self._prefetch(start, self._consumer_stream())
                 for b in range(start, nb):
                     if self._token is not token:
                         raise RuntimeError("this PinnedLoader was iterated again while an earlier "
                                            "loop over it was still running; use one loop at a time")
-                    batch = self._hand_over(pending)
+                    main = self._consumer_stream()   # the loop body may switch streams
+                    batch = self._hand_over(pending, main)
                     if b + 1 < nb:
-                        pending = self._prefetch(b + 1)
+                        pending = self._prefetch(b + 1, main)
                     self.position = b + 1
                     if bar is not None:
                         bar.update(1)
