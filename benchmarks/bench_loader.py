@@ -273,9 +273,9 @@ def main():
     ap.add_argument("--out", default=None, help="write DIR/loader.json")
     args = ap.parse_args()
     if args.quick:
-        args.images, args.pairs, args.vocab, args.dim = 6_000, 1_000_000, 10_000, 16
-        args.pair_batch, args.workers, args.max_batches, args.window_s = 16_384, "0,2", 20, 0.5
-        args.pair_sweep = "65536"
+        args.images, args.pairs, args.vocab, args.dim = 4_000, 400_000, 10_000, 16
+        args.pair_batch, args.workers, args.max_batches, args.window_s = 8_192, "0,2", 12, 0.3
+        args.pair_sweep = "32768"
     args.workers = [int(w) for w in args.workers.split(",")]
     args.dl_warmup = 3 if args.quick else 10
     device = resolve_device(args.device)
