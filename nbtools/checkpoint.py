@@ -796,7 +796,7 @@ class CheckpointManager:
             buf = io.BytesIO()
             torch.save(packer.extras, buf)
             extras_blob = buf.getvalue()
-        estimate = total + _ALIGN * len(entries) + len(extras_blob or b"") + (1 << 20)
+        estimate = total + (_ALIGN + 512) * len(entries) + len(extras_blob or b"") + (64 << 10)
         self._check_space(estimate, step)
 
         seq = self._next_seq()
