@@ -119,13 +119,13 @@ def _page_copy(t: torch.Tensor):
 def _whole_range_pinned(t: torch.Tensor) -> bool:
     """Whether the first and the last byte of ``t`` are in page-locked memory.
 
-    ``Tensor.is_pinned()`` only looks at the first byte, which may sit on a page locked for a
-    neighbouring allocation.
+    ``Tensor.is_pinned()`` only looks at the first byte of the storage, which may sit on a page
+    locked for a neighbouring allocation, or outside the view ``t``.
     """
-    if not t.is_pinned():
-        return False
-    last = t.data_ptr() + t.numel() * t.element_size() - 1
-    return torch.frombuffer((ctypes.c_uint8 * 1).from_address(last), dtype=torch.uint8).is_pinned()
+    first = t.data_ptr()
+    last = first + t.numel() * t.element_size() - 1
+    return all(torch.frombuffer((ctypes.c_uint8 * 1).from_address(a), dtype=torch.uint8).is_pinned()
+               for a in (first, last))
 
 
 def _tensors_in(obj):
