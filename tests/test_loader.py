@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nbtools import hostmem
-from nbtools.loader import PinnedLoader, _mix_, _mix_int, _signed, _whole_range_pinned, permutation
+from nbtools.loader import (PinnedLoader, _mix_, _mix_int, _signed, _whole_range_pinned,
+                            permutation)
 
 # the `device` fixture holds no state, so reusing it across hypothesis examples is fine
 _settings = settings(max_examples=25, deadline=None,
