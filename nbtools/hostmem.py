@@ -16,6 +16,7 @@ move between host and GPU (:func:`transfer_counters`): neither NVML nor /proc ca
 from __future__ import annotations
 
 import itertools
+import mmap
 import threading
 import weakref
 
@@ -28,6 +29,7 @@ from .devices import cuda_ok, human_bytes, memlock_limit
 _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)
 
+_PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
 _regions: dict[int, tuple[str, int]] = {}   # key -> (name, bytes) of memory registered now
 _keys = itertools.count()
@@ -93,6 +95,7 @@ def _unregister(ptr: int, key: int) -> None:
         if _regions.pop(key, None) is None:
             return
     try:
+        torch.cuda.synchronize()     # no kernel may still read or write these pages
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:     # interpreter shutdown: the CUDA context may already be gone
         pass
@@ -151,8 +154,13 @@ class HostTensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         # numpy owns the bytes so that we can hook their release (weakref.finalize fires before
-        # numpy frees the data), and unregister exactly then.
-        self._raw = np.empty(max(self.nbytes, 1), dtype=np.uint8)
+        # numpy frees the data), and unregister exactly then. cudaHostRegister locks whole
+        # pages: the buffer gets pages of its own (aligned start, size rounded up), so two
+        # buffers never share one.
+        padded = -(-max(self.nbytes, 1) // _PAGE) * _PAGE
+        whole = np.empty(padded + _PAGE, dtype=np.uint8)
+        start = -whole.ctypes.data % _PAGE
+        self._raw = whole[start:start + padded]      # a view: keeps `whole` alive
         self.tensor = torch.from_numpy(self._raw)[: self.nbytes].view(dtype).view(shape)
         self.tensor.zero_()   # touch every page (multi-threaded memset) before pinning
         self.pinned = False
@@ -222,7 +230,10 @@ class pin_tensor:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pinned = False
         self._view = None
-        if cuda_ok() and self.nbytes > 0 and not tensor.is_pinned():
+        if cuda_ok() and self.nbytes > 0 and tensor.is_pinned():
+            self.pinned = True           # pinned by torch (pin_memory()) or the caller: alias it
+            self._finalizer = lambda: None
+        elif cuda_ok() and self.nbytes > 0:
             ptr = tensor.data_ptr()
             _register(ptr, self.nbytes)
             key = next(_keys)
