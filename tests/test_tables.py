@@ -170,3 +170,21 @@ def test_describe_and_counters():
     info = nbtools.describe(file=open("/dev/null", "w"))
     assert info["torch"] == torch.__version__
     assert set(nbtools.transfer_counters()) == {"h2d_bytes", "d2h_bytes"}
+
+
+@pytest.mark.gpu
+def test_pinned_bytes_are_counted_and_released():
+    import gc
+    base = nbtools.pinned_bytes()
+    table = OffloadedEmbedding(1000, 64, device="cuda", name="counted")
+    assert table.pinned and table.transfer_mode == "zero-copy"
+    assert nbtools.pinned_bytes() - base >= 1000 * 64 * 4
+    opt = OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)   # reallocates as [w | m | v]
+    assert 3 * 1000 * 64 * 4 <= nbtools.pinned_bytes() - base < 3 * 1000 * 64 * 4 + 3 * 4096
+    table.close()
+    assert nbtools.pinned_bytes() == base
+    other = OffloadedEmbedding(1000, 64, device="cuda", name="collected")
+    assert nbtools.pinned_bytes() > base
+    del other, opt
+    gc.collect()
+    assert nbtools.pinned_bytes() == base
