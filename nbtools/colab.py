@@ -185,7 +185,8 @@ class DriveSync:
                           "is intact; the next save is copied again)", RuntimeWarning, stacklevel=3)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued copy is done; raise the first background error."""
+        """Block until every queued copy is done; raise the first background error not
+        reported yet."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._current is not None:
@@ -193,10 +194,11 @@ class DriveSync:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"copies to {self.target} still running after {timeout} s")
                 self._cond.wait(left)
-            errors = list(self.errors)
-        if errors:
-            raise DriveError(f"{len(errors)} copy(ies) to {self.target} failed; first: "
-                             f"{errors[0]!r}. Local checkpoints are intact.") from errors[0]
+            new = self.errors[self._reported:]
+            self._reported = len(self.errors)
+        if new:
+            raise DriveError(f"{len(new)} copy(ies) to {self.target} failed; first: "
+                             f"{new[0]!r}. Local checkpoints are intact.") from new[0]
 
     def finalize(self, unmount: bool | None = None) -> None:
         """Wait for the copies, then flush Drive. In Colab this unmounts Drive by default

@@ -1,0 +1,505 @@
+"""Datasets the notebooks use: fetched with gdown, verified by hash, cached, turned into id tensors.
+
+``fetch(name_or_url)`` takes a registry name (``"ml-100k"``, ``"text8"``, ...), a Google Drive
+link or file id, or a plain URL. It downloads with gdown (5.2 as on Colab, or 6.x) into a
+temporary directory beside the cache, retries with exponential backoff, checks size and hash,
+and only then renames the file into the cache (on Google Drive in Colab, so that a new runtime
+does not download it again). Drive's "too many users have viewed or downloaded this file"
+quota error gets its own message with the workaround.
+
+Loaders turn files into what the models eat: ``load_movielens`` / ``load_ratings`` ->
+``Ratings(user_ids, item_ids, ratings, num_users, num_items)`` with ids renumbered 0..n-1,
+``load_text8`` -> ``Corpus(ids, vocab, counts)``. Small bundled samples (``"movielens-sample"``,
+``"text8-sample"``) need no network: the notebooks' smoke settings and CI use them.
+
+>>> r = load("movielens-sample")
+>>> r.num_users, r.num_items, r.user_ids.dtype
+(120, 90, torch.int64)
+>>> c = load("text8-sample", min_count=1)
+>>> c.ids.shape[0] > 3000, c.vocab[0] == "the"
+(True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import zipfile
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from . import NbtoolsError
+
+SAMPLES_DIR = Path(__file__).parent / "datasets"
+
+
+class DownloadError(NbtoolsError, ConnectionError):
+    """A download failed after its retries (or for a reason retrying cannot fix)."""
+
+
+class HashMismatchError(NbtoolsError, ValueError):
+    """The downloaded file is not the expected one."""
+
+
+class DriveQuotaError(NbtoolsError, RuntimeError):
+    """Google Drive refuses the download for now: too many people fetched the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A registry entry. ``md5``/``sha256``/``bytes`` are None where no published value is known:
+    the file is then checked against the hashes computed on its first download (kept beside it
+    in the cache), and ``fetch`` prints them so that you can pin them."""
+
+    name: str
+    url: str | None               # None: bundled with nbtools (no download)
+    filename: str
+    kind: str                     # "ratings" or "text"
+    description: str
+    md5: str | None = None
+    sha256: str | None = None
+    bytes: int | None = None
+    hash_source: str = ""
+
+
+_ML = "https://files.grouplens.org/datasets/movielens"
+_GL = "md5 published by GroupLens beside the file (.zip.md5)"
+REGISTRY: dict[str, Dataset] = {d.name: d for d in [
+    Dataset("ml-100k", f"{_ML}/ml-100k.zip", "ml-100k.zip", "ratings",
+            "MovieLens 100K: 100,000 ratings, 943 users, 1,682 movies",
+            md5="0e33842e24a9c977be4e0107933c0723",
+            sha256="50d2a982c66986937beb9ffb3aa76efe955bf3d5c6b761f4e3a7cd717c6a3229",
+            bytes=4_924_029, hash_source=_GL + "; sha256 and size as recorded by several users"),
+    Dataset("ml-1m", f"{_ML}/ml-1m.zip", "ml-1m.zip", "ratings",
+            "MovieLens 1M: 1,000,209 ratings, 6,040 users, 3,706 movies",
+            md5="c4d9eecfca2ab87c1945afe126590906",
+            sha256="a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
+            hash_source=_GL + "; sha256 as pinned by tensorflow/models"),
+    Dataset("ml-20m", f"{_ML}/ml-20m.zip", "ml-20m.zip", "ratings",
+            "MovieLens 20M: 20,000,263 ratings, 138,493 users, 26,744 movies",
+            md5="cd245b17a1ae2cc31bb14903e1204af3",
+            sha256="96f243c338a8665f6bcc89c53edf6ee39162a846940de6b7c8c48aeada765ff3",
+            bytes=198_702_078, hash_source=_GL + "; sha256 and size as recorded by users"),
+    Dataset("ml-25m", f"{_ML}/ml-25m.zip", "ml-25m.zip", "ratings",
+            "MovieLens 25M: 25,000,095 ratings, 162,541 users, 59,047 movies",
+            md5="6b51fb2759a8657d3bfcbfc42b592ada", bytes=261_978_986, hash_source=_GL),
+    Dataset("goodbooks-10k",
+            "https://raw.githubusercontent.com/zygmuntz/goodbooks-10k/master/ratings.csv",
+            "goodbooks-10k-ratings.csv", "ratings",
+            "Goodbooks-10k: ~6M ratings of 10,000 books by 53,424 users (CC BY-SA 4.0)",
+            hash_source="none published: checked against the first download"),
+    Dataset("text8", "http://mattmahoney.net/dc/text8.zip", "text8.zip", "text",
+            "text8: the first 10^8 characters of cleaned English Wikipedia (~17M words)",
+            bytes=31_344_016, hash_source="size from the word2vec tutorials; no hash published"),
+    Dataset("movielens-sample", None, "ratings-sample.csv", "ratings",
+            "synthetic MovieLens-format ratings bundled with nbtools (smoke runs, CI)"),
+    Dataset("text8-sample", None, "text8-sample.txt", "text",
+            "synthetic text8-like corpus bundled with nbtools (smoke runs, CI)"),
+]}
+
+QUOTA_HELP = (
+    "Google Drive refuses this download for now: too many users have viewed or downloaded the "
+    "file recently (Drive's per-file quota). Workaround: open {link} in a browser while signed "
+    "in, choose 'Make a copy' (File > Make a copy, or the copy icon) to put it in your own "
+    "Drive, share the copy as 'Anyone with the link', and fetch the copy's id instead: "
+    "nbtools.data.fetch('<id of your copy>', md5=...). Or wait up to 24 h and try again.")
+
+_DRIVE_ID = re.compile(r"^[A-Za-z0-9_-]{25,}$")
+_DRIVE_URL = re.compile(r"https?://(?:drive|docs)\.google\.com/.*?(?:/d/|[?&]id=)([A-Za-z0-9_-]{25,})")
+
+
+def _parse_source(s: str):
+    """-> ("drive", id) | ("url", url). Drive links are parsed here: gdown 6 dropped fuzzy=."""
+    m = _DRIVE_URL.match(s)
+    if m:
+        return "drive", m.group(1)
+    if s.startswith("gdrive:"):
+        return "drive", s[len("gdrive:"):]
+    if _DRIVE_ID.match(s):
+        return "drive", s
+    if re.match(r"^(https?|ftp)://", s):
+        return "url", s
+    raise ValueError(f"fetch({s!r}): not a dataset name ({', '.join(REGISTRY)}), a URL, or a "
+                     "Google Drive link or file id")
+
+
+def default_cache_dir() -> Path:
+    """``$NBTOOLS_DATA_DIR``, else Google Drive in Colab (survives a new runtime), else
+    ``~/.cache/nbtools/datasets``."""
+    env = os.environ.get("NBTOOLS_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    from .colab import drive_dir, in_colab
+
+    if in_colab():
+        return drive_dir("nbtools/datasets")
+    return Path("~/.cache/nbtools/datasets").expanduser()
+
+
+def file_hashes(path, chunk_bytes: int = 8 << 20) -> dict:
+    """``{"bytes", "md5", "sha256"}`` of a file, in one pass."""
+    md5, sha = hashlib.md5(), hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            md5.update(block)
+            sha.update(block)
+            n += len(block)
+    return {"bytes": n, "md5": md5.hexdigest(), "sha256": sha.hexdigest()}
+
+
+class _Retryable(Exception):
+    """Internal: a failure worth another attempt."""
+
+
+def _gdown_download(kind: str, source: str, output: str, quiet: bool) -> str:
+    """One gdown call that behaves the same on gdown 5.2 and 6.x (raises, never returns None)."""
+    import gdown   # lazy: only fetch() needs it
+
+    kwargs = {"output": output, "quiet": quiet}
+    if kind == "drive":
+        result = gdown.download(id=source, **kwargs)
+    else:
+        result = gdown.download(url=source, use_cookies=False, **kwargs)
+    if result is None:   # gdown < 6 reports some failures by returning None
+        raise _Retryable("gdown returned no file (see its message above)")
+    return result
+
+
+def _looks_like_error_page(path: Path, expected_name: str) -> str | None:
+    """gdown 5 saves an HTTP error body as if it were the file; spot HTML where none belongs."""
+    if expected_name.lower().endswith((".html", ".htm")):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    text = head.lstrip().lower()
+    if text.startswith((b"<!doctype html", b"<html")) or b"<title>" in text[:512]:
+        return head.decode("utf-8", "replace")
+    return None
+
+
+def _classify(e: BaseException, link: str):
+    """-> the exception to raise now, or None when ``e`` is worth another attempt."""
+    if "too many users" in str(e).lower():
+        return DriveQuotaError(QUOTA_HELP.format(link=link))
+    if isinstance(e, _Retryable):
+        return None
+    import requests   # gdown depends on it
+
+    if isinstance(e, requests.HTTPError):
+        status = e.response.status_code if e.response is not None else None
+        if status is not None and (status >= 500 or status == 429):
+            return None
+        return DownloadError(f"{link}: the server answered HTTP {status}"
+                             f"{' (not found)' if status == 404 else ''}; check the URL")
+    if isinstance(e, requests.RequestException):   # connection reset, timeout, cut-off body
+        return None
+    if type(e).__module__.startswith("gdown"):
+        if type(e).__name__ == "FileURLRetrievalError":
+            return DownloadError(f"Google Drive would not hand out {link}: {e}\nCheck that the "
+                                 "file is shared as 'Anyone with the link'.")
+        return None                                # gdown 6: "Download is incomplete", ...
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DownloadError(f"no space left on the cache disk for {link}: {e}")
+    return e
+
+
+def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None,
+          filename: str | None = None, cache_dir=None, retries: int = 3, backoff_s: float = 2.0,
+          quiet: bool = False, sleep=time.sleep) -> Path:
+    """Download (or find in the cache) a dataset file and return its local path.
+
+    Args:
+        name_or_url: a registry name (see ``REGISTRY``), a Google Drive link or file id, or an
+            http(s) URL.
+        md5, sha256: expected hashes (registry entries bring their own).
+        filename: name in the cache (default: the registry's, the URL's, or Drive's).
+        cache_dir: default :func:`default_cache_dir` (Google Drive in Colab).
+        retries: further attempts after a network or server failure; the wait doubles each
+            time, starting at ``backoff_s`` seconds (``sleep`` is injectable for tests).
+        quiet: no progress output.
+
+    Raises:
+        HashMismatchError: the file is not the expected one (it is deleted).
+        DriveQuotaError: Drive's download quota; the message says how to get around it.
+        DownloadError: still failing after the retries, or a failure retrying cannot fix.
+    """
+    entry = REGISTRY.get(name_or_url)
+    expected_bytes = None
+    if entry is not None:
+        if entry.url is None:
+            return SAMPLES_DIR / entry.filename
+        kind, source = _parse_source(entry.url)
+        md5, sha256 = md5 or entry.md5, sha256 or entry.sha256
+        filename, expected_bytes, key = filename or entry.filename, entry.bytes, entry.name
+    else:
+        kind, source = _parse_source(name_or_url)
+        if kind == "drive":
+            key = f"drive-{source}"
+        else:
+            key = "url-" + hashlib.sha1(source.encode()).hexdigest()[:12]
+            tail = source.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+            filename = filename or re.sub(r"[^\w.-]", "_", tail) or "download"
+    link = f"https://drive.google.com/uc?id={source}" if kind == "drive" else source
+    want = {k: v.lower() for k, v in (("md5", md5), ("sha256", sha256)) if v}
+
+    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    folder = folder / key
+    folder.mkdir(parents=True, exist_ok=True)
+    hit = _cached(folder, filename, want)
+    if hit is not None:
+        return hit
+
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
+    say(f"fetching {name_or_url} from {link} -> {folder}")
+    last = None
+    for attempt in range(retries + 1):
+        if attempt:
+            wait = backoff_s * 2 ** (attempt - 1)
+            say(f"  attempt {attempt} of {retries + 1} failed ({last}); retrying in {wait:.0f} s")
+            sleep(wait)
+        tmp = folder / f".fetch-{os.getpid()}-{time.time_ns():x}"
+        tmp.mkdir()
+        try:
+            out = Path(_gdown_download(kind, source, str(tmp / filename) if filename
+                                       else str(tmp) + os.sep, quiet))
+            page = _looks_like_error_page(out, filename or out.name)
+            if page is not None:
+                if "too many users" in page.lower():
+                    raise DriveQuotaError(QUOTA_HELP.format(link=link))
+                raise _Retryable(f"the server sent an HTML page instead of the file: "
+                                 f"{' '.join(re.sub('<[^>]+>', ' ', page).split())[:160]!r}")
+            got = file_hashes(out)
+            if expected_bytes is not None and got["bytes"] != expected_bytes:
+                raise _Retryable(f"got {got['bytes']:,} bytes, expected {expected_bytes:,} "
+                                 "(interrupted download?)")
+            for alg, value in want.items():
+                if got[alg] != value:
+                    raise HashMismatchError(
+                        f"{link}: {alg} of the download is {got[alg]}, expected {value} "
+                        f"({got['bytes']:,} bytes). The server now serves a different file, or "
+                        "the expected hash is wrong; the file was deleted. Check the source, or "
+                        f"pass {alg}=None to accept it.")
+            final = folder / (filename or out.name)
+            os.replace(out, final)            # same directory tree: works on Drive too
+            _write_sidecar(final, got, link, verified=bool(want))
+            if not want:
+                say(f"  {final.name}: no published hash; recorded md5 {got['md5']} "
+                    f"sha256 {got['sha256']} (pass them to fetch() to pin this file)")
+            return final
+        except (HashMismatchError, DriveQuotaError):
+            raise
+        except Exception as e:
+            verdict = _classify(e, link)
+            if verdict is not None:
+                raise verdict from e
+            last = f"{type(e).__name__}: {e}".splitlines()[0][:300].rstrip(".")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise DownloadError(f"could not download {link} after {retries + 1} attempts; last error: "
+                        f"{last}. Check the connection and the URL, or download the file yourself "
+                        f"and put it at {folder / (filename or '<name>')}.")
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(f".{path.name}.nbtools.json")
+
+
+def _write_sidecar(path: Path, hashes: dict, link: str, verified: bool) -> None:
+    st = path.stat()
+    _sidecar(path).write_text(json.dumps({**hashes, "url": link, "verified": verified,
+                                          "mtime_ns": st.st_mtime_ns}))
+
+
+def _cached(folder: Path, filename: str | None, want: dict) -> Path | None:
+    """A cached file that is complete (sidecar written after its checks) and matches ``want``."""
+    names = [filename] if filename else [p.name for p in folder.iterdir()
+                                         if not p.name.startswith(".")]
+    for name in names:
+        path = folder / name
+        try:
+            meta = json.loads(_sidecar(path).read_text())
+            st = path.stat()
+        except (OSError, ValueError):
+            continue
+        if st.st_size != meta.get("bytes"):
+            continue
+        if st.st_mtime_ns != meta.get("mtime_ns"):       # touched since: hash it again
+            meta.update(file_hashes(path))
+        if all(meta.get(alg) == value for alg, value in want.items()):
+            return path
+    return None
+
+
+# --- loaders ------------------------------------------------------------------------------------
+
+class Ratings(NamedTuple):
+    """Interactions with ids renumbered 0..n-1 (in the order of the original ids)."""
+
+    user_ids: torch.Tensor        # int64 (N,)
+    item_ids: torch.Tensor        # int64 (N,)
+    ratings: torch.Tensor         # float32 (N,)
+    num_users: int
+    num_items: int
+
+
+class Corpus(NamedTuple):
+    """A tokenised corpus: word ids (most frequent word = 0), the words, their counts."""
+
+    ids: torch.Tensor             # int64 (tokens,)
+    vocab: list
+    counts: torch.Tensor          # int64 (len(vocab),)
+
+
+def _open_member(path: Path, candidates):
+    """Bytes of the first member named like one of ``candidates`` (a zip or a directory), or the
+    file itself."""
+    if path.is_dir():
+        for c in candidates:
+            hits = sorted(path.rglob(c))
+            if hits:
+                return hits[0].read_bytes(), hits[0].name
+        raise FileNotFoundError(f"{path} holds none of {list(candidates)}")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            for c in candidates:
+                for n in z.namelist():
+                    if n.rsplit("/", 1)[-1] == c:
+                        return z.read(n), c
+            if len(z.namelist()) == 1:
+                n = z.namelist()[0]
+                return z.read(n), n
+            raise FileNotFoundError(f"{path} holds none of {list(candidates)}: "
+                                    f"{z.namelist()[:10]}")
+    return path.read_bytes(), path.name
+
+
+def _table(data: bytes, delimiter: str, skip_header: bool, cols) -> np.ndarray:
+    """Columns ``cols`` of a delimited numeric table as float64 (pandas when present: faster)."""
+    try:
+        import pandas as pd
+    except ImportError:
+        pd = None
+    if pd is not None:
+        df = pd.read_csv(io.BytesIO(data), sep=delimiter, header=None, usecols=list(cols),
+                         skiprows=1 if skip_header else 0, engine="c", dtype=np.float64)
+        return df[list(cols)].to_numpy()
+    return np.loadtxt(io.BytesIO(data), delimiter=delimiter, skiprows=1 if skip_header else 0,
+                      usecols=cols, dtype=np.float64, ndmin=2)
+
+
+def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating") -> Ratings:
+    """Load a MovieLens (100K ``u.data``, 1M/10M ``ratings.dat``, 20M/25M ``ratings.csv``) or
+    Goodbooks-10k / any ``user,item,rating`` CSV, from a zip, a directory or the file itself.
+
+    CSV columns are found by header names containing ``user_col``, ``item_col`` (also ``movie``
+    and ``book``) and ``rating_col``.
+    """
+    path = Path(path)
+    data, name = _open_member(path, ("ratings.csv", "ratings.dat", "u.data"))
+    if name == "u.data":
+        table = _table(data, "\t", False, (0, 1, 2))
+    elif name.endswith(".dat"):
+        table = _table(data.replace(b"::", b"\t"), "\t", False, (0, 1, 2))
+    else:
+        header = data[: data.find(b"\n")].decode("utf-8", "replace").strip().lower().split(",")
+
+        def col(*keys):
+            for i, h in enumerate(header):
+                if any(k in h for k in keys):
+                    return i
+            raise ValueError(f"{path}: no column like {keys} in header {header}")
+        table = _table(data, ",", True, (col(user_col), col(item_col, "movie", "book"),
+                                         col(rating_col)))
+    users, user_ids = np.unique(table[:, 0].astype(np.int64), return_inverse=True)
+    items, item_ids = np.unique(table[:, 1].astype(np.int64), return_inverse=True)
+    return Ratings(torch.from_numpy(user_ids.reshape(-1).astype(np.int64)),
+                   torch.from_numpy(item_ids.reshape(-1).astype(np.int64)),
+                   torch.from_numpy(table[:, 2].astype(np.float32)), len(users), len(items))
+
+
+load_movielens = load_ratings
+
+
+def load_text8(path, *, min_count: int = 5, max_vocab: int | None = None) -> Corpus:
+    """Tokenise text8 (the zip, or any whitespace-separated text file) into word ids.
+
+    Words seen fewer than ``min_count`` times are dropped (as word2vec does); ``max_vocab`` keeps
+    only the most frequent words. Ids are ranks: 0 is the most frequent word.
+    """
+    data, _ = _open_member(Path(path), ("text8",))
+    words = data.split()
+    counts = Counter(words)
+    vocab = sorted((w for w, c in counts.items() if c >= min_count),
+                   key=lambda w: (-counts[w], w))
+    if max_vocab is not None:
+        vocab = vocab[:max_vocab]
+    index = {w: i for i, w in enumerate(vocab)}
+    ids = np.fromiter((index.get(w, -1) for w in words), dtype=np.int64, count=len(words))
+    ids = ids[ids >= 0]
+    return Corpus(torch.from_numpy(ids), [w.decode() for w in vocab],
+                  torch.tensor([counts[w] for w in vocab], dtype=torch.int64))
+
+
+def load(name_or_path, **kwargs):
+    """Fetch a registry dataset (or take a local path) and load it: ``Ratings`` or ``Corpus``.
+
+    Keyword arguments go to the loader (``min_count=`` for text) or to :func:`fetch`
+    (``cache_dir=``, ``quiet=``, ...).
+    """
+    fetch_keys = {"md5", "sha256", "filename", "cache_dir", "retries", "backoff_s", "quiet", "sleep"}
+    fetch_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in fetch_keys}
+    entry = REGISTRY.get(str(name_or_path))
+    if entry is not None:
+        path, kind = fetch(entry.name, **fetch_kw), entry.kind
+    else:
+        path = Path(name_or_path)
+        kind = "text" if "text8" in path.name or path.suffix == ".txt" else "ratings"
+    return load_text8(path, **kwargs) if kind == "text" else load_ratings(path, **kwargs)
+
+
+# --- bundled samples (regenerated by tests/test_data.py to prove they are what this makes) -------
+
+_SAMPLE_WORDS = ("the of and one in a to zero nine two is as eight for s five three was by that "
+                 "four six seven with on are it from or his an be this which at he also not have "
+                 "table row gpu host memory pinned embedding vector word rare book paper user item "
+                 "movie rating train step loss rate batch model offload cache page drive colab "
+                 "notebook tensor index gather scatter sparse dense adam momentum state").split()
+
+
+def make_text8_sample(path, words: int = 4000, seed: int = 0) -> None:
+    """A text8-like corpus: lowercase words, one line, Zipf-distributed frequencies."""
+    rnd = random.Random(seed)
+    weights = [1.0 / (r + 1) for r in range(len(_SAMPLE_WORDS))]
+    text = " ".join(rnd.choices(_SAMPLE_WORDS, weights, k=words))
+    Path(path).write_text(" " + text)     # text8 starts with a space
+
+
+def make_ratings_sample(path, users: int = 120, items: int = 90, per_user: int = 12,
+                        dim: int = 3, seed: int = 0) -> None:
+    """MovieLens-format ``userId,movieId,rating,timestamp`` from a low-rank model, so that a
+    recommender has something to learn (ids start at 1 and have gaps, as real ones do)."""
+    rnd = random.Random(seed)
+    u = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(users)]
+    v = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(items)]
+    rows = ["userId,movieId,rating,timestamp"]
+    for i in range(users):
+        seen = sorted(rnd.sample(range(items), per_user))
+        for j in seen:
+            score = 3.2 + 0.6 * sum(a * b for a, b in zip(u[i], v[j])) + rnd.gauss(0, 0.3)
+            rating = min(5.0, max(0.5, math.floor(score * 2 + 0.5) / 2))
+            rows.append(f"{i + 1},{3 * j + 1},{rating},{1_000_000_000 + 3600 * (i * items + j)}")
+    Path(path).write_text("\n".join(rows) + "\n")

@@ -1,0 +1,233 @@
+"""nbtools.data: real gdown downloads from a local HTTP server, hashes, retries, quota, loaders."""
+import hashlib
+import http.server
+import io
+import threading
+import zipfile
+
+import pytest
+import torch
+
+from nbtools import data
+from nbtools.data import DownloadError, DriveQuotaError, HashMismatchError, fetch
+
+PAYLOAD = bytes(range(256)) * 4000                     # ~1 MB: several gdown chunks
+MD5 = hashlib.md5(PAYLOAD).hexdigest()
+SHA256 = hashlib.sha256(PAYLOAD).hexdigest()
+QUOTA_PAGE = (b"<!DOCTYPE html><html><head><title>Google Drive - Quota exceeded</title></head>"
+              b"<body><p class=\"uc-error-subcaption\">Too many users have viewed or downloaded "
+              b"this file recently. Please try accessing the file again later.</p></body></html>")
+ERROR_PAGE = b"<!DOCTYPE html><html><head><title>500 Internal Server Error</title></head></html>"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Scripted behaviours per path; ``hits`` counts requests."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        hits = self.server.hits
+        hits[path] = n = hits.get(path, 0) + 1
+        if path == "/ok.bin" or (path == "/flaky.bin" and n > 1) or (path == "/cut-once.bin" and n > 1):
+            return self._send(200, PAYLOAD)
+        if path in ("/flaky.bin", "/down.bin"):
+            return self._send(500, ERROR_PAGE, "text/html")
+        if path in ("/cut-once.bin", "/cut.bin"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(PAYLOAD)))
+            self.end_headers()
+            self.wfile.write(PAYLOAD[: len(PAYLOAD) // 3])   # then the connection drops
+            self.wfile.flush()
+            self.close_connection = True
+            return None
+        if path == "/quota.bin":
+            return self._send(200, QUOTA_PAGE, "text/html")
+        return self._send(404, b"<html><title>404 Not Found</title></html>", "text/html")
+
+    def _send(self, code, body, ctype="application/octet-stream"):
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.daemon_threads = True
+    srv.hits = {}
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", srv.hits
+    srv.shutdown()
+    srv.server_close()
+
+
+class _Sleeps(list):
+    def __call__(self, seconds):
+        self.append(seconds)
+
+
+def _get(url, tmp_path, **kw):
+    sleeps = _Sleeps()
+    path = fetch(url, cache_dir=tmp_path, quiet=True, sleep=sleeps, **kw)
+    return path, sleeps
+
+
+def test_success_verified_and_cached(server, tmp_path):
+    base, hits = server
+    path, sleeps = _get(f"{base}/ok.bin", tmp_path, md5=MD5, sha256=SHA256)
+    assert path.read_bytes() == PAYLOAD and path.name == "ok.bin" and sleeps == []
+    before = hits["/ok.bin"]
+    again, _ = _get(f"{base}/ok.bin", tmp_path, md5=MD5)
+    assert again == path and hits["/ok.bin"] == before          # served from the cache
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".fetch-")]
+
+
+def test_hash_mismatch_is_clear_and_leaves_nothing(server, tmp_path):
+    base, _ = server
+    with pytest.raises(HashMismatchError, match=f"md5 of the download is {MD5}, expected 0{{32}}"):
+        _get(f"{base}/ok.bin", tmp_path, md5="0" * 32)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_server_error_is_retried_with_backoff(server, tmp_path):
+    base, hits = server
+    path, sleeps = _get(f"{base}/flaky.bin", tmp_path, md5=MD5, backoff_s=0.5)
+    assert path.read_bytes() == PAYLOAD and hits["/flaky.bin"] == 2 and sleeps == [0.5]
+
+
+def test_server_down_gives_up_after_retries(server, tmp_path):
+    base, hits = server
+    with pytest.raises(DownloadError, match="after 3 attempts") as e:
+        _get(f"{base}/down.bin", tmp_path, retries=2, backoff_s=1.0)
+    assert hits["/down.bin"] == 3
+    assert "500" in str(e.value) or "HTML page" in str(e.value)
+
+
+def test_interrupted_download_is_retried(server, tmp_path):
+    base, hits = server
+    path, sleeps = _get(f"{base}/cut-once.bin", tmp_path, sha256=SHA256)
+    assert path.read_bytes() == PAYLOAD and hits["/cut-once.bin"] == 2 and len(sleeps) == 1
+
+
+def test_always_interrupted_says_so(server, tmp_path):
+    base, _ = server
+    with pytest.raises(DownloadError, match="after 2 attempts") as e:
+        _get(f"{base}/cut.bin", tmp_path, retries=1)
+    assert any(w in str(e.value).lower() for w in ("incomplete", "connection", "broken", "bytes"))
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_not_found_is_not_retried(server, tmp_path):
+    base, hits = server
+    with pytest.raises(DownloadError) as e:
+        _get(f"{base}/nope.bin", tmp_path)
+    # gdown 6 raises on the 404 (one request); gdown 5 saves the error page, which we spot.
+    assert ("404" in str(e.value) and hits["/nope.bin"] == 1) or "HTML page" in str(e.value)
+
+
+def test_drive_quota_page_gets_the_workaround(server, tmp_path):
+    base, _ = server
+    with pytest.raises(DriveQuotaError, match="Make a copy"):
+        _get(f"{base}/quota.bin", tmp_path)
+
+
+def test_drive_quota_exception_from_gdown(tmp_path, monkeypatch):
+    gdown = pytest.importorskip("gdown")
+
+    def refuse(kind, source, output, quiet):
+        assert kind == "drive" and source == "1AbCdEfGhIjKlMnOpQrStUvWxYz012345"
+        raise gdown.exceptions.FileURLRetrievalError(
+            "Failed to retrieve file url:\n\n\tToo many users have viewed or downloaded this file "
+            "recently. Please try accessing the file again later.")
+
+    monkeypatch.setattr(data, "_gdown_download", refuse)
+    with pytest.raises(DriveQuotaError, match="24 h"):
+        fetch("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view?usp=sharing",
+              cache_dir=tmp_path, quiet=True, sleep=lambda s: None)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view?usp=sharing",
+     ("drive", "1AbCdEfGhIjKlMnOpQrStUvWxYz012345")),
+    ("https://drive.google.com/uc?id=1AbCdEfGhIjKlMnOpQrStUvWxYz012345&export=download",
+     ("drive", "1AbCdEfGhIjKlMnOpQrStUvWxYz012345")),
+    ("https://drive.google.com/open?id=1AbCdEfGhIjKlMnOpQrStUvWxYz012345",
+     ("drive", "1AbCdEfGhIjKlMnOpQrStUvWxYz012345")),
+    ("1AbCdEfGhIjKlMnOpQrStUvWxYz012345", ("drive", "1AbCdEfGhIjKlMnOpQrStUvWxYz012345")),
+    ("https://files.grouplens.org/datasets/movielens/ml-1m.zip",
+     ("url", "https://files.grouplens.org/datasets/movielens/ml-1m.zip")),
+])
+def test_sources_are_recognised(source, expected):
+    assert data._parse_source(source) == expected
+
+
+def test_bad_source_says_what_is_accepted():
+    with pytest.raises(ValueError, match="dataset name"):
+        fetch("not a thing")
+
+
+def test_registry_is_honest():
+    for d in data.REGISTRY.values():
+        for h, n in (("md5", 32), ("sha256", 64)):
+            value = getattr(d, h)
+            assert value is None or (len(value) == n and int(value, 16) >= 0), (d.name, h)
+        if d.url is not None:
+            assert d.hash_source, d.name
+    assert data.REGISTRY["ml-100k"].md5 == "0e33842e24a9c977be4e0107933c0723"
+
+
+# --- loaders ------------------------------------------------------------------------------------
+
+RAW = [(10, 200, 4.0), (10, 300, 3.0), (7, 200, 5.0), (42, 100, 1.0)]
+
+
+def _expect(r):
+    assert r.num_users == 3 and r.num_items == 3
+    assert r.user_ids.tolist() == [1, 1, 0, 2] and r.item_ids.tolist() == [1, 2, 1, 0]
+    assert r.ratings.tolist() == [4.0, 3.0, 5.0, 1.0] and r.ratings.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", ["100k", "1m", "25m", "goodbooks"])
+def test_load_ratings_formats(tmp_path, fmt):
+    if fmt == "100k":
+        member, text = "ml-100k/u.data", "".join(f"{u}\t{i}\t{int(r)}\t88125\n" for u, i, r in RAW)
+    elif fmt == "1m":
+        member, text = "ml-1m/ratings.dat", "".join(f"{u}::{i}::{int(r)}::97830\n" for u, i, r in RAW)
+    elif fmt == "25m":
+        member = "ml-25m/ratings.csv"
+        text = "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},1\n" for u, i, r in RAW)
+    else:
+        member = "ratings.csv"
+        text = "book_id,user_id,rating\n" + "".join(f"{i},{u},{int(r)}\n" for u, i, r in RAW)
+    z = tmp_path / "d.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr(member, text)
+    _expect(data.load_ratings(z))
+    (tmp_path / member).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / member).write_text(text)
+    _expect(data.load_ratings(tmp_path / member))
+
+
+def test_load_text8(tmp_path):
+    z = tmp_path / "text8.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("text8", " b a c a b a d")
+    c = data.load_text8(z, min_count=2)
+    assert c.vocab == ["a", "b"] and c.counts.tolist() == [3, 2]
+    assert c.ids.tolist() == [1, 0, 0, 1, 0]
+    assert data.load_text8(z, min_count=1, max_vocab=1).ids.tolist() == [0, 0, 0]
+
+
+def test_bundled_samples_are_what_the_generators_make(tmp_path):
+    data.make_text8_sample(tmp_path / "t.txt")
+    data.make_ratings_sample(tmp_path / "r.csv")
+    assert (tmp_path / "t.txt").read_bytes() == (data.SAMPLES_DIR / "text8-sample.txt").read_bytes()
+    assert (tmp_path / "r.csv").read_bytes() == (data.SAMPLES_DIR / "ratings-sample.csv").read_bytes()
+    assert fetch("text8-sample") == data.SAMPLES_DIR / "text8-sample.txt"
+    r = data.load("movielens-sample")
+    assert r.user_ids.max() == r.num_users - 1 and len(r.ratings) == 120 * 12
