@@ -71,6 +71,19 @@ def _matplotlib():
     return matplotlib, Figure, FigureCanvasAgg
 
 
+def _show(widget):
+    """Display a widget under a display id, so that it can later be replaced in place.
+
+    ``display(widget, display_id=True)`` loses the id on ipywidgets 7 (its ``_ipython_display_``
+    displays the view itself), so the widget-view bundle is displayed here directly; ipywidgets
+    7.7 and 8.x render the same bundle."""
+    from IPython.display import display
+    bundle = {"application/vnd.jupyter.widget-view+json": {
+                  "version_major": 2, "version_minor": 0, "model_id": widget.model_id},
+              "text/plain": f"{type(widget).__name__}(...)"}
+    return display(bundle, raw=True, display_id=True)
+
+
 def in_notebook() -> bool:
     """True inside a Jupyter/Colab kernel (not a terminal IPython, not a script)."""
     if "IPython" not in sys.modules:
@@ -485,7 +498,10 @@ class Dashboard:
     # drawing ----------------------------------------------------------------------------------
     def _build_widget(self):
         W = _widgets()
-        _matplotlib()   # fail now, with the install hint, rather than at the first plot
+        # the figure is made now, before the loop runs: making it (~0.4 s, fonts) is not a
+        # per-step cost, and charging it would push the second plot far out
+        self._plotter = _Plotter(self.monitor.unit, self.config.width_px)
+        self._plotter.render(History())   # the first render is ~5x slower (fonts, layout caches)
         self._html = W.HTML(value=render_html({"unit": self.monitor.unit}, title=self.title,
                                               note="waiting for the first step", frame=False))
         self._image = W.Image(format="png")
@@ -495,8 +511,7 @@ class Dashboard:
             border=f"2px solid {_frame_colour('running')}", padding="6px 10px",
             max_width="924px"))
         if self.display:
-            from IPython.display import display
-            self._handle = display(self.widget, display_id=True)
+            self._handle = _show(self.widget)
 
     def _note(self) -> str:
         b = self.monitor.meters.backend
@@ -508,8 +523,6 @@ class Dashboard:
         if not force and now < self._next_plot:
             return
         t0 = time.perf_counter()
-        if self._plotter is None:
-            self._plotter = _Plotter(self.monitor.unit, self.config.width_px)
         self._png = self._plotter.render(self.monitor.history, self.config.link_bytes_per_s)
         if self.mode == "widget":
             self._image.value = self._png
@@ -696,10 +709,9 @@ def bandwidth_check(nbytes: int = 256 << 20, *, row_bytes: int = 512, device="au
     box = handle = None
     if notebook:
         W = _widgets()
-        from IPython.display import display as show
         blank = dict(nbytes=nbytes, row_bytes=row_bytes)
         box = W.HTML(value=render_bandwidth_html(blank, measuring="pinned_h2d"))
-        handle = show(box, display_id=True)
+        handle = _show(box)
 
     def progress(name, so_far):
         if box is not None:

@@ -147,9 +147,11 @@ def test_close_leaves_a_static_snapshot(monkeypatch):
     shown = []
     handle = FakeHandle()
     ipd = pytest.importorskip("IPython.display")
-    monkeypatch.setattr(ipd, "display", lambda obj, **kw: shown.append(obj) or handle)
+    monkeypatch.setattr(ipd, "display", lambda obj, **kw: shown.append((obj, kw)) or handle)
     dash = make(mode="widget")
-    assert shown == [dash.widget]
+    (bundle, kw), = shown        # the widget view, under a display id (ipywidgets 7 and 8)
+    view = bundle["application/vnd.jupyter.widget-view+json"]
+    assert view["model_id"] == dash.widget.model_id and kw == {"raw": True, "display_id": True}
     run(dash, steps=40)
     dash.close()
     (bundle, kw), = handle.updates

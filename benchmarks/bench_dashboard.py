@@ -1,0 +1,358 @@
+"""The dashboard beside an offloaded training loop: its overhead, and its readings checked
+against nvidia-smi and torch's own counters.
+
+1. Overhead. The same offloaded loop (OffloadedEmbedding + OffloadOptimizer(Adam)) runs in
+   interleaved blocks of equal step count: without a dashboard, with a text-mode dashboard and
+   with a widget dashboard (display=False: widgets, HTML and PNG plots are made, nothing is
+   shown), both at the default refresh (1 s), the loop wrapped in ``dash.compute()`` (CUDA
+   events). Overhead = median block time against the baseline's. Each block starts a fresh
+   dashboard, so the figure includes its first plot: an upper bound for long runs.
+2. Readings. While the loop runs, ``nvidia-smi --query-gpu=memory.used,memory.total,
+   utilization.gpu`` is read on a side thread and compared with the meters' NVML readings;
+   torch.cuda.memory_allocated/reserved with the meters' torch readings; the pinned bytes with
+   the table + optimizer state size; torch's host allocator with a 64 MiB pin_memory tensor;
+   NVML's PCIe RX with the bytes nbtools counted.
+3. Costs of the parts: Meters.read(), Monitor.step() between refreshes, HTML, plot.
+
+    python benchmarks/bench_dashboard.py              # GPU machine, about 2 minutes
+    python benchmarks/bench_dashboard.py --quick      # CPU, < 1 minute
+    python benchmarks/bench_dashboard.py --out DIR    # also DIR/dashboard.json, DIR/dashboard.html
+
+``DIR/dashboard.html`` is the dashboard's static snapshot from the run; for the README:
+``python scripts/browser/cdp.py DIR/dashboard.html docs/dashboard.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nbtools  # noqa: E402
+from nbtools import hostmem  # noqa: E402
+from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html  # noqa: E402
+from nbtools.devices import resolve_device, synchronize  # noqa: E402
+from nbtools.meters import Meters, Monitor, MonitorConfig, SystemBackend, fmt_bytes  # noqa: E402
+
+MiB = 2**20
+
+
+class Loop:
+    """An offloaded embedding training step: lookup, small loss, backward, Adam step."""
+
+    def __init__(self, rows, dim, ids, device):
+        self.device, self.rows, self.ids = device, rows, ids
+        self.table = nbtools.OffloadedEmbedding(rows, dim, device=device, name="bench")
+        self.opt = nbtools.OffloadOptimizer(torch.optim.Adam, [self.table], lr=1e-3)
+        self.state_bytes = rows * dim * 4 * 3          # weight + exp_avg + exp_avg_sq
+
+    def step(self):
+        # skewed ids, as in real logs: popular rows are small ids
+        ids = (torch.rand(self.ids, device=self.device) ** 4 * self.rows).long()
+        loss = self.table(ids).pow(2).sum() * 1e-3
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def widgets_available() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def run_block(loop, mode, steps, device):
+    """Seconds for ``steps`` steps with the given dashboard mode (construction and close are
+    not timed: they happen once per run, not per step)."""
+    dash = None
+    if mode != "baseline":
+        cfg = DashboardConfig(mode=mode, file=open(os.devnull, "w"))
+        dash = Dashboard("ids", title=f"bench ({mode})", config=cfg, display=False)
+    synchronize(device)
+    t0 = time.perf_counter()
+    if dash is None:
+        for _ in range(steps):
+            loop.step()
+    else:
+        for _ in range(steps):
+            with dash.compute():
+                loop.step()
+            dash.step(loop.ids)
+    synchronize(device)
+    took = time.perf_counter() - t0
+    if dash is not None:
+        own = dash.monitor.overhead_s
+        dash.close()
+        return took, dash, own
+    return took, None, 0.0
+
+
+def measure_overhead(loop, device, block_s, rounds, modes):
+    for _ in range(5):                       # warm-up, and the step time
+        loop.step()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        loop.step()
+    synchronize(device)
+    step_s = (time.perf_counter() - t0) / 10
+    steps = max(20, int(block_s / step_s))
+    times = {m: [] for m in modes}
+    own = {m: [] for m in modes}
+    last = {}
+    for r in range(rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]   # rotate: no position bias
+        for m in order:
+            took, dash, own_s = run_block(loop, m, steps, device)
+            times[m].append(took)
+            own[m].append(own_s / took * 100)
+            if dash is not None:
+                last[m] = dash
+            print(f"  round {r + 1} {m:<8} {took / steps * 1e3:7.3f} ms/step", flush=True)
+    base = statistics.median(times["baseline"])
+    out = {"steps_per_block": steps, "rounds": rounds, "refresh_s": DashboardConfig().refresh_s,
+           "modes": {}}
+    for m in modes:
+        med = statistics.median(times[m])
+        out["modes"][m] = {
+            "step_ms": med / steps * 1e3,
+            "overhead_percent": None if m == "baseline" else (med - base) / base * 100,
+            "self_reported_percent": None if m == "baseline" else statistics.median(own[m]),
+            "block_s": times[m]}
+    spread = (max(times["baseline"]) - min(times["baseline"])) / base * 100
+    out["baseline_spread_percent"] = spread
+    return out, last
+
+
+def showcase(loop, device, seconds):
+    """A plain run with the dashboard at its defaults, for the snapshot (dashboard.html)."""
+    mode = "widget" if widgets_available() else "text"
+    cfg = DashboardConfig(mode=mode, file=open(os.devnull, "w"))
+    with Dashboard("ids", title=f"offloaded Adam, {loop.rows:,} rows ({device})", config=cfg,
+                   display=False) as dash:
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            with dash.compute():
+                loop.step()
+            dash.step(loop.ids)
+    return dash
+
+
+def nvidia_smi():
+    """Rows of nvidia-smi's own readings, keyed by GPU UUID; None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        r = subprocess.run([exe, "--query-gpu=uuid,memory.used,memory.total,utilization.gpu",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = {}
+    for line in r.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            def num(x):
+                try:
+                    return float(x)
+                except ValueError:
+                    return None
+            rows[parts[0]] = {"memory_used_mib": num(parts[1]), "memory_total_mib": num(parts[2]),
+                              "utilization_percent": num(parts[3])}
+    return rows
+
+
+def check_readings(loop, device, samples=3):
+    """Meters against nvidia-smi (read on a side thread while the loop runs) and torch."""
+    backend = SystemBackend(device)
+    meters = Meters(backend)
+    uuid = None
+    if backend._nvml is not None:
+        try:
+            uuid = backend._nvml.nvmlDeviceGetUUID(backend._handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        except Exception:
+            pass
+    pinned_torch = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True) \
+        if device.type == "cuda" else None
+    meters.read()
+    rows = []
+    for _ in range(samples):
+        box = {}
+        th = threading.Thread(target=lambda: box.update(smi=nvidia_smi()))
+        t_start = time.perf_counter()
+        th.start()
+        while th.is_alive() or time.perf_counter() - t_start < 1.0:
+            loop.step()                        # keep the GPU busy while nvidia-smi reads
+        th.join()
+        rec = meters.read()
+        torch_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        torch_res = torch.cuda.memory_reserved(device) if device.type == "cuda" else None
+        smi_all = box.get("smi")
+        smi = (smi_all.get(uuid) or next(iter(smi_all.values()), None)) if smi_all else None
+        rows.append({"meters": rec, "smi": smi, "torch_allocated_bytes": torch_alloc,
+                     "torch_reserved_bytes": torch_res})
+    meters.close()
+    backend.close()
+    last = rows[-1]
+    rec, smi = last["meters"], last["smi"] or {}
+
+    def mib(b):
+        return None if b is None else b / MiB
+
+    checks = {
+        "gpu_used_mib": (mib(rec["gpu_used_bytes"]), smi.get("memory_used_mib")),
+        "gpu_total_mib": (mib(rec["gpu_total_bytes"]), smi.get("memory_total_mib")),
+        "gpu_util_percent": (rec["gpu_util_percent"], smi.get("utilization_percent")),
+        "torch_allocated_mib": (mib(rec["torch_allocated_bytes"]), mib(last["torch_allocated_bytes"])),
+        "torch_reserved_mib": (mib(rec["torch_reserved_bytes"]), mib(last["torch_reserved_bytes"])),
+        "nbtools_pinned_mib": (mib(rec["nbtools_pinned_bytes"]),
+                               mib(loop.state_bytes) if device.type == "cuda" else 0.0),
+        "torch_pinned_mib": (mib(rec["torch_pinned_bytes"]), 64.0 if pinned_torch is not None else None),
+        "pcie_rx_gb_per_s": (None if rec["pcie_rx_bytes_per_s"] is None else rec["pcie_rx_bytes_per_s"] / 1e9,
+                             None if rec["nbtools_h2d_bytes_per_s"] is None
+                             else rec["nbtools_h2d_bytes_per_s"] / 1e9),
+        "pcie_tx_gb_per_s": (None if rec["pcie_tx_bytes_per_s"] is None else rec["pcie_tx_bytes_per_s"] / 1e9,
+                             None if rec["nbtools_d2h_bytes_per_s"] is None
+                             else rec["nbtools_d2h_bytes_per_s"] / 1e9),
+    }
+    del pinned_torch
+    return {"checks": checks, "samples": rows, "pcie_source": rec["pcie_source"],
+            "pcie_gen": rec["pcie_gen"], "pcie_width": rec["pcie_width"],
+            "link_bytes_per_s": rec["link_bytes_per_s"], "na_reasons": dict(backend.na_reasons)}
+
+
+def part_costs(device, history):
+    """Microseconds / milliseconds of each part of a refresh, and of a step between refreshes."""
+    out = {}
+    meters = Meters(SystemBackend(device), pcie="off")
+    meters.read()
+    t = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        meters.read()
+        t.append(time.perf_counter() - t0)
+    out["meters_read_ms"] = statistics.median(t) * 1e3
+    meters.close()
+    mon = Monitor("ids", config=MonitorConfig(pcie="off", refresh_s=3600))
+    mon.step(1)
+    n = 200_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        mon.step(1)
+    out["monitor_step_us"] = (time.perf_counter() - t0) / n * 1e6
+    mon.close()
+    rec = history.records[-1] if history.records else {}
+    t0 = time.perf_counter()
+    for _ in range(100):
+        render_html(rec)
+    out["render_html_ms"] = (time.perf_counter() - t0) / 100 * 1e3
+    if widgets_available() and len(history) > 1:
+        from nbtools.dashboard import _Plotter
+        p = _Plotter("ids")
+        p.render(history)
+        t = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            p.render(history)
+            t.append(time.perf_counter() - t0)
+        out["plot_ms"] = statistics.median(t) * 1e3
+    return out
+
+
+def fmt(v, digits=1):
+    return "N/A" if v is None else f"{v:,.{digits}f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--ids", type=int, default=65_536)
+    ap.add_argument("--block-s", type=float, default=7.0, help="seconds per timed block")
+    ap.add_argument("--showcase-s", type=float, default=15.0, help="run shown in dashboard.html")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.dim, args.ids, args.block_s, args.rounds = 100_000, 32, 1_024, 2.0, 2
+        args.showcase_s = 3.0
+    device = resolve_device(args.device)
+    t_start = time.perf_counter()
+    print(f"# {device}  table {args.rows:,} x {args.dim} fp32 + Adam state, {args.ids:,} ids/step",
+          flush=True)
+    phase_s = {}
+
+    def phase(name, fn, *a):
+        t0 = time.perf_counter()
+        print(f"{name} ...", flush=True)
+        value = fn(*a)
+        phase_s[name] = time.perf_counter() - t0
+        return value
+
+    loop = phase("setup", Loop, args.rows, args.dim, args.ids, device)
+    modes = ["baseline", "text"] + (["widget"] if widgets_available() else [])
+    overhead, _ = phase("overhead", measure_overhead, loop, device, args.block_s, args.rounds, modes)
+    readings = phase("readings", check_readings, loop, device, 2 if args.quick else 3)
+    last = phase("showcase", showcase, loop, device, args.showcase_s)
+    costs = phase("costs", part_costs, device, last.history)
+    res = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "rows": args.rows, "dim": args.dim, "ids_per_step": args.ids, "quick": args.quick,
+           "overhead": overhead, "readings": readings, "costs": costs,
+           "final_record": last.record, "diagnosis": last.record.get("diagnosis"),
+           "warnings": last.warnings, "phase_s": phase_s, "wall_s": time.perf_counter() - t_start}
+
+    print(f"\n## dashboard overhead ({device}, refresh {overhead['refresh_s']:g} s, "
+          f"{overhead['steps_per_block']} steps x {overhead['rounds']} blocks per mode; "
+          f"baseline spread {overhead['baseline_spread_percent']:.1f}%)")
+    print(f"{'mode':<10}{'ms/step':>10}{'overhead':>11}{'self-reported':>15}")
+    for m, v in overhead["modes"].items():
+        o = "-" if v["overhead_percent"] is None else f"{v['overhead_percent']:+.2f}%"
+        s = "-" if v["self_reported_percent"] is None else f"{v['self_reported_percent']:.2f}%"
+        print(f"{m:<10}{v['step_ms']:>10.3f}{o:>11}{s:>15}")
+    print(f"\n## readings (meters vs reference; PCIe source: {readings['pcie_source'] or 'N/A'}, "
+          f"link gen {readings['pcie_gen'] or 'N/A'} x{readings['pcie_width'] or 'N/A'})")
+    refs = {"gpu_used_mib": "nvidia-smi", "gpu_total_mib": "nvidia-smi",
+            "gpu_util_percent": "nvidia-smi", "torch_allocated_mib": "torch.cuda",
+            "torch_reserved_mib": "torch.cuda", "nbtools_pinned_mib": "table + Adam state",
+            "torch_pinned_mib": "64 MiB pin_memory", "pcie_rx_gb_per_s": "nbtools counted",
+            "pcie_tx_gb_per_s": "nbtools counted"}
+    print(f"{'quantity':<22}{'meters':>12}{'reference':>12}  reference is")
+    for k, (mine, ref) in readings["checks"].items():
+        print(f"{k:<22}{fmt(mine):>12}{fmt(ref):>12}  {refs[k]}")
+    print("\n## costs: " + ", ".join(f"{k} {v:.3g}" for k, v in costs.items()))
+    print(f"diagnosis: {res['diagnosis']}")
+    if readings["na_reasons"]:
+        print("N/A because: " + "; ".join(readings["na_reasons"].values()))
+    print(f"wall time {res['wall_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phase_s.items()) + ")")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "dashboard.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        html = last.snapshot_html()
+        if last._png is None and widgets_available():   # text mode: add the history plot
+            html = render_html(last.record, state=last.state, title=last.title,
+                               warnings_=last.warnings, note=last._note(),
+                               image_png=plot_history(last.history).png)
+        with open(os.path.join(args.out, "dashboard.html"), "w") as f:
+            f.write(f"<!doctype html><meta charset='utf-8'><body style='background:#fff'>{html}")
+        print(f"wrote {args.out}/dashboard.json, {args.out}/dashboard.html")
+
+
+if __name__ == "__main__":
+    main()
