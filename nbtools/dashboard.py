@@ -456,8 +456,8 @@ class Dashboard:
     def step(self, n=1) -> None:
         """One training step of ``n`` samples."""
         if self._thread is not None:
-            with self._lock:
-                self.monitor.step(n)
+            with self._lock:       # the thread reads the meters this updates
+                self.monitor.count(n)
             return
         rec = self.monitor.step(n)
         if rec is not None:
@@ -566,9 +566,7 @@ class Dashboard:
 
     # background thread (opt-in) ---------------------------------------------------------------
     def _start_thread(self):
-        self.monitor._next = math.inf   # the loop only counts; the thread refreshes
-
-        def run():
+        def run():   # the loop only counts (step -> Monitor.count); this thread refreshes
             while not self._stop.wait(self.config.refresh_s):
                 with self._lock:
                     if self._closed:

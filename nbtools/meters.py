@@ -512,8 +512,9 @@ class PcieSampler:
         self.backend = backend
         self.clock = clock
         self.poll_s = poll_s
-        # 2x the link speed as the bound on counter growth: conservative about wraps
-        bound = 2 * max_rate if max_rate else 2 * 16 * _PCIE_LANE_BYTES_PER_S[6]
+        # the counters cannot grow faster than the link; 25% margin (protocol bytes, rounding):
+        # at Gen5 x16 a poll gap up to ~54 ms can be unwrapped
+        bound = 1.25 * (max_rate or 16 * _PCIE_LANE_BYTES_PER_S[6])
         self._unwrap = (CounterUnwrapper(bits, bound), CounterUnwrapper(bits, bound))
         self._lock = threading.Lock()
         self._acc = [0, 0]          # bytes over trusted intervals since the last read()
@@ -1138,13 +1139,19 @@ class Monitor:
     def step(self, n=1):
         """Count one step of ``n`` samples. Returns the new record when a refresh was due (at
         most once per ``refresh_s``), else None. Costs about a microsecond otherwise."""
+        now = self.count(n)
+        if now < self._next:
+            return None
+        return self.refresh(now)
+
+    def count(self, n=1) -> float:
+        """Count one step of ``n`` samples without ever refreshing (for a view that refreshes
+        from its own thread); returns the clock reading."""
         now = self.clock()
         self.steps += 1
         self.throughput.update(n, now)
         self.timer.step(now)
-        if now < self._next:
-            return None
-        return self.refresh(now)
+        return now
 
     def refresh(self, now: float | None = None) -> dict:
         """Sample every meter now (the view calls this on close and from its thread)."""

@@ -194,6 +194,13 @@ def test_thread_mode_refreshes_while_the_loop_is_stalled():
     while len(dash.history) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)                 # ... the thread refreshes although no step comes
     assert len(dash.history) >= 3
+    dash.config.refresh_s = 3600         # the thread's next wait is long ...
+    time.sleep(0.1)
+    calls = dash.monitor.meters.backend.calls["gpu"]
+    for _ in range(50):
+        dash.clock.advance(10.0)
+        dash.step(1)                     # ... and the loop's thread never samples
+    assert dash.monitor.meters.backend.calls["gpu"] == calls
     dash.close()
     assert not dash._thread.is_alive()
 

@@ -480,3 +480,64 @@ def test_formatting():
 def test_measure_bandwidth_on_cpu_is_na():
     r = meters.measure_bandwidth(1 << 16, device="cpu")
     assert all(r[k] is None for k in r if k.endswith("_per_s"))
+
+
+# --- on the GPU machine (bash benchmarks/gpu_suite.sh) ------------------------------------------
+
+@pytest.mark.gpu
+def test_system_backend_reads_the_cuda_device():
+    import torch
+    x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    m = Meters(SystemBackend("cuda"), pcie="manual")
+    rec = m.read()
+    assert rec["torch_allocated_bytes"] == torch.cuda.memory_allocated()
+    assert rec["torch_reserved_bytes"] == torch.cuda.memory_reserved()
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert rec["gpu_total_bytes"] == pytest.approx(total, rel=0.03)   # the same GPU as torch's
+    assert rec["gpu_used_bytes"] >= rec["torch_reserved_bytes"]
+    assert rec["gpu_util_percent"] is not None and rec["link_bytes_per_s"] > 1e9
+    del x
+    m.close()
+
+
+@pytest.mark.gpu
+def test_pcie_sampler_sees_pinned_copies():
+    import time as _time
+
+    import torch
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    b = SystemBackend("cuda")
+    s = PcieSampler(b, max_rate=Meters(b, pcie="off").link["link_bytes_per_s"])
+    s.start()
+    t_end = _time.monotonic() + 1.5
+    while _time.monotonic() < t_end:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+    s.stop()
+    r = s.read()
+    assert r["pcie_source"] in ("counters", "throughput")
+    assert r["pcie_rx_bytes_per_s"] > 1e9, r     # GB/s of host-to-GPU copies
+    b.close()
+
+
+@pytest.mark.gpu
+def test_step_timer_cuda_events_without_sync():
+    import torch
+    st = StepTimer(event_factory=lambda: torch.cuda.Event(enable_timing=True))
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):
+        with st.compute():
+            a = (a @ a).tanh()
+        st.step()
+    torch.cuda.synchronize()                      # the test waits, the timer never does
+    st.step()
+    r = st.read()
+    assert r["compute_s"] > 0 and r["step_s"] > 0
+
+
+@pytest.mark.gpu
+def test_measure_bandwidth_on_cuda():
+    r = meters.measure_bandwidth(64 << 20)
+    assert r["note"] == "" and r["pinned_h2d_bytes_per_s"] > 1e9
+    assert r["zero_copy_gather_bytes_per_s"] > 1e8 and r["link_bytes_per_s"] > 1e9
