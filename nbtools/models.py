@@ -40,7 +40,7 @@ from .optim import OffloadOptimizer
 from .tables import OffloadedEmbedding
 
 __all__ = ["SkipGram", "SkipGramConfig", "MatrixFactorization", "MFConfig", "train",
-           "pairs_from_corpus", "keep_probabilities", "evaluate_rmse"]
+           "pairs_from_corpus", "keep_probabilities", "evaluate_rmse", "holdout"]
 
 
 # --- word2vec ---------------------------------------------------------------------------------
@@ -403,6 +403,23 @@ class MatrixFactorization(nn.Module):
             best_ids = ids[top]
         keep = torch.isfinite(best_scores)
         return best_ids[keep], best_scores[keep]
+
+
+def holdout(*tensors, fraction: float = 0.1, seed: int = 0):
+    """Split samples at random into ``(train, test)``, each a tuple of the tensors' rows.
+
+    The split depends only on ``seed``, so a resumed run trains on the same samples.
+
+    >>> (tr_x, tr_y), (te_x, te_y) = holdout(torch.arange(10), torch.arange(10) * 2, fraction=0.2)
+    >>> len(tr_x), len(te_x), torch.equal(te_y, te_x * 2)
+    (8, 2, True)
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction!r}")
+    n = tensors[0].shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    test, train_ = order[: round(n * fraction)], order[round(n * fraction):]
+    return tuple(t[train_] for t in tensors), tuple(t[test] for t in tensors)
 
 
 @torch.no_grad()
