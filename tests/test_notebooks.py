@@ -15,12 +15,15 @@ def _execute(name: str, drive: Path):
     """Run ``notebooks/{name}.ipynb`` with cwd = notebooks/; return the executed notebook."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     # smoke runs must start fresh: a checkpoint left by an earlier run would skip training
-    shutil.rmtree(NOTEBOOKS / "runs" / f"{name}-smoke", ignore_errors=True)
+    run_dir = NOTEBOOKS / "runs" / f"{name}-smoke"
+    shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "NBTOOLS_DRIVE_DIR": str(drive), "MPLBACKEND": "Agg"}
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
-    # nbclient passes kernel keyword arguments on to the kernel manager (env for the kernel)
-    client.execute(env=env)
+    try:
+        client.execute(env=env)     # keyword arguments go to the kernel manager
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return nb
 
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The README's main job: run notebooks/word2vec.ipynb end to end, as Colab's "Run all" would, in
+# its smoke setting (the bundled sample; a CPU is enough), and keep the executed notebook.
+# On a fresh machine it sets itself up first: a .venv with torch, nbtools and its dev extras.
+#
+#   bash scripts/main.sh                # notebooks/word2vec.ipynb
+#   bash scripts/main.sh recommender    # notebooks/recommender.ipynb
+#
+# Output: artifacts/<name>.ipynb (with every cell's output), checkpoints under artifacts/runs/,
+# and the "Google Drive" copies under artifacts/drive/ (outside Colab, a local folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name="${1:-word2vec}"
+if [ ! -f "notebooks/$name.ipynb" ]; then
+  echo "no notebooks/$name.ipynb; try: word2vec, recommender" >&2
+  exit 2
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+# A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
+# unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+pip install -q -e ".[dev]"
+
+mkdir -p artifacts
+# A fresh run each time: an earlier run's checkpoints would be restored and training skipped.
+rm -rf "artifacts/runs/$name-smoke" "artifacts/drive/nbtools/$name-smoke"
+export NBTOOLS_DRIVE_DIR="${NBTOOLS_DRIVE_DIR:-$PWD/artifacts/drive}"
+export MPLBACKEND=Agg
+
+python - "$name" <<'EOF'
+import sys
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+name = sys.argv[1]
+src, out = Path(f"notebooks/{name}.ipynb"), Path(f"artifacts/{name}.ipynb")
+nb = nbformat.read(src, as_version=4)
+print(f"executing {src} (smoke setting) ...", flush=True)
+t0 = time.perf_counter()
+client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
+                                 resources={"metadata": {"path": "artifacts"}})
+try:
+    client.execute()
+finally:
+    nbformat.write(nb, out)         # also when a cell failed: the error is in the notebook
+seconds = time.perf_counter() - t0
+# The results, as the notebook shows them (the cells after training).
+shown = False
+for cell in nb.cells:
+    if cell.cell_type == "code" and "models.train(" in cell.source:
+        shown = True
+        continue
+    if shown and cell.cell_type == "code":
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream":
+                print(o["text"], end="")
+print(f"\nexecuted {src} in {seconds:.1f} s -> {out.resolve()}")
+EOF
