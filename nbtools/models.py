@@ -109,12 +109,13 @@ def pairs_from_corpus(ids, window: int = 5, *, keep_prob=None, dynamic: bool = T
         ok = (left >= 0) & (right >= 0) & (sentence[:-d] == sentence[d:])
         fwd = ok & (radius[:-d] >= d) if dynamic else ok     # center left, context right
         bwd = ok & (radius[d:] >= d) if dynamic else ok      # center right, context left
-        centers += [left[fwd], right[bwd]]
-        contexts += [right[fwd], left[bwd]]
+        # converted piece by piece: the int64 pieces of a large corpus would double the peak
+        centers += [left[fwd].to(dtype), right[bwd].to(dtype)]
+        contexts += [right[fwd].to(dtype), left[bwd].to(dtype)]
     if not centers:
         empty = torch.empty(0, dtype=dtype, device=ids.device)
         return empty, empty.clone()
-    return torch.cat(centers).to(dtype), torch.cat(contexts).to(dtype)
+    return torch.cat(centers), torch.cat(contexts)
 
 
 @dataclasses.dataclass

@@ -24,6 +24,8 @@ def _execute(name: str, drive: Path):
         client.execute(env=env)     # keyword arguments go to the kernel manager
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir.parent.is_dir() and not any(run_dir.parent.iterdir()):
+            run_dir.parent.rmdir()
     return nb
 
 
