@@ -492,7 +492,8 @@ class _Reader:
         def do_read(k, mv):
             _, name, off, n, _ = plan[k]
             f = self._file(name)
-            f.seek(off)
+            if f.tell() != off:          # reads are sequential: seek only between tensors
+                f.seek(off)
             got = 0
             while got < n:
                 r = f.readinto(mv[got:])
