@@ -153,9 +153,11 @@ def _bar(label, total, parts, text, alarm=False) -> str:
     """A stacked bar: ``parts`` = [(name, bytes_or_seconds, colour)] against ``total``."""
     segs = ""
     if total:
+        room = 100.0     # segments never add up to more than the bar
         for name, v, colour in parts:
             if v and v > 0:
-                w = min(100.0, 100.0 * v / total)
+                w = min(room, 100.0 * v / total)
+                room -= w
                 segs += (f'<div title="{_e(name)}" style="width:{w:.2f}%;background:{colour};'
                          'height:100%;float:left"></div>')
     border = _C["fail"] if alarm else "#cfcfcf"
@@ -611,7 +613,7 @@ class Dashboard:
             self._closed = True
             if self.state == "running":
                 self.state = "finished"
-            rec = self.monitor.refresh()
+            rec = self.monitor.refresh(final=True)
             self._draw(rec, final=True)
             if self.mode == "widget":
                 self._freeze(rec)

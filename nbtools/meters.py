@@ -662,7 +662,9 @@ class ThroughputMeter:
     """Samples (words, rows, ...) per second over a sliding window.
 
     ``update(n)`` is cheap enough to call every step; :meth:`read` returns
-    ``{"unit", "samples_total", "samples_per_s", "mean_samples_per_s", "elapsed_s"}``.
+    ``{"unit", "samples_total", "samples_per_s", "mean_samples_per_s", "elapsed_s"}``. Rates
+    count from the end of the first step (the time before it, spent building the model or
+    waiting for the first batch, is not throughput); ``elapsed_s`` counts from the start.
 
     >>> clock = FakeClock()
     >>> tm = ThroughputMeter("rows", clock=clock, window_s=10)
@@ -681,19 +683,26 @@ class ThroughputMeter:
     def reset(self) -> None:
         self.total = 0
         self._t0 = self.clock()
-        # (t, total) checkpoints, at most ~50 per window: memory stays small at any step rate
-        self._points = collections.deque([(self._t0, 0)])
+        # (t, total) checkpoints from the first step on, at most ~50 per window: memory stays
+        # small at any step rate
+        self._points = collections.deque()
+        self._first = None   # (t, total) at the end of the first step
 
     def update(self, n=1, now: float | None = None) -> None:
         self.total += n
         now = self.clock() if now is None else now
-        if now - self._points[-1][0] >= self.window_s / 50:
+        if self._first is None:
+            self._first = (now, self.total)
+            self._points.append(self._first)
+        elif now - self._points[-1][0] >= self.window_s / 50:
             self._points.append((now, self.total))
             while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
                 self._points.popleft()
 
     def rate_per_s(self, now: float | None = None):
         now = self.clock() if now is None else now
+        if not self._points:
+            return None
         t_old, n_old = self._points[0]
         if now - t_old >= self.window_s and len(self._points) > 1:
             # interpolate to exactly one window back, so the rate does not lag by a checkpoint
@@ -708,11 +717,12 @@ class ThroughputMeter:
 
     def read(self, now: float | None = None) -> dict:
         now = self.clock() if now is None else now
-        elapsed = now - self._t0
+        mean = None
+        if self._first is not None and now > self._first[0]:
+            mean = (self.total - self._first[1]) / (now - self._first[0])
         return {"unit": self.unit, "samples_total": self.total,
-                "samples_per_s": self.rate_per_s(now),
-                "mean_samples_per_s": self.total / elapsed if elapsed > 0 else None,
-                "elapsed_s": elapsed}
+                "samples_per_s": self.rate_per_s(now), "mean_samples_per_s": mean,
+                "elapsed_s": now - self._t0}
 
 
 class _Phase:
@@ -740,11 +750,13 @@ class StepTimer:
     timer.transfer():`` / ``with timer.compute():`` blocks. The events are resolved lazily with
     ``event.query()`` when later steps end: there is no device sync, ever. On the CPU the host
     clock times the phases. Only steps at least ``min_interval_s`` apart are timed, which bounds
-    the cost at any step rate.
+    the cost at any step rate; a phase's share is taken over the timed steps' own wall time and
+    applied to the mean step, so the sample does not bias it. The first step is warm-up and not
+    measured.
 
     >>> clock = FakeClock()
     >>> st = StepTimer(clock=clock)
-    >>> for _ in range(4):
+    >>> for _ in range(5):
     ...     clock.advance(0.002)          # waiting for data
     ...     with st.compute():
     ...         clock.advance(0.008)
@@ -754,27 +766,33 @@ class StepTimer:
     (0.01, 0.008, None)
     """
 
-    PHASES = ("data_wait", "transfer", "compute")
-    MAX_PENDING = 256   # unresolved event pairs kept; beyond this a timed step is skipped
+    PHASES = ("transfer", "compute")
+    MAX_PENDING = 256   # unresolved event pairs kept; beyond this a step is not timed
 
     def __init__(self, *, clock=None, event_factory=None, min_interval_s: float = 0.0):
         self.clock = clock or time.monotonic
         self.event_factory = event_factory   # None: host clock; else () -> event
         self.min_interval_s = min_interval_s
-        self._pending = collections.deque()  # (name, start_event, end_event)
-        self._pool = []
-        self._timing = True
+        self._pending = collections.deque()  # (phase, start event, end event, step record)
+        self._pool = []                      # resolved events, reused
+        self._open = collections.deque()     # records of timed steps not yet folded in
+        self._cur = None                     # record of the step running now, if timed
         self._last_timed = -math.inf
         self._t_step = None
         self._last_out = dict.fromkeys(("step_s", "data_wait_s", "transfer_s", "compute_s"))
-        self._reset_window()
+        self._all = self._zeros()            # sums over the whole run
+        self._win = self._zeros()            # sums since the last read()
 
-    def _reset_window(self):
-        self._sum = dict.fromkeys(self.PHASES, 0.0)
-        self._timed_steps = {"transfer": 0, "compute": 0}
-        self._steps = 0
-        self._step_time = 0.0
-        self._data_steps = 0
+    @staticmethod
+    def _zeros() -> dict:
+        return {"step": 0.0, "n_step": 0, "data_wait": 0.0, "n_data_wait": 0,
+                "timed_step": 0.0, "transfer": 0.0, "n_transfer": 0, "compute": 0.0,
+                "n_compute": 0}
+
+    def _add(self, sums: dict) -> None:
+        for acc in (self._win, self._all):
+            for k, v in sums.items():
+                acc[k] += v
 
     # phases ----------------------------------------------------------------------------------
     def transfer(self) -> _Phase:
@@ -794,72 +812,90 @@ class StepTimer:
                 item = next(it)
             except StopIteration:
                 return
-            self._sum["data_wait"] += self.clock() - t0
-            self._data_steps += 1
+            if self._t_step is not None:     # not the first (warm-up) step
+                self._add({"data_wait": self.clock() - t0, "n_data_wait": 1})
             yield item
 
-    def _event(self):
-        return self._pool.pop() if self._pool else self.event_factory()
-
     def _begin(self):
-        if not self._timing:
+        rec = self._cur
+        if rec is None:
             return None
         if self.event_factory is None:
             return self.clock()
         if len(self._pending) >= self.MAX_PENDING:
+            rec["complete"] = False          # a phase is missing: leave this step out
             return None
-        ev = self._event()
+        ev = self._pool.pop() if self._pool else self.event_factory()
         ev.record()
         return ev
 
     def _end(self, name, start):
         if start is None:
             return
+        rec = self._cur
         if self.event_factory is None:
-            self._sum[name] += self.clock() - start
-            self._timed_steps[name] += 1
+            rec[name] = rec.get(name, 0.0) + self.clock() - start
             return
-        end = self._event()
+        end = self._pool.pop() if self._pool else self.event_factory()
         end.record()
-        self._pending.append((name, start, end))
+        rec["pending"] += 1
+        self._pending.append((name, start, end, rec))
 
     def _resolve(self):
-        """Collect GPU timings the device has already reached (no sync)."""
+        """Collect GPU timings the device has already reached (no sync), and fold steps whose
+        phases are all known into the sums."""
         while self._pending:
-            name, start, end = self._pending[0]
+            name, start, end, rec = self._pending[0]
             if not end.query():
                 break
             self._pending.popleft()
-            self._sum[name] += start.elapsed_time(end) / 1e3
-            self._timed_steps[name] += 1
+            rec[name] = rec.get(name, 0.0) + start.elapsed_time(end) / 1e3
+            rec["pending"] -= 1
             self._pool += (start, end)
+        while self._open and self._open[0]["pending"] == 0 and "wall" in self._open[0]:
+            rec = self._open.popleft()
+            if rec["complete"]:
+                sums = {"timed_step": rec["wall"]}
+                for name in self.PHASES:
+                    if name in rec:
+                        sums[name], sums["n_" + name] = rec[name], 1
+                self._add(sums)
 
     def step(self, now: float | None = None) -> None:
         """Mark the end of a step."""
         now = self.clock() if now is None else now
         if self._t_step is not None:
-            self._step_time += now - self._t_step
-            self._steps += 1
+            self._add({"step": now - self._t_step, "n_step": 1})
+            if self._cur is not None:
+                self._cur["wall"] = now - self._t_step
         self._t_step = now
-        if self._pending:
-            self._resolve()
-        self._timing = now - self._last_timed >= self.min_interval_s
-        if self._timing:
+        self._cur = None
+        if (now - self._last_timed >= self.min_interval_s       # time the next step
+                and len(self._pending) < self.MAX_PENDING):
             self._last_timed = now
+            self._cur = {"pending": 0, "complete": True}
+            self._open.append(self._cur)
+        if self._pending or len(self._open) > 1:
+            self._resolve()
 
-    def read(self) -> dict:
-        """Mean seconds per step since the previous read: ``step_s``, ``data_wait_s``,
-        ``transfer_s``, ``compute_s`` (None where nothing was measured)."""
+    def read(self, whole_run: bool = False) -> dict:
+        """Mean seconds per step since the previous read (or over the whole run): ``step_s``,
+        ``data_wait_s``, ``transfer_s``, ``compute_s`` (None where nothing was measured)."""
         self._resolve()
-        out = {"step_s": self._step_time / self._steps if self._steps else None,
-               "data_wait_s": (self._sum["data_wait"] / self._data_steps
-                               if self._data_steps else None)}
-        for name in ("transfer", "compute"):
-            n = self._timed_steps[name]
-            out[f"{name}_s"] = self._sum[name] / n if n else None
-        if self._steps or self._data_steps:   # else keep the last reading (no step ended)
+        acc = self._all if whole_run else self._win
+        step = acc["step"] / acc["n_step"] if acc["n_step"] else None
+        out = {"step_s": step,
+               "data_wait_s": acc["data_wait"] / acc["n_data_wait"] if acc["n_data_wait"] else None}
+        for name in self.PHASES:
+            if not acc["n_" + name]:
+                out[f"{name}_s"] = None
+            elif step is not None and acc["timed_step"] > 0:
+                out[f"{name}_s"] = acc[name] / acc["timed_step"] * step
+            else:
+                out[f"{name}_s"] = acc[name] / acc["n_" + name]
+        if acc["n_step"] or acc["n_data_wait"]:   # else keep the last reading (no step ended)
             self._last_out = out
-        self._reset_window()
+        self._win = self._zeros()
         return dict(self._last_out)
 
 
@@ -1099,8 +1135,9 @@ class Monitor:
         self.clock = clock or time.monotonic
         self.meters = Meters(backend, clock=self.clock, pcie=cfg.pcie)
         self.throughput = ThroughputMeter(unit, clock=self.clock, window_s=cfg.window_s)
-        self.timer = StepTimer(clock=self.clock, event_factory=self._event_factory(),
-                               min_interval_s=cfg.timer_min_interval_s)
+        events = self._event_factory()
+        self.timer = StepTimer(clock=self.clock, event_factory=events,   # the host clock is
+                               min_interval_s=cfg.timer_min_interval_s if events else 0.0)  # cheap
         self.warnings = Warnings(gpu_fraction=cfg.gpu_warn_fraction,
                                  host_fraction=cfg.host_warn_fraction,
                                  drop_fraction=cfg.drop_warn_fraction, warmup_s=cfg.warmup_s)
@@ -1153,14 +1190,15 @@ class Monitor:
         self.timer.step(now)
         return now
 
-    def refresh(self, now: float | None = None) -> dict:
-        """Sample every meter now (the view calls this on close and from its thread)."""
+    def refresh(self, now: float | None = None, *, final: bool = False) -> dict:
+        """Sample every meter now (the view calls this from its thread, and on close with
+        ``final=True``: the step-time breakdown is then the whole run's mean)."""
         t_start = time.perf_counter()
         now = self.clock() if now is None else now
         self._cost = 0.0
         rec = self.meters.read()
         rec.update(self.throughput.read(now))
-        rec.update(self.timer.read())
+        rec.update(self.timer.read(whole_run=final))
         rec["time_s"] = now - self._t0 + self._t_offset
         rec["step"] = self.steps
         rec["unix_time"] = time.time()

@@ -246,9 +246,21 @@ def test_throughput_window_follows_a_rate_change():
         tm.update(300)            # 3000 words/s
     r = tm.read()
     assert r["samples_per_s"] == pytest.approx(3000, rel=1e-6)
-    assert r["mean_samples_per_s"] == pytest.approx(2000, rel=1e-6)
+    assert r["mean_samples_per_s"] == pytest.approx((80_000 - 100) / 39.9, rel=1e-9)
     assert r["samples_total"] == 80_000 and r["unit"] == "words"
     assert len(tm._points) <= 60  # bounded memory
+
+
+def test_throughput_ignores_the_wait_before_the_first_step():
+    clock = FakeClock()
+    tm = ThroughputMeter(clock=clock)
+    clock.advance(30.0)           # building the model, the first batch, ...
+    for _ in range(20):
+        clock.advance(0.5)
+        tm.update(50)
+    r = tm.read()
+    assert r["samples_per_s"] == pytest.approx(100) and r["mean_samples_per_s"] == pytest.approx(100)
+    assert r["elapsed_s"] == pytest.approx(40.0)
 
 
 def test_throughput_before_any_time_passes_is_na():
@@ -278,31 +290,38 @@ def test_step_timer_on_the_host_clock():
     assert r["transfer_s"] == pytest.approx(0.001)
     assert r["compute_s"] == pytest.approx(0.006)
     assert st.read() == r        # nothing new: the last reading stays
+    with st.compute():
+        clock.advance(0.026)
+    st.step()
+    assert st.read()["compute_s"] == pytest.approx(0.026)
+    assert st.read(whole_run=True)["compute_s"] == pytest.approx((4 * 0.006 + 0.026) / 5)   # (the first step is warm-up)
 
 
 def test_step_timer_cuda_events_resolve_lazily_without_sync():
     clock = FakeClock()
     b = FakeBackend(clock=clock)
     st = StepTimer(clock=clock, event_factory=b.event)
-    for _ in range(4):
-        with st.transfer():
-            clock.advance(0.002)
-        with st.compute():
-            clock.advance(0.005)
-        st.step()
-    assert st.read()["compute_s"] is None       # the GPU has not reached the events: no wait
-    for _ in range(2):
-        with st.compute():
-            clock.advance(0.005)
-        st.step()
-    b.gpu_done()                                # now it has
+
+    def steps(n):
+        for _ in range(n):
+            with st.transfer():
+                clock.advance(0.002)
+            with st.compute():
+                clock.advance(0.005)
+            st.step()
+
+    steps(4)
+    r = st.read()
+    assert r["step_s"] == pytest.approx(0.007)
+    assert r["compute_s"] is None            # the GPU has not reached the events: no waiting
+    steps(2)
+    b.gpu_done()                             # now it has
     r = st.read()
     assert r["transfer_s"] == pytest.approx(0.002) and r["compute_s"] == pytest.approx(0.005)
-    assert len(b.events) <= 2 * 2 * 6 and not st._pending
+    assert not st._pending and len(st._open) == 1      # only the step running now
     n = len(b.events)
-    with st.compute():
-        clock.advance(0.001)
-    assert len(b.events) == n                   # resolved events are reused
+    steps(1)
+    assert len(b.events) == n                # resolved events are reused
 
 
 def test_step_timer_times_at_most_one_step_per_interval():
@@ -324,7 +343,7 @@ def test_step_timer_never_queues_without_bound():
         with st.compute():
             clock.advance(0.001)
         st.step()
-    assert len(st._pending) == StepTimer.MAX_PENDING
+    assert len(st._pending) == StepTimer.MAX_PENDING and len(st._open) <= StepTimer.MAX_PENDING
 
 
 # --- the monitor: throttling, overhead, history -------------------------------------------------
