@@ -347,3 +347,29 @@ def test_progress_and_throughput_reported(tmp_path, capsys):
     ck.restore(x={})
     assert "restored step 7" in capsys.readouterr().out
     assert ck.last_restore["bytes_per_s"] > 0
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_stream_through_staging_and_restore_in_place(tmp_path):
+    dev = torch.device("cuda")
+    big = torch.randn(300, 70, device=dev)
+    emb = OffloadedEmbedding(2000, 24, device=dev, name="pinned")     # pinned, zero-copy
+    state = {"big": big, "strided": big[:, ::3], "half_me": torch.randn(512, 64, device=dev)}
+    ck = manager(tmp_path, half_min_bytes=100_000)
+    ck.save(1, s=state, emb=emb)
+    ck.save(2, s=state, emb=emb, half_tables=True)
+    want = {k: v.clone() for k, v in state.items()}
+    weight = emb.weight.clone()
+    live = {"big": torch.zeros_like(big), "strided": torch.zeros(300, 24, device=dev),
+            "half_me": torch.zeros(512, 64, device=dev)}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    emb2 = OffloadedEmbedding(2000, 24, device=dev, name="pinned")
+    ptr = emb2.weight.data_ptr()
+    with pytest.warns(CheckpointWarning, match="half-precision"):
+        assert ck.restore(s=live, emb=emb2, allow_half=True) == 2
+    assert torch.equal(live["half_me"], want["half_me"].to(torch.bfloat16).float())
+    shutil.rmtree(tmp_path / "step-000000002")
+    assert ck.restore(s=live, emb=emb2) == 1
+    assert {k: v.data_ptr() for k, v in live.items()} == ptrs and emb2.weight.data_ptr() == ptr
+    assert all(torch.equal(live[k], want[k]) for k in want) and live["big"].is_cuda
+    assert torch.equal(emb2.weight, weight)
