@@ -282,16 +282,21 @@ def main():
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65_536)
-    ap.add_argument("--block-s", type=float, default=7.0, help="seconds per timed block")
-    ap.add_argument("--showcase-s", type=float, default=15.0, help="run shown in dashboard.html")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (7)")
+    ap.add_argument("--showcase-s", type=float, default=None,
+                    help="seconds of the run shown in dashboard.html (15)")
+    ap.add_argument("--rounds", type=int, default=None, help="blocks per mode (3)")
     ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
     args = ap.parse_args()
+    quick = {"block_s": 2.0, "rounds": 2, "showcase_s": 3.0}
+    full = {"block_s": 7.0, "rounds": 3, "showcase_s": 15.0}
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:       # explicit values win over --quick
+            setattr(args, k, v)
     if args.quick:
-        args.rows, args.dim, args.ids, args.block_s, args.rounds = 100_000, 32, 1_024, 2.0, 2
-        args.showcase_s = 3.0
+        args.rows, args.dim, args.ids = 100_000, 32, 1_024
     device = resolve_device(args.device)
     t_start = time.perf_counter()
     print(f"# {device}  table {args.rows:,} x {args.dim} fp32 + Adam state, {args.ids:,} ids/step",
