@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 py=${PYTHON:-python3}
 art=${ARTIFACTS:-$root/artifacts}
-cache=${NBTOOLS_BROWSER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/nbtools-browser}
+cache=${NBTOOLS_BROWSER_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/nbtools-browser}
 docs_arg=()
 [ "${1:-}" = --docs ] && docs_arg=(--docs "$root/docs/dashboard.png")
 start=$(date +%s)
