@@ -12,7 +12,6 @@ fi
 # unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 pip install -q -e ".[dev]"
-if [ -f scripts/browser_test.sh ] && [ "${NBTOOLS_SKIP_BROWSER:-0}" != 1 ]; then
-  bash scripts/browser_test.sh
-fi
+# Includes the headless-Chromium test of the dashboard (tests/test_dashboard_browser.py runs
+# scripts/browser_test.sh, which apt-installs chromium); screenshots land in artifacts/.
 python -m pytest -q "$@"

@@ -14,8 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_dashboard_renders_in_headless_chromium(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, ARTIFACTS=str(tmp_path))
+def test_dashboard_renders_in_headless_chromium():
+    # Screenshots stay in artifacts/ (CI keeps them) unless ARTIFACTS says elsewhere.
+    out = pathlib.Path(os.environ.get("ARTIFACTS", ROOT / "artifacts"))
+    env = dict(os.environ, PYTHON=sys.executable, ARTIFACTS=str(out))
     r = subprocess.run(["bash", str(ROOT / "scripts" / "browser_test.sh")], env=env,
                        capture_output=True, text=True, timeout=900)
     if r.returncode == 77:
@@ -23,5 +25,5 @@ def test_dashboard_renders_in_headless_chromium(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "browser checks passed" in r.stdout
     for name in ("dashboard.png", "dashboard_page.png", "dashboard_widget.png"):
-        png = (tmp_path / name).read_bytes()
+        png = (out / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
