@@ -264,7 +264,8 @@ class _OffloadedTable(nn.Module):
             rows = torch.zeros(0, self.embedding_dim, dtype=self._host.tensor.dtype,
                                device=self.device)
             return rows, flat.long()
-        uniq, inv = torch.unique(flat, return_inverse=True)   # sorted: bounds are at the ends
+        # int64 ids: index_copy_ (the write-back) takes no other index dtype
+        uniq, inv = torch.unique(flat.long(), return_inverse=True)   # sorted: bounds at the ends
         lo, hi = torch.stack((uniq[0], uniq[-1])).tolist()      # note: a CPU-GPU sync point
         if lo < 0 or hi >= self.num_embeddings:
             bad = (flat < 0) | (flat >= self.num_embeddings)

@@ -206,6 +206,16 @@ def test_rows_are_stored_as_weight_then_state(device):
     del pending
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_narrow_integer_ids_train(dtype, device):
+    table = make_table(device, torch.randn(ROWS, DIM))
+    opt = OffloadOptimizer(O.Adam, [table], lr=0.1)
+    before = table.weight.clone()
+    table(torch.tensor([1, 2, 2], dtype=dtype, device=device)).sum().backward()
+    opt.step()
+    assert (table.weight[1:3] != before[1:3]).all() and torch.equal(table.weight[3:], before[3:])
+
+
 def test_untouched_rows_and_state_do_not_change(device):
     table = make_table(device, torch.randn(ROWS, DIM))
     opt = OffloadOptimizer(O.Adam, [table], lr=0.1, weight_decay=0.5)
