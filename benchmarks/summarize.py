@@ -1,0 +1,72 @@
+"""The short table at the end of benchmarks/gpu_suite.sh: key figures from DIR/*.json.
+
+    python benchmarks/summarize.py DIR
+"""
+import json
+import os
+import sys
+
+
+def load(d, name):
+    try:
+        with open(os.path.join(d, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def row(what, value, unit=""):
+    print(f"{what:<58}{value:>14}{unit}")
+
+
+def fmt(x, spec=".2f"):
+    return "N/A" if x is None else format(x, spec)
+
+
+def main(d):
+    print(f"\n## summary ({d})")
+    t = load(d, "tables.json")
+    if t:
+        s = t["step_ms"]
+        base = s["offload_adam"]
+        row(f"tables: offload Adam step, {t['rows']:,} x {t['dim']} ({t['device']})", fmt(base), " ms")
+        for k in ("gpu_sparse_adam", "manual_offload", "cpu_sparse_adam", "gpu_dense_adam",
+                  "offload_adam_no_overlap"):
+            if k in s:
+                row(f"  {k} / offload_adam", fmt(s[k] / base), "x")
+        sweep = {int(k): v for k, v in t["sweep_ms"].items() if v}
+        if sweep:
+            lo, hi = min(sweep), max(sweep)
+            row(f"  step at {hi:,} rows / at {lo:,} rows", fmt(sweep[hi] / sweep[lo]), "x")
+    ld = load(d, "loader.json")
+    if ld:
+        for k in ("images", "pairs"):
+            if k in ld:
+                row(f"loader {k}: PinnedLoader / all-on-GPU ceiling", fmt(ld[k].get("pinned_vs_ceiling")), "x")
+                row(f"loader {k}: PinnedLoader / best DataLoader ({ld[k].get('best_dataloader')})"[:58],
+                    fmt(ld[k].get("pinned_vs_best_dataloader")), "x")
+    db = load(d, "dashboard.json")
+    if db:
+        modes = db["overhead"]["modes"]
+        for m in ("text", "widget"):
+            if m in modes:
+                row(f"dashboard overhead, {m} mode (refresh {db['overhead']['refresh_s']} s)",
+                    fmt(modes[m].get("overhead_percent"), "+.2f"), " %")
+        row("dashboard diagnosis", "", "")
+        print(f"  {db.get('diagnosis')}")
+    ck = load(d, "checkpoint.json")
+    if ck:
+        gb = 1e9
+        for k in ("save", "restore", "dd_write", "dd_read", "torch_save", "torch_load"):
+            v = ck.get(f"{k}_bytes_per_s")
+            row(f"checkpoint {k} ({ck.get('save_bytes', 0) / gb:.1f} GB, {ck['device']})",
+                fmt(None if v is None else v / gb), " GB/s")
+    p = os.path.join(d, "pytest.log")
+    if os.path.exists(p):
+        with open(p) as f:
+            lines = [l.strip() for l in f if l.strip()]
+        print(f"CUDA tests: {lines[-1] if lines else 'no output'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "artifacts/gpu")
