@@ -4,7 +4,6 @@ One step = lookup of a batch of ids, a small loss, backward, optimizer step. Com
   gpu_sparse_adam   nn.Embedding(sparse=True) on the GPU + torch.optim.SparseAdam (needs the
                     table on the GPU: the speed to approach)
   offload_adam      nbtools.OffloadedEmbedding + OffloadOptimizer(Adam), zero-copy
-  offload_adam_no_overlap  the same with the write-back not overlapping the next step's reads
   manual_offload    CPU index_select into pinned buffers, copy to the GPU, Adam on the rows,
                     copy back, CPU index_copy_ (what people write by hand)
   cpu_sparse_adam   the table on the CPU with SparseAdam, rows copied to the GPU for the model
@@ -52,10 +51,9 @@ def loss_of(rows):
     return rows.float().pow(2).sum() * 1e-3
 
 
-def bench_offload(n, dim, batches, device, overlap=True):
+def bench_offload(n, dim, batches, device):
     t0 = time.perf_counter()
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name=f"t{n}")
-    table.overlap_writes = overlap
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3)
     alloc_s = time.perf_counter() - t0
 
@@ -189,7 +187,6 @@ def main():
     sm["offload_adam"], _ = bench_offload(args.rows, args.dim, batches, device)
     print("offload_adam", sm["offload_adam"], flush=True)
     if device.type == "cuda":
-        sm["offload_adam_no_overlap"], _ = bench_offload(args.rows, args.dim, batches, device, overlap=False)
         sm["gpu_sparse_adam"] = bench_torch_embedding(args.rows, args.dim, batches, device,
                                                       torch.optim.SparseAdam, True, device)
         sm["gpu_dense_adam"] = bench_torch_embedding(args.rows, args.dim, batches, device,

@@ -30,8 +30,7 @@ def main(d):
         s = t["step_ms"]
         base = s["offload_adam"]
         row(f"tables: offload Adam step, {t['rows']:,} x {t['dim']} ({t['device']})", fmt(base), " ms")
-        for k in ("gpu_sparse_adam", "manual_offload", "cpu_sparse_adam", "gpu_dense_adam",
-                  "offload_adam_no_overlap"):
+        for k in ("gpu_sparse_adam", "manual_offload", "cpu_sparse_adam", "gpu_dense_adam"):
             if k in s:
                 row(f"  {k} / offload_adam", fmt(s[k] / base), "x")
         sweep = {int(k): v for k, v in t["sweep_ms"].items() if v}

@@ -204,7 +204,7 @@ class _TableSlot:
         if self.scalar_state is not None:
             # These rows' own state, plus the table's global scalar state.
             if state is None and self.names:
-                state = table._gather(ids, d)
+                state = table._rows.gather(ids, d)
             st = {k: state[:, i * d:(i + 1) * d].contiguous() for i, k in enumerate(self.names)}
             st.update(self.scalar_state)
             self.opt.state = defaultdict(dict, {p: st})
@@ -218,7 +218,7 @@ class _TableSlot:
                 f"{self.cls.__name__} dropped state {missing} between steps (hyper-parameters "
                 "changed?); offloaded tables need a fixed set of per-row state")
         # One write per row: [weight | state...], the layout of the host table.
-        table.write_rows(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
+        table._rows.scatter(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
         self.scalar_state = {k: v for k, v in st.items() if k not in self.names}
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []
@@ -435,7 +435,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if (state_dict["dense"] is None) != (self._dense is None):
             raise ValueError("state_dict and optimizer disagree on having ordinary parameters")
         for slot in self._slots:
-            slot.load_state_dict(state_dict["tables"][slot.name])     # settles the table first
+            slot.load_state_dict(state_dict["tables"][slot.name])     # waits for the GPU first
         if self._dense is not None:
             self._dense.load_state_dict(state_dict["dense"])
             self.param_groups[: len(self._dense.param_groups)] = self._dense.param_groups

@@ -66,8 +66,6 @@ def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
 class _OffloadedTable(nn.Module):
     """Shared machinery of :class:`OffloadedEmbedding` and :class:`OffloadedEmbeddingBag`."""
 
-    overlap_writes = True    # write-back on a side stream, overlapping the next step's reads
-
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx=None,
                  dtype=torch.float32, device="auto", name=None, pin: bool = True):
         super().__init__()
@@ -100,10 +98,6 @@ class _OffloadedTable(nn.Module):
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
         self._pending = []           # (unique ids, rows leaf, state rows) per lookup since last step
-        # The last write-back, still running on a side stream: (sorted ids, new rows, done event).
-        # Lookups patch their rows from it, so they never read a row being written.
-        self._inflight = None
-        self._writer = None          # the side stream (created on first use)
         self._warned_pending = False
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
@@ -116,12 +110,12 @@ class _OffloadedTable(nn.Module):
     def weight(self) -> torch.Tensor:
         """All rows, as a CPU tensor aliasing the (pinned) host memory. Reading it waits for
         queued GPU writes first, so what you read is current. Write to it to initialise."""
-        self._settle()
+        synchronize(self.device)
         return self._host.tensor[:, : self.embedding_dim]
 
     def state_columns(self, name: str) -> torch.Tensor:
         """Host view of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows."""
-        self._settle()
+        synchronize(self.device)
         i = self._state_names.index(name) + 1
         d = self.embedding_dim
         return self._host.tensor[:, i * d:(i + 1) * d]
@@ -147,7 +141,7 @@ class _OffloadedTable(nn.Module):
                    f"table {self.name!r} with optimizer state ({', '.join(names)})",
                    "Use nbtools.plan(...) to size it, or an optimizer with less state "
                    "(SGD, Adagrad).")
-        self._settle()
+        synchronize(self.device)
         new = HostTensor((n, width), old.tensor.dtype, pin=old.pinned, name=self.name,
                          device=self.device if self.device.type == "cuda" else None)
         chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))   # bounded temporaries
@@ -159,46 +153,6 @@ class _OffloadedTable(nn.Module):
         old.close()
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
         self._pending.clear()
-
-    def _settle(self) -> None:
-        """Wait for queued GPU reads and writes of the host rows, so the host may touch them."""
-        synchronize(self.device)
-        self._inflight = None
-
-    def _gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
-        """Rows ``idx`` (columns ``start:stop``), current even while a write-back is running."""
-        rows = self._rows.gather(idx, start, stop)
-        if self._inflight is not None:
-            ids, new, _ = self._inflight
-            pos = torch.searchsorted(ids, idx).clamp_(max=ids.numel() - 1)
-            hit = (ids[pos] == idx).unsqueeze(1)
-            rows = torch.where(hit, new[pos][:, start:stop], rows)
-        return rows
-
-    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write whole host rows ``[weight | state...]`` for sorted unique ``ids``.
-
-        With zero-copy CUDA access the write runs on a side stream and overlaps the next
-        step's gathers (PCIe is full duplex). Called by :class:`OffloadOptimizer`.
-        """
-        if self._rows.mode != "zero-copy" or not self.overlap_writes:
-            self._settle()
-            self._rows.scatter(ids, rows)
-            return
-        main = torch.cuda.current_stream(self.device)
-        if self._writer is None:
-            self._writer = torch.cuda.Stream(self.device)
-        if self._inflight is not None:
-            # Later lookups patch only from this new write: the previous one must be done
-            # before them (a GPU-side wait; the CPU does not block).
-            main.wait_event(self._inflight[2])
-        self._writer.wait_event(main.record_event())
-        with torch.cuda.stream(self._writer):
-            self._rows.scatter(ids, rows)
-            done = self._writer.record_event()
-        ids.record_stream(self._writer)           # keep the memory until the write is done
-        rows.record_stream(self._writer)
-        self._inflight = (ids, rows, done)
 
     @property
     def pinned(self) -> bool:
@@ -236,7 +190,7 @@ class _OffloadedTable(nn.Module):
 
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
-        self._settle()
+        synchronize(self.device)
         self._pending.clear()
         self._host.close()
         self._rows = RowStore(self._host, self.device)
@@ -279,10 +233,10 @@ class _OffloadedTable(nn.Module):
         with torch.no_grad():
             if recording and self._state_names:
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._gather(uniq)
+                full = self._rows.gather(uniq)
                 rows, state = full[:, :d].clone(), full[:, d:]
             else:
-                rows, state = self._gather(uniq, 0, d), None
+                rows, state = self._rows.gather(uniq, 0, d), None
         if recording:
             rows.requires_grad_(True)
             self._pending.append((uniq, rows, state))

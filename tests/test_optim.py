@@ -387,27 +387,3 @@ def test_param_groups_per_table():
     opt.step()
     torch.testing.assert_close(a.weight[0], wa[0] - 1.0)
     torch.testing.assert_close(b.weight[0], wb[0] - 0.5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cls,kw", [CASES[4], CASES[12]], ids=[IDS[4], IDS[12]])
-def test_overlapped_write_back_equals_synchronous(cls, kw):
-    """Steps whose write-back overlaps the next lookups give bit-identical tables, also when
-    the host reads the table in between."""
-    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(20))
-    id_batches, tgts = batches(30, full_first=False, seed=21), targets(30, seed=22)
-    results = []
-    for overlap in (True, False):
-        table = make_table("cuda", init)
-        table.overlap_writes = overlap
-        opt = OffloadOptimizer(cls, [table], **kw)
-        for t, (ids, tgt) in enumerate(zip(id_batches, tgts)):
-            opt.zero_grad()
-            loss_of(table(ids.cuda()), tgt.cuda()).backward()
-            opt.step()
-            if t % 7 == 3:
-                table.weight[0, 0] += 0.0        # a host read-modify-write between steps
-        results.append((table.weight.clone(), {k: v.clone() for k, v in opt.table_state(table).items()}))
-    assert torch.equal(results[0][0], results[1][0])
-    for k in results[0][1]:
-        assert torch.equal(results[0][1][k], results[1][1][k])
