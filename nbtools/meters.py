@@ -990,15 +990,22 @@ def _dumps(record: dict) -> str:
 
 # --- diagnosis and warnings ---------------------------------------------------------------------
 
+_FEWER_BYTES = "fewer bytes per row help (bf16 tables, an optimizer with less state)"
+
+
 def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     """One line saying what bounds the run, from one record.
 
     The checks, in order: the loader (data wait), the PCIe link (NVML rates, or the bytes nbtools
-    moved, against the link's speed), the step timer's transfer share, then GPU utilisation.
+    moved, against the link's speed; nbtools' zero-copy reads plus writes against it), the step
+    timer's transfer share, then GPU utilisation.
     PCIe comes before utilisation because ``utilization.gpu`` reads ~100% during pure copies.
 
     >>> diagnose({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "step_s": 0.005})
-    'transfer-bound: PCIe RX at 48 of 55 GB/s; consider the hot-row cache'
+    'transfer-bound: PCIe RX at 48 of 55 GB/s; fewer bytes per row help (bf16 tables, an optimizer with less state)'
+    >>> diagnose({"nbtools_h2d_bytes_per_s": 18e9, "nbtools_d2h_bytes_per_s": 18e9,
+    ...           "link_bytes_per_s": 63e9, "gpu_util_percent": 88})[:58]
+    'transfer-bound: nbtools moves 36 GB/s of rows (18 in, 18 o'
     >>> diagnose({"gpu_util_percent": 97.0, "step_s": 0.005})
     'compute-bound: GPU busy 97%; a larger batch or mixed precision helps'
     """
@@ -1015,7 +1022,14 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
         name, rate = ("RX", rx) if (rx or 0) >= (tx or 0) else ("TX", tx)
         if rate is not None and rate >= 0.6 * link:
             return (f"transfer-bound: PCIe {name} at {rate / 1e9:.0f} of {link / 1e9:.0f} GB/s; "
-                    "consider the hot-row cache")
+                    f"{_FEWER_BYTES}")
+        # Zero-copy reads and writes of table rows share the link (measured on an H100: they do
+        # not overlap), and their kernels read as "GPU busy": judge them by their sum.
+        h2d, d2h = r.get("nbtools_h2d_bytes_per_s"), r.get("nbtools_d2h_bytes_per_s")
+        if h2d is not None and d2h is not None and h2d + d2h >= 0.5 * link:
+            return (f"transfer-bound: nbtools moves {(h2d + d2h) / 1e9:.0f} GB/s of rows "
+                    f"({h2d / 1e9:.0f} in, {d2h / 1e9:.0f} out) over a {link / 1e9:.0f} GB/s link, "
+                    f"and zero-copy reads and writes share it; {_FEWER_BYTES}")
     xfer_frac = _frac(r.get("transfer_s"), step)
     if xfer_frac is not None and xfer_frac >= 0.4:
         return (f"transfer-bound: host<->GPU copies take {xfer_frac:.0%} of each step; "

@@ -438,7 +438,9 @@ def test_history_save_is_atomic_and_bounded(tmp_path):
 @pytest.mark.parametrize("rec, start", [
     ({"data_wait_s": 0.004, "step_s": 0.01, "gpu_util_percent": 20}, "data-bound: 40%"),
     ({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "gpu_util_percent": 100},
-     "transfer-bound: PCIe RX at 48 of 55 GB/s; consider the hot-row cache"),
+     "transfer-bound: PCIe RX at 48 of 55 GB/s; fewer bytes per row help"),
+    ({"nbtools_h2d_bytes_per_s": 18e9, "nbtools_d2h_bytes_per_s": 18e9, "link_bytes_per_s": 63e9,
+      "gpu_util_percent": 88}, "transfer-bound: nbtools moves 36 GB/s of rows (18 in, 18 out)"),
     ({"pcie_tx_bytes_per_s": 40e9, "pcie_rx_bytes_per_s": 1e9, "link_bytes_per_s": 63e9},
      "transfer-bound: PCIe TX at 40 of 63"),
     ({"nbtools_h2d_bytes_per_s": 50e9, "link_bytes_per_s": 63e9}, "transfer-bound: PCIe RX at 50"),
