@@ -71,6 +71,18 @@ def make_table(device, init):
     return table
 
 
+def run_reference(sparse, cls, kw, device, init, id_batches, tgts):
+    """torch's own nn.Embedding (sparse or dense gradients) trained by ``cls``."""
+    ref = nn.Embedding(ROWS, DIM, sparse=sparse).to(device)
+    ref.weight.data.copy_(init)
+    ref_opt = cls(ref.parameters(), **kw)
+    for ids, tgt in zip(id_batches, tgts):
+        ref_opt.zero_grad()
+        loss_of(ref(ids.to(device)), tgt.to(device)).backward()
+        ref_opt.step()
+    return ref, ref_opt
+
+
 def run_offloaded(cls, kw, device, init, id_batches, tgts, split=False):
     table = make_table(device, init)
     opt = OffloadOptimizer(cls, [table], **kw)
@@ -94,13 +106,7 @@ def run_offloaded(cls, kw, device, init, id_batches, tgts, split=False):
 def test_matches_torch_sparse_path(cls, kw, device):
     init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
     id_batches, tgts = batches(25, full_first=False), targets(25)
-    ref = nn.Embedding(ROWS, DIM, sparse=True).to(device)
-    ref.weight.data.copy_(init)
-    ref_opt = cls(ref.parameters(), **kw)
-    for ids, tgt in zip(id_batches, tgts):
-        ref_opt.zero_grad()
-        loss_of(ref(ids.to(device)), tgt.to(device)).backward()
-        ref_opt.step()
+    ref, _ = run_reference(True, cls, kw, device, init, id_batches, tgts)
     got, _ = run_offloaded(cls, kw, device, init, id_batches, tgts)
     torch.testing.assert_close(got, ref.weight.detach().cpu(), rtol=1e-5, atol=2e-6)
 
@@ -112,13 +118,7 @@ def test_matches_dense_when_every_row_is_touched(cls, kw, device):
     id_batches = [torch.cat([torch.randperm(ROWS, generator=gen), torch.randint(0, ROWS, (25,), generator=gen)])
                   for _ in range(8)]
     tgts = targets(8)
-    ref = nn.Embedding(ROWS, DIM).to(device)
-    ref.weight.data.copy_(init)
-    ref_opt = cls(ref.parameters(), **kw)
-    for ids, tgt in zip(id_batches, tgts):
-        ref_opt.zero_grad()
-        loss_of(ref(ids.to(device)), tgt.to(device)).backward()
-        ref_opt.step()
+    ref, ref_opt = run_reference(False, cls, kw, device, init, id_batches, tgts)
     got, opt = run_offloaded(cls, kw, device, init, id_batches, tgts)
     torch.testing.assert_close(got, ref.weight.detach().cpu(), rtol=2e-5, atol=2e-6)
     # per-row state matches too
