@@ -35,10 +35,16 @@ _LAZY = {
     "CheckpointManager": "nbtools.checkpoint",
 }
 
+# Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
+_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "hostmem", "loader",
+               "meters", "models", "optim", "tables")
+
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"nbtools.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'nbtools' has no attribute {name!r}")

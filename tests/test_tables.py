@@ -188,3 +188,9 @@ def test_pinned_bytes_are_counted_and_released():
     del other, opt
     gc.collect()
     assert nbtools.pinned_bytes() == base
+
+
+def test_public_names_resolve():
+    for name in nbtools.__all__:
+        assert getattr(nbtools, name) is not None
+    assert callable(nbtools.colab.drive_dir) and callable(nbtools.data.fetch)
