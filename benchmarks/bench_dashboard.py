@@ -37,10 +37,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nbtools  # noqa: E402
-from nbtools import hostmem  # noqa: E402
 from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.meters import Meters, Monitor, MonitorConfig, SystemBackend, fmt_bytes  # noqa: E402
+from nbtools.meters import Meters, Monitor, MonitorConfig, SystemBackend  # noqa: E402
 
 MiB = 2**20
 

@@ -40,8 +40,6 @@ import random
 import re
 import shutil
 import socket
-import sys
-import threading
 import time
 import warnings
 import zlib

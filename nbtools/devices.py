@@ -6,7 +6,7 @@ resolved once per process.
 from __future__ import annotations
 
 import functools
-import os
+import os  # noqa: F401  (the doctest of describe() uses os.devnull)
 import platform
 import resource
 

@@ -1,7 +1,6 @@
 """nbtools.data: real gdown downloads from a local HTTP server, hashes, retries, quota, loaders."""
 import hashlib
 import http.server
-import io
 import threading
 import zipfile
 
