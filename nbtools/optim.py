@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import NbtoolsError
-from .devices import host_memory_bytes, human_bytes, resolve_device
+from .devices import host_memory_bytes, human_bytes
 from .tables import _OffloadedTable, copy_unless_same
 
 
@@ -89,7 +89,7 @@ def _step_rows(cls, hyper, weight, grad, sparse, steps=2):
         noise = torch.randn((1, grad.shape[1]), generator=gen).to(grad)
         _set_grad(p, grad * noise, sparse)
         opt.step()
-    return p.detach(), opt.state[p]
+    return p.detach(), opt
 
 
 def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: bool = True):
@@ -106,8 +106,8 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
     weight = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
     grad = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
     try:
-        together, state = _step_rows(cls, hyper, weight, grad, sparse)
-        probe_opt = cls([nn.Parameter(weight.clone())], **hyper)
+        together, probe_opt = _step_rows(cls, hyper, weight, grad, sparse)
+        state = probe_opt.state[probe_opt.param_groups[0]["params"][0]]
     except TypeError:
         raise                    # a wrong keyword argument: torch's own message says which
     except Exception as e:
@@ -517,4 +517,4 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",
-           "NonFiniteGradientError", "resolve_device"]
+           "NonFiniteGradientError"]

@@ -91,9 +91,8 @@ class _OffloadedTable(nn.Module):
                    "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
                    "dtype=torch.bfloat16 halves it.")
         # Pinning only pays when a GPU reads the rows.
-        self._host = HostTensor((self.num_embeddings, self.embedding_dim), dtype,
-                                pin=pin and self.device.type == "cuda", name=self.name,
-                                device=self.device if self.device.type == "cuda" else None)
+        self._host = self._new_host((self.num_embeddings, self.embedding_dim), dtype,
+                                    pin and self.device.type == "cuda", self.name)
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
@@ -104,6 +103,11 @@ class _OffloadedTable(nn.Module):
             self._host.tensor.normal_()
             if padding_idx is not None:
                 self._host.tensor[padding_idx].zero_()
+
+    def _new_host(self, shape, dtype, pin: bool, name: str) -> HostTensor:
+        """Host memory for this table, its zero-copy view on the table's CUDA device."""
+        return HostTensor(shape, dtype, pin=pin, name=name,
+                          device=self.device if self.device.type == "cuda" else None)
 
     # --- the host table -------------------------------------------------------------------
     @property
@@ -142,8 +146,7 @@ class _OffloadedTable(nn.Module):
                    "Use nbtools.plan(...) to size it, or an optimizer with less state "
                    "(SGD, Adagrad).")
         synchronize(self.device)
-        new = HostTensor((n, width), old.tensor.dtype, pin=old.pinned, name=self.name,
-                         device=self.device if self.device.type == "cuda" else None)
+        new = self._new_host((n, width), old.tensor.dtype, old.pinned, self.name)
         chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))   # bounded temporaries
         for start in range(0, n, chunk):
             new.tensor[start:start + chunk, :d].copy_(old.tensor[start:start + chunk])
@@ -182,9 +185,8 @@ class _OffloadedTable(nn.Module):
                              f"({self.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
         if not torch.isfinite(weights).all():
             raise ValueError(f"grad scale for table {self.name!r} contains non-finite values")
-        host = HostTensor((self.num_embeddings, 1), self._host.tensor.dtype,
-                          pin=self._host.pinned, name=f"{self.name}.grad_scale",
-                          device=self.device if self.device.type == "cuda" else None)
+        host = self._new_host((self.num_embeddings, 1), self._host.tensor.dtype,
+                              self._host.pinned, f"{self.name}.grad_scale")
         host.tensor.copy_(weights.reshape(-1, 1))
         self._grad_scale = RowStore(host, self.device)
 
