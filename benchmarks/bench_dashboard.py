@@ -1,12 +1,13 @@
 """The dashboard beside an offloaded training loop: its overhead, and its readings checked
 against nvidia-smi and torch's own counters.
 
-1. Overhead. The same offloaded loop (OffloadedEmbedding + OffloadOptimizer(Adam)) runs in
-   interleaved blocks of equal step count: without a dashboard, with a text-mode dashboard and
-   with a widget dashboard (display=False: widgets, HTML and PNG plots are made, nothing is
-   shown), both at the default refresh (1 s), the loop wrapped in ``dash.compute()`` (CUDA
-   events). Overhead = median block time against the baseline's. Each block starts a fresh
-   dashboard, so the figure includes its first plot: an upper bound for long runs.
+1. Overhead at the default refresh (1 s), steady state, on the same offloaded loop
+   (OffloadedEmbedding + OffloadOptimizer(Adam)) wrapped in ``dash.compute()`` (CUDA events).
+   Two paired experiments, one per kind of work the dashboard does (see measure_overhead):
+   A, the training thread (text and widget dashboards; widget: display=False, so widgets,
+   HTML and PNG plots are made but nothing is shown), and B, the NVML PCIe polling thread.
+   Blocks alternate with baseline blocks; each round's block is compared with that round's
+   baseline, and the mean over rounds is reported with a 95% confidence interval.
 2. Readings. While the loop runs, ``nvidia-smi --query-gpu=memory.used,memory.total,
    utilization.gpu`` is read on a side thread and compared with the meters' NVML readings;
    torch.cuda.memory_allocated/reserved with the meters' torch readings; the pinned bytes with
@@ -14,7 +15,7 @@ against nvidia-smi and torch's own counters.
    NVML's PCIe RX with the bytes nbtools counted.
 3. Costs of the parts: Meters.read(), Monitor.step() between refreshes, HTML, plot.
 
-    python benchmarks/bench_dashboard.py              # GPU machine, about 2 minutes
+    python benchmarks/bench_dashboard.py              # GPU machine, about 5 minutes
     python benchmarks/bench_dashboard.py --quick      # CPU, < 1 minute
     python benchmarks/bench_dashboard.py --out DIR    # also DIR/dashboard.json, DIR/dashboard.html
 
@@ -39,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nbtools  # noqa: E402
 from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.meters import Meters, Monitor, MonitorConfig, SystemBackend  # noqa: E402
+from nbtools.meters import Meters, Monitor, MonitorConfig, PcieSampler, SystemBackend  # noqa: E402
 
 MiB = 2**20
 
@@ -71,13 +72,45 @@ def widgets_available() -> bool:
         return False
 
 
-def run_block(loop, mode, steps, device):
-    """Seconds for ``steps`` steps with the given dashboard mode (construction and close are
-    not timed: they happen once per run, not per step)."""
-    dash = None
-    if mode != "baseline":
-        cfg = DashboardConfig(mode=mode, file=open(os.devnull, "w"))
-        dash = Dashboard("ids", title=f"bench ({mode})", config=cfg, display=False)
+# two-sided 95% Student t quantiles by degrees of freedom (a lower df is used between entries:
+# wider, so conservative)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00}
+
+
+def mean_ci(values):
+    """Mean and the half-width of its 95% confidence interval (Student t)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return mean, float("inf")
+    t = _T95[max(k for k in _T95 if k <= n - 1)]
+    return mean, t * statistics.stdev(values) / n ** 0.5
+
+
+class StitchedClock:
+    """Monotonic seconds that stand still between :meth:`resume` and :meth:`pause`: a dashboard
+    that only runs in some blocks sees one continuous run, so its refreshes and plots land as
+    often as they would in an uninterrupted loop."""
+
+    def __init__(self):
+        self._paused_at = time.monotonic()
+        self._gap = 0.0
+
+    def resume(self):
+        self._gap += time.monotonic() - self._paused_at
+        self._paused_at = None
+
+    def pause(self):
+        self._paused_at = time.monotonic()
+
+    def __call__(self):
+        now = time.monotonic() if self._paused_at is None else self._paused_at
+        return now - self._gap
+
+
+def timed_block(loop, steps, device, dash=None):
+    """Seconds for ``steps`` steps, with ``dash`` stepped (as a user would) or without."""
     synchronize(device)
     t0 = time.perf_counter()
     if dash is None:
@@ -89,49 +122,121 @@ def run_block(loop, mode, steps, device):
                 loop.step()
             dash.step(loop.ids)
     synchronize(device)
-    took = time.perf_counter() - t0
-    if dash is not None:
-        own = dash.monitor.overhead_s
-        dash.close()
-        return took, dash, own
-    return took, None, 0.0
+    return time.perf_counter() - t0
+
+
+def paired(times, base="baseline"):
+    """Per mode: mean and 95% CI of (block / same round's baseline block - 1), in percent."""
+    out = {}
+    for m, ts in times.items():
+        if m == base:
+            continue
+        ratios = [100 * (t / b - 1) for t, b in zip(ts, times[base])]
+        mean, half = mean_ci(ratios)
+        out[m] = {"overhead_percent": mean, "ci95_percent": half,
+                  "median_percent": statistics.median(ratios), "per_round_percent": ratios}
+    return out
+
+
+def _count_plots(dash):
+    """Count the dashboard's redraws of its history plot in ``dash.plots``."""
+    dash.plots = 0
+    if dash._plotter is None:
+        return
+    render = dash._plotter.render
+
+    def counted(*a, **k):
+        dash.plots += 1
+        return render(*a, **k)
+    dash._plotter.render = counted
 
 
 def measure_overhead(loop, device, block_s, rounds, modes):
+    """Steady-state overhead, in two paired experiments (the dashboard's two kinds of work).
+
+    A. The training thread: one long-lived dashboard per mode (PCIe polling off: that is B),
+       stepped only in its own blocks and running on a clock that stands still outside them,
+       so it refreshes, draws and re-plots exactly as often as in one continuous run. Blocks
+       of baseline / text / widget alternate, the order rotating and reversing each round.
+    B. The NVML PCIe polling thread (every 20 ms, shared by both modes): blocks with it
+       running against blocks without, alternating.
+    Each round's block is compared with the same round's baseline block, which cancels the
+    machine's slow drift; the result is the mean over rounds with a 95% confidence interval.
+    The total per mode is A + B (the intervals added in quadrature).
+    """
     for _ in range(5):                       # warm-up, and the step time
         loop.step()
     synchronize(device)
     t0 = time.perf_counter()
-    for _ in range(10):
+    for _ in range(20):
         loop.step()
     synchronize(device)
-    step_s = (time.perf_counter() - t0) / 10
+    step_s = (time.perf_counter() - t0) / 20
     steps = max(20, int(block_s / step_s))
-    times = {m: [] for m in modes}
-    own = {m: [] for m in modes}
-    last = {}
-    for r in range(rounds):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]   # rotate: no position bias
-        for m in order:
-            took, dash, own_s = run_block(loop, m, steps, device)
-            times[m].append(took)
-            own[m].append(own_s / took * 100)
-            if dash is not None:
-                last[m] = dash
-            print(f"  round {r + 1} {m:<8} {took / steps * 1e3:7.3f} ms/step", flush=True)
-    base = statistics.median(times["baseline"])
-    out = {"steps_per_block": steps, "rounds": rounds, "refresh_s": DashboardConfig().refresh_s,
-           "modes": {}}
+
+    # A: the training thread
+    dashes, clocks = {}, {}
     for m in modes:
-        med = statistics.median(times[m])
-        out["modes"][m] = {
-            "step_ms": med / steps * 1e3,
-            "overhead_percent": None if m == "baseline" else (med - base) / base * 100,
-            "self_reported_percent": None if m == "baseline" else statistics.median(own[m]),
-            "block_s": times[m]}
-    spread = (max(times["baseline"]) - min(times["baseline"])) / base * 100
-    out["baseline_spread_percent"] = spread
-    return out, last
+        if m == "baseline":
+            continue
+        clocks[m] = StitchedClock()
+        cfg = DashboardConfig(mode=m, pcie="off", file=open(os.devnull, "w"))
+        mon = Monitor("ids", config=cfg, clock=clocks[m])
+        dashes[m] = Dashboard("ids", title=f"bench ({m})", config=cfg, display=False, monitor=mon)
+        _count_plots(dashes[m])
+        clocks[m].resume()                   # a first refresh (and, for widgets, a first plot)
+        timed_block(loop, max(20, steps // 4), device, dashes[m])
+        clocks[m].pause()
+    times = {m: [] for m in modes}
+    for r in range(rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        if r % 2:
+            order = order[::-1]
+        for m in order:
+            dash = dashes.get(m)
+            if dash is not None:
+                clocks[m].resume()
+            times[m].append(timed_block(loop, steps, device, dash))
+            if dash is not None:
+                clocks[m].pause()
+        print("  round %2d  " % (r + 1) + "  ".join(
+            f"{m} {times[m][-1] / steps * 1e3:.3f}" for m in modes) + " ms/step", flush=True)
+    a = paired(times)
+    own = {}
+    for m, dash in dashes.items():
+        mon = dash.monitor
+        own[m] = {"self_reported_percent": 100 * mon.overhead_s / sum(times[m]),
+                  "refreshes": len(mon.history), "plots": dash.plots if dash._plotter else None}
+        dash.close()
+
+    # B: the PCIe polling thread
+    backend = SystemBackend(device)
+    sampler = PcieSampler(backend)
+    sampler.poll()
+    pcie_times = {"baseline": [], "pcie": []}
+    if sampler.source == "counters":
+        for r in range(rounds):
+            for m in (("baseline", "pcie") if r % 2 == 0 else ("pcie", "baseline")):
+                if m == "pcie":
+                    sampler.start()
+                pcie_times[m].append(timed_block(loop, steps, device))
+                if m == "pcie":
+                    sampler.stop()
+        b = paired(pcie_times)["pcie"]
+    else:
+        b = None                             # no counters here: no polling thread to measure
+    backend.close()
+
+    out = {"design": "paired blocks, steady state (see measure_overhead)", "steps_per_block": steps,
+           "rounds": rounds, "step_ms": step_s * 1e3, "refresh_s": DashboardConfig().refresh_s,
+           "pcie_source": sampler.source, "training_thread": a, "pcie_thread": b,
+           "block_s": times, "pcie_block_s": pcie_times, "modes": {}}
+    for m in dashes:
+        mean = a[m]["overhead_percent"] + (b["overhead_percent"] if b else 0.0)
+        half = (a[m]["ci95_percent"] ** 2 + (b["ci95_percent"] ** 2 if b else 0.0)) ** 0.5
+        out["modes"][m] = {"overhead_percent": mean, "ci95_percent": half,
+                           "upper95_percent": mean + half, **own[m]}
+    return out
 
 
 def showcase(loop, device, seconds):
@@ -281,16 +386,16 @@ def main():
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65_536)
-    ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (7)")
+    ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (3)")
     ap.add_argument("--showcase-s", type=float, default=None,
                     help="seconds of the run shown in dashboard.html (15)")
-    ap.add_argument("--rounds", type=int, default=None, help="blocks per mode (3)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (20)")
     ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
     args = ap.parse_args()
-    quick = {"block_s": 2.0, "rounds": 2, "showcase_s": 3.0}
-    full = {"block_s": 7.0, "rounds": 3, "showcase_s": 15.0}
+    quick = {"block_s": 0.5, "rounds": 3, "showcase_s": 3.0}
+    full = {"block_s": 3.0, "rounds": 20, "showcase_s": 15.0}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:       # explicit values win over --quick
             setattr(args, k, v)
@@ -311,7 +416,7 @@ def main():
 
     loop = phase("setup", Loop, args.rows, args.dim, args.ids, device)
     modes = ["baseline", "text"] + (["widget"] if widgets_available() else [])
-    overhead, _ = phase("overhead", measure_overhead, loop, device, args.block_s, args.rounds, modes)
+    overhead = phase("overhead", measure_overhead, loop, device, args.block_s, args.rounds, modes)
     readings = phase("readings", check_readings, loop, device, 2 if args.quick else 3)
     last = phase("showcase", showcase, loop, device, args.showcase_s)
     costs = phase("costs", part_costs, device, last.history)
@@ -321,14 +426,23 @@ def main():
            "final_record": last.record, "diagnosis": last.record.get("diagnosis"),
            "warnings": last.warnings, "phase_s": phase_s, "wall_s": time.perf_counter() - t_start}
 
-    print(f"\n## dashboard overhead ({device}, refresh {overhead['refresh_s']:g} s, "
-          f"{overhead['steps_per_block']} steps x {overhead['rounds']} blocks per mode; "
-          f"baseline spread {overhead['baseline_spread_percent']:.1f}%)")
-    print(f"{'mode':<10}{'ms/step':>10}{'overhead':>11}{'self-reported':>15}")
-    for m, v in overhead["modes"].items():
-        o = "-" if v["overhead_percent"] is None else f"{v['overhead_percent']:+.2f}%"
-        s = "-" if v["self_reported_percent"] is None else f"{v['self_reported_percent']:.2f}%"
-        print(f"{m:<10}{v['step_ms']:>10.3f}{o:>11}{s:>15}")
+    ov = overhead
+    print(f"\n## dashboard overhead ({device}, refresh {ov['refresh_s']:g} s, steady state; "
+          f"{ov['rounds']} paired rounds of {ov['steps_per_block']} steps, {ov['step_ms']:.2f} ms/step)")
+    print(f"{'part':<34}{'mean':>9}{'95% CI':>10}{'median':>9}")
+    for m, v in ov["training_thread"].items():
+        print(f"{'training thread, ' + m + ' mode':<34}{v['overhead_percent']:>+8.2f}%"
+              f"{'±' + format(v['ci95_percent'], '.2f'):>9}%{v['median_percent']:>+8.2f}%")
+    b = ov["pcie_thread"]
+    if b:
+        print(f"{'PCIe polling thread (both modes)':<34}{b['overhead_percent']:>+8.2f}%"
+              f"{'±' + format(b['ci95_percent'], '.2f'):>9}%{b['median_percent']:>+8.2f}%")
+    else:
+        print(f"PCIe polling thread: not run (PCIe source {ov['pcie_source']!r})")
+    print(f"{'total':<10}{'mean':>9}{'upper 95%':>11}{'self-reported':>15}{'refreshes':>11}{'plots':>7}")
+    for m, v in ov["modes"].items():
+        print(f"{m:<10}{v['overhead_percent']:>+8.2f}%{v['upper95_percent']:>+10.2f}%"
+              f"{v['self_reported_percent']:>14.2f}%{v['refreshes']:>11}{v['plots'] if v['plots'] is not None else '-':>7}")
     print(f"\n## readings (meters vs reference; PCIe source: {readings['pcie_source'] or 'N/A'}, "
           f"link gen {readings['pcie_gen'] or 'N/A'} x{readings['pcie_width'] or 'N/A'})")
     refs = {"gpu_used_mib": "nvidia-smi", "gpu_total_mib": "nvidia-smi",

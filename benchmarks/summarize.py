@@ -42,8 +42,13 @@ def main(d):
         for k in ("images", "pairs"):
             if k in ld:
                 row(f"loader {k}: PinnedLoader / all-on-GPU ceiling", fmt(ld[k].get("pinned_vs_ceiling")), "x")
-                row(f"loader {k}: PinnedLoader / best DataLoader ({ld[k].get('best_dataloader')})"[:58],
+                row(f"loader {k}: PinnedLoader / best stock DataLoader",
                     fmt(ld[k].get("pinned_vs_best_dataloader")), "x")
+                if ld[k].get("best_tuned"):
+                    row(f"loader {k}: PinnedLoader / best tuned DataLoader",
+                        fmt(ld[k].get("pinned_vs_best_tuned")), "x")
+        for bs, r in sorted((ld.get("pair_sweep") or {}).items(), key=lambda kv: int(kv[0])):
+            row(f"loader pairs, batch {int(bs):,}: PinnedLoader / ceiling", fmt(r.get("pinned_vs_ceiling")), "x")
     db = load(d, "dashboard.json")
     if db:
         modes = db["overhead"]["modes"]
@@ -51,6 +56,9 @@ def main(d):
             if m in modes:
                 row(f"dashboard overhead, {m} mode (refresh {db['overhead']['refresh_s']} s)",
                     fmt(modes[m].get("overhead_percent"), "+.2f"), " %")
+                if modes[m].get("upper95_percent") is not None:
+                    row("  upper end of its 95% confidence interval",
+                        fmt(modes[m]["upper95_percent"], "+.2f"), " %")
         row("dashboard diagnosis", "", "")
         print(f"  {db.get('diagnosis')}")
     ck = load(d, "checkpoint.json")

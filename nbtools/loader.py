@@ -5,7 +5,8 @@ copies them into pinned memory, and only then copies them to the GPU; worker pro
 but each batch still crosses several queues. When the whole dataset is a few tensors (id
 pairs, ratings, tokenised text, small images) there is a shorter path: keep the tensors in
 pinned host memory once, and let the GPU gather each shuffled batch straight from host RAM
-(a zero-copy ``index_select`` over PCIe), one batch ahead on a side stream.
+(a zero-copy ``index_select`` over PCIe, rows read in address order), one batch ahead on a
+side stream.
 
 Determinism and resuming. The order of epoch ``e`` is a pure function of ``(seed, e)``: each
 sample index ``i`` gets the key ``splitmix64(state(seed, e) + (i + 1) * golden)`` and the epoch
@@ -17,9 +18,14 @@ result is the same on every machine) it took 4.3-5.4 s for 100M samples (measure
 dev machine), a stall at every epoch start; the keyed sort runs on the compute device in one
 ``argsort`` and gives the CPU the same permutation.
 
-Streams. Batch ``b + 1`` is gathered (and transformed) on a side stream while the model runs
-on batch ``b``; the consumer's stream waits for a batch before using it (``wait_stream``), and
-``record_stream`` keeps the batch's memory from being reused before the consumer is done.
+Chunks and streams. Small batches are gathered several at a time (a chunk of ~16K rows, at
+most 16 MiB and 64 batches) and handed out as views, which keeps the loader's launches per batch
+below the model's; rows are read in address order (sorted, then put back in batch order on the
+GPU), which is several times faster over PCIe than random order for narrow rows. Chunk ``c + 1``
+is gathered on a side stream while the model works through chunk ``c``; ``transform`` runs one
+batch ahead on a second stream, so it never queues behind a gather. The consumer's stream waits
+for an event before using a batch, and ``record_stream`` keeps the memory from being reused
+before the consumer is done.
 
 Without CUDA the same code gathers with ``index_select`` on the host tensors: same batches,
 same order.
@@ -49,6 +55,10 @@ _PAGE = mmap.PAGESIZE          # cudaHostRegister locks whole pages
 # Smaller contiguous tensors are copied into pages of their own rather than registered in place:
 # registering them would lock the pages they share with neighbouring allocations.
 _IN_PLACE_MIN_BYTES = 1 << 20
+_SORT_MIN_ROWS = 4096       # chunks at least this large are gathered in address order
+_CHUNK_ROWS = 16384         # batches smaller than this are gathered several at a time,
+_CHUNK_BYTES = 16 << 20     # up to this many bytes
+_CHUNK_BATCHES = 64         # and this many batches per gather
 
 # Tensors this module registered with CUDA, by (data pointer, bytes): a second loader over the
 # same tensor shares the registration instead of relying on memory the first one may release.
@@ -155,8 +165,8 @@ class PinnedLoader:
         shuffle: visit samples in a new order each epoch (else in order 0, 1, 2, ...).
         drop_last: skip the last, smaller batch of each epoch.
         transform: ``transform(*batch) -> anything``, called on the device batch, one batch
-            ahead on the loader's CUDA side stream (normalise, augment, negative sampling);
-            its result is what the loop gets.
+            ahead on a CUDA stream of the loader's own (normalise, augment, negative sampling);
+            its result is what the loop gets. Batches may be views into a larger chunk.
         device: ``"auto"`` (the GPU when there is one), ``"cuda"``, ``"cpu"`` or a
             ``torch.device``. On the CPU the same batches come in the same order.
         seed: the order of epoch ``e`` depends only on ``(seed, e)``.
@@ -211,7 +221,11 @@ class PinnedLoader:
             # images (N, 28, 28) gather as rows of their flattened trailing dims
             self._views.append(view.reshape(view.shape[0], row) if view.dim() > 1 else view)
         self._row_bytes = sum(n * t.element_size() for n, t in zip(self._row_numel, self._host))
-        self._side = None        # CUDA side stream, made on first use
+        # small batches are gathered several at a time (a chunk of ~16K rows, at most 16 MiB)
+        self._chunk_batches = max(1, min(_CHUNK_BATCHES, _CHUNK_ROWS // self.batch_size,
+                                         _CHUNK_BYTES // max(1, self.batch_size * self._row_bytes)))
+        self._side = None        # CUDA side streams, made on first use
+        self._xform = None
         self._perm = None        # (epoch, order on the device, on the host if needed)
         self._token = None       # the iterator allowed to advance the loader now
 
@@ -343,43 +357,78 @@ class PinnedLoader:
         self._perm = None
 
     # --- iteration -----------------------------------------------------------------------
-    def _gather(self, b: int):
-        """Batch ``b`` of the current permutation (after ``transform``), on the device."""
-        sl = slice(b * self.batch_size, (b + 1) * self.batch_size)
-        idx = self._perm[1][sl]
+    def _chunk_rows(self, c: int, nb: int) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` in the epoch's order that chunk ``c`` covers."""
+        k, bs = self._chunk_batches, self.batch_size
+        return c * k * bs, min(min((c + 1) * k, nb) * bs, self.num_samples)
+
+    def _gather_chunk(self, c: int, nb: int, main):
+        """``(rows, event)``: the rows of chunk ``c`` (one tensor per input) and, on CUDA, an
+        event on the side stream that fires when they are gathered."""
+        if main is None:
+            return self._gather_rows(c, nb), None
+        # Wait for the consumer's work so far: the permutation is ready, and the gather runs at
+        # most one chunk ahead of the model.
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            rows = self._gather_rows(c, nb)
+        return rows, self._side.record_event()
+
+    def _gather_rows(self, c: int, nb: int):
+        lo, hi = self._chunk_rows(c, nb)
+        idx = self._perm[1][lo:hi]
         n = idx.shape[0]
-        batch = []
+        order = None
+        if idx.is_cuda and self.shuffle and n >= _SORT_MIN_ROWS:
+            # Read host RAM in address order, then put the rows back in batch order on the GPU:
+            # random zero-copy reads run at ~75M rows/s whatever the row size up to 256 B,
+            # sorted ones at 400M+ (H100, benchmarks/RESULTS.md). Below a few thousand rows
+            # the sort's own launches cost more than it saves.
+            idx, order = torch.sort(idx)
+        chunk = []
         for v, h, row in zip(self._views, self._host, self._row_numel):
             if not row:
                 rows = torch.empty((n, row), dtype=h.dtype, device=self.device)
             elif v.device == idx.device:
                 rows = hostmem.gather_rows(v, idx)
+                if order is not None:
+                    rows = torch.empty_like(rows).index_copy_(0, order, rows)
             else:   # pinning was refused: gather on the CPU, then copy
-                rows = hostmem.gather_rows(v, self._perm[2][sl]).to(self.device)
-            batch.append(rows.view(n, *h.shape[1:]))
+                rows = hostmem.gather_rows(v, self._perm[2][lo:hi]).to(self.device)
+            chunk.append(rows.view(n, *h.shape[1:]))
         if self.device.type == "cuda":
             hostmem.count_transfer(h2d=n * self._row_bytes)
-        return tuple(batch) if self.transform is None else self.transform(*batch)
+        return tuple(chunk)
 
-    def _prefetch(self, b: int, main):
-        """Start gathering batch ``b``; on CUDA it runs on the side stream."""
+    def _batch_of(self, chunk, c: int, b: int) -> tuple:
+        """Batch ``b`` as views into chunk ``c``."""
+        first = (b - c * self._chunk_batches) * self.batch_size
+        return tuple(t[first:first + self.batch_size] for t in chunk)
+
+    def _transformed(self, batch, ready, main):
+        """``(transform(*batch), event)``. On CUDA it runs one batch ahead of the model on a
+        stream of its own, so that it never queues behind the next chunk's gather; it starts
+        once the batch's chunk is ``ready`` and the consumer's work so far is done."""
         if main is None:
-            return self._gather(b)
-        # Wait for the consumer's work so far: the permutation and anything the transform
-        # reads are ready, and the gather runs at most one batch ahead of the model.
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            return self._gather(b)
+            return self.transform(*batch), None
+        xs = self._xform
+        xs.wait_stream(main)
+        xs.wait_event(ready)
+        for t in batch:
+            t.record_stream(xs)   # the chunk, made on the side stream, is read here too
+        with torch.cuda.stream(xs):
+            out = self.transform(*batch)
+        return out, xs.record_event()
 
-    def _hand_over(self, batch, main):
-        """Make the consumer's stream ``main`` wait for ``batch`` and keep its memory until
-        ``main`` is done with it."""
+    @staticmethod
+    def _hand_over(tensors, ready, main) -> None:
+        """Make the consumer's stream ``main`` wait for ``ready``, and keep the memory of
+        ``tensors`` (made on a loader stream) until ``main`` is done with it."""
         if main is not None:
-            main.wait_stream(self._side)   # only this batch is queued there so far
-            for t in _tensors_in(batch):
+            main.wait_event(ready)
+            for t in _tensors_in(tensors):
                 if t.is_cuda:
-                    t.record_stream(main)   # allocated on the side stream, used on main
-        return batch
+                    t.record_stream(main)
 
     def _consumer_stream(self):
         """The stream the loop body runs on now (None on the CPU)."""
@@ -394,7 +443,8 @@ class PinnedLoader:
             self.epoch, self.position = self.epoch + 1, 0
         epoch, start = self.epoch, self.position
         if self.device.type == "cuda" and self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
+            self._side = torch.cuda.Stream(device=self.device)    # gathers
+            self._xform = torch.cuda.Stream(device=self.device)   # transforms
             # when the loader is collected, let its last gathers finish before the pinned memory
             # they read is unregistered and freed (weakref callbacks run before attributes go)
             weakref.finalize(self, self._side.synchronize)
@@ -404,24 +454,51 @@ class PinnedLoader:
             bar = tqdm(total=nb, initial=start, desc=f"epoch {epoch}", unit="batch")
         try:
             if start < nb:
-                self._load_permutation(epoch)
-                pending = self._prefetch(start, self._consumer_stream())
-                for b in range(start, nb):
-                    if self._token is not token:
-                        raise RuntimeError("this PinnedLoader was iterated again while an earlier "
-                                           "loop over it was still running; use one loop at a time")
-                    main = self._consumer_stream()   # the loop body may switch streams
-                    batch = self._hand_over(pending, main)
-                    if b + 1 < nb:
-                        pending = self._prefetch(b + 1, main)
-                    self.position = b + 1
-                    if bar is not None:
-                        bar.update(1)
-                    yield batch
+                yield from self._batches(token, start, nb, bar)
             self.epoch, self.position, self._perm = epoch + 1, 0, None
         finally:
             if bar is not None:
                 bar.close()
+
+    def _batches(self, token, start: int, nb: int, bar):
+        """Batches ``start..nb-1`` of the current epoch. Several small batches are gathered as
+        one chunk (fewer launches and syncs per batch) and handed out as views; the next chunk
+        is gathered on the side stream while the model works through this one."""
+        k = self._chunk_batches
+        self._load_permutation(self.epoch)
+        main = self._consumer_stream()
+        chunks = {start // k: self._gather_chunk(start // k, nb, main)}   # c -> (rows, event)
+        pending = None
+        if self.transform is not None:
+            rows, ev = chunks[start // k]
+            pending = self._transformed(self._batch_of(rows, start // k, start), ev, main)
+        ready = None      # (chunk, stream) that the consumer's stream already waited for
+        for b in range(start, nb):
+            if self._token is not token:
+                raise RuntimeError("this PinnedLoader was iterated again while an earlier "
+                                   "loop over it was still running; use one loop at a time")
+            main = self._consumer_stream()   # the loop body may switch streams
+            c = b // k
+            if self.transform is None:
+                rows, ev = chunks[c]
+                batch = self._batch_of(rows, c, b)
+                if ready != (c, main):
+                    self._hand_over(rows, ev, main)
+                    ready = (c, main)
+            else:
+                batch, ev = pending
+                self._hand_over(batch, ev, main)
+            if c + 1 not in chunks and (c + 1) * k < nb:
+                chunks[c + 1] = self._gather_chunk(c + 1, nb, main)
+                chunks.pop(c - 1, None)
+            if self.transform is not None and b + 1 < nb:
+                nc = (b + 1) // k
+                rows, ev = chunks[nc]
+                pending = self._transformed(self._batch_of(rows, nc, b + 1), ev, main)
+            self.position = b + 1
+            if bar is not None:
+                bar.update(1)
+            yield batch
 
     def __repr__(self):
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in self._host)

@@ -330,7 +330,7 @@ class SystemBackend:
         if nv is None:
             return out
         try:
-            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            mem = self._memory_info(nv, h)
             out["gpu_used_bytes"], out["gpu_total_bytes"] = int(mem.used), int(mem.total)
         except Exception:
             pass
@@ -346,6 +346,19 @@ class SystemBackend:
         except Exception:
             pass
         return out
+
+    @staticmethod
+    def _memory_info(nv, h):
+        """NVML's memory info, version 2 where the library has it: its ``used`` leaves out the
+        memory the driver reserves for itself (480 MiB on an H100) and so equals nvidia-smi's
+        "memory.used"; version 1's ``used`` (total - free) counts that reserve as used."""
+        v2 = getattr(nv, "nvmlMemory_v2", None)
+        if v2 is not None:
+            try:
+                return nv.nvmlDeviceGetMemoryInfo(h, version=v2)
+            except Exception:   # older driver or binding: fall back to version 1
+                pass
+        return nv.nvmlDeviceGetMemoryInfo(h)
 
     def link(self):
         out = dict.fromkeys(LINK_KEYS)

@@ -66,9 +66,11 @@ def test_every_sample_once_per_epoch(device, n, batch_size, shuffle, drop_last, 
     assert len(loader) == (n // batch_size if drop_last else -(-n // batch_size))
 
 
-def test_batches_match_cpu_reference(device):
-    tensors = _dataset(103)
-    loader = PinnedLoader(*tensors, batch_size=16, device=device, seed=7)
+@pytest.mark.parametrize("n, batch_size", [(103, 16), (3 * 4096 + 777, 4096 + 5)],
+                         ids=["small", "address-order"])   # the second sorts each batch on CUDA
+def test_batches_match_cpu_reference(device, n, batch_size):
+    tensors = _dataset(n)
+    loader = PinnedLoader(*tensors, batch_size=batch_size, device=device, seed=7)
     for epoch in range(3):
         want = _cpu_reference(loader, tensors, epoch)
         _assert_same(list(loader), want)
@@ -298,12 +300,22 @@ def test_consumer_may_write_into_its_batches(device):
     _assert_same(got, want)
 
 
+def _slow_copy(*batch):
+    torch.cuda._sleep(1_000_000)              # a transform slower than the gather
+    return tuple(t.clone() for t in batch)
+
+
 @pytest.mark.gpu
-def test_cuda_batches_survive_a_slow_consumer():
+@pytest.mark.parametrize("transform", [None, _slow_copy, lambda *batch: batch],
+                         ids=["no-transform", "slow-transform", "identity-transform"])
+@pytest.mark.parametrize("batch_size", [32, 5000], ids=["chunked", "one-per-gather"])
+def test_cuda_batches_survive_a_slow_consumer(transform, batch_size):
     """A batch dropped while the consumer's stream still reads it must not be reused by the
-    side stream too early (record_stream), nor read before it is gathered (wait_stream)."""
-    tensors = _dataset(600)
-    loader = PinnedLoader(*tensors, batch_size=32, device="cuda", seed=2)
+    loader's streams too early (record_stream), nor read before it is gathered or transformed
+    (events), whether batches come several per chunk or one per gather."""
+    tensors = _dataset(600 if batch_size < 100 else 4 * batch_size + 123)
+    loader = PinnedLoader(*tensors, batch_size=batch_size, device="cuda", seed=2,
+                          transform=transform)
     want = _cpu_reference(loader, tensors, 0)
     got = []
     for batch in loader:

@@ -113,6 +113,27 @@ def test_system_backend_nvml_paths_with_a_fake_pynvml(monkeypatch):
     assert b.pcie_throughput("rx") == (2000 + 1) * 1024.0
 
 
+def test_gpu_memory_prefers_nvml_v2_which_leaves_out_the_driver_reserve():
+    nv = _fake_pynvml()
+    reserve = 480 << 20
+
+    def memory_info(h, version=None):   # v1: used = total - free, the reserve counted as used
+        if version is None:
+            return types.SimpleNamespace(used=(3 << 30) + reserve, total=16 << 30)
+        if version == "v2":
+            return types.SimpleNamespace(used=3 << 30, reserved=reserve, total=16 << 30)
+        raise nv.NVMLError("Function Not Found")
+
+    nv.nvmlDeviceGetMemoryInfo, nv.nvmlMemory_v2 = memory_info, "v2"
+    b = SystemBackend("cpu")
+    b._nvml, b._handle = nv, "handle"
+    assert b.gpu()["gpu_used_bytes"] == 3 << 30          # what nvidia-smi shows
+    nv.nvmlMemory_v2 = "v3"                                # the driver refuses this version
+    assert b.gpu()["gpu_used_bytes"] == (3 << 30) + reserve   # falls back to version 1
+    del nv.nvmlMemory_v2                                   # an old binding without v2
+    assert b.gpu()["gpu_used_bytes"] == (3 << 30) + reserve
+
+
 def test_unsupported_pcie_counters_stop_being_asked():
     b = SystemBackend("cpu")
     b._nvml, b._handle = _fake_pynvml(field_ret=3), "handle"   # NVML_ERROR_NOT_SUPPORTED
