@@ -18,8 +18,8 @@ result is the same on every machine) it took 4.3-5.4 s for 100M samples (measure
 dev machine), a stall at every epoch start; the keyed sort runs on the compute device in one
 ``argsort`` and gives the CPU the same permutation.
 
-Chunks and streams. Small batches are gathered several at a time (a chunk of ~16K rows, at
-most 16 MiB and 64 batches) and handed out as views, which keeps the loader's launches per batch
+Chunks and streams. Batches are gathered several at a time (a chunk of up to 256K rows,
+16 MiB and 64 batches) and handed out as views, which keeps the loader's launches per batch
 below the model's; rows are read in address order (sorted, then put back in batch order on the
 GPU), which is several times faster over PCIe than random order for narrow rows. Chunk ``c + 1``
 is gathered on a side stream while the model works through chunk ``c``; ``transform`` runs one
@@ -55,10 +55,13 @@ _PAGE = mmap.PAGESIZE          # cudaHostRegister locks whole pages
 # Smaller contiguous tensors are copied into pages of their own rather than registered in place:
 # registering them would lock the pages they share with neighbouring allocations.
 _IN_PLACE_MIN_BYTES = 1 << 20
-_SORT_MIN_ROWS = 4096       # chunks at least this large are gathered in address order
-_CHUNK_ROWS = 16384         # batches smaller than this are gathered several at a time,
-_CHUNK_BYTES = 16 << 20     # up to this many bytes
-_CHUNK_BATCHES = 64         # and this many batches per gather
+_SORT_MIN_ROWS = 4096       # chunks at least this large are gathered in address order,
+_SLAB_ROWS = 1 << 22        # sorted ~4M positions at a time
+# Batches are gathered several at a time, up to this many rows, bytes and batches per chunk:
+# the loader's Python and launch cost per batch then falls below the model's own indexing
+_CHUNK_ROWS = 1 << 18
+_CHUNK_BYTES = 16 << 20
+_CHUNK_BATCHES = 64
 
 # Tensors this module registered with CUDA, by (data pointer, bytes): a second loader over the
 # same tensor shares the registration instead of relying on memory the first one may release.
@@ -221,9 +224,10 @@ class PinnedLoader:
             # images (N, 28, 28) gather as rows of their flattened trailing dims
             self._views.append(view.reshape(view.shape[0], row) if view.dim() > 1 else view)
         self._row_bytes = sum(n * t.element_size() for n, t in zip(self._row_numel, self._host))
-        # small batches are gathered several at a time (a chunk of ~16K rows, at most 16 MiB)
+        # batches are gathered several at a time (chunks of up to 256K rows and 16 MiB)
         self._chunk_batches = max(1, min(_CHUNK_BATCHES, _CHUNK_ROWS // self.batch_size,
                                          _CHUNK_BYTES // max(1, self.batch_size * self._row_bytes)))
+        self._slab = None        # (slab, first position, ids, places): address order of chunks
         self._side = None        # CUDA side streams, made on first use
         self._xform = None
         self._perm = None        # (epoch, order on the device, on the host if needed)
@@ -321,6 +325,7 @@ class PinnedLoader:
                 perm = perm.to(torch.int32)
             perm.record_stream(self._side)   # read there; keep it until those reads end
         self._perm = (epoch, perm, host_perm)
+        self._slab = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next iteration."""
@@ -370,8 +375,11 @@ class PinnedLoader:
         # Wait for the consumer's work so far: the permutation is ready, and the gather runs at
         # most one chunk ahead of the model.
         self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
+        torch.cuda.set_stream(self._side)   # (a third of the cost of `with torch.cuda.stream`)
+        try:
             rows = self._gather_rows(c, nb)
+        finally:
+            torch.cuda.set_stream(main)
         return rows, self._side.record_event()
 
     def _gather_rows(self, c: int, nb: int):
@@ -382,9 +390,8 @@ class PinnedLoader:
         if idx.is_cuda and self.shuffle and n >= _SORT_MIN_ROWS:
             # Read host RAM in address order, then put the rows back in batch order on the GPU:
             # random zero-copy reads run at ~75M rows/s whatever the row size up to 256 B,
-            # sorted ones at 400M+ (H100, benchmarks/RESULTS.md). Below a few thousand rows
-            # the sort's own launches cost more than it saves.
-            idx, order = torch.sort(idx)
+            # sorted ones at 400M+ (H100, benchmarks/RESULTS.md).
+            idx, order = self._address_order(c, nb, lo, hi)
         chunk = []
         for v, h, row in zip(self._views, self._host, self._row_numel):
             if not row:
@@ -399,6 +406,25 @@ class PinnedLoader:
         if self.device.type == "cuda":
             hostmem.count_transfer(h2d=n * self._row_bytes)
         return tuple(chunk)
+
+    def _address_order(self, c: int, nb: int, lo: int, hi: int):
+        """``(ids, places)``: chunk ``c``'s sample ids in increasing order, and where each goes in
+        the chunk. Sorted a slab of chunks at a time: one ``torch.sort`` costs ~80 us of CPU,
+        more than the rest of a chunk's work."""
+        size = self._chunk_batches * self.batch_size
+        per_slab = max(1, _SLAB_ROWS // size)
+        slab = c // per_slab
+        if self._slab is None or self._slab[0] != slab:
+            self._slab = None
+            s_lo = slab * per_slab * size
+            s_hi = min(s_lo + per_slab * size, min(nb * self.batch_size, self.num_samples))
+            perm = self._perm[1][s_lo:s_hi]
+            local = torch.arange(s_hi - s_lo, device=perm.device) // size   # chunk in the slab
+            keys, where = torch.sort((local << 40) | perm.long())    # ids < 2^40, chunks < 2^22
+            ids = (keys & ((1 << 40) - 1)).to(perm.dtype)
+            self._slab = (slab, s_lo, ids, where.sub_(local * size))
+        _, s_lo, ids, where = self._slab
+        return ids[lo - s_lo:hi - s_lo], where[lo - s_lo:hi - s_lo]
 
     def _batch_of(self, chunk, c: int, b: int) -> tuple:
         """Batch ``b`` as views into chunk ``c``."""
@@ -416,8 +442,11 @@ class PinnedLoader:
         xs.wait_event(ready)
         for t in batch:
             t.record_stream(xs)   # the chunk, made on the side stream, is read here too
-        with torch.cuda.stream(xs):
+        torch.cuda.set_stream(xs)
+        try:
             out = self.transform(*batch)
+        finally:
+            torch.cuda.set_stream(main)
         return out, xs.record_event()
 
     @staticmethod

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nbtools import hostmem
+from nbtools import hostmem, loader as loader_mod
 from nbtools.loader import (PinnedLoader, _mix_, _mix_int, _signed, _whole_range_pinned,
                             permutation)
 
@@ -75,6 +75,27 @@ def test_batches_match_cpu_reference(device, n, batch_size):
         want = _cpu_reference(loader, tensors, epoch)
         _assert_same(list(loader), want)
     assert not torch.equal(loader.permutation(0), loader.permutation(1))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_address_order_of_every_chunk(device, monkeypatch, drop_last):
+    """Chunks are read in increasing id order and put back in the epoch's order, slab by slab."""
+    monkeypatch.setattr(loader_mod, "_CHUNK_ROWS", 1400)             # 2 batches per chunk
+    monkeypatch.setattr(loader_mod, "_SLAB_ROWS", 3 * 1400)          # 3 chunks per slab
+    loader = PinnedLoader(torch.arange(10_007), batch_size=700, device=device, seed=3,
+                          drop_last=drop_last)
+    assert loader._chunk_batches == 2
+    nb = len(loader)
+    loader._load_permutation(0)
+    perm = loader._perm[1]
+    ends = []
+    for c in list(range(-(-nb // 2))) + [0]:                         # and back to the first slab
+        lo, hi = loader._chunk_rows(c, nb)
+        ends.append(hi)
+        ids, places = loader._address_order(c, nb, lo, hi)
+        assert torch.equal(ids, torch.sort(perm[lo:hi]).values)
+        assert torch.equal(torch.empty_like(ids).index_copy_(0, places, ids), perm[lo:hi])
+    assert ends[-2] == (nb * 700 if drop_last else 10_007)        # the last chunk is partial
 
 
 def test_permutation_same_on_every_device(device):
@@ -309,13 +330,16 @@ def _slow_copy(*batch):
 @pytest.mark.parametrize("transform", [None, _slow_copy, lambda *batch: batch],
                          ids=["no-transform", "slow-transform", "identity-transform"])
 @pytest.mark.parametrize("batch_size", [32, 5000], ids=["chunked", "one-per-gather"])
-def test_cuda_batches_survive_a_slow_consumer(transform, batch_size):
+def test_cuda_batches_survive_a_slow_consumer(transform, batch_size, monkeypatch):
     """A batch dropped while the consumer's stream still reads it must not be reused by the
     loader's streams too early (record_stream), nor read before it is gathered or transformed
     (events), whether batches come several per chunk or one per gather."""
+    if batch_size > 1000:
+        monkeypatch.setattr(loader_mod, "_CHUNK_ROWS", 1)   # one batch per chunk (sorted)
     tensors = _dataset(600 if batch_size < 100 else 4 * batch_size + 123)
     loader = PinnedLoader(*tensors, batch_size=batch_size, device="cuda", seed=2,
                           transform=transform)
+    assert (loader._chunk_batches == 1) == (batch_size > 1000)
     want = _cpu_reference(loader, tensors, 0)
     got = []
     for batch in loader:
