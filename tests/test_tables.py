@@ -175,6 +175,7 @@ def test_describe_and_counters():
 @pytest.mark.gpu
 def test_pinned_bytes_are_counted_and_released():
     import gc
+    gc.collect()                               # what earlier tests left behind goes first
     base = nbtools.pinned_bytes()
     table = OffloadedEmbedding(1000, 64, device="cuda", name="counted")
     assert table.pinned and table.transfer_mode == "zero-copy"
