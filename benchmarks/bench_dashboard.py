@@ -389,13 +389,13 @@ def main():
     ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (3)")
     ap.add_argument("--showcase-s", type=float, default=None,
                     help="seconds of the run shown in dashboard.html (15)")
-    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (20)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (12)")
     ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
     args = ap.parse_args()
     quick = {"block_s": 0.5, "rounds": 3, "showcase_s": 3.0}
-    full = {"block_s": 3.0, "rounds": 20, "showcase_s": 15.0}
+    full = {"block_s": 3.0, "rounds": 12, "showcase_s": 15.0}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:       # explicit values win over --quick
             setattr(args, k, v)

@@ -280,7 +280,7 @@ def main():
     ap.add_argument("--image-batch", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=100_000_000, help="id pairs (int64)")
     ap.add_argument("--pair-batch", type=int, default=32_768)
-    ap.add_argument("--pair-sweep", default="8192,131072",
+    ap.add_argument("--pair-sweep", default="131072",
                     help="more pair batch sizes, PinnedLoader vs ceiling only (1 timed epoch)")
     ap.add_argument("--vocab", type=int, default=1_000_000, help="ids in the pair stream")
     ap.add_argument("--dim", type=int, default=64, help="embedding dimension of the pair model")
