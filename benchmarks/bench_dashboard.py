@@ -15,7 +15,7 @@ against nvidia-smi and torch's own counters.
    NVML's PCIe RX with the bytes nbtools counted.
 3. Costs of the parts: Meters.read(), Monitor.step() between refreshes, HTML, plot.
 
-    python benchmarks/bench_dashboard.py              # GPU machine, about 5 minutes
+    python benchmarks/bench_dashboard.py              # GPU machine, about 3 minutes
     python benchmarks/bench_dashboard.py --quick      # CPU, < 1 minute
     python benchmarks/bench_dashboard.py --out DIR    # also DIR/dashboard.json, DIR/dashboard.html
 
@@ -386,16 +386,16 @@ def main():
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65_536)
-    ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (3)")
+    ap.add_argument("--block-s", type=float, default=None, help="seconds per timed block (2)")
     ap.add_argument("--showcase-s", type=float, default=None,
-                    help="seconds of the run shown in dashboard.html (15)")
-    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (12)")
+                    help="seconds of the run shown in dashboard.html (10)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (14)")
     ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
     args = ap.parse_args()
     quick = {"block_s": 0.5, "rounds": 3, "showcase_s": 3.0}
-    full = {"block_s": 3.0, "rounds": 12, "showcase_s": 15.0}
+    full = {"block_s": 2.0, "rounds": 14, "showcase_s": 10.0}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:       # explicit values win over --quick
             setattr(args, k, v)

@@ -28,7 +28,7 @@ each): small batches are bound by Python launch overhead, large ones by the PCIe
 GPU idle fraction = 1 - (time the compute stream spent inside model steps, from CUDA events
 around each step) / wall time: waiting for data or for copies counts as idle.
 
-    python benchmarks/bench_loader.py --out artifacts/gpu    # GPU machine, about 2-3 minutes
+    python benchmarks/bench_loader.py --out artifacts/gpu    # GPU machine, about 4 minutes
     python benchmarks/bench_loader.py --quick                # small, runs on a CPU in < 1 min
 """
 from __future__ import annotations
@@ -287,8 +287,8 @@ def main():
     ap.add_argument("--workers", default="0,2,4,8", help="DataLoader num_workers settings")
     ap.add_argument("--epochs", type=int, default=0,
                     help="timed epochs, alternating with the ceiling's (0: 10 images, 3 pairs)")
-    ap.add_argument("--max-batches", type=int, default=400, help="DataLoader: batches timed at most")
-    ap.add_argument("--window-s", type=float, default=4.0, help="DataLoader: seconds timed at most")
+    ap.add_argument("--max-batches", type=int, default=200, help="DataLoader: batches timed at most")
+    ap.add_argument("--window-s", type=float, default=2.5, help="DataLoader: seconds timed at most")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly (< 1 min)")
     ap.add_argument("--out", default=None, help="write DIR/loader.json")
@@ -298,7 +298,7 @@ def main():
         args.pair_batch, args.workers, args.max_batches, args.window_s = 8_192, "0,2", 12, 0.3
         args.pair_sweep = "32768"
     args.workers = [int(w) for w in args.workers.split(",")]
-    args.dl_warmup = 3 if args.quick else 10
+    args.dl_warmup = 3 if args.quick else 5
     device = resolve_device(args.device)
     device_name = f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "cpu"
     t_start = time.perf_counter()
