@@ -254,7 +254,7 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     if group.get("differentiable"):
         return None
     cols = {n: i + 1 for i, n in enumerate(names)}
-    exact = lambda cls_: type.__eq__(cls, cls_)      # subclasses may change the arithmetic
+    exact = lambda cls_: cls is cls_        # subclasses may change the arithmetic
     if exact(torch.optim.SGD):
         if group.get("dampening", 0.0):
             return None

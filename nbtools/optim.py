@@ -514,6 +514,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                           for p, g in grads if not bool(torch.isfinite(g).all())]
         return names
 
+    def __getstate__(self) -> dict:
+        # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's
+        # tables and scalar state live in its other attributes. An LR scheduler's wrapper of
+        # `step` (an instance attribute holding a weak reference) stays behind.
+        state = dict(self.__dict__)
+        state.pop("step", None)
+        return state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._dense is not None:
             self._dense.zero_grad(set_to_none=set_to_none)

@@ -56,6 +56,8 @@ class RowBatch:
 
     def sentinel_flag(self) -> torch.Tensor:
         """[1] bool on the device: the last used slot holds the sentinel."""
+        if self.capacity == 0:
+            return torch.zeros(1, dtype=torch.bool, device=self.count.device)
         last = (self.count - 1).clamp_min(0)
         return self.ids.gather(0, last).eq(self.num_rows) & (self.count > 0)
 
