@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from . import NbtoolsError
-from .devices import cuda_ok, human_bytes, memlock_limit
+from .devices import cuda_ok, memlock_limit
+from .units import human_bytes
 
 _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)

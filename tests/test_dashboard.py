@@ -10,7 +10,8 @@ import pytest
 import nbtools
 from nbtools import dashboard as dashmod
 from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html
-from nbtools.meters import FakeBackend, FakeClock, History, Monitor
+from nbtools.meters import History, Monitor
+from nbtools.testing import FakeBackend, FakeClock
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
