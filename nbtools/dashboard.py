@@ -643,6 +643,18 @@ class Dashboard:
                            warnings_=self.warnings, error=self.error, note=self._note(),
                            image_png=self._png, config=self.config)
 
+    def save_png(self, path) -> str:
+        """Write the history plot, as the dashboard last drew it (drawn now in text mode or
+        before the first plot), to ``path`` as PNG; returns the path."""
+        png = self._png
+        if png is None:
+            png = _Plotter(self.monitor.unit, self.config.width_px).render(
+                self.monitor.history, self.config.link_bytes_per_s)
+        path = os.fspath(path)
+        with open(path, "wb") as f:
+            f.write(png)
+        return path
+
     def _freeze(self, rec: dict) -> None:
         if not (self.config.freeze and self._handle is not None):
             return

@@ -309,3 +309,17 @@ def test_bar_alarms_and_the_throughput_window_come_from_the_config():
     html = render_html(rec, config=cfg)
     assert [red in b for b in bars(html)] == [True, False]
     assert "throughput, last 30 s" in html and "last 10 s" in render_html(rec)
+
+
+def test_save_png_writes_the_plot_the_snapshot_shows(tmp_path):
+    clock = FakeClock()
+    cfg = DashboardConfig(mode="text", file=io.StringIO(), pcie="manual")
+    mon = Monitor("rows", backend=FakeBackend(), clock=clock, config=cfg)
+    with Dashboard("rows", config=cfg, monitor=mon) as dash:
+        for _ in range(30):
+            clock.advance(0.1)
+            dash.step(64)
+    path = dash.save_png(tmp_path / "dash.png")          # text mode: drawn from the history
+    png = (tmp_path / "dash.png").read_bytes()
+    assert str(path).endswith("dash.png") and png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png == plot_history(dash.history, "rows").png   # the same drawing as a re-plot
