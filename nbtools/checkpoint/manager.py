@@ -108,7 +108,7 @@ class CheckpointManager:
         directory: local directory for checkpoints (created if needed).
         keep: how many complete checkpoints to keep (older ones are deleted after a save).
         mirror: a second directory (e.g. ``nbtools.colab.drive_dir("runs/w2v")``) or a
-            :class:`nbtools.colab.DriveSync`: each finished checkpoint is copied there in the
+            :class:`~nbtools.checkpoint.DriveSync`: each finished checkpoint is copied there in the
             background (temp name + rename inside it). ``restore`` looks in both.
         config: :class:`CheckpointConfig` (chunk size, half precision, progress, ...).
 
@@ -538,7 +538,7 @@ class CheckpointManager:
 
     def finalize(self, **kwargs) -> None:
         """Wait for background copies to the mirror and flush it (Drive: see
-        :meth:`nbtools.colab.DriveSync.finalize`). Call once at the end of training."""
+        :meth:`~nbtools.checkpoint.DriveSync.finalize`). Call once at the end of training."""
         if self.sync is not None:
             self.sync.finalize(**kwargs)
 
