@@ -1,0 +1,52 @@
+"""What this machine offers nbtools, at a glance: :func:`describe` (``nbtools.describe()``).
+
+It sits above :mod:`nbtools.devices` and :mod:`nbtools.hostmem` (it asks both), so neither has to
+import the other backwards.
+"""
+from __future__ import annotations
+
+import os  # noqa: F401  (the doctest of describe() uses os.devnull)
+import platform
+
+import torch
+
+from . import hostmem
+from .devices import cuda_ok, host_memory_bytes, memlock_limit, resolve_device
+from .units import human_bytes as _human
+
+
+def describe(file=None) -> dict:
+    """Print (and return) torch, CUDA, GPU and pinning capability at a glance.
+
+    >>> info = describe(file=open(os.devnull, "w"))
+    >>> sorted(info)[:3]
+    ['cuda', 'device', 'gpu']
+    """
+    mem = host_memory_bytes()
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda_ok() else None,
+        "device": str(resolve_device()),
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "host_total_bytes": mem["total"],
+        "host_available_bytes": mem["available"],
+        "memlock_limit_bytes": memlock_limit(),
+        "pinning": "unavailable (no CUDA): tables use ordinary host memory",
+        "pinned_bytes": hostmem.pinned_bytes(),
+    }
+    if cuda_ok():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = props.name
+        info["gpu_memory_bytes"] = props.total_memory
+        info["pinning"] = hostmem.probe_pinning()
+    lines = [
+        f"nbtools  python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
+        f"device   {info['device']}  GPU {info['gpu'] or 'none'}  GPU memory {_human(info['gpu_memory_bytes'])}",
+        f"host RAM {_human(info['host_available_bytes'])} available of {_human(info['host_total_bytes'])}"
+        f"  memlock limit {_human(info['memlock_limit_bytes']) if info['memlock_limit_bytes'] else 'unlimited'}",
+        f"pinning  {info['pinning']}  (nbtools holds {_human(info['pinned_bytes'])} pinned)",
+    ]
+    print("\n".join(lines), file=file)
+    return info
