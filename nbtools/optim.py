@@ -435,16 +435,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         collected = [(slot, slot.table.collect()) for slot in self._slots]
         collected = [(slot, got) for slot, got in collected if got is not None]
         dense = self._dense_grads()
-        verdicts = self._read_flags([got.flags() for _, got in collected], dense)
-        table_flags, dense_bad = verdicts[:len(collected)], verdicts[len(collected):]
-        for (slot, got), (bad, _, _, _) in zip(collected, table_flags):
+        tables, nonfinite = self._read_flags([got for _, got in collected], dense)
+        for (slot, got), (bad, _, _) in zip(collected, tables):
             if bad:
                 for flat, shape in got.lookups:
                     if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
                         slot.table._raise_bad_ids(flat, shape)
-        culprits = [f"table {slot.name!r}" for (slot, _), f in zip(collected, table_flags) if f[1]]
-        culprits += self._nonfinite_params(dense, dense_bad)
-        if culprits:
+        if nonfinite:
+            culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
+            culprits += self._nonfinite_params(dense)
             if self.config.nonfinite == "skip":
                 self._skips += 1
                 for slot in self._slots:
@@ -462,57 +461,53 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "learning rate, check the loss, or pass config=OffloadConfig(nonfinite='skip').")
         if self._dense is not None:
             self._dense.step()
-        for (slot, got), (_, _, count, sentinel) in zip(collected, table_flags):
+        for (slot, got), (_, count, sentinel) in zip(collected, tables):
             slot.apply(got, count, bool(sentinel))
         return loss
 
-    def _dense_grads(self) -> dict:
-        """Gradients of the ordinary parameters, grouped by (device, dtype)."""
-        groups = {}
+    def _dense_grads(self) -> list:
+        """(parameter, gradient values) of the ordinary parameters that have a gradient."""
+        out = []
         if self._dense is None:
-            return groups
+            return out
         for group in self._dense.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad._values() if p.grad.is_sparse else p.grad
-                groups.setdefault((g.device, g.dtype), []).append((p, g))
-        return groups
+                if p.grad is not None:
+                    out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
+        return out
 
     @staticmethod
-    def _read_flags(table_flags: list, dense: dict) -> list:
-        """The host's one look at the step: [bad, nonfinite, count, sentinel] per table, then
-        one non-finite verdict per group of ordinary parameters. One sync per device."""
-        parts = [f.reshape(-1) for f in table_flags]
-        for grads in dense.values():
-            found = torch.zeros(1, device=grads[0][1].device)
-            grads_only = [g for _, g in grads]
-            try:      # one multi-tensor kernel; multiplying by 1.0 changes no value
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads_only, found, torch.ones(1, device=found.device))
-            except (RuntimeError, AttributeError):   # dtypes or devices it does not take
-                found = torch.stack([~torch.isfinite(g).all() for g in grads_only]).any()
-            parts.append(found.reshape(1).long())
+    def _read_flags(collected: list, dense: list):
+        """The host's one look at the step: ``[bad, count, sentinel]`` of each table and
+        whether any gradient (tables and parameters) holds inf/nan. One sync per device."""
+        grads = [got.grad for got in collected] + [g for _, g in dense]
         by_device = {}
-        for i, part in enumerate(parts):
-            by_device.setdefault(part.device, []).append(i)
-        values = [None] * len(parts)
-        for idxs in by_device.values():
-            flat = torch.cat([parts[i] for i in idxs]).tolist()   # note: the CPU-GPU sync point
-            pos = 0
-            for i in idxs:
-                n = parts[i].numel()
-                values[i] = flat[pos:pos + n] if n > 1 else flat[pos]
-                pos += n
-        return values
+        for i, got in enumerate(collected):
+            by_device.setdefault(got.grad.device, ([], []))[0].append(i)
+        for g in grads:
+            by_device.setdefault(g.device, ([], []))[1].append(g)
+        tables, nonfinite = [None] * len(collected), False
+        for device, (idxs, dev_grads) in by_device.items():
+            found = torch.zeros(1, device=device)
+            by_dtype = {}
+            for g in dev_grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for same in by_dtype.values():
+                try:  # one multi-tensor kernel over every gradient; scaling by 1.0 changes none
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        same, found, torch.ones(1, device=device))
+                except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
+                    found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
+            parts = [collected[i].batch.meta for i in idxs] + [found.long()]
+            flat = torch.cat(parts).tolist()          # note: the step's CPU-GPU sync point
+            for k, i in enumerate(idxs):
+                tables[i] = flat[3 * k: 3 * k + 3]
+            nonfinite = nonfinite or bool(flat[-1])
+        return tables, nonfinite
 
-    def _nonfinite_params(self, dense: dict, verdicts: list) -> list:
-        names = []
-        for (key, grads), bad in zip(dense.items(), verdicts):
-            if bad:
-                names += [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
-                          for p, g in grads if not bool(torch.isfinite(g).all())]
-        return names
+    def _nonfinite_params(self, dense: list) -> list:
+        return [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
+                for p, g in dense if not bool(torch.isfinite(g).all())]
 
     def __getstate__(self) -> dict:
         # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's

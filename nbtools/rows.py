@@ -33,64 +33,63 @@ class RowBatch:
     Attributes:
         ids: [cap] int64, sorted unique ids, then the sentinel ``num_rows`` (slots at and past
             ``count`` hold the sentinel too).
-        count: [1] int64 on the compute device: how many slots are in use (the sentinel, when
-            some id was replaced by it, is the last of them).
         inverse: [n] int64: slot of each id of the lookup, in the lookup's order.
-        bad: [1] bool on the compute device: an id was out of range.
+        meta: [3] int64 on the compute device: ``[bad, count, sentinel]``: an id was out of
+            range; how many slots are in use; whether the last used slot is the sentinel
+            (some id was replaced by it). What the optimizer's one synchronisation reads.
         num_rows: the table's row count (= the sentinel value).
     """
 
     ids: torch.Tensor
-    count: torch.Tensor
     inverse: torch.Tensor
-    bad: torch.Tensor
+    meta: torch.Tensor
     num_rows: int
 
     @property
     def capacity(self) -> int:
         return self.ids.numel()
 
-    def live(self, count: int, has_sentinel: bool) -> torch.Tensor:
-        """The real ids (sentinel excluded), once the host knows ``count``."""
-        return self.ids[: count - int(has_sentinel)]
+    @property
+    def count(self) -> torch.Tensor:
+        """[1] int64 on the device: slots in use (what the gather kernel reads)."""
+        return self.meta[1:2]
 
-    def sentinel_flag(self) -> torch.Tensor:
-        """[1] bool on the device: the last used slot holds the sentinel."""
-        if self.capacity == 0:
-            return torch.zeros(1, dtype=torch.bool, device=self.count.device)
-        last = (self.count - 1).clamp_min(0)
-        return self.ids.gather(0, last).eq(self.num_rows) & (self.count > 0)
+    @property
+    def bad(self) -> torch.Tensor:
+        """[1] int64 on the device: nonzero when an id was out of range."""
+        return self.meta[0:1]
 
 
 def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
     """Deduplicate 1-D int64 ``flat`` on its device, without a host synchronisation.
 
-    Out-of-range ids (flagged in ``bad``) and ``padding_idx`` become the sentinel ``num_rows``.
+    Out-of-range ids (flagged in ``meta[0]``) and ``padding_idx`` become the sentinel
+    ``num_rows``.
 
     >>> b = unique_ids(torch.tensor([5, 2, 5, 9, 2]), num_rows=8)
-    >>> b.ids.tolist(), b.count.tolist(), b.inverse.tolist(), b.bad.tolist()
-    ([2, 5, 8, 8, 8], [3], [1, 0, 1, 2, 0], [True])
+    >>> b.ids.tolist(), b.inverse.tolist(), b.meta.tolist()
+    ([2, 5, 8, 8, 8], [1, 0, 1, 2, 0], [1, 3, 1])
     """
     n = flat.numel()
     device = flat.device
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return RowBatch(empty, empty, torch.zeros(3, dtype=torch.long, device=device), num_rows)
     valid = (flat >= 0) & (flat < num_rows)
     bad = (~valid).any().reshape(1)
     if padding_idx is not None:
         valid &= flat != padding_idx
     safe = torch.where(valid, flat, num_rows)
-    cap = min(n, num_rows + 1)
-    if n == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return RowBatch(empty, torch.zeros(1, dtype=torch.long, device=device), empty,
-                        torch.zeros(1, dtype=torch.bool, device=device), num_rows)
     ordered, order = torch.sort(safe)
     new = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ordered[1:], ordered[:-1], out=new[1:])
     slot = torch.cumsum(new, 0) - 1                 # slot of each sorted id
     inverse = torch.empty_like(slot).scatter_(0, order, slot)
-    ids = torch.full((cap,), num_rows, dtype=torch.long, device=device)
+    ids = torch.full((min(n, num_rows + 1),), num_rows, dtype=torch.long, device=device)
     ids.scatter_(0, slot, ordered)                 # equal values to a slot: any writer wins
-    return RowBatch(ids, slot[-1:] + 1, inverse, bad, num_rows)
+    # the sentinel is the largest value: present iff the last sorted id is it
+    meta = torch.cat((bad.long(), slot[-1:] + 1, ordered[-1:].eq(num_rows).long()))
+    return RowBatch(ids, inverse, meta, num_rows)
 
 
 def merge(batches: list, grads: list):
@@ -102,13 +101,34 @@ def merge(batches: list, grads: list):
     num_rows = batches[0].num_rows
     all_ids = torch.cat([b.ids for b in batches])
     merged = unique_ids(all_ids, num_rows)          # sentinel slots merge into one sentinel
-    merged.bad = torch.stack([b.bad for b in batches]).any().reshape(1)
+    bad = torch.stack([b.meta[0] for b in batches]).amax().reshape(1)
+    merged.meta = torch.cat((bad, merged.meta[1:]))  # sentinels are not bad ids
     grad = torch.zeros(merged.capacity, grads[0].shape[1], dtype=grads[0].dtype,
                        device=grads[0].device)
     grad.index_add_(0, merged.inverse, torch.cat(grads))
     pick = torch.zeros(merged.capacity, dtype=torch.long, device=all_ids.device)
     pick.scatter_(0, merged.inverse, torch.arange(all_ids.numel(), device=all_ids.device))
     return merged, grad, pick
+
+
+class RowsOfIds(torch.autograd.Function):
+    """``rows[inverse]`` whose backward sums the gradient of each slot with one ``index_add_``
+    (``F.embedding``'s backward sorts the ids again and costs ~0.5 ms of CPU per lookup on an
+    H100 machine; the ids are already deduplicated here). ``index_add_`` follows
+    ``torch.use_deterministic_algorithms``."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.rows = rows.shape[0]
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inverse,) = ctx.saved_tensors
+        grad = grad_out.new_zeros(ctx.rows, grad_out.shape[-1])
+        grad.index_add_(0, inverse, grad_out.reshape(-1, grad_out.shape[-1]))
+        return grad, None
 
 
 class DeviceRows:

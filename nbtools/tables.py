@@ -30,7 +30,7 @@ from torch import nn
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import DeviceRows, RowBatch, RowStore, merge, unique_ids
+from .rows import DeviceRows, RowBatch, RowsOfIds, RowStore, merge, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
@@ -139,11 +139,9 @@ class StepRows:
     has_state: bool
     lookups: list
 
-    def flags(self) -> torch.Tensor:
-        """[4] int64 on the device: bad id seen, non-finite gradient, used slots, sentinel."""
-        nonfinite = ~torch.isfinite(self.grad).all()
-        return torch.cat((self.batch.bad.long(), nonfinite.long().reshape(1),
-                          self.batch.count, self.batch.sentinel_flag().long()))
+    def nonfinite(self) -> bool:
+        """Whether the gradient holds inf/nan (a host sync: for error messages)."""
+        return not bool(torch.isfinite(self.grad).all())
 
 
 class _OffloadedTable(nn.Module):
@@ -411,7 +409,7 @@ class _OffloadedTable(nn.Module):
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
         batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
         recording = torch.is_grad_enabled() and self.trainable
-        if not (recording and self._owned) and bool(batch.bad):  # a sync point
+        if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
             self._raise_bad_ids(flat, ids.shape)
         d = self.embedding_dim
         with torch.no_grad():
@@ -469,7 +467,7 @@ class _OffloadedTable(nn.Module):
         got = self.collect()
         if got is None:
             return None, None, None, None
-        bad, _, count, sentinel = got.flags().tolist()
+        bad, count, sentinel = got.batch.meta.tolist()
         if bad:
             for flat, shape in got.lookups:
                 if bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
@@ -541,7 +539,7 @@ class OffloadedEmbedding(_OffloadedTable):
     def forward(self, ids) -> torch.Tensor:
         ids = self._prepare_ids(ids)
         rows, inv = self._lookup(ids)
-        return F.embedding(inv, rows).view(*ids.shape, self.embedding_dim)
+        return RowsOfIds.apply(rows, inv).view(*ids.shape, self.embedding_dim)
 
 
 class OffloadedEmbeddingBag(_OffloadedTable):

@@ -46,7 +46,7 @@ def test_unique_ids_match_torch_unique(ids, padding):
     real = flat[ok & (flat != padding)] if padding is not None else flat[ok]
     expect = torch.unique(real)
     count = int(batch.count)
-    has_sentinel = bool(batch.sentinel_flag())
+    has_sentinel = bool(batch.meta[2])
     assert batch.ids[: count - has_sentinel].tolist() == expect.tolist()
     assert (batch.ids[count - has_sentinel:] == 20).all()       # the sentinel, never a row
     assert batch.capacity == min(len(ids), 21)
