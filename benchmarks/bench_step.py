@@ -74,8 +74,9 @@ def loss_of(rows):
     return rows.float().pow(2).sum() * 1e-3
 
 
-def nbtools_step(n, dim, device, placement="host", fused="auto"):
-    table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement)
+def nbtools_step(n, dim, device, placement="host", fused="auto", **table_kw):
+    table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
+                                       **table_kw)
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
                                    config=OffloadConfig(fused=fused))
 
@@ -198,6 +199,7 @@ def main():
     print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam", flush=True)
     systems = [("nbtools host", dict(placement="host")),
                ("nbtools host generic", dict(placement="host", fused=False)),
+               ("nbtools host eager", dict(placement="host", cuda_graphs=False)),
                ("nbtools gpu", dict(placement="gpu"))]
     for name, kw in systems:
         step, keep = nbtools_step(args.rows, args.dim, device, **kw)
@@ -240,6 +242,8 @@ def main():
                 ms[f"nbtools gpu | {case}"] / ms[f"torch sparse | {case}"]
             ratios[f"host fused / host generic, {case}"] = \
                 ms[f"nbtools host | {case}"] / ms[f"nbtools host generic | {case}"]
+            ratios[f"host graphs / host eager, {case}"] = \
+                ms[f"nbtools host | {case}"] / ms[f"nbtools host eager | {case}"]
         sm = res["small_model"]
         ratios["small model: host / torch sparse"] = sm["nbtools host"] / sm["torch sparse"]
         ratios["small model: gpu / torch sparse"] = sm["nbtools gpu"] / sm["torch sparse"]

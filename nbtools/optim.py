@@ -434,36 +434,41 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         collected = [(slot, slot.table.collect()) for slot in self._slots]
         collected = [(slot, got) for slot, got in collected if got is not None]
-        dense = self._dense_grads()
-        tables, nonfinite = self._read_flags([got for _, got in collected], dense)
-        for (slot, got), (bad, _, _) in zip(collected, tables):
-            if bad:
-                for flat, shape in got.lookups:
-                    if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                        slot.table._raise_bad_ids(flat, shape)
-        if nonfinite:
-            culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
-            culprits += self._nonfinite_params(dense)
-            if self.config.nonfinite == "skip":
-                self._skips += 1
-                for slot in self._slots:
-                    slot.skipped_steps += 1
-                if not self._warned_skip:
-                    self._warned_skip = True
-                    warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
-                                  f"{', '.join(culprits)}; later skips are counted in "
-                                  "optimizer.skipped_steps() without a warning",
-                                  RuntimeWarning, stacklevel=2)
-                return loss
-            raise NonFiniteGradientError(
-                f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
-                "parameter, table and optimizer state was left unchanged. Lower the "
-                "learning rate, check the loss, or pass config=OffloadConfig(nonfinite='skip').")
-        if self._dense is not None:
-            self._dense.step()
-        for (slot, got), (_, count, sentinel) in zip(collected, tables):
-            slot.apply(got, count, bool(sentinel))
-        return loss
+        try:
+            dense = self._dense_grads()
+            tables, nonfinite = self._read_flags([got for _, got in collected], dense)
+            for (slot, got), (bad, _, _) in zip(collected, tables):
+                if bad:
+                    for flat, shape in got.lookups:
+                        if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
+                            slot.table._raise_bad_ids(flat, shape)
+            if nonfinite:
+                culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
+                culprits += self._nonfinite_params(dense)
+                if self.config.nonfinite == "skip":
+                    self._skips += 1
+                    for slot in self._slots:
+                        slot.skipped_steps += 1
+                    if not self._warned_skip:
+                        self._warned_skip = True
+                        warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
+                                      f"{', '.join(culprits)}; later skips are counted in "
+                                      "optimizer.skipped_steps() without a warning",
+                                      RuntimeWarning, stacklevel=2)
+                    return loss
+                raise NonFiniteGradientError(
+                    f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
+                    "parameter, table and optimizer state was left unchanged. Lower the "
+                    "learning rate, check the loss, or pass "
+                    "config=OffloadConfig(nonfinite='skip').")
+            if self._dense is not None:
+                self._dense.step()
+            for (slot, got), (_, count, sentinel) in zip(collected, tables):
+                slot.apply(got, count, bool(sentinel))
+            return loss
+        finally:      # captured lookups' buffers may be reused from now on
+            for _, got in collected:
+                got.release()
 
     def _dense_grads(self) -> list:
         """(parameter, gradient values) of the ordinary parameters that have a gradient."""

@@ -30,7 +30,9 @@ from torch import nn
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import DeviceRows, RowBatch, RowsOfIds, RowStore, merge, unique_ids
+from . import kernels
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowsOfIds, RowStore, merge,
+                   unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
@@ -104,6 +106,9 @@ class TableConfig:
     # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
     # this share of the GPU memory free at that moment; the rest of it stays for activations.
     gpu_fraction: float = 0.5
+    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
+    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
+    cuda_graphs: bool = True
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
@@ -131,6 +136,8 @@ class StepRows:
             ``has_state`` (else only the weight).
         has_state: ``rows`` carries the optimizer state too.
         lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
+        captures: the CUDA graph captures whose outputs ``rows`` may be: :meth:`release` them
+            once the step has used the rows.
     """
 
     batch: RowBatch
@@ -138,6 +145,11 @@ class StepRows:
     rows: torch.Tensor
     has_state: bool
     lookups: list
+    captures: list = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        LookupGraphs.release(self.captures)
+        self.captures = []
 
     def nonfinite(self) -> bool:
         """Whether the gradient holds inf/nan (a host sync: for error messages)."""
@@ -190,7 +202,9 @@ class _OffloadedTable(nn.Module):
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
-        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape)
+        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape,
+        #                              the CUDA graph capture whose outputs these are, or None)
+        self._graphs = LookupGraphs()
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
         self.trainable = True
@@ -298,7 +312,8 @@ class _OffloadedTable(nn.Module):
         else:
             new = self._grow_host(old, (n, width), init)
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
-        self._pending.clear()
+        self.clear_pending()
+        self._graphs.invalidate()
 
     def _grow_host(self, old, shape, init):
         """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
@@ -373,7 +388,8 @@ class _OffloadedTable(nn.Module):
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         if self.placement == "host":
             synchronize(self.device)
-        self._pending.clear()
+        self.clear_pending()
+        self._graphs.invalidate()
         self._host.close()
         self._rows = RowStore(self._host, self.device)
 
@@ -407,21 +423,29 @@ class _OffloadedTable(nn.Module):
         every other flag of the step, in one synchronisation, before anything is written.
         """
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
-        batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
         recording = torch.is_grad_enabled() and self.trainable
-        if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
-            self._raise_bad_ids(flat, ids.shape)
         d = self.embedding_dim
-        with torch.no_grad():
-            if recording and self._state_names:
+        width = self._rows.width if (recording and self._state_names) else d
+        captured = None
+        if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
+                and self.device.type == "cuda" and kernels.usable_on(self.device):
+            captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+        if captured is not None:
+            batch, full, capture = captured
+        else:
+            capture = None
+            batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+            if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
+                self._raise_bad_ids(flat, ids.shape)
+            with torch.no_grad():
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather_batch(batch)
-                rows = full[:, :d]
-            else:
-                full, rows = None, self._rows.gather_batch(batch, 0, d)
+                full = self._rows.gather_batch(batch, 0, width)
+        rows = full[:, :d]         # a fresh view: the leaf autograd sees (never a capture's buffer)
+        if width == d:
+            full = None
         if recording:
             rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, flat, ids.shape))
+            self._pending.append((batch, rows, full, flat, ids.shape, capture))
             if len(self._pending) > _PENDING_WARN and not self._warned_pending:
                 self._warned_pending = True
                 warnings.warn(
@@ -435,6 +459,7 @@ class _OffloadedTable(nn.Module):
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
         records = [rec for rec in self._pending if rec[1].grad is not None]
+        LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
         self._pending.clear()
         if not records:
             return None
@@ -453,7 +478,7 @@ class _OffloadedTable(nn.Module):
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        return StepRows(batch, grad, rows, has_state, lookups)
+        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records])
 
     def take_grad(self):
         """The rows looked up since the last call, exactly sized (this reads the unique count:
@@ -467,6 +492,8 @@ class _OffloadedTable(nn.Module):
         got = self.collect()
         if got is None:
             return None, None, None, None
+        got.release()          # what is returned below is copied out of the capture first
+        got.rows = got.rows.clone()
         bad, count, sentinel = got.batch.meta.tolist()
         if bad:
             for flat, shape in got.lookups:
@@ -480,6 +507,7 @@ class _OffloadedTable(nn.Module):
         return got.batch.ids[:m], got.grad[:m], got.rows[:m, :d], state
 
     def clear_pending(self) -> None:
+        LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
