@@ -21,10 +21,10 @@ several loops.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -113,14 +113,14 @@ def traffic_floor_ms(n, dim, batches, device, width_factor=3):
     return ms
 
 
-def small_model_steps(device, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30):
-    """word2vec-sized step: input and output tables, nbtools host / gpu / torch sparse."""
+def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30):
+    """word2vec-sized step: input and output tables, with ``system`` one of "nbtools host",
+    "nbtools gpu", "torch sparse". Returns (ms per step, host syncs per step)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     batches = [(torch.multinomial(zipf, pairs, True, generator=gen).to(device),
                 torch.multinomial(zipf, pairs * (1 + negatives), True, generator=gen)
                 .view(pairs, 1 + negatives).to(device)) for _ in range(steps)]
-    out = {}
 
     def sgns(v, u):
         scores = torch.bmm(u, v.unsqueeze(2)).squeeze(2)
@@ -128,30 +128,21 @@ def small_model_steps(device, pairs=4096, negatives=5, vocab=59_754, dim=100, st
         sign[:, 1:] = -1
         return -torch.nn.functional.logsigmoid(sign * scores).sum(1).mean()
 
-    for name, placement in (("nbtools host", "host"), ("nbtools gpu", "gpu")):
+    if system == "torch sparse":
+        a = nn.Embedding(vocab, dim, sparse=True).to(device)
+        b = nn.Embedding(vocab, dim, sparse=True).to(device)
+        opt = torch.optim.SparseAdam(list(a.parameters()) + list(b.parameters()), lr=1e-3)
+    else:
+        placement = system.split()[-1]
         a = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="in", placement=placement)
         b = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="out", placement=placement)
         opt = nbtools.OffloadOptimizer(torch.optim.Adam, [a, b], lr=1e-3)
 
-        def step(batch, a=a, b=b, opt=opt):
-            opt.zero_grad()
-            sgns(a(batch[0]), b(batch[1])).backward()
-            opt.step()
-        out[name] = loop_ms(step, batches, device)
-        out[name + " syncs/step"] = count_syncs(step, batches[:10], device)
-        del a, b, opt
-        gc.collect()
-    if device.type == "cuda":
-        a = nn.Embedding(vocab, dim, sparse=True).to(device)
-        b = nn.Embedding(vocab, dim, sparse=True).to(device)
-        opt = torch.optim.SparseAdam(list(a.parameters()) + list(b.parameters()), lr=1e-3)
-
-        def step(batch):
-            opt.zero_grad()
-            sgns(a(batch[0]), b(batch[1])).backward()
-            opt.step()
-        out["torch sparse"] = loop_ms(step, batches, device)
-    return out
+    def step(batch):
+        opt.zero_grad()
+        sgns(a(batch[0]), b(batch[1])).backward()
+        opt.step()
+    return loop_ms(step, batches, device), count_syncs(step, batches[:10], device)
 
 
 def profile(step, batches, device, path):
@@ -172,6 +163,49 @@ def profile(step, batches, device, path):
     print(table)
 
 
+SYSTEMS = {   # name -> table options (None: torch's own)
+    "torch sparse": None,
+    "nbtools host": dict(placement="host"),
+    "nbtools host generic": dict(placement="host", fused=False),
+    "nbtools host eager": dict(placement="host", cuda_graphs=False),
+    "nbtools gpu": dict(placement="gpu"),
+}
+EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu"]
+
+
+def make_cases(args, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    zipf_p = 1.0 / torch.arange(1, min(args.rows, 1 << 24) + 1, dtype=torch.float64).pow(1.1)
+    cases = {
+        "4,096 uniform": [torch.randint(0, args.rows, (4096,), generator=gen) for _ in range(args.steps)],
+        "65,536 uniform": [torch.randint(0, args.rows, (65536,), generator=gen) for _ in range(args.steps)],
+        "65,536 zipf1.1": [torch.multinomial(zipf_p, 65536, True, generator=gen) for _ in range(args.steps)],
+    }
+    return {k: [b.to(device) for b in v] for k, v in cases.items()}
+
+
+def run_system(name, args, device) -> dict:
+    """One system's figures (run in a process of its own, so no system inherits another's
+    allocator state or captured graphs)."""
+    cases = make_cases(args, device)
+    if name == "floor":
+        return {"floor_ms": {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
+                             for c in ("65,536 uniform", "65,536 zipf1.1")}}
+    if name.startswith("small "):
+        ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30)
+        return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
+    kw = SYSTEMS[name]
+    step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
+                  nbtools_step(args.rows, args.dim, device, **kw))
+    out = {"ms": {}, "syncs": {}}
+    for case, batches in cases.items():
+        out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
+    out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
+    if args.profile and name == "nbtools host":
+        profile(step, cases["4,096 uniform"], device, os.path.join(args.out or ".", "step_profile.txt"))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4_000_000)
@@ -179,50 +213,34 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the 4,096-id step")
+    ap.add_argument("--system", default=None, help=argparse.SUPPRESS)   # one system, in a child
     ap.add_argument("--out", default=None, help="write DIR/step.json")
     args = ap.parse_args()
     if args.quick:
-        args.rows, args.steps = 100_000, 6
+        args.rows, args.steps = 100_000, 4
     device = resolve_device("auto")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    zipf_p = 1.0 / torch.arange(1, args.rows + 1, dtype=torch.float64).pow(1.1)
-    cases = {
-        "4,096 uniform": [torch.randint(0, args.rows, (4096,), generator=gen) for _ in range(args.steps)],
-        "65,536 uniform": [torch.randint(0, args.rows, (65536,), generator=gen) for _ in range(args.steps)],
-        "65,536 zipf1.1": [torch.multinomial(zipf_p[: min(args.rows, 1 << 24)], 65536, True, generator=gen)
-                           for _ in range(args.steps)],
-    }
-    cases = {k: [b.to(device) for b in v] for k, v in cases.items()}
+    if args.system:
+        print("RESULT " + json.dumps(run_system(args.system, args, device)), flush=True)
+        return
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
-           "floor_ms": {}}
-    print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam", flush=True)
-    systems = [("nbtools host", dict(placement="host")),
-               ("nbtools host generic", dict(placement="host", fused=False)),
-               ("nbtools host eager", dict(placement="host", cuda_graphs=False)),
-               ("nbtools gpu", dict(placement="gpu"))]
-    for name, kw in systems:
-        step, keep = nbtools_step(args.rows, args.dim, device, **kw)
-        for case, batches in cases.items():
-            res["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
-            print(f"{name:<22}{case:<18}{res['ms'][f'{name} | {case}']:8.3f} ms", flush=True)
-        res["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
-        if args.profile and name == "nbtools host":
-            profile(step, cases["4,096 uniform"], device,
-                    os.path.join(args.out or ".", "step_profile.txt"))
-        del step, keep
-        gc.collect()
-    if device.type == "cuda":
-        step, keep = torch_sparse_step(args.rows, args.dim, device)
-        for case, batches in cases.items():
-            res["ms"][f"torch sparse | {case}"] = loop_ms(step, batches, device)
-            print(f"{'torch sparse':<22}{case:<18}{res['ms'][f'torch sparse | {case}']:8.3f} ms", flush=True)
-        res["syncs"]["torch sparse"] = count_syncs(step, cases["4,096 uniform"][:10], device)
-        del step, keep
-        gc.collect()
-        for case in ("65,536 uniform", "65,536 zipf1.1"):
-            res["floor_ms"][case] = traffic_floor_ms(args.rows, args.dim, cases[case], device)
-    res["small_model"] = small_model_steps(device, steps=10 if args.quick else 30)
+           "floor_ms": {}, "small_model": {}}
+    print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam; each system in a "
+          "process of its own", flush=True)
+    names = [n for n in SYSTEMS if device.type == "cuda" or SYSTEMS[n] is not None] + \
+        [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"]
+    for name in names:
+        cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
+               str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
+            (["--profile", "--out", args.out] if args.profile and args.out else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        for key, value in json.loads(line[-1][len("RESULT "):]).items():
+            res[key].update(value)
+        print(f"{name:<24} done", flush=True)
 
     ms = res["ms"]
     print(f"\n## step time, {args.rows:,} x {args.dim}, Adam ({res['device']})")
@@ -230,24 +248,28 @@ def main():
         print(f"{k:<44}{v:9.3f} ms")
     print("\n## issue 10 targets")
     ratios = {}
-    if device.type == "cuda":
-        ratios["host / torch sparse, 4,096 ids (target <= 1.5)"] = \
-            ms["nbtools host | 4,096 uniform"] / ms["torch sparse | 4,096 uniform"]
-        ratios["host / traffic floor, 65,536 uniform (target <= 1.1)"] = \
-            ms["nbtools host | 65,536 uniform"] / res["floor_ms"]["65,536 uniform"]
-        ratios["host / traffic floor, 65,536 zipf1.1"] = \
-            ms["nbtools host | 65,536 zipf1.1"] / res["floor_ms"]["65,536 zipf1.1"]
-        for case in cases:
-            ratios[f"gpu placement / torch sparse, {case} (target <= 1.1)"] = \
-                ms[f"nbtools gpu | {case}"] / ms[f"torch sparse | {case}"]
-            ratios[f"host fused / host generic, {case}"] = \
-                ms[f"nbtools host | {case}"] / ms[f"nbtools host generic | {case}"]
-            ratios[f"host graphs / host eager, {case}"] = \
-                ms[f"nbtools host | {case}"] / ms[f"nbtools host eager | {case}"]
-        sm = res["small_model"]
-        ratios["small model: host / torch sparse"] = sm["nbtools host"] / sm["torch sparse"]
-        ratios["small model: gpu / torch sparse"] = sm["nbtools gpu"] / sm["torch sparse"]
-        ratios["small model: host / gpu (target >= 0.8 as speed)"] = sm["nbtools gpu"] / sm["nbtools host"]
+    get = lambda k: ms.get(k)
+
+    def ratio(key, num, den):
+        if num is not None and den:
+            ratios[key] = num / den
+    ratio("host / torch sparse, 4,096 ids (target <= 1.5)", get("nbtools host | 4,096 uniform"),
+          get("torch sparse | 4,096 uniform"))
+    for case in ("65,536 uniform", "65,536 zipf1.1"):
+        ratio(f"host / traffic floor, {case}" + (" (target <= 1.1)" if "uniform" in case else ""),
+              get(f"nbtools host | {case}"), res["floor_ms"].get(case))
+    for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
+        ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
+        ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),
+              get(f"torch sparse | {case}"))
+        ratio(f"host fused / host generic, {case}", get(f"nbtools host | {case}"),
+              get(f"nbtools host generic | {case}"))
+        ratio(f"host graphs / host eager, {case}", get(f"nbtools host | {case}"),
+              get(f"nbtools host eager | {case}"))
+    sm = res["small_model"]
+    ratio("small model: host / torch sparse", sm.get("nbtools host"), sm.get("torch sparse"))
+    ratio("small model: gpu / torch sparse", sm.get("nbtools gpu"), sm.get("torch sparse"))
+    ratio("small model: host speed / gpu speed (target >= 0.8)", sm.get("nbtools gpu"), sm.get("nbtools host"))
     res["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:<62}{v:8.2f}x")
@@ -255,8 +277,8 @@ def main():
         print(f"traffic floor {k:<30}{v:9.3f} ms")
     for k, v in res["syncs"].items():
         print(f"host syncs per step, {k:<24}{v if v is None else f'{v:.1f}'}")
-    for k, v in res["small_model"].items():
-        print(f"small model {k:<32}{v if v is None else f'{v:.3f}'}")
+    for k, v in sm.items():
+        print(f"small model {k:<32}{v:9.3f} ms")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "step.json"), "w") as f:
