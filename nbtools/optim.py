@@ -225,8 +225,32 @@ class _TableSlot:
                 if torch.is_tensor(template) else t
         return t, state
 
+    def launch_fused(self, got: StepRows, guard: torch.Tensor):
+        """Queue this table's fused update (it writes nothing where ``guard`` is nonzero on the
+        device). Returns the scalar state to keep if the step goes ahead, or None when this
+        table takes the generic path (nothing was queued)."""
+        if self.names and not got.has_state:        # looked up before the state was attached
+            return None
+        fused = self.fused_update()
+        if fused is None:
+            return None
+        t, scalar = self._next_scalar_state()
+        if scalar is None:
+            return None
+        store = self.table.rows
+        fused(got.rows, got.grad, store.host.view(), got.batch.ids, got.batch.count, guard,
+              self.group, t)
+        return scalar
+
+    def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
+        """The step went ahead: keep its scalar state and count the bytes written."""
+        self.scalar_state = scalar
+        store = self.table.rows
+        store._count((count - int(sentinel)) * store.row_bytes, h2d=False)
+
     def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
-        """Update the ``count - sentinel`` touched rows of ``got`` and write them back."""
+        """The generic path: the stock optimizer on the ``count - sentinel`` touched rows,
+        written back in one scatter."""
         table, d = self.table, self.table.embedding_dim
         m = count - int(sentinel)
         if m <= 0:
@@ -234,15 +258,6 @@ class _TableSlot:
         ids, grad, rows = got.batch.ids[:m], got.grad[:m], got.rows[:m]
         if self.names and not got.has_state:        # looked up before the state was attached
             rows = table.rows.gather(ids)
-        fused = self.fused_update()
-        if fused is not None:
-            t, scalar = self._next_scalar_state()
-            if scalar is not None:
-                store = table.rows
-                store._count(m * store.row_bytes, h2d=False)
-                fused(rows, grad, store.host.view(), ids, self.group, t)
-                self.scalar_state = scalar
-                return
         p = nn.Parameter(rows[:, :d].clone())
         _set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
@@ -348,6 +363,28 @@ def _split_groups(model_or_params):
     return tables, dense
 
 
+class _Verdict:
+    """A step's checks, queued on the device; :meth:`read` brings them to the host (the
+    step's one synchronisation)."""
+
+    def __init__(self, collected, guard, host, event, found_at):
+        self.collected, self.guard, self.host, self.event = collected, guard, host, event
+        self.found_at = found_at
+
+    def read(self):
+        """``([bad, count, sentinel] per table, any non-finite gradient)``."""
+        if self.found_at is not None:             # several devices: one read each
+            tables = [got.batch.meta.tolist() for got in self.collected]
+            return tables, any(bool(f.item()) for f in self.found_at.values())
+        if self.host is None:
+            return [], False
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
+        tables = [values[3 * k:3 * k + 3] for k in range(len(self.collected))]
+        return tables, bool(values[-1])
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """One optimizer for a model whose embedding tables live in host memory.
 
@@ -412,6 +449,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.state = self._dense.state if self._dense else defaultdict(dict)
         self._warned_skip = False
         self._skips = 0
+        self._flag_buffers = {}     # pinned host buffers the step's flags are copied into
         self._param_names = {}
         if isinstance(model_or_params, nn.Module):
             self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
@@ -436,7 +474,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         collected = [(slot, got) for slot, got in collected if got is not None]
         try:
             dense = self._dense_grads()
-            tables, nonfinite = self._read_flags([got for _, got in collected], dense)
+            verdict = self._verdict([got for _, got in collected], dense)
+            # Fused updates are queued now, before the host has read the verdict: each kernel
+            # reads it on the device and writes nothing when the step must not go ahead, so
+            # the GPU works on while the host waits for the flags.
+            fused = {}
+            if verdict.guard is not None:
+                for slot, got in collected:
+                    scalar = slot.launch_fused(got, verdict.guard)
+                    if scalar is not None:
+                        fused[id(slot)] = scalar
+            tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
             for (slot, got), (bad, _, _) in zip(collected, tables):
                 if bad:
                     for flat, shape in got.lookups:
@@ -464,7 +512,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._dense is not None:
                 self._dense.step()
             for (slot, got), (_, count, sentinel) in zip(collected, tables):
-                slot.apply(got, count, bool(sentinel))
+                if id(slot) in fused:
+                    slot.commit_fused(fused[id(slot)], count, bool(sentinel))
+                else:
+                    slot.apply(got, count, bool(sentinel))
             return loss
         finally:      # captured lookups' buffers may be reused from now on
             for _, got in collected:
@@ -481,34 +532,45 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
         return out
 
-    @staticmethod
-    def _read_flags(collected: list, dense: list):
-        """The host's one look at the step: ``[bad, count, sentinel]`` of each table and
-        whether any gradient (tables and parameters) holds inf/nan. One sync per device."""
+    def _verdict(self, collected: list, dense: list) -> "_Verdict":
+        """Queue the step's checks on the device: every table's ``[bad, count, sentinel]``
+        and one multi-tensor non-finite check over every gradient; start copying them to the
+        host. ``guard`` (on the device, nonzero when the step must not go ahead) is there when
+        everything lives on one device."""
         grads = [got.grad for got in collected] + [g for _, g in dense]
-        by_device = {}
-        for i, got in enumerate(collected):
-            by_device.setdefault(got.grad.device, ([], []))[0].append(i)
-        for g in grads:
-            by_device.setdefault(g.device, ([], []))[1].append(g)
-        tables, nonfinite = [None] * len(collected), False
-        for device, (idxs, dev_grads) in by_device.items():
+        devices = {g.device for g in grads}
+        if not devices:
+            return _Verdict([], None, None, None, None)
+        found_at = {}
+        for device in devices:
             found = torch.zeros(1, device=device)
             by_dtype = {}
-            for g in dev_grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
+            for g in grads:
+                if g.device == device:
+                    by_dtype.setdefault(g.dtype, []).append(g)
             for same in by_dtype.values():
                 try:  # one multi-tensor kernel over every gradient; scaling by 1.0 changes none
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         same, found, torch.ones(1, device=device))
                 except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
                     found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
-            parts = [collected[i].batch.meta for i in idxs] + [found.long()]
-            flat = torch.cat(parts).tolist()          # note: the step's CPU-GPU sync point
-            for k, i in enumerate(idxs):
-                tables[i] = flat[3 * k: 3 * k + 3]
-            nonfinite = nonfinite or bool(flat[-1])
-        return tables, nonfinite
+            found_at[device] = found.long()
+        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
+            return _Verdict(collected, None, None, None, found_at)
+        (device,) = devices
+        flat = torch.cat([got.batch.meta for got in collected] + [found_at[device]])
+        guard = (flat[0:3 * len(collected):3].sum() + flat[-1]).reshape(1)
+        host, event = flat, None
+        if device.type == "cuda":
+            buf = self._flag_buffers.get((device, flat.numel()))
+            if buf is None:
+                buf = self._flag_buffers[(device, flat.numel())] = torch.empty(
+                    flat.numel(), dtype=flat.dtype, pin_memory=True)
+            buf.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            host = buf
+        return _Verdict(collected, guard, host, event, None)
 
     def _nonfinite_params(self, dense: list) -> list:
         return [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"

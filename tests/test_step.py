@@ -195,10 +195,17 @@ def train_step(model, opt, device, u, i, scale=1.0):
     return opt.step()
 
 
+FUSED_MODES = ["auto", True] if kernels.usable_on(torch.device("cpu")) or torch.cuda.is_available() \
+    else ["auto"]
+
+
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=lambda f: f"fused={f}")
 @pytest.mark.parametrize("where", ["head", "table"])
-def test_nonfinite_anywhere_changes_nothing(where, device):
+def test_nonfinite_anywhere_changes_nothing(where, fused, device):
+    """Fused updates are queued before the host reads the verdict: they must see it on the
+    device and write nothing."""
     model = Model(device)
-    opt = OffloadOptimizer(O.Adam, model, lr=0.05)
+    opt = OffloadOptimizer(O.Adam, model, lr=0.05, config=OffloadConfig(fused=fused))
     train_step(model, opt, device, [1, 2, 3], [4, 5, 4])
     before = snapshot(model, opt)
     opt.zero_grad()
@@ -236,9 +243,10 @@ def test_skip_skips_the_whole_step_counts_and_warns_once(device):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_bad_id_in_training_raises_at_step_and_writes_nothing(device):
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=lambda f: f"fused={f}")
+def test_bad_id_in_training_raises_at_step_and_writes_nothing(fused, device):
     model = Model(device)
-    opt = OffloadOptimizer(O.Adam, model, lr=0.05)
+    opt = OffloadOptimizer(O.Adam, model, lr=0.05, config=OffloadConfig(fused=fused))
     train_step(model, opt, device, [1, 2], [3, 4])
     before = snapshot(model, opt)
     opt.zero_grad()
