@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from . import NbtoolsError
-from .devices import host_memory_bytes, human_bytes
+from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import kernels
-from .tables import StepRows, _OffloadedTable, copy_unless_same
+from .tables import OffloadedEmbedding, StepRows, auto_placement, copy_unless_same
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -165,10 +165,10 @@ class _TableSlot:
     """One table's share of an OffloadOptimizer: hyper-parameters, scalar state, scratch optimizer.
 
     Per-row state lives in the table itself, interleaved after each row's weight
-    (:meth:`_OffloadedTable.attach_state`).
+    (:meth:`OffloadedEmbedding.attach_state`).
     """
 
-    def __init__(self, name, table: _OffloadedTable, cls, group: dict, config: "OffloadConfig",
+    def __init__(self, name, table: OffloadedEmbedding, cls, group: dict, config: "OffloadConfig",
                  owner):
         self.name, self.table, self.cls = name, table, cls
         _check_hyper(cls, group)
@@ -237,8 +237,7 @@ class _TableSlot:
         t, scalar = self._next_scalar_state()
         if scalar is None:
             return None
-        store = self.table.rows
-        fused(got.rows, got.grad, store.host.view(), got.batch.ids, got.batch.count, guard,
+        fused(got.rows, got.grad, self.table.rows.view(), got.batch.ids, got.batch.count, guard,
               self.group, t)
         return scalar
 
@@ -246,7 +245,7 @@ class _TableSlot:
         """The step went ahead: keep its scalar state and count the bytes written."""
         self.scalar_state = scalar
         store = self.table.rows
-        store._count((count - int(sentinel)) * store.row_bytes, h2d=False)
+        store.count_bytes((count - int(sentinel)) * store.row_bytes, h2d=False)
 
     def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
         """The generic path: the stock optimizer on the ``count - sentinel`` touched rows,
@@ -317,11 +316,11 @@ def _is_param(x) -> bool:
 
 def _split_groups(model_or_params):
     """-> (list of (table, group overrides), list of dense param group dicts)."""
-    if isinstance(model_or_params, _OffloadedTable):
+    if isinstance(model_or_params, OffloadedEmbedding):
         model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
         tables = [(m, {}, name) for name, m in model_or_params.named_modules()
-                  if isinstance(m, _OffloadedTable)]
+                  if isinstance(m, OffloadedEmbedding)]
         dense = [p for p in model_or_params.parameters() if p.requires_grad]
         return tables, ([{"params": dense}] if dense else [])
     try:
@@ -338,7 +337,7 @@ def _split_groups(model_or_params):
             params = [params] if isinstance(params, (torch.Tensor, nn.Module)) else list(params)
             group_dense = []
             for p in params:
-                if isinstance(p, _OffloadedTable):
+                if isinstance(p, OffloadedEmbedding):
                     tables.append((p, overrides, None))
                 elif _is_param(p):
                     group_dense.append(p)
@@ -347,7 +346,7 @@ def _split_groups(model_or_params):
                                     "tensors")
             if group_dense:
                 dense.append({"params": group_dense, **overrides})
-        elif isinstance(item, _OffloadedTable):
+        elif isinstance(item, OffloadedEmbedding):
             tables.append((item, {}, None))
         elif isinstance(item, nn.Module):
             sub_tables, sub_dense = _split_groups(item)
@@ -489,7 +488,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if bad:
                     for flat, shape in got.lookups:
                         if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                            slot.table._raise_bad_ids(flat, shape)
+                            slot.table.raise_bad_ids(flat, shape)
             if nonfinite:
                 culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
                 culprits += self._nonfinite_params(dense)
@@ -676,6 +675,8 @@ class Plan:
     gpu_bytes_per_step: int    # rows, grads and state of one batch of unique ids on the GPU
     host_available_bytes: int | None
     fits: bool
+    placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now
+    placement_reason: str = ""
 
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
@@ -684,11 +685,13 @@ class Plan:
                 f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
                 f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
-                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}")
+                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
+                f"  placement='auto' -> {self.placement} ({self.placement_reason})")
 
 
 def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
-         unique_ids_per_step: int = 65536, **optimizer_kwargs) -> Plan:
+         unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
+         **optimizer_kwargs) -> Plan:
     """Size a table and its optimizer state before allocating anything.
 
     Args:
@@ -696,6 +699,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         optimizer: optimizer class (or its name, e.g. ``"adam"``).
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
+        device, gpu_fraction: for what ``placement="auto"`` would choose now (the rule of
+            :class:`~nbtools.tables.TableConfig`: rows + state within ``gpu_fraction`` of the
+            free GPU memory).
         **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
 
     >>> p = plan(10_000_000, 128, "adam")
@@ -718,11 +724,13 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     host = table_bytes + state_bytes
     rows = min(unique_ids_per_step, num_rows) * dim * itemsize
     available = host_memory_bytes()["available"]
+    placement, why = auto_placement(host, resolve_device(device), gpu_fraction)
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,
                 gpu_bytes_per_step=rows * (3 + 2 * len(row_state)),
                 host_available_bytes=available,
-                fits=available is None or host <= 0.9 * available)
+                fits=available is None or host <= 0.9 * available,
+                placement=placement, placement_reason=why)
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",

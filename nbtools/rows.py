@@ -193,7 +193,13 @@ class RowStore:
             return tensor
         return tensor[:, start:stop]
 
-    def _count(self, nbytes: int, h2d: bool) -> None:
+    def view(self) -> torch.Tensor:
+        """The rows as the compute device indexes them (a zero-copy CUDA view of host memory,
+        the GPU tensor, or the host tensor): what fused kernels read and write."""
+        return self.host.view()
+
+    def count_bytes(self, nbytes: int, h2d: bool) -> None:
+        """Add bytes that crossed PCIe to nbtools' transfer counters (not for GPU rows)."""
         if self.mode != "gpu":
             count_transfer(h2d=nbytes) if h2d else count_transfer(d2h=nbytes)
 
@@ -202,7 +208,7 @@ class RowStore:
         if self.mode == "host":
             return self._cols(self.host.tensor, start, stop).index_select(0, idx)
         width = (stop if stop is not None else self.width) - start
-        self._count(idx.numel() * width * self.host.tensor.element_size(), h2d=True)
+        self.count_bytes(idx.numel() * width * self.host.tensor.element_size(), h2d=True)
         if self.direct:
             return gather_rows(self._cols(self.host.view(), start, stop), idx)
         return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
@@ -215,7 +221,7 @@ class RowStore:
             out = torch.empty(batch.capacity, stop - start, dtype=self.host.tensor.dtype,
                               device=self.device)
             # bytes estimated from capacity: the exact count is on the GPU (a sync to read)
-            self._count(batch.capacity * (stop - start) * self.host.tensor.element_size(), True)
+            self.count_bytes(batch.capacity * (stop - start) * self.host.tensor.element_size(), True)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it)
@@ -228,7 +234,7 @@ class RowStore:
         if self.mode == "host":
             self.host.tensor.index_copy_(0, idx, rows)
             return
-        self._count(idx.numel() * self.row_bytes, h2d=False)
+        self.count_bytes(idx.numel() * self.row_bytes, h2d=False)
         if self.direct:
             scatter_rows(self.host.view(), idx, rows)
         else:
@@ -288,7 +294,7 @@ class LookupGraphs:
         cap.flat.copy_(flat)
         cap.graph.replay()
         cap.in_use = True
-        store._count(cap.rows.numel() * cap.rows.element_size(), h2d=True)
+        store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
         return cap.batch, cap.rows, cap
 
     @staticmethod

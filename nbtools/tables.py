@@ -156,8 +156,39 @@ class StepRows:
         return not bool(torch.isfinite(self.grad).all())
 
 
-class _OffloadedTable(nn.Module):
-    """Shared machinery of :class:`OffloadedEmbedding` and :class:`OffloadedEmbeddingBag`."""
+class OffloadedEmbedding(nn.Module):
+    """``nn.Embedding`` whose table lives in (pinned) host memory.
+
+    Args:
+        num_embeddings: rows in the table.
+        embedding_dim: values per row.
+        padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
+        name: used in messages and in optimizer/checkpoint state.
+        device: compute device, ``"auto"`` = CUDA when available, else CPU.
+        placement: where the rows (and their optimizer state) live: ``"host"`` = pinned host
+            RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU memory
+            (the same API, lazy semantics, optimizer and checkpoint format, at GPU speed);
+            ``"auto"`` = the GPU when rows + optimizer state take at most
+            ``config.gpu_fraction`` of the free GPU memory, else the host (decided for good
+            when the optimizer attaches; ``repr(table)`` says what it chose and why). With
+            CPU compute every placement is host memory.
+        config: :class:`TableConfig`; its fields can also be passed by name (``dtype=``,
+            ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``).
+
+    ``table(ids)`` takes integer ids of any shape, on the compute device or the CPU, and
+    returns ``ids.shape + (embedding_dim,)`` rows on the compute device.
+
+    Ids are checked: out of range, a lookup that an :class:`~nbtools.OffloadOptimizer` trains
+    raises ``IndexError`` at that optimizer's next ``step()`` (the check runs on the GPU, and
+    the step reads its verdict with every other flag in its one host synchronisation, before
+    anything is written); any other lookup raises at once.
+
+    >>> table = OffloadedEmbedding(1000, 8, device="cpu", name="words")
+    >>> table(torch.tensor([[1, 2], [2, 999]])).shape
+    torch.Size([2, 2, 8])
+    >>> table.weight.shape
+    torch.Size([1000, 8])
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx=None, name=None,
                  device="auto", placement: str = "host", config: TableConfig | None = None,
@@ -406,7 +437,9 @@ class _OffloadedTable(nn.Module):
                             "convert with ids.long() if they are whole numbers")
         return ids.to(self.device, non_blocking=True)
 
-    def _raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+        """Raise the IndexError that names the first out-of-range id of ``flat`` (a lookup of
+        ``shape``) and its position. A host sync: called once a check has found one."""
         bad = (flat < 0) | (flat >= self.num_embeddings)
         value = int(flat[bad.nonzero()[0, 0]])
         raise IndexError(
@@ -436,7 +469,7 @@ class _OffloadedTable(nn.Module):
             capture = None
             batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
             if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
-                self._raise_bad_ids(flat, ids.shape)
+                self.raise_bad_ids(flat, ids.shape)
             with torch.no_grad():
                 # Training: whole rows now, so the optimizer step needs no second gather.
                 full = self._rows.gather_batch(batch, 0, width)
@@ -498,7 +531,7 @@ class _OffloadedTable(nn.Module):
         if bad:
             for flat, shape in got.lookups:
                 if bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
-                    self._raise_bad_ids(flat, shape)
+                    self.raise_bad_ids(flat, shape)
         m = count - sentinel
         if m == 0:
             return None, None, None, None
@@ -509,6 +542,11 @@ class _OffloadedTable(nn.Module):
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()
+
+    def forward(self, ids) -> torch.Tensor:
+        ids = self._prepare_ids(ids)
+        rows, inv = self._lookup(ids)
+        return RowsOfIds.apply(rows, inv).view(*ids.shape, self.embedding_dim)
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -541,36 +579,7 @@ class _OffloadedTable(nn.Module):
         return s
 
 
-class OffloadedEmbedding(_OffloadedTable):
-    """``nn.Embedding`` whose table lives in (pinned) host memory.
-
-    Args:
-        num_embeddings: rows in the table.
-        embedding_dim: values per row.
-        padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
-        dtype: floating dtype of the table (and of its optimizer state).
-        device: compute device, ``"auto"`` = CUDA when available, else CPU.
-        name: used in messages and in optimizer/checkpoint state.
-        pin: register the host memory with CUDA (zero-copy). ``False`` uses pageable memory
-            and copies rows through the CPU (slower, for when pinning is refused).
-
-    ``table(ids)`` takes integer ids of any shape, on the compute device or the CPU, and
-    returns ``ids.shape + (embedding_dim,)`` rows on the compute device.
-
-    >>> table = OffloadedEmbedding(1000, 8, device="cpu", name="words")
-    >>> table(torch.tensor([[1, 2], [2, 999]])).shape
-    torch.Size([2, 2, 8])
-    >>> table.weight.shape
-    torch.Size([1000, 8])
-    """
-
-    def forward(self, ids) -> torch.Tensor:
-        ids = self._prepare_ids(ids)
-        rows, inv = self._lookup(ids)
-        return RowsOfIds.apply(rows, inv).view(*ids.shape, self.embedding_dim)
-
-
-class OffloadedEmbeddingBag(_OffloadedTable):
+class OffloadedEmbeddingBag(OffloadedEmbedding):
     """``nn.EmbeddingBag`` over a host-memory table: sums, means or maxima of rows per bag.
 
     Input is either padded 2-D ids ``[bags, length]`` or 1-D ids with ``offsets`` (start of
