@@ -20,7 +20,7 @@ def describe(file=None) -> dict:
 
     >>> info = describe(file=open(os.devnull, "w"))
     >>> sorted(info)[:3]
-    ['cuda', 'device', 'gpu']
+    ['auto_gpu_budget_bytes', 'cuda', 'device']
     """
     mem = host_memory_bytes()
     info = {
