@@ -66,24 +66,40 @@ def _kernels():
                  mask=(r < cap)[:, None] & cmask[None, :])
 
     @triton.jit
-    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-             n_rows, cap, d,
-            lr, momentum, wd,
-            MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+              n_rows, cap, d, MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+        # This program's rows and columns: where to read them (src, in the gathered rows),
+        # where to write them (out, in the table), which are live, the weights and the
+        # gradients (fp32, negated to maximize).
+        # Rows past the count, the sentinel, and every row when the guard is set: untouched.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        # rows past the count, the sentinel, and every row when the guard is set: untouched
         idx = tl.load(ids + r, mask=r < cap, other=-1)
         count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
         live = (r < count) & (idx >= 0) & (idx < n_rows)
         mask = live[:, None] & (c < d)[None, :]
         src = rows + r[:, None] * rows_stride + c[None, :]
         out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0)
+        g = g.to(tl.float32)
         if MAXIMIZE:
             g = -g
+        return src, out, mask, tl.load(src, mask=mask, other=0.0).to(tl.float32), g
+
+    # Triton resolves a kernel's callees among the module's globals (not this closure), and
+    # the kernels are made here so that Triton is imported only when first used.
+    globals()["_tile"] = _tile
+
+    @triton.jit
+    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+             n_rows, cap, d,
+            lr, momentum, wd,
+            MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         if HAS_WD:
             g = g + wd * p
         if MOMENTUM:
@@ -108,21 +124,11 @@ def _kernels():
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
         # M_COL etc.: which state (1-based, in units of d columns) holds exp_avg, exp_avg_sq,
         # max_exp_avg_sq in the row [weight | state...].
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        # rows past the count, the sentinel, and every row when the guard is set: untouched
-        idx = tl.load(ids + r, mask=r < cap, other=-1)
-        count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
-        live = (r < count) & (idx >= 0) & (idx < n_rows)
-        mask = live[:, None] & (c < d)[None, :]
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         ea = tl.load(src + M_COL * d, mask=mask, other=0.0).to(tl.float32)
         eq = tl.load(src + V_COL * d, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
         if SPARSE:
             ea = ea + (g - ea) * (1.0 - beta1)
             eq = eq + (g * g - eq) * (1.0 - beta2)
@@ -153,20 +159,10 @@ def _kernels():
                 clr, wd, eps,
                 HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        # rows past the count, the sentinel, and every row when the guard is set: untouched
-        idx = tl.load(ids + r, mask=r < cap, other=-1)
-        count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
-        live = (r < count) & (idx >= 0) & (idx < n_rows)
-        mask = live[:, None] & (c < d)[None, :]
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         s = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
         if HAS_WD:
             g = g + wd * p
         s = s + g * g

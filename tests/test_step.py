@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -23,8 +22,8 @@ import nbtools
 from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.optim import NonFiniteGradientError, OffloadConfig
 from nbtools.rows import unique_ids
-from test_optim import (CASES, DIM, IDS, ROWS, O, batches, frozen_reference, loss_of,
-                        make_table, targets)
+from test_optim import (CASES, DIM, ROWS, O, batches, frozen_reference, loss_of, make_table,
+                        run_offloaded, targets)
 
 needs_triton = pytest.mark.skipif(not kernels.usable_on(torch.device("cpu")) and not
                                   torch.cuda.is_available(), reason="Triton is not installed")
@@ -69,19 +68,9 @@ def test_gather_kernel_reads_only_live_rows():
 
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
-    table = make_table(device, init)
-    opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=fused), **kw)
-    for ids, tgt in zip(id_batches, tgts):
-        opt.zero_grad()
-        ids = ids.reshape(-1).to(device)
-        if split:
-            h = ids.numel() // 2
-            rows = torch.cat([table(ids[:h]), table(ids[h:])])
-        else:
-            rows = table(ids)
-        loss_of(rows, tgt.to(device)).backward()
-        opt.step()
-    return table, opt
+    _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,
+                           config=OffloadConfig(fused=fused))
+    return opt.tables["t"], opt
 
 
 @needs_triton
