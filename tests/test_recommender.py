@@ -238,3 +238,74 @@ def test_implicit_fit_learns_planted_preferences():
     other = ((test.user_ids % 2) * 20 + 20) % 40
     cand = torch.stack([test.item_ids] + [other + j for j in range(9)], 1)
     assert K.ranking_metrics(m.score_candidates(test.user_ids, cand), k=1)["hr@1"] > 0.9
+
+
+# --- synthetic data and its oracle ---------------------------------------------------------------
+
+def _tiny(users=1500, seed=0):
+    from nbtools.models.synthetic import SyntheticConfig, make_synthetic
+    return make_synthetic(SyntheticConfig(num_users=users, num_items=6, per_user=3, min_per_user=3,
+                                          rank=2, signal=1.0, zipf=0.7, seed=seed))
+
+
+def _sequence_probabilities(a):
+    """Brute force: probability of every ordered draw of 3 of the items, one after another
+    without replacement, each ∝ exp(a) over the items not drawn yet."""
+    import itertools
+    w = a.double().exp()
+    out = {}
+    for seq in itertools.permutations(range(len(a)), 3):
+        prob, left = 1.0, float(w.sum())
+        for i in seq:
+            prob *= float(w[i]) / left
+            left -= float(w[i])
+        out[seq] = prob
+    return out
+
+
+def test_synthetic_draws_follow_sequential_sampling():
+    d = _tiny()
+    r = d.ratings
+    assert r.user_ids.bincount().tolist() == [3] * 1500
+    expected_first, expected_last = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    for u in range(1500):
+        for seq, prob in _sequence_probabilities(d.affinity(u, torch.arange(6))).items():
+            expected_first[seq[0]] += prob
+            expected_last[seq[2]] += prob
+    first = r.item_ids[r.timestamps == 0].bincount(minlength=6).double()
+    last = r.item_ids[r.timestamps == 2].bincount(minlength=6).double()
+    assert _chi2(first, expected_first) < 20.515 and _chi2(last, expected_last) < 20.515  # df 5
+
+
+def test_oracle_ranking_is_bayes_optimal_by_brute_force():
+    import itertools
+    d = _tiny(users=20, seed=1)
+    train, test = K.leave_last_out(d.ratings)
+    g = torch.Generator().manual_seed(0)
+    for u in range(20):
+        a = d.affinity(u, torch.arange(6))
+        seen = train.item_ids[train.user_ids == u][train.timestamps[train.user_ids == u].argsort()]
+        probs = _sequence_probabilities(a)
+        # posterior of the held-out item given the first two draws, by enumeration
+        post = torch.zeros(6, dtype=torch.float64)
+        for seq, prob in probs.items():
+            if list(seq[:2]) == seen.tolist():
+                post[seq[2]] += prob
+        unseen = [i for i in range(6) if i not in seen.tolist()]
+        cand = torch.tensor(unseen)[torch.randperm(4, generator=g)[:3]]
+        # with uniform negatives the chance that candidate j is the held-out one is ∝ post[j]
+        p = post[cand] / post[cand].sum()
+        best = max(float(sum(p[list(order[:1])])) for order in itertools.permutations(range(3)))
+        oracle_top = int(a[cand].argmax())
+        assert float(p[oracle_top]) == pytest.approx(best)
+
+
+def test_expected_rating_matches_monte_carlo():
+    d = _tiny(users=5)
+    users, items = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 5, 2, 3, 1])
+    g = torch.Generator().manual_seed(0)
+    x = d.rating_mean(users, items)[:, None] + torch.randn(5, 200_000, generator=g) * \
+        d.config.rating_noise
+    mc = x.round().clamp(1, 5).double().mean(1)
+    # standard error of a mean of 200k ratings with sd <= 2: < 0.0045; allow 5 of them
+    torch.testing.assert_close(d.expected_rating(users, items).double(), mc, atol=0.02, rtol=0)
