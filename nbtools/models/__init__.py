@@ -34,6 +34,7 @@ from .ranking import (Interactions, full_ranking_metrics, kfold, leave_last_out,
                       popularity_scores, ranking_metrics, rating_metrics, sample_candidates,
                       train_valid_test)
 from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, fit, holdout
+from .synthetic import SyntheticConfig, SyntheticData, gap_normalised, make_synthetic
 from .training import train
 from .word2vec import SkipGram, SkipGramConfig, keep_probabilities, pairs_from_corpus
 
@@ -41,4 +42,5 @@ __all__ = ["SkipGram", "SkipGramConfig", "MatrixFactorization", "MFConfig", "tra
            "pairs_from_corpus", "keep_probabilities", "evaluate_rmse", "holdout"]
 __all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", "train_valid_test",
             "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
-            "popularity_scores"]
+            "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",
+            "gap_normalised"]

@@ -27,7 +27,8 @@ class MFConfig:
 
     mlp_hidden: tuple = ()         # NCF head: hidden sizes of an MLP on [user, item]; () = none
     init_std: float = 0.01         # factors start ~ N(0, init_std²); biases at 0
-    l2: float = 0.0                # L2 penalty on the rows a batch touches, per rating
+    l2: float = 0.0                # L2 penalty on the factors of the rows a batch touches, per rating
+    l2_bias: float = 0.0           # the same for the rows' biases
     rating_range: tuple | None = None   # (low, high): clamp predictions when evaluating
     loss: str = "mse"              # "mse" on ratings; "bce" or "bpr": implicit, sampled negatives
     negatives: int = 4             # sampled items per positive ("bce", "bpr")
@@ -178,7 +179,8 @@ class MatrixFactorization(nn.Module):
         return self._score(self.users(users), self.items(items))
 
     def loss(self, users, items, ratings=None) -> torch.Tensor:
-        """The batch's training loss, plus ``l2`` times the touched factor rows' squared norms.
+        """The batch's training loss, plus ``l2`` (``l2_bias``) times the squared norms of the
+        touched rows' factors (biases).
 
         ``"mse"``: mean squared error of the ratings. ``"bce"``: per positive,
         ``-log σ(s⁺) - Σ_k log σ(-s⁻_k)`` over ``negatives`` sampled items. ``"bpr"``: mean over
@@ -200,10 +202,10 @@ class MatrixFactorization(nn.Module):
                 loss = (F.softplus(-s[:, 0]) + F.softplus(s[:, 1:]).sum(1)).mean()
             else:
                 loss = F.softplus(s[:, 1:] - s[:, :1]).mean()
-        if cfg.l2:
-            reg = p[:, :d].square().sum(-1) + q[..., :d].square().sum(-1).reshape(
-                users.numel(), -1).sum(1)
-            loss = loss + cfg.l2 * reg.mean()
+        if cfg.l2 or cfg.l2_bias:
+            rows = torch.cat((p[:, None, :], q.reshape(users.numel(), -1, d + 1)), 1)
+            reg = cfg.l2 * rows[..., :d].square().sum(-1) + cfg.l2_bias * rows[..., d].square()
+            loss = loss + reg.sum(1).mean()
         return loss
 
     @torch.no_grad()
@@ -318,14 +320,17 @@ def evaluate_rmse(model: MatrixFactorization, users, items, ratings, *,
 
 
 def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
-        lr: float = 0.003, optimizer=torch.optim.Adam, dashboard=None, checkpoints=None,
-        every: int = 1000, progress: bool = False, seed: int = 0) -> dict:
+        lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
+        dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
+        seed: int = 0) -> dict:
     """Train ``model`` on ``train`` with an :class:`~nbtools.OffloadOptimizer` (tables lazy).
 
     Sets what the loss needs first: the mean rating as ``μ`` (``"mse"``), or the seen pairs
     for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses). Then
     runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
-    of ``batch_size`` interactions.
+    of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
+    from ``lr`` in the first epoch to ``lr_final`` in the last (set before each epoch, so a
+    resumed run gets the same rates).
 
     Returns:
         The training history, plus ``"fit_s"``: wall seconds of this call.
@@ -343,7 +348,17 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     opt = OffloadOptimizer(optimizer, model, lr=lr)
     loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
     t0 = time.perf_counter()
-    history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
-                         checkpoints=checkpoints, every=every, progress=progress)
+    if lr_final is None:
+        history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
+                             checkpoints=checkpoints, every=every, progress=progress)
+    else:
+        history = {}
+        for epoch in range(epochs):              # train() continues to epoch + 1 each time
+            for group in opt.param_groups:
+                group["lr"] = lr * (lr_final / lr) ** (epoch / max(1, epochs - 1))
+            part = train_loop(model, loader, opt, epochs=epoch + 1, dashboard=dashboard,
+                              checkpoints=checkpoints, every=every, progress=progress)
+            for key, values in part.items():
+                history.setdefault(key, []).extend(values)
     history["fit_s"] = time.perf_counter() - t0
     return history
