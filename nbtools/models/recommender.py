@@ -42,9 +42,9 @@ class MFConfig:
 
 # Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender (issue 15)"): what
 # the notebook and the benchmark use, so that a user starts from defaults that beat the baselines.
-RATINGS_DEFAULTS = dict(config=dict(l2=0.05, rating_range=(1.0, 5.0)), dim=64,
-                        fit=dict(epochs=20, batch_size=256, lr=0.003))
-RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.0), dim=64,
+RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=(1.0, 5.0)), dim=64,
+                        fit=dict(epochs=20, batch_size=256, lr=0.003, lr_final=0.0003))
+RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003))
 
 
