@@ -144,7 +144,7 @@ def _model(loss="bce", **kw):
                                device="cpu")
 
 
-@pytest.mark.parametrize("loss", ["bce", "bpr"])
+@pytest.mark.parametrize("loss", ["bce", "bpr", "softmax"])
 def test_implicit_losses_equal_their_formulas(loss):
     m = _model(loss, negatives=3, l2=0.1)
     users, items = torch.tensor([0, 3, 7]), torch.tensor([1, 2, 9])
@@ -158,8 +158,11 @@ def test_implicit_losses_equal_their_formulas(loss):
         want = (F.binary_cross_entropy_with_logits(s_pos, torch.ones(3), reduction="none")
                 + F.binary_cross_entropy_with_logits(s_neg, torch.zeros(3, 3),
                                                      reduction="none").sum(1)).mean()
-    else:
+    elif loss == "bpr":
         want = -F.logsigmoid(s_pos[:, None] - s_neg).mean()
+    else:
+        want = F.cross_entropy(torch.cat((s_pos[:, None], s_neg), 1),
+                               torch.zeros(3, dtype=torch.long))
     p, q = m.users.weight[users, :4], m.items.weight[torch.cat((items[:, None], negs), 1), :4]
     want = want + 0.1 * (p.square().sum(1) + q.square().sum((1, 2))).mean()
     assert got.item() == pytest.approx(want.item(), rel=1e-5)

@@ -30,7 +30,8 @@ class MFConfig:
     l2: float = 0.0                # L2 penalty on the factors of the rows a batch touches, per rating
     l2_bias: float = 0.0           # the same for the rows' biases
     rating_range: tuple | None = None   # (low, high): clamp predictions when evaluating
-    loss: str = "mse"              # "mse" on ratings; "bce" or "bpr": implicit, sampled negatives
+    loss: str = "mse"              # "mse" on ratings; implicit, with sampled negatives: "bce",
+                                   # "bpr" or "softmax" (cross-entropy over [positive, negatives])
     negatives: int = 4             # sampled items per positive ("bce", "bpr")
     sampling: str = "uniform"      # "uniform", or "popularity": ∝ count ** popularity_power
     popularity_power: float = 0.75
@@ -87,8 +88,9 @@ class MatrixFactorization(nn.Module):
             nn.init.zeros_(layers[-1].weight)     # starts as plain MF; the head learns a correction
             nn.init.zeros_(layers[-1].bias)
             self.mlp = nn.Sequential(*layers).to(self.device)
-        if cfg.loss not in ("mse", "bce", "bpr"):
-            raise ValueError(f"MFConfig.loss must be 'mse', 'bce' or 'bpr', got {cfg.loss!r}")
+        if cfg.loss not in ("mse", "bce", "bpr", "softmax"):
+            raise ValueError(f"MFConfig.loss must be 'mse', 'bce', 'bpr' or 'softmax', "
+                             f"got {cfg.loss!r}")
         if cfg.sampling not in ("uniform", "popularity"):
             raise ValueError(f"MFConfig.sampling must be 'uniform' or 'popularity', "
                              f"got {cfg.sampling!r}")
@@ -184,7 +186,8 @@ class MatrixFactorization(nn.Module):
 
         ``"mse"``: mean squared error of the ratings. ``"bce"``: per positive,
         ``-log σ(s⁺) - Σ_k log σ(-s⁻_k)`` over ``negatives`` sampled items. ``"bpr"``: mean over
-        the sampled items of ``-log σ(s⁺ - s⁻_k)``. Implicit losses ignore ``ratings``.
+        the sampled items of ``-log σ(s⁺ - s⁻_k)``. ``"softmax"``: sampled softmax,
+        ``-log(exp(s⁺) / (exp(s⁺) + Σ_k exp(s⁻_k)))``. Implicit losses ignore ``ratings``.
         """
         cfg, d = self.config, self.dim
         users, items = users.to(self.device).long(), items.to(self.device).long()
@@ -200,6 +203,8 @@ class MatrixFactorization(nn.Module):
             s = self._score(p[:, None, :], q)                               # [B, 1 + k]
             if cfg.loss == "bce":
                 loss = (F.softplus(-s[:, 0]) + F.softplus(s[:, 1:]).sum(1)).mean()
+            elif cfg.loss == "softmax":
+                loss = (torch.logsumexp(s, 1) - s[:, 0]).mean()
             else:
                 loss = F.softplus(s[:, 1:] - s[:, :1]).mean()
         if cfg.l2 or cfg.l2_bias:
