@@ -312,3 +312,38 @@ def test_expected_rating_matches_monte_carlo():
     mc = x.round().clamp(1, 5).double().mean(1)
     # standard error of a mean of 200k ratings with sd <= 2: < 0.0045; allow 5 of them
     torch.testing.assert_close(d.expected_rating(users, items).double(), mc, atol=0.02, rtol=0)
+
+
+def test_fit_with_lr_decay_resumes_exactly(tmp_path):
+    # stopping after 2 of 4 epochs and resuming from the checkpoint must give the same tables
+    # as one run: the decayed learning rate and the negatives' generator both come back
+    from nbtools import CheckpointManager
+    g = torch.Generator().manual_seed(0)
+    r = Ratings(torch.randint(12, (90,), generator=g), torch.randint(15, (90,), generator=g),
+                torch.ones(90), 12, 15, torch.arange(90))
+
+    class Disconnect:                      # a dashboard that "loses the runtime" at a step
+        def __init__(self, at):
+            self.at, self.steps = at, 0
+
+        def step(self, n):
+            self.steps += 1
+            if self.steps == self.at:
+                raise KeyboardInterrupt
+
+    def run(folder, dashboard=None):
+        torch.manual_seed(0)
+        m = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device="cpu")
+        fit(m, r, epochs=4, batch_size=16, lr=0.05, lr_final=0.005, dashboard=dashboard,
+            checkpoints=CheckpointManager(folder), every=6)     # 6 steps per epoch
+        return m
+    whole = run(tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", Disconnect(at=15))                  # in epoch 3; saved at step 12
+    resumed = run(tmp_path / "b")
+    assert torch.equal(whole.users.weight, resumed.users.weight)
+    assert torch.equal(whole.items.weight, resumed.items.weight)
+    torch.manual_seed(0)
+    constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device="cpu")
+    fit(constant, r, epochs=4, batch_size=16, lr=0.05)
+    assert not torch.equal(whole.users.weight, constant.users.weight)    # the decay did act

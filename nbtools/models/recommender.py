@@ -324,6 +324,31 @@ def evaluate_rmse(model: MatrixFactorization, users, items, ratings, *,
     return float((pred - ratings).square().mean().sqrt()) if ratings.numel() else math.nan
 
 
+class _EpochDecay:
+    """An optimizer that sets its learning rate from the loader's epoch before each step:
+    ``lr * (lr_final / lr) ** (epoch / (epochs - 1))``. The rate depends only on the epoch, so
+    a run resumed from a checkpoint uses the same rates as one never interrupted."""
+
+    def __init__(self, optimizer, loader, lr: float, lr_final: float, epochs: int):
+        self.optimizer, self.loader = optimizer, loader
+        self.lr, self.lr_final, self.epochs = lr, lr_final, epochs
+
+    def step(self):
+        t = min(self.loader.epoch, self.epochs - 1) / max(1, self.epochs - 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * (self.lr_final / self.lr) ** t
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        return self.optimizer.load_state_dict(state)
+
+
 def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
         lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
         dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
@@ -334,8 +359,8 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses). Then
     runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
     of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
-    from ``lr`` in the first epoch to ``lr_final`` in the last (set before each epoch, so a
-    resumed run gets the same rates).
+    from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
+    so a resumed run gets the same rates).
 
     Returns:
         The training history, plus ``"fit_s"``: wall seconds of this call.
@@ -352,18 +377,10 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
         tensors = (train.user_ids, train.item_ids)
     opt = OffloadOptimizer(optimizer, model, lr=lr)
     loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
+    if lr_final is not None:
+        opt = _EpochDecay(opt, loader, lr, lr_final, epochs)
     t0 = time.perf_counter()
-    if lr_final is None:
-        history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
-                             checkpoints=checkpoints, every=every, progress=progress)
-    else:
-        history = {}
-        for epoch in range(epochs):              # train() continues to epoch + 1 each time
-            for group in opt.param_groups:
-                group["lr"] = lr * (lr_final / lr) ** (epoch / max(1, epochs - 1))
-            part = train_loop(model, loader, opt, epochs=epoch + 1, dashboard=dashboard,
-                              checkpoints=checkpoints, every=every, progress=progress)
-            for key, values in part.items():
-                history.setdefault(key, []).extend(values)
+    history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
+                         checkpoints=checkpoints, every=every, progress=progress)
     history["fit_s"] = time.perf_counter() - t0
     return history
