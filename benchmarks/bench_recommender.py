@@ -133,7 +133,8 @@ def rating_protocol(section, r, folds, device, oracle=None, **overrides):
     splits = models.kfold(r, 5, seed=0)[:folds]
     systems = {"nbtools MF": [], "global mean": []}
     times = {k: 0.0 for k in systems}
-    for train, test in splits:
+    for fold, (train, test) in enumerate(splits):
+        print(f"  {section:<10}fold {fold + 1} of {len(splits)}", flush=True)
         model, s = ours(r, train, RATINGS_DEFAULTS, device, **overrides)
         systems["nbtools MF"].append(K.rating_metrics(model.predict(test.user_ids, test.item_ids),
                                                       test.ratings))
