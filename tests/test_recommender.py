@@ -138,22 +138,22 @@ def test_sample_candidates_avoid_seen_and_repeat_and_are_uniform():
 
 # --- the model ------------------------------------------------------------------------------------
 
-def _model(loss="bce", **kw):
+def _model(device, loss="bce", **kw):
     torch.manual_seed(0)
     return MatrixFactorization(8, 10, 4, config=MFConfig(loss=loss, init_std=0.5, **kw),
-                               device="cpu")
+                               device=device)
 
 
 @pytest.mark.parametrize("loss", ["bce", "bpr", "softmax"])
-def test_implicit_losses_equal_their_formulas(loss):
-    m = _model(loss, negatives=3, l2=0.1)
+def test_implicit_losses_equal_their_formulas(device, loss):
+    m = _model(device, loss, negatives=3, l2=0.1)
     users, items = torch.tensor([0, 3, 7]), torch.tensor([1, 2, 9])
     state = m.generator.get_state()
     got = m.loss(users, items)
     m.generator.set_state(state)
-    negs = m.sample_negatives(users, 3)
-    s_pos = m(users, items)
-    s_neg = m(users[:, None].expand(-1, 3), negs)
+    negs = m.sample_negatives(users, 3).cpu()
+    s_pos = m(users, items).cpu()
+    s_neg = m(users[:, None].expand(-1, 3), negs).cpu()
     if loss == "bce":
         want = (F.binary_cross_entropy_with_logits(s_pos, torch.ones(3), reduction="none")
                 + F.binary_cross_entropy_with_logits(s_neg, torch.zeros(3, 3),
@@ -168,42 +168,42 @@ def test_implicit_losses_equal_their_formulas(loss):
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
-def test_negative_sampler_distribution_and_exclusion():
-    m = _model(sampling="uniform")
-    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1)
+def test_negative_sampler_distribution_and_exclusion(device):
+    m = _model(device, sampling="uniform")
+    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1).cpu()
     counts = torch.bincount(draws, minlength=10).double()
     assert _chi2(counts, torch.full((10,), 2000.0)) < CHI2_999[9]
     # popularity: ∝ count ** 0.75 of the items given to set_seen
-    m = _model(sampling="popularity", exclude_seen=False)
+    m = _model(device, sampling="popularity", exclude_seen=False)
     train_items = torch.repeat_interleave(torch.arange(10), torch.arange(1, 11))
     m.set_seen(torch.zeros_like(train_items), train_items)
-    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1)
+    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1).cpu()
     p = torch.arange(1, 11).double() ** 0.75
     assert _chi2(torch.bincount(draws, minlength=10).double(), 20000 * p / p.sum()) < CHI2_999[9]
     # exclusion: user 1 saw items 0..4, so draws for it are uniform on 5..9 and never seen
-    m = _model(sampling="uniform", exclude_seen=True)
+    m = _model(device, sampling="uniform", exclude_seen=True)
     m.set_seen(torch.tensor([1, 1, 1, 1, 1, 2]), torch.tensor([0, 9, 2, 3, 7, 4]))
-    draws = m.sample_negatives(torch.ones(20000, dtype=torch.long), 1).reshape(-1)
+    draws = m.sample_negatives(torch.ones(20000, dtype=torch.long), 1).reshape(-1).cpu()
     assert set(draws.tolist()) == {1, 4, 5, 6, 8}
     assert _chi2(torch.bincount(draws, minlength=10)[[1, 4, 5, 6, 8]].double(),
                  torch.full((5,), 4000.0)) < 18.467          # df = 4, upper 0.1% point
-    mixed = m.sample_negatives(torch.tensor([2, 0] * 5000), 2)
+    mixed = m.sample_negatives(torch.tensor([2, 0] * 5000), 2).cpu()
     assert not m.seen.contains(torch.tensor([2, 0] * 5000)[:, None], mixed).any()
     assert (mixed[1::2] == 4).any() and (mixed[::2] != 4).all()
     # deterministic from the seed, and the generator travels in the state_dict
-    a = _model()
+    a = _model(device)
     first = a.sample_negatives(torch.zeros(5, dtype=torch.long), 3)
-    b = _model()
+    b = _model(device)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.sample_negatives(torch.zeros(5, dtype=torch.long), 3),
                        b.sample_negatives(torch.zeros(5, dtype=torch.long), 3))
-    assert torch.equal(_model().sample_negatives(torch.zeros(5, dtype=torch.long), 3), first)
+    assert torch.equal(_model(device).sample_negatives(torch.zeros(5, dtype=torch.long), 3), first)
 
 
 @pytest.mark.parametrize("head", [(), (6,)])
-def test_batched_recommend_equals_brute_force(head):
+def test_batched_recommend_equals_brute_force(device, head):
     torch.manual_seed(1)
-    m = MatrixFactorization(7, 23, 5, config=MFConfig(mlp_hidden=head, init_std=0.5), device="cpu")
+    m = MatrixFactorization(7, 23, 5, config=MFConfig(mlp_hidden=head, init_std=0.5), device=device)
     if head:
         torch.nn.init.normal_(m.mlp[-1].weight)     # a head that changes the ranking
     seen_u = torch.tensor([0, 0, 3, 3, 3, 6])
@@ -211,7 +211,7 @@ def test_batched_recommend_equals_brute_force(head):
     m.set_seen(seen_u, seen_i)
     users = torch.tensor([0, 3, 6, 2, 3])
     ids, scores = m.recommend(users, k=6, batch_users=2, chunk_items=5)
-    full = m(torch.arange(7)[:, None].expand(-1, 23), torch.arange(23)[None].expand(7, -1))
+    full = m(torch.arange(7)[:, None].expand(-1, 23), torch.arange(23)[None].expand(7, -1)).cpu()
     full[seen_u, seen_i] = -math.inf
     want_scores, want_ids = full[users].topk(6, 1)
     assert torch.equal(ids, want_ids)
@@ -222,10 +222,10 @@ def test_batched_recommend_equals_brute_force(head):
     assert one_ids.tolist() == row.topk(6).indices.tolist()
     cand = torch.tensor([[1, 2, 3], [4, 5, 6], [0, 0, 9], [22, 21, 20], [8, 7, 6]])
     torch.testing.assert_close(m.score_candidates(users, cand, batch_size=2),
-                               m(users[:, None].expand(-1, 3), cand))
+                               m(users[:, None].expand(-1, 3), cand).cpu())
 
 
-def test_implicit_fit_learns_planted_preferences():
+def test_implicit_fit_learns_planted_preferences(device):
     # two groups of users, each interacting only with its own half of the items (plus noise):
     # trained with BCE, the model ranks a held-out own-half item above other-half candidates
     g = torch.Generator().manual_seed(0)
@@ -236,7 +236,7 @@ def test_implicit_fit_learns_planted_preferences():
     train, test = K.leave_last_out(r)
     torch.manual_seed(0)
     m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce", negatives=4, l2=0.05),
-                            device="cpu")
+                            device=device)
     fit(m, train, epochs=20, batch_size=32, lr=0.02)
     other = ((test.user_ids % 2) * 20 + 20) % 40
     cand = torch.stack([test.item_ids] + [other + j for j in range(9)], 1)
@@ -314,7 +314,7 @@ def test_expected_rating_matches_monte_carlo():
     torch.testing.assert_close(d.expected_rating(users, items).double(), mc, atol=0.02, rtol=0)
 
 
-def test_fit_with_lr_decay_resumes_exactly(tmp_path):
+def test_fit_with_lr_decay_resumes_exactly(device, tmp_path):
     # stopping after 2 of 4 epochs and resuming from the checkpoint must give the same tables
     # as one run: the decayed learning rate and the negatives' generator both come back
     from nbtools import CheckpointManager
@@ -333,7 +333,7 @@ def test_fit_with_lr_decay_resumes_exactly(tmp_path):
 
     def run(folder, dashboard=None):
         torch.manual_seed(0)
-        m = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device="cpu")
+        m = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
         fit(m, r, epochs=4, batch_size=16, lr=0.05, lr_final=0.005, dashboard=dashboard,
             checkpoints=CheckpointManager(folder), every=6)     # 6 steps per epoch
         return m
@@ -344,6 +344,6 @@ def test_fit_with_lr_decay_resumes_exactly(tmp_path):
     assert torch.equal(whole.users.weight, resumed.users.weight)
     assert torch.equal(whole.items.weight, resumed.items.weight)
     torch.manual_seed(0)
-    constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device="cpu")
+    constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
     fit(constant, r, epochs=4, batch_size=16, lr=0.05)
     assert not torch.equal(whole.users.weight, constant.users.weight)    # the decay did act
