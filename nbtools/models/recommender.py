@@ -1,8 +1,8 @@
 """A recommender: matrix factorization with an optional NCF head, over two offloaded tables.
 
-Explicit feedback (``loss="mse"`` on ratings) or implicit feedback (``"bce"`` or ``"bpr"`` with
-negatives sampled on the compute device, uniformly or by popularity, optionally skipping the
-items a user has seen). :func:`fit` trains it through :func:`~nbtools.models.train`.
+Explicit feedback (``loss="mse"`` on ratings) or implicit feedback (``"bce"``, ``"bpr"`` or
+``"softmax"`` with negatives sampled on the compute device, uniformly or by popularity, skipping
+the items a user has seen). :func:`fit` trains it through :func:`~nbtools.models.train`.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
-from ..data import Ratings
 from .ranking import Interactions
 
 # --- recommender ------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ class MFConfig:
     rating_range: tuple | None = None   # (low, high): clamp predictions when evaluating
     loss: str = "mse"              # "mse" on ratings; implicit, with sampled negatives: "bce",
                                    # "bpr" or "softmax" (cross-entropy over [positive, negatives])
-    negatives: int = 4             # sampled items per positive ("bce", "bpr")
+    negatives: int = 4             # sampled items per positive (implicit losses)
     sampling: str = "uniform"      # "uniform", or "popularity": ∝ count ** popularity_power
     popularity_power: float = 0.75
     exclude_seen: bool = True      # redraw negatives the user has seen (after set_seen)
@@ -50,12 +50,13 @@ RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01), dim=64,
 
 
 class MatrixFactorization(nn.Module):
-    """Explicit-feedback recommender: ``r̂ = μ + b_u + b_i + p_u·q_i [+ MLP([p_u, q_i])]``.
+    """A recommender scoring ``μ + b_u + b_i + p_u·q_i [+ MLP([p_u, q_i])]``: a predicted
+    rating (``loss="mse"``) or an interaction logit (implicit losses).
 
     Args:
         num_users, num_items: rows of the two tables.
         dim: factors per user and per item.
-        config: :class:`MFConfig` (NCF head, initialisation, L2, rating range).
+        config: :class:`MFConfig` (loss, negatives, NCF head, initialisation, L2, rating range).
         device: compute device (``"auto"``: the GPU when there is one).
 
     Each table row is ``[factors | bias]``: one lookup per side brings both (one gather
