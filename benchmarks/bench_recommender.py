@@ -289,6 +289,7 @@ def main():
     ap.add_argument("--folds", type=int, default=5, help="RMSE folds on ML-100K (of 5)")
     ap.add_argument("--quick", action="store_true", help="small synthetic set, 1 fold, no ML-100K")
     ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--skip-ml100k", action="store_true")
     ap.add_argument("--large", action="store_true", help="only the 10M x 1M offloaded run")
     ap.add_argument("--large-users", type=int, default=10_000_000)
     ap.add_argument("--large-items", type=int, default=1_000_000)
@@ -306,7 +307,7 @@ def main():
     if args.large:
         res["large"] = large_run(args, device)
     else:
-        if not args.quick:
+        if not (args.quick or args.skip_ml100k):
             if args.fetch and not os.path.exists(args.ml100k):
                 fetch_ml100k(args.ml100k)
             if os.path.exists(args.ml100k):
@@ -327,12 +328,12 @@ def main():
             print(f"synthetic: {syn.ratings.ratings.numel():,} interactions, {cfg.num_users:,} "
                   f"users, {cfg.num_items:,} items (made in {time.perf_counter() - t0:.1f} s)",
                   flush=True)
-            # a larger batch than ML-100K's (10x the interactions), with the learning rate scaled
-            over = {} if args.quick else dict(batch_size=1024, lr=0.006)
+            # the same defaults as on ML-100K (batch 1,024 with lr 0.006 was faster, but reached
+            # gap-normalised HR@10 0.73 against 0.79)
             res["synthetic_ratings"] = rating_protocol("synthetic", syn.ratings, 1, device,
-                                                       oracle=syn, **over)
+                                                       oracle=syn)
             res["synthetic_ranking"] = ranking_protocol("synthetic", syn.ratings, device,
-                                                        oracle=syn, **over)
+                                                        oracle=syn)
             o, m = res["synthetic_ratings"]["oracle"]["rmse"], res["synthetic_ratings"]["nbtools MF"]["rmse"]
             print(f"  synthetic RMSE / oracle RMSE {m / o:.4f}")
     print("\n## bench_recommender summary")
