@@ -113,7 +113,8 @@ def traffic_floor_ms(n, dim, batches, device, width_factor=3):
     return ms
 
 
-def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30):
+def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30,
+                   profile_to=None):
     """word2vec-sized step: input and output tables, with ``system`` one of "nbtools host",
     "nbtools gpu", "torch sparse". Returns (ms per step, host syncs per step)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -142,6 +143,8 @@ def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=10
         opt.zero_grad()
         sgns(a(batch[0]), b(batch[1])).backward()
         opt.step()
+    if profile_to:
+        profile(step, batches, device, profile_to)
     return loop_ms(step, batches, device), count_syncs(step, batches[:10], device)
 
 
@@ -192,7 +195,10 @@ def run_system(name, args, device) -> dict:
         return {"floor_ms": {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
                              for c in ("65,536 uniform", "65,536 zipf1.1")}}
     if name.startswith("small "):
-        ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30)
+        prof = os.path.join(args.out or ".", "step_profile.txt") \
+            if args.profile and args.only and args.only.split(",")[0] == name else None
+        ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30,
+                                   profile_to=prof)
         return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
     kw = SYSTEMS[name]
     step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
@@ -201,7 +207,7 @@ def run_system(name, args, device) -> dict:
     for case, batches in cases.items():
         out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
-    if args.profile and name == "nbtools host":
+    if args.profile and name == (args.only or "nbtools host").split(",")[0]:
         profile(step, cases["4,096 uniform"], device, os.path.join(args.out or ".", "step_profile.txt"))
     return out
 
@@ -214,6 +220,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the 4,096-id step")
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)   # one system, in a child
+    ap.add_argument("--only", default=None, help="run these systems only (comma-separated names, "
+                    "e.g. 'small nbtools gpu'); with --profile, profile the first")
     ap.add_argument("--out", default=None, help="write DIR/step.json")
     args = ap.parse_args()
     if args.quick:
@@ -229,10 +237,13 @@ def main():
           "process of its own", flush=True)
     names = [n for n in SYSTEMS if device.type == "cuda" or SYSTEMS[n] is not None] + \
         [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"]
+    if args.only:
+        names = [n for n in args.only.split(",") if n in names]
     for name in names:
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
                str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
-            (["--profile", "--out", args.out] if args.profile and args.out else [])
+            (["--profile", "--out", args.out] if args.profile and args.out else []) + \
+            (["--only", args.only] if args.only else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not line:
