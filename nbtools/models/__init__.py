@@ -7,6 +7,7 @@
   row's bias) plus an optional small NCF head, an MLP on the GPU trained by the same
   :class:`~nbtools.OffloadOptimizer` as the tables.
 * :class:`CorpusLoader`: word2vec's training pairs, subsampled and windowed afresh each epoch.
+* :mod:`~nbtools.models.wordsim`: WS353, SimLex-999 and Google analogies for any word vectors.
 * :func:`train`: one loop for both. It feeds a :class:`~nbtools.Dashboard` from the loop's own
   thread, saves checkpoints every ``every`` steps and, when it starts, restores the newest one,
   so a Colab run that was disconnected continues where its last checkpoint left it.
@@ -32,10 +33,11 @@ import torch  # noqa: F401  (the doctest above uses it)
 from ..loader import PinnedLoader  # noqa: F401  (the doctest above uses it)
 from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
 from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, holdout
+from . import wordsim
 from .training import TrainConfig, train
 from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, keep_probabilities,
                        pairs_from_corpus)
 
 __all__ = ["SkipGram", "SkipGramConfig", "CorpusLoader", "MatrixFactorization", "MFConfig",
            "train", "TrainConfig", "pairs_from_corpus", "keep_probabilities", "evaluate_rmse",
-           "holdout"]
+           "holdout", "wordsim"]
