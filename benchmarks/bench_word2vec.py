@@ -115,9 +115,9 @@ def train_gensim(lines, args, workers):
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
         t0 = time.perf_counter()
-        model = Word2Vec(vector_size=HYPER["dim"], window=HYPER["window"], negative=HYPER["negatives"],
-                         min_count=HYPER["min_count"], sample=HYPER["sample"], sg=1, workers=workers,
-                         seed=args.seed)
+        model = Word2Vec(vector_size=HYPER["dim"], window=HYPER["window"],
+                         negative=HYPER["negatives"], min_count=HYPER["min_count"],
+                         sample=HYPER["sample"], sg=1, workers=workers, seed=args.seed)
         model.build_vocab(corpus_file=path)
         setup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -128,7 +128,8 @@ def train_gensim(lines, args, workers):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=os.path.join(ROOT, ".scratch", "w2v", "corpus.txt.gz"))
     ap.add_argument("--eval-dir", default=os.path.join(ROOT, ".scratch", "w2v", "eval"))
     ap.add_argument("--epochs", type=int, default=5)
@@ -159,7 +160,8 @@ def main():
                  "python3 /work/shared/data/build_offline_corpus.py DIR and gzip DIR/combined.txt "
                  "there, or pass --corpus PATH")
     device = resolve_device("auto")
-    res = {"device": str(device), "torch": torch.__version__, "corpus": os.path.basename(args.corpus),
+    res = {"device": str(device), "torch": torch.__version__,
+           "corpus": os.path.basename(args.corpus),
            "epochs": args.epochs, "batch_size": args.batch_size, "optimizer": args.optimizer,
            "lr": args.lr, "gensim_workers": args.workers, **HYPER, "systems": {}}
     if device.type == "cuda":
@@ -193,7 +195,8 @@ def main():
         warm_up(ids, words, counts, args, device)
         res["warmup_s"] = time.perf_counter() - t
     for placement in args.placements:
-        model, setup_s, train_s, history = train_nbtools(ids, words, counts, args, placement, device)
+        model, setup_s, train_s, history = train_nbtools(ids, words, counts, args, placement,
+                                                         device)
         losses = history["loss"]
         record(placement, model, setup_s, train_s,
                {"steps": history["step"][-1] if history["step"] else None,

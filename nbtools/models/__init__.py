@@ -35,9 +35,9 @@ from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
 from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, holdout
 from . import wordsim
 from .training import TrainConfig, train
-from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, keep_probabilities,
+from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, count_pairs, keep_probabilities,
                        pairs_from_corpus)
 
 __all__ = ["SkipGram", "SkipGramConfig", "CorpusLoader", "MatrixFactorization", "MFConfig",
-           "train", "TrainConfig", "pairs_from_corpus", "keep_probabilities", "evaluate_rmse",
-           "holdout", "wordsim"]
+           "train", "TrainConfig", "pairs_from_corpus", "count_pairs", "keep_probabilities",
+           "evaluate_rmse", "holdout", "wordsim"]

@@ -1,4 +1,4 @@
-"""One training loop for every model: dashboard, progress, checkpoints, resume, learning-rate decay."""
+"""One training loop for every model: dashboard, progress, checkpoints, resume, lr decay."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +19,7 @@ class TrainConfig:
     """Optional settings of :func:`train`."""
 
     every: int = 1000              # steps between checkpoints (a disconnect loses at most this)
-    log_every: int | None = None   # steps between loss records; None: ~100 records, <= 1 per 100 steps
+    log_every: int | None = None   # steps between loss records (None: ~100 over the run)
     progress: bool = True          # a tqdm bar when there is no dashboard
     lr_decay: str | None = None    # "linear": word2vec's alpha -> min_alpha over the whole run
     min_lr_ratio: float = 1e-4     # the last lr / the first (word2vec: min_alpha = alpha * 1e-4)

@@ -61,6 +61,35 @@ def pairs_from_corpus(ids, window: int = 5, *, keep_prob=None, dynamic: bool = T
     pairs per kept token. For text8 (17M tokens, ``window=5``, subsampling at 1e-4), a Zipf
     estimate gives ~11M kept tokens and ~65M pairs: ~0.5 GB in int32.
     """
+    centers, contexts = [], []
+    for _, left, right, fwd, bwd in _windows(ids, window, keep_prob, dynamic, generator):
+        # converted piece by piece: the int64 pieces of a large corpus would double the peak
+        centers += [left[fwd].to(dtype), right[bwd].to(dtype)]
+        contexts += [right[fwd].to(dtype), left[bwd].to(dtype)]
+    if not centers:
+        empty = torch.empty(0, dtype=dtype, device=torch.as_tensor(ids).device)
+        return empty, empty.clone()
+    return torch.cat(centers), torch.cat(contexts)
+
+
+def count_pairs(ids, window: int = 5, *, keep_prob=None, dynamic: bool = True,
+                generator: torch.Generator | None = None) -> int:
+    """How many pairs :func:`pairs_from_corpus` would return with the same arguments and
+    generator state, without making them (the same draws, one count per distance).
+
+    >>> ids = torch.tensor([0, 1, 2, 1, 0, 3, 1, 2])
+    >>> count_pairs(ids, 2, dynamic=False), pairs_from_corpus(ids, 2, dynamic=False)[0].numel()
+    (26, 26)
+    """
+    total = torch.zeros((), dtype=torch.int64, device=torch.as_tensor(ids).device)
+    for _, left, right, fwd, bwd in _windows(ids, window, keep_prob, dynamic, generator):
+        total += fwd.sum() + bwd.sum()
+    return int(total)                 # one sync, after every distance
+
+
+def _windows(ids, window, keep_prob, dynamic, generator):
+    """Draw subsampling and windows; yield ``(d, left, right, fwd, bwd)`` for each distance
+    ``d``: ``fwd`` masks the pairs (center ``left``, context ``right``), ``bwd`` the reverse."""
     ids = torch.as_tensor(ids)
     if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be a 1-D integer tensor, got {ids.dtype} of shape "
@@ -77,19 +106,12 @@ def pairs_from_corpus(ids, window: int = 5, *, keep_prob=None, dynamic: bool = T
     sentence = torch.cumsum((ids < 0).to(torch.int64), 0)
     if dynamic:
         radius = torch.randint(1, window + 1, (n,), generator=generator, device=ids.device)
-    centers, contexts = [], []
     for d in range(1, min(window, n - 1) + 1):        # a loop over distances, not tokens
         left, right = ids[:-d], ids[d:]
         ok = (left >= 0) & (right >= 0) & (sentence[:-d] == sentence[d:])
         fwd = ok & (radius[:-d] >= d) if dynamic else ok     # center left, context right
         bwd = ok & (radius[d:] >= d) if dynamic else ok      # center right, context left
-        # converted piece by piece: the int64 pieces of a large corpus would double the peak
-        centers += [left[fwd].to(dtype), right[bwd].to(dtype)]
-        contexts += [right[fwd].to(dtype), left[bwd].to(dtype)]
-    if not centers:
-        empty = torch.empty(0, dtype=dtype, device=ids.device)
-        return empty, empty.clone()
-    return torch.cat(centers), torch.cat(contexts)
+        yield d, left, right, fwd, bwd
 
 
 class CorpusLoader:
@@ -164,29 +186,38 @@ class CorpusLoader:
     def num_pieces(self) -> int:
         return max(1, -(-self.ids.numel() // self.chunk_tokens))
 
+    def _piece_args(self, epoch: int, piece: int):
+        """(token ids, seeded generator, key) of one piece in ``epoch``."""
+        key = _mix_int(_mix_int(_mix_int(self.seed) + epoch) + piece)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(key & ((1 << 63) - 1))
+        lo = piece * self.chunk_tokens
+        return self.ids[lo:lo + self.chunk_tokens], gen, key
+
     def _draw(self, epoch: int, piece: int):
         """Shuffled (centers, contexts) of one piece of the corpus in ``epoch``, int32."""
         if self._piece is not None and self._piece[:2] == (epoch, piece):
             return self._piece[2:]
         self._piece = None           # free the previous piece's pairs first
-        key = _mix_int(_mix_int(_mix_int(self.seed) + epoch) + piece)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(key & ((1 << 63) - 1))
-        lo = piece * self.chunk_tokens
-        centers, contexts = pairs_from_corpus(self.ids[lo:lo + self.chunk_tokens], self.window,
-                                              keep_prob=self.keep_prob, generator=gen)
+        ids, gen, key = self._piece_args(epoch, piece)
+        centers, contexts = pairs_from_corpus(ids, self.window, keep_prob=self.keep_prob,
+                                              generator=gen)
         # pairs come ordered by distance: shuffle them (the same order on every device)
         order = permutation(centers.numel(), key, 0, self.device)
         self._piece = (epoch, piece, centers[order], contexts[order])
         return self._piece[2:]
 
     def piece_sizes(self, epoch: int | None = None) -> list:
-        """Pairs in each piece of the corpus in ``epoch`` (default: the current one)."""
+        """Pairs in each piece of the corpus in ``epoch`` (default: the current one), counted
+        with the draws that will make them, without making them."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._sizes is None or self._sizes[0] != epoch:
-            # the last piece is drawn last, and kept: the first piece of the loop is redrawn
-            self._sizes = (epoch, [self._draw(epoch, p)[0].numel()
-                                   for p in range(self.num_pieces)])
+            sizes = []
+            for p in range(self.num_pieces):
+                ids, gen, _ = self._piece_args(epoch, p)
+                sizes.append(count_pairs(ids, self.window, keep_prob=self.keep_prob,
+                                         generator=gen))
+            self._sizes = (epoch, sizes)
         return self._sizes[1]
 
     @property
@@ -266,7 +297,7 @@ class SkipGramConfig:
     pin: bool = True               # register host memory with CUDA (zero-copy)
     seed: int = 0                  # negatives; their generator is saved with the model
     skip_context_negatives: bool = True   # drop a drawn negative equal to the context (word2vec)
-    placement: str = "auto"        # of both tables: "host" (pinned RAM), "gpu", "auto" (GPU if it fits)
+    placement: str = "auto"        # both tables: "host" (pinned RAM), "gpu", "auto" (GPU if fits)
 
 
 class SkipGram(nn.Module):

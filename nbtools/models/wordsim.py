@@ -79,7 +79,8 @@ def average_ranks(x) -> torch.Tensor:
     new_run[1:] = sorted_x[1:] != sorted_x[:-1]
     run = torch.cumsum(new_run.long(), 0) - 1
     positions = torch.arange(1, n + 1, dtype=torch.float64)
-    sums = torch.zeros(int(run[-1]) + 1 if n else 0, dtype=torch.float64).index_add_(0, run, positions)
+    runs = int(run[-1]) + 1 if n else 0
+    sums = torch.zeros(runs, dtype=torch.float64).index_add_(0, run, positions)
     sizes = torch.bincount(run).to(torch.float64)
     ranks = torch.empty(n, dtype=torch.float64)
     ranks[order] = (sums / sizes)[run]
