@@ -81,7 +81,8 @@ def train_nbtools(ids, words, counts, args, placement, device):
     torch.manual_seed(args.seed)
     model = models.SkipGram(len(words), HYPER["dim"], counts=counts, words=words, config=cfg,
                             device=device)
-    opt_cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer]
+    opt_cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
+               "sgd": torch.optim.SGD}[args.optimizer]
     optimizer = nbtools.OffloadOptimizer(opt_cls, model, lr=args.lr)
     keep = models.keep_probabilities(counts, HYPER["sample"])
     loader = models.CorpusLoader(ids, args.batch_size, window=HYPER["window"], keep_prob=keep,
@@ -136,7 +137,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=None, help="use the corpus' first N tokens")
     ap.add_argument("--systems", default="host,gpu,gensim", help="comma list of host, gpu, gensim")
     ap.add_argument("--batch-size", type=int, default=131072, help="pairs per nbtools step")
-    ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam")
     ap.add_argument("--lr", type=float, default=None, help="first lr (default: the recipe's)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="gensim threads")
     ap.add_argument("--seed", type=int, default=1)
@@ -149,7 +150,7 @@ def main():
         args.epochs = 2
         args.batch_size = min(args.batch_size, 16384)
     if args.lr is None:
-        args.lr = {"adam": 0.01, "sgd": 0.5}[args.optimizer]
+        args.lr = {"adam": 0.01, "adagrad": 0.2, "sgd": 0.5}[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(systems) - {"host", "gpu", "gensim"})
     if bad:
