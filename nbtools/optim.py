@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections import defaultdict
 
 import torch
@@ -31,7 +32,8 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes
-from .tables import _OffloadedTable, copy_unless_same
+from . import kernels
+from .tables import StepRows, _OffloadedTable, copy_unless_same
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -39,7 +41,7 @@ class UnsupportedOptimizerError(NbtoolsError, TypeError):
 
 
 class NonFiniteGradientError(NbtoolsError, FloatingPointError):
-    """A table gradient held inf/nan; the table and its state were left unchanged."""
+    """A gradient held inf/nan; no parameter, table or optimizer state was changed."""
 
 
 # Per-row state that does not start at zero, as each optimizer itself initialises it.
@@ -60,12 +62,17 @@ _NOT_HYPER = ("params",)
 class OffloadConfig:
     """nbtools-specific options of :class:`OffloadOptimizer` (not passed to the optimizer)."""
 
-    # What a table step does when its summed gradient holds inf/nan: "raise" a
-    # NonFiniteGradientError, or "skip" that table's step (counted in `skipped_steps`).
-    # Either way nothing non-finite is written into the table.
+    # What a step does when any gradient (a table's or an ordinary parameter's) holds inf/nan:
+    # "raise" a NonFiniteGradientError, or "skip" the whole step (counted in `skipped_steps`,
+    # warned about once). Either way every gradient is checked before anything is updated,
+    # so nothing changes.
     nonfinite: str = "raise"
     # Check on a tiny parameter that the optimizer updates rows independently (cheap; leave on).
     probe: bool = True
+    # Fused Triton kernels for SGD, Adam/AdamW, SparseAdam and Adagrad on float32 tables:
+    # "auto" uses them where they run (CUDA with Triton), False always runs the stock optimizer
+    # on the gathered rows (the reference path), True insists (an error where none applies).
+    fused: object = "auto"
 
 
 def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -95,7 +102,8 @@ def _step_rows(cls, hyper, weight, grad, sparse, steps=2):
 def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: bool = True):
     """Find which state of ``cls`` is per element and check that rows update independently.
 
-    Returns (row state names -> dtype, scalar state names, the optimizer's full param group).
+    Returns (row state names -> dtype, scalar state names, the optimizer's full param group,
+    the probe's scalar state after its steps: its types are what the optimizer keeps).
     """
     if _REFUSED and issubclass(cls, _REFUSED):
         raise UnsupportedOptimizerError(
@@ -115,11 +123,13 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
             f"{cls.__name__}({hyper}) failed a probe step on a small parameter: {e}") from e
     group = {k: v for k, v in probe_opt.param_groups[0].items() if k not in _NOT_HYPER}
     row_state, scalar_state = {}, []
+    scalar_values = {}
     for key, value in state.items():
         if torch.is_tensor(value) and value.shape == weight.shape:
             row_state[key] = value.dtype
         elif not torch.is_tensor(value) or value.numel() == 1:
             scalar_state.append(key)
+            scalar_values[key] = value
         else:
             raise UnsupportedOptimizerError(
                 f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
@@ -132,7 +142,7 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
                 raise UnsupportedOptimizerError(
                     f"{cls.__name__} updates rows jointly (a row's update depends on other "
                     "rows), so lazy per-row offloading would change its results")
-    return row_state, scalar_state, group
+    return row_state, scalar_state, group, scalar_values
 
 
 def _initial_row_state(cls, group: dict, names) -> dict:
@@ -158,12 +168,13 @@ class _TableSlot:
     (:meth:`_OffloadedTable.attach_state`).
     """
 
-    def __init__(self, name, table: _OffloadedTable, cls, group: dict, probe: bool):
+    def __init__(self, name, table: _OffloadedTable, cls, group: dict, config: "OffloadConfig",
+                 owner):
         self.name, self.table, self.cls = name, table, cls
         _check_hyper(cls, group)
-        dtype = table._host.tensor.dtype
-        row_state, self.scalar_names, full = probe_row_state(
-            cls, group, table.embedding_dim, table.device, dtype, check_separable=probe)
+        dtype = table.rows.host.tensor.dtype
+        row_state, self.scalar_names, full, self.scalar_template = probe_row_state(
+            cls, group, table.embedding_dim, table.device, dtype, check_separable=config.probe)
         odd = {k: str(v) for k, v in row_state.items() if v != dtype}
         if odd:
             raise UnsupportedOptimizerError(
@@ -173,28 +184,66 @@ class _TableSlot:
         self.group = {"params": [], **full, **group}   # what schedulers see and change
         self.sparse = issubclass(cls, torch.optim.SparseAdam)
         self.names = list(row_state)
-        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names))
+        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner)
         self.scalar_state = None      # created by the optimizer itself at the first step
         self.opt = None
         self.skipped_steps = 0
+        self.use_fused = config.fused
+        if config.fused not in ("auto", True, False):
+            raise ValueError(f"OffloadConfig.fused must be 'auto', True or False, "
+                             f"got {config.fused!r}")
 
     def hyper(self) -> dict:
         return {k: v for k, v in self.group.items() if k not in _NOT_HYPER}
 
-    def step(self, nonfinite: str) -> None:
+    def fused_update(self):
+        """The fused kernel for this step, or None for the generic path (the stock optimizer
+        on the gathered rows). Hyper-parameters can change between steps (schedulers)."""
+        if self.use_fused is False:
+            return None
+        store = self.table.rows
+        if not (store.direct or self.use_fused is True) or not kernels.usable_on(store.device):
+            return None
+        fn = kernels.fused_update_for(self.cls, self.group, self.names, store.host.tensor.dtype)
+        if fn is None and self.use_fused is True:
+            raise UnsupportedOptimizerError(
+                f"table {self.name!r}: no fused kernel for {self.cls.__name__} with "
+                f"{self.hyper()} on a {store.host.tensor.dtype} table; use "
+                "OffloadConfig(fused='auto') to fall back to the generic path")
+        return fn
+
+    def _next_scalar_state(self) -> tuple[int, dict]:
+        """The step number after this one, and the scalar state as the optimizer keeps it."""
+        t = 1
+        if self.scalar_state is not None and "step" in self.scalar_state:
+            t = int(self.scalar_state["step"]) + 1       # a CPU scalar: no GPU sync
+        state = {}
+        for key, template in self.scalar_template.items():
+            if key != "step":
+                return t, None        # scalar state other than a step count: generic path only
+            state[key] = torch.tensor(float(t), dtype=template.dtype) \
+                if torch.is_tensor(template) else t
+        return t, state
+
+    def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
+        """Update the ``count - sentinel`` touched rows of ``got`` and write them back."""
         table, d = self.table, self.table.embedding_dim
-        ids, grad, rows, state = table.take_grad()
-        if ids is None:
+        m = count - int(sentinel)
+        if m <= 0:
             return
-        if not bool(torch.isfinite(grad).all()):        # note: a CPU-GPU sync point
-            if nonfinite == "skip":
-                self.skipped_steps += 1
+        ids, grad, rows = got.batch.ids[:m], got.grad[:m], got.rows[:m]
+        if self.names and not got.has_state:        # looked up before the state was attached
+            rows = table.rows.gather(ids)
+        fused = self.fused_update()
+        if fused is not None:
+            t, scalar = self._next_scalar_state()
+            if scalar is not None:
+                store = table.rows
+                store._count(m * store.row_bytes, h2d=False)
+                fused(rows, grad, store.host.view(), ids, self.group, t)
+                self.scalar_state = scalar
                 return
-            raise NonFiniteGradientError(
-                f"table {self.name!r}: the gradient of {ids.numel():,} rows holds inf/nan; the "
-                "table and its optimizer state were left unchanged. Lower the learning rate, "
-                "check the loss, or pass config=OffloadConfig(nonfinite='skip').")
-        p = nn.Parameter(rows)
+        p = nn.Parameter(rows[:, :d].clone())
         _set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
             self.opt = self.cls([p], **self.ctor_kwargs)
@@ -203,9 +252,7 @@ class _TableSlot:
         self.opt.param_groups[0].update(self.hyper())     # LR schedulers change self.group
         if self.scalar_state is not None:
             # These rows' own state, plus the table's global scalar state.
-            if state is None and self.names:
-                state = table._rows.gather(ids, d)
-            st = {k: state[:, i * d:(i + 1) * d].contiguous() for i, k in enumerate(self.names)}
+            st = {k: rows[:, i * d:(i + 1) * d].contiguous() for i, k in enumerate(self.names, 1)}
             st.update(self.scalar_state)
             self.opt.state = defaultdict(dict, {p: st})
         # else: the very first step lets the optimizer create its state exactly as it would
@@ -217,8 +264,8 @@ class _TableSlot:
             raise UnsupportedOptimizerError(
                 f"{self.cls.__name__} dropped state {missing} between steps (hyper-parameters "
                 "changed?); offloaded tables need a fixed set of per-row state")
-        # One write per row: [weight | state...], the layout of the host table.
-        table._rows.scatter(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
+        # One write per row: [weight | state...], the layout of the table.
+        table.rows.scatter(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
         self.scalar_state = {k: v for k, v in st.items() if k not in self.names}
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []
@@ -353,7 +400,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 name = f"{base}_{k}"
             seen.add(name)
             slots.append(_TableSlot(name, table, optimizer_class,
-                                    {**optimizer_kwargs, **overrides}, self.config.probe))
+                                    {**optimizer_kwargs, **overrides}, self.config, True))
         defaults = dict(dense.defaults) if dense else \
             {k: v for k, v in slots[0].group.items() if k != "params"}
         # torch.optim.Optimizer.__init__ sets up hooks and the step wrapper schedulers rely on;
@@ -363,20 +410,117 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.param_groups = (list(self._dense.param_groups) if self._dense else []) + \
             [s.group for s in self._slots]
         self.state = self._dense.state if self._dense else defaultdict(dict)
+        self._warned_skip = False
+        self._skips = 0
+        self._param_names = {}
+        if isinstance(model_or_params, nn.Module):
+            self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
 
     # --- what a training loop calls -----------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """Update the ordinary parameters and every table's touched rows."""
+        """Update the ordinary parameters and every table's touched rows.
+
+        Every gradient and every id is checked first, on the device; the verdicts of all
+        tables and parameters come back to the host together, in one synchronisation per
+        step. Only then is anything written: an out-of-range id raises ``IndexError`` and a
+        non-finite gradient raises :class:`NonFiniteGradientError` (or skips the whole step,
+        with ``OffloadConfig(nonfinite="skip")``), and in both cases no parameter, table row or
+        optimizer state has changed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        collected = [(slot, slot.table.collect()) for slot in self._slots]
+        collected = [(slot, got) for slot, got in collected if got is not None]
+        dense = self._dense_grads()
+        verdicts = self._read_flags([got.flags() for _, got in collected], dense)
+        table_flags, dense_bad = verdicts[:len(collected)], verdicts[len(collected):]
+        for (slot, got), (bad, _, _, _) in zip(collected, table_flags):
+            if bad:
+                for flat, shape in got.lookups:
+                    if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
+                        slot.table._raise_bad_ids(flat, shape)
+        culprits = [f"table {slot.name!r}" for (slot, _), f in zip(collected, table_flags) if f[1]]
+        culprits += self._nonfinite_params(dense, dense_bad)
+        if culprits:
+            if self.config.nonfinite == "skip":
+                self._skips += 1
+                for slot in self._slots:
+                    slot.skipped_steps += 1
+                if not self._warned_skip:
+                    self._warned_skip = True
+                    warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
+                                  f"{', '.join(culprits)}; later skips are counted in "
+                                  "optimizer.skipped_steps() without a warning",
+                                  RuntimeWarning, stacklevel=2)
+                return loss
+            raise NonFiniteGradientError(
+                f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
+                "parameter, table and optimizer state was left unchanged. Lower the "
+                "learning rate, check the loss, or pass config=OffloadConfig(nonfinite='skip').")
         if self._dense is not None:
             self._dense.step()
-        for slot in self._slots:
-            slot.step(self.config.nonfinite)
+        for (slot, got), (_, _, count, sentinel) in zip(collected, table_flags):
+            slot.apply(got, count, bool(sentinel))
         return loss
+
+    def _dense_grads(self) -> dict:
+        """Gradients of the ordinary parameters, grouped by (device, dtype)."""
+        groups = {}
+        if self._dense is None:
+            return groups
+        for group in self._dense.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad._values() if p.grad.is_sparse else p.grad
+                groups.setdefault((g.device, g.dtype), []).append((p, g))
+        return groups
+
+    @staticmethod
+    def _read_flags(table_flags: list, dense: dict) -> list:
+        """The host's one look at the step: [bad, nonfinite, count, sentinel] per table, then
+        one non-finite verdict per group of ordinary parameters. One sync per device."""
+        parts = [f.reshape(-1) for f in table_flags]
+        for grads in dense.values():
+            found = torch.zeros(1, device=grads[0][1].device)
+            grads_only = [g for _, g in grads]
+            try:      # one multi-tensor kernel; multiplying by 1.0 changes no value
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads_only, found, torch.ones(1, device=found.device))
+            except (RuntimeError, AttributeError):   # dtypes or devices it does not take
+                found = torch.stack([~torch.isfinite(g).all() for g in grads_only]).any()
+            parts.append(found.reshape(1).long())
+        by_device = {}
+        for i, part in enumerate(parts):
+            by_device.setdefault(part.device, []).append(i)
+        values = [None] * len(parts)
+        for idxs in by_device.values():
+            flat = torch.cat([parts[i] for i in idxs]).tolist()   # note: the CPU-GPU sync point
+            pos = 0
+            for i in idxs:
+                n = parts[i].numel()
+                values[i] = flat[pos:pos + n] if n > 1 else flat[pos]
+                pos += n
+        return values
+
+    def _nonfinite_params(self, dense: dict, verdicts: list) -> list:
+        names = []
+        for (key, grads), bad in zip(dense.items(), verdicts):
+            if bad:
+                names += [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
+                          for p, g in grads if not bool(torch.isfinite(g).all())]
+        return names
+
+    def __getstate__(self) -> dict:
+        # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's
+        # tables and scalar state live in its other attributes. An LR scheduler's wrapper of
+        # `step` (an instance attribute holding a weak reference) stays behind.
+        state = dict(self.__dict__)
+        state.pop("step", None)
+        return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._dense is not None:
@@ -400,9 +544,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
         return self._slot(table).row_state()
 
-    def skipped_steps(self, table) -> int:
-        """How many steps of ``table`` were skipped for non-finite gradients."""
-        return self._slot(table).skipped_steps
+    def skipped_steps(self, table=None) -> int:
+        """How many steps were skipped for non-finite gradients (a skip skips every table
+        and parameter; ``table`` is accepted for compatibility)."""
+        if table is not None:
+            return self._slot(table).skipped_steps
+        return self._skips
 
     def _slot(self, table) -> _TableSlot:
         for s in self._slots:
@@ -501,8 +648,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                              f"{sorted(lookup)}")
         optimizer = lookup[optimizer.lower()]
     optimizer_kwargs.setdefault("lr", 1e-3)
-    row_state, _, _ = probe_row_state(optimizer, optimizer_kwargs, 4, torch.device("cpu"), dtype,
-                                      check_separable=False)
+    row_state, _, _, _ = probe_row_state(optimizer, optimizer_kwargs, 4, torch.device("cpu"),
+                                         dtype, check_separable=False)
     itemsize = torch.empty((), dtype=dtype).element_size()
     table_bytes = num_rows * dim * itemsize
     state_bytes = len(row_state) * table_bytes

@@ -17,6 +17,9 @@ writes one long row per id instead of k + 1 short ones: on an H100, zero-copy ga
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import mmap
 import warnings
 
 import numpy as np
@@ -26,7 +29,8 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
-from .hostmem import HostTensor, RowStore
+from .hostmem import HostTensor, pin_tensor
+from .rows import DeviceRows, RowBatch, RowStore, merge, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
@@ -37,9 +41,16 @@ class HostMemoryError(NbtoolsError, MemoryError):
     """A table or its optimizer state would not fit in host memory; nothing was allocated."""
 
 
-def check_fits(nbytes: int, what: str, hint: str = "") -> None:
-    """Refuse, before allocating, ``nbytes`` of host memory that this machine does not have."""
+def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None:
+    """Refuse, before allocating, ``nbytes`` of host memory that this machine does not have.
+
+    ``reclaim``: bytes the allocation frees as it goes (a table growing into its optimizer
+    state hands its old rows back), counted as available. The rule is :func:`nbtools.plan`'s:
+    the final footprint must fit in 90% of what is available before any of it exists.
+    """
     available = host_memory_bytes()["available"]
+    if available is not None:
+        available += reclaim
     if available is not None and nbytes > 0.9 * available:
         raise HostMemoryError(
             f"{what} needs {human_bytes(nbytes)} of host memory but only "
@@ -56,6 +67,27 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+_libc = None
+
+
+def release_pages(base: int, done: int, upto: int) -> int:
+    """Hand the whole pages of ``[base + done, base + upto)`` back to the OS (``MADV_DONTNEED``;
+    they read as zeros afterwards). Returns the new ``done``, page-aligned. Best effort: where
+    madvise is unavailable nothing is released and the copy still works."""
+    global _libc
+    lo = -(-(base + done) // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (base + upto) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return done
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)   # 4: MADV_DONTNEED
+    except (OSError, AttributeError):
+        return done
+    return hi - base
+
+
 def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
     pos = int(flat_bad.nonzero()[0, 0])
     if len(shape) <= 1:
@@ -63,17 +95,78 @@ def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
     return f"position {tuple(int(i) for i in np.unravel_index(pos, tuple(shape)))}"
 
 
+@dataclasses.dataclass
+class TableConfig:
+    """Options of an offloaded table beyond its shape, name, device and placement."""
+
+    dtype: torch.dtype = torch.float32  # of the table and of its optimizer state
+    pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
+    # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
+    # this share of the GPU memory free at that moment; the rest of it stays for activations.
+    gpu_fraction: float = 0.5
+
+
+def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
+    """Where ``placement="auto"`` puts ``nbytes`` of rows and state: ``("gpu" | "host", why)``."""
+    if device.type != "cuda":
+        return "host", "CPU compute"
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(gpu_fraction * free)
+    if nbytes <= budget:
+        return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
+                       f"{human_bytes(free)} free on {device}")
+    return "host", (f"{human_bytes(nbytes)} exceeds {gpu_fraction:.0%} of the "
+                    f"{human_bytes(free)} free on {device}")
+
+
+@dataclasses.dataclass
+class StepRows:
+    """What an optimizer step needs from one table: the rows touched since the last step.
+
+    Everything is on the compute device and nothing here needed a host synchronisation.
+    Attributes:
+        batch: the unique ids (:class:`nbtools.rows.RowBatch`).
+        grad: [capacity, dim] gradients summed per unique id (per-row scale applied).
+        rows: [capacity, width]: the rows as gathered, ``[weight | state...]`` when
+            ``has_state`` (else only the weight).
+        has_state: ``rows`` carries the optimizer state too.
+        lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
+    """
+
+    batch: RowBatch
+    grad: torch.Tensor
+    rows: torch.Tensor
+    has_state: bool
+    lookups: list
+
+    def flags(self) -> torch.Tensor:
+        """[4] int64 on the device: bad id seen, non-finite gradient, used slots, sentinel."""
+        nonfinite = ~torch.isfinite(self.grad).all()
+        return torch.cat((self.batch.bad.long(), nonfinite.long().reshape(1),
+                          self.batch.count, self.batch.sentinel_flag().long()))
+
+
 class _OffloadedTable(nn.Module):
     """Shared machinery of :class:`OffloadedEmbedding` and :class:`OffloadedEmbeddingBag`."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx=None,
-                 dtype=torch.float32, device="auto", name=None, pin: bool = True):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx=None, name=None,
+                 device="auto", placement: str = "host", config: TableConfig | None = None,
+                 **options):
         super().__init__()
         for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        unknown = set(options) - {f.name for f in dataclasses.fields(TableConfig)}
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
+                            f"padding_idx, name, device, placement, config, and the TableConfig "
+                            f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
+        self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
+        dtype = cfg.dtype
         if not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else False):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if placement not in ("auto", "gpu", "host"):
+            raise ValueError(f"placement must be 'auto', 'gpu' or 'host', got {placement!r}")
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:
@@ -84,20 +177,24 @@ class _OffloadedTable(nn.Module):
         self.padding_idx = padding_idx
         self.name = name or type(self).__name__
         self.device = resolve_device(device)
+        self.requested_placement = placement
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = self.num_embeddings * self.embedding_dim * itemsize
-        check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x {self.embedding_dim} "
-                           f"{str(dtype).replace('torch.', '')})",
-                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
-                   "dtype=torch.bfloat16 halves it.")
-        # Pinning only pays when a GPU reads the rows.
-        self._host = self._new_host((self.num_embeddings, self.embedding_dim), dtype,
-                                    pin and self.device.type == "cuda", self.name)
+        self.placement, self.placement_reason = self._choose_placement(3 * nbytes, "Adam-sized "
+                                                                       "state assumed until an "
+                                                                       "optimizer attaches")
+        if self.placement == "host":
+            check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x "
+                               f"{self.embedding_dim} {str(dtype).replace('torch.', '')})",
+                       "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
+                       "dtype=torch.bfloat16 halves it.")
+        self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
-        self._pending = []           # (unique ids, rows leaf, state rows) per lookup since last step
+        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape)
         self._warned_pending = False
+        self._owned = False          # an OffloadOptimizer steps this table
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
             # pinned: drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and
@@ -106,61 +203,140 @@ class _OffloadedTable(nn.Module):
             rows.normal_()
             if padding_idx is not None:
                 rows[padding_idx].zero_()
-            if rows.is_cuda:
+            if rows.is_cuda and self.placement == "host":
                 torch.cuda.synchronize(rows.device)   # the host copy is read from now on
+
+    def _choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
+        if self.device.type != "cuda":
+            return "host", "CPU compute"
+        if self.requested_placement != "auto":
+            return self.requested_placement, "asked for"
+        where, why = auto_placement(nbytes, self.device, self.config.gpu_fraction)
+        return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
+
+    def _new_rows(self, shape, dtype):
+        """Memory for ``shape`` rows where this table is placed (zero-filled)."""
+        if self.placement == "gpu":
+            return DeviceRows(shape, dtype, self.device, self.name)
+        return self._new_host(shape, dtype, self.config.pin and self.device.type == "cuda",
+                              self.name)
 
     def _new_host(self, shape, dtype, pin: bool, name: str) -> HostTensor:
         """Host memory for this table, its zero-copy view on the table's CUDA device."""
         return HostTensor(shape, dtype, pin=pin, name=name,
                           device=self.device if self.device.type == "cuda" else None)
 
-    # --- the host table -------------------------------------------------------------------
+    # --- the rows, wherever they live -------------------------------------------------------
     @property
     def weight(self) -> torch.Tensor:
-        """All rows, as a CPU tensor aliasing the (pinned) host memory. Reading it waits for
-        queued GPU writes first, so what you read is current. Write to it to initialise."""
-        synchronize(self.device)
+        """All rows: a CPU tensor aliasing the (pinned) host memory, or, when the table is
+        placed on the GPU, a CUDA tensor. Reading a host table waits for queued GPU writes
+        first, so what you read is current. Write to it to initialise."""
+        if self.placement == "host":
+            synchronize(self.device)
         return self._host.tensor[:, : self.embedding_dim]
 
+    @property
+    def rows(self) -> RowStore:
+        """Where the rows ``[weight | state...]`` live, as the compute device reaches them
+        (the row protocol's store: gather, scatter, and the view fused kernels write to)."""
+        return self._rows
+
+    @property
+    def state_names(self) -> list:
+        """Per-row optimizer state stored after each row's weight, in order."""
+        return list(self._state_names)
+
     def state_columns(self, name: str) -> torch.Tensor:
-        """Host view of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows."""
-        synchronize(self.device)
+        """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows."""
+        if self.placement == "host":
+            synchronize(self.device)
         i = self._state_names.index(name) + 1
         d = self.embedding_dim
         return self._host.tensor[:, i * d:(i + 1) * d]
 
-    def attach_state(self, names, initial: dict) -> None:
+    def attach_state(self, names, initial: dict, owned: bool = True) -> None:
         """Give every row room for per-row optimizer state, stored after its weight.
 
-        Called once by :class:`nbtools.OffloadOptimizer`. The host table is reallocated as
-        ``[weight | state...]`` per row (the old one is released); state columns start at
-        ``initial[name]``. References to ``table.weight`` taken before this point to the old
-        memory: create the optimizer first.
+        Called once by :class:`nbtools.OffloadOptimizer`. The table is reallocated as
+        ``[weight | state...]`` per row; state columns start at ``initial[name]``. With
+        ``placement="auto"`` this is when the table's place is decided for good, from its
+        size with this optimizer's state. Host memory peaks at the final footprint plus one
+        64 MiB chunk: the old rows are handed back to the OS as they are copied. References to
+        ``table.weight`` taken before this point see the old memory: create the optimizer
+        first.
         """
         names = list(names)
         if self._state_names:
             raise ValueError(f"table {self.name!r} already carries optimizer state "
                              f"{self._state_names}; use one OffloadOptimizer per table")
+        self._owned = owned
         if not names:
             return
         old = self._host
+        dtype = old.tensor.dtype
         d, n = self.embedding_dim, self.num_embeddings
         width = d * (1 + len(names))
-        check_fits(n * width * old.tensor.element_size(),
-                   f"table {self.name!r} with optimizer state ({', '.join(names)})",
-                   "Use nbtools.plan(...) to size it, or an optimizer with less state "
-                   "(SGD, Adagrad).")
-        synchronize(self.device)
-        new = self._new_host((n, width), old.tensor.dtype, old.pinned, self.name)
-        chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))   # bounded temporaries
-        for start in range(0, n, chunk):
-            new.tensor[start:start + chunk, :d].copy_(old.tensor[start:start + chunk])
-        for i, name in enumerate(names, start=1):
-            if initial.get(name, 0.0):
-                new.tensor[:, i * d:(i + 1) * d].fill_(initial[name])
-        old.close()
+        nbytes = n * width * old.tensor.element_size()
+        was = self.placement
+        if self.requested_placement == "auto":
+            self.placement, self.placement_reason = self._choose_placement(nbytes)
+        if self.placement == "host":
+            check_fits(nbytes, f"table {self.name!r} with optimizer state ({', '.join(names)})",
+                       "Use nbtools.plan(...) to size it, or an optimizer with less state "
+                       "(SGD, Adagrad).", reclaim=old.nbytes if was == "host" else 0)
+        if was == "host":
+            synchronize(self.device)
+        init = [(i * d, (i + 1) * d, float(initial.get(k, 0.0))) for i, k in enumerate(names, 1)]
+        if self.placement == "gpu":
+            new = DeviceRows((n, width), dtype, self.device, self.name)
+            chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))
+            for start in range(0, n, chunk):
+                new.tensor[start:start + chunk, :d].copy_(old.tensor[start:start + chunk])
+            for lo, hi, value in init:
+                if value:
+                    new.tensor[:, lo:hi].fill_(value)
+            old.close()
+        else:
+            new = self._grow_host(old, (n, width), init)
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
         self._pending.clear()
+
+    def _grow_host(self, old, shape, init):
+        """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
+        each chunk of ``old`` back to the OS once copied; register the result when pinned."""
+        n, width = shape
+        d = self.embedding_dim
+        dtype = old.tensor.dtype
+        pin = old.pinned if isinstance(old, HostTensor) else \
+            (self.config.pin and self.device.type == "cuda")
+        itemsize = old.tensor.element_size()
+        if n * width * itemsize < (256 << 20):       # small: the simple way
+            new = self._new_host(shape, dtype, pin, self.name)
+            new.tensor[:, :d].copy_(old.tensor)
+            for lo, hi, value in init:
+                if value:
+                    new.tensor[:, lo:hi].fill_(value)
+            old.close()
+            return new
+        old.close()                                  # unregister: its pages may be released now
+        src = old.tensor
+        # Untouched until written: the new rows take physical memory chunk by chunk.
+        dst = torch.empty(shape, dtype=dtype)
+        chunk = max(1, (64 << 20) // (width * itemsize))
+        released = 0                                 # bytes of src handed back so far
+        base = src.data_ptr()
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            dst[start:stop, :d].copy_(src[start:stop])
+            rest = dst[start:stop, d:]
+            rest.zero_()
+            for lo, hi, value in init:
+                if value:
+                    dst[start:stop, lo:hi].fill_(value)
+            released = release_pages(base, released, stop * d * itemsize)
+        del src
+        return pin_tensor(dst, name=self.name)
 
     @property
     def pinned(self) -> bool:
@@ -172,7 +348,8 @@ class _OffloadedTable(nn.Module):
 
     @property
     def transfer_mode(self) -> str:
-        """'zero-copy', 'staged' (pageable memory, CUDA) or 'host' (CPU compute)."""
+        """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA) or 'host'
+        (CPU compute)."""
         return self._rows.mode
 
     def set_grad_scale(self, weights) -> None:
@@ -190,14 +367,14 @@ class _OffloadedTable(nn.Module):
                              f"({self.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
         if not torch.isfinite(weights).all():
             raise ValueError(f"grad scale for table {self.name!r} contains non-finite values")
-        host = self._new_host((self.num_embeddings, 1), self._host.tensor.dtype,
-                              self._host.pinned, f"{self.name}.grad_scale")
+        host = self._new_rows((self.num_embeddings, 1), self._host.tensor.dtype)
         host.tensor.copy_(weights.reshape(-1, 1))
         self._grad_scale = RowStore(host, self.device)
 
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
-        synchronize(self.device)
+        if self.placement == "host":
+            synchronize(self.device)
         self._pending.clear()
         self._host.close()
         self._rows = RowStore(self._host, self.device)
@@ -215,89 +392,99 @@ class _OffloadedTable(nn.Module):
                             "convert with ids.long() if they are whole numbers")
         return ids.to(self.device, non_blocking=True)
 
-    def _lookup(self, ids: torch.Tensor):
-        """Deduplicate ``ids`` (any shape), check the range, gather the unique rows.
+    def _raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+        bad = (flat < 0) | (flat >= self.num_embeddings)
+        value = int(flat[bad.nonzero()[0, 0]])
+        raise IndexError(
+            f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
+            f"(first at {_ids_error_position(bad, shape)}); valid ids are 0 to "
+            f"{self.num_embeddings - 1:,}")
 
-        Returns (rows [U, dim], inverse [ids.numel()]).
+    def _lookup(self, ids: torch.Tensor):
+        """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
+
+        Returns (rows [capacity, dim], inverse [ids.numel()]). Ids are checked here when the
+        lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
+        is, the check runs on the device and the optimizer's step reads its verdict, with
+        every other flag of the step, in one synchronisation, before anything is written.
         """
-        flat = ids.reshape(-1)
-        if flat.numel() == 0:
-            rows = torch.zeros(0, self.embedding_dim, dtype=self._host.tensor.dtype,
-                               device=self.device)
-            return rows, flat.long()
-        # int64 ids: index_copy_ (the write-back) takes no other index dtype
-        uniq, inv = torch.unique(flat.long(), return_inverse=True)   # sorted: bounds at the ends
-        lo, hi = torch.stack((uniq[0], uniq[-1])).tolist()      # note: a CPU-GPU sync point
-        if lo < 0 or hi >= self.num_embeddings:
-            bad = (flat < 0) | (flat >= self.num_embeddings)
-            value = int(flat[bad.nonzero()[0, 0]])
-            raise IndexError(
-                f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
-                f"(first at {_ids_error_position(bad, ids.shape)}); valid ids are 0 to "
-                f"{self.num_embeddings - 1:,}")
+        flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
+        batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
         recording = torch.is_grad_enabled() and self.trainable
+        if not (recording and self._owned) and bool(batch.bad):  # a sync point
+            self._raise_bad_ids(flat, ids.shape)
         d = self.embedding_dim
         with torch.no_grad():
             if recording and self._state_names:
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather(uniq)
-                rows, state = full[:, :d].clone(), full[:, d:]
+                full = self._rows.gather_batch(batch)
+                rows = full[:, :d]
             else:
-                rows, state = self._rows.gather(uniq, 0, d), None
+                full, rows = None, self._rows.gather_batch(batch, 0, d)
         if recording:
             rows.requires_grad_(True)
-            self._pending.append((uniq, rows, state))
+            self._pending.append((batch, rows, full, flat, ids.shape))
             if len(self._pending) > _PENDING_WARN and not self._warned_pending:
                 self._warned_pending = True
                 warnings.warn(
                     f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
                     "optimizer step: run evaluation under torch.no_grad(), or call "
                     "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
-        return rows, inv
+        return rows, batch.inverse
+
+    def collect(self) -> StepRows | None:
+        """The row protocol's step input: the rows looked up since the last call, their unique
+        ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
+        Clears the pending lookups. No host synchronisation. Called by the optimizer."""
+        records = [rec for rec in self._pending if rec[1].grad is not None]
+        self._pending.clear()
+        if not records:
+            return None
+        lookups = [(r[3], r[4]) for r in records]
+        has_state = all(r[2] is not None for r in records)
+        if len(records) == 1:
+            batch, leaf, full = records[0][:3]
+            grad = leaf.grad
+            rows = full if has_state else leaf.detach()
+        else:                        # several lookups this step: one more dedup across them
+            batch, grad, pick = merge([r[0] for r in records], [r[1].grad for r in records])
+            parts = [r[2] if has_state else r[1].detach() for r in records]
+            rows = torch.cat(parts).index_select(0, pick)
+        if self.padding_idx is not None:
+            # padding ids became the sentinel slot: its gradient is never applied, nor checked
+            grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
+        if self._grad_scale is not None:
+            grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
+        return StepRows(batch, grad, rows, has_state, lookups)
 
     def take_grad(self):
-        """What the optimizer needs for the rows looked up since the last call.
+        """The rows looked up since the last call, exactly sized (this reads the unique count:
+        a host sync; the optimizer uses :meth:`collect` instead).
 
         Returns ``(ids, grad, rows, state)``: unique ids (padding row excluded), their gradients
         summed over every occurrence in every lookup (per-row scale applied), the weight rows
         and the state columns as gathered (``state`` is None when no state is attached or the
         lookups predate it). All None when no row has a gradient. Clears the pending lookups.
-        Called by :class:`OffloadOptimizer`.
         """
-        records = [rec for rec in self._pending if rec[1].grad is not None]
-        self._pending.clear()
-        if not records:
+        got = self.collect()
+        if got is None:
             return None, None, None, None
-        if len(records) == 1:
-            ids, leaf, state = records[0]
-            grad, rows = leaf.grad, leaf.detach()
-        else:                        # several lookups this step: one more dedup across them
-            all_ids = torch.cat([r[0] for r in records])
-            ids, inv = torch.unique(all_ids, return_inverse=True)
-            grad = torch.zeros(ids.numel(), self.embedding_dim, dtype=records[0][1].grad.dtype,
-                               device=self.device)
-            grad.index_add_(0, inv, torch.cat([r[1].grad for r in records]))
-            # Rows (and state) of one id are identical in every lookup: take any occurrence.
-            pick = torch.empty(ids.numel(), dtype=torch.long, device=self.device)
-            pick.scatter_(0, inv, torch.arange(all_ids.numel(), device=self.device))
-            rows = torch.cat([r[1].detach() for r in records])[pick]
-            states = [r[2] for r in records]
-            state = None if any(s is None for s in states) else torch.cat(states)[pick]
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            if not bool(keep.all()):
-                ids, grad, rows = ids[keep], grad[keep], rows[keep]
-                state = None if state is None else state[keep]
-                if ids.numel() == 0:
-                    return None, None, None, None
-        if self._grad_scale is not None:
-            grad = grad * self._grad_scale.gather(ids).to(grad.dtype)
-        return ids, grad, rows, state
+        bad, _, count, sentinel = got.flags().tolist()
+        if bad:
+            for flat, shape in got.lookups:
+                if bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
+                    self._raise_bad_ids(flat, shape)
+        m = count - sentinel
+        if m == 0:
+            return None, None, None, None
+        d = self.embedding_dim
+        state = got.rows[:m, d:] if got.has_state and self._state_names else None
+        return got.batch.ids[:m], got.grad[:m], got.rows[:m, :d], state
 
     def clear_pending(self) -> None:
         self._pending.clear()
 
-    # --- state dict: 'weight' is the live host tensor (no copy) -----------------------------
+    # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.weight
@@ -316,9 +503,13 @@ class _OffloadedTable(nn.Module):
         copy_unless_same(self.weight, src)     # .weight synchronises first
 
     def extra_repr(self) -> str:
+        placement = self.placement
+        if self.requested_placement == "auto" and self.device.type == "cuda":
+            placement = f"auto -> {placement} ({self.placement_reason})"
         s = (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
-             f"dtype={self._host.tensor.dtype}, device={self.device}, {self.transfer_mode}, "
-             f"host={human_bytes(self.nbytes)}")
+             f"dtype={self._host.tensor.dtype}, device={self.device}, placement={placement}, "
+             f"{self.transfer_mode}, {'gpu' if self.placement == 'gpu' else 'host'}="
+             f"{human_bytes(self.nbytes)}")
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s

@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
 from nbtools.devices import cuda_ok
+
+# Without a GPU, Triton's interpreter runs the fused kernels on CPU tensors (tests/test_step.py):
+# set before anything imports triton.
+if not cuda_ok():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def devices():

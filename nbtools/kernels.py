@@ -1,0 +1,278 @@
+"""Triton kernels of the training step: the row gather of a lookup, and fused optimizer updates
+that read a row's weight and state, apply the update and write the row back in one pass.
+
+Why kernels of our own (measured on an H100, benchmarks/RESULTS.md):
+
+* A lookup deduplicates its ids on the GPU without asking the host how many are unique (that
+  question is a host synchronisation). The unique ids sit in a buffer of fixed capacity with
+  their count in GPU memory; :func:`gather_rows` reads only the first ``count`` rows and writes
+  zeros for the rest, so no row crosses PCIe for nothing.
+* A stock optimizer on gathered rows costs ~10 kernels per state tensor plus the write-back;
+  the fused updates do the same arithmetic, in the same order as ``torch.optim``, in one kernel
+  per table that also writes ``[weight | state]`` straight into host memory (zero-copy) or into
+  the GPU-placed table.
+
+Triton is imported on first use, so ``import nbtools`` stays light; without Triton (or on the
+CPU) callers use the equivalent torch code. With ``TRITON_INTERPRET=1`` the same kernels run on
+CPU tensors, which is how CPU CI checks them against ``torch.optim``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_ok() -> bool:
+    """True when Triton can be imported (kernels then run on CUDA, or on the CPU when
+    ``TRITON_INTERPRET=1`` is set)."""
+    try:
+        import triton  # noqa: F401  (only whether it imports)
+    except Exception:          # missing, or a broken install: the torch path still works
+        return False
+    return True
+
+
+def usable_on(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on ``device``."""
+    if not triton_ok():
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap, width,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # out[r] = src[ids[r], col0:col0 + width] for r < count and 0 <= ids[r] < n_rows;
+        # zeros for every other row below cap.
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        count = tl.load(count_ptr)
+        live = r < count
+        idx = tl.load(ids + r, mask=live, other=-1)
+        ok = live & (idx >= 0) & (idx < n_rows)
+        cmask = c < width
+        vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
+                       mask=ok[:, None] & cmask[None, :], other=0.0)
+        tl.store(out + r[:, None] * out_stride + c[None, :], vals,
+                 mask=(r < cap)[:, None] & cmask[None, :])
+
+    @triton.jit
+    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+            lr, momentum, wd,
+            MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r < m)[:, None] & (c < d)[None, :]
+        idx = tl.load(ids + r, mask=r < m, other=0)
+        src = rows + r[:, None] * rows_stride + c[None, :]
+        out = dst + idx[:, None] * dst_stride + c[None, :]
+        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        if HAS_WD:
+            g = g + wd * p
+        if MOMENTUM:
+            buf = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+            buf = buf * momentum + g
+            tl.store(out + d, buf.to(dst.dtype.element_ty), mask=mask)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        p = p - lr * g
+        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def adam(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+             lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
+             M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
+             DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
+             SPARSE: tl.constexpr, MAXIMIZE: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
+        # M_COL etc.: which state (1-based, in units of d columns) holds exp_avg, exp_avg_sq,
+        # max_exp_avg_sq in the row [weight | state...].
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r < m)[:, None] & (c < d)[None, :]
+        idx = tl.load(ids + r, mask=r < m, other=0)
+        src = rows + r[:, None] * rows_stride + c[None, :]
+        out = dst + idx[:, None] * dst_stride + c[None, :]
+        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        ea = tl.load(src + M_COL * d, mask=mask, other=0.0).to(tl.float32)
+        eq = tl.load(src + V_COL * d, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        if SPARSE:
+            ea = ea + (g - ea) * (1.0 - beta1)
+            eq = eq + (g * g - eq) * (1.0 - beta2)
+            p = p + (-step_size) * (ea / (tl.sqrt(eq) + eps))
+        else:
+            if HAS_WD:
+                if DECOUPLED:
+                    p = p * (1.0 - lr * wd)
+                else:
+                    g = g + wd * p
+            ea = ea + (1.0 - beta1) * (g - ea)        # torch.lerp for weights below 0.5
+            eq = eq * beta2 + g * g * (1.0 - beta2)
+            if AMSGRAD:
+                vmax = tl.load(src + VMAX_COL * d, mask=mask, other=0.0).to(tl.float32)
+                vmax = tl.maximum(vmax, eq)
+                tl.store(out + VMAX_COL * d, vmax.to(dst.dtype.element_ty), mask=mask)
+                denom = tl.sqrt(vmax) / bc2_sqrt + eps
+            else:
+                denom = tl.sqrt(eq) / bc2_sqrt + eps
+            p = p + (-step_size) * (ea / denom)
+        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
+        tl.store(out + M_COL * d, ea.to(dst.dtype.element_ty), mask=mask)
+        tl.store(out + V_COL * d, eq.to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+                clr, wd, eps,
+                HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r < m)[:, None] & (c < d)[None, :]
+        idx = tl.load(ids + r, mask=r < m, other=0)
+        src = rows + r[:, None] * rows_stride + c[None, :]
+        out = dst + idx[:, None] * dst_stride + c[None, :]
+        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        if HAS_WD:
+            g = g + wd * p
+        s = s + g * g
+        p = p + (-clr) * (g / (tl.sqrt(s) + eps))
+        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
+        tl.store(out + d, s.to(dst.dtype.element_ty), mask=mask)
+
+    return {"gather": gather, "sgd": sgd, "adam": adam, "adagrad": adagrad}
+
+
+def _blocks(width: int) -> tuple[int, int]:
+    block_c = min(1024, 1 << max(4, math.ceil(math.log2(max(width, 1)))))
+    return max(1, 4096 // block_c), block_c
+
+
+def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
+                col0: int = 0) -> torch.Tensor:
+    """``out[r] = src[ids[r], col0:col0 + out.shape[1]]`` for ``r < count`` and ids in range;
+    zero rows elsewhere. ``count`` is a one-element tensor on the GPU: no host sync.
+
+    ``src`` is 2-D with unit column stride (a zero-copy view of host memory, or a GPU tensor).
+    """
+    cap, width = out.shape
+    if cap == 0:
+        return out
+    block_r, block_c = _blocks(width)
+    grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
+    _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
+                               out.stride(0), cap, width, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch(name, rows, grad, dst, ids, m, d, *args, **consts):
+    if m == 0:
+        return
+    block_r, block_c = _blocks(d)
+    grid = (triton_cdiv(m, block_r), triton_cdiv(d, block_c))
+    _kernels()[name][grid](rows, rows.stride(0), grad, grad.stride(0), dst, dst.stride(0), ids,
+                           m, d, *args, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
+
+
+# --- the fused updates, one per optimizer family ------------------------------------------------
+# Each takes: rows [m, W] (the gathered [weight | state] of m unique ids, on the compute device),
+# grad [m, d] (summed per id), dst (the table's [N, W] view: zero-copy host or GPU), ids [m],
+# the group's hyper-parameters and the step number t (already incremented).
+
+def fused_sgd(rows, grad, dst, ids, group: dict, t: int, cols: dict) -> None:
+    momentum = float(group.get("momentum", 0.0))
+    _launch("sgd", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+            float(group["lr"]), momentum, float(group.get("weight_decay", 0.0)),
+            MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
+            HAS_WD=float(group.get("weight_decay", 0.0)) != 0.0,
+            MAXIMIZE=bool(group.get("maximize", False)))
+
+
+def fused_adam(rows, grad, dst, ids, group: dict, t: int, cols: dict, *, decoupled: bool,
+               sparse: bool = False) -> None:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+    bc1 = 1 - beta1 ** t
+    bc2 = 1 - beta2 ** t
+    # torch.optim.Adam: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
+    # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
+    step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
+    amsgrad = bool(group.get("amsgrad", False))
+    _launch("adam", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+            lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2),
+            M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
+            VMAX_COL=cols.get("max_exp_avg_sq", 0), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
+            AMSGRAD=amsgrad, SPARSE=sparse, MAXIMIZE=bool(group.get("maximize", False)))
+
+
+def fused_adagrad(rows, grad, dst, ids, group: dict, t: int, cols: dict) -> None:
+    clr = float(group["lr"]) / (1 + (t - 1) * float(group.get("lr_decay", 0.0)))
+    wd = float(group.get("weight_decay", 0.0))
+    _launch("adagrad", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+            clr, wd, float(group["eps"]), HAS_WD=wd != 0.0,
+            MAXIMIZE=bool(group.get("maximize", False)))
+
+
+def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
+    """The fused update for optimizer class ``cls`` with hyper-parameters ``group`` and per-row
+    state ``names``, or None when there is none (the generic path then runs ``cls`` itself).
+
+    Fused updates compute in float32 and are offered for float32 tables, for the optimizers and
+    options whose arithmetic they reproduce exactly: SGD (momentum, nesterov, weight decay),
+    Adam and AdamW (weight decay, amsgrad), SparseAdam and Adagrad.
+    """
+    if dtype != torch.float32:
+        return None
+    if any(torch.is_tensor(v) for k, v in group.items() if k != "params"):
+        return None                     # tensor hyper-parameters (capturable lr, ...): generic
+    if group.get("differentiable"):
+        return None
+    cols = {n: i + 1 for i, n in enumerate(names)}
+    exact = lambda cls_: cls is cls_        # subclasses may change the arithmetic
+    if exact(torch.optim.SGD):
+        if group.get("dampening", 0.0):
+            return None
+        if group.get("momentum", 0.0) and names != ["momentum_buffer"]:
+            return None
+        return functools.partial(fused_sgd, cols=cols)
+    if exact(torch.optim.Adam) or exact(torch.optim.AdamW):
+        want = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        if sorted(names) != sorted(want):
+            return None
+        decoupled = exact(torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        return functools.partial(fused_adam, cols=cols, decoupled=decoupled)
+    if exact(torch.optim.SparseAdam):
+        if sorted(names) != ["exp_avg", "exp_avg_sq"]:
+            return None
+        return functools.partial(fused_adam, cols=cols, decoupled=False, sparse=True)
+    if exact(torch.optim.Adagrad):
+        if names != ["sum"]:
+            return None
+        return functools.partial(fused_adagrad, cols=cols)
+    return None
