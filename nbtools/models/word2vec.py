@@ -327,7 +327,7 @@ class SkipGram(nn.Module):
             raise ValueError(f"words has {len(words):,} entries but vocab_size is {vocab_size:,}")
         self.words = list(words) if words is not None else None
         self._index = None
-        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin)
+        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin, placement=cfg.placement)
         self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
         self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
         with torch.no_grad():
