@@ -142,12 +142,12 @@ def main():
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="gensim threads")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="300K tokens, 2 epochs: CPU, < 1 min")
+    ap.add_argument("--quick", action="store_true", help="200K tokens, 1 epoch: CPU, < 1 min")
     ap.add_argument("--out", default=None, help="write DIR/word2vec.json")
     args = ap.parse_args()
     if args.quick:
-        args.max_tokens = args.max_tokens or 300_000
-        args.epochs = 2
+        args.max_tokens = args.max_tokens or 200_000
+        args.epochs = 1
         args.batch_size = min(args.batch_size, 16384)
     if args.lr is None:
         args.lr = {"adam": 0.01, "adagrad": 0.2, "sgd": 0.5}[args.optimizer]
