@@ -204,6 +204,30 @@ def test_linear_decay_hits_start_middle_and_end():
     assert lr_factor(TrainConfig(lr_decay="linear", min_lr_ratio=0.1), 1.0) == pytest.approx(0.1)
 
 
+def test_the_decayed_lr_is_the_one_the_optimizer_uses():
+    from nbtools import PinnedLoader
+    pairs = torch.randint(0, 10, (2, 30), generator=torch.Generator().manual_seed(0))
+
+    def fresh():
+        torch.manual_seed(0)
+        model = SkipGram(10, 4, device="cpu", config=SkipGramConfig(seed=1))
+        torch.nn.init.normal_(model.output.weight)
+        return (model, OffloadOptimizer(torch.optim.SGD, model, lr=0.3),
+                PinnedLoader(pairs[0], pairs[1], batch_size=10, device="cpu", seed=2))
+
+    model, opt, loader = fresh()
+    train(model, loader, opt, epochs=2, progress=False,
+          config=TrainConfig(lr_decay="linear", min_lr_ratio=0.0))
+    ref, ref_opt, ref_loader = fresh()            # the same steps, lr set by hand
+    for t, batch in enumerate(b for _ in range(2) for b in ref_loader):
+        ref_opt.param_groups[-1]["lr"] = ref_opt.param_groups[-2]["lr"] = 0.3 * (1 - t / 6)
+        ref.loss(*batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(model.input.weight, ref.input.weight, rtol=0, atol=1e-7)
+    torch.testing.assert_close(model.output.weight, ref.output.weight, rtol=0, atol=1e-7)
+
+
 def test_linear_decay_follows_epochs_of_different_lengths():
     ids = _corpus(500)
     model = _LrSpy(30, 4, device="cpu")
