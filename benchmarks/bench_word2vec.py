@@ -150,7 +150,7 @@ def main():
         args.epochs = 1
         args.batch_size = min(args.batch_size, 16384)
     if args.lr is None:
-        args.lr = {"adam": 0.03, "adagrad": 0.1, "sgd": 0.5}[args.optimizer]
+        args.lr = {"adam": 0.01, "adagrad": 0.1, "sgd": 0.025 * args.batch_size}[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(systems) - {"host", "gpu", "gensim"})
     if bad:
