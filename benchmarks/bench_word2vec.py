@@ -142,13 +142,13 @@ def main():
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="gensim threads")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="200K tokens, 1 epoch: CPU, < 1 min")
+    ap.add_argument("--quick", action="store_true", help="100K tokens, 1 epoch: CPU, < 1 min")
     ap.add_argument("--out", default=None, help="write DIR/word2vec.json")
     args = ap.parse_args()
     if args.quick:
-        args.max_tokens = args.max_tokens or 200_000
+        args.max_tokens = args.max_tokens or 100_000
         args.epochs = 1
-        args.batch_size = min(args.batch_size, 16384)
+        args.batch_size = min(args.batch_size, 8192)
     if args.lr is None and args.optimizer == "sgd":
         # word2vec's alpha (0.025 per pair, i.e. lr = 0.025 * batch on the mean loss) made
         # inf/nan gradients at 131,072 pairs/step (CPU, 2M tokens): frequent words' rows sum
@@ -208,7 +208,7 @@ def main():
                {"steps": history["step"][-1] if history["step"] else None,
                 "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None,
-                "tables": model.input.transfer_mode})
+                "placement": model.input.placement, "tables": model.input.transfer_mode})
         del model
         gc.collect()
         if device.type == "cuda":
