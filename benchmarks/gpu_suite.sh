@@ -21,7 +21,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "=== CUDA tests"
   # notebooks and the browser test are CPU smoke tests (CI runs them); everything else on CUDA
   python3 -m pytest -q -p no:cacheprovider -m "not slow" --ignore=tests/test_notebooks.py \
-    tests/ nbtools/ 2>&1 | tee "$out/pytest.log" | tail -40
+    ${TESTS:-tests/ nbtools/} 2>&1 | tee "$out/pytest.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

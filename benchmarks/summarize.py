@@ -37,6 +37,13 @@ def main(d):
         if sweep:
             lo, hi = min(sweep), max(sweep)
             row(f"  step at {hi:,} rows / at {lo:,} rows", fmt(sweep[hi] / sweep[lo]), "x")
+    st = load(d, "step.json")
+    if st:
+        row(f"step: {st['rows']:,} x {st['dim']} Adam ({st['device']})", "", "")
+        for k, v in st.get("ratios", {}).items():
+            row(f"  {k}", fmt(v), "x")
+        for k, v in st.get("syncs", {}).items():
+            row(f"  host syncs per step, {k}", fmt(v, ".1f"), "")
     ld = load(d, "loader.json")
     if ld:
         for k in ("images", "pairs"):

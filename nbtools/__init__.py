@@ -16,7 +16,7 @@ class NbtoolsError(Exception):
 
 # name -> module that defines it; resolved on first access so `import nbtools` stays cheap.
 _LAZY = {
-    "describe": "nbtools.devices",
+    "describe": "nbtools.env",
     "resolve_device": "nbtools.devices",
     "HostTensor": "nbtools.hostmem",
     "host_empty": "nbtools.hostmem",
@@ -33,11 +33,17 @@ _LAZY = {
     "Dashboard": "nbtools.dashboard",
     "ThroughputMeter": "nbtools.meters",
     "CheckpointManager": "nbtools.checkpoint",
+    # errors and configs that messages and the README tell users to reach for
+    "OffloadConfig": "nbtools.optim",
+    "NonFiniteGradientError": "nbtools.optim",
+    "UnsupportedOptimizerError": "nbtools.optim",
+    "HostMemoryError": "nbtools.tables",
+    "PinningError": "nbtools.hostmem",
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
-_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "hostmem", "loader",
-               "meters", "models", "optim", "tables")
+_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "env", "hostmem", "loader",
+               "meters", "models", "optim", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 

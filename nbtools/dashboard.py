@@ -21,7 +21,8 @@ Usage::
 
 In tests (no notebook, no GPU)::
 
-    >>> from nbtools.meters import FakeBackend, FakeClock, Monitor, MonitorConfig
+    >>> from nbtools.meters import Monitor
+    >>> from nbtools.testing import FakeBackend, FakeClock
     >>> import io
     >>> clock, out = FakeClock(), io.StringIO()
     >>> cfg = DashboardConfig(mode="text", file=out)
@@ -46,8 +47,8 @@ import time
 import typing
 import warnings
 
-from .meters import (History, Monitor, MonitorConfig, fmt_bytes, fmt_count, fmt_rate,
-                     fmt_seconds, measure_bandwidth)
+from .meters import History, Monitor, MonitorConfig, measure_bandwidth
+from .units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
 _EXTRA = "pip install 'nbtools-offload[notebook]'"
 
@@ -183,11 +184,14 @@ def _sub(a, b):
 
 def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_=(),
                 error: str = "", note: str = "", image_png: bytes | None = None,
-                frame: bool = True) -> str:
+                frame: bool = True, config: MonitorConfig | None = None) -> str:
     """The whole dashboard as one HTML string (badges, bars, diagnosis, warnings); with
     ``image_png`` the plot is inlined (the static snapshot). ``frame=False`` leaves out the
-    border, which the widget view draws around the HTML and the plot together."""
+    border, which the widget view draws around the HTML and the plot together. ``config``
+    (default :class:`~nbtools.meters.MonitorConfig`) gives the throughput window and the memory
+    fractions at which a bar turns red (the same as the warnings')."""
     r = rec
+    cfg = config or MonitorConfig()
     unit = r.get("unit", "samples")
     mark, colour, word = _STATE[state]
     elapsed = fmt_seconds(r.get("elapsed_s"))
@@ -203,7 +207,7 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
     step = r.get("step_s")
     badges = "".join([
         _badge(f"{unit}/s", fmt_count(r.get("samples_per_s")),
-               f"mean {fmt_count(r.get('mean_samples_per_s'))}", "throughput, last 10 s"),
+               f"mean {fmt_count(r.get('mean_samples_per_s'))}", f"throughput, last {cfg.window_s:g} s"),
         _badge("step", fmt_seconds(step), " · ".join(
             f"{n} {_pct(r.get(k), step)}" for n, k in
             (("data", "data_wait_s"), ("xfer", "transfer_s"), ("compute", "compute_s"))
@@ -238,13 +242,13 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
                                    ("torch cache", _sub(tr, ta), _C["cache"]),
                                    ("other", _sub(gu, tr) if tr is not None else gu, _C["other"])],
                 f"{fmt_bytes(gu)} / {fmt_bytes(gt)} ({_pct(gu, gt)})",
-                alarm=bool(gu and gt and gu >= 0.92 * gt))
+                alarm=bool(gu and gt and gu >= cfg.gpu_warn_fraction * gt))
     ht, hu, pin = r.get("host_total_bytes"), r.get("host_used_bytes"), r.get("pinned_bytes")
     bars += _bar("host RAM", ht, [("pinned", pin, _C["pinned"]),
                                   ("other used", _sub(hu, pin) if pin is not None else hu,
                                    _C["other"])],
                  f"{fmt_bytes(hu)} / {fmt_bytes(ht)} ({_pct(hu, ht)}), {fmt_bytes(pin)} pinned",
-                 alarm=bool(hu and ht and hu >= 0.90 * ht))
+                 alarm=bool(hu and ht and hu >= cfg.host_warn_fraction * ht))
     phases = [("data wait", r.get("data_wait_s"), _C["data"]),
               ("transfer", r.get("transfer_s"), _C["transfer"]),
               ("compute", r.get("compute_s"), _C["compute"])]
@@ -508,7 +512,8 @@ class Dashboard:
         self._plotter = _Plotter(self.monitor.unit, self.config.width_px)
         self._plotter.render(History())   # the first render is ~5x slower (fonts, layout caches)
         self._html = W.HTML(value=render_html({"unit": self.monitor.unit}, title=self.title,
-                                              note="waiting for the first step", frame=False))
+                                              note="waiting for the first step", frame=False,
+                                              config=self.config))
         self._image = W.Image(format="png")
         self._image.layout.display = "none"   # until there is a plot
         # the frame goes around the HTML and the plot together (Layout works in 7.7 and 8.x)
@@ -542,7 +547,8 @@ class Dashboard:
         if self.mode == "widget":
             self._html.value = render_html(rec, state=self.state, title=self.title,
                                            warnings_=self.warnings, error=self.error,
-                                           note=self._note(), frame=False)
+                                           note=self._note(), frame=False,
+                                           config=self.config)
             self.widget.layout.border = f"2px solid {_frame_colour(self.state)}"
         else:
             self._draw_text(rec, final)
@@ -635,7 +641,19 @@ class Dashboard:
         """The dashboard as static HTML with the plot inlined (what a saved notebook shows)."""
         return render_html(self.monitor.record, state=self.state, title=self.title,
                            warnings_=self.warnings, error=self.error, note=self._note(),
-                           image_png=self._png)
+                           image_png=self._png, config=self.config)
+
+    def save_png(self, path) -> str:
+        """Write the history plot, as the dashboard last drew it (drawn now in text mode or
+        before the first plot), to ``path`` as PNG; returns the path."""
+        png = self._png
+        if png is None:
+            png = _Plotter(self.monitor.unit, self.config.width_px).render(
+                self.monitor.history, self.config.link_bytes_per_s)
+        path = os.fspath(path)
+        with open(path, "wb") as f:
+            f.write(png)
+        return path
 
     def _freeze(self, rec: dict) -> None:
         if not (self.config.freeze and self._handle is not None):

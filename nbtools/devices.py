@@ -1,16 +1,17 @@
 """One place that decides which device nbtools computes on and what this machine can do.
 
 Nothing else in nbtools asks ``torch.cuda.is_available()``: it asks :func:`cuda_ok`, which is
-resolved once per process.
+resolved once per process. The printout of all of it, :func:`nbtools.describe`, is in
+:mod:`nbtools.env`.
 """
 from __future__ import annotations
 
 import functools
-import os  # noqa: F401  (the doctest of describe() uses os.devnull)
-import platform
 import resource
 
 import torch
+
+from .units import human_bytes  # noqa: F401  (nbtools.devices.human_bytes: older imports)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,58 +70,6 @@ def memlock_limit() -> int | None:
     except (ValueError, OSError):
         return None
     return None if soft == resource.RLIM_INFINITY else soft
-
-
-def _human(n) -> str:
-    if n is None:
-        return "N/A"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
-
-
-def describe(file=None) -> dict:
-    """Print (and return) torch, CUDA, GPU and pinning capability at a glance.
-
-    >>> info = describe(file=open(os.devnull, "w"))
-    >>> sorted(info)[:3]
-    ['cuda', 'device', 'gpu']
-    """
-    from . import hostmem  # local: hostmem imports this module
-
-    mem = host_memory_bytes()
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda_ok() else None,
-        "device": str(resolve_device()),
-        "gpu": None,
-        "gpu_memory_bytes": None,
-        "host_total_bytes": mem["total"],
-        "host_available_bytes": mem["available"],
-        "memlock_limit_bytes": memlock_limit(),
-        "pinning": "unavailable (no CUDA): tables use ordinary host memory",
-        "pinned_bytes": hostmem.pinned_bytes(),
-    }
-    if cuda_ok():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info["gpu"] = props.name
-        info["gpu_memory_bytes"] = props.total_memory
-        info["pinning"] = hostmem.probe_pinning()
-    lines = [
-        f"nbtools  python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
-        f"device   {info['device']}  GPU {info['gpu'] or 'none'}  GPU memory {_human(info['gpu_memory_bytes'])}",
-        f"host RAM {_human(info['host_available_bytes'])} available of {_human(info['host_total_bytes'])}"
-        f"  memlock limit {_human(info['memlock_limit_bytes']) if info['memlock_limit_bytes'] else 'unlimited'}",
-        f"pinning  {info['pinning']}  (nbtools holds {_human(info['pinned_bytes'])} pinned)",
-    ]
-    print("\n".join(lines), file=file)
-    return info
-
-
-human_bytes = _human
 
 
 def synchronize(device) -> None:

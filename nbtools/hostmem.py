@@ -12,10 +12,15 @@ is then the host tensor itself, so every caller runs unchanged on the CPU.
 
 Every pinned byte nbtools holds is counted (:func:`pinned_bytes`), as are the bytes its tables
 move between host and GPU (:func:`transfer_counters`): neither NVML nor /proc can see them.
+
+One mechanism pins: :func:`page_aligned` allocates (pages of its own, so two registrations never
+share a page), and a registry keyed by address range registers each range once, shares it among
+its holders (:class:`HostTensor`, :class:`pin_tensor`, the loader) and unregisters it when the
+last one lets go.
 """
 from __future__ import annotations
 
-import itertools
+import ctypes
 import mmap
 import threading
 import weakref
@@ -24,15 +29,17 @@ import numpy as np
 import torch
 
 from . import NbtoolsError
-from .devices import cuda_ok, human_bytes, memlock_limit
+from .devices import cuda_ok, memlock_limit
+from .units import human_bytes
 
 _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)
 
 _PAGE = mmap.PAGESIZE
-_lock = threading.Lock()
-_regions: dict[int, tuple[str, int]] = {}   # key -> (name, bytes) of memory registered now
-_keys = itertools.count()
+_lock = threading.RLock()   # re-entrant: a finalizer (release) may run in a GC pass while held
+# (address, bytes) -> its registration, for every range nbtools has registered and still holds:
+# the one place pinned memory is counted
+_regions: dict[tuple[int, int], "_Registration"] = {}
 _counters = {"h2d_bytes": 0, "d2h_bytes": 0}
 
 
@@ -47,13 +54,13 @@ def pinned_bytes() -> int:
     True
     """
     with _lock:
-        return sum(n for _, n in _regions.values())
+        return sum(r.nbytes for r in _regions.values())
 
 
 def pinned_regions() -> list[tuple[str, int]]:
     """``(name, bytes)`` for each registered region, largest first."""
     with _lock:
-        return sorted(_regions.values(), key=lambda r: -r[1])
+        return sorted(((r.name, r.nbytes) for r in _regions.values()), key=lambda r: -r[1])
 
 
 def transfer_counters() -> dict:
@@ -90,15 +97,77 @@ def _register(ptr: int, nbytes: int) -> None:
     _check(err, "cudaHostRegister", nbytes)
 
 
-def _unregister(ptr: int, key: int) -> None:
+class _Registration:
+    """One range registered with CUDA, shared by its holders; unregistered when the last one lets
+    go (each holder's ``weakref.finalize`` calls :meth:`release` once)."""
+
+    def __init__(self, ptr: int, nbytes: int, name: str):
+        self.ptr, self.nbytes, self.name = ptr, nbytes, name
+        self.holders = 0
+
+    def release(self) -> None:
+        with _lock:
+            self.holders -= 1
+            if self.holders > 0:
+                return
+            _regions.pop((self.ptr, self.nbytes), None)
+        try:
+            _unregister(self.ptr)
+        except Exception:     # interpreter shutdown: the CUDA context may already be gone
+            pass
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.synchronize()     # no kernel may still read or write these pages
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _hold(owner, ptr: int, nbytes: int, name: str) -> weakref.finalize:
+    """Keep ``[ptr, ptr + nbytes)`` registered with CUDA while ``owner`` lives: register it, or
+    share the registration nbtools already holds for exactly this range (a second
+    cudaHostRegister of it would fail). Returns the finalizer that lets go early (idempotent)."""
+    with _lock:   # held while registering: two holders of one range must not both register it
+        reg = _regions.get((ptr, nbytes))
+        if reg is None:
+            _register(ptr, nbytes)
+            reg = _regions[(ptr, nbytes)] = _Registration(ptr, nbytes, name)
+        reg.holders += 1
+    return weakref.finalize(owner, reg.release)
+
+
+def _held(ptr: int, nbytes: int) -> bool:
     with _lock:
-        if _regions.pop(key, None) is None:
-            return
-    try:
-        torch.cuda.synchronize()     # no kernel may still read or write these pages
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:     # interpreter shutdown: the CUDA context may already be gone
-        pass
+        return (ptr, nbytes) in _regions
+
+
+def page_aligned(nbytes: int) -> np.ndarray:
+    """Uninitialised uint8 host memory: ``nbytes`` rounded up to whole pages of its own.
+
+    cudaHostRegister locks whole pages, so memory that will be registered starts on a page and
+    gets its pages to itself: two registrations then never share one. numpy owns the bytes so
+    that their release can be hooked (``weakref.finalize`` on the array fires before numpy frees
+    them).
+
+    >>> a = page_aligned(100)
+    >>> a.ctypes.data % mmap.PAGESIZE, a.nbytes == mmap.PAGESIZE
+    (0, True)
+    """
+    padded = -(-max(nbytes, 1) // _PAGE) * _PAGE
+    whole = np.empty(padded + _PAGE, dtype=np.uint8)
+    start = -whole.ctypes.data % _PAGE
+    return whole[start:start + padded]      # a view: keeps `whole` alive
+
+
+def whole_range_pinned(t: torch.Tensor) -> bool:
+    """Whether the first and the last byte of ``t`` are in page-locked memory.
+
+    ``Tensor.is_pinned()`` only looks at the first byte of the storage, which may sit on a page
+    locked for a neighbouring allocation, or outside the view ``t``.
+    """
+    first = t.data_ptr()
+    last = first + t.numel() * t.element_size() - 1
+    return all(torch.frombuffer((ctypes.c_uint8 * 1).from_address(a), dtype=torch.uint8).is_pinned()
+               for a in (first, last))
 
 
 class _CudaArrayView:
@@ -153,27 +222,16 @@ class HostTensor:
         self.name = name
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        # numpy owns the bytes so that we can hook their release (weakref.finalize fires before
-        # numpy frees the data), and unregister exactly then. cudaHostRegister locks whole
-        # pages: the buffer gets pages of its own (aligned start, size rounded up), so two
-        # buffers never share one.
-        padded = -(-max(self.nbytes, 1) // _PAGE) * _PAGE
-        whole = np.empty(padded + _PAGE, dtype=np.uint8)
-        start = -whole.ctypes.data % _PAGE
-        self._raw = whole[start:start + padded]      # a view: keeps `whole` alive
+        # pages of its own; unregistered exactly when numpy frees them (the tensor keeps the
+        # array alive), or earlier by close()
+        self._raw = page_aligned(self.nbytes)
         self.tensor = torch.from_numpy(self._raw)[: self.nbytes].view(dtype).view(shape)
         self.tensor.zero_()   # touch every page (multi-threaded memset) before pinning
         self.pinned = False
         self._view = None
         self._device = device
-        self._key = None
         if pin and cuda_ok() and self.nbytes > 0:
-            ptr = self._raw.ctypes.data
-            _register(ptr, self._raw.nbytes)
-            self._key = next(_keys)
-            with _lock:
-                _regions[self._key] = (name, self._raw.nbytes)
-            self._finalizer = weakref.finalize(self._raw, _unregister, ptr, self._key)
+            self._finalizer = _hold(self._raw, self._raw.ctypes.data, self._raw.nbytes, name)
             self.pinned = True
 
     def view(self) -> torch.Tensor:
@@ -209,8 +267,11 @@ host_empty = host_zeros   # pages must be touched before pinning anyway, so "emp
 class pin_tensor:
     """Register an existing contiguous CPU tensor in place, without copying it.
 
-    Keeps ``tensor`` alive; :meth:`close` (or collection of this object) unregisters it.
-    Without CUDA this does nothing and ``pinned`` is False.
+    Keeps ``tensor`` alive; :meth:`close` (or collection of this object) lets go of the
+    registration, which is undone once no other holder of the same range (another
+    :class:`pin_tensor`, a second loader over the same tensor) remains. Memory pinned by torch
+    (``pin_memory()``) or by the caller is used as it is. Without CUDA this does nothing and
+    ``pinned`` is False.
 
     >>> t = torch.arange(6.0)
     >>> p = pin_tensor(t, name="data")
@@ -230,16 +291,12 @@ class pin_tensor:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pinned = False
         self._view = None
-        if cuda_ok() and self.nbytes > 0 and tensor.is_pinned():
-            self.pinned = True           # pinned by torch (pin_memory()) or the caller: alias it
-            self._finalizer = lambda: None
-        elif cuda_ok() and self.nbytes > 0:
+        if cuda_ok() and self.nbytes > 0:
             ptr = tensor.data_ptr()
-            _register(ptr, self.nbytes)
-            key = next(_keys)
-            with _lock:
-                _regions[key] = (name, self.nbytes)
-            self._finalizer = weakref.finalize(self, _unregister, ptr, key)
+            if not _held(ptr, self.nbytes) and whole_range_pinned(tensor):
+                self._finalizer = lambda: None   # pinned by torch (pin_memory()) or the caller
+            else:
+                self._finalizer = _hold(self, ptr, self.nbytes, name)
             self.pinned = True
 
     def view(self) -> torch.Tensor:
@@ -286,59 +343,3 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
     """``dst.index_copy_(0, idx, rows)``; ``dst`` may be a zero-copy view."""
     dst.index_copy_(0, idx, rows)
-
-
-class RowStore:
-    """The rows of a 2-D host tensor as the compute device reaches them.
-
-    Three modes, chosen once:
-      * ``zero-copy``: pinned host memory, CUDA compute: GPU kernels index host RAM directly.
-      * ``staged``: pageable host memory, CUDA compute (``pin=False``): the CPU gathers into a
-        temporary, which is copied to the GPU (slower; the fallback when pinning is refused).
-      * ``host``: CPU compute: plain indexing.
-
-    ``idx`` must be on the compute device. Bytes that cross PCIe are counted.
-
-    >>> store = RowStore(HostTensor((5, 2), name="demo"), torch.device("cpu"))
-    >>> store.scatter(torch.tensor([1, 3]), torch.ones(2, 2))
-    >>> store.gather(torch.tensor([3])).tolist()
-    [[1.0, 1.0]]
-    """
-
-    def __init__(self, host: "HostTensor", device: torch.device):
-        self.host = host
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            self.mode = "zero-copy" if host.pinned else "staged"
-        else:
-            self.mode = "host"
-        shape = host.tensor.shape
-        self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
-            * host.tensor.element_size()
-
-    def _cols(self, tensor: torch.Tensor, start: int, stop):
-        if start == 0 and stop is None:
-            return tensor
-        return tensor[:, start:stop]
-
-    def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
-        """Rows ``idx`` (columns ``start:stop``) on the compute device."""
-        if self.mode == "host":
-            return self._cols(self.host.tensor, start, stop).index_select(0, idx)
-        width = (stop if stop is not None else self.host.tensor.shape[1]) - start \
-            if self.host.tensor.dim() > 1 else 1
-        count_transfer(h2d=idx.numel() * width * self.host.tensor.element_size())
-        if self.mode == "zero-copy":
-            return gather_rows(self._cols(self.host.view(), start, stop), idx)
-        return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
-
-    def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write whole rows ``idx``."""
-        if self.mode == "host":
-            self.host.tensor.index_copy_(0, idx, rows)
-            return
-        count_transfer(d2h=idx.numel() * self.row_bytes)
-        if self.mode == "zero-copy":
-            scatter_rows(self.host.view(), idx, rows)
-        else:
-            self.host.tensor.index_copy_(0, idx.cpu(), rows.cpu())

@@ -66,20 +66,40 @@ def _kernels():
                  mask=(r < cap)[:, None] & cmask[None, :])
 
     @triton.jit
-    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+    def _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+              n_rows, cap, d, MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+        # This program's rows and columns: where to read them (src, in the gathered rows),
+        # where to write them (out, in the table), which are live, the weights and the
+        # gradients (fp32, negated to maximize).
+        # Rows past the count, the sentinel, and every row when the guard is set: untouched.
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        idx = tl.load(ids + r, mask=r < cap, other=-1)
+        count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
+        live = (r < count) & (idx >= 0) & (idx < n_rows)
+        mask = live[:, None] & (c < d)[None, :]
+        src = rows + r[:, None] * rows_stride + c[None, :]
+        out = dst + idx[:, None] * dst_stride + c[None, :]
+        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0)
+        g = g.to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        return src, out, mask, tl.load(src, mask=mask, other=0.0).to(tl.float32), g
+
+    # Triton resolves a kernel's callees among the module's globals (not this closure), and
+    # the kernels are made here so that Triton is imported only when first used.
+    globals()["_tile"] = _tile
+
+    @triton.jit
+    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+             n_rows, cap, d,
             lr, momentum, wd,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (r < m)[:, None] & (c < d)[None, :]
-        idx = tl.load(ids + r, mask=r < m, other=0)
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         if HAS_WD:
             g = g + wd * p
         if MOMENTUM:
@@ -94,7 +114,8 @@ def _kernels():
         tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def adam(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+    def adam(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+             n_rows, cap, d,
              lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
@@ -103,18 +124,11 @@ def _kernels():
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
         # M_COL etc.: which state (1-based, in units of d columns) holds exp_avg, exp_avg_sq,
         # max_exp_avg_sq in the row [weight | state...].
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (r < m)[:, None] & (c < d)[None, :]
-        idx = tl.load(ids + r, mask=r < m, other=0)
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         ea = tl.load(src + M_COL * d, mask=mask, other=0.0).to(tl.float32)
         eq = tl.load(src + V_COL * d, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
         if SPARSE:
             ea = ea + (g - ea) * (1.0 - beta1)
             eq = eq + (g * g - eq) * (1.0 - beta2)
@@ -140,21 +154,15 @@ def _kernels():
         tl.store(out + V_COL * d, eq.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, m, d,
+    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+             n_rows, cap, d,
                 clr, wd, eps,
                 HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (r < m)[:, None] & (c < d)[None, :]
-        idx = tl.load(ids + r, mask=r < m, other=0)
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
+                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
+                                     BLOCK_C)
         s = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
         if HAS_WD:
             g = g + wd * p
         s = s + g * g
@@ -191,31 +199,35 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch(name, rows, grad, dst, ids, m, d, *args, **consts):
-    if m == 0:
+def _launch(name, rows, grad, dst, ids, count, guard, d, *args, **consts):
+    cap = ids.numel()
+    if cap == 0:
         return
     block_r, block_c = _blocks(d)
-    grid = (triton_cdiv(m, block_r), triton_cdiv(d, block_c))
+    grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
     _kernels()[name][grid](rows, rows.stride(0), grad, grad.stride(0), dst, dst.stride(0), ids,
-                           m, d, *args, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
+                           count, guard, dst.shape[0], cap, d, *args, BLOCK_R=block_r,
+                           BLOCK_C=block_c, **consts)
 
 
 # --- the fused updates, one per optimizer family ------------------------------------------------
-# Each takes: rows [m, W] (the gathered [weight | state] of m unique ids, on the compute device),
-# grad [m, d] (summed per id), dst (the table's [N, W] view: zero-copy host or GPU), ids [m],
-# the group's hyper-parameters and the step number t (already incremented).
+# Each takes: rows [cap, W] (the gathered [weight | state] of the unique ids, on the compute
+# device), grad [cap, d] (summed per id), dst (the table's [N, W] view: zero-copy host or GPU),
+# ids [cap] (sorted unique ids, then the sentinel N), count [1] (slots in use) and guard [1]
+# (nonzero: write nothing), both read on the device, so an update can be queued before the host
+# knows whether the step may proceed; then the group's hyper-parameters and the step number t.
 
-def fused_sgd(rows, grad, dst, ids, group: dict, t: int, cols: dict) -> None:
+def fused_sgd(rows, grad, dst, ids, count, guard, group: dict, t: int, cols: dict) -> None:
     momentum = float(group.get("momentum", 0.0))
-    _launch("sgd", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+    _launch("sgd", rows, grad, dst, ids, count, guard, grad.shape[1],
             float(group["lr"]), momentum, float(group.get("weight_decay", 0.0)),
             MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
             HAS_WD=float(group.get("weight_decay", 0.0)) != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adam(rows, grad, dst, ids, group: dict, t: int, cols: dict, *, decoupled: bool,
-               sparse: bool = False) -> None:
+def fused_adam(rows, grad, dst, ids, count, guard, group: dict, t: int, cols: dict, *,
+               decoupled: bool, sparse: bool = False) -> None:
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
     bc1 = 1 - beta1 ** t
@@ -224,17 +236,18 @@ def fused_adam(rows, grad, dst, ids, group: dict, t: int, cols: dict, *, decoupl
     # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
     step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
     amsgrad = bool(group.get("amsgrad", False))
-    _launch("adam", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+    _launch("adam", rows, grad, dst, ids, count, guard, grad.shape[1],
             lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2),
             M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
             VMAX_COL=cols.get("max_exp_avg_sq", 0), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
             AMSGRAD=amsgrad, SPARSE=sparse, MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adagrad(rows, grad, dst, ids, group: dict, t: int, cols: dict) -> None:
+def fused_adagrad(rows, grad, dst, ids, count, guard, group: dict, t: int,
+                  cols: dict) -> None:
     clr = float(group["lr"]) / (1 + (t - 1) * float(group.get("lr_decay", 0.0)))
     wd = float(group.get("weight_decay", 0.0))
-    _launch("adagrad", rows, grad, dst, ids, ids.numel(), grad.shape[1],
+    _launch("adagrad", rows, grad, dst, ids, count, guard, grad.shape[1],
             clr, wd, float(group["eps"]), HAS_WD=wd != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 

@@ -33,9 +33,8 @@ same order.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import dataclasses
 import math
-import mmap
 import numbers
 import warnings
 import weakref
@@ -45,13 +44,12 @@ import torch
 from . import hostmem
 from .devices import resolve_device
 
-__all__ = ["PinnedLoader", "permutation"]
+__all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15   # splitmix64 increment (odd: i -> i * golden is a bijection)
 _MUL1 = 0xBF58476D1CE4E5B9     # splitmix64 finalizer constants
 _MUL2 = 0x94D049BB133111EB
-_PAGE = mmap.PAGESIZE          # cudaHostRegister locks whole pages
 # Smaller contiguous tensors are copied into pages of their own rather than registered in place:
 # registering them would lock the pages they share with neighbouring allocations.
 _IN_PLACE_MIN_BYTES = 1 << 20
@@ -62,11 +60,6 @@ _SLAB_ROWS = 1 << 22        # sorted ~4M positions at a time
 _CHUNK_ROWS = 1 << 18
 _CHUNK_BYTES = 16 << 20
 _CHUNK_BATCHES = 64
-
-# Tensors this module registered with CUDA, by (data pointer, bytes): a second loader over the
-# same tensor shares the registration instead of relying on memory the first one may release.
-_pinned_by_us: "weakref.WeakValueDictionary[tuple[int, int], hostmem.pin_tensor]" = \
-    weakref.WeakValueDictionary()
 
 
 def _signed(c: int) -> int:
@@ -120,25 +113,10 @@ def _page_copy(t: torch.Tensor):
     Registering the pages then cannot collide with another registration on a shared page.
     """
     nbytes = t.numel() * t.element_size()
-    size = -(-max(nbytes, 1) // _PAGE) * _PAGE
-    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _PAGE
-    pages = raw[start:start + size]
+    pages = torch.from_numpy(hostmem.page_aligned(nbytes))
     host = pages[:nbytes].view(t.dtype).view(t.shape)
     host.copy_(t)
     return host, pages
-
-
-def _whole_range_pinned(t: torch.Tensor) -> bool:
-    """Whether the first and the last byte of ``t`` are in page-locked memory.
-
-    ``Tensor.is_pinned()`` only looks at the first byte of the storage, which may sit on a page
-    locked for a neighbouring allocation, or outside the view ``t``.
-    """
-    first = t.data_ptr()
-    last = first + t.numel() * t.element_size() - 1
-    return all(torch.frombuffer((ctypes.c_uint8 * 1).from_address(a), dtype=torch.uint8).is_pinned()
-               for a in (first, last))
 
 
 def _tensors_in(obj):
@@ -153,6 +131,16 @@ def _tensors_in(obj):
             yield from _tensors_in(o)
 
 
+@dataclasses.dataclass
+class LoaderConfig:
+    """Settings of :class:`PinnedLoader` besides the data, the batch size, the transform and the
+    device (each can also be passed to it by name: ``PinnedLoader(x, batch_size=64, seed=3)``)."""
+    shuffle: bool = True       # visit samples in a new order each epoch (else 0, 1, 2, ...)
+    drop_last: bool = False    # skip the last, smaller batch of each epoch
+    seed: int = 0              # the order of epoch e depends only on (seed, e)
+    progress: bool = False     # a tqdm bar per epoch
+
+
 class PinnedLoader:
     """Shuffled batches of in-memory tensors, gathered by the GPU from pinned host memory.
 
@@ -165,15 +153,13 @@ class PinnedLoader:
             copy (it is read while the loader exists: do not resize it); anything else (small,
             non-contiguous, on the GPU) is copied once into pinned host memory.
         batch_size: samples per batch (the last batch of an epoch may be smaller).
-        shuffle: visit samples in a new order each epoch (else in order 0, 1, 2, ...).
-        drop_last: skip the last, smaller batch of each epoch.
         transform: ``transform(*batch) -> anything``, called on the device batch, one batch
             ahead on a CUDA stream of the loader's own (normalise, augment, negative sampling);
             its result is what the loop gets. Batches may be views into a larger chunk.
         device: ``"auto"`` (the GPU when there is one), ``"cuda"``, ``"cpu"`` or a
             ``torch.device``. On the CPU the same batches come in the same order.
-        seed: the order of epoch ``e`` depends only on ``(seed, e)``.
-        progress: show a tqdm bar per epoch.
+        config: :class:`LoaderConfig` (``shuffle``, ``drop_last``, ``seed``, ``progress``).
+        **settings: any field of :class:`LoaderConfig` by name, overriding ``config``.
 
     Iterating gives the rest of the current epoch (from ``position``), then ``epoch`` advances
     and ``position`` returns to 0. ``state_dict()`` / ``load_state_dict()`` resume mid-epoch.
@@ -189,8 +175,10 @@ class PinnedLoader:
     (1, 0)
     """
 
-    def __init__(self, *tensors, batch_size: int, shuffle: bool = True, drop_last: bool = False,
-                 transform=None, device="auto", seed: int = 0, progress: bool = False):
+    def __init__(self, *tensors, batch_size: int, transform=None, device="auto",
+                 config: LoaderConfig | None = None, **settings):
+        cfg = _config(config, settings)
+        shuffle, drop_last, seed, progress = cfg.shuffle, cfg.drop_last, cfg.seed, cfg.progress
         _check_tensors(tensors)
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
             raise TypeError(f"batch_size must be an int, got {batch_size!r} "
@@ -248,20 +236,17 @@ class PinnedLoader:
         if nbytes == 0:   # nothing to read: no registration, no alias
             return t.cpu(), torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if in_place:
-            holder = _pinned_by_us.get((t.data_ptr(), nbytes))
-            if holder is None and _whole_range_pinned(t):   # by torch (pin_memory()) or the caller
-                return t, hostmem.cuda_alias(t, self.device)
-            if holder is None and nbytes >= _IN_PLACE_MIN_BYTES:
-                # cudaHostRegister locks whole pages: when one is shared with memory registered
-                # before, registering in place fails (or pin_tensor skips it: is_pinned() says
-                # yes), and a private copy (below) will not
+            # pin_tensor shares a registration nbtools holds for this range (another loader over
+            # the same tensor) and uses memory pinned by torch or the caller as it is. Small
+            # tensors are not registered in place: that would lock the pages they share with
+            # their neighbours. When a page is shared with memory registered before, registering
+            # fails, and a private copy (below) will not.
+            if nbytes >= _IN_PLACE_MIN_BYTES or hostmem.whole_range_pinned(t):
                 with contextlib.suppress(hostmem.PinningError):
-                    pinned = hostmem.pin_tensor(t, name=name)
-                    if pinned.pinned:
-                        holder = _pinned_by_us[(t.data_ptr(), nbytes)] = pinned
-            if holder is not None:
-                self._holders.append(holder)
-                return t, hostmem.cuda_alias(t, self.device)
+                    holder = hostmem.pin_tensor(t, name=name)
+                    if holder.pinned:
+                        self._holders.append(holder)
+                        return t, hostmem.cuda_alias(t, self.device)
         host, pages = _page_copy(t)
         try:
             holder = hostmem.pin_tensor(pages, name=name)
@@ -534,6 +519,18 @@ class PinnedLoader:
         return (f"PinnedLoader([{shapes}], batch_size={self.batch_size}, shuffle={self.shuffle}, "
                 f"drop_last={self.drop_last}, device={self.device}, seed={self.seed}, "
                 f"epoch={self.epoch}, position={self.position}/{len(self)})")
+
+
+def _config(config: LoaderConfig | None, settings: dict) -> LoaderConfig:
+    """``config`` with the fields named in ``settings`` replaced."""
+    if config is not None and not isinstance(config, LoaderConfig):
+        raise TypeError(f"config must be a LoaderConfig, got {type(config).__name__}")
+    fields = [f.name for f in dataclasses.fields(LoaderConfig)]
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise TypeError(f"PinnedLoader got unexpected keyword argument(s) {unknown}; its "
+                        f"settings are batch_size, transform, device, config and {fields}")
+    return dataclasses.replace(config or LoaderConfig(), **settings)
 
 
 def _check_tensors(tensors) -> None:

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from . import NbtoolsError
-from .devices import host_memory_bytes, human_bytes
+from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import kernels
-from .tables import StepRows, _OffloadedTable, copy_unless_same
+from .tables import OffloadedEmbedding, StepRows, auto_placement, copy_unless_same
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -165,10 +165,10 @@ class _TableSlot:
     """One table's share of an OffloadOptimizer: hyper-parameters, scalar state, scratch optimizer.
 
     Per-row state lives in the table itself, interleaved after each row's weight
-    (:meth:`_OffloadedTable.attach_state`).
+    (:meth:`OffloadedEmbedding.attach_state`).
     """
 
-    def __init__(self, name, table: _OffloadedTable, cls, group: dict, config: "OffloadConfig",
+    def __init__(self, name, table: OffloadedEmbedding, cls, group: dict, config: "OffloadConfig",
                  owner):
         self.name, self.table, self.cls = name, table, cls
         _check_hyper(cls, group)
@@ -225,8 +225,31 @@ class _TableSlot:
                 if torch.is_tensor(template) else t
         return t, state
 
+    def launch_fused(self, got: StepRows, guard: torch.Tensor):
+        """Queue this table's fused update (it writes nothing where ``guard`` is nonzero on the
+        device). Returns the scalar state to keep if the step goes ahead, or None when this
+        table takes the generic path (nothing was queued)."""
+        if self.names and not got.has_state:        # looked up before the state was attached
+            return None
+        fused = self.fused_update()
+        if fused is None:
+            return None
+        t, scalar = self._next_scalar_state()
+        if scalar is None:
+            return None
+        fused(got.rows, got.grad, self.table.rows.view(), got.batch.ids, got.batch.count, guard,
+              self.group, t)
+        return scalar
+
+    def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
+        """The step went ahead: keep its scalar state and count the bytes written."""
+        self.scalar_state = scalar
+        store = self.table.rows
+        store.count_bytes((count - int(sentinel)) * store.row_bytes, h2d=False)
+
     def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
-        """Update the ``count - sentinel`` touched rows of ``got`` and write them back."""
+        """The generic path: the stock optimizer on the ``count - sentinel`` touched rows,
+        written back in one scatter."""
         table, d = self.table, self.table.embedding_dim
         m = count - int(sentinel)
         if m <= 0:
@@ -234,15 +257,6 @@ class _TableSlot:
         ids, grad, rows = got.batch.ids[:m], got.grad[:m], got.rows[:m]
         if self.names and not got.has_state:        # looked up before the state was attached
             rows = table.rows.gather(ids)
-        fused = self.fused_update()
-        if fused is not None:
-            t, scalar = self._next_scalar_state()
-            if scalar is not None:
-                store = table.rows
-                store._count(m * store.row_bytes, h2d=False)
-                fused(rows, grad, store.host.view(), ids, self.group, t)
-                self.scalar_state = scalar
-                return
         p = nn.Parameter(rows[:, :d].clone())
         _set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
@@ -302,11 +316,11 @@ def _is_param(x) -> bool:
 
 def _split_groups(model_or_params):
     """-> (list of (table, group overrides), list of dense param group dicts)."""
-    if isinstance(model_or_params, _OffloadedTable):
+    if isinstance(model_or_params, OffloadedEmbedding):
         model_or_params = [model_or_params]
     if isinstance(model_or_params, nn.Module):
         tables = [(m, {}, name) for name, m in model_or_params.named_modules()
-                  if isinstance(m, _OffloadedTable)]
+                  if isinstance(m, OffloadedEmbedding)]
         dense = [p for p in model_or_params.parameters() if p.requires_grad]
         return tables, ([{"params": dense}] if dense else [])
     try:
@@ -323,7 +337,7 @@ def _split_groups(model_or_params):
             params = [params] if isinstance(params, (torch.Tensor, nn.Module)) else list(params)
             group_dense = []
             for p in params:
-                if isinstance(p, _OffloadedTable):
+                if isinstance(p, OffloadedEmbedding):
                     tables.append((p, overrides, None))
                 elif _is_param(p):
                     group_dense.append(p)
@@ -332,7 +346,7 @@ def _split_groups(model_or_params):
                                     "tensors")
             if group_dense:
                 dense.append({"params": group_dense, **overrides})
-        elif isinstance(item, _OffloadedTable):
+        elif isinstance(item, OffloadedEmbedding):
             tables.append((item, {}, None))
         elif isinstance(item, nn.Module):
             sub_tables, sub_dense = _split_groups(item)
@@ -346,6 +360,28 @@ def _split_groups(model_or_params):
     if loose:
         dense.insert(0, {"params": loose})
     return tables, dense
+
+
+class _Verdict:
+    """A step's checks, queued on the device; :meth:`read` brings them to the host (the
+    step's one synchronisation)."""
+
+    def __init__(self, collected, guard, host, event, found_at):
+        self.collected, self.guard, self.host, self.event = collected, guard, host, event
+        self.found_at = found_at
+
+    def read(self):
+        """``([bad, count, sentinel] per table, any non-finite gradient)``."""
+        if self.found_at is not None:             # several devices: one read each
+            tables = [got.batch.meta.tolist() for got in self.collected]
+            return tables, any(bool(f.item()) for f in self.found_at.values())
+        if self.host is None:
+            return [], False
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
+        tables = [values[3 * k:3 * k + 3] for k in range(len(self.collected))]
+        return tables, bool(values[-1])
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -412,6 +448,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.state = self._dense.state if self._dense else defaultdict(dict)
         self._warned_skip = False
         self._skips = 0
+        self._flag_buffers = {}     # pinned host buffers the step's flags are copied into
         self._param_names = {}
         if isinstance(model_or_params, nn.Module):
             self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
@@ -434,85 +471,109 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         collected = [(slot, slot.table.collect()) for slot in self._slots]
         collected = [(slot, got) for slot, got in collected if got is not None]
-        dense = self._dense_grads()
-        verdicts = self._read_flags([got.flags() for _, got in collected], dense)
-        table_flags, dense_bad = verdicts[:len(collected)], verdicts[len(collected):]
-        for (slot, got), (bad, _, _, _) in zip(collected, table_flags):
-            if bad:
-                for flat, shape in got.lookups:
-                    if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                        slot.table._raise_bad_ids(flat, shape)
-        culprits = [f"table {slot.name!r}" for (slot, _), f in zip(collected, table_flags) if f[1]]
-        culprits += self._nonfinite_params(dense, dense_bad)
-        if culprits:
-            if self.config.nonfinite == "skip":
-                self._skips += 1
-                for slot in self._slots:
-                    slot.skipped_steps += 1
-                if not self._warned_skip:
-                    self._warned_skip = True
-                    warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
-                                  f"{', '.join(culprits)}; later skips are counted in "
-                                  "optimizer.skipped_steps() without a warning",
-                                  RuntimeWarning, stacklevel=2)
-                return loss
-            raise NonFiniteGradientError(
-                f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
-                "parameter, table and optimizer state was left unchanged. Lower the "
-                "learning rate, check the loss, or pass config=OffloadConfig(nonfinite='skip').")
-        if self._dense is not None:
-            self._dense.step()
-        for (slot, got), (_, _, count, sentinel) in zip(collected, table_flags):
-            slot.apply(got, count, bool(sentinel))
-        return loss
+        try:
+            dense = self._dense_grads()
+            verdict = self._verdict([got for _, got in collected], dense)
+            # Fused updates are queued now, before the host has read the verdict: each kernel
+            # reads it on the device and writes nothing when the step must not go ahead, so
+            # the GPU works on while the host waits for the flags.
+            fused = {}
+            if verdict.guard is not None:
+                for slot, got in collected:
+                    scalar = slot.launch_fused(got, verdict.guard)
+                    if scalar is not None:
+                        fused[id(slot)] = scalar
+            tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
+            for (slot, got), (bad, _, _) in zip(collected, tables):
+                if bad:
+                    for flat, shape in got.lookups:
+                        if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
+                            slot.table.raise_bad_ids(flat, shape)
+            if nonfinite:
+                culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
+                culprits += self._nonfinite_params(dense)
+                if self.config.nonfinite == "skip":
+                    self._skips += 1
+                    for slot in self._slots:
+                        slot.skipped_steps += 1
+                    if not self._warned_skip:
+                        self._warned_skip = True
+                        warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
+                                      f"{', '.join(culprits)}; later skips are counted in "
+                                      "optimizer.skipped_steps() without a warning",
+                                      RuntimeWarning, stacklevel=2)
+                    return loss
+                raise NonFiniteGradientError(
+                    f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
+                    "parameter, table and optimizer state was left unchanged. Lower the "
+                    "learning rate, check the loss, or pass "
+                    "config=OffloadConfig(nonfinite='skip').")
+            if self._dense is not None:
+                self._dense.step()
+            for (slot, got), (_, count, sentinel) in zip(collected, tables):
+                if id(slot) in fused:
+                    slot.commit_fused(fused[id(slot)], count, bool(sentinel))
+                else:
+                    slot.apply(got, count, bool(sentinel))
+            return loss
+        finally:      # captured lookups' buffers may be reused from now on
+            for _, got in collected:
+                got.release()
 
-    def _dense_grads(self) -> dict:
-        """Gradients of the ordinary parameters, grouped by (device, dtype)."""
-        groups = {}
+    def _dense_grads(self) -> list:
+        """(parameter, gradient values) of the ordinary parameters that have a gradient."""
+        out = []
         if self._dense is None:
-            return groups
+            return out
         for group in self._dense.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad._values() if p.grad.is_sparse else p.grad
-                groups.setdefault((g.device, g.dtype), []).append((p, g))
-        return groups
+                if p.grad is not None:
+                    out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
+        return out
 
-    @staticmethod
-    def _read_flags(table_flags: list, dense: dict) -> list:
-        """The host's one look at the step: [bad, nonfinite, count, sentinel] per table, then
-        one non-finite verdict per group of ordinary parameters. One sync per device."""
-        parts = [f.reshape(-1) for f in table_flags]
-        for grads in dense.values():
-            found = torch.zeros(1, device=grads[0][1].device)
-            grads_only = [g for _, g in grads]
-            try:      # one multi-tensor kernel; multiplying by 1.0 changes no value
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads_only, found, torch.ones(1, device=found.device))
-            except (RuntimeError, AttributeError):   # dtypes or devices it does not take
-                found = torch.stack([~torch.isfinite(g).all() for g in grads_only]).any()
-            parts.append(found.reshape(1).long())
-        by_device = {}
-        for i, part in enumerate(parts):
-            by_device.setdefault(part.device, []).append(i)
-        values = [None] * len(parts)
-        for idxs in by_device.values():
-            flat = torch.cat([parts[i] for i in idxs]).tolist()   # note: the CPU-GPU sync point
-            pos = 0
-            for i in idxs:
-                n = parts[i].numel()
-                values[i] = flat[pos:pos + n] if n > 1 else flat[pos]
-                pos += n
-        return values
+    def _verdict(self, collected: list, dense: list) -> "_Verdict":
+        """Queue the step's checks on the device: every table's ``[bad, count, sentinel]``
+        and one multi-tensor non-finite check over every gradient; start copying them to the
+        host. ``guard`` (on the device, nonzero when the step must not go ahead) is there when
+        everything lives on one device."""
+        grads = [got.grad for got in collected] + [g for _, g in dense]
+        devices = {g.device for g in grads}
+        if not devices:
+            return _Verdict([], None, None, None, None)
+        found_at = {}
+        for device in devices:
+            found = torch.zeros(1, device=device)
+            by_dtype = {}
+            for g in grads:
+                if g.device == device:
+                    by_dtype.setdefault(g.dtype, []).append(g)
+            for same in by_dtype.values():
+                try:  # one multi-tensor kernel over every gradient; scaling by 1.0 changes none
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        same, found, torch.ones(1, device=device))
+                except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
+                    found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
+            found_at[device] = found.long()
+        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
+            return _Verdict(collected, None, None, None, found_at)
+        (device,) = devices
+        flat = torch.cat([got.batch.meta for got in collected] + [found_at[device]])
+        guard = (flat[0:3 * len(collected):3].sum() + flat[-1]).reshape(1)
+        host, event = flat, None
+        if device.type == "cuda":
+            buf = self._flag_buffers.get((device, flat.numel()))
+            if buf is None:
+                buf = self._flag_buffers[(device, flat.numel())] = torch.empty(
+                    flat.numel(), dtype=flat.dtype, pin_memory=True)
+            buf.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            host = buf
+        return _Verdict(collected, guard, host, event, None)
 
-    def _nonfinite_params(self, dense: dict, verdicts: list) -> list:
-        names = []
-        for (key, grads), bad in zip(dense.items(), verdicts):
-            if bad:
-                names += [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
-                          for p, g in grads if not bool(torch.isfinite(g).all())]
-        return names
+    def _nonfinite_params(self, dense: list) -> list:
+        return [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
+                for p, g in dense if not bool(torch.isfinite(g).all())]
 
     def __getstate__(self) -> dict:
         # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's
@@ -614,6 +675,8 @@ class Plan:
     gpu_bytes_per_step: int    # rows, grads and state of one batch of unique ids on the GPU
     host_available_bytes: int | None
     fits: bool
+    placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now
+    placement_reason: str = ""
 
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
@@ -622,11 +685,13 @@ class Plan:
                 f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
                 f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
-                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}")
+                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
+                f"  placement='auto' -> {self.placement} ({self.placement_reason})")
 
 
 def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
-         unique_ids_per_step: int = 65536, **optimizer_kwargs) -> Plan:
+         unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
+         **optimizer_kwargs) -> Plan:
     """Size a table and its optimizer state before allocating anything.
 
     Args:
@@ -634,6 +699,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         optimizer: optimizer class (or its name, e.g. ``"adam"``).
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
+        device, gpu_fraction: for what ``placement="auto"`` would choose now (the rule of
+            :class:`~nbtools.tables.TableConfig`: rows + state within ``gpu_fraction`` of the
+            free GPU memory).
         **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
 
     >>> p = plan(10_000_000, 128, "adam")
@@ -656,11 +724,13 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     host = table_bytes + state_bytes
     rows = min(unique_ids_per_step, num_rows) * dim * itemsize
     available = host_memory_bytes()["available"]
+    placement, why = auto_placement(host, resolve_device(device), gpu_fraction)
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,
                 gpu_bytes_per_step=rows * (3 + 2 * len(row_state)),
                 host_available_bytes=available,
-                fits=available is None or host <= 0.9 * available)
+                fits=available is None or host <= 0.9 * available,
+                placement=placement, placement_reason=why)
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",

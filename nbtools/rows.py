@@ -33,64 +33,63 @@ class RowBatch:
     Attributes:
         ids: [cap] int64, sorted unique ids, then the sentinel ``num_rows`` (slots at and past
             ``count`` hold the sentinel too).
-        count: [1] int64 on the compute device: how many slots are in use (the sentinel, when
-            some id was replaced by it, is the last of them).
         inverse: [n] int64: slot of each id of the lookup, in the lookup's order.
-        bad: [1] bool on the compute device: an id was out of range.
+        meta: [3] int64 on the compute device: ``[bad, count, sentinel]``: an id was out of
+            range; how many slots are in use; whether the last used slot is the sentinel
+            (some id was replaced by it). What the optimizer's one synchronisation reads.
         num_rows: the table's row count (= the sentinel value).
     """
 
     ids: torch.Tensor
-    count: torch.Tensor
     inverse: torch.Tensor
-    bad: torch.Tensor
+    meta: torch.Tensor
     num_rows: int
 
     @property
     def capacity(self) -> int:
         return self.ids.numel()
 
-    def live(self, count: int, has_sentinel: bool) -> torch.Tensor:
-        """The real ids (sentinel excluded), once the host knows ``count``."""
-        return self.ids[: count - int(has_sentinel)]
+    @property
+    def count(self) -> torch.Tensor:
+        """[1] int64 on the device: slots in use (what the gather kernel reads)."""
+        return self.meta[1:2]
 
-    def sentinel_flag(self) -> torch.Tensor:
-        """[1] bool on the device: the last used slot holds the sentinel."""
-        if self.capacity == 0:
-            return torch.zeros(1, dtype=torch.bool, device=self.count.device)
-        last = (self.count - 1).clamp_min(0)
-        return self.ids.gather(0, last).eq(self.num_rows) & (self.count > 0)
+    @property
+    def bad(self) -> torch.Tensor:
+        """[1] int64 on the device: nonzero when an id was out of range."""
+        return self.meta[0:1]
 
 
 def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
     """Deduplicate 1-D int64 ``flat`` on its device, without a host synchronisation.
 
-    Out-of-range ids (flagged in ``bad``) and ``padding_idx`` become the sentinel ``num_rows``.
+    Out-of-range ids (flagged in ``meta[0]``) and ``padding_idx`` become the sentinel
+    ``num_rows``.
 
     >>> b = unique_ids(torch.tensor([5, 2, 5, 9, 2]), num_rows=8)
-    >>> b.ids.tolist(), b.count.tolist(), b.inverse.tolist(), b.bad.tolist()
-    ([2, 5, 8, 8, 8], [3], [1, 0, 1, 2, 0], [True])
+    >>> b.ids.tolist(), b.inverse.tolist(), b.meta.tolist()
+    ([2, 5, 8, 8, 8], [1, 0, 1, 2, 0], [1, 3, 1])
     """
     n = flat.numel()
     device = flat.device
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return RowBatch(empty, empty, torch.zeros(3, dtype=torch.long, device=device), num_rows)
     valid = (flat >= 0) & (flat < num_rows)
     bad = (~valid).any().reshape(1)
     if padding_idx is not None:
         valid &= flat != padding_idx
     safe = torch.where(valid, flat, num_rows)
-    cap = min(n, num_rows + 1)
-    if n == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return RowBatch(empty, torch.zeros(1, dtype=torch.long, device=device), empty,
-                        torch.zeros(1, dtype=torch.bool, device=device), num_rows)
     ordered, order = torch.sort(safe)
     new = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ordered[1:], ordered[:-1], out=new[1:])
     slot = torch.cumsum(new, 0) - 1                 # slot of each sorted id
     inverse = torch.empty_like(slot).scatter_(0, order, slot)
-    ids = torch.full((cap,), num_rows, dtype=torch.long, device=device)
+    ids = torch.full((min(n, num_rows + 1),), num_rows, dtype=torch.long, device=device)
     ids.scatter_(0, slot, ordered)                 # equal values to a slot: any writer wins
-    return RowBatch(ids, slot[-1:] + 1, inverse, bad, num_rows)
+    # the sentinel is the largest value: present iff the last sorted id is it
+    meta = torch.cat((bad.long(), slot[-1:] + 1, ordered[-1:].eq(num_rows).long()))
+    return RowBatch(ids, inverse, meta, num_rows)
 
 
 def merge(batches: list, grads: list):
@@ -102,13 +101,34 @@ def merge(batches: list, grads: list):
     num_rows = batches[0].num_rows
     all_ids = torch.cat([b.ids for b in batches])
     merged = unique_ids(all_ids, num_rows)          # sentinel slots merge into one sentinel
-    merged.bad = torch.stack([b.bad for b in batches]).any().reshape(1)
+    bad = torch.stack([b.meta[0] for b in batches]).amax().reshape(1)
+    merged.meta = torch.cat((bad, merged.meta[1:]))  # sentinels are not bad ids
     grad = torch.zeros(merged.capacity, grads[0].shape[1], dtype=grads[0].dtype,
                        device=grads[0].device)
     grad.index_add_(0, merged.inverse, torch.cat(grads))
     pick = torch.zeros(merged.capacity, dtype=torch.long, device=all_ids.device)
     pick.scatter_(0, merged.inverse, torch.arange(all_ids.numel(), device=all_ids.device))
     return merged, grad, pick
+
+
+class RowsOfIds(torch.autograd.Function):
+    """``rows[inverse]`` whose backward sums the gradient of each slot with one ``index_add_``
+    (``F.embedding``'s backward sorts the ids again and costs ~0.5 ms of CPU per lookup on an
+    H100 machine; the ids are already deduplicated here). ``index_add_`` follows
+    ``torch.use_deterministic_algorithms``."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.rows = rows.shape[0]
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inverse,) = ctx.saved_tensors
+        grad = grad_out.new_zeros(ctx.rows, grad_out.shape[-1])
+        grad.index_add_(0, inverse, grad_out.reshape(-1, grad_out.shape[-1]))
+        return grad, None
 
 
 class DeviceRows:
@@ -173,7 +193,13 @@ class RowStore:
             return tensor
         return tensor[:, start:stop]
 
-    def _count(self, nbytes: int, h2d: bool) -> None:
+    def view(self) -> torch.Tensor:
+        """The rows as the compute device indexes them (a zero-copy CUDA view of host memory,
+        the GPU tensor, or the host tensor): what fused kernels read and write."""
+        return self.host.view()
+
+    def count_bytes(self, nbytes: int, h2d: bool) -> None:
+        """Add bytes that crossed PCIe to nbtools' transfer counters (not for GPU rows)."""
         if self.mode != "gpu":
             count_transfer(h2d=nbytes) if h2d else count_transfer(d2h=nbytes)
 
@@ -182,7 +208,7 @@ class RowStore:
         if self.mode == "host":
             return self._cols(self.host.tensor, start, stop).index_select(0, idx)
         width = (stop if stop is not None else self.width) - start
-        self._count(idx.numel() * width * self.host.tensor.element_size(), h2d=True)
+        self.count_bytes(idx.numel() * width * self.host.tensor.element_size(), h2d=True)
         if self.direct:
             return gather_rows(self._cols(self.host.view(), start, stop), idx)
         return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
@@ -195,7 +221,7 @@ class RowStore:
             out = torch.empty(batch.capacity, stop - start, dtype=self.host.tensor.dtype,
                               device=self.device)
             # bytes estimated from capacity: the exact count is on the GPU (a sync to read)
-            self._count(batch.capacity * (stop - start) * self.host.tensor.element_size(), True)
+            self.count_bytes(batch.capacity * (stop - start) * self.host.tensor.element_size(), True)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it)
@@ -208,8 +234,91 @@ class RowStore:
         if self.mode == "host":
             self.host.tensor.index_copy_(0, idx, rows)
             return
-        self._count(idx.numel() * self.row_bytes, h2d=False)
+        self.count_bytes(idx.numel() * self.row_bytes, h2d=False)
         if self.direct:
             scatter_rows(self.host.view(), idx, rows)
         else:
             self.host.tensor.index_copy_(0, idx.cpu(), rows.cpu())
+
+
+class _Captured:
+    """One captured lookup of ``n`` ids: static input, outputs, and whether a pending lookup
+    still holds its outputs."""
+
+    def __init__(self, graph, flat, batch, rows):
+        self.graph, self.flat, self.batch, self.rows = graph, flat, batch, rows
+        self.in_use = False
+
+
+class LookupGraphs:
+    """CUDA graphs of a table's training lookup (deduplicate + gather), one per batch size.
+
+    A lookup is ~20 small kernels; replaying them as one graph takes the CPU ~15 µs instead of
+    ~0.3 ms, which is most of a small step. A batch size is captured once it has been seen
+    ``after`` times (the last, partial batch of an epoch is never captured), at most
+    ``max_shapes`` sizes per table, ``copies`` captures per size (a table looked up twice in
+    a step uses two; a third lookup of the same size runs eagerly). The outputs of a capture
+    are reused by its next replay, so a capture is handed out only when no pending lookup
+    holds it; the optimizer's step releases them (:meth:`release`).
+    """
+
+    def __init__(self, after: int = 2, max_shapes: int = 4, copies: int = 2):
+        self.after, self.max_shapes, self.copies = after, max_shapes, copies
+        self._seen = {}
+        self._graphs = {}
+        self._key = None
+
+    def invalidate(self) -> None:
+        """Forget every capture (the table's memory moved)."""
+        self._graphs.clear()
+        self._seen.clear()
+
+    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int):
+        """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly."""
+        key = (id(store.host), flat.numel(), width, flat.device)
+        if self._key != key[0]:
+            self.invalidate()
+            self._key = key[0]
+        caps = self._graphs.get(key)
+        if caps is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen <= self.after or len(self._graphs) >= self.max_shapes:
+                return None
+            caps = self._graphs[key] = []
+        cap = next((c for c in caps if not c.in_use), None)
+        if cap is None:
+            if len(caps) >= self.copies:
+                return None
+            cap = self._capture(store, flat, padding_idx, width)
+            caps.append(cap)
+        cap.flat.copy_(flat)
+        cap.graph.replay()
+        cap.in_use = True
+        store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
+        return cap.batch, cap.rows, cap
+
+    @staticmethod
+    def _capture(store, flat, padding_idx, width) -> _Captured:
+        static = flat.clone()
+        n = store.num_rows
+
+        def lookup():
+            batch = unique_ids(static, n, padding_idx)
+            return batch, store.gather_batch(batch, 0, width)
+
+        side = torch.cuda.Stream(flat.device)
+        side.wait_stream(torch.cuda.current_stream(flat.device))
+        with torch.cuda.stream(side):           # warm-up: kernels compiled, workspaces sized
+            lookup()
+            lookup()
+        torch.cuda.current_stream(flat.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            batch, rows = lookup()
+        return _Captured(graph, static, batch, rows)
+
+    @staticmethod
+    def release(captures) -> None:
+        for cap in captures:
+            if cap is not None:
+                cap.in_use = False

@@ -30,7 +30,9 @@ from torch import nn
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import DeviceRows, RowBatch, RowStore, merge, unique_ids
+from . import kernels
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowsOfIds, RowStore, merge,
+                   unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
@@ -104,6 +106,9 @@ class TableConfig:
     # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
     # this share of the GPU memory free at that moment; the rest of it stays for activations.
     gpu_fraction: float = 0.5
+    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
+    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
+    cuda_graphs: bool = True
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
@@ -131,6 +136,8 @@ class StepRows:
             ``has_state`` (else only the weight).
         has_state: ``rows`` carries the optimizer state too.
         lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
+        captures: the CUDA graph captures whose outputs ``rows`` may be: :meth:`release` them
+            once the step has used the rows.
     """
 
     batch: RowBatch
@@ -138,16 +145,50 @@ class StepRows:
     rows: torch.Tensor
     has_state: bool
     lookups: list
+    captures: list = dataclasses.field(default_factory=list)
 
-    def flags(self) -> torch.Tensor:
-        """[4] int64 on the device: bad id seen, non-finite gradient, used slots, sentinel."""
-        nonfinite = ~torch.isfinite(self.grad).all()
-        return torch.cat((self.batch.bad.long(), nonfinite.long().reshape(1),
-                          self.batch.count, self.batch.sentinel_flag().long()))
+    def release(self) -> None:
+        LookupGraphs.release(self.captures)
+        self.captures = []
+
+    def nonfinite(self) -> bool:
+        """Whether the gradient holds inf/nan (a host sync: for error messages)."""
+        return not bool(torch.isfinite(self.grad).all())
 
 
-class _OffloadedTable(nn.Module):
-    """Shared machinery of :class:`OffloadedEmbedding` and :class:`OffloadedEmbeddingBag`."""
+class OffloadedEmbedding(nn.Module):
+    """``nn.Embedding`` whose table lives in (pinned) host memory.
+
+    Args:
+        num_embeddings: rows in the table.
+        embedding_dim: values per row.
+        padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
+        name: used in messages and in optimizer/checkpoint state.
+        device: compute device, ``"auto"`` = CUDA when available, else CPU.
+        placement: where the rows (and their optimizer state) live: ``"host"`` = pinned host
+            RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU memory
+            (the same API, lazy semantics, optimizer and checkpoint format, at GPU speed);
+            ``"auto"`` = the GPU when rows + optimizer state take at most
+            ``config.gpu_fraction`` of the free GPU memory, else the host (decided for good
+            when the optimizer attaches; ``repr(table)`` says what it chose and why). With
+            CPU compute every placement is host memory.
+        config: :class:`TableConfig`; its fields can also be passed by name (``dtype=``,
+            ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``).
+
+    ``table(ids)`` takes integer ids of any shape, on the compute device or the CPU, and
+    returns ``ids.shape + (embedding_dim,)`` rows on the compute device.
+
+    Ids are checked: out of range, a lookup that an :class:`~nbtools.OffloadOptimizer` trains
+    raises ``IndexError`` at that optimizer's next ``step()`` (the check runs on the GPU, and
+    the step reads its verdict with every other flag in its one host synchronisation, before
+    anything is written); any other lookup raises at once.
+
+    >>> table = OffloadedEmbedding(1000, 8, device="cpu", name="words")
+    >>> table(torch.tensor([[1, 2], [2, 999]])).shape
+    torch.Size([2, 2, 8])
+    >>> table.weight.shape
+    torch.Size([1000, 8])
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx=None, name=None,
                  device="auto", placement: str = "host", config: TableConfig | None = None,
@@ -192,7 +233,9 @@ class _OffloadedTable(nn.Module):
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
-        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape)
+        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape,
+        #                              the CUDA graph capture whose outputs these are, or None)
+        self._graphs = LookupGraphs()
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
         self.trainable = True
@@ -300,7 +343,8 @@ class _OffloadedTable(nn.Module):
         else:
             new = self._grow_host(old, (n, width), init)
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
-        self._pending.clear()
+        self.clear_pending()
+        self._graphs.invalidate()
 
     def _grow_host(self, old, shape, init):
         """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
@@ -375,7 +419,8 @@ class _OffloadedTable(nn.Module):
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         if self.placement == "host":
             synchronize(self.device)
-        self._pending.clear()
+        self.clear_pending()
+        self._graphs.invalidate()
         self._host.close()
         self._rows = RowStore(self._host, self.device)
 
@@ -392,7 +437,9 @@ class _OffloadedTable(nn.Module):
                             "convert with ids.long() if they are whole numbers")
         return ids.to(self.device, non_blocking=True)
 
-    def _raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+        """Raise the IndexError that names the first out-of-range id of ``flat`` (a lookup of
+        ``shape``) and its position. A host sync: called once a check has found one."""
         bad = (flat < 0) | (flat >= self.num_embeddings)
         value = int(flat[bad.nonzero()[0, 0]])
         raise IndexError(
@@ -409,21 +456,29 @@ class _OffloadedTable(nn.Module):
         every other flag of the step, in one synchronisation, before anything is written.
         """
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
-        batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
         recording = torch.is_grad_enabled() and self.trainable
-        if not (recording and self._owned) and bool(batch.bad):  # a sync point
-            self._raise_bad_ids(flat, ids.shape)
         d = self.embedding_dim
-        with torch.no_grad():
-            if recording and self._state_names:
+        width = self._rows.width if (recording and self._state_names) else d
+        captured = None
+        if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
+                and self.device.type == "cuda" and kernels.usable_on(self.device):
+            captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+        if captured is not None:
+            batch, full, capture = captured
+        else:
+            capture = None
+            batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+            if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
+                self.raise_bad_ids(flat, ids.shape)
+            with torch.no_grad():
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather_batch(batch)
-                rows = full[:, :d]
-            else:
-                full, rows = None, self._rows.gather_batch(batch, 0, d)
+                full = self._rows.gather_batch(batch, 0, width)
+        rows = full[:, :d]         # a fresh view: the leaf autograd sees (never a capture's buffer)
+        if width == d:
+            full = None
         if recording:
             rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, flat, ids.shape))
+            self._pending.append((batch, rows, full, flat, ids.shape, capture))
             if len(self._pending) > _PENDING_WARN and not self._warned_pending:
                 self._warned_pending = True
                 warnings.warn(
@@ -437,6 +492,7 @@ class _OffloadedTable(nn.Module):
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
         records = [rec for rec in self._pending if rec[1].grad is not None]
+        LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
         self._pending.clear()
         if not records:
             return None
@@ -455,7 +511,7 @@ class _OffloadedTable(nn.Module):
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        return StepRows(batch, grad, rows, has_state, lookups)
+        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records])
 
     def take_grad(self):
         """The rows looked up since the last call, exactly sized (this reads the unique count:
@@ -469,11 +525,13 @@ class _OffloadedTable(nn.Module):
         got = self.collect()
         if got is None:
             return None, None, None, None
-        bad, _, count, sentinel = got.flags().tolist()
+        got.release()          # what is returned below is copied out of the capture first
+        got.rows = got.rows.clone()
+        bad, count, sentinel = got.batch.meta.tolist()
         if bad:
             for flat, shape in got.lookups:
                 if bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
-                    self._raise_bad_ids(flat, shape)
+                    self.raise_bad_ids(flat, shape)
         m = count - sentinel
         if m == 0:
             return None, None, None, None
@@ -482,7 +540,13 @@ class _OffloadedTable(nn.Module):
         return got.batch.ids[:m], got.grad[:m], got.rows[:m, :d], state
 
     def clear_pending(self) -> None:
+        LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()
+
+    def forward(self, ids) -> torch.Tensor:
+        ids = self._prepare_ids(ids)
+        rows, inv = self._lookup(ids)
+        return RowsOfIds.apply(rows, inv).view(*ids.shape, self.embedding_dim)
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -515,36 +579,7 @@ class _OffloadedTable(nn.Module):
         return s
 
 
-class OffloadedEmbedding(_OffloadedTable):
-    """``nn.Embedding`` whose table lives in (pinned) host memory.
-
-    Args:
-        num_embeddings: rows in the table.
-        embedding_dim: values per row.
-        padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
-        dtype: floating dtype of the table (and of its optimizer state).
-        device: compute device, ``"auto"`` = CUDA when available, else CPU.
-        name: used in messages and in optimizer/checkpoint state.
-        pin: register the host memory with CUDA (zero-copy). ``False`` uses pageable memory
-            and copies rows through the CPU (slower, for when pinning is refused).
-
-    ``table(ids)`` takes integer ids of any shape, on the compute device or the CPU, and
-    returns ``ids.shape + (embedding_dim,)`` rows on the compute device.
-
-    >>> table = OffloadedEmbedding(1000, 8, device="cpu", name="words")
-    >>> table(torch.tensor([[1, 2], [2, 999]])).shape
-    torch.Size([2, 2, 8])
-    >>> table.weight.shape
-    torch.Size([1000, 8])
-    """
-
-    def forward(self, ids) -> torch.Tensor:
-        ids = self._prepare_ids(ids)
-        rows, inv = self._lookup(ids)
-        return F.embedding(inv, rows).view(*ids.shape, self.embedding_dim)
-
-
-class OffloadedEmbeddingBag(_OffloadedTable):
+class OffloadedEmbeddingBag(OffloadedEmbedding):
     """``nn.EmbeddingBag`` over a host-memory table: sums, means or maxima of rows per bag.
 
     Input is either padded 2-D ids ``[bags, length]`` or 1-D ids with ``offsets`` (start of

@@ -6,8 +6,10 @@
 #   bash scripts/main.sh                # notebooks/word2vec.ipynb
 #   bash scripts/main.sh recommender    # notebooks/recommender.ipynb
 #
-# Output: artifacts/<name>.ipynb (with every cell's output), checkpoints under artifacts/runs/,
-# and the "Google Drive" copies under artifacts/drive/ (outside Colab, a local folder).
+# Output: artifacts/<name>.ipynb (with every cell's output, plots included), each plot also as
+# artifacts/<name>-figures/cell-<n>.png, the dashboard's final image as
+# artifacts/<name>-dashboard.png, checkpoints under artifacts/runs/, and the "Google Drive"
+# copies under artifacts/drive/ (outside Colab, a local folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:-word2vec}"
@@ -29,9 +31,12 @@ mkdir -p artifacts
 # A fresh run each time: an earlier run's checkpoints would be restored and training skipped.
 rm -rf "artifacts/runs/$name-smoke" "artifacts/drive/nbtools/$name-smoke"
 export NBTOOLS_DRIVE_DIR="${NBTOOLS_DRIVE_DIR:-$PWD/artifacts/drive}"
-export MPLBACKEND=Agg
+# The kernel draws plots into the notebook, as Jupyter and Colab do (Agg would draw them nowhere).
+export MPLBACKEND=module://matplotlib_inline.backend_inline
 
 python - "$name" <<'EOF'
+import base64
+import re
 import sys
 import time
 from pathlib import Path
@@ -62,4 +67,35 @@ for cell in nb.cells:
             if o.get("output_type") == "stream":
                 print(o["text"], end="")
 print(f"\nexecuted {src} in {seconds:.1f} s -> {out.resolve()}")
+
+# Every plot as a PNG file too, and the dashboard's final image: the history plot inlined in the
+# static snapshot the dashboard leaves when it closes.
+figures = Path(f"artifacts/{name}-figures")
+figures.mkdir(exist_ok=True)
+for old in figures.glob("*.png"):
+    old.unlink()
+saved, dashboard = [], None
+for i, cell in enumerate(nb.cells):
+    for k, o in enumerate(cell.get("outputs", [])):
+        bundle = o.get("data", {})
+        if "image/png" in bundle:
+            path = figures / f"cell-{i:02d}{'' if k == 0 else f'-{k}'}.png"
+            path.write_bytes(base64.b64decode(bundle["image/png"]))
+            saved.append(path)
+        snap = re.search(r'class="nbtools-plot"[^>]*src="data:image/png;base64,([^"]+)"',
+                         bundle.get("text/html", ""))
+        if snap:
+            dashboard = base64.b64decode(snap.group(1))
+if dashboard is None:     # no widget snapshot (text mode): draw the saved history instead
+    from nbtools.dashboard import plot_history
+    history = sorted(Path("artifacts/drive").glob(f"**/{name}-smoke/meters.jsonl"))
+    if history:
+        dashboard = plot_history(history[0]).png
+if dashboard is not None:
+    Path(f"artifacts/{name}-dashboard.png").write_bytes(dashboard)
+print(f"{len(saved)} plot(s) -> {figures}/; dashboard image -> "
+      f"{f'artifacts/{name}-dashboard.png' if dashboard is not None else 'none found'}")
+if not saved or dashboard is None:
+    sys.exit(f"expected the notebook's plots and the dashboard's image; found {len(saved)} "
+             f"plot(s) and {'a' if dashboard is not None else 'no'} dashboard image")
 EOF

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import nbtools.checkpoint as ckmod
+import nbtools.checkpoint.format as ckformat
+import nbtools.checkpoint.manager as ckmod
 from nbtools import OffloadedEmbedding, OffloadOptimizer, PinnedLoader
 from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointManager,
                                 CheckpointSpaceError, CheckpointWarning)
@@ -197,7 +198,7 @@ def test_keep_last_k_and_same_step_twice(tmp_path):
     assert names == ["step-000000004", "step-000000004-r1"]
     got = {}
     assert ck.restore(x=got) == 4 and got["v"].tolist() == [5.0] * 3
-    assert [r["status"] for r in ck.list(verify=True)] == ["verified", "verified"]
+    assert [r["status"] for r in ck.checkpoints(verify=True)] == ["verified", "verified"]
 
 
 def test_new_run_in_the_same_directory_counts_as_newest(tmp_path):
@@ -242,7 +243,7 @@ def test_damaged_newest_falls_back_to_older(tmp_path, damage):
     with pytest.warns(CheckpointWarning, match="damaged"):
         assert ck.restore(x=got) == 1
     assert torch.equal(got["w"], torch.arange(3000.0))
-    statuses = {r["step"]: r["status"] for r in ck.list(verify=True)}
+    statuses = {r["step"]: r["status"] for r in ck.checkpoints(verify=True)}
     assert statuses[2].startswith("damaged") and statuses[1] == "verified"
 
 
@@ -275,7 +276,7 @@ def test_half_tables_are_marked_and_need_opt_in(tmp_path):
     small = torch.randn(10)
     ck = manager(tmp_path, half_min_bytes=4096)
     ck.save(1, t={"table": table, "small": small}, half_tables=True, rng=False)
-    assert ck.list()[0]["half"] is True
+    assert ck.checkpoints()[0]["half"] is True
     with pytest.raises(CheckpointError, match="allow_half=True"):
         ck.restore(t={})
     got = {}
@@ -284,7 +285,7 @@ def test_half_tables_are_marked_and_need_opt_in(tmp_path):
     assert got["table"].dtype == torch.float32
     assert torch.equal(got["table"], table.to(torch.bfloat16).float())
     assert torch.equal(got["small"], small)            # small tensors stay exact
-    assert ck.list()[0]["bytes"] < table.numel() * 3       # 2 bytes a value, plus the rest
+    assert ck.checkpoints()[0]["bytes"] < table.numel() * 3       # 2 bytes a value, plus the rest
 
 
 def test_refuses_when_it_would_not_fit(tmp_path, monkeypatch):
@@ -303,7 +304,7 @@ def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
     ck = manager(tmp_path)
     ck.save(1, x={"w": torch.arange(5000.0)})
     calls = {"n": 0}
-    real = ckmod._write_all
+    real = ckformat._write_all
 
     def failing(f, mv):
         calls["n"] += 1
@@ -311,7 +312,7 @@ def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(f, mv)
 
-    monkeypatch.setattr(ckmod, "_write_all", failing)
+    monkeypatch.setattr(ckformat, "_write_all", failing)
     with pytest.raises(CheckpointSpaceError, match="disk full"):
         ck.save(2, x={"w": torch.arange(5000.0) * 2})
     monkeypatch.undo()
@@ -333,9 +334,9 @@ def test_mirror_copies_and_restores_after_local_loss(tmp_path):
     ck2 = CheckpointManager(local, keep=2, mirror=mirror, config=SMALL)
     got = {}
     assert ck2.restore(x=got) == 4 and got["w"][0] == 4.0
-    assert {r["where"] for r in ck2.list()} == {"mirror"}
+    assert {r["where"] for r in ck2.checkpoints()} == {"mirror"}
     ck2.save(5, x=got)                                 # continues after the mirror's newest
-    assert ck2.list()[0]["step"] == 5
+    assert ck2.checkpoints()[0]["step"] == 5
 
 
 def test_progress_and_throughput_reported(tmp_path, capsys):
@@ -373,3 +374,21 @@ def test_cuda_tensors_stream_through_staging_and_restore_in_place(tmp_path):
     assert {k: v.data_ptr() for k, v in live.items()} == ptrs and emb2.weight.data_ptr() == ptr
     assert all(torch.equal(live[k], want[k]) for k in want) and live["big"].is_cuda
     assert torch.equal(emb2.weight, weight)
+
+
+def test_a_file_where_the_directory_should_be_is_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=r"expected a directory .* is a file"):
+        CheckpointManager(path, config=CheckpointConfig(**QUIET))
+    with pytest.raises(NotADirectoryError, match="is a file"):        # a parent that is a file
+        CheckpointManager(path / "run1", config=CheckpointConfig(**QUIET))
+    assert path.read_text() == "not a folder"
+
+
+def test_list_is_a_deprecated_name_of_checkpoints(tmp_path):
+    ck = manager(tmp_path)
+    ck.save(1, x={"w": torch.zeros(3)})
+    with pytest.warns(DeprecationWarning, match="checkpoints"):
+        rows = ck.list()
+    assert rows == ck.checkpoints() and [r["step"] for r in rows] == [1]

@@ -85,7 +85,7 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
             (trial, step, last_reported, complete)
         want = expected(step)
         assert all(torch.equal(got[k], want[k]) for k in ("a", "b", "ids")) and got["step"] == step
-        statuses = [r["status"] for r in ck.list(verify=True)]
+        statuses = [r["status"] for r in ck.checkpoints(verify=True)]
         assert statuses and all(s == "verified" for s in statuses), (trial, statuses)
         last_reported = step
     assert last_reported >= KILLS // 3           # the runs made progress between kills
@@ -121,7 +121,7 @@ def test_full_disk_leaves_previous_checkpoints_intact(tiny_fs):
     ck.save(1, x={"w": blobs[1]}, rng=False)
     ck.save(2, x={"w": blobs[2]}, rng=False)
     real_usage = __import__("shutil").disk_usage
-    import nbtools.checkpoint as ckmod
+    import nbtools.checkpoint.manager as ckmod
     # Let the pre-check pass so that the write itself hits ENOSPC on the real filesystem.
     ckmod.shutil.disk_usage = lambda p: real_usage(p)._replace(free=1 << 40)
     try:
@@ -130,7 +130,7 @@ def test_full_disk_leaves_previous_checkpoints_intact(tiny_fs):
     finally:
         ckmod.shutil.disk_usage = real_usage
     assert sorted(os.listdir(tiny_fs)) == ["step-000000001", "step-000000002"]
-    assert [r["status"] for r in ck.list(verify=True)] == ["verified", "verified"]
+    assert [r["status"] for r in ck.checkpoints(verify=True)] == ["verified", "verified"]
     got = {}
     assert ck.restore(x=got) == 2 and torch.equal(got["w"], blobs[2])
     # And the pre-check refuses before writing anything.

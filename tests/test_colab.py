@@ -1,4 +1,5 @@
-"""nbtools.colab: Drive folder, mounting (with a fake google.colab), background atomic copies."""
+"""nbtools.colab (Drive folder, mounting, with a fake google.colab) and the checkpoint mirror
+(nbtools.checkpoint.DriveSync: background atomic copies)."""
 import errno
 import os
 import sys
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from nbtools import colab
-from nbtools.checkpoint import CheckpointConfig, CheckpointManager, copy_checkpoint
-from nbtools.colab import DriveError, DriveSync, drive_dir
+from nbtools.checkpoint import CheckpointConfig, CheckpointManager, DriveSync, copy_checkpoint
+from nbtools.colab import DriveError, drive_dir
 
 QUIET = CheckpointConfig(verbose=False, progress=False, chunk_bytes=4096, file_bytes=8192)
 

@@ -10,7 +10,8 @@ import pytest
 import nbtools
 from nbtools import dashboard as dashmod
 from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html
-from nbtools.meters import FakeBackend, FakeClock, History, Monitor
+from nbtools.meters import History, Monitor
+from nbtools.testing import FakeBackend, FakeClock
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -291,3 +292,34 @@ def test_import_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=nbtools.__path__[0] + "/..")
     assert out.stdout.strip() == "[]"
+
+
+def test_bar_alarms_and_the_throughput_window_come_from_the_config():
+    # GPU 60% and host 70% full: red borders only where the configured fraction is exceeded
+    rec = {"gpu_total_bytes": 100, "gpu_used_bytes": 60, "host_total_bytes": 100,
+           "host_used_bytes": 70}
+    red = "border:1px solid #d62728"
+
+    def bars(html):
+        return [chunk for chunk in html.split('class="nbtools-bar"')[1:]]
+
+    default = bars(render_html(rec))
+    assert [red in b for b in default] == [False, False]
+    cfg = DashboardConfig(gpu_warn_fraction=0.5, host_warn_fraction=0.8, window_s=30)
+    html = render_html(rec, config=cfg)
+    assert [red in b for b in bars(html)] == [True, False]
+    assert "throughput, last 30 s" in html and "last 10 s" in render_html(rec)
+
+
+def test_save_png_writes_the_plot_the_snapshot_shows(tmp_path):
+    clock = FakeClock()
+    cfg = DashboardConfig(mode="text", file=io.StringIO(), pcie="manual")
+    mon = Monitor("rows", backend=FakeBackend(), clock=clock, config=cfg)
+    with Dashboard("rows", config=cfg, monitor=mon) as dash:
+        for _ in range(30):
+            clock.advance(0.1)
+            dash.step(64)
+    path = dash.save_png(tmp_path / "dash.png")          # text mode: drawn from the history
+    png = (tmp_path / "dash.png").read_bytes()
+    assert str(path).endswith("dash.png") and png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png == plot_history(dash.history, "rows").png   # the same drawing as a re-plot

@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nbtools import hostmem, loader as loader_mod
-from nbtools.loader import (PinnedLoader, _mix_, _mix_int, _signed, _whole_range_pinned,
+from nbtools.hostmem import whole_range_pinned
+from nbtools.loader import (_GOLDEN, LoaderConfig, PinnedLoader, _mix_, _mix_int, _signed,
                             permutation)
 
 # the `device` fixture holds no state, so reusing it across hypothesis examples is fine
@@ -115,6 +116,21 @@ def test_permutation_depends_on_seed_and_epoch():
     first_half = torch.stack([permutation(100, 3, e)[:50] for e in range(400)])
     freq = torch.bincount(first_half.flatten().long(), minlength=100) / 400
     assert 0.38 < freq.min() and freq.max() < 0.62
+
+
+# The published SplitMix64 outputs (Vigna's splitmix64.c; Rosetta Code, "Pseudo-random
+# numbers/Splitmix64"): output k of the generator seeded with s is mix(s + k * golden).
+SPLITMIX_1234567 = [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                    4593380528125082431, 16408922859458223821]
+SPLITMIX_0 = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+
+
+def test_splitmix_gives_the_published_outputs(device):
+    for seed, want in ((1234567, SPLITMIX_1234567), (0, SPLITMIX_0)):
+        states = [(seed + k * _GOLDEN) % 2**64 for k in range(1, len(want) + 1)]
+        assert [_mix_int(s) for s in states] == want
+        got = _mix_(torch.tensor([_signed(s) for s in states], dtype=torch.int64, device=device))
+        assert got.cpu().tolist() == [_signed(w) for w in want]
 
 
 def test_splitmix_matches_python_reference(device):
@@ -270,6 +286,20 @@ def test_bad_input_raises_clear_errors(args, kwargs, error, match):
         PinnedLoader(*args, **kwargs)
 
 
+def test_settings_by_name_or_in_a_config_give_the_same_loader():
+    x = torch.arange(23)
+    named = PinnedLoader(x, batch_size=5, device="cpu", shuffle=True, drop_last=True, seed=4)
+    cfg = PinnedLoader(x, batch_size=5, device="cpu",
+                       config=LoaderConfig(shuffle=True, drop_last=True, seed=4))
+    over = PinnedLoader(x, batch_size=5, device="cpu", config=LoaderConfig(seed=9), seed=4,
+                        drop_last=True)
+    batches = [[b.tolist() for (b,) in loader] for loader in (named, cfg, over)]
+    assert batches[0] == batches[1] == batches[2] and len(batches[0]) == 4
+    assert sorted(sum(batches[0], [])) != list(range(20))     # shuffled, last 3 dropped
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['shufle'\]"):
+        PinnedLoader(x, batch_size=5, shufle=False)
+
+
 def test_bad_state_raises_clear_errors():
     loader = PinnedLoader(torch.zeros(10), batch_size=2, device="cpu")
     with pytest.raises(ValueError, match=r"batch_size=4 \(this loader: 2\)"):
@@ -288,7 +318,7 @@ def test_cuda_pins_in_place_and_copies_gpu_input():
     g = torch.arange(2**18, device="cuda")
     loader = PinnedLoader(x, g, batch_size=8192, device="cuda")
     assert x.is_pinned() and loader.tensors[0].data_ptr() == x.data_ptr()
-    assert loader.tensors[1].device.type == "cpu" and _whole_range_pinned(loader.tensors[1])
+    assert loader.tensors[1].device.type == "cpu" and whole_range_pinned(loader.tensors[1])
     for bx, bg in loader:
         assert torch.equal(bx[:, 0].long() // 4, bg)
     torch.cuda.synchronize()

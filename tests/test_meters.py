@@ -1,14 +1,18 @@
 """Headless meters with the fake backend and a fake clock: no GPU, no NVML, no sleeps."""
 import json
 import math
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
+import nbtools
 from nbtools import meters
-from nbtools.meters import (CounterUnwrapper, FakeBackend, FakeClock, History, Meters, Monitor,
-                            MonitorConfig, PcieSampler, StepTimer, SystemBackend, ThroughputMeter,
-                            Warnings, diagnose)
+from nbtools.meters import (CounterUnwrapper, History, Meters, Monitor, MonitorConfig, PcieSampler,
+                            StepTimer, SystemBackend, ThroughputMeter, Warnings, diagnose)
+from nbtools.testing import FakeBackend, FakeClock
 
 MANUAL = MonitorConfig(pcie="manual")
 
@@ -583,3 +587,25 @@ def test_measure_bandwidth_on_cuda():
     r = meters.measure_bandwidth(64 << 20)
     assert r["note"] == "" and r["pinned_h2d_bytes_per_s"] > 1e9
     assert r["zero_copy_gather_bytes_per_s"] > 1e8 and r["link_bytes_per_s"] > 1e9
+
+
+def test_meters_and_dashboard_import_torch_only_when_a_reading_needs_it():
+    # A fresh interpreter: the fake-backed monitor and the text dashboard run without torch;
+    # the system backend (a real reading) is what brings it in.
+    code = "\n".join([
+        "import io, sys",
+        "import nbtools.meters, nbtools.dashboard, nbtools.units",
+        "from nbtools.testing import FakeBackend, FakeClock",
+        "clock = FakeClock()",
+        "cfg = nbtools.dashboard.DashboardConfig(mode='text', file=io.StringIO(), pcie='manual')",
+        "mon = nbtools.meters.Monitor('rows', backend=FakeBackend(), clock=clock, config=cfg)",
+        "with nbtools.dashboard.Dashboard('rows', config=cfg, monitor=mon) as dash:",
+        "    for _ in range(20):",
+        "        clock.advance(0.1); dash.step(10)",
+        "print('torch' in sys.modules, round(mon.record['samples_per_s']))",
+        "nbtools.meters.SystemBackend('cpu').host()",
+        "print('torch' in sys.modules)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=str(Path(nbtools.__file__).parents[1]))
+    assert out.stdout.split() == ["False", "100", "True"]

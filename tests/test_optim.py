@@ -83,9 +83,9 @@ def run_reference(sparse, cls, kw, device, init, id_batches, tgts):
     return ref, ref_opt
 
 
-def run_offloaded(cls, kw, device, init, id_batches, tgts, split=False):
+def run_offloaded(cls, kw, device, init, id_batches, tgts, split=False, config=None):
     table = make_table(device, init)
-    opt = OffloadOptimizer(cls, [table], **kw)
+    opt = OffloadOptimizer(cls, [table], config=config, **kw)
     for ids, tgt in zip(id_batches, tgts):
         opt.zero_grad()
         ids = ids.reshape(-1).to(device)

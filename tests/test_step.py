@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -23,8 +22,8 @@ import nbtools
 from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.optim import NonFiniteGradientError, OffloadConfig
 from nbtools.rows import unique_ids
-from test_optim import (CASES, DIM, IDS, ROWS, O, batches, frozen_reference, loss_of,
-                        make_table, targets)
+from test_optim import (CASES, DIM, ROWS, O, batches, frozen_reference, loss_of, make_table,
+                        run_offloaded, targets)
 
 needs_triton = pytest.mark.skipif(not kernels.usable_on(torch.device("cpu")) and not
                                   torch.cuda.is_available(), reason="Triton is not installed")
@@ -46,7 +45,7 @@ def test_unique_ids_match_torch_unique(ids, padding):
     real = flat[ok & (flat != padding)] if padding is not None else flat[ok]
     expect = torch.unique(real)
     count = int(batch.count)
-    has_sentinel = bool(batch.sentinel_flag())
+    has_sentinel = bool(batch.meta[2])
     assert batch.ids[: count - has_sentinel].tolist() == expect.tolist()
     assert (batch.ids[count - has_sentinel:] == 20).all()       # the sentinel, never a row
     assert batch.capacity == min(len(ids), 21)
@@ -69,19 +68,9 @@ def test_gather_kernel_reads_only_live_rows():
 
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
-    table = make_table(device, init)
-    opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=fused), **kw)
-    for ids, tgt in zip(id_batches, tgts):
-        opt.zero_grad()
-        ids = ids.reshape(-1).to(device)
-        if split:
-            h = ids.numel() // 2
-            rows = torch.cat([table(ids[:h]), table(ids[h:])])
-        else:
-            rows = table(ids)
-        loss_of(rows, tgt.to(device)).backward()
-        opt.step()
-    return table, opt
+    _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,
+                           config=OffloadConfig(fused=fused))
+    return opt.tables["t"], opt
 
 
 @needs_triton
@@ -195,10 +184,17 @@ def train_step(model, opt, device, u, i, scale=1.0):
     return opt.step()
 
 
+FUSED_MODES = ["auto", True] if kernels.usable_on(torch.device("cpu")) or torch.cuda.is_available() \
+    else ["auto"]
+
+
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=lambda f: f"fused={f}")
 @pytest.mark.parametrize("where", ["head", "table"])
-def test_nonfinite_anywhere_changes_nothing(where, device):
+def test_nonfinite_anywhere_changes_nothing(where, fused, device):
+    """Fused updates are queued before the host reads the verdict: they must see it on the
+    device and write nothing."""
     model = Model(device)
-    opt = OffloadOptimizer(O.Adam, model, lr=0.05)
+    opt = OffloadOptimizer(O.Adam, model, lr=0.05, config=OffloadConfig(fused=fused))
     train_step(model, opt, device, [1, 2, 3], [4, 5, 4])
     before = snapshot(model, opt)
     opt.zero_grad()
@@ -236,9 +232,10 @@ def test_skip_skips_the_whole_step_counts_and_warns_once(device):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_bad_id_in_training_raises_at_step_and_writes_nothing(device):
+@pytest.mark.parametrize("fused", FUSED_MODES, ids=lambda f: f"fused={f}")
+def test_bad_id_in_training_raises_at_step_and_writes_nothing(fused, device):
     model = Model(device)
-    opt = OffloadOptimizer(O.Adam, model, lr=0.05)
+    opt = OffloadOptimizer(O.Adam, model, lr=0.05, config=OffloadConfig(fused=fused))
     train_step(model, opt, device, [1, 2], [3, 4])
     before = snapshot(model, opt)
     opt.zero_grad()
@@ -308,6 +305,35 @@ def test_gpu_placement_trains_like_host_placement(cls, kw):
     other_opt.load_state_dict(got["gpu"][1].state_dict())
     for k, v in other_opt.table_state("t").items():
         assert torch.equal(v, got["gpu"][1].table_state("t")[k].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["host", "gpu"])
+@pytest.mark.parametrize("lookups", [1, 2, 3])
+def test_cuda_graph_lookups_train_like_eager_ones(placement, lookups):
+    """Fixed-size batches get captured after two steps; a third lookup of the same size in a
+    step runs eagerly (two captures per size). Results match graphs off."""
+    gen = torch.Generator().manual_seed(61)
+    init = torch.randn(ROWS, DIM, generator=gen)
+    steps = [torch.randint(0, ROWS, (lookups, 24), generator=gen) for _ in range(8)]
+    steps[5][0, 3] = 0                      # varied duplicates, same size
+    tgts = targets(8, seed=62)
+    got = []
+    for graphs in (True, False):
+        table = OffloadedEmbedding(ROWS, DIM, device="cuda", name="t", placement=placement,
+                                   cuda_graphs=graphs)
+        table.weight.copy_(init)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
+        for ids, tgt in zip(steps, tgts):
+            opt.zero_grad()
+            rows = torch.cat([table(part.cuda()) for part in ids])
+            loss_of(rows, tgt.cuda()).backward()
+            opt.step()
+        captured = sum(len(c) for c in table._graphs._graphs.values())
+        assert captured == (min(lookups, 2) if graphs else 0)
+        got.append((table.weight.cpu(), opt.table_state("t")["exp_avg_sq"].cpu()))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu

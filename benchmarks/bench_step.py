@@ -1,0 +1,289 @@
+"""The training step at GPU speed (issue 10's targets), every figure a ratio within one run.
+
+Table 4,000,000 x 128 fp32, Adam, one lookup + a small loss + backward + optimizer step:
+  nbtools host        OffloadedEmbedding(placement="host") + OffloadOptimizer(Adam): rows and
+                      Adam state in pinned host RAM, zero-copy, fused kernel ("auto")
+  nbtools host generic   the same with OffloadConfig(fused=False): stock Adam on the rows
+  nbtools gpu         OffloadedEmbedding(placement="gpu"): the same API, rows on the GPU
+  torch sparse        nn.Embedding(sparse=True) on the GPU + torch.optim.SparseAdam
+at 4,096 and 65,536 uniform ids per step, and 65,536 Zipf(1.1) ids. Plus:
+  traffic floor       a zero-copy gather of the step's unique rows [weight | m | v] plus the
+                      scatter back, timed alone: the bytes an offloaded step must move
+  host syncs/step     counted with torch.cuda.set_sync_debug_mode over timed steps
+  small model step    word2vec-sized: two 59,754 x 100 tables, 4,096 pairs x (1 + 5) targets
+
+Steps are timed as loops (one synchronisation at the end, none between steps), median of
+several loops.
+
+    python benchmarks/bench_step.py --out DIR          # GPU machine
+    python benchmarks/bench_step.py --quick            # small, runs on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nbtools  # noqa: E402
+from nbtools import hostmem  # noqa: E402
+from nbtools.devices import resolve_device, synchronize  # noqa: E402
+from nbtools.optim import OffloadConfig  # noqa: E402
+
+
+def loop_ms(step, batches, device, repeats=5, warmup=3):
+    """Median ms per step over ``repeats`` loops through ``batches``."""
+    for ids in batches[:warmup]:
+        step(ids)
+    synchronize(device)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for ids in batches:
+            step(ids)
+        synchronize(device)
+        out.append((time.perf_counter() - t0) / len(batches) * 1e3)
+    return statistics.median(out)
+
+
+def count_syncs(step, batches, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    step(batches[0])
+    synchronize(device)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for ids in batches:
+                step(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught) / len(batches)
+
+
+def loss_of(rows):
+    return rows.float().pow(2).sum() * 1e-3
+
+
+def nbtools_step(n, dim, device, placement="host", fused="auto", **table_kw):
+    table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
+                                       **table_kw)
+    opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
+                                   config=OffloadConfig(fused=fused))
+
+    def step(ids):
+        opt.zero_grad()
+        loss_of(table(ids)).backward()
+        opt.step()
+    return step, (table, opt)
+
+
+def torch_sparse_step(n, dim, device):
+    emb = nn.Embedding(n, dim, sparse=True).to(device)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+
+    def step(ids):
+        opt.zero_grad()
+        loss_of(emb(ids)).backward()
+        opt.step()
+    return step, (emb, opt)
+
+
+def traffic_floor_ms(n, dim, batches, device, width_factor=3):
+    """Gather + scatter of each batch's unique [weight | m | v] rows on a zero-copy view."""
+    h = hostmem.HostTensor((n, dim * width_factor), torch.float32, name="floor")
+    view = h.view()
+    uniq = [torch.unique(b) for b in batches]
+    rows = [torch.empty(u.numel(), dim * width_factor, device=device) for u in uniq]
+
+    def step(i):
+        hostmem.gather_rows(view, uniq[i])
+        hostmem.scatter_rows(view, uniq[i], rows[i])
+    ms = loop_ms(step, list(range(len(batches))), device)
+    h.close()
+    return ms
+
+
+def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30):
+    """word2vec-sized step: input and output tables, with ``system`` one of "nbtools host",
+    "nbtools gpu", "torch sparse". Returns (ms per step, host syncs per step)."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    batches = [(torch.multinomial(zipf, pairs, True, generator=gen).to(device),
+                torch.multinomial(zipf, pairs * (1 + negatives), True, generator=gen)
+                .view(pairs, 1 + negatives).to(device)) for _ in range(steps)]
+
+    def sgns(v, u):
+        scores = torch.bmm(u, v.unsqueeze(2)).squeeze(2)
+        sign = torch.ones_like(scores)
+        sign[:, 1:] = -1
+        return -torch.nn.functional.logsigmoid(sign * scores).sum(1).mean()
+
+    if system == "torch sparse":
+        a = nn.Embedding(vocab, dim, sparse=True).to(device)
+        b = nn.Embedding(vocab, dim, sparse=True).to(device)
+        opt = torch.optim.SparseAdam(list(a.parameters()) + list(b.parameters()), lr=1e-3)
+    else:
+        placement = system.split()[-1]
+        a = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="in", placement=placement)
+        b = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="out", placement=placement)
+        opt = nbtools.OffloadOptimizer(torch.optim.Adam, [a, b], lr=1e-3)
+
+    def step(batch):
+        opt.zero_grad()
+        sgns(a(batch[0]), b(batch[1])).backward()
+        opt.step()
+    return loop_ms(step, batches, device), count_syncs(step, batches[:10], device)
+
+
+def profile(step, batches, device, path):
+    from torch.profiler import ProfilerActivity, profile as prof
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for ids in batches[:3]:
+        step(ids)
+    synchronize(device)
+    with prof(activities=acts) as p:
+        for ids in batches[:10]:
+            step(ids)
+        synchronize(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = p.key_averages().table(sort_by=sort, row_limit=25)
+    cpu = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(path, "w") as f:
+        f.write(table + "\n\n" + cpu)
+    print(table)
+
+
+SYSTEMS = {   # name -> table options (None: torch's own)
+    "torch sparse": None,
+    "nbtools host": dict(placement="host"),
+    "nbtools host generic": dict(placement="host", fused=False),
+    "nbtools host eager": dict(placement="host", cuda_graphs=False),
+    "nbtools gpu": dict(placement="gpu"),
+}
+EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu"]
+
+
+def make_cases(args, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    zipf_p = 1.0 / torch.arange(1, min(args.rows, 1 << 24) + 1, dtype=torch.float64).pow(1.1)
+    cases = {
+        "4,096 uniform": [torch.randint(0, args.rows, (4096,), generator=gen) for _ in range(args.steps)],
+        "65,536 uniform": [torch.randint(0, args.rows, (65536,), generator=gen) for _ in range(args.steps)],
+        "65,536 zipf1.1": [torch.multinomial(zipf_p, 65536, True, generator=gen) for _ in range(args.steps)],
+    }
+    return {k: [b.to(device) for b in v] for k, v in cases.items()}
+
+
+def run_system(name, args, device) -> dict:
+    """One system's figures (run in a process of its own, so no system inherits another's
+    allocator state or captured graphs)."""
+    cases = make_cases(args, device)
+    if name == "floor":
+        return {"floor_ms": {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
+                             for c in ("65,536 uniform", "65,536 zipf1.1")}}
+    if name.startswith("small "):
+        ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30)
+        return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
+    kw = SYSTEMS[name]
+    step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
+                  nbtools_step(args.rows, args.dim, device, **kw))
+    out = {"ms": {}, "syncs": {}}
+    for case, batches in cases.items():
+        out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
+    out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
+    if args.profile and name == "nbtools host":
+        profile(step, cases["4,096 uniform"], device, os.path.join(args.out or ".", "step_profile.txt"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the 4,096-id step")
+    ap.add_argument("--system", default=None, help=argparse.SUPPRESS)   # one system, in a child
+    ap.add_argument("--out", default=None, help="write DIR/step.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.steps = 100_000, 4
+    device = resolve_device("auto")
+    if args.system:
+        print("RESULT " + json.dumps(run_system(args.system, args, device)), flush=True)
+        return
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
+           "floor_ms": {}, "small_model": {}}
+    print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam; each system in a "
+          "process of its own", flush=True)
+    names = [n for n in SYSTEMS if device.type == "cuda" or SYSTEMS[n] is not None] + \
+        [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"]
+    for name in names:
+        cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
+               str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
+            (["--profile", "--out", args.out] if args.profile and args.out else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        for key, value in json.loads(line[-1][len("RESULT "):]).items():
+            res[key].update(value)
+        print(f"{name:<24} done", flush=True)
+
+    ms = res["ms"]
+    print(f"\n## step time, {args.rows:,} x {args.dim}, Adam ({res['device']})")
+    for k, v in ms.items():
+        print(f"{k:<44}{v:9.3f} ms")
+    print("\n## issue 10 targets")
+    ratios = {}
+    get = lambda k: ms.get(k)
+
+    def ratio(key, num, den):
+        if num is not None and den:
+            ratios[key] = num / den
+    ratio("host / torch sparse, 4,096 ids (target <= 1.5)", get("nbtools host | 4,096 uniform"),
+          get("torch sparse | 4,096 uniform"))
+    for case in ("65,536 uniform", "65,536 zipf1.1"):
+        ratio(f"host / traffic floor, {case}" + (" (target <= 1.1)" if "uniform" in case else ""),
+              get(f"nbtools host | {case}"), res["floor_ms"].get(case))
+    for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
+        ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
+        ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),
+              get(f"torch sparse | {case}"))
+        ratio(f"host fused / host generic, {case}", get(f"nbtools host | {case}"),
+              get(f"nbtools host generic | {case}"))
+        ratio(f"host graphs / host eager, {case}", get(f"nbtools host | {case}"),
+              get(f"nbtools host eager | {case}"))
+    sm = res["small_model"]
+    ratio("small model: host / torch sparse", sm.get("nbtools host"), sm.get("torch sparse"))
+    ratio("small model: gpu / torch sparse", sm.get("nbtools gpu"), sm.get("torch sparse"))
+    ratio("small model: host speed / gpu speed (target >= 0.8)", sm.get("nbtools gpu"), sm.get("nbtools host"))
+    res["ratios"] = ratios
+    for k, v in ratios.items():
+        print(f"{k:<62}{v:8.2f}x")
+    for k, v in res["floor_ms"].items():
+        print(f"traffic floor {k:<30}{v:9.3f} ms")
+    for k, v in res["syncs"].items():
+        print(f"host syncs per step, {k:<24}{v if v is None else f'{v:.1f}'}")
+    for k, v in sm.items():
+        print(f"small model {k:<32}{v:9.3f} ms")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "step.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""The on-disk format of one checkpoint: data files of raw tensor bytes (written and read in
+chunks, CRC-32 per run) and the ``MANIFEST`` that lists them, with its own checksum.
+
+A checkpoint directory holds ``data-0000.bin``, ``data-0001.bin``, ... (rolling over at
+``file_bytes``), an optional ``extras.pt`` for values JSON cannot hold, and ``MANIFEST``, written
+last. The manifest's first line is ``nbtools-checkpoint <version> crc32=<8 hex> bytes=<n>``; the
+rest is JSON: every tensor's dtype, stored dtype, shape and segments ``[file, offset, nbytes,
+crc32]``, every file's size, and the encoded state trees (:mod:`nbtools.checkpoint.tree`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import zlib
+from pathlib import Path
+
+import torch
+
+from .. import NbtoolsError
+from ..devices import cuda_ok
+
+FORMAT = "nbtools-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST"
+EXTRAS = "extras.pt"
+_ALIGN = 64                       # every tensor starts at a multiple of this in its data file
+
+
+class CheckpointError(NbtoolsError, RuntimeError):
+    """A checkpoint could not be written or none could be restored."""
+
+
+class CheckpointSpaceError(NbtoolsError, OSError):
+    """Not enough free space for a checkpoint (checked before writing, or ENOSPC while writing)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped, or a half-precision one was restored."""
+
+
+class _Damaged(Exception):
+    """Internal: this checkpoint fails verification (the message says where)."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Tuning knobs of :class:`CheckpointManager` (the defaults suit Colab and local disks)."""
+
+    chunk_bytes: int = 64 << 20        # bytes per read/write call: the only extra RAM a save needs
+    file_bytes: int = 1 << 30          # data files roll over at this size: Drive uploads whole files
+    half_tables: bool = False          # store large float tensors (tables, per-row state) as half
+    half_dtype: str = "bfloat16"       # bfloat16 keeps float32's range (Adam's tiny exp_avg_sq)
+    half_min_bytes: int = 16 << 20     # a float tensor at least this big counts as a "table"
+    fsync: bool = True                 # make each file durable before the checkpoint becomes visible
+    drop_page_cache: bool = True       # don't let written/read files crowd the table out of RAM
+    free_space_margin_bytes: int = 64 << 20   # refuse a save that would leave less than this
+    progress: bool | None = None       # None: a bar only for saves/restores longer than ~1 s
+    verbose: bool = True               # one line per save / restore with its throughput
+
+    def __post_init__(self):
+        if self.chunk_bytes < 4096 or self.chunk_bytes % _ALIGN:
+            raise ValueError(f"chunk_bytes must be a multiple of {_ALIGN} and >= 4096, "
+                             f"got {self.chunk_bytes}")
+        if self.file_bytes < self.chunk_bytes or self.file_bytes % _ALIGN:
+            raise ValueError(f"file_bytes must be a multiple of {_ALIGN} and >= chunk_bytes, "
+                             f"got {self.file_bytes}")
+        if self.half_dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"half_dtype must be 'bfloat16' or 'float16', got {self.half_dtype!r}")
+
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise _Damaged(f"unknown dtype {name!r} in manifest")
+    return dt
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _fsync_dir(path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:        # some filesystems (FUSE mounts) refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fadvise(fd, advice_name: str) -> None:
+    advice = getattr(os, advice_name, None)
+    if advice is not None and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        except OSError:
+            pass
+
+
+def _write_all(f, mv) -> None:
+    while len(mv):
+        n = f.write(mv)
+        mv = mv[n:]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor, without copying."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+# --- the data files -----------------------------------------------------------------------------
+
+class _DataWriter:
+    """Appends tensors to data-0000.bin, data-0001.bin, ... (rolling over at file_bytes).
+
+    Each tensor's bytes become segments ``[file, offset, nbytes, crc32]``. The write of a
+    chunk runs on a worker thread while this thread computes its CRC: both release the GIL.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, pool, bar):
+        self.root, self.cfg, self.pool, self.bar = root, cfg, pool, bar
+        self.files: dict[str, int] = {}
+        self.f = None
+        self.name = None
+        self.offset = 0
+        self.written = 0
+
+    def _open_next(self):
+        self._close()
+        self.name = f"data-{len(self.files):04d}.bin"
+        self.f = open(self.root / self.name, "wb", buffering=0)
+        self.files[self.name] = 0
+        self.offset = 0
+
+    def _close(self):
+        if self.f is None:
+            return
+        if self.cfg.fsync:
+            os.fsync(self.f.fileno())
+        if self.cfg.drop_page_cache:
+            _fadvise(self.f.fileno(), "POSIX_FADV_DONTNEED")
+        self.f.close()
+        self.f = None
+
+    def begin_tensor(self) -> list:
+        if self.f is None:
+            self._open_next()
+        pad = (-self.offset) % _ALIGN
+        if pad and self.offset + pad < self.cfg.file_bytes:
+            _write_all(self.f, memoryview(bytes(pad)))
+            self.offset += pad
+            self.files[self.name] = self.offset
+        elif pad:
+            self._open_next()
+        self.segments = []
+        return self.segments
+
+    def write(self, mv: memoryview) -> None:
+        while len(mv):
+            if self.offset >= self.cfg.file_bytes:
+                self._open_next()
+            piece = mv[: self.cfg.file_bytes - self.offset]
+            if not self.segments or self.segments[-1][0] != self.name:
+                self.segments.append([self.name, self.offset, 0, 0])
+            seg = self.segments[-1]
+            fut = self.pool.submit(_write_all, self.f, piece)
+            seg[3] = zlib.crc32(piece, seg[3])
+            fut.result()
+            n = len(piece)
+            seg[2] += n
+            self.offset += n
+            self.written += n
+            self.files[self.name] = self.offset
+            if self.bar is not None:
+                self.bar.update(n)
+            mv = mv[n:]
+
+    def close(self):
+        self._close()
+
+
+class _Staging:
+    """Reusable host buffers for chunks that cannot be read/written in place (pinned when CUDA
+    is there, so GPU copies run at full speed)."""
+
+    def __init__(self, nbytes: int, count: int = 1):
+        pin = cuda_ok()
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+
+    def get(self, i: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.bufs[i % len(self.bufs)].view(dtype)[:numel]
+
+
+def _save_chunks(t: torch.Tensor, stored: torch.dtype, cfg: CheckpointConfig, staging):
+    """Yield the stored bytes of ``t`` chunk by chunk, never more than one chunk extra in RAM."""
+    from ..hostmem import count_transfer
+
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    itemsize = torch.empty((), dtype=stored).element_size()
+    per_chunk = cfg.chunk_bytes // itemsize
+    if t.device.type == "cpu" and t.is_contiguous() and t.dtype == stored:
+        mv = _byte_view(t)                         # straight from the tensor's own memory
+        for a in range(0, len(mv), cfg.chunk_bytes):
+            yield mv[a: a + cfg.chunk_bytes]
+        return
+    if t.is_contiguous():
+        flat = t.view(-1)
+        for a in range(0, flat.numel(), per_chunk):
+            piece = flat[a: a + per_chunk]
+            buf = staging.get(0, stored, piece.numel())
+            buf.copy_(piece)
+            if t.is_cuda:
+                count_transfer(d2h=piece.numel() * t.element_size())
+            yield _byte_view(buf)
+        return
+    # Non-contiguous: slices along dim 0, each made contiguous in the staging buffer.
+    row = max(1, t[0].numel()) if t.shape[0] else 1
+    rows = max(1, per_chunk // row)
+    for a in range(0, t.shape[0], rows):
+        piece = t[a: a + rows]
+        if piece.numel() > per_chunk:              # one row larger than a chunk: rare, copy it
+            buf = piece.to(device="cpu", dtype=stored).contiguous()
+        else:
+            buf = staging.get(0, stored, piece.numel()).view(piece.shape)
+            buf.copy_(piece)
+        if t.is_cuda:
+            count_transfer(d2h=piece.numel() * t.element_size())
+        yield _byte_view(buf)
+
+
+class _Reader:
+    """Reads tensors back from the data files into destination tensors, verifying CRCs."""
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, pool, bar):
+        self.root, self.cfg, self.pool, self.bar = root, cfg, pool, bar
+        self.handles: dict[str, object] = {}
+        self.staging = None
+        self.read = 0
+
+    def _file(self, name):
+        f = self.handles.get(name)
+        if f is None:
+            f = open(self.root / name, "rb", buffering=0)
+            _fadvise(f.fileno(), "POSIX_FADV_SEQUENTIAL")
+            self.handles[name] = f
+        return f
+
+    def close(self):
+        for f in self.handles.values():
+            if self.cfg.drop_page_cache:
+                _fadvise(f.fileno(), "POSIX_FADV_DONTNEED")
+            f.close()
+        self.handles.clear()
+
+    def read_tensor(self, entry: dict, dst: torch.Tensor | None, where: str) -> None:
+        """Stream ``entry``'s bytes into ``dst`` (contiguous, of the entry's shape), or only
+        verify them when ``dst`` is None."""
+        from ..hostmem import count_transfer
+
+        stored = _dtype(entry["stored"])
+        itemsize = torch.empty((), dtype=stored).element_size()
+        direct = (dst is not None and dst.device.type == "cpu" and dst.dtype == stored)
+        dst_bytes = _byte_view(dst) if direct else None
+        dst_flat = dst.view(-1) if dst is not None and dst.dim() else (
+            dst.reshape(1) if dst is not None else None)
+        if not direct and self.staging is None:
+            self.staging = _Staging(self.cfg.chunk_bytes, 2)
+        # The plan: reads of at most chunk_bytes, each inside one segment.
+        plan = []                    # (segment index, file, offset, nbytes, position in tensor)
+        pos = 0
+        for si, (name, off, nbytes, _) in enumerate(entry["segments"]):
+            for a in range(0, nbytes, self.cfg.chunk_bytes):
+                n = min(self.cfg.chunk_bytes, nbytes - a)
+                plan.append((si, name, off + a, n, pos))
+                pos += n
+        if pos != entry["bytes"]:
+            raise _Damaged(f"{where}: segments hold {pos} bytes, manifest says {entry['bytes']}")
+
+        def buffer(k):
+            _, _, _, n, p = plan[k]
+            if direct:
+                return dst_bytes[p: p + n]
+            return _byte_view(self.staging.get(k, torch.uint8, n))
+
+        def do_read(k, mv):
+            _, name, off, n, _ = plan[k]
+            f = self._file(name)
+            if f.tell() != off:          # reads are sequential: seek only between tensors
+                f.seek(off)
+            got = 0
+            while got < n:
+                r = f.readinto(mv[got:])
+                if not r:
+                    break
+                got += r
+            return got
+
+        crcs = [0] * len(entry["segments"])
+        fut = self.pool.submit(do_read, 0, buffer(0)) if plan else None
+        for k, (si, name, off, n, p) in enumerate(plan):
+            mv = buffer(k)
+            got = fut.result()
+            if got != n:
+                raise _Damaged(f"{where}: {name} is truncated (wanted {n} bytes at {off}, got {got})")
+            if k + 1 < len(plan):                  # read the next chunk while checking this one
+                fut = self.pool.submit(do_read, k + 1, buffer(k + 1))
+            crcs[si] = zlib.crc32(mv, crcs[si])
+            if dst is not None and not direct:
+                a = p // itemsize
+                src = self.staging.get(k, stored, n // itemsize)
+                dst_flat[a: a + src.numel()].copy_(src)
+                if dst.is_cuda:
+                    count_transfer(h2d=src.numel() * dst.element_size())
+            self.read += n
+            if self.bar is not None:
+                self.bar.update(n)
+        for si, seg in enumerate(entry["segments"]):
+            if crcs[si] != seg[3]:
+                raise _Damaged(f"{where}: checksum mismatch in {seg[0]} bytes {seg[1]}.."
+                               f"{seg[1] + seg[2]} (file damaged)")
+
+
+# --- manifests ----------------------------------------------------------------------------------
+
+def _write_manifest(root: Path, body: dict, fsync: bool) -> None:
+    data = json.dumps(body, indent=1, allow_nan=True).encode()
+    head = f"{FORMAT} {FORMAT_VERSION} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
+    with open(root / MANIFEST, "wb") as f:
+        f.write(head + data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise _Damaged("no MANIFEST (incomplete upload or copy)") from None
+    except OSError as e:
+        raise _Damaged(f"MANIFEST unreadable: {e}") from None
+    head, _, data = raw.partition(b"\n")
+    m = re.fullmatch(rf"{FORMAT} (\d+) crc32=([0-9a-f]{{8}}) bytes=(\d+)".encode(), head)
+    if not m:
+        raise _Damaged("MANIFEST has no valid header (empty or damaged file)")
+    if int(m.group(1)) > FORMAT_VERSION:
+        raise _Damaged(f"written by a newer nbtools (format {int(m.group(1))}); upgrade nbtools")
+    if len(data) != int(m.group(3)) or zlib.crc32(data) != int(m.group(2), 16):
+        raise _Damaged("MANIFEST checksum mismatch (file truncated or damaged)")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise _Damaged(f"MANIFEST is not valid JSON: {e}") from None
+
+
+def _check_files(path: Path, manifest: dict) -> None:
+    """Cheap structural check: every file there with exactly its recorded size."""
+    for name, size in manifest["files"].items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise _Damaged(f"{name} is missing") from None
+        if actual != size:
+            raise _Damaged(f"{name} has {actual:,} bytes, expected {size:,} (truncated or "
+                           "not fully uploaded)")
+

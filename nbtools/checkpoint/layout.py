@@ -1,0 +1,132 @@
+"""Checkpoint directories under a root: finding them (newest first, damaged ones included),
+temporary names for saves in progress, removing old ones, and cleaning up after dead saves."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from .format import _Damaged, _read_manifest
+
+_DIR_RE = re.compile(r"^step-(\d{9,})(?:-r(\d+))?$")
+_TMP_PREFIX = ".tmp-"
+_DEL_PREFIX = ".del-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclasses.dataclass
+class _Entry:
+    path: Path
+    step: int
+    rev: int
+    manifest: dict | None
+    error: str | None
+
+    @property
+    def seq(self) -> int:
+        return self.manifest["seq"] if self.manifest else -1
+
+
+def _scan(root: Path) -> list[_Entry]:
+    """Checkpoint directories under ``root`` (complete or damaged), newest first."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = _DIR_RE.match(name)
+        if not m or not (root / name).is_dir():
+            continue
+        try:
+            manifest, error = _read_manifest(root / name), None
+        except _Damaged as e:
+            manifest, error = None, str(e)
+        out.append(_Entry(root / name, int(m.group(1)), int(m.group(2) or 0), manifest, error))
+    out.sort(key=lambda e: (e.seq, e.step, e.rev), reverse=True)
+    return out
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename out of the way first (atomic), then delete: a crash mid-delete never leaves a
+    half-deleted directory that looks like a checkpoint."""
+    trash = path.parent / f"{_DEL_PREFIX}{path.name}-{os.getpid()}-{time.time_ns():x}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
+    """Remove temp directories of dead saves and interrupted deletions."""
+    host = _host()
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        path = root / name
+        if name.startswith(_DEL_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(_TMP_PREFIX):
+            parts = name.rsplit("-", 3)          # .tmp-<name>-<host>-<pid>-<nonce>
+            try:
+                same_host, pid = parts[1] == host, int(parts[2])
+            except (IndexError, ValueError):
+                same_host, pid = False, -1
+            if same_host:
+                stale = pid != os.getpid() and not _pid_alive(pid)
+            else:
+                try:
+                    stale = time.time() - path.stat().st_mtime > max_age_s
+                except OSError:
+                    stale = False
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_")
+
+
+def _tmp_name(final_name: str) -> str:
+    return f"{_TMP_PREFIX}{final_name}-{_host()}-{os.getpid()}-{time.time_ns():x}"
+
+
+def prune(root, keep: int, protect=()) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` (and damaged ones
+    older than all of those). Paths in ``protect`` are left alone. Returns what was deleted."""
+    entries = _scan(Path(root))
+    good = [e for e in entries if e.manifest is not None]
+    removed = []
+    protect = {Path(p) for p in protect}
+    for e in good[keep:]:
+        if e.path not in protect:
+            _remove_dir(e.path)
+            removed.append(e.path)
+    if len(good) >= keep and keep > 0:
+        oldest_kept = good[keep - 1].manifest.get("created_unix", 0)
+        for e in entries:
+            if e.manifest is None and e.path not in protect:
+                try:
+                    if e.path.stat().st_mtime < oldest_kept:
+                        _remove_dir(e.path)
+                        removed.append(e.path)
+                except OSError:
+                    pass
+    return removed
+

@@ -1,0 +1,62 @@
+"""What this machine offers nbtools, at a glance: :func:`describe` (``nbtools.describe()``).
+
+It sits above :mod:`nbtools.devices` and :mod:`nbtools.hostmem` (it asks both), so neither has to
+import the other backwards.
+"""
+from __future__ import annotations
+
+import os  # noqa: F401  (the doctest of describe() uses os.devnull)
+import platform
+
+import torch
+
+from . import hostmem
+from .devices import cuda_ok, host_memory_bytes, memlock_limit, resolve_device
+from .units import human_bytes as _human
+
+
+def describe(file=None) -> dict:
+    """Print (and return) torch, CUDA, GPU and pinning capability at a glance.
+
+    >>> info = describe(file=open(os.devnull, "w"))
+    >>> sorted(info)[:3]
+    ['auto_gpu_budget_bytes', 'cuda', 'device']
+    """
+    mem = host_memory_bytes()
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda_ok() else None,
+        "device": str(resolve_device()),
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "host_total_bytes": mem["total"],
+        "host_available_bytes": mem["available"],
+        "memlock_limit_bytes": memlock_limit(),
+        "pinning": "unavailable (no CUDA): tables use ordinary host memory",
+        "pinned_bytes": hostmem.pinned_bytes(),
+        # what OffloadedEmbedding(placement="auto") puts on the GPU now (rows + state)
+        "auto_gpu_budget_bytes": None,
+    }
+    if cuda_ok():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = props.name
+        info["gpu_memory_bytes"] = props.total_memory
+        info["pinning"] = hostmem.probe_pinning()
+        from .tables import TableConfig
+        free, _ = torch.cuda.mem_get_info()
+        info["auto_gpu_budget_bytes"] = int(TableConfig.gpu_fraction * free)
+    lines = [
+        f"nbtools  python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
+        f"device   {info['device']}  GPU {info['gpu'] or 'none'}  GPU memory {_human(info['gpu_memory_bytes'])}",
+        f"host RAM {_human(info['host_available_bytes'])} available of {_human(info['host_total_bytes'])}"
+        f"  memlock limit {_human(info['memlock_limit_bytes']) if info['memlock_limit_bytes'] else 'unlimited'}",
+        f"pinning  {info['pinning']}  (nbtools holds {_human(info['pinned_bytes'])} pinned)",
+        "placement='auto': " + (f"a table whose rows + optimizer state fit "
+                                f"{_human(info['auto_gpu_budget_bytes'])} (half the free GPU "
+                                "memory) lives on the GPU, a larger one in pinned host RAM"
+                                if info["auto_gpu_budget_bytes"] is not None else
+                                "CPU compute: tables live in host memory"),
+    ]
+    print("\n".join(lines), file=file)
+    return info

@@ -1,0 +1,371 @@
+"""The loop's model: :class:`Monitor` samples every meter into a record, keeps the
+:class:`History`, writes the one-line :func:`diagnose` and fires one-shot :class:`Warnings`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from ..units import fmt_bytes, fmt_count, fmt_rate
+from .samplers import Meters, StepTimer, ThroughputMeter
+
+
+def _frac(part, whole):
+    """part / whole, or None when either is missing or whole is 0."""
+    if part is None or not whole:
+        return None
+    return part / whole
+
+
+
+# --- history ------------------------------------------------------------------------------------
+
+class History:
+    """Records (dicts) in memory, optionally appended as JSON lines to ``path`` as they come, so
+    that the history survives a disconnect and can be re-plotted after resuming.
+
+    Loading skips a torn last line (a write cut off by the disconnect). Memory stays bounded:
+    past ``max_records`` every other old record is dropped (the plot does not need them all).
+
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "meters.jsonl")
+    >>> h = History(p)
+    >>> h.append({"time_s": 0.0, "gpu_used_bytes": 1}); h.append({"time_s": 1.0, "gpu_used_bytes": None})
+    >>> h.close()
+    >>> History.load(p).column("gpu_used_bytes")
+    [1, None]
+    """
+
+    def __init__(self, path=None, *, max_records: int = 20_000):
+        self.path = os.fspath(path) if path is not None else None
+        self.max_records = max_records
+        self.records: list[dict] = []
+        self.skipped_lines = 0
+        self._file = None
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if len(self.records) > self.max_records:
+            half = len(self.records) // 2
+            self.records[:half] = self.records[:half:2]
+        if self.path is not None:
+            if self._file is None:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(_dumps(record) + "\n")
+            self._file.flush()
+
+    def column(self, key: str) -> list:
+        return [r.get(key) for r in self.records]
+
+    def __len__(self):
+        return len(self.records)
+
+    def save(self, path) -> None:
+        """Write all records to ``path`` atomically: a temporary name in the same folder, then a
+        rename there (``os.replace`` across file systems, e.g. into a Drive mount, fails)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in self.records:
+                f.write(_dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, *, append: bool = False) -> "History":
+        """Read a JSONL history; ``append=True`` keeps writing new records to the same file."""
+        h = cls(path if append else None)
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    h.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    h.skipped_lines += 1
+        if append:
+            # a torn last line would glue onto the next record: start on a fresh line
+            with open(path, "rb+") as f:
+                if f.seek(0, os.SEEK_END) > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+        return h
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _dumps(record: dict) -> str:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in record.items()}
+    return json.dumps(clean, separators=(",", ":"))
+
+
+# --- diagnosis and warnings ---------------------------------------------------------------------
+
+_FEWER_BYTES = "fewer bytes per row help (bf16 tables, an optimizer with less state)"
+
+
+def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
+    """One line saying what bounds the run, from one record.
+
+    The checks, in order: the loader (data wait), the PCIe link (NVML rates, or the bytes nbtools
+    moved, against the link's speed; nbtools' zero-copy reads plus writes against it), the step
+    timer's transfer share, then GPU utilisation.
+    PCIe comes before utilisation because ``utilization.gpu`` reads ~100% during pure copies.
+
+    >>> diagnose({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "step_s": 0.005})
+    'transfer-bound: PCIe RX at 48 of 55 GB/s; fewer bytes per row help (bf16 tables, an optimizer with less state)'
+    >>> diagnose({"nbtools_h2d_bytes_per_s": 18e9, "nbtools_d2h_bytes_per_s": 18e9,
+    ...           "link_bytes_per_s": 63e9, "gpu_util_percent": 88})[:58]
+    'transfer-bound: nbtools moves 36 GB/s of rows (18 in, 18 o'
+    >>> diagnose({"gpu_util_percent": 97.0, "step_s": 0.005})
+    'compute-bound: GPU busy 97%; a larger batch or mixed precision helps'
+    """
+    r = record
+    link = link_bytes_per_s or r.get("link_bytes_per_s")
+    step = r.get("step_s")
+    data_frac = _frac(r.get("data_wait_s"), step)
+    if data_frac is not None and data_frac >= 0.3:
+        return (f"data-bound: {data_frac:.0%} of each step waits for the next batch; "
+                "use PinnedLoader, more loader workers or a larger batch")
+    rx = _max(r.get("pcie_rx_bytes_per_s"), r.get("nbtools_h2d_bytes_per_s"))
+    tx = _max(r.get("pcie_tx_bytes_per_s"), r.get("nbtools_d2h_bytes_per_s"))
+    if link:
+        name, rate = ("RX", rx) if (rx or 0) >= (tx or 0) else ("TX", tx)
+        if rate is not None and rate >= 0.6 * link:
+            return (f"transfer-bound: PCIe {name} at {rate / 1e9:.0f} of {link / 1e9:.0f} GB/s; "
+                    f"{_FEWER_BYTES}")
+        # Zero-copy reads and writes of table rows share the link (measured on an H100: they do
+        # not overlap), and their kernels read as "GPU busy": judge them by their sum.
+        h2d, d2h = r.get("nbtools_h2d_bytes_per_s"), r.get("nbtools_d2h_bytes_per_s")
+        if h2d is not None and d2h is not None and h2d + d2h >= 0.5 * link:
+            return (f"transfer-bound: nbtools moves {(h2d + d2h) / 1e9:.0f} GB/s of rows "
+                    f"({h2d / 1e9:.0f} in, {d2h / 1e9:.0f} out) over a {link / 1e9:.0f} GB/s link, "
+                    f"and zero-copy reads and writes share it; {_FEWER_BYTES}")
+    xfer_frac = _frac(r.get("transfer_s"), step)
+    if xfer_frac is not None and xfer_frac >= 0.4:
+        return (f"transfer-bound: host<->GPU copies take {xfer_frac:.0%} of each step; "
+                "pin the source memory and copy with non_blocking=True, or cache hot rows")
+    util = r.get("gpu_util_percent")
+    if util is not None:
+        if util >= 85:
+            return f"compute-bound: GPU busy {util:.0f}%; a larger batch or mixed precision helps"
+        if step is not None and util < 50:
+            return (f"host-bound: GPU busy only {util:.0f}%; Python or CPU work between kernels "
+                    "(larger batches amortise it)")
+        pcie = f", PCIe RX {fmt_rate(rx)}" if rx is not None else ""
+        return f"balanced: GPU busy {util:.0f}%{pcie}"
+    if step is None:
+        return "warming up: no steps measured yet"
+    return "no GPU readings: CPU run (step time and throughput only)"
+
+
+def _max(a, b):
+    return b if a is None else a if b is None else max(a, b)
+
+
+class Warnings:
+    """One-shot warnings before trouble: each kind fires once per run.
+
+    Kinds: ``gpu_memory`` (GPU memory used, or reserved by torch, near its total),
+    ``host_memory`` (host RAM, pinned pages included, near the machine's total) and
+    ``throughput_drop`` (rate below ``drop_fraction`` of the best seen after a warm-up).
+
+    >>> w = Warnings()
+    >>> w.check({"gpu_used_bytes": 79 << 30, "gpu_total_bytes": 80 << 30})
+    ['GPU memory 79.0 GiB of 80.0 GiB (99%): the next allocation may fail; use a smaller batch or offload more (nbtools.plan)']
+    >>> w.check({"gpu_used_bytes": 79 << 30, "gpu_total_bytes": 80 << 30})
+    []
+    """
+
+    def __init__(self, *, gpu_fraction: float = 0.92, host_fraction: float = 0.90,
+                 drop_fraction: float = 0.5, warmup_s: float = 10.0):
+        self.gpu_fraction = gpu_fraction
+        self.host_fraction = host_fraction
+        self.drop_fraction = drop_fraction
+        self.warmup_s = warmup_s
+        self.fired: dict[str, str] = {}
+        self._best_rate = None
+
+    def check(self, r: dict) -> list[str]:
+        """New warnings for this record (each kind at most once per run)."""
+        new = []
+        total = r.get("gpu_total_bytes")
+        used = _max(r.get("gpu_used_bytes"), r.get("torch_reserved_bytes"))
+        f = _frac(used, total)
+        if f is not None and f >= self.gpu_fraction:
+            new += self._fire("gpu_memory", f"GPU memory {fmt_bytes(used)} of {fmt_bytes(total)} "
+                              f"({f:.0%}): the next allocation may fail; use a smaller batch or "
+                              "offload more (nbtools.plan)")
+        total = r.get("host_total_bytes")
+        used = r.get("host_used_bytes")
+        f = _frac(used, total)
+        if f is not None and f >= self.host_fraction:
+            pinned = r.get("pinned_bytes")
+            of_it = f", {fmt_bytes(pinned)} of it pinned (cannot be swapped)" if pinned else ""
+            new += self._fire("host_memory", f"host RAM {fmt_bytes(used)} of {fmt_bytes(total)} "
+                              f"used ({f:.0%}){of_it}: the kernel may kill the process; "
+                              "free memory or use a smaller table / fewer state tensors")
+        rate = r.get("samples_per_s")
+        if rate is not None and (r.get("elapsed_s") or 0) >= self.warmup_s:
+            if self._best_rate is not None and rate < self.drop_fraction * self._best_rate:
+                unit = r.get("unit", "samples")
+                new += self._fire("throughput_drop",
+                                  f"throughput dropped to {fmt_count(rate)} {unit}/s from "
+                                  f"{fmt_count(self._best_rate)} {unit}/s; see the diagnosis line")
+            self._best_rate = _max(self._best_rate, rate)
+        return new
+
+    def _fire(self, kind, message):
+        if kind in self.fired:
+            return []
+        self.fired[kind] = message
+        return [message]
+
+
+# --- the loop's model ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MonitorConfig:
+    """Settings of :class:`Monitor` (and of the dashboard that draws it)."""
+    refresh_s: float = 1.0            # at most one sample per this many seconds
+    max_overhead: float = 0.01        # refresh less often if sampling costs more than this share
+    window_s: float = 10.0            # throughput is averaged over this window
+    pcie: str = "auto"                # "auto", "thread", "manual" (tests) or "off"
+    history_path: str | None = None   # append every record here as JSON lines (next to checkpoints)
+    link_bytes_per_s: float | None = None   # measured ceiling (e.g. from bandwidth_check)
+    gpu_warn_fraction: float = 0.92
+    host_warn_fraction: float = 0.90
+    drop_warn_fraction: float = 0.5
+    warmup_s: float = 10.0            # no throughput-drop warning before this
+    timer_min_interval_s: float = 0.01   # CUDA-event timing of at most ~100 steps per second
+
+
+class Monitor:
+    """The headless model behind :class:`nbtools.Dashboard`: counts steps, and at most once per
+    ``refresh_s`` samples every meter into a record, appends it to the history, checks warnings
+    and writes the diagnosis.
+
+    Args:
+        unit: what a sample is (``"words"``, ``"rows"``); shown as ``words/s``.
+        backend: readings (default :class:`SystemBackend`); :class:`~nbtools.testing.FakeBackend` in tests.
+        clock: monotonic seconds (default ``time.monotonic``).
+        config: :class:`MonitorConfig`.
+        history: a :class:`History` to continue (after resuming); its time axis is continued.
+    """
+
+    def __init__(self, unit: str = "samples", *, backend=None, clock=None, config=None,
+                 history: History | None = None):
+        self.config = config or MonitorConfig()
+        cfg = self.config
+        self.clock = clock or time.monotonic
+        self.meters = Meters(backend, clock=self.clock, pcie=cfg.pcie)
+        self.throughput = ThroughputMeter(unit, clock=self.clock, window_s=cfg.window_s)
+        events = self._event_factory()
+        self.timer = StepTimer(clock=self.clock, event_factory=events,   # the host clock is
+                               min_interval_s=cfg.timer_min_interval_s if events else 0.0)  # cheap
+        self.warnings = Warnings(gpu_fraction=cfg.gpu_warn_fraction,
+                                 host_fraction=cfg.host_warn_fraction,
+                                 drop_fraction=cfg.drop_warn_fraction, warmup_s=cfg.warmup_s)
+        if history is None:
+            history = History(cfg.history_path)
+        elif cfg.history_path is not None and history.path is None:
+            history.path = os.fspath(cfg.history_path)
+        self.history = history
+        # continue the time axis of a resumed history, one refresh after its last record
+        last = next((r["time_s"] for r in reversed(history.records) if "time_s" in r), None)
+        self._t_offset = (last + cfg.refresh_s) if last is not None else 0.0
+        self._resumed = last is not None
+        self._t0 = self.clock()
+        self._next = self._t0     # the first step samples at once
+        self.steps = 0
+        self.record: dict = {}
+        self.diagnosis = "warming up: no steps measured yet"
+        self.new_warnings: list[str] = []
+        self.overhead_s = 0.0
+        self._cost = 0.0
+
+    def _event_factory(self):
+        b = self.meters.backend
+        if not hasattr(b, "event"):
+            return None
+        try:
+            probe = b.event()
+        except Exception:
+            return None
+        return b.event if probe is not None else None
+
+    @property
+    def unit(self) -> str:
+        return self.throughput.unit
+
+    def step(self, n=1):
+        """Count one step of ``n`` samples. Returns the new record when a refresh was due (at
+        most once per ``refresh_s``), else None. Costs about a microsecond otherwise."""
+        now = self.count(n)
+        if now < self._next:
+            return None
+        return self.refresh(now)
+
+    def count(self, n=1) -> float:
+        """Count one step of ``n`` samples without ever refreshing (for a view that refreshes
+        from its own thread); returns the clock reading."""
+        now = self.clock()
+        self.steps += 1
+        self.throughput.update(n, now)
+        self.timer.step(now)
+        return now
+
+    def refresh(self, now: float | None = None, *, final: bool = False) -> dict:
+        """Sample every meter now (the view calls this from its thread, and on close with
+        ``final=True``: the step-time breakdown is then the whole run's mean)."""
+        t_start = time.perf_counter()
+        now = self.clock() if now is None else now
+        self._cost = 0.0
+        rec = self.meters.read()
+        rec.update(self.throughput.read(now))
+        rec.update(self.timer.read(whole_run=final))
+        rec["time_s"] = now - self._t0 + self._t_offset
+        rec["step"] = self.steps
+        rec["unix_time"] = time.time()
+        if self._resumed:
+            rec["resumed"] = True
+            self._resumed = False
+        rec["overhead_percent"] = (100.0 * self.overhead_s / rec["elapsed_s"]
+                                   if rec.get("elapsed_s") else None)
+        link = self.config.link_bytes_per_s
+        self.diagnosis = diagnose(rec, link_bytes_per_s=link)
+        rec["diagnosis"] = self.diagnosis
+        self.new_warnings = self.warnings.check(rec)
+        self.history.append(rec)
+        self.record = rec
+        self.add_overhead(time.perf_counter() - t_start, now)
+        return rec
+
+    def add_overhead(self, seconds: float, now: float | None = None, *,
+                     reschedule: bool = True) -> None:
+        """Charge time spent on monitoring. With ``reschedule`` (sampling, drawing badges) the
+        next refresh moves out so that a refresh costs at most ``max_overhead`` of the time
+        between refreshes; the plot, which a view schedules itself, passes False."""
+        self.overhead_s += seconds
+        if not reschedule:
+            return
+        self._cost += seconds
+        now = self.clock() if now is None else now
+        self._next = now + max(self.config.refresh_s, self._cost / self.config.max_overhead)
+
+    def close(self) -> None:
+        self.meters.close()
+        self.history.close()
+
+

@@ -1,0 +1,142 @@
+"""Fakes for tests and docs: a clock moved by hand and meter readings without a GPU.
+
+>>> clock = FakeClock()
+>>> clock.advance(1.5); clock()
+1.5
+"""
+from __future__ import annotations
+
+import collections
+
+from .meters.backends import (_PCIE_LANE_BYTES_PER_S, GPU_KEYS, HOST_KEYS, LINK_KEYS, NBTOOLS_KEYS,
+                              TORCH_KEYS)
+
+
+class FakeClock:
+    """A clock the test moves by hand: ``clock()`` returns seconds, ``clock.advance(dt)``."""
+
+    def __init__(self, start: float = 0.0):
+        self.t = float(start)
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class FakeBackend:
+    """Deterministic readings for tests and docs, no GPU needed.
+
+    Every reading is an attribute in ``values`` (set it to ``None`` for N/A); the raw PCIe
+    counters are ``counter_bits`` wide and wrap like NVML's. Put a reader's name in ``fail``
+    (``"gpu"``, ``"host"``, ``"pcie_counters"`` ...) to make it raise.
+
+    >>> b = FakeBackend(gpu_used_bytes=1 << 30)
+    >>> b.move(rx_bytes=5 << 30)          # 5 GiB into the GPU: the 32-bit counter wrapped
+    >>> b.pcie_counters()[0] == (5 << 30) % 2**32
+    True
+    """
+
+    DEFAULTS = {
+        "gpu_used_bytes": 6 << 30, "gpu_total_bytes": 80 << 30, "gpu_process_bytes": 5 << 30,
+        "gpu_util_percent": 60.0,
+        "torch_allocated_bytes": 4 << 30, "torch_reserved_bytes": 5 << 30,
+        "torch_peak_bytes": 4 << 30, "torch_pinned_bytes": 0,
+        "host_total_bytes": 64 << 30, "host_used_bytes": 20 << 30,
+        "host_available_bytes": 44 << 30, "process_rss_bytes": 12 << 30,
+        "nbtools_pinned_bytes": 8 << 30, "nbtools_h2d_bytes": 0, "nbtools_d2h_bytes": 0,
+        "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * _PCIE_LANE_BYTES_PER_S[5],
+    }
+
+    has_pcie = True
+
+    def __init__(self, counter_bits: int = 32, clock=None, **values):
+        unknown = set(values) - set(self.DEFAULTS)
+        if unknown:
+            raise TypeError(f"FakeBackend got unknown readings {sorted(unknown)}; "
+                            f"known: {sorted(self.DEFAULTS)}")
+        self.values = {**self.DEFAULTS, **values}
+        self.counter_bits = counter_bits
+        self.raw = [0, 0]                  # PCIe rx, tx counters as NVML would show them
+        self.throughput = [None, None]     # what the blocking throughput query returns (B/s)
+        self.fail: set[str] = set()
+        self.calls = collections.Counter()
+        self.clock = clock              # times FakeEvent.record() when given
+        self.events: list[FakeEvent] = []
+
+    def gpu_done(self) -> None:
+        """The fake GPU catches up: every event recorded so far completes."""
+        for e in self.events:
+            e.done = True
+
+    def move(self, rx_bytes: int = 0, tx_bytes: int = 0, nbtools: bool = False) -> None:
+        """Pretend bytes crossed PCIe (rx: into the GPU); ``nbtools=True`` counts them as moved
+        by nbtools too."""
+        m = 1 << self.counter_bits
+        self.raw = [(self.raw[0] + rx_bytes) % m, (self.raw[1] + tx_bytes) % m]
+        if nbtools:
+            self.values["nbtools_h2d_bytes"] += rx_bytes
+            self.values["nbtools_d2h_bytes"] += tx_bytes
+
+    def _read(self, name, keys):
+        self.calls[name] += 1
+        if name in self.fail:
+            raise RuntimeError(f"fake {name} failure")
+        return {k: self.values[k] for k in keys}
+
+    def gpu(self):
+        return self._read("gpu", GPU_KEYS)
+
+    def torch_memory(self):
+        return self._read("torch_memory", TORCH_KEYS)
+
+    def host(self):
+        return self._read("host", HOST_KEYS)
+
+    def nbtools(self):
+        return self._read("nbtools", NBTOOLS_KEYS)
+
+    def link(self):
+        return self._read("link", LINK_KEYS)
+
+    def pcie_counters(self):
+        self._read("pcie_counters", ())
+        return tuple(self.raw)
+
+    def pcie_throughput(self, direction: str):
+        self._read("pcie_throughput", ())
+        return self.throughput[0 if direction == "rx" else 1]
+
+    def event(self):
+        """A :class:`FakeEvent` when the backend has a clock (fake GPU timing), else None
+        (phases are timed with the host clock, as on a CPU)."""
+        if self.clock is None:
+            return None
+        e = FakeEvent(self.clock)
+        self.events.append(e)
+        return e
+
+    def close(self):
+        pass
+
+
+class FakeEvent:
+    """Stands in for ``torch.cuda.Event``: records the fake clock's time; ``query()`` is False
+    until the test calls :meth:`FakeBackend.gpu_done` (the GPU has caught up)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.done = False
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = self.clock()
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+

@@ -1,0 +1,72 @@
+"""The one pinning mechanism of nbtools.hostmem, on the CPU with CUDA registration faked:
+registration per address range, shared by its holders, counted once, undone by the last."""
+import gc
+import mmap
+
+import pytest
+import torch
+
+from nbtools import hostmem
+from nbtools.hostmem import HostTensor, page_aligned, pin_tensor, pinned_bytes, pinned_regions
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """cudaHostRegister / Unregister recorded instead of done; nothing reads as pinned."""
+    calls = {"register": [], "unregister": []}
+    monkeypatch.setattr(hostmem, "cuda_ok", lambda: True)
+    monkeypatch.setattr(hostmem, "_register", lambda ptr, n: calls["register"].append((ptr, n)))
+    monkeypatch.setattr(hostmem, "_unregister", lambda ptr: calls["unregister"].append(ptr))
+    monkeypatch.setattr(hostmem, "whole_range_pinned", lambda t: False)
+    before = pinned_bytes()
+    yield calls
+    gc.collect()
+    assert pinned_bytes() == before
+
+
+def test_page_aligned_gives_whole_pages_of_its_own():
+    for n in (0, 1, mmap.PAGESIZE, mmap.PAGESIZE + 1, 5 * mmap.PAGESIZE - 3):
+        a = page_aligned(n)
+        assert a.ctypes.data % mmap.PAGESIZE == 0
+        assert a.nbytes == max(1, -(-n // mmap.PAGESIZE)) * mmap.PAGESIZE
+
+
+def test_two_holders_of_one_range_share_one_registration(fake_cuda):
+    t = torch.zeros(1000)                               # 4,000 bytes
+    base = pinned_bytes()
+    a, b = pin_tensor(t, name="a"), pin_tensor(t, name="b")
+    assert a.pinned and b.pinned
+    assert fake_cuda["register"] == [(t.data_ptr(), 4000)]
+    assert pinned_bytes() - base == 4000 and ("a", 4000) in pinned_regions()
+    a.close()
+    a.close()                                           # idempotent
+    assert fake_cuda["unregister"] == [] and pinned_bytes() - base == 4000
+    del b
+    gc.collect()                                        # the last holder went away
+    assert fake_cuda["unregister"] == [t.data_ptr()] and pinned_bytes() == base
+
+
+def test_host_tensor_registers_its_pages_and_close_undoes_it(fake_cuda):
+    base = pinned_bytes()
+    h = HostTensor((10, 3), torch.float32, name="table")
+    assert h.pinned and h.nbytes == 120
+    ptr, n = fake_cuda["register"][0]
+    assert ptr == h.tensor.data_ptr() and n == mmap.PAGESIZE     # whole pages
+    assert pinned_bytes() - base == mmap.PAGESIZE
+    # a pin_tensor over exactly those pages shares the registration
+    pages = torch.from_numpy(h._raw)
+    p = pin_tensor(pages, name="pages")
+    assert len(fake_cuda["register"]) == 1 and pinned_bytes() - base == mmap.PAGESIZE
+    h.close()
+    assert not h.pinned and fake_cuda["unregister"] == []
+    p.close()
+    assert fake_cuda["unregister"] == [ptr] and pinned_bytes() == base
+    assert h.tensor.sum().item() == 0.0                 # the memory stays valid, unpinned
+
+
+def test_memory_pinned_by_someone_else_is_used_as_it_is(fake_cuda, monkeypatch):
+    monkeypatch.setattr(hostmem, "whole_range_pinned", lambda t: True)
+    p = pin_tensor(torch.zeros(10), name="torch-pinned")
+    assert p.pinned and fake_cuda["register"] == []
+    p.close()
+    assert fake_cuda["unregister"] == []
