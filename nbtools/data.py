@@ -8,7 +8,9 @@ does not download it again). Drive's "too many users have viewed or downloaded t
 quota error gets its own message with the workaround.
 
 Loaders turn files into what the models eat: ``load_movielens`` / ``load_ratings`` ->
-``Ratings(user_ids, item_ids, ratings, num_users, num_items)`` with ids renumbered 0..n-1,
+``Ratings(user_ids, item_ids, ratings, num_users, num_items, timestamps)`` with ids renumbered
+0..n-1 (MovieLens of every size, Goodbooks, any ``user,item,rating[,timestamp]`` CSV, RecBole
+``.inter`` files),
 ``load_text8`` -> ``Corpus(ids, vocab, counts)``. Small bundled samples (``"movielens-sample"``,
 ``"text8-sample"``) need no network: the notebooks' smoke settings and CI use them.
 
@@ -22,7 +24,9 @@ Loaders turn files into what the models eat: ``load_movielens`` / ``load_ratings
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import errno
+import fnmatch
 import hashlib
 import io
 import json
@@ -58,6 +62,10 @@ class DriveQuotaError(NbtoolsError, RuntimeError):
     """Google Drive refuses the download for now: too many people fetched the file."""
 
 
+class DatasetNotFoundError(NbtoolsError, FileNotFoundError):
+    """``load`` got neither a registry name nor an existing path."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     """A registry entry. ``md5``/``sha256``/``bytes`` are None where no published value is known:
@@ -88,6 +96,9 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
             md5="c4d9eecfca2ab87c1945afe126590906",
             sha256="a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
             hash_source=_GL + "; sha256 as pinned by tensorflow/models"),
+    Dataset("ml-10m", f"{_ML}/ml-10m.zip", "ml-10m.zip", "ratings",
+            "MovieLens 10M: 10,000,054 ratings, 69,878 users, 10,677 movies",
+            hash_source="none pinned here: checked against the first download"),
     Dataset("ml-20m", f"{_ML}/ml-20m.zip", "ml-20m.zip", "ratings",
             "MovieLens 20M: 20,000,263 ratings, 138,493 users, 26,744 movies",
             md5="cd245b17a1ae2cc31bb14903e1204af3",
@@ -96,6 +107,13 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset("ml-25m", f"{_ML}/ml-25m.zip", "ml-25m.zip", "ratings",
             "MovieLens 25M: 25,000,095 ratings, 162,541 users, 59,047 movies",
             md5="6b51fb2759a8657d3bfcbfc42b592ada", bytes=261_978_986, hash_source=_GL),
+    Dataset("ml-32m", f"{_ML}/ml-32m.zip", "ml-32m.zip", "ratings",
+            "MovieLens 32M: 32,000,204 ratings, 200,948 users, 87,585 movies",
+            hash_source="none pinned here: checked against the first download"),
+    Dataset("ml-latest-small", f"{_ML}/ml-latest-small.zip", "ml-latest-small.zip", "ratings",
+            "MovieLens latest-small: 100,836 ratings, 610 users, 9,742 movies (changes over time)",
+            hash_source="none pinned here (GroupLens updates this file): checked against the "
+                        "first download"),
     Dataset("goodbooks-10k",
             "https://raw.githubusercontent.com/zygmuntz/goodbooks-10k/master/ratings.csv",
             "goodbooks-10k-ratings.csv", "ratings",
@@ -351,9 +369,10 @@ class Ratings(NamedTuple):
 
     user_ids: torch.Tensor        # int64 (N,)
     item_ids: torch.Tensor        # int64 (N,)
-    ratings: torch.Tensor         # float32 (N,)
+    ratings: torch.Tensor         # float32 (N,); 1.0 where the file has no rating column
     num_users: int
     num_items: int
+    timestamps: torch.Tensor | None = None   # int64 (N,) seconds, where the file has them
 
 
 class Corpus(NamedTuple):
@@ -364,9 +383,13 @@ class Corpus(NamedTuple):
     counts: torch.Tensor          # int64 (len(vocab),)
 
 
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatch(name.rsplit("/", 1)[-1], pattern)
+
+
 def _open_member(path: Path, candidates):
-    """Bytes of the first member named like one of ``candidates`` (a zip or a directory), or the
-    file itself."""
+    """Bytes of the first member named like one of ``candidates`` (names or glob patterns such
+    as ``*.inter``; a zip or a directory), or the file itself."""
     if path.is_dir():
         for c in candidates:
             hits = sorted(path.rglob(c))
@@ -377,8 +400,8 @@ def _open_member(path: Path, candidates):
         with zipfile.ZipFile(path) as z:
             for c in candidates:
                 for n in z.namelist():
-                    if n.rsplit("/", 1)[-1] == c:
-                        return z.read(n), c
+                    if _matches(n, c):
+                        return z.read(n), n.rsplit("/", 1)[-1]
             if len(z.namelist()) == 1:
                 n = z.namelist()[0]
                 return z.read(n), n
@@ -401,34 +424,78 @@ def _table(data: bytes, delimiter: str, skip_header: bool, cols) -> np.ndarray:
                       usecols=cols, dtype=np.float64, ndmin=2)
 
 
-def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating") -> Ratings:
-    """Load a MovieLens (100K ``u.data``, 1M/10M ``ratings.dat``, 20M/25M ``ratings.csv``) or
-    Goodbooks-10k / any ``user,item,rating`` CSV, from a zip, a directory or the file itself.
+def _header_col(header, path, keys, required=True):
+    """Index of the first header field containing one of ``keys`` (None if optional and absent)."""
+    for i, h in enumerate(header):
+        if any(k in h for k in keys):
+            return i
+    if required:
+        raise ValueError(f"{path}: no column like {keys} in header {header}")
+    return None
 
-    CSV columns are found by header names containing ``user_col``, ``item_col`` (also ``movie``
-    and ``book``) and ``rating_col``.
+
+def _renumber(column) -> tuple[np.ndarray, int]:
+    """Ids 0..n-1 in the order of the original ids (numeric order when they are numbers)."""
+    try:
+        column = np.asarray(column, dtype=np.float64).astype(np.int64)
+    except ValueError:                       # RecBole tokens need not be numbers
+        column = np.asarray(column, dtype=str)
+    uniq, inverse = np.unique(column, return_inverse=True)
+    return inverse.reshape(-1).astype(np.int64), len(uniq)
+
+
+def _read_inter(data: bytes, path) -> list:
+    """RecBole atomic ``.inter`` file: a tab-separated header of ``name:type`` fields. Returns
+    the user, item, rating (or None) and timestamp (or None) columns."""
+    lines = data.decode("utf-8").splitlines()
+    header = [h.split(":")[0].strip().lower() for h in lines[0].split("\t")]
+    cols = [_header_col(header, path, ("user",)), _header_col(header, path, ("item",)),
+            _header_col(header, path, ("rating", "score"), required=False),
+            _header_col(header, path, ("timestamp",), required=False)]
+    want = [c for c in cols if c is not None]
+    try:
+        table = _table(data, "\t", True, tuple(want))
+        by_col = {c: table[:, j] for j, c in enumerate(want)}
+    except ValueError:                       # string tokens: split by hand
+        rows = [line.split("\t") for line in lines[1:] if line]
+        by_col = {c: [r[c] for r in rows] for c in want}
+    return [by_col[c] if c is not None else None for c in cols]
+
+
+def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating") -> Ratings:
+    """Load interactions from a zip, a directory or the file itself.
+
+    Formats: MovieLens 100K ``u.data``, 1M/10M ``ratings.dat``, 20M/25M/32M/latest
+    ``ratings.csv``, Goodbooks-10k or any CSV with a header, and RecBole ``.inter`` files
+    (``user_id:token<TAB>item_id:token<TAB>rating:float<TAB>timestamp:float``). CSV columns are
+    found by header names containing ``user_col``, ``item_col`` (also ``movie`` and ``book``),
+    ``rating_col`` and ``timestamp`` (optional). Timestamps are kept where the file has them
+    (temporal splits need them); a file without ratings gets 1.0 for every interaction.
     """
     path = Path(path)
-    data, name = _open_member(path, ("ratings.csv", "ratings.dat", "u.data"))
-    if name == "u.data":
-        table = _table(data, "\t", False, (0, 1, 2))
-    elif name.endswith(".dat"):
-        table = _table(data.replace(b"::", b"\t"), "\t", False, (0, 1, 2))
+    data, name = _open_member(path, ("ratings.csv", "ratings.dat", "u.data", "*.inter"))
+    if name == "u.data" or name.endswith(".dat"):
+        table = _table(data.replace(b"::", b"\t"), "\t", False, (0, 1, 2, 3))
+        users, items, rates, times = table.T
+    elif name.endswith(".inter"):
+        users, items, rates, times = _read_inter(data, path)
     else:
         header = data[: data.find(b"\n")].decode("utf-8", "replace").strip().lower().split(",")
-
-        def col(*keys):
-            for i, h in enumerate(header):
-                if any(k in h for k in keys):
-                    return i
-            raise ValueError(f"{path}: no column like {keys} in header {header}")
-        table = _table(data, ",", True, (col(user_col), col(item_col, "movie", "book"),
-                                         col(rating_col)))
-    users, user_ids = np.unique(table[:, 0].astype(np.int64), return_inverse=True)
-    items, item_ids = np.unique(table[:, 1].astype(np.int64), return_inverse=True)
-    return Ratings(torch.from_numpy(user_ids.reshape(-1).astype(np.int64)),
-                   torch.from_numpy(item_ids.reshape(-1).astype(np.int64)),
-                   torch.from_numpy(table[:, 2].astype(np.float32)), len(users), len(items))
+        cols = [_header_col(header, path, (user_col,)),
+                _header_col(header, path, (item_col, "movie", "book")),
+                _header_col(header, path, (rating_col,)),
+                _header_col(header, path, ("timestamp",), required=False)]
+        table = _table(data, ",", True, tuple(c for c in cols if c is not None))
+        users, items, rates = table[:, 0], table[:, 1], table[:, 2]
+        times = table[:, 3] if cols[3] is not None else None
+    user_ids, num_users = _renumber(users)
+    item_ids, num_items = _renumber(items)
+    n = len(user_ids)
+    rates = np.ones(n) if rates is None else np.asarray(rates, dtype=np.float64)
+    if times is not None:
+        times = torch.from_numpy(np.asarray(times, dtype=np.float64).astype(np.int64))
+    return Ratings(torch.from_numpy(user_ids), torch.from_numpy(item_ids),
+                   torch.from_numpy(rates.astype(np.float32)), num_users, num_items, times)
 
 
 load_movielens = load_ratings
@@ -459,6 +526,10 @@ def load(name_or_path, **kwargs):
 
     Keyword arguments go to the loader (``min_count=`` for text) or to :func:`fetch`
     (``cache_dir=``, ``quiet=``, ...).
+
+    Raises:
+        DatasetNotFoundError: ``name_or_path`` is neither a registry name nor an existing
+            path; the message lists the names (and the closest one).
     """
     fetch_keys = {"md5", "sha256", "filename", "cache_dir", "retries", "backoff_s", "quiet", "sleep"}
     fetch_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in fetch_keys}
@@ -466,9 +537,22 @@ def load(name_or_path, **kwargs):
     if entry is not None:
         path, kind = fetch(entry.name, **fetch_kw), entry.kind
     else:
-        path = Path(name_or_path)
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise DatasetNotFoundError(_not_found_message(str(name_or_path)))
         kind = "text" if "text8" in path.name or path.suffix == ".txt" else "ratings"
     return load_text8(path, **kwargs) if kind == "text" else load_ratings(path, **kwargs)
+
+
+def _not_found_message(name: str) -> str:
+    aliases = {n: n for n in REGISTRY}
+    aliases.update({n.replace("ml-", "movielens-"): n for n in REGISTRY if n.startswith("ml-")})
+    close = difflib.get_close_matches(name.lower(), aliases, n=1, cutoff=0.6)
+    hint = f" Did you mean {aliases[close[0]]!r}?" if close else ""
+    return (f"load({name!r}): no dataset of that name and no such file or directory.{hint} "
+            f"Dataset names: {', '.join(REGISTRY)}. load('<name>') fetches a named dataset "
+            "(cached after the first time); fetch('<url or Drive id>') downloads any other file, "
+            "and load(path) reads a local file or directory.")
 
 
 # --- bundled samples (regenerated by tests/test_data.py to prove they are what this makes) -------

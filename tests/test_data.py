@@ -177,7 +177,41 @@ def test_registry_is_honest():
             assert value is None or (len(value) == n and int(value, 16) >= 0), (d.name, h)
         if d.url is not None:
             assert d.hash_source, d.name
-    assert data.REGISTRY["ml-100k"].md5 == "0e33842e24a9c977be4e0107933c0723"
+
+
+# Known answers published independently of this code: RFC 1321 appendix A.5 (md5) and
+# FIPS 180-2 appendix B.1 (sha256) for "abc"; md5/sha256 of the empty string.
+@pytest.mark.parametrize("content, md5, sha256", [
+    (b"", "d41d8cd98f00b204e9800998ecf8427e",
+     "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+    (b"abc", "900150983cd24fb0d6963f7d28e17f72",
+     "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
+    (b"12345678901234567890123456789012345678901234567890123456789012345678901234567890",
+     "57edf4a22be3c955ac49da2e2107b67a", None),
+])
+def test_file_hashes_known_answers(tmp_path, content, md5, sha256):
+    path = tmp_path / "f.bin"
+    path.write_bytes(content)
+    got = data.file_hashes(path, chunk_bytes=7)         # several chunks: the update path counts
+    assert got["md5"] == md5 and got["bytes"] == len(content)
+    assert sha256 is None or got["sha256"] == sha256
+
+
+def test_fetch_checks_against_a_stated_hash(server, tmp_path):
+    # PAYLOAD's md5 stated literally (GNU coreutils `md5sum` of the same bytes), so the check
+    # does not compare the fetcher's hasher with itself
+    base, _ = server
+    path, _ = _get(f"{base}/ok.bin", tmp_path, md5="6134696ca1b050d4564d58a18aa9d35a")
+    assert path.read_bytes() == PAYLOAD
+    with pytest.raises(HashMismatchError):
+        _get(f"{base}/ok.bin", tmp_path / "other", md5="6134696ca1b050d4564d58a18aa9d35b")
+
+
+def test_load_unknown_name_lists_the_names():
+    with pytest.raises(data.DatasetNotFoundError, match="Did you mean 'ml-100k'") as e:
+        data.load("movielens-100k")
+    assert isinstance(e.value, FileNotFoundError)
+    assert "ml-1m" in str(e.value) and "fetch(" in str(e.value)
 
 
 # --- loaders ------------------------------------------------------------------------------------
@@ -185,31 +219,58 @@ def test_registry_is_honest():
 RAW = [(10, 200, 4.0), (10, 300, 3.0), (7, 200, 5.0), (42, 100, 1.0)]
 
 
-def _expect(r):
+TIMES = [881250949, 891717742, 878887116, 1]
+
+
+def _expect(r, times=True):
     assert r.num_users == 3 and r.num_items == 3
     assert r.user_ids.tolist() == [1, 1, 0, 2] and r.item_ids.tolist() == [1, 2, 1, 0]
     assert r.ratings.tolist() == [4.0, 3.0, 5.0, 1.0] and r.ratings.dtype == torch.float32
+    if times:
+        assert r.timestamps.tolist() == TIMES and r.timestamps.dtype == torch.int64
+    else:
+        assert r.timestamps is None
 
 
-@pytest.mark.parametrize("fmt", ["100k", "1m", "25m", "goodbooks"])
+@pytest.mark.parametrize("fmt", ["100k", "1m", "25m", "inter", "goodbooks"])
 def test_load_ratings_formats(tmp_path, fmt):
+    rows = [(*x, t) for x, t in zip(RAW, TIMES)]
     if fmt == "100k":
-        member, text = "ml-100k/u.data", "".join(f"{u}\t{i}\t{int(r)}\t88125\n" for u, i, r in RAW)
+        member, text = "ml-100k/u.data", "".join(f"{u}\t{i}\t{int(r)}\t{t}\n" for u, i, r, t in rows)
     elif fmt == "1m":
-        member, text = "ml-1m/ratings.dat", "".join(f"{u}::{i}::{int(r)}::97830\n" for u, i, r in RAW)
+        member, text = "ml-1m/ratings.dat", "".join(f"{u}::{i}::{int(r)}::{t}\n" for u, i, r, t in rows)
     elif fmt == "25m":
         member = "ml-25m/ratings.csv"
-        text = "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},1\n" for u, i, r in RAW)
+        text = "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in rows)
+    elif fmt == "inter":
+        member = "ml-100k/ml-100k.inter"
+        text = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n" + "".join(
+            f"{u}\t{i}\t{int(r)}\t{t}\n" for u, i, r, t in rows)
     else:
         member = "ratings.csv"
         text = "book_id,user_id,rating\n" + "".join(f"{i},{u},{int(r)}\n" for u, i, r in RAW)
     z = tmp_path / "d.zip"
     with zipfile.ZipFile(z, "w") as f:
         f.writestr(member, text)
-    _expect(data.load_ratings(z))
+    _expect(data.load_ratings(z), times=fmt != "goodbooks")
     (tmp_path / member).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / member).write_text(text)
-    _expect(data.load_ratings(tmp_path / member))
+    _expect(data.load_ratings(tmp_path / member), times=fmt != "goodbooks")
+    _expect(data.load(tmp_path / member.split("/")[0] if "/" in member else tmp_path / member),
+            times=fmt != "goodbooks")
+
+
+def test_load_inter_with_string_tokens_and_no_rating(tmp_path):
+    # RecBole tokens may be any strings; ids follow their sorted order; no rating column -> 1.0
+    path = tmp_path / "x.inter"
+    path.write_text("session_id:token\titem_id:token\ttimestamp:float\nb\tz9\t5\n")
+    with pytest.raises(ValueError, match="no column like"):
+        data.load_ratings(path)
+    path.write_text("user_id:token\titem_id:token\ttimestamp:float\n"
+                    "bob\tz9\t5\nann\tz10\t3\nbob\tz10\t4\n")
+    r = data.load_ratings(path)
+    assert r.user_ids.tolist() == [1, 0, 1] and r.item_ids.tolist() == [1, 0, 0]
+    assert r.ratings.tolist() == [1.0, 1.0, 1.0] and r.timestamps.tolist() == [5, 3, 4]
 
 
 def test_load_text8(tmp_path):

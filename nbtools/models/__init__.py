@@ -32,8 +32,12 @@ import torch  # noqa: F401  (the doctest above uses it)
 
 from ..loader import PinnedLoader  # noqa: F401  (the doctest above uses it)
 from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
-from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, holdout
 from . import wordsim
+from .ranking import (Interactions, full_ranking_metrics, kfold, leave_last_out, per_user_split,
+                      popularity_scores, ranking_metrics, rating_metrics, sample_candidates,
+                      train_valid_test)
+from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, fit, holdout
+from .synthetic import SyntheticConfig, SyntheticData, gap_normalised, make_synthetic
 from .training import TrainConfig, train
 from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, count_pairs, keep_probabilities,
                        pairs_from_corpus)
@@ -41,3 +45,7 @@ from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, count_pairs, keep
 __all__ = ["SkipGram", "SkipGramConfig", "CorpusLoader", "MatrixFactorization", "MFConfig",
            "train", "TrainConfig", "pairs_from_corpus", "count_pairs", "keep_probabilities",
            "evaluate_rmse", "holdout", "wordsim"]
+__all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", "train_valid_test",
+            "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
+            "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",
+            "gap_normalised"]

@@ -1,14 +1,23 @@
-"""A recommender: matrix factorization with an optional NCF head, over two offloaded tables."""
+"""A recommender: matrix factorization with an optional NCF head, over two offloaded tables.
+
+Explicit feedback (``loss="mse"`` on ratings) or implicit feedback (``"bce"``, ``"bpr"`` or
+``"softmax"`` with negatives sampled on the compute device, uniformly or by popularity, skipping
+the items a user has seen). :func:`fit` trains it through :func:`~nbtools.models.train`.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
+from .ranking import Interactions
 
 # --- recommender ------------------------------------------------------------------------------
 
@@ -18,19 +27,36 @@ class MFConfig:
 
     mlp_hidden: tuple = ()         # NCF head: hidden sizes of an MLP on [user, item]; () = none
     init_std: float = 0.01         # factors start ~ N(0, init_std²); biases at 0
-    l2: float = 0.0                # L2 penalty on the rows a batch touches, per rating
+    l2: float = 0.0                # L2 penalty on the factors of the rows a batch touches, per rating
+    l2_bias: float = 0.0           # the same for the rows' biases
     rating_range: tuple | None = None   # (low, high): clamp predictions when evaluating
+    loss: str = "mse"              # "mse" on ratings; implicit, with sampled negatives: "bce",
+                                   # "bpr" or "softmax" (cross-entropy over [positive, negatives])
+    negatives: int = 4             # sampled items per positive (implicit losses)
+    sampling: str = "uniform"      # "uniform", or "popularity": ∝ count ** popularity_power
+    popularity_power: float = 0.75
+    exclude_seen: bool = True      # redraw negatives the user has seen (after set_seen)
     dtype: torch.dtype = torch.float32  # of both tables (and their optimizer state)
     pin: bool = True               # register host memory with CUDA (zero-copy)
+    seed: int = 0                  # negatives; their generator is saved with the model
+
+
+# Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender (issue 15)"): what
+# the notebook and the benchmark use, so that a user starts from defaults that beat the baselines.
+RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=(1.0, 5.0)), dim=64,
+                        fit=dict(epochs=20, batch_size=256, lr=0.003, lr_final=0.0003))
+RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01), dim=64,
+                        fit=dict(epochs=20, batch_size=256, lr=0.003))
 
 
 class MatrixFactorization(nn.Module):
-    """Explicit-feedback recommender: ``r̂ = μ + b_u + b_i + p_u·q_i [+ MLP([p_u, q_i])]``.
+    """A recommender scoring ``μ + b_u + b_i + p_u·q_i [+ MLP([p_u, q_i])]``: a predicted
+    rating (``loss="mse"``) or an interaction logit (implicit losses).
 
     Args:
         num_users, num_items: rows of the two tables.
         dim: factors per user and per item.
-        config: :class:`MFConfig` (NCF head, initialisation, L2, rating range).
+        config: :class:`MFConfig` (loss, negatives, NCF head, initialisation, L2, rating range).
         device: compute device (``"auto"``: the GPU when there is one).
 
     Each table row is ``[factors | bias]``: one lookup per side brings both (one gather
@@ -63,6 +89,16 @@ class MatrixFactorization(nn.Module):
             nn.init.zeros_(layers[-1].weight)     # starts as plain MF; the head learns a correction
             nn.init.zeros_(layers[-1].bias)
             self.mlp = nn.Sequential(*layers).to(self.device)
+        if cfg.loss not in ("mse", "bce", "bpr", "softmax"):
+            raise ValueError(f"MFConfig.loss must be 'mse', 'bce', 'bpr' or 'softmax', "
+                             f"got {cfg.loss!r}")
+        if cfg.sampling not in ("uniform", "popularity"):
+            raise ValueError(f"MFConfig.sampling must be 'uniform' or 'popularity', "
+                             f"got {cfg.sampling!r}")
+        self.seen: Interactions | None = None       # set_seen(): excluded from negatives, recommend
+        self.register_buffer("_item_cdf", None, persistent=False)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(cfg.seed)
 
     @property
     def num_users(self) -> int:
@@ -76,6 +112,59 @@ class MatrixFactorization(nn.Module):
         """Start ``μ`` at the mean training rating (saves the first epoch from learning it)."""
         with torch.no_grad():
             self.global_bias.fill_(float(torch.as_tensor(ratings, dtype=torch.float64).mean()))
+
+    def set_seen(self, users, items) -> None:
+        """Tell the model which (user, item) pairs are known interactions (the training set).
+
+        They are excluded from sampled negatives (``config.exclude_seen``) and from
+        :meth:`recommend`; with ``sampling="popularity"`` their item counts are the noise
+        distribution.
+        """
+        self.seen = Interactions(users, items, self.num_users, self.num_items, self.device)
+        counts = torch.bincount(torch.as_tensor(items).long().reshape(-1).to(self.device),
+                                minlength=self.num_items).double()
+        noise = counts.pow(self.config.popularity_power)
+        if noise.sum() <= 0:
+            noise = torch.ones_like(noise)
+        self._item_cdf = torch.cumsum(noise / noise.sum(), 0)
+
+    def sample_negatives(self, users: torch.Tensor, k: int) -> torch.Tensor:
+        """``k`` item ids per user [len(users), k], drawn on the compute device from the model's
+        generator: uniform, or by popularity (needs :meth:`set_seen`). With
+        ``config.exclude_seen`` (after :meth:`set_seen`), uniform draws are exact over the
+        items the user has not seen; popularity draws that hit a seen item are redrawn, up to
+        8 rounds (a fixed count: no host sync), so a rare few may remain."""
+        users = users.to(self.device).long()
+        popularity = self.config.sampling == "popularity"
+        if popularity and self._item_cdf is None:
+            raise RuntimeError("sampling='popularity' needs item counts: call "
+                               "model.set_seen(train_users, train_items) first")
+
+        def draw(shape):
+            if popularity:
+                u = torch.rand(shape, generator=self.generator, dtype=torch.float64,
+                               device=self.device)
+                return torch.searchsorted(self._item_cdf, u, right=True).clamp_(
+                    max=self.num_items - 1)
+            return torch.randint(self.num_items, shape, generator=self.generator,
+                                 device=self.device)
+
+        exclude = self.config.exclude_seen and self.seen is not None
+        if exclude and not popularity:
+            return self.seen.uniform_unseen(users[:, None].expand(-1, k), self.generator)
+        negs = draw((users.numel(), k))
+        if exclude:
+            for _ in range(8):               # a fixed number of rounds: no sync, deterministic
+                hit = self.seen.contains(users[:, None], negs)
+                negs = torch.where(hit, draw(negs.shape), negs)
+        return negs
+
+    # Negatives' generator state travels with the model's state_dict (and so with checkpoints).
+    def get_extra_state(self):
+        return {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state) -> None:
+        self.generator.set_state(state["generator"].cpu())
 
     def _score(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Predictions from rows ``[factors | bias]`` of matching shapes [..., dim + 1]."""
@@ -92,14 +181,37 @@ class MatrixFactorization(nn.Module):
         items = torch.as_tensor(items).to(self.device).long()
         return self._score(self.users(users), self.items(items))
 
-    def loss(self, users, items, ratings) -> torch.Tensor:
-        """Mean squared error of a batch (plus ``l2`` times the touched rows' squared norms)."""
-        p, q = self.users(users.to(self.device).long()), self.items(items.to(self.device).long())
-        err = self._score(p, q) - ratings.to(self.device, p.dtype)
-        loss = err.square().mean()
-        if self.config.l2:
-            d = self.dim
-            loss = loss + self.config.l2 * (p[:, :d].square().sum(1) + q[:, :d].square().sum(1)).mean()
+    def loss(self, users, items, ratings=None) -> torch.Tensor:
+        """The batch's training loss, plus ``l2`` (``l2_bias``) times the squared norms of the
+        touched rows' factors (biases).
+
+        ``"mse"``: mean squared error of the ratings. ``"bce"``: per positive,
+        ``-log σ(s⁺) - Σ_k log σ(-s⁻_k)`` over ``negatives`` sampled items. ``"bpr"``: mean over
+        the sampled items of ``-log σ(s⁺ - s⁻_k)``. ``"softmax"``: sampled softmax,
+        ``-log(exp(s⁺) / (exp(s⁺) + Σ_k exp(s⁻_k)))``. Implicit losses ignore ``ratings``.
+        """
+        cfg, d = self.config, self.dim
+        users, items = users.to(self.device).long(), items.to(self.device).long()
+        if cfg.loss == "mse":
+            if ratings is None:
+                raise ValueError("loss='mse' needs ratings: loss(users, items, ratings)")
+            p, q = self.users(users), self.items(items)
+            loss = (self._score(p, q) - ratings.to(self.device, p.dtype)).square().mean()
+        else:
+            negs = self.sample_negatives(users, cfg.negatives)
+            p = self.users(users)                                           # [B, d + 1]
+            q = self.items(torch.cat((items[:, None], negs), 1))            # [B, 1 + k, d + 1]
+            s = self._score(p[:, None, :], q)                               # [B, 1 + k]
+            if cfg.loss == "bce":
+                loss = (F.softplus(-s[:, 0]) + F.softplus(s[:, 1:]).sum(1)).mean()
+            elif cfg.loss == "softmax":
+                loss = (torch.logsumexp(s, 1) - s[:, 0]).mean()
+            else:
+                loss = F.softplus(s[:, 1:] - s[:, :1]).mean()
+        if cfg.l2 or cfg.l2_bias:
+            rows = torch.cat((p[:, None, :], q.reshape(users.numel(), -1, d + 1)), 1)
+            reg = cfg.l2 * rows[..., :d].square().sum(-1) + cfg.l2_bias * rows[..., d].square()
+            loss = loss + reg.sum(1).mean()
         return loss
 
     @torch.no_grad()
@@ -114,27 +226,74 @@ class MatrixFactorization(nn.Module):
         return out
 
     @torch.no_grad()
-    def recommend(self, user: int, k: int = 10, *, exclude=None, chunk_items: int = 65536):
-        """The ``k`` items with the highest predicted rating for ``user``.
+    def score_candidates(self, users, candidates, *, batch_size: int = 4096) -> torch.Tensor:
+        """Raw scores (no clamping, so no ties made) of ``candidates`` [U, C] for ``users`` [U],
+        computed on the compute device in batches of users. Returns float32 [U, C] (CPU)."""
+        users = torch.as_tensor(users).long().reshape(-1)
+        candidates = torch.as_tensor(candidates).long()
+        if candidates.dim() != 2 or candidates.shape[0] != users.numel():
+            raise ValueError(f"candidates must be [len(users)={users.numel()}, C], got shape "
+                             f"{tuple(candidates.shape)}")
+        out = [self._score(self.users(users[s:s + batch_size].to(self.device))[:, None, :],
+                           self.items(candidates[s:s + batch_size].to(self.device))).float().cpu()
+               for s in range(0, users.numel(), batch_size)]
+        return torch.cat(out) if out else torch.empty(0, candidates.shape[1])
 
-        ``exclude``: item ids not to recommend (e.g. the ones the user already rated).
-        Scores items in chunks on the compute device. Returns ``(item_ids, scores)`` (CPU).
+    @torch.no_grad()
+    def recommend(self, users, k: int = 10, *, exclude=None, exclude_seen: bool = True,
+                  batch_users: int = 1024, chunk_items: int = 65536):
+        """The ``k`` best-scored items for one user or many at once.
+
+        Args:
+            users: a user id, or ids [U].
+            k: items per user.
+            exclude: for one user, item ids not to recommend.
+            exclude_seen: leave out the pairs given to :meth:`set_seen` (the training set).
+            batch_users, chunk_items: work sizes: scores of ``batch_users`` x ``chunk_items``
+                pairs are computed at a time on the compute device (fewer with an NCF head).
+
+        Returns:
+            ``(item_ids, scores)`` on the CPU: [k] each for one user, [U, k] for many. Where a
+            user has fewer than ``k`` items left, the ids are -1 and the scores -inf (for one
+            user those entries are dropped).
         """
-        if not 0 <= int(user) < self.num_users:
-            raise IndexError(f"user {user} is outside 0..{self.num_users - 1}")
-        p = self.users(torch.tensor([int(user)], device=self.device))       # [1, dim + 1]
-        best_scores = torch.empty(0)
-        best_ids = torch.empty(0, dtype=torch.long)
+        single = not isinstance(users, torch.Tensor) or users.dim() == 0
+        users = torch.as_tensor(users).long().reshape(-1)
+        bad = (users < 0) | (users >= self.num_users)
+        if bad.any():
+            raise IndexError(f"user {int(users[bad][0])} is outside 0..{self.num_users - 1}")
+        if self.mlp is not None:            # [B, chunk, 2 dim] inputs: keep them ~64M numbers
+            chunk_items = max(1, min(chunk_items, (1 << 26) // (batch_users * 2 * self.dim)))
         skip = torch.as_tensor(exclude if exclude is not None else [], dtype=torch.long)
-        for start in range(0, self.num_items, chunk_items):
-            ids = torch.arange(start, min(start + chunk_items, self.num_items))
-            scores = self._score(p, self.items(ids.to(self.device))).float().cpu()
-            scores[torch.isin(ids, skip)] = -math.inf
-            scores, ids = torch.cat((best_scores, scores)), torch.cat((best_ids, ids))
-            best_scores, top = scores.topk(min(k, scores.numel()))
-            best_ids = ids[top]
-        keep = torch.isfinite(best_scores)
-        return best_ids[keep], best_scores[keep]
+        ids_out, scores_out = [], []
+        for s in range(0, users.numel(), batch_users):
+            batch = users[s:s + batch_users].to(self.device)
+            p = self.users(batch)[:, None, :]                              # [B, 1, dim + 1]
+            rows, seen_items = (self.seen.items_of(batch) if exclude_seen and self.seen is not None
+                                else (None, None))
+            best_s = torch.empty(batch.numel(), 0, device=self.device)
+            best_i = torch.empty(batch.numel(), 0, dtype=torch.long, device=self.device)
+            for start in range(0, self.num_items, chunk_items):
+                ids = torch.arange(start, min(start + chunk_items, self.num_items),
+                                   device=self.device)
+                sc = self._score(p, self.items(ids)[None]).float()         # [B, chunk]
+                if rows is not None:
+                    inside = (seen_items >= start) & (seen_items < start + ids.numel())
+                    sc[rows[inside], seen_items[inside] - start] = -math.inf
+                if skip.numel():
+                    sc[:, torch.isin(ids, skip.to(self.device))] = -math.inf
+                sc = torch.cat((best_s, sc), 1)
+                cand = torch.cat((best_i, ids[None].expand(batch.numel(), -1)), 1)
+                best_s, top = sc.topk(min(k, sc.shape[1]), 1)
+                best_i = cand.gather(1, top)
+            best_i = torch.where(torch.isfinite(best_s), best_i, -1)
+            ids_out.append(best_i.cpu())
+            scores_out.append(best_s.cpu())
+        ids, scores = torch.cat(ids_out), torch.cat(scores_out)
+        if single:
+            keep = ids[0] >= 0
+            return ids[0][keep], scores[0][keep]
+        return ids, scores
 
 
 def holdout(*tensors, fraction: float = 0.1, seed: int = 0):
@@ -164,3 +323,65 @@ def evaluate_rmse(model: MatrixFactorization, users, items, ratings, *,
     if pred.numel() != ratings.numel():
         raise ValueError(f"{pred.numel():,} (user, item) pairs but {ratings.numel():,} ratings")
     return float((pred - ratings).square().mean().sqrt()) if ratings.numel() else math.nan
+
+
+class _EpochDecay:
+    """An optimizer that sets its learning rate from the loader's epoch before each step:
+    ``lr * (lr_final / lr) ** (epoch / (epochs - 1))``. The rate depends only on the epoch, so
+    a run resumed from a checkpoint uses the same rates as one never interrupted."""
+
+    def __init__(self, optimizer, loader, lr: float, lr_final: float, epochs: int):
+        self.optimizer, self.loader = optimizer, loader
+        self.lr, self.lr_final, self.epochs = lr, lr_final, epochs
+
+    def step(self):
+        t = min(self.loader.epoch, self.epochs - 1) / max(1, self.epochs - 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * (self.lr_final / self.lr) ** t
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        return self.optimizer.load_state_dict(state)
+
+
+def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
+        lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
+        dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
+        seed: int = 0) -> dict:
+    """Train ``model`` on ``train`` with an :class:`~nbtools.OffloadOptimizer` (tables lazy).
+
+    Sets what the loss needs first: the mean rating as ``μ`` (``"mse"``), or the seen pairs
+    for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses). Then
+    runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
+    of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
+    from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
+    so a resumed run gets the same rates).
+
+    Returns:
+        The training history, plus ``"fit_s"``: wall seconds of this call.
+    """
+    from ..loader import PinnedLoader
+    from ..optim import OffloadOptimizer
+    from .training import train as train_loop
+
+    if model.config.loss == "mse":
+        model.set_global_bias(train.ratings)
+        tensors = (train.user_ids, train.item_ids, train.ratings)
+    else:
+        model.set_seen(train.user_ids, train.item_ids)
+        tensors = (train.user_ids, train.item_ids)
+    opt = OffloadOptimizer(optimizer, model, lr=lr)
+    loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
+    if lr_final is not None:
+        opt = _EpochDecay(opt, loader, lr, lr_final, epochs)
+    t0 = time.perf_counter()
+    history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
+                         checkpoints=checkpoints, every=every, progress=progress)
+    history["fit_s"] = time.perf_counter() - t0
+    return history

@@ -1,0 +1,349 @@
+"""Recommender: implicit losses, the negative sampler, batched recommend, splits, candidates and
+metrics, each against hand-computed values or a brute-force reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nbtools.data import Ratings
+from nbtools.models import MatrixFactorization, MFConfig
+from nbtools.models import ranking as K
+from nbtools.models.recommender import fit
+
+# Upper 0.1% points of the chi-square distribution (statistical tables, e.g. NIST/SEMATECH
+# e-Handbook 1.3.6.7.4): df=9 -> 27.877, df=19 -> 43.820.
+CHI2_999 = {9: 27.877, 19: 43.820}
+
+
+def _chi2(observed, expected):
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+def test_ranking_metrics_hand_computed():
+    scores = torch.tensor([[0.5, 0.9, 0.1, 0.7],       # relevant item ranked 3rd (0-based 2)
+                           [0.8, 0.2, 0.3, 0.1],       # ranked 1st
+                           [1.0, 1.0, 1.0, 0.0]])      # tied with two others: rank 0, 1 or 2
+    m3 = K.ranking_metrics(scores, k=3)
+    assert m3["hr@3"] == pytest.approx((1 + 1 + 1) / 3)
+    assert m3["ndcg@3"] == pytest.approx((1 / math.log2(4) + 1
+                                          + (1 + 1 / math.log2(3) + 1 / math.log2(4)) / 3) / 3)
+    m1 = K.ranking_metrics(scores, k=1)
+    assert m1["hr@1"] == pytest.approx((0 + 1 + 1 / 3) / 3)
+    assert m1["ndcg@1"] == pytest.approx((0 + 1 + 1 / 3) / 3)
+    # the relevant item in another column
+    assert K.ranking_metrics(torch.tensor([[0.1, 0.9]]), k=1, positive=1)["hr@1"] == 1.0
+
+
+def test_full_ranking_metrics_hand_computed():
+    relevant = K.Interactions(torch.tensor([0, 0, 1]), torch.tensor([3, 7, 5]), 3, 10)
+    top = torch.tensor([[7, 1, 3], [2, 4, -1], [0, 1, 2]])    # user 2 has nothing held out
+    m = K.full_ranking_metrics(top, relevant, torch.tensor([0, 1, 2]), k=3)
+    ideal0 = 1 + 1 / math.log2(3)
+    assert m["recall@3"] == pytest.approx((2 / 2 + 0) / 2)
+    assert m["hr@3"] == pytest.approx(0.5)
+    assert m["ndcg@3"] == pytest.approx(((1 + 1 / math.log2(4)) / ideal0 + 0) / 2)
+    m1 = K.full_ranking_metrics(top, relevant, torch.tensor([0, 1, 2]), k=1)
+    assert m1["recall@1"] == pytest.approx(0.5 / 2) and m1["ndcg@1"] == pytest.approx(0.5)
+
+
+def test_rating_metrics_and_length_check():
+    m = K.rating_metrics(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([2.0, 2.0, 2.0]))
+    assert m["rmse"] == pytest.approx(math.sqrt(5 / 3)) and m["mae"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="2 predictions but 3 ratings"):
+        K.rating_metrics(torch.zeros(2), torch.zeros(3))
+
+
+# --- splits ---------------------------------------------------------------------------------------
+
+def _random_ratings(users=30, items=40, n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(users, (n,), generator=g)
+    i = torch.randint(items, (n,), generator=g)
+    t = torch.randint(50, (n,), generator=g)                # many ties in time
+    return Ratings(u, i, torch.rand(n, generator=g) * 4 + 1, users, items, t)
+
+
+def _rows(r):
+    return sorted(zip(r.user_ids.tolist(), r.item_ids.tolist(), r.ratings.tolist(),
+                      r.timestamps.tolist()))
+
+
+def test_leave_last_out_against_a_per_user_loop():
+    r = _random_ratings()
+    train, test = K.leave_last_out(r)
+    assert _rows(train) + _rows(test) and sorted(_rows(train) + _rows(test)) == _rows(r)
+    for u in range(r.num_users):
+        mine = [(int(t), j) for j, (uu, t) in enumerate(zip(r.user_ids, r.timestamps)) if uu == u]
+        held = test.user_ids == u
+        if len(mine) < 2:
+            assert not held.any()
+            continue
+        last = max(mine)[1]                   # latest time; ties: the later in the file
+        assert held.sum() == 1 and int(test.item_ids[held]) == int(r.item_ids[last])
+        assert int(test.timestamps[held]) >= int(train.timestamps[train.user_ids == u].max())
+
+
+def test_per_user_split_is_temporal_and_keeps_a_training_item():
+    r = _random_ratings()
+    train, test = K.per_user_split(r, fraction=0.3)
+    assert sorted(_rows(train) + _rows(test)) == _rows(r)
+    for u in range(r.num_users):
+        n = int((r.user_ids == u).sum())
+        tr, te = train.timestamps[train.user_ids == u], test.timestamps[test.user_ids == u]
+        assert te.numel() == min(round(0.3 * n), max(n - 1, 0))
+        if te.numel() and tr.numel():
+            assert te.min() >= tr.max()
+    rtrain, rtest = K.per_user_split(r, fraction=0.3, by_time=False, seed=1)
+    assert rtest.user_ids.bincount(minlength=30).tolist() == test.user_ids.bincount(minlength=30).tolist()
+    with pytest.raises(ValueError, match="no timestamps"):
+        K.per_user_split(r._replace(timestamps=None))
+
+
+def test_kfold_partitions_the_ratings():
+    r = _random_ratings(n=103)
+    folds = K.kfold(r, k=5, seed=3)
+    tests = [t for _, t in folds]
+    assert sum(t.user_ids.numel() for t in tests) == 103
+    assert sorted(sum((_rows(t) for t in tests), [])) == _rows(r)
+    for train, test in folds:
+        assert sorted(_rows(train) + _rows(test)) == _rows(r)
+    train, valid, test = K.train_valid_test(r, "last")
+    assert sorted(_rows(train) + _rows(valid) + _rows(test)) == _rows(r)
+
+
+# --- candidates -----------------------------------------------------------------------------------
+
+def test_sample_candidates_avoid_seen_and_repeat_and_are_uniform():
+    users, items = 6, 30
+    seen = K.Interactions(torch.tensor([0, 0, 0, 1, 2]), torch.tensor([1, 2, 3, 4, 5]), users, items)
+    test_users = torch.arange(users).repeat(400)
+    positives = torch.full_like(test_users, 29)
+    cand = K.sample_candidates(seen, test_users, positives, n=20, seed=7)
+    assert cand.shape == (2400, 21) and (cand[:, 0] == 29).all()
+    assert torch.equal(cand, K.sample_candidates(seen, test_users, positives, n=20, seed=7))
+    negs = cand[:, 1:]
+    assert not seen.contains(test_users[:, None], negs).any()
+    assert (negs.sort(1).values.diff(1) > 0).all()                 # distinct within a row
+    # user 3 saw nothing: its negatives are uniform over the 30 items (chi-square, df = 29 is
+    # not tabled above, so pool items into 10 bins of 3 -> df = 9)
+    counts = torch.bincount(negs[test_users == 3].reshape(-1), minlength=items).double()
+    binned = counts.view(10, 3).sum(1)
+    assert _chi2(binned, binned.sum() / 10) < CHI2_999[9]
+    with pytest.raises(ValueError, match="fewer than n=28"):
+        K.sample_candidates(seen, torch.tensor([0]), torch.tensor([29]), n=28)
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+def _model(device, loss="bce", **kw):
+    torch.manual_seed(0)
+    return MatrixFactorization(8, 10, 4, config=MFConfig(loss=loss, init_std=0.5, **kw),
+                               device=device)
+
+
+@pytest.mark.parametrize("loss", ["bce", "bpr", "softmax"])
+def test_implicit_losses_equal_their_formulas(device, loss):
+    m = _model(device, loss, negatives=3, l2=0.1)
+    users, items = torch.tensor([0, 3, 7]), torch.tensor([1, 2, 9])
+    state = m.generator.get_state()
+    got = m.loss(users, items)
+    m.generator.set_state(state)
+    negs = m.sample_negatives(users, 3).cpu()
+    s_pos = m(users, items).cpu()
+    s_neg = m(users[:, None].expand(-1, 3), negs).cpu()
+    if loss == "bce":
+        want = (F.binary_cross_entropy_with_logits(s_pos, torch.ones(3), reduction="none")
+                + F.binary_cross_entropy_with_logits(s_neg, torch.zeros(3, 3),
+                                                     reduction="none").sum(1)).mean()
+    elif loss == "bpr":
+        want = -F.logsigmoid(s_pos[:, None] - s_neg).mean()
+    else:
+        want = F.cross_entropy(torch.cat((s_pos[:, None], s_neg), 1),
+                               torch.zeros(3, dtype=torch.long))
+    p, q = m.users.weight[users, :4], m.items.weight[torch.cat((items[:, None], negs), 1), :4]
+    want = want + 0.1 * (p.square().sum(1) + q.square().sum((1, 2))).mean()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_negative_sampler_distribution_and_exclusion(device):
+    m = _model(device, sampling="uniform")
+    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1).cpu()
+    counts = torch.bincount(draws, minlength=10).double()
+    assert _chi2(counts, torch.full((10,), 2000.0)) < CHI2_999[9]
+    # popularity: ∝ count ** 0.75 of the items given to set_seen
+    m = _model(device, sampling="popularity", exclude_seen=False)
+    train_items = torch.repeat_interleave(torch.arange(10), torch.arange(1, 11))
+    m.set_seen(torch.zeros_like(train_items), train_items)
+    draws = m.sample_negatives(torch.zeros(20000, dtype=torch.long), 1).reshape(-1).cpu()
+    p = torch.arange(1, 11).double() ** 0.75
+    assert _chi2(torch.bincount(draws, minlength=10).double(), 20000 * p / p.sum()) < CHI2_999[9]
+    # exclusion: user 1 saw items 0..4, so draws for it are uniform on 5..9 and never seen
+    m = _model(device, sampling="uniform", exclude_seen=True)
+    m.set_seen(torch.tensor([1, 1, 1, 1, 1, 2]), torch.tensor([0, 9, 2, 3, 7, 4]))
+    draws = m.sample_negatives(torch.ones(20000, dtype=torch.long), 1).reshape(-1).cpu()
+    assert set(draws.tolist()) == {1, 4, 5, 6, 8}
+    assert _chi2(torch.bincount(draws, minlength=10)[[1, 4, 5, 6, 8]].double(),
+                 torch.full((5,), 4000.0)) < 18.467          # df = 4, upper 0.1% point
+    mixed = m.sample_negatives(torch.tensor([2, 0] * 5000), 2).cpu()
+    assert not m.seen.contains(torch.tensor([2, 0] * 5000)[:, None], mixed).any()
+    assert (mixed[1::2] == 4).any() and (mixed[::2] != 4).all()
+    # deterministic from the seed, and the generator travels in the state_dict
+    a = _model(device)
+    first = a.sample_negatives(torch.zeros(5, dtype=torch.long), 3)
+    b = _model(device)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.sample_negatives(torch.zeros(5, dtype=torch.long), 3),
+                       b.sample_negatives(torch.zeros(5, dtype=torch.long), 3))
+    assert torch.equal(_model(device).sample_negatives(torch.zeros(5, dtype=torch.long), 3), first)
+
+
+@pytest.mark.parametrize("head", [(), (6,)])
+def test_batched_recommend_equals_brute_force(device, head):
+    torch.manual_seed(1)
+    m = MatrixFactorization(7, 23, 5, config=MFConfig(mlp_hidden=head, init_std=0.5), device=device)
+    if head:
+        torch.nn.init.normal_(m.mlp[-1].weight)     # a head that changes the ranking
+    seen_u = torch.tensor([0, 0, 3, 3, 3, 6])
+    seen_i = torch.tensor([4, 19, 0, 22, 11, 7])
+    m.set_seen(seen_u, seen_i)
+    users = torch.tensor([0, 3, 6, 2, 3])
+    ids, scores = m.recommend(users, k=6, batch_users=2, chunk_items=5)
+    full = m(torch.arange(7)[:, None].expand(-1, 23), torch.arange(23)[None].expand(7, -1)).cpu()
+    full[seen_u, seen_i] = -math.inf
+    want_scores, want_ids = full[users].topk(6, 1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(scores, want_scores)
+    one_ids, _ = m.recommend(3, k=6, exclude=[5], chunk_items=4)
+    row = full[3].clone()
+    row[5] = -math.inf
+    assert one_ids.tolist() == row.topk(6).indices.tolist()
+    cand = torch.tensor([[1, 2, 3], [4, 5, 6], [0, 0, 9], [22, 21, 20], [8, 7, 6]])
+    torch.testing.assert_close(m.score_candidates(users, cand, batch_size=2),
+                               m(users[:, None].expand(-1, 3), cand).cpu())
+
+
+def test_implicit_fit_learns_planted_preferences(device):
+    # two groups of users, each interacting only with its own half of the items (plus noise):
+    # trained with BCE, the model ranks a held-out own-half item above other-half candidates
+    g = torch.Generator().manual_seed(0)
+    users = torch.arange(40).repeat_interleave(8)
+    half = (users % 2) * 20
+    items = half + torch.randint(20, (users.numel(),), generator=g)
+    r = Ratings(users, items, torch.ones(users.numel()), 40, 40, torch.arange(users.numel()))
+    train, test = K.leave_last_out(r)
+    torch.manual_seed(0)
+    m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce", negatives=4, l2=0.05),
+                            device=device)
+    fit(m, train, epochs=20, batch_size=32, lr=0.02)
+    other = ((test.user_ids % 2) * 20 + 20) % 40
+    cand = torch.stack([test.item_ids] + [other + j for j in range(9)], 1)
+    assert K.ranking_metrics(m.score_candidates(test.user_ids, cand), k=1)["hr@1"] > 0.9
+
+
+# --- synthetic data and its oracle ---------------------------------------------------------------
+
+def _tiny(users=1500, seed=0):
+    from nbtools.models.synthetic import SyntheticConfig, make_synthetic
+    return make_synthetic(SyntheticConfig(num_users=users, num_items=6, per_user=3, min_per_user=3,
+                                          rank=2, signal=1.0, zipf=0.7, seed=seed))
+
+
+def _sequence_probabilities(a):
+    """Brute force: probability of every ordered draw of 3 of the items, one after another
+    without replacement, each ∝ exp(a) over the items not drawn yet."""
+    import itertools
+    w = a.double().exp()
+    out = {}
+    for seq in itertools.permutations(range(len(a)), 3):
+        prob, left = 1.0, float(w.sum())
+        for i in seq:
+            prob *= float(w[i]) / left
+            left -= float(w[i])
+        out[seq] = prob
+    return out
+
+
+def test_synthetic_draws_follow_sequential_sampling():
+    d = _tiny()
+    r = d.ratings
+    assert r.user_ids.bincount().tolist() == [3] * 1500
+    expected_first, expected_last = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    for u in range(1500):
+        for seq, prob in _sequence_probabilities(d.affinity(u, torch.arange(6))).items():
+            expected_first[seq[0]] += prob
+            expected_last[seq[2]] += prob
+    first = r.item_ids[r.timestamps == 0].bincount(minlength=6).double()
+    last = r.item_ids[r.timestamps == 2].bincount(minlength=6).double()
+    assert _chi2(first, expected_first) < 20.515 and _chi2(last, expected_last) < 20.515  # df 5
+
+
+def test_oracle_ranking_is_bayes_optimal_by_brute_force():
+    import itertools
+    d = _tiny(users=20, seed=1)
+    train, test = K.leave_last_out(d.ratings)
+    g = torch.Generator().manual_seed(0)
+    for u in range(20):
+        a = d.affinity(u, torch.arange(6))
+        seen = train.item_ids[train.user_ids == u][train.timestamps[train.user_ids == u].argsort()]
+        probs = _sequence_probabilities(a)
+        # posterior of the held-out item given the first two draws, by enumeration
+        post = torch.zeros(6, dtype=torch.float64)
+        for seq, prob in probs.items():
+            if list(seq[:2]) == seen.tolist():
+                post[seq[2]] += prob
+        unseen = [i for i in range(6) if i not in seen.tolist()]
+        cand = torch.tensor(unseen)[torch.randperm(4, generator=g)[:3]]
+        # with uniform negatives the chance that candidate j is the held-out one is ∝ post[j]
+        p = post[cand] / post[cand].sum()
+        best = max(float(sum(p[list(order[:1])])) for order in itertools.permutations(range(3)))
+        oracle_top = int(a[cand].argmax())
+        assert float(p[oracle_top]) == pytest.approx(best)
+
+
+def test_expected_rating_matches_monte_carlo():
+    d = _tiny(users=5)
+    users, items = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 5, 2, 3, 1])
+    g = torch.Generator().manual_seed(0)
+    x = d.rating_mean(users, items)[:, None] + torch.randn(5, 200_000, generator=g) * \
+        d.config.rating_noise
+    mc = x.round().clamp(1, 5).double().mean(1)
+    # standard error of a mean of 200k ratings with sd <= 2: < 0.0045; allow 5 of them
+    torch.testing.assert_close(d.expected_rating(users, items).double(), mc, atol=0.02, rtol=0)
+
+
+def test_fit_with_lr_decay_resumes_exactly(device, tmp_path):
+    # stopping after 2 of 4 epochs and resuming from the checkpoint must give the same tables
+    # as one run: the decayed learning rate and the negatives' generator both come back
+    from nbtools import CheckpointManager
+    g = torch.Generator().manual_seed(0)
+    r = Ratings(torch.randint(12, (90,), generator=g), torch.randint(15, (90,), generator=g),
+                torch.ones(90), 12, 15, torch.arange(90))
+
+    class Disconnect:                      # a dashboard that "loses the runtime" at a step
+        def __init__(self, at):
+            self.at, self.steps = at, 0
+
+        def step(self, n):
+            self.steps += 1
+            if self.steps == self.at:
+                raise KeyboardInterrupt
+
+    def run(folder, dashboard=None):
+        torch.manual_seed(0)
+        m = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
+        fit(m, r, epochs=4, batch_size=16, lr=0.05, lr_final=0.005, dashboard=dashboard,
+            checkpoints=CheckpointManager(folder), every=6)     # 6 steps per epoch
+        return m
+    whole = run(tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", Disconnect(at=15))                  # in epoch 3; saved at step 12
+    resumed = run(tmp_path / "b")
+    assert torch.equal(whole.users.weight, resumed.users.weight)
+    assert torch.equal(whole.items.weight, resumed.items.weight)
+    torch.manual_seed(0)
+    constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
+    fit(constant, r, epochs=4, batch_size=16, lr=0.05)
+    assert not torch.equal(whole.users.weight, constant.users.weight)    # the decay did act
