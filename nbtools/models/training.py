@@ -84,7 +84,8 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
     Returns:
         The history, ``{"step": [...], "epoch": [...], "loss": [...], "time_s": [...],
         "lr": [...]}``: mean loss over each ``log_every`` steps, training seconds so far
-        (across resumes), and the first param group's learning rate.
+        (across resumes), and the first param group's learning rate (None when the optimizer
+        shows no ``param_groups``).
     """
     config = config or TrainConfig()
     if options:
@@ -94,8 +95,12 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
             raise TypeError(f"train() got unexpected keyword arguments {unknown}; the options "
                             f"are {sorted(fields)} (or pass config=TrainConfig(...))")
         config = dataclasses.replace(config, **options)
+    groups = getattr(optimizer, "param_groups", None)   # a wrapper may not show them
     if config.lr_decay is not None:
-        for group in optimizer.param_groups:      # before a restore replaces them
+        if groups is None:
+            raise TypeError(f"lr_decay={config.lr_decay!r} needs an optimizer with param_groups; "
+                            f"{type(optimizer).__name__} has none")
+        for group in groups:                      # before a restore replaces them
             group.setdefault("initial_lr", group["lr"])
     history = {"step": [], "epoch": [], "loss": [], "time_s": [], "lr": []}
     step = 0
@@ -123,7 +128,7 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                 done = (loader.epoch + (loader.position - 1) / per_epoch) / epochs
                 if config.lr_decay is not None:
                     factor = lr_factor(config, done)
-                    for group in optimizer.param_groups:
+                    for group in optimizer.param_groups:    # restored: not `groups`
                         group["lr"] = group["initial_lr"] * factor
                 loss = model.loss(*batch)
                 loss.backward()
@@ -142,7 +147,7 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                     history["epoch"].append(loader.epoch + loader.position / per_epoch)
                     history["loss"].append(mean)
                     history["time_s"].append(elapsed + time.perf_counter() - t0)
-                    history["lr"].append(optimizer.param_groups[0]["lr"])
+                    history["lr"].append(optimizer.param_groups[0]["lr"] if groups else None)
                     running, count = None, 0
                     if bar is not None:
                         bar.set_postfix(loss=f"{mean:.4f}")
