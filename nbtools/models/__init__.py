@@ -6,6 +6,8 @@
 * :class:`MatrixFactorization`: a recommender. User and item tables (each row ends with the
   row's bias) plus an optional small NCF head, an MLP on the GPU trained by the same
   :class:`~nbtools.OffloadOptimizer` as the tables.
+* :class:`CorpusLoader`: word2vec's training pairs, subsampled and windowed afresh each epoch.
+* :mod:`~nbtools.models.wordsim`: WS353, SimLex-999 and Google analogies for any word vectors.
 * :func:`train`: one loop for both. It feeds a :class:`~nbtools.Dashboard` from the loop's own
   thread, saves checkpoints every ``every`` steps and, when it starts, restores the newest one,
   so a Colab run that was disconnected continues where its last checkpoint left it.
@@ -30,16 +32,19 @@ import torch  # noqa: F401  (the doctest above uses it)
 
 from ..loader import PinnedLoader  # noqa: F401  (the doctest above uses it)
 from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
+from . import wordsim
 from .ranking import (Interactions, full_ranking_metrics, kfold, leave_last_out, per_user_split,
                       popularity_scores, ranking_metrics, rating_metrics, sample_candidates,
                       train_valid_test)
 from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, fit, holdout
 from .synthetic import SyntheticConfig, SyntheticData, gap_normalised, make_synthetic
-from .training import train
-from .word2vec import SkipGram, SkipGramConfig, keep_probabilities, pairs_from_corpus
+from .training import TrainConfig, train
+from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, count_pairs, keep_probabilities,
+                       pairs_from_corpus)
 
-__all__ = ["SkipGram", "SkipGramConfig", "MatrixFactorization", "MFConfig", "train",
-           "pairs_from_corpus", "keep_probabilities", "evaluate_rmse", "holdout"]
+__all__ = ["SkipGram", "SkipGramConfig", "CorpusLoader", "MatrixFactorization", "MFConfig",
+           "train", "TrainConfig", "pairs_from_corpus", "count_pairs", "keep_probabilities",
+           "evaluate_rmse", "holdout", "wordsim"]
 __all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", "train_valid_test",
             "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
             "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",

@@ -1,6 +1,7 @@
-"""One training loop for every model: dashboard, progress, checkpoints and resume."""
+"""One training loop for every model: dashboard, progress, checkpoints, resume, lr decay."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from torch import nn
@@ -10,56 +11,125 @@ from ..optim import OffloadOptimizer
 
 # --- the training loop ------------------------------------------------------------------------
 
+_DECAYS = (None, "linear")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optional settings of :func:`train`."""
+
+    every: int = 1000              # steps between checkpoints (a disconnect loses at most this)
+    log_every: int | None = None   # steps between loss records (None: ~100 over the run)
+    progress: bool = True          # a tqdm bar when there is no dashboard
+    lr_decay: str | None = None    # "linear": word2vec's alpha -> min_alpha over the whole run
+    min_lr_ratio: float = 1e-4     # the last lr / the first (word2vec: min_alpha = alpha * 1e-4)
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be a positive number of steps, got {self.every!r}")
+        if self.log_every is not None and (not isinstance(self.log_every, int)
+                                           or self.log_every < 1):
+            raise ValueError(f"log_every must be a positive number of steps or None, got "
+                             f"{self.log_every!r}")
+        if self.lr_decay not in _DECAYS:
+            raise ValueError(f"lr_decay must be one of {_DECAYS}, got {self.lr_decay!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+
+def lr_factor(config: TrainConfig, progress: float) -> float:
+    """The learning rate at ``progress`` (fraction of the run done, 0..1) over the first one.
+
+    >>> lr_factor(TrainConfig(lr_decay="linear", min_lr_ratio=0.1), 0.5)
+    0.55
+    >>> lr_factor(TrainConfig(), 0.5)
+    1.0
+    """
+    if config.lr_decay is None:
+        return 1.0
+    progress = min(max(progress, 0.0), 1.0)
+    return 1.0 - (1.0 - config.min_lr_ratio) * progress
+
+
 def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *, epochs: int,
-          dashboard=None, checkpoints=None, every: int = 1000, log_every: int | None = None,
-          progress: bool = True) -> dict:
+          config: TrainConfig | None = None, dashboard=None, checkpoints=None,
+          **options) -> dict:
     """Train ``model`` for ``epochs`` passes over ``loader``, resuming from a checkpoint.
 
     Args:
         model: a module with ``loss(*batch) -> scalar``.
-        loader: a :class:`~nbtools.PinnedLoader` (its position is part of each checkpoint).
-        optimizer: an :class:`~nbtools.OffloadOptimizer` over the model.
+        loader: a :class:`~nbtools.PinnedLoader`, a :class:`~nbtools.models.CorpusLoader` (or
+            anything with their ``epoch``, ``position``, ``len()``, ``set_epoch`` and
+            ``state_dict``); its position is part of each checkpoint. The number of batches
+            may change from one epoch to the next.
+        optimizer: an :class:`~nbtools.OffloadOptimizer` over the model (or any optimizer
+            with ``param_groups``).
         epochs: total passes over the data, counting those done before a resume.
+        config: :class:`TrainConfig` (checkpoint interval, logging, progress bar, lr decay).
         dashboard: a :class:`~nbtools.Dashboard` (or anything with ``step(n)``); updated from
             this loop's thread, which is what works in Colab.
         checkpoints: a :class:`~nbtools.CheckpointManager`. The newest checkpoint is restored
-            first (model, optimizer, loader, step, history); then one is saved every ``every``
-            steps and at the end. A disconnect loses at most ``every`` steps. Running the cell
-            again after training finished restores the last checkpoint and trains nothing.
-        every: steps between checkpoints.
-        log_every: steps between loss records (default: ~100 records over the run, at most
-            one per 100 steps). Reading the loss is a GPU sync, so not every step.
-        progress: a tqdm bar when there is no dashboard.
+            first (model, optimizer, loader, step, history); then one is saved every
+            ``config.every`` steps and at the end. A disconnect loses at most ``every`` steps.
+            Running the cell again after training finished restores the last checkpoint and
+            trains nothing.
+        **options: fields of :class:`TrainConfig` given one by one (``every=500``), as before
+            there was a config; they override ``config``'s.
+
+    With ``lr_decay="linear"`` each param group's learning rate goes from the one it had when
+    training started (kept as ``group["initial_lr"]``, as torch's schedulers do, so it travels
+    with checkpoints) down to ``min_lr_ratio`` times it, linearly in the fraction of batches
+    done: step ``t`` of ``T`` uses ``lr * (1 - (1 - min_lr_ratio) * t / T)``.
 
     Returns:
-        The history, ``{"step": [...], "epoch": [...], "loss": [...], "time_s": [...]}``: mean
-        loss over each ``log_every`` steps, and training seconds so far (across resumes).
+        The history, ``{"step": [...], "epoch": [...], "loss": [...], "time_s": [...],
+        "lr": [...]}``: mean loss over each ``log_every`` steps, training seconds so far
+        (across resumes), and the first param group's learning rate (None when the optimizer
+        shows no ``param_groups``).
     """
-    if every < 1:
-        raise ValueError(f"every must be a positive number of steps, got {every!r}")
-    history = {"step": [], "epoch": [], "loss": [], "time_s": []}
+    config = config or TrainConfig()
+    if options:
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise TypeError(f"train() got unexpected keyword arguments {unknown}; the options "
+                            f"are {sorted(fields)} (or pass config=TrainConfig(...))")
+        config = dataclasses.replace(config, **options)
+    groups = getattr(optimizer, "param_groups", None)   # a wrapper may not show them
+    if config.lr_decay is not None:
+        if groups is None:
+            raise TypeError(f"lr_decay={config.lr_decay!r} needs an optimizer with param_groups; "
+                            f"{type(optimizer).__name__} has none")
+        for group in groups:                      # before a restore replaces them
+            group.setdefault("initial_lr", group["lr"])
+    history = {"step": [], "epoch": [], "loss": [], "time_s": [], "lr": []}
     step = 0
     if checkpoints is not None:
         step = checkpoints.restore(model=model, optimizer=optimizer, loader=loader,
                                    history=history) or 0
-    per_epoch = len(loader)
-    total = epochs * per_epoch
-    if log_every is None:
-        log_every = min(100, max(1, total // 100))
+        history.setdefault("lr", [None] * len(history["step"]))   # saved by an older version
+    total = epochs * len(loader)      # an estimate when epochs differ in length
+    log_every = config.log_every or min(100, max(1, total // 100))
     elapsed = history["time_s"][-1] if history["time_s"] else 0.0
     bar = None
-    if progress and dashboard is None:
+    if config.progress and dashboard is None:
         from tqdm.auto import tqdm     # only when asked: import nbtools stays light
         bar = tqdm(total=total, initial=min(step, total), unit="step", desc="training")
     running, count = None, 0            # loss summed on the device since the last record
     t0 = time.perf_counter()
     try:
         while True:
-            if loader.position >= per_epoch:       # saved after an epoch's last batch
+            if loader.position >= len(loader):       # saved after an epoch's last batch
                 loader.set_epoch(loader.epoch + 1)
             if loader.epoch >= epochs:
                 break
+            per_epoch = len(loader)
             for batch in loader:
+                done = (loader.epoch + (loader.position - 1) / per_epoch) / epochs
+                if config.lr_decay is not None:
+                    factor = lr_factor(config, done)
+                    for group in optimizer.param_groups:    # restored: not `groups`
+                        group["lr"] = group["initial_lr"] * factor
                 loss = model.loss(*batch)
                 loss.backward()
                 optimizer.step()
@@ -74,13 +144,14 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                 if step % log_every == 0:
                     mean = float(running) / count       # note: a CPU-GPU sync point
                     history["step"].append(step)
-                    history["epoch"].append(step / per_epoch)
+                    history["epoch"].append(loader.epoch + loader.position / per_epoch)
                     history["loss"].append(mean)
                     history["time_s"].append(elapsed + time.perf_counter() - t0)
+                    history["lr"].append(optimizer.param_groups[0]["lr"] if groups else None)
                     running, count = None, 0
                     if bar is not None:
                         bar.set_postfix(loss=f"{mean:.4f}")
-                if checkpoints is not None and step % every == 0:
+                if checkpoints is not None and step % config.every == 0:
                     checkpoints.save(step, model=model, optimizer=optimizer, loader=loader,
                                      history=history)
         if checkpoints is not None and checkpoints.latest_step() != step:

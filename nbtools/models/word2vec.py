@@ -1,7 +1,8 @@
 """word2vec: skip-gram with negative sampling (SGNS) over two offloaded tables.
 
 Input and output vectors are :class:`~nbtools.OffloadedEmbedding` tables; negatives are drawn on
-the compute device from the unigram distribution raised to 3/4.
+the compute device from the unigram distribution raised to 3/4. :class:`CorpusLoader` redraws
+word2vec's subsampling and dynamic windows every epoch, on the compute device.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import resolve_device
+from ..loader import _mix_int, permutation
 from ..tables import OffloadedEmbedding
 
 # --- word2vec ---------------------------------------------------------------------------------
@@ -59,6 +61,35 @@ def pairs_from_corpus(ids, window: int = 5, *, keep_prob=None, dynamic: bool = T
     pairs per kept token. For text8 (17M tokens, ``window=5``, subsampling at 1e-4), a Zipf
     estimate gives ~11M kept tokens and ~65M pairs: ~0.5 GB in int32.
     """
+    centers, contexts = [], []
+    for _, left, right, fwd, bwd in _windows(ids, window, keep_prob, dynamic, generator):
+        # converted piece by piece: the int64 pieces of a large corpus would double the peak
+        centers += [left[fwd].to(dtype), right[bwd].to(dtype)]
+        contexts += [right[fwd].to(dtype), left[bwd].to(dtype)]
+    if not centers:
+        empty = torch.empty(0, dtype=dtype, device=torch.as_tensor(ids).device)
+        return empty, empty.clone()
+    return torch.cat(centers), torch.cat(contexts)
+
+
+def count_pairs(ids, window: int = 5, *, keep_prob=None, dynamic: bool = True,
+                generator: torch.Generator | None = None) -> int:
+    """How many pairs :func:`pairs_from_corpus` would return with the same arguments and
+    generator state, without making them (the same draws, one count per distance).
+
+    >>> ids = torch.tensor([0, 1, 2, 1, 0, 3, 1, 2])
+    >>> count_pairs(ids, 2, dynamic=False), pairs_from_corpus(ids, 2, dynamic=False)[0].numel()
+    (26, 26)
+    """
+    total = torch.zeros((), dtype=torch.int64, device=torch.as_tensor(ids).device)
+    for _, left, right, fwd, bwd in _windows(ids, window, keep_prob, dynamic, generator):
+        total += fwd.sum() + bwd.sum()
+    return int(total)                 # one sync, after every distance
+
+
+def _windows(ids, window, keep_prob, dynamic, generator):
+    """Draw subsampling and windows; yield ``(d, left, right, fwd, bwd)`` for each distance
+    ``d``: ``fwd`` masks the pairs (center ``left``, context ``right``), ``bwd`` the reverse."""
     ids = torch.as_tensor(ids)
     if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be a 1-D integer tensor, got {ids.dtype} of shape "
@@ -75,19 +106,185 @@ def pairs_from_corpus(ids, window: int = 5, *, keep_prob=None, dynamic: bool = T
     sentence = torch.cumsum((ids < 0).to(torch.int64), 0)
     if dynamic:
         radius = torch.randint(1, window + 1, (n,), generator=generator, device=ids.device)
-    centers, contexts = [], []
     for d in range(1, min(window, n - 1) + 1):        # a loop over distances, not tokens
         left, right = ids[:-d], ids[d:]
         ok = (left >= 0) & (right >= 0) & (sentence[:-d] == sentence[d:])
         fwd = ok & (radius[:-d] >= d) if dynamic else ok     # center left, context right
         bwd = ok & (radius[d:] >= d) if dynamic else ok      # center right, context left
-        # converted piece by piece: the int64 pieces of a large corpus would double the peak
-        centers += [left[fwd].to(dtype), right[bwd].to(dtype)]
-        contexts += [right[fwd].to(dtype), left[bwd].to(dtype)]
-    if not centers:
-        empty = torch.empty(0, dtype=dtype, device=ids.device)
-        return empty, empty.clone()
-    return torch.cat(centers), torch.cat(contexts)
+        yield d, left, right, fwd, bwd
+
+
+class CorpusLoader:
+    """Batches of (center, context) pairs whose subsampling and windows are redrawn each epoch.
+
+    word2vec draws which frequent words to drop and each word's window afresh on every pass
+    over the corpus; pairs made once and reshuffled would show the model one draw five times.
+    This loader keeps only the token ids (int32, on the compute device) and makes each epoch's
+    pairs there when the epoch starts, with :func:`pairs_from_corpus`, then hands out shuffled
+    batches as views. The corpus is cut into pieces of ``chunk_tokens`` tokens, and only one
+    piece's pairs exist at a time (at most ``6 * chunk_tokens`` pairs at ``window=5``: 200 MB of
+    int32 for the default 4M tokens, plus ~1 GB for a moment while they are shuffled), so memory
+    does not grow with the corpus; a piece's edge acts as a sentence break.
+
+    Everything an epoch draws depends only on ``(seed, epoch, piece)``: a run resumed from
+    :meth:`state_dict` sees the same batches as one never interrupted. The number of pairs (so
+    ``len(loader)``, batches per epoch) varies a little from epoch to epoch.
+
+    Args:
+        ids: 1-D integer tensor of token ids (``-1`` marks a sentence break, as in
+            :func:`pairs_from_corpus`).
+        batch_size: pairs per batch; batches run across pieces, only the epoch's last one is
+            smaller.
+        window: largest distance between a center and its context (each center draws its own
+            window from ``1..window``, as word2vec).
+        keep_prob: per-id keep probabilities (:func:`keep_probabilities`), or ``None`` to keep
+            every token.
+        seed: the draws of epoch ``e`` depend only on ``(seed, e)``.
+        device: where pairs are made and batches live (``"auto"``: the GPU when there is one).
+        chunk_tokens: tokens per piece.
+
+    The loop protocol is :class:`~nbtools.PinnedLoader`'s (``epoch``, ``position``,
+    ``len()``, ``set_epoch``, ``state_dict``), so :func:`~nbtools.models.train` takes either.
+
+    >>> ids = torch.tensor([0, 1, 2, 1, 0, 3, 1, 2] * 4)
+    >>> loader = CorpusLoader(ids, batch_size=16, window=2, device="cpu", seed=1)
+    >>> first = torch.cat([c for c, _ in loader]); second = torch.cat([c for c, _ in loader])
+    >>> loader.epoch, first.numel() > 0, torch.equal(first, second)
+    (2, True, False)
+    """
+
+    def __init__(self, ids, batch_size: int, *, window: int = 5, keep_prob=None, seed: int = 0,
+                 device="auto", chunk_tokens: int = 1 << 22):
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be a 1-D integer tensor, got {ids.dtype} of shape "
+                            f"{tuple(ids.shape)}")
+        for name, value in (("batch_size", batch_size), ("window", window),
+                            ("chunk_tokens", chunk_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+        self.device = resolve_device(device)
+        if ids.numel() and int(ids.max()) >= 2**31:
+            raise ValueError(f"ids go up to {int(ids.max()):,}; CorpusLoader keeps int32 ids")
+        self.ids = ids.to(self.device, torch.int32)
+        self.keep_prob = None if keep_prob is None else \
+            torch.as_tensor(keep_prob, dtype=torch.float32).to(self.device)
+        if self.keep_prob is not None and self.ids.numel() and \
+                int(self.ids.max()) >= self.keep_prob.numel():
+            raise ValueError(f"keep_prob has {self.keep_prob.numel():,} entries but ids go up to "
+                             f"{int(self.ids.max()):,}; pass one probability per word")
+        self.batch_size, self.window, self.seed = batch_size, window, seed
+        self.chunk_tokens = chunk_tokens
+        self.epoch = 0
+        self.position = 0          # batches of `epoch` already handed out
+        self._sizes = None         # (epoch, pairs in each piece)
+        self._piece = None         # (epoch, piece, centers, contexts): the last piece made
+
+    @property
+    def num_pieces(self) -> int:
+        return max(1, -(-self.ids.numel() // self.chunk_tokens))
+
+    def _piece_args(self, epoch: int, piece: int):
+        """(token ids, seeded generator, key) of one piece in ``epoch``."""
+        key = _mix_int(_mix_int(_mix_int(self.seed) + epoch) + piece)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(key & ((1 << 63) - 1))
+        lo = piece * self.chunk_tokens
+        return self.ids[lo:lo + self.chunk_tokens], gen, key
+
+    def _draw(self, epoch: int, piece: int):
+        """Shuffled (centers, contexts) of one piece of the corpus in ``epoch``, int32."""
+        if self._piece is not None and self._piece[:2] == (epoch, piece):
+            return self._piece[2:]
+        self._piece = None           # free the previous piece's pairs first
+        ids, gen, key = self._piece_args(epoch, piece)
+        centers, contexts = pairs_from_corpus(ids, self.window, keep_prob=self.keep_prob,
+                                              generator=gen)
+        # pairs come ordered by distance: shuffle them (the same order on every device)
+        order = permutation(centers.numel(), key, 0, self.device)
+        self._piece = (epoch, piece, centers[order], contexts[order])
+        return self._piece[2:]
+
+    def piece_sizes(self, epoch: int | None = None) -> list:
+        """Pairs in each piece of the corpus in ``epoch`` (default: the current one), counted
+        with the draws that will make them, without making them."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._sizes is None or self._sizes[0] != epoch:
+            sizes = []
+            for p in range(self.num_pieces):
+                ids, gen, _ = self._piece_args(epoch, p)
+                sizes.append(count_pairs(ids, self.window, keep_prob=self.keep_prob,
+                                         generator=gen))
+            self._sizes = (epoch, sizes)
+        return self._sizes[1]
+
+    @property
+    def num_samples(self) -> int:
+        """Pairs in the current epoch."""
+        return sum(self.piece_sizes())
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return -(-self.num_samples // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first batch at the next iteration."""
+        self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> dict:
+        """``{"seed", "epoch", "position", "batch_size", "window", "tokens", "chunk_tokens"}``;
+        ``position`` counts the batches of ``epoch`` already handed out."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "batch_size": self.batch_size, "window": self.window,
+                "tokens": self.ids.numel(), "chunk_tokens": self.chunk_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
+        missing = [k for k in ("seed", "epoch", "position") if k not in state]
+        if missing:
+            raise KeyError(f"CorpusLoader state is missing {missing}; expected the dict returned "
+                           f"by CorpusLoader.state_dict(), got keys {sorted(state)}")
+        mine = self.state_dict()
+        differ = [f"{k}={state[k]!r} (this loader: {mine[k]!r})"
+                  for k in ("batch_size", "window", "tokens", "chunk_tokens")
+                  if k in state and state[k] != mine[k]]
+        if differ:
+            raise ValueError("cannot resume: the saved loader had " + ", ".join(differ) +
+                             "; build the CorpusLoader with the same corpus and settings")
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self.position = int(state["position"])
+
+    def __iter__(self):
+        nb = len(self)
+        if 0 < nb <= self.position:   # a state saved after the last batch means the next epoch
+            self.epoch, self.position = self.epoch + 1, 0
+            nb = len(self)
+        epoch, b = self.epoch, self.position
+        sizes = self.piece_sizes(epoch)
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        while b < nb:
+            lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, starts[-1])
+            parts = []
+            for p in range(len(sizes)):           # the pieces this batch overlaps
+                if starts[p] < hi and lo < starts[p + 1]:
+                    centers, contexts = self._draw(epoch, p)
+                    a, z = max(lo, starts[p]) - starts[p], min(hi, starts[p + 1]) - starts[p]
+                    parts.append((centers[a:z], contexts[a:z]))
+            batch = parts[0] if len(parts) == 1 else \
+                tuple(torch.cat(t) for t in zip(*parts))
+            b += 1
+            self.position = b
+            yield batch
+        self.epoch, self.position = epoch + 1, 0
+
+    def __repr__(self):
+        return (f"CorpusLoader({self.ids.numel():,} tokens, batch_size={self.batch_size}, "
+                f"window={self.window}, device={self.device}, seed={self.seed}, "
+                f"epoch={self.epoch}, position={self.position})")
 
 
 @dataclasses.dataclass
@@ -99,6 +296,8 @@ class SkipGramConfig:
     dtype: torch.dtype = torch.float32   # of both tables (and their optimizer state)
     pin: bool = True               # register host memory with CUDA (zero-copy)
     seed: int = 0                  # negatives; their generator is saved with the model
+    skip_context_negatives: bool = True   # drop a drawn negative equal to the context (word2vec)
+    placement: str = "auto"        # both tables: "host" (pinned RAM), "gpu", "auto" (GPU if fits)
 
 
 class SkipGram(nn.Module):
@@ -128,7 +327,7 @@ class SkipGram(nn.Module):
             raise ValueError(f"words has {len(words):,} entries but vocab_size is {vocab_size:,}")
         self.words = list(words) if words is not None else None
         self._index = None
-        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin)
+        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin, placement=cfg.placement)
         self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
         self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
         with torch.no_grad():
@@ -164,20 +363,32 @@ class SkipGram(nn.Module):
         return ids.clamp_(max=self.vocab_size - 1)     # u within rounding of 1.0
 
     def loss(self, centers, contexts, negatives=None) -> torch.Tensor:
-        """Mean SGNS loss of a batch of pairs; ``negatives`` [B, k] are drawn when not given."""
+        """Mean SGNS loss of a batch of pairs; ``negatives`` [B, k] are drawn when not given.
+
+        A drawn negative equal to its pair's context is skipped, as word2vec does: it adds
+        nothing to the loss nor to any gradient (``config.skip_context_negatives``). Negatives
+        passed in are used as given.
+        """
         # int64 on the device: tables take any integer ids, but their CPU scatter wants int64
         centers = centers.to(self.device).long()
-        contexts = contexts.to(self.device).long()
+        contexts = contexts.to(self.device).long().reshape(-1, 1)
+        keep = None
         if negatives is None:
             negatives = self.sample_negatives(centers.shape[0], self.config.negatives)
+            if self.config.skip_context_negatives:
+                keep = negatives != contexts                             # [B, k]
+                # A skipped negative looks up its pair's context instead: that row is read
+                # anyway, so no extra row is touched (a lazy optimizer would otherwise step
+                # it with a zero gradient).
+                negatives = torch.where(keep, negatives, contexts)
         v = self.input(centers)                                          # [B, d]
         # Context and negatives in one lookup: one deduplication, one gather.
-        targets = torch.cat((contexts.reshape(-1, 1), negatives.to(self.device).long()), 1)
-        u = self.output(targets)                                         # [B, 1 + k, d]
+        u = self.output(torch.cat((contexts, negatives.to(self.device).long()), 1))  # [B, 1+k, d]
         scores = torch.bmm(u, v.unsqueeze(2)).squeeze(2)                 # [B, 1 + k]
-        sign = torch.ones_like(scores)
-        sign[:, 1:] = -1
-        return -F.logsigmoid(sign * scores).sum(1).mean()
+        negative = F.logsigmoid(-scores[:, 1:])
+        if keep is not None:
+            negative = negative * keep
+        return -(F.logsigmoid(scores[:, 0]) + negative.sum(1)).mean()
 
     forward = loss
 
