@@ -444,3 +444,18 @@ def test_optimizer_deepcopies_and_pickles_with_its_model():
         torch.testing.assert_close(m2.head.weight, model.head.weight)
         torch.testing.assert_close(o2.table_state("items")["exp_avg"],
                                    opt.table_state("items")["exp_avg"])
+
+
+@pytest.mark.gpu
+def test_word_vectors_of_gpu_placed_tables():
+    from nbtools.models import SkipGram, SkipGramConfig
+    words = [f"w{i}" for i in range(40)]
+    model = SkipGram(40, 5, words=words, config=SkipGramConfig(placement="gpu"), device="cuda")
+    assert model.input.placement == "gpu"
+    model.input.weight.copy_(torch.randn(40, 5, generator=torch.Generator().manual_seed(71)))
+    w = torch.nn.functional.normalize(model.input.weight.cpu(), dim=1)
+    sims = w @ w[7]
+    sims[7] = -2
+    expect = sims.topk(5).indices.tolist()
+    assert [int(word[1:]) for word, _ in model.most_similar("w7", k=5)] == expect
+    assert model.vector("w3").device.type == "cpu"

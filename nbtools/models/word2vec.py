@@ -420,7 +420,7 @@ class SkipGram(nn.Module):
 
     def vector(self, word_or_id) -> torch.Tensor:
         """The input vector of one word (a float32 CPU copy)."""
-        return self.input.weight[self._id(word_or_id)].float().clone()
+        return self.input.weight[self._id(word_or_id)].float().cpu().clone()
 
     def most_similar(self, word_or_id, k: int = 10, *, chunk_rows: int = 65536) -> list:
         """The ``k`` words whose input vectors have the highest cosine similarity.
@@ -445,14 +445,14 @@ class SkipGram(nn.Module):
 
     @torch.no_grad()
     def _nearest(self, query: torch.Tensor, k: int, exclude, chunk_rows: int) -> list:
-        weight = self.input.weight          # host view; reading it waits for the GPU once
-        query = F.normalize(query, dim=0)
+        weight = self.input.weight          # host view (waits for the GPU once) or GPU rows
+        query = F.normalize(query, dim=0).to(weight.device)
         k = min(k, self.vocab_size - len(exclude))
         best_scores = torch.empty(0)
         best_ids = torch.empty(0, dtype=torch.long)
         for start in range(0, self.vocab_size, chunk_rows):
             rows = weight[start:start + chunk_rows].float()
-            sims = rows @ query / rows.norm(dim=1).clamp_min(1e-12)
+            sims = (rows @ query / rows.norm(dim=1).clamp_min(1e-12)).cpu()
             for i in exclude:
                 if start <= i < start + rows.shape[0]:
                     sims[i - start] = -math.inf
