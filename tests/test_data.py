@@ -55,6 +55,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
+    pytest.importorskip("gdown")        # the downloads go through it (not on the GPU machine)
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.daemon_threads = True
     srv.hits = {}

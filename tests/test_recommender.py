@@ -341,8 +341,12 @@ def test_fit_with_lr_decay_resumes_exactly(device, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "b", Disconnect(at=15))                  # in epoch 3; saved at step 12
     resumed = run(tmp_path / "b")
-    assert torch.equal(whole.users.weight, resumed.users.weight)
-    assert torch.equal(whole.items.weight, resumed.items.weight)
+    # Bit for bit on the CPU. On CUDA the lookup's backward sums duplicate ids with atomic adds,
+    # whose order varies from run to run, so the two runs agree to float rounding.
+    same = torch.equal if device.type == "cpu" else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    assert same(whole.users.weight, resumed.users.weight)
+    assert same(whole.items.weight, resumed.items.weight)
     torch.manual_seed(0)
     constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
     fit(constant, r, epochs=4, batch_size=16, lr=0.05)

@@ -302,8 +302,9 @@ def full_ranking_metrics(top_items, relevant: Interactions, users, k: int = 10) 
 def rating_metrics(predictions, ratings) -> dict:
     """RMSE and MAE (same units as the ratings).
 
-    >>> rating_metrics(torch.tensor([3.0, 4.0]), torch.tensor([4.0, 4.0]))
-    {'rmse': 0.7071067811865476, 'mae': 0.5}
+    >>> {k: round(v, 6) for k, v in rating_metrics(torch.tensor([3.0, 4.0]),
+    ...                                            torch.tensor([4.0, 4.0])).items()}
+    {'rmse': 0.707107, 'mae': 0.5}
     """
     pred = torch.as_tensor(predictions, dtype=torch.float64).reshape(-1)
     true = torch.as_tensor(ratings, dtype=torch.float64).reshape(-1)
