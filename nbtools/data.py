@@ -235,9 +235,21 @@ def _classify(e: BaseException, link: str):
     return e
 
 
+@dataclasses.dataclass
+class FetchConfig:
+    """How :func:`fetch` downloads: where it caches, how it retries, how much it says."""
+
+    cache_dir: object = None       # default: default_cache_dir() (Google Drive in Colab)
+    # Further attempts after a network or server failure; the wait doubles each time,
+    # starting at backoff_s seconds.
+    retries: int = 3
+    backoff_s: float = 2.0
+    quiet: bool = False            # no progress output
+    sleep: object = time.sleep     # injectable for tests
+
+
 def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None,
-          filename: str | None = None, cache_dir=None, retries: int = 3, backoff_s: float = 2.0,
-          quiet: bool = False, sleep=time.sleep) -> Path:
+          filename: str | None = None, config: FetchConfig | None = None, **options) -> Path:
     """Download (or find in the cache) a dataset file and return its local path.
 
     Args:
@@ -245,16 +257,22 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
             http(s) URL.
         md5, sha256: expected hashes (registry entries bring their own).
         filename: name in the cache (default: the registry's, the URL's, or Drive's).
-        cache_dir: default :func:`default_cache_dir` (Google Drive in Colab).
-        retries: further attempts after a network or server failure; the wait doubles each
-            time, starting at ``backoff_s`` seconds (``sleep`` is injectable for tests).
-        quiet: no progress output.
+        config: :class:`FetchConfig`; its fields can also be passed by name (``cache_dir=``,
+            ``retries=``, ``backoff_s=``, ``quiet=``, ``sleep=``).
 
     Raises:
         HashMismatchError: the file is not the expected one (it is deleted).
         DriveQuotaError: Drive's download quota; the message says how to get around it.
         DownloadError: still failing after the retries, or a failure retrying cannot fix.
     """
+    unknown = set(options) - {f.name for f in dataclasses.fields(FetchConfig)}
+    if unknown:
+        raise TypeError(f"fetch() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+                        f"md5, sha256, filename, config and the FetchConfig fields "
+                        f"{[f.name for f in dataclasses.fields(FetchConfig)]}")
+    cfg = dataclasses.replace(config or FetchConfig(), **options)
+    cache_dir, retries, backoff_s, quiet, sleep = (cfg.cache_dir, cfg.retries, cfg.backoff_s,
+                                                   cfg.quiet, cfg.sleep)
     entry = REGISTRY.get(name_or_url)
     expected_bytes = None
     if entry is not None:

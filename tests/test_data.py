@@ -292,3 +292,10 @@ def test_bundled_samples_are_what_the_generators_make(tmp_path):
     assert fetch("text8-sample") == data.SAMPLES_DIR / "text8-sample.txt"
     r = data.load("movielens-sample")
     assert r.user_ids.max() == r.num_users - 1 and len(r.ratings) == 120 * 12
+
+
+def test_fetch_options_live_in_a_config(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['retry'\]"):
+        fetch("text8-sample", retry=3)
+    cfg = data.FetchConfig(cache_dir=tmp_path, quiet=True)
+    assert fetch("text8-sample", config=cfg) == fetch("text8-sample", cache_dir=tmp_path, quiet=True)
