@@ -155,7 +155,7 @@ def main():
         # thousands of pair gradients in one step
         sys.exit("bench_word2vec: pass --lr with --optimizer sgd (no tested default)")
     if args.lr is None:
-        args.lr = {"adam": 0.01, "adagrad": 0.1}[args.optimizer]
+        args.lr = {"adam": 0.02, "adagrad": 0.1}[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(systems) - {"host", "gpu", "gensim"})
     if bad:
