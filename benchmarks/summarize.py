@@ -44,6 +44,17 @@ def main(d):
             row(f"  {k}", fmt(v), "x")
         for k, v in st.get("syncs", {}).items():
             row(f"  host syncs per step, {k}", fmt(v, ".1f"), "")
+    wv = load(d, "word2vec.json")
+    if wv:
+        row(f"word2vec: {wv.get('tokens', 0):,} tokens x {wv['epochs']} epochs ({wv['device']})", "", "")
+        for k, v in wv.get("ratios", {}).items():
+            row(f"  {k}", fmt(v), "x")
+        for name, sysres in wv.get("systems", {}).items():
+            q = sysres.get("quality", {})
+            row(f"  {name}: M words/s, WS353 / SimLex / analogy",
+                f"{sysres['words_per_s'] / 1e6:.2f}  {q.get('ws353', {}).get('spearman', float('nan')):.3f} / "
+                f"{q.get('simlex', {}).get('spearman', float('nan')):.3f} / "
+                f"{100 * q.get('analogy', {}).get('accuracy', float('nan')):.1f}%", "")
     ld = load(d, "loader.json")
     if ld:
         for k in ("images", "pairs"):
