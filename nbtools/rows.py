@@ -268,6 +268,14 @@ class LookupGraphs:
         self._graphs = {}
         self._key = None
 
+    def __getstate__(self) -> dict:
+        # Captures are a cache of this process's CUDA graphs: a copy (deepcopy, pickle)
+        # starts without them and captures its own.
+        return {"after": self.after, "max_shapes": self.max_shapes, "copies": self.copies}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
     def invalidate(self) -> None:
         """Forget every capture (the table's memory moved)."""
         self._graphs.clear()

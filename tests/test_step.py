@@ -459,3 +459,13 @@ def test_word_vectors_of_gpu_placed_tables():
     expect = sims.topk(5).indices.tolist()
     assert [int(word[1:]) for word, _ in model.most_similar("w7", k=5)] == expect
     assert model.vector("w3").device.type == "cpu"
+
+
+def test_copies_of_a_table_start_without_captured_graphs():
+    table = OffloadedEmbedding(10, 2, device="cpu")
+    table._graphs._graphs[("fake",)] = [object()]       # stands for a capture (CUDA only)
+    table._graphs._seen[("fake",)] = 3
+    for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
+        assert clone._graphs._graphs == {} and clone._graphs._seen == {}
+        assert clone._graphs.copies == table._graphs.copies
+    assert table._graphs._graphs                           # the original keeps its own
