@@ -251,9 +251,21 @@ class HostTensor:
             self._finalizer()
             self.pinned = False
 
+    def __reduce__(self):
+        # A copy (deepcopy, pickle) gets memory of its own, registered as this one is: the
+        # registration itself cannot be copied.
+        return _rebuild_host_tensor, (tuple(self.tensor.shape), self.tensor.dtype, self.pinned,
+                                      self.name, self._device, self.tensor)
+
     def __repr__(self):
         return (f"HostTensor(name={self.name!r}, shape={tuple(self.tensor.shape)}, "
                 f"dtype={self.tensor.dtype}, bytes={self.nbytes}, pinned={self.pinned})")
+
+
+def _rebuild_host_tensor(shape, dtype, pin, name, device, data) -> HostTensor:
+    host = HostTensor(shape, dtype, pin=pin, name=name, device=device)
+    host.tensor.copy_(data)
+    return host
 
 
 def host_zeros(shape, dtype=torch.float32, *, pin: bool = True, name: str = "tensor") -> HostTensor:
@@ -312,6 +324,15 @@ class pin_tensor:
         if self.pinned:
             self._finalizer()
             self.pinned = False
+
+    def __reduce__(self):
+        # A copy registers its own copy of the memory (the registration cannot be copied).
+        return _repin, (self.tensor, self.pinned, self.name)
+
+
+def _repin(tensor, pinned: bool, name: str):
+    held = pin_tensor(tensor.clone() if pinned else tensor, name=name)
+    return held
 
 
 def probe_pinning() -> str:

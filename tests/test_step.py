@@ -469,3 +469,19 @@ def test_copies_of_a_table_start_without_captured_graphs():
         assert clone._graphs._graphs == {} and clone._graphs._seen == {}
         assert clone._graphs.copies == table._graphs.copies
     assert table._graphs._graphs                           # the original keeps its own
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_tables_grown_past_256_mib_copy_and_pickle(device):
+    """Small tables keep HostTensor rows; large ones grow into pin_tensor rows: both copy."""
+    for rows in (1000, 700_000):                         # 700,000 x 32 x 3 x 4 B > 256 MiB
+        table = OffloadedEmbedding(rows, 32, device=device, name="t")
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.1)
+        table(torch.tensor([1, rows - 1], device=device)).sum().backward()
+        opt.step()
+        for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
+            assert torch.equal(clone.weight.cpu(), table.weight.cpu())
+            assert clone.pinned == table.pinned
+            assert clone.rows.host is clone._host
+            assert clone.weight.data_ptr() != table.weight.data_ptr()
+        del opt, table
