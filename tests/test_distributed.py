@@ -1,0 +1,201 @@
+"""ShardedEmbedding against the single-process table, over gloo with 2 and 3 processes.
+
+Reference: one OffloadedEmbedding (same initial rows, same optimizer) trained on the concatenation
+of every rank's batch, with the global loss = the sum of the ranks' losses. Each rank computes the
+reference itself (the batches are drawn from seeds every rank knows) and compares it with the
+gathered sharded table and per-row optimizer state. Every multi-process test runs under a
+timeout: a hang fails the test and kills the processes it started.
+"""
+import datetime
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools.distributed import ShardedEmbedding
+
+ROWS, DIM, STEPS = 23, 4, 3
+O = torch.optim
+# (optimizer, hyper-parameters, table options)
+CASES = [
+    (O.Adam, dict(lr=0.05), {}),
+    (O.SGD, dict(lr=0.1, momentum=0.9), {}),
+    (O.Adagrad, dict(lr=0.1), dict(padding_idx=5)),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, timeout: float = 40.0):
+    """Run ``fn(rank, world, port)`` in ``world`` spawned processes; fail after ``timeout`` s."""
+    ctx = mp.start_processes(fn, args=(world, _free_port()), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{fn.__name__} with {world} processes did not finish in {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _init(rank, world, port):
+    import faulthandler; faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=20))
+
+
+def _finish():
+    # every rank past its last collective before any closes its connections (a peer that
+    # exits early makes gloo abort the others)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ids at ``step``: duplicates, ids of every owner, a 2-D shape on rank 0,
+    no ids at all on rank 1 at step 1."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if rank == 1 and step == 1:
+        return torch.zeros(0, dtype=torch.long)
+    ids = torch.randint(0, ROWS, (6 + 2 * rank,), generator=g)
+    ids = torch.cat((ids, torch.tensor([7, 7, 5, ROWS - 1])))   # 7 is wanted by every rank
+    return ids.view(2, -1) if rank == 0 else ids
+
+
+def _target(step: int, rank: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + 1000 * step + rank)
+    return torch.randn(*shape, DIM, generator=g)
+
+
+def _loss(out, step, rank):
+    # not linear in the rows: the gradient depends on the rows each step
+    return ((out - _target(step, rank, out.shape[:-1])) ** 2).sum()
+
+
+def _train_worker(rank, world, port):
+    _init(rank, world, port)
+    for cls, hyper, options in CASES:
+        torch.manual_seed(0)
+        ref = OffloadedEmbedding(ROWS, DIM, device="cpu", name="t", **options)
+        sharded = ShardedEmbedding(ROWS, DIM, device="cpu", name="t", **options)
+        sharded.load_full_weight(ref.weight)
+        ref_opt = OffloadOptimizer(cls, ref, **hyper)
+        opt = OffloadOptimizer(cls, sharded, **hyper)
+        # the optimizer finds the local shard, and nothing else
+        assert opt.tables == {"t": sharded.shard}
+        assert sharded.shard.num_embeddings == len(range(rank, ROWS, world))
+        for step in range(STEPS):
+            batches = [_batch(step, r) for r in range(world)]
+            out = ref(torch.cat([b.reshape(-1) for b in batches]))
+            parts = [part.view(*b.shape, DIM)
+                     for part, b in zip(out.split([b.numel() for b in batches]), batches)]
+            total = sum(_loss(part, step, r) for r, part in enumerate(parts))
+            expected = parts[rank].detach().clone()
+            total.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+            mine = sharded(batches[rank])
+            torch.testing.assert_close(mine.detach(), expected, rtol=1e-5, atol=1e-6)
+            _loss(mine, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        what = f"{cls.__name__} {hyper} {options} on rank {rank} of {world}"
+        torch.testing.assert_close(sharded.gather_full(), ref.weight, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what}: weights differ: {m}")
+        assert sharded.shard.state_names == ref.state_names
+        for name in ref.state_names:
+            torch.testing.assert_close(sharded.gather_full(name), ref.state_columns(name),
+                                       rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what}: state {name} differs: {m}")
+    _finish()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_single_process_table(world):
+    _spawn(_train_worker, world)
+
+
+def _lookup_worker(rank, world, port):
+    """The forward, no optimizer: every rank reads the rows it asked for, in its own order."""
+    _init(rank, world, port)
+    full = torch.arange(ROWS * DIM, dtype=torch.float32).view(ROWS, DIM)
+    table = ShardedEmbedding(ROWS, DIM, device="cpu")
+    table.load_full_weight(full)
+    for step in range(2):
+        ids = _batch(step, rank)
+        torch.testing.assert_close(table(ids), full[ids])
+    with torch.no_grad():
+        ids = torch.tensor([[ROWS - 1, 0]])
+        torch.testing.assert_close(table(ids), full[ids])
+    _finish()
+
+
+def test_lookup_returns_rows_in_callers_order():
+    _spawn(_lookup_worker, 3)
+
+
+def _bad_id_worker(rank, world, port):
+    _init(rank, world, port)
+    table = ShardedEmbedding(ROWS, DIM, device="cpu", name="t")
+    opt = OffloadOptimizer(O.Adam, table, lr=0.1)
+    table(_batch(0, rank)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = [table.gather_full(), table.gather_full("exp_avg"), table.gather_full("exp_avg_sq")]
+    ids = torch.tensor([[1, 2], [ROWS, 3]]) if rank == 1 else torch.tensor([4, 4, 0])
+    try:
+        table(ids)
+    except IndexError as e:
+        text = str(e)
+    else:
+        raise AssertionError(f"rank {rank}: no IndexError for an out-of-range id on rank 1")
+    expected = f"ids contain {ROWS} (first at position (1, 0))" if rank == 1 else "rank(s) [1]"
+    assert expected in text, text
+    opt.step()                                  # nothing pending: nothing changes
+    after = [table.gather_full(), table.gather_full("exp_avg"), table.gather_full("exp_avg_sq")]
+    for b, a in zip(before, after):
+        assert torch.equal(b, a), f"rank {rank}: a table changed after the bad lookup"
+    # the ranks are still in step: a good lookup and step work afterwards
+    table(_batch(1, rank)).sum().backward()
+    opt.step()
+    assert not torch.equal(table.gather_full(), before[0])
+    _finish()
+
+
+def test_out_of_range_id_raises_on_every_rank():
+    _spawn(_bad_id_worker, 2)
+
+
+def test_single_process_is_an_offloaded_embedding():
+    """No process group: the same ids, optimizer and seed give the same table as an
+    OffloadedEmbedding."""
+    assert not dist.is_initialized()
+    torch.manual_seed(3)
+    ref = OffloadedEmbedding(ROWS, DIM, device="cpu", name="t", padding_idx=2)
+    torch.manual_seed(3)
+    sharded = ShardedEmbedding(ROWS, DIM, device="cpu", name="t", padding_idx=2)
+    assert sharded.world == 1 and torch.equal(sharded.weight, ref.weight)
+    opts = [OffloadOptimizer(O.Adam, t, lr=0.1) for t in (ref, sharded)]
+    for step in range(2):
+        ids = _batch(step, 0)
+        for t, opt in zip((ref, sharded), opts):
+            _loss(t(ids), step, 0).backward()
+            opt.step()
+    assert torch.equal(sharded.weight, ref.weight)
+    assert torch.equal(sharded.shard.state_columns("exp_avg"), ref.state_columns("exp_avg"))
+    with pytest.raises(IndexError, match="has 23 rows"):
+        with torch.no_grad():
+            sharded(torch.tensor([ROWS]))
