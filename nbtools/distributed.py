@@ -198,3 +198,65 @@ class ShardedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
                 f"rank={self.rank}, world={self.world}")
+
+
+# --- launching a small job from a notebook or a test --------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world, port, args, results, timeout_s):
+    import datetime
+    import os
+    import sys
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    value = fn(rank, world, *args)
+    results.put((rank, value))      # SimpleQueue: written before put returns
+    dist.barrier()                  # every rank past its last collective
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter finalisation: gloo's threads now and then abort a process there
+    # ("terminate called without an active exception") after its work is done
+    os._exit(0)
+
+
+def spawn(fn, nprocs: int, args=(), timeout: float = 600.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine, each in a gloo
+    process group (the default group, so ``ShardedEmbedding(...)`` shards over it), and return
+    their return values in rank order.
+
+    ``fn`` must be importable by the new processes: define it in a ``.py`` file (in a
+    notebook, ``%%writefile job.py`` and ``from job import train``), not in a cell. A rank that
+    raises fails the whole job with its traceback; after ``timeout`` seconds the processes are
+    killed and ``TimeoutError`` is raised. Collectives give up after the same timeout.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    job = mp.start_processes(_worker, args=(fn, nprocs, free_port(), tuple(args), results,
+                                            timeout), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not job.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {nprocs} processes did not "
+                                   f"finish in {timeout:g} s; its processes were killed")
+    finally:
+        for p in job.processes:
+            if p.is_alive():
+                p.kill()
+    values = dict(results.get() for _ in range(nprocs))
+    return [values[r] for r in range(nprocs)]

@@ -6,19 +6,12 @@ reference itself (the batches are drawn from seeds every rank knows) and compare
 gathered sharded table and per-row optimizer state. Every multi-process test runs under a
 timeout: a hang fails the test and kills the processes it started.
 """
-import datetime
-import os
-import socket
-import sys
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
-from nbtools.distributed import ShardedEmbedding
+from nbtools.distributed import ShardedEmbedding, spawn
 
 ROWS, DIM, STEPS = 23, 4, 3
 O = torch.optim
@@ -30,42 +23,12 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, timeout: float = 40.0):
-    """Run ``fn(rank, world, port)`` in ``world`` spawned processes; fail after ``timeout`` s."""
-    ctx = mp.start_processes(fn, args=(world, _free_port()), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
+def _run(fn, world: int, timeout: float = 40.0) -> list:
+    """``fn(rank, world)`` on ``world`` processes; a hang fails the test within ``timeout`` s."""
     try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn.__name__} with {world} processes did not finish in {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
-def _init(rank, world, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=20))
-
-
-def _finish():
-    """End a worker that passed: every rank past its last collective, the group destroyed,
-    then exit without interpreter finalisation, where gloo's threads now and then abort the
-    process ("terminate called without an active exception", SIGABRT, after the test passed)."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        return spawn(fn, world, timeout=timeout)
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -89,8 +52,7 @@ def _loss(out, step, rank):
     return ((out - _target(step, rank, out.shape[:-1])) ** 2).sum()
 
 
-def _train_worker(rank, world, port):
-    _init(rank, world, port)
+def _train_worker(rank, world):
     for cls, hyper, options in CASES:
         torch.manual_seed(0)
         ref = OffloadedEmbedding(ROWS, DIM, device="cpu", name="t", **options)
@@ -125,35 +87,34 @@ def _train_worker(rank, world, port):
             torch.testing.assert_close(sharded.gather_full(name), ref.state_columns(name),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{what}: state {name} differs: {m}")
-    _finish()
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process_table(world):
-    _spawn(_train_worker, world)
+    _run(_train_worker, world)
 
 
-def _lookup_worker(rank, world, port):
+def _lookup_worker(rank, world):
     """The forward, no optimizer: every rank reads the rows it asked for, in its own order."""
-    _init(rank, world, port)
     full = torch.arange(ROWS * DIM, dtype=torch.float32).view(ROWS, DIM)
     table = ShardedEmbedding(ROWS, DIM, device="cpu")
     table.load_full_weight(full)
     for step in range(2):
         ids = _batch(step, rank)
         torch.testing.assert_close(table(ids), full[ids])
+    return table.shard.num_embeddings
     with torch.no_grad():
         ids = torch.tensor([[ROWS - 1, 0]])
         torch.testing.assert_close(table(ids), full[ids])
-    _finish()
+    return table.shard.num_embeddings
 
 
 def test_lookup_returns_rows_in_callers_order():
-    _spawn(_lookup_worker, 3)
+    # spawn hands back each rank's return value, in rank order: here the size of its shard
+    assert _run(_lookup_worker, 3) == [8, 8, 7]
 
 
-def _bad_id_worker(rank, world, port):
-    _init(rank, world, port)
+def _bad_id_worker(rank, world):
     table = ShardedEmbedding(ROWS, DIM, device="cpu", name="t")
     opt = OffloadOptimizer(O.Adam, table, lr=0.1)
     table(_batch(0, rank)).sum().backward()
@@ -177,11 +138,10 @@ def _bad_id_worker(rank, world, port):
     table(_batch(1, rank)).sum().backward()
     opt.step()
     assert not torch.equal(table.gather_full(), before[0])
-    _finish()
 
 
 def test_out_of_range_id_raises_on_every_rank():
-    _spawn(_bad_id_worker, 2)
+    _run(_bad_id_worker, 2)
 
 
 def test_single_process_is_an_offloaded_embedding():
