@@ -43,8 +43,8 @@ _LAZY = {
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
-_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "distributed", "env", "hostmem", "loader",
-               "meters", "models", "optim", "tables", "testing", "units")
+_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "distributed", "env",
+               "hostmem", "loader", "meters", "models", "optim", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 
