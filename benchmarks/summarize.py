@@ -91,8 +91,8 @@ def main(d):
         row(f"distributed: {dt['rows']:,} x {dt['dim']} Adam, {dt['batch']:,} ids/rank "
             f"({dt['device']}, gloo)", "", "")
         for world, r in sorted(dt["worlds"].items(), key=lambda kv: int(kv[0])):
-            row(f"  {world} rank(s): step (slowest rank) / lookup / MB sent per rank",
-                f"{r['step_ms']:.2f} / {r['lookup_ms']:.2f} / {r['sent_MB']:.1f}", " ms")
+            row(f"  {world} rank(s): step ms (slowest) / lookup ms / MB sent",
+                f"{r['step_ms']:.2f} / {r['lookup_ms']:.2f} / {r['sent_MB']:.1f}", "")
     p = os.path.join(d, "pytest.log")
     if os.path.exists(p):
         with open(p) as f:
