@@ -13,7 +13,7 @@ import torch.distributed as dist
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.distributed import ShardedEmbedding, spawn
 
-ROWS, DIM, STEPS = 23, 4, 3
+ROWS, DIM, STEPS = 23, 4, 4
 O = torch.optim
 # (optimizer, hyper-parameters, table options)
 CASES = [
@@ -33,10 +33,12 @@ def _run(fn, world: int, timeout: float = 40.0) -> list:
 
 def _batch(step: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s ids at ``step``: duplicates, ids of every owner, a 2-D shape on rank 0,
-    no ids at all on rank 1 at step 1."""
+    no ids at all on rank 1 at step 1, at step 2 only ids that rank 0 owns (multiples of 6)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     if rank == 1 and step == 1:
         return torch.zeros(0, dtype=torch.long)
+    if step == 2:
+        return torch.tensor([0, 6, 6, 12, 18])[rank:]
     ids = torch.randint(0, ROWS, (6 + 2 * rank,), generator=g)
     ids = torch.cat((ids, torch.tensor([7, 7, 5, ROWS - 1])))   # 7 is wanted by every rank
     return ids.view(2, -1) if rank == 0 else ids
