@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
-from nbtools.distributed import ShardedEmbedding, spawn
+from nbtools.distributed import ShardedEmbedding, restore_sharded, save_sharded, spawn
 
 ROWS, DIM, STEPS = 23, 4, 4
 O = torch.optim
@@ -23,10 +23,11 @@ CASES = [
 ]
 
 
-def _run(fn, world: int, timeout: float = 40.0) -> list:
-    """``fn(rank, world)`` on ``world`` processes; a hang fails the test within ``timeout`` s."""
+def _run(fn, world: int, args=(), timeout: float = 40.0) -> list:
+    """``fn(rank, world, *args)`` on ``world`` processes; a hang fails the test within
+    ``timeout`` s."""
     try:
-        return spawn(fn, world, timeout=timeout)
+        return spawn(fn, world, args=args, timeout=timeout)
     except TimeoutError as e:
         pytest.fail(str(e))
 
@@ -166,3 +167,67 @@ def test_single_process_is_an_offloaded_embedding():
     with pytest.raises(IndexError, match="has 23 rows"):
         with torch.no_grad():
             sharded(torch.tensor([ROWS]))
+
+
+# --- checkpoints: saved on 2 ranks, restored onto 1, 2 and 3 ---------------------------------
+def _global_batch(step: int):
+    """The step's ids and targets for all ranks together; rank r of M takes positions r::M."""
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randint(0, ROWS, (15,), generator=g), torch.randn(15, DIM, generator=g)
+
+
+def _initial_rows():
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(11))
+
+
+def _train_steps(table, opt, steps, rank, world):
+    for step in steps:
+        ids, target = _global_batch(step)
+        ((table(ids[rank::world]) - target[rank::world]) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_worker(rank, world, directory):
+    table = ShardedEmbedding(ROWS, DIM, device="cpu", name="t")
+    table.load_full_weight(_initial_rows())
+    opt = OffloadOptimizer(O.Adam, table, lr=0.05)
+    _train_steps(table, opt, [0, 1], rank, world)
+    save_sharded(directory, 2, table, opt)
+
+
+def _restore_worker(rank, world, directory):
+    """Restore (the table starts from other rows), take step 2, compare with one process that
+    took steps 0, 1, 2 without stopping."""
+    table = ShardedEmbedding(ROWS, DIM, device="cpu", name="t")
+    opt = OffloadOptimizer(O.Adam, table, lr=0.05)
+    assert restore_sharded(directory, table, opt) == 2
+    _train_steps(table, opt, [2], rank, world)
+    ref = OffloadedEmbedding(ROWS, DIM, device="cpu", name="t")
+    ref.weight.copy_(_initial_rows())
+    ref_opt = OffloadOptimizer(O.Adam, ref, lr=0.05)
+    _train_steps(ref, ref_opt, [0, 1, 2], 0, 1)
+    torch.testing.assert_close(table.gather_full(), ref.weight, rtol=1e-5, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(table.gather_full(name), ref.state_columns(name), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"state {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("sharded"))
+    _run(_save_worker, 2, args=(directory,))
+    return directory
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_checkpoint_restores_onto_any_number_of_ranks(saved_on_two_ranks, world):
+    if world == 1:              # one process, no process group at all
+        _restore_worker(0, 1, saved_on_two_ranks)
+    else:
+        _run(_restore_worker, world, args=(saved_on_two_ranks,))
+
+
+def test_restore_without_checkpoint_returns_none(tmp_path):
+    table = ShardedEmbedding(ROWS, DIM, device="cpu", name="t")
+    assert restore_sharded(tmp_path, table, OffloadOptimizer(O.Adam, table, lr=0.1)) is None
