@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools.devices import cuda_ok
 from nbtools.distributed import ShardedEmbedding, restore_sharded, save_sharded, spawn
 
+# CUDA compute too where there is a GPU (every rank on the same one)
+DEVICES = ["cpu", "cuda"] if cuda_ok() else ["cpu"]
 ROWS, DIM, STEPS = 23, 4, 4
 O = torch.optim
 # (optimizer, hyper-parameters, table options)
@@ -55,11 +58,11 @@ def _loss(out, step, rank):
     return ((out - _target(step, rank, out.shape[:-1])) ** 2).sum()
 
 
-def _train_worker(rank, world):
+def _train_worker(rank, world, device):
     for cls, hyper, options in CASES:
         torch.manual_seed(0)
-        ref = OffloadedEmbedding(ROWS, DIM, device="cpu", name="t", **options)
-        sharded = ShardedEmbedding(ROWS, DIM, device="cpu", name="t", **options)
+        ref = OffloadedEmbedding(ROWS, DIM, device=device, name="t", **options)
+        sharded = ShardedEmbedding(ROWS, DIM, device=device, name="t", **options)
         sharded.load_full_weight(ref.weight)
         ref_opt = OffloadOptimizer(cls, ref, **hyper)
         opt = OffloadOptimizer(cls, sharded, **hyper)
@@ -83,18 +86,20 @@ def _train_worker(rank, world):
             opt.step()
             opt.zero_grad()
         what = f"{cls.__name__} {hyper} {options} on rank {rank} of {world}"
-        torch.testing.assert_close(sharded.gather_full(), ref.weight, rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(sharded.gather_full(), ref.weight.cpu(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{what}: weights differ: {m}")
         assert sharded.shard.state_names == ref.state_names
         for name in ref.state_names:
-            torch.testing.assert_close(sharded.gather_full(name), ref.state_columns(name),
+            torch.testing.assert_close(sharded.gather_full(name), ref.state_columns(name).cpu(),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{what}: state {name} differs: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_single_process_table(world):
-    _run(_train_worker, world)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_single_process_table(world, device):
+    """On the GPU machine also with CUDA compute: the gloo group exchanges through the CPU."""
+    _run(_train_worker, world, args=(device,), timeout=120.0 if device == "cuda" else 40.0)
 
 
 def _lookup_worker(rank, world):
