@@ -86,6 +86,13 @@ def main(d):
             v = ck.get(f"{k}_bytes_per_s")
             row(f"checkpoint {k} ({ck.get('save_bytes', 0) / gb:.1f} GB, {ck['device']})",
                 fmt(None if v is None else v / gb), " GB/s")
+    dt = load(d, "distributed.json")
+    if dt:
+        row(f"distributed: {dt['rows']:,} x {dt['dim']} Adam, {dt['batch']:,} ids/rank "
+            f"({dt['device']}, gloo)", "", "")
+        for world, r in sorted(dt["worlds"].items(), key=lambda kv: int(kv[0])):
+            row(f"  {world} rank(s): step ms (slowest) / lookup ms / MB sent",
+                f"{r['step_ms']:.2f} / {r['lookup_ms']:.2f} / {r['sent_MB']:.1f}", "")
     p = os.path.join(d, "pytest.log")
     if os.path.exists(p):
         with open(p) as f:

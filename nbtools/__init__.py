@@ -26,6 +26,7 @@ _LAZY = {
     "transfer_counters": "nbtools.hostmem",
     "OffloadedEmbedding": "nbtools.tables",
     "OffloadedEmbeddingBag": "nbtools.tables",
+    "ShardedEmbedding": "nbtools.distributed",
     "OffloadOptimizer": "nbtools.optim",
     "plan": "nbtools.optim",
     "Plan": "nbtools.optim",
@@ -42,8 +43,8 @@ _LAZY = {
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
-_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "env", "hostmem", "loader",
-               "meters", "models", "optim", "tables", "testing", "units")
+_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "distributed", "env",
+               "hostmem", "loader", "meters", "models", "optim", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 

@@ -249,11 +249,12 @@ class _TableSlot:
 
     def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
         """The generic path: the stock optimizer on the ``count - sentinel`` touched rows,
-        written back in one scatter."""
+        written back in one scatter. With no row touched (a lookup of no ids, or only padding)
+        it still runs on zero rows, so the scalar state (Adam's step) advances as in the fused
+        path and in torch's sparse optimizers: a shard of a ShardedEmbedding that no rank asked
+        for this step keeps the same step count as the whole table would."""
         table, d = self.table, self.table.embedding_dim
-        m = count - int(sentinel)
-        if m <= 0:
-            return
+        m = max(count - int(sentinel), 0)
         ids, grad, rows = got.batch.ids[:m], got.grad[:m], got.rows[:m]
         if self.names and not got.has_state:        # looked up before the state was attached
             rows = table.rows.gather(ids)

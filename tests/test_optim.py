@@ -382,3 +382,27 @@ def test_param_groups_per_table():
     opt.step()
     torch.testing.assert_close(a.weight[0], wa[0] - 1.0)
     torch.testing.assert_close(b.weight[0], wb[0] - 0.5)
+
+
+@pytest.mark.parametrize("fused", [False, "auto"])
+def test_step_of_only_padding_ids_advances_the_step_count(fused):
+    """A step whose lookups touch no row (only padding ids) still counts as a step, as in
+    torch's sparse path (SparseAdam's step advances on an all-padding gradient): Adam's bias
+    correction afterwards is the same. A ShardedEmbedding shard that no rank asked for in a
+    step relies on this."""
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(9))
+    init[0] = 0
+    ref = nn.Embedding(ROWS, DIM, padding_idx=0, sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(init)
+    ref_opt = O.SparseAdam(ref.parameters(), lr=0.05)
+    table = OffloadedEmbedding(ROWS, DIM, padding_idx=0, device="cpu", name="t")
+    table.weight.copy_(init)
+    opt = OffloadOptimizer(O.SparseAdam, table, lr=0.05, config=OffloadConfig(fused=fused))
+    for ids in ([1, 2, 3], [0, 0], [1, 4]):
+        for emb, o in ((ref, ref_opt), (table, opt)):
+            emb(torch.tensor(ids)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert ref_opt.state[ref.weight]["step"] == 3
+    torch.testing.assert_close(table.weight, ref.weight.detach(), rtol=1e-6, atol=1e-7)

@@ -1,0 +1,393 @@
+"""Row-sharded offloaded tables over ``torch.distributed``: one table split across processes.
+
+Each rank keeps the rows ``r`` with ``r % world == rank`` in its own
+:class:`~nbtools.OffloadedEmbedding` (its own host memory and per-row optimizer state). Rows go
+round-robin rather than in contiguous ranges because ids are usually numbered by frequency (a
+vocabulary sorted by count): contiguous ranges would put every hot row, and most of the traffic,
+on rank 0; round-robin spreads them evenly.
+
+A lookup exchanges ids and rows with ``all_to_all``; gradients travel back to the owners the same
+way, and each rank's :class:`~nbtools.OffloadOptimizer` steps only its own shard, with the
+table's lazy semantics. See docs/distributed.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .tables import OffloadedEmbedding
+
+
+def _world_of(process_group) -> tuple[int, int]:
+    """``(rank, world)`` in ``process_group``; None = the default group when
+    torch.distributed is initialised, else ``(0, 1)`` (a single process)."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _exchange(tensor: torch.Tensor, out_rows: int, out_splits, in_splits, group, comm_device):
+    """``all_to_all``: send rows ``in_splits[j]`` of ``tensor`` to rank j, receive
+    ``out_splits[j]`` rows from rank j; the result is on ``tensor``'s device."""
+    send = tensor.to(comm_device).contiguous()
+    recv = send.new_empty((out_rows,) + tuple(send.shape[1:]))
+    dist.all_to_all_single(recv, send, output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=group)
+    return recv.to(tensor.device)
+
+
+class _RowsToRequesters(torch.autograd.Function):
+    """Forward: the owners' looked-up rows go back to the ranks that asked for them.
+    Backward: the requesters' gradients go to the owners (the reverse ``all_to_all``), where
+    the shard's lookup sums them per row."""
+
+    @staticmethod
+    def forward(ctx, rows, asked, served, group, comm_device):
+        ctx.asked, ctx.served, ctx.group, ctx.comm_device = asked, served, group, comm_device
+        return _exchange(rows, sum(asked), asked, served, group, comm_device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = _exchange(grad, sum(ctx.served), ctx.served, ctx.asked, ctx.group,
+                         ctx.comm_device)
+        return back, None, None, None, None
+
+
+class ShardedEmbedding(nn.Module):
+    """An embedding table whose rows are split across the ranks of a process group.
+
+    Args:
+        num_embeddings: rows of the whole table.
+        embedding_dim: values per row.
+        process_group: the ``torch.distributed`` group to shard over; None = the default group
+            when ``torch.distributed`` is initialised, else no sharding (one process: the table
+            behaves exactly like an :class:`~nbtools.OffloadedEmbedding`).
+        name: used in messages and optimizer/checkpoint state (the shard carries it).
+        **options: :class:`~nbtools.OffloadedEmbedding` options (``padding_idx``, ``device``,
+            ``placement``, ``config``, ``dtype``, ...), applied to the local shard.
+
+    Every rank must call each lookup with its own ids (any shape, any count, zero included) and
+    backpropagate through every training lookup: a lookup and its backward are collectives.
+    ``OffloadOptimizer(torch.optim.X, model)`` on each rank finds the local shard (an
+    OffloadedEmbedding submodule) and steps only it.
+
+    >>> table = ShardedEmbedding(100, 4, device="cpu", name="items")   # no process group
+    >>> table(torch.tensor([[1, 2], [2, 99]])).shape, table.world, table.shard.num_embeddings
+    (torch.Size([2, 2, 4]), 1, 100)
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, process_group=None,
+                 name=None, **options):
+        super().__init__()
+        # None stays None (collectives then use the default group): holding the default
+        # group's object would keep it alive after destroy_process_group()
+        self.group = process_group
+        self.rank, self.world = _world_of(process_group)
+        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) \
+                or num_embeddings < self.world:
+            raise ValueError(f"num_embeddings must be an int of at least the world size "
+                             f"{self.world}, got {num_embeddings!r}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.name = name or type(self).__name__
+        padding_idx = options.pop("padding_idx", None)
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx={padding_idx} is out of range for "
+                                 f"{num_embeddings:,} rows")
+            padding_idx = int(padding_idx) % num_embeddings
+        self.padding_idx = padding_idx
+        local_padding = None
+        if padding_idx is not None and padding_idx % self.world == self.rank:
+            local_padding = padding_idx // self.world
+        # rows rank, rank + world, ...: local row i is global row i * world + rank
+        rows = (num_embeddings - self.rank + self.world - 1) // self.world
+        self.shard = OffloadedEmbedding(rows, embedding_dim, padding_idx=local_padding,
+                                        name=self.name, **options)
+        self.device = self.shard.device
+        backend = dist.get_backend(self.group) if self.world > 1 else None
+        # gloo exchanges CPU tensors; NCCL (not tested yet) those on the GPU
+        self._comm_device = torch.device("cpu") if backend == "gloo" else self.device
+
+    # --- the rows of this rank --------------------------------------------------------------
+    def local_ids(self) -> torch.Tensor:
+        """[shard rows] int64: the global id of each row this rank holds, in shard order."""
+        return torch.arange(self.rank, self.num_embeddings, self.world)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table (a single process) or this rank's rows (``local_ids()`` order)."""
+        return self.shard.weight
+
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows out of a full ``[num_embeddings, dim]`` table (e.g. to start
+        every world size from the same initial table)."""
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"table {self.name!r}: expected a full table of shape "
+                             f"({self.num_embeddings}, {self.embedding_dim}), got "
+                             f"{tuple(weight.shape)}")
+        with torch.no_grad():
+            self.shard.weight.copy_(weight[self.rank::self.world])
+
+    def gather_full(self, state: str | None = None) -> torch.Tensor:
+        """The whole table (``state=None``) or one per-row optimizer state (e.g.
+        ``"exp_avg"``) as a CPU tensor ``[num_embeddings, dim]`` on every rank: an
+        ``all_gather`` of every shard (the whole table crosses the network; for tests and small
+        tables)."""
+        local = self.shard.weight if state is None else self.shard.state_columns(state)
+        local = local.detach().to("cpu")
+        if self.world == 1:
+            return local.clone()
+        most = (self.num_embeddings + self.world - 1) // self.world
+        padded = local.new_zeros(most, self.embedding_dim)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded.to(self._comm_device), group=self.group)
+        full = local.new_empty(self.num_embeddings, self.embedding_dim)
+        for r, part in enumerate(parts):
+            n = (self.num_embeddings - r + self.world - 1) // self.world
+            full[r::self.world] = part[:n].cpu()
+        return full
+
+    # --- lookups ----------------------------------------------------------------------------
+    def _check_ids(self, flat: torch.Tensor, shape) -> None:
+        """Raise IndexError on every rank when any rank's ids are out of range, before anything
+        is exchanged (so no table changes and no rank waits for a peer that raised)."""
+        bad = (flat < 0) | (flat >= self.num_embeddings)
+        flags = torch.zeros(self.world, dtype=torch.int64, device=self._comm_device)
+        flags[self.rank] = int(bad.any())           # note: a sync point
+        dist.all_reduce(flags, group=self.group)
+        if not bool(flags.any()):
+            return
+        if bool(flags[self.rank]):
+            pos = int(bad.nonzero()[0, 0])
+            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(pos), tuple(shape))) \
+                if len(shape) > 1 else pos
+            raise IndexError(
+                f"table {self.name!r} has {self.num_embeddings:,} rows but rank {self.rank}'s "
+                f"ids contain {int(flat[pos]):,} (first at position {where}); valid ids are 0 "
+                f"to {self.num_embeddings - 1:,}. No rank looked up or changed anything.")
+        ranks = flags.nonzero().flatten().tolist()
+        raise IndexError(
+            f"table {self.name!r}: ids out of range on rank(s) {ranks} (see their error; valid "
+            f"ids are 0 to {self.num_embeddings - 1:,}). No rank looked up or changed anything.")
+
+    def forward(self, ids) -> torch.Tensor:
+        if self.world == 1:
+            return self.shard(ids)
+        ids = self.shard._prepare_ids(ids)
+        flat = ids.reshape(-1).long()
+        self._check_ids(flat, ids.shape)
+        # each unique id is asked for once; owners get them grouped by rank
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        owner = uniq % self.world
+        order = torch.argsort(owner, stable=True)
+        asked = torch.bincount(owner, minlength=self.world)
+        served = _exchange(asked, self.world, [1] * self.world, [1] * self.world, self.group,
+                           self._comm_device)
+        asked, served = asked.tolist(), served.tolist()   # note: the split sizes, a sync point
+        wanted = _exchange(uniq[order] // self.world, sum(served), served, asked, self.group,
+                           self._comm_device)
+        rows = self.shard(wanted)              # one lookup: duplicates across ranks merge here
+        got = _RowsToRequesters.apply(rows, asked, served, self.group, self._comm_device)
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.numel(), device=order.device)
+        return got.index_select(0, slot[inverse]).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
+                f"rank={self.rank}, world={self.world}")
+
+
+# --- launching a small job from a notebook or a test --------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world, port, args, results, timeout_s):
+    import datetime
+    import os
+    import sys
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    value = fn(rank, world, *args)
+    results.put((rank, value))      # SimpleQueue: written before put returns
+    dist.barrier()                  # every rank past its last collective
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter finalisation: gloo's threads now and then abort a process there
+    # ("terminate called without an active exception") after its work is done
+    os._exit(0)
+
+
+def spawn(fn, nprocs: int, args=(), timeout: float = 600.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine, each in a gloo
+    process group (the default group, so ``ShardedEmbedding(...)`` shards over it), and return
+    their return values in rank order.
+
+    ``fn`` must be importable by the new processes: define it in a ``.py`` file (in a
+    notebook, ``%%writefile job.py`` and ``from job import train``), not in a cell. A rank that
+    raises fails the whole job with its traceback; after ``timeout`` seconds the processes are
+    killed and ``TimeoutError`` is raised. Collectives give up after the same timeout.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    job = mp.start_processes(_worker, args=(fn, nprocs, free_port(), tuple(args), results,
+                                            timeout), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not job.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {nprocs} processes did not "
+                                   f"finish in {timeout:g} s; its processes were killed")
+    finally:
+        for p in job.processes:
+            if p.is_alive():
+                p.kill()
+    values = dict(results.get() for _ in range(nprocs))
+    return [values[r] for r in range(nprocs)]
+
+
+# --- checkpoints: one CheckpointManager per rank, a manifest that ties them together --------
+SHARDS = "SHARDS.json"
+
+
+def _rank_dir(rank: int, world: int) -> str:
+    return f"rank{rank}-of-{world}"
+
+
+def _barrier(table: ShardedEmbedding) -> None:
+    if table.world > 1:
+        dist.barrier(group=table.group)
+
+
+def save_sharded(directory, step: int, table: ShardedEmbedding, opt, *, keep: int = 3,
+                 config=None) -> dict:
+    """Save a sharded table and its optimizer (on every rank at once: a collective).
+
+    Each rank writes its shard and its optimizer's state with the atomic
+    :class:`~nbtools.CheckpointManager` format into ``directory/rank{r}-of-{world}/``; once all
+    have finished, rank 0 writes ``directory/SHARDS.json`` (world size, shape, layout, step,
+    optimizer), which :func:`restore_sharded` reads. ``opt`` must step only this table
+    (``OffloadOptimizer(cls, table, ...)``): ordinary parameters are checkpointed apart.
+    Returns this rank's ``CheckpointManager.save`` figures.
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    from .checkpoint import CheckpointManager
+
+    if opt.state_dict()["dense"] is not None or opt.tables != {table.shard.name: table.shard}:
+        raise ValueError(f"save_sharded: the optimizer must step only table {table.name!r} "
+                         f"(it steps tables {list(opt.tables)} and ordinary parameters: "
+                         f"{opt.state_dict()['dense'] is not None}); give the rest of the model "
+                         "its own optimizer and checkpoint")
+    root = Path(directory).expanduser()
+    manager = CheckpointManager(root / _rank_dir(table.rank, table.world), keep=keep,
+                                config=config)
+    info = manager.save(step, table=table.shard, opt=opt, rng=False)
+    _barrier(table)                        # every shard complete before the manifest names it
+    if table.rank == 0:
+        body = {"format": "nbtools.ShardedEmbedding/1", "step": int(step), "world": table.world,
+                "layout": "round-robin: rank k holds rows k, k + world, ...",
+                "name": table.name, "num_embeddings": table.num_embeddings,
+                "embedding_dim": table.embedding_dim,
+                "optimizer": opt.optimizer_class.__name__}
+        tmp = root / (SHARDS + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / SHARDS)
+    _barrier(table)
+    return info
+
+
+def _constructor_kwargs(cls, group: dict) -> dict:
+    import inspect
+
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in group.items() if k in accepted and k != "params"}
+
+
+def restore_sharded(directory, table: ShardedEmbedding, opt, *, config=None):
+    """Load what :func:`save_sharded` wrote into ``table`` and ``opt``, on any number of ranks
+    (a collective); returns the saved step, or None when ``directory`` holds no sharded
+    checkpoint.
+
+    On the world size it was saved with, each rank restores its own shard. On another (one
+    process included) each rank reads every saved shard in turn, one at a time, into a
+    temporary CPU table and keeps the rows it now owns (weight and per-row state); the scalar
+    state (Adam's step) and hyper-parameters come from saved rank 0. Each shard's newest
+    checkpoint must be the manifest's step.
+    """
+    import json
+    from pathlib import Path
+
+    from .checkpoint import CheckpointError, CheckpointManager
+
+    root = Path(directory).expanduser()
+    try:
+        with open(root / SHARDS) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        return None
+    if (m["num_embeddings"], m["embedding_dim"]) != (table.num_embeddings, table.embedding_dim):
+        raise ValueError(f"checkpoint {root} holds a {m['num_embeddings']:,} x "
+                         f"{m['embedding_dim']} table, table {table.name!r} is "
+                         f"{table.num_embeddings:,} x {table.embedding_dim}")
+    if m["optimizer"] != opt.optimizer_class.__name__:
+        raise ValueError(f"checkpoint {root} was saved with {m['optimizer']}, this optimizer is "
+                         f"{opt.optimizer_class.__name__}")
+    saved_world, name = m["world"], table.shard.name
+
+    def restore_one(rank, shard, shard_opt):
+        got = CheckpointManager(root / _rank_dir(rank, saved_world), config=config).restore(
+            table=shard, opt=shard_opt, rng=False)
+        if got != m["step"]:
+            raise CheckpointError(
+                f"rank {rank}'s newest readable checkpoint in {root} is step {got}, the manifest "
+                f"{root / SHARDS} names step {m['step']}: a save was interrupted or a shard is "
+                "damaged. Restore an intact copy of the whole directory.")
+
+    if saved_world == table.world:
+        restore_one(table.rank, table.shard, opt)
+        _barrier(table)
+        return m["step"]
+    mine = opt.state_dict()
+    kwargs = _constructor_kwargs(opt.optimizer_class, mine["tables"][name]["group"])
+    scalar = None
+    for k in range(saved_world):
+        old = OffloadedEmbedding(len(range(k, table.num_embeddings, saved_world)),
+                                 table.embedding_dim, device="cpu", name=name,
+                                 dtype=table.shard.rows.host.tensor.dtype)
+        old_opt = type(opt)(opt.optimizer_class, old, **kwargs)
+        restore_one(k, old, old_opt)
+        if k == 0:
+            scalar = old_opt.state_dict()["tables"][name]
+        ids = torch.arange(k, table.num_embeddings, saved_world)
+        keep = ids % table.world == table.rank
+        rows = old.rows.host.tensor[keep]          # [weight | state...] of the rows now mine
+        device = table.shard.device
+        table.shard.rows.scatter((ids[keep] // table.world).to(device), rows.to(device))
+        old.close()
+    mine["tables"][name] = {**mine["tables"][name], "group": scalar["group"],
+                            "scalar_state": scalar["scalar_state"]}
+    opt.load_state_dict(mine)                      # row state: the live tensors, kept as is
+    _barrier(table)
+    return m["step"]
