@@ -55,7 +55,7 @@ def _target(step: int, rank: int, shape) -> torch.Tensor:
 
 def _loss(out, step, rank):
     # not linear in the rows: the gradient depends on the rows each step
-    return ((out - _target(step, rank, out.shape[:-1])) ** 2).sum()
+    return ((out - _target(step, rank, out.shape[:-1]).to(out.device)) ** 2).sum()
 
 
 def _train_worker(rank, world, device):
