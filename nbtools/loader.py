@@ -141,6 +141,20 @@ class LoaderConfig:
     progress: bool = False     # a tqdm bar per epoch
 
 
+def check_resume(state: dict, mine: dict, settings, kind: str, what: str) -> None:
+    """Refuse a loader state that lacks its position or was saved with other ``settings``:
+    resuming it would hand out other batches than the interrupted run would have."""
+    missing = [k for k in ("seed", "epoch", "position") if k not in state]
+    if missing:
+        raise KeyError(f"{kind} state is missing {missing}; expected the dict returned by "
+                       f"{kind}.state_dict(), got keys {sorted(state)}")
+    differ = [f"{k}={state[k]!r} (this loader: {mine[k]!r})"
+              for k in settings if k in state and state[k] != mine[k]]
+    if differ:
+        raise ValueError("cannot resume: the saved loader had " + ", ".join(differ) +
+                         f"; build the {kind} with the same {what} and settings")
+
+
 class PinnedLoader:
     """Shuffled batches of in-memory tensors, gathered by the GPU from pinned host memory.
 
@@ -328,17 +342,8 @@ class PinnedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
-        missing = [k for k in ("seed", "epoch", "position") if k not in state]
-        if missing:
-            raise KeyError(f"PinnedLoader state is missing {missing}; expected the dict "
-                           f"returned by PinnedLoader.state_dict(), got keys {sorted(state)}")
-        mine = self.state_dict()
-        differ = [f"{k}={state[k]!r} (this loader: {mine[k]!r})"
-                  for k in ("num_samples", "batch_size", "shuffle", "drop_last")
-                  if k in state and state[k] != mine[k]]
-        if differ:
-            raise ValueError("cannot resume: the saved loader had " + ", ".join(differ) +
-                             "; build the PinnedLoader with the same data and settings")
+        check_resume(state, self.state_dict(),
+                     ("num_samples", "batch_size", "shuffle", "drop_last"), "PinnedLoader", "data")
         position = int(state["position"])
         if not 0 <= position <= len(self):
             raise ValueError(f"saved position {position} is outside 0..{len(self)} "

@@ -221,7 +221,8 @@ class RowStore:
             out = torch.empty(batch.capacity, stop - start, dtype=self.host.tensor.dtype,
                               device=self.device)
             # bytes estimated from capacity: the exact count is on the GPU (a sync to read)
-            self.count_bytes(batch.capacity * (stop - start) * self.host.tensor.element_size(), True)
+            itemsize = self.host.tensor.element_size()
+            self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it)

@@ -72,6 +72,23 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
 _libc = None
 
 
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, init, after_chunk=None) -> None:
+    """``dst`` [n, width] <- ``src`` [n, d] in the first columns, the state columns at their
+    initial values (``init``: (first column, end column, value)), 64 MiB of ``dst`` at a time
+    (bounded temporaries); ``after_chunk(stop_row)`` runs after each chunk."""
+    n, d = src.shape
+    chunk = max(1, (64 << 20) // (dst.shape[1] * dst.element_size()))
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        dst[start:stop, :d].copy_(src[start:stop])
+        dst[start:stop, d:].zero_()
+        for lo, hi, value in init:
+            if value:
+                dst[start:stop, lo:hi].fill_(value)
+        if after_chunk is not None:
+            after_chunk(stop)
+
+
 def release_pages(base: int, done: int, upto: int) -> int:
     """Hand the whole pages of ``[base + done, base + upto)`` back to the OS (``MADV_DONTNEED``;
     they read as zeros afterwards). Returns the new ``done``, page-aligned. Best effort: where
@@ -333,12 +350,7 @@ class OffloadedEmbedding(nn.Module):
         init = [(i * d, (i + 1) * d, float(initial.get(k, 0.0))) for i, k in enumerate(names, 1)]
         if self.placement == "gpu":
             new = DeviceRows((n, width), dtype, self.device, self.name)
-            chunk = max(1, (64 << 20) // (d * old.tensor.element_size()))
-            for start in range(0, n, chunk):
-                new.tensor[start:start + chunk, :d].copy_(old.tensor[start:start + chunk])
-            for lo, hi, value in init:
-                if value:
-                    new.tensor[:, lo:hi].fill_(value)
+            _copy_rows(new.tensor, old.tensor, init)
             old.close()
         else:
             new = self._grow_host(old, (n, width), init)
@@ -357,28 +369,20 @@ class OffloadedEmbedding(nn.Module):
         itemsize = old.tensor.element_size()
         if n * width * itemsize < (256 << 20):       # small: the simple way
             new = self._new_host(shape, dtype, pin, self.name)
-            new.tensor[:, :d].copy_(old.tensor)
-            for lo, hi, value in init:
-                if value:
-                    new.tensor[:, lo:hi].fill_(value)
+            _copy_rows(new.tensor, old.tensor, init)
             old.close()
             return new
         old.close()                                  # unregister: its pages may be released now
         src = old.tensor
         # Untouched until written: the new rows take physical memory chunk by chunk.
         dst = torch.empty(shape, dtype=dtype)
-        chunk = max(1, (64 << 20) // (width * itemsize))
         released = 0                                 # bytes of src handed back so far
         base = src.data_ptr()
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            dst[start:stop, :d].copy_(src[start:stop])
-            rest = dst[start:stop, d:]
-            rest.zero_()
-            for lo, hi, value in init:
-                if value:
-                    dst[start:stop, lo:hi].fill_(value)
+
+        def release(stop):
+            nonlocal released
             released = release_pages(base, released, stop * d * itemsize)
+        _copy_rows(dst, src, init, after_chunk=release)
         del src
         return pin_tensor(dst, name=self.name)
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import resolve_device
-from ..loader import _mix_int, permutation
+from ..loader import _mix_int, check_resume, permutation
 from ..tables import OffloadedEmbedding
 
 # --- word2vec ---------------------------------------------------------------------------------
@@ -242,17 +242,8 @@ class CorpusLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
-        missing = [k for k in ("seed", "epoch", "position") if k not in state]
-        if missing:
-            raise KeyError(f"CorpusLoader state is missing {missing}; expected the dict returned "
-                           f"by CorpusLoader.state_dict(), got keys {sorted(state)}")
-        mine = self.state_dict()
-        differ = [f"{k}={state[k]!r} (this loader: {mine[k]!r})"
-                  for k in ("batch_size", "window", "tokens", "chunk_tokens")
-                  if k in state and state[k] != mine[k]]
-        if differ:
-            raise ValueError("cannot resume: the saved loader had " + ", ".join(differ) +
-                             "; build the CorpusLoader with the same corpus and settings")
+        check_resume(state, self.state_dict(), ("batch_size", "window", "tokens", "chunk_tokens"),
+                     "CorpusLoader", "corpus")
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self.position = int(state["position"])
 
