@@ -18,6 +18,7 @@ CPU tensors, which is how CPU CI checks them against ``torch.optim``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -50,9 +51,11 @@ def _kernels():
 
     @triton.jit
     def gather(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap, width,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+               cache, cache_stride, slots,
+               HAS_CACHE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         # out[r] = src[ids[r], col0:col0 + width] for r < count and 0 <= ids[r] < n_rows;
-        # zeros for every other row below cap.
+        # zeros for every other row below cap. HAS_CACHE: rows with slots[r] >= 0 are read
+        # from cache[slots[r]] instead (the GPU copy of a hot row).
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         count = tl.load(count_ptr)
@@ -60,17 +63,39 @@ def _kernels():
         idx = tl.load(ids + r, mask=live, other=-1)
         ok = live & (idx >= 0) & (idx < n_rows)
         cmask = c < width
-        vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
-                       mask=ok[:, None] & cmask[None, :], other=0.0)
+        if HAS_CACHE:
+            slot = tl.load(slots + r, mask=ok, other=-1).to(tl.int64)
+            hot = ok & (slot >= 0)
+            vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
+                           mask=(ok & (slot < 0))[:, None] & cmask[None, :], other=0.0)
+            hv = tl.load(cache + slot[:, None] * cache_stride + col0 + c[None, :],
+                         mask=hot[:, None] & cmask[None, :], other=0.0)
+            vals = tl.where(hot[:, None], hv, vals)
+        else:
+            vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
+                           mask=ok[:, None] & cmask[None, :], other=0.0)
         tl.store(out + r[:, None] * out_stride + c[None, :], vals,
                  mask=(r < cap)[:, None] & cmask[None, :])
 
     @triton.jit
+    def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
+             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dst[didx[r]] = src[sidx[r]] for r < cap where both are >= 0 (whole rows).
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        s = tl.load(sidx + r, mask=r < cap, other=-1).to(tl.int64)
+        t = tl.load(didx + r, mask=r < cap, other=-1).to(tl.int64)
+        mask = ((s >= 0) & (t >= 0))[:, None] & (c < width)[None, :]
+        vals = tl.load(src + s[:, None] * src_stride + c[None, :], mask=mask, other=0.0)
+        tl.store(dst + t[:, None] * dst_stride + c[None, :], vals, mask=mask)
+
+    @triton.jit
     def _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-              n_rows, cap, d, MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr):
+              cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
+              MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         # This program's rows and columns: where to read them (src, in the gathered rows),
-        # where to write them (out, in the table), which are live, the weights and the
+        # where to write them (out, in the table; cout, in the cache for hot rows), which are
+        # live and go to the table (hmask) or to the cache (cmask), the weights and the
         # gradients (fp32, negated to maximize).
         # Rows past the count, the sentinel, and every row when the guard is set: untouched.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -81,52 +106,71 @@ def _kernels():
         mask = live[:, None] & (c < d)[None, :]
         src = rows + r[:, None] * rows_stride + c[None, :]
         out = dst + idx[:, None] * dst_stride + c[None, :]
+        if HAS_CACHE:
+            slot = tl.load(slots + r, mask=live, other=-1).to(tl.int64)
+            cout = cache + slot[:, None] * cache_stride + c[None, :]
+            hmask = mask & (slot < 0)[:, None]
+            cmask = mask & (slot >= 0)[:, None]
+        else:
+            cout = out
+            hmask = mask
+            cmask = mask
         g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0)
         g = g.to(tl.float32)
         if MAXIMIZE:
             g = -g
-        return src, out, mask, tl.load(src, mask=mask, other=0.0).to(tl.float32), g
+        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        return src, out, cout, mask, hmask, cmask, p, g
+
+    @triton.jit
+    def _put(out, cout, hmask, cmask, off, val, HAS_CACHE: tl.constexpr):
+        # Write one column block of the rows: to the table, or to the cache for hot rows.
+        tl.store(out + off, val, mask=hmask)
+        if HAS_CACHE:
+            tl.store(cout + off, val, mask=cmask)
 
     # Triton resolves a kernel's callees among the module's globals (not this closure), and
     # the kernels are made here so that Triton is imported only when first used.
     globals()["_tile"] = _tile
+    globals()["_put"] = _put
 
     @triton.jit
     def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-             n_rows, cap, d,
+            cache, cache_stride, slots, n_rows, cap, d,
             lr, momentum, wd,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
-                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
-                                     BLOCK_C)
+            MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_C: tl.constexpr):
+        src, out, cout, mask, hmask, cmask, p, g = _tile(
+            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         if HAS_WD:
             g = g + wd * p
         if MOMENTUM:
             buf = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
             buf = buf * momentum + g
-            tl.store(out + d, buf.to(dst.dtype.element_ty), mask=mask)
+            _put(out, cout, hmask, cmask, d, buf.to(dst.dtype.element_ty), HAS_CACHE)
             if NESTEROV:
                 g = g + momentum * buf
             else:
                 g = buf
         p = p - lr * g
-        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
+        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
 
     @triton.jit
     def adam(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-             n_rows, cap, d,
+             cache, cache_stride, slots, n_rows, cap, d,
              lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
-             SPARSE: tl.constexpr, MAXIMIZE: tl.constexpr,
+             SPARSE: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
         # M_COL etc.: which state (1-based, in units of d columns) holds exp_avg, exp_avg_sq,
         # max_exp_avg_sq in the row [weight | state...].
-        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
-                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
-                                     BLOCK_C)
+        src, out, cout, mask, hmask, cmask, p, g = _tile(
+            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         ea = tl.load(src + M_COL * d, mask=mask, other=0.0).to(tl.float32)
         eq = tl.load(src + V_COL * d, mask=mask, other=0.0).to(tl.float32)
         if SPARSE:
@@ -144,33 +188,34 @@ def _kernels():
             if AMSGRAD:
                 vmax = tl.load(src + VMAX_COL * d, mask=mask, other=0.0).to(tl.float32)
                 vmax = tl.maximum(vmax, eq)
-                tl.store(out + VMAX_COL * d, vmax.to(dst.dtype.element_ty), mask=mask)
+                _put(out, cout, hmask, cmask, VMAX_COL * d, vmax.to(dst.dtype.element_ty),
+                     HAS_CACHE)
                 denom = tl.sqrt(vmax) / bc2_sqrt + eps
             else:
                 denom = tl.sqrt(eq) / bc2_sqrt + eps
             p = p + (-step_size) * (ea / denom)
-        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
-        tl.store(out + M_COL * d, ea.to(dst.dtype.element_ty), mask=mask)
-        tl.store(out + V_COL * d, eq.to(dst.dtype.element_ty), mask=mask)
+        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out, cout, hmask, cmask, M_COL * d, ea.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out, cout, hmask, cmask, V_COL * d, eq.to(dst.dtype.element_ty), HAS_CACHE)
 
     @triton.jit
-    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-             n_rows, cap, d,
+    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr,
+                guard_ptr, cache, cache_stride, slots, n_rows, cap, d,
                 clr, wd, eps,
-                HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        src, out, mask, p, g = _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids,
-                                     count_ptr, guard_ptr, n_rows, cap, d, MAXIMIZE, BLOCK_R,
-                                     BLOCK_C)
+        src, out, cout, mask, hmask, cmask, p, g = _tile(
+            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
+            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         s = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
         if HAS_WD:
             g = g + wd * p
         s = s + g * g
         p = p + (-clr) * (g / (tl.sqrt(s) + eps))
-        tl.store(out, p.to(dst.dtype.element_ty), mask=mask)
-        tl.store(out + d, s.to(dst.dtype.element_ty), mask=mask)
+        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out, cout, hmask, cmask, d, s.to(dst.dtype.element_ty), HAS_CACHE)
 
-    return {"gather": gather, "sgd": sgd, "adam": adam, "adagrad": adagrad}
+    return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad}
 
 
 def _blocks(width: int) -> tuple[int, int]:
@@ -179,9 +224,11 @@ def _blocks(width: int) -> tuple[int, int]:
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
-                col0: int = 0) -> torch.Tensor:
+                col0: int = 0, cache: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = src[ids[r], col0:col0 + out.shape[1]]`` for ``r < count`` and ids in range;
-    zero rows elsewhere. ``count`` is a one-element tensor on the GPU: no host sync.
+    zero rows elsewhere. ``count`` is a one-element tensor on the GPU: no host sync. With a
+    ``cache``, rows whose ``slots[r] >= 0`` are read from ``cache[slots[r]]`` instead.
 
     ``src`` is 2-D with unit column stride (a zero-copy view of host memory, or a GPU tensor).
     """
@@ -190,43 +237,77 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
         return out
     block_r, block_c = _blocks(width)
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
+    has_cache = cache is not None
     _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
-                               out.stride(0), cap, width, BLOCK_R=block_r, BLOCK_C=block_c)
+                               out.stride(0), cap, width, cache if has_cache else src,
+                               cache.stride(0) if has_cache else 0,
+                               slots if has_cache else ids, HAS_CACHE=has_cache,
+                               BLOCK_R=block_r, BLOCK_C=block_c)
     return out
+
+
+def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
+              didx: torch.Tensor) -> None:
+    """``dst[didx[r]] = src[sidx[r]]`` (whole rows) wherever both indices are >= 0; rows with a
+    negative index are skipped, so a fixed-size index list needs no host sync to trim it."""
+    cap, width = sidx.numel(), dst.shape[1]
+    if cap == 0:
+        return
+    block_r, block_c = _blocks(width)
+    grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
+    _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
+                             BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch(name, rows, grad, dst, ids, count, guard, d, *args, **consts):
+@dataclasses.dataclass
+class Target:
+    """Where a fused update writes its rows: ``view``, the table's [N, W] rows as the GPU
+    reaches them (zero-copy host memory or a GPU tensor), and for rows held in a GPU cache of
+    hot rows, ``cache`` [C, W] with ``slots`` [capacity] (the cache slot of each unique id,
+    -1 for rows written to the table)."""
+
+    view: torch.Tensor
+    cache: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+
+def _launch(name, rows, grad, target: Target, ids, count, guard, d, *args, **consts):
     cap = ids.numel()
     if cap == 0:
         return
     block_r, block_c = _blocks(d)
     grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
+    dst, cache = target.view, target.cache
+    has_cache = cache is not None
     _kernels()[name][grid](rows, rows.stride(0), grad, grad.stride(0), dst, dst.stride(0), ids,
-                           count, guard, dst.shape[0], cap, d, *args, BLOCK_R=block_r,
-                           BLOCK_C=block_c, **consts)
+                           count, guard, cache if has_cache else dst,
+                           cache.stride(0) if has_cache else 0,
+                           target.slots if has_cache else ids, dst.shape[0], cap, d, *args,
+                           HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
 
 
 # --- the fused updates, one per optimizer family ------------------------------------------------
 # Each takes: rows [cap, W] (the gathered [weight | state] of the unique ids, on the compute
-# device), grad [cap, d] (summed per id), dst (the table's [N, W] view: zero-copy host or GPU),
-# ids [cap] (sorted unique ids, then the sentinel N), count [1] (slots in use) and guard [1]
-# (nonzero: write nothing), both read on the device, so an update can be queued before the host
-# knows whether the step may proceed; then the group's hyper-parameters and the step number t.
+# device), grad [cap, d] (summed per id), target (where the rows go: the table's [N, W] view,
+# zero-copy host or GPU, and the cache of hot rows if any), ids [cap] (sorted unique ids, then
+# the sentinel N), count [1] (slots in use) and guard [1] (nonzero: write nothing), both read on
+# the device, so an update can be queued before the host knows whether the step may proceed;
+# then the group's hyper-parameters and the step number t.
 
-def fused_sgd(rows, grad, dst, ids, count, guard, group: dict, t: int, cols: dict) -> None:
+def fused_sgd(rows, grad, target, ids, count, guard, group: dict, t: int, cols: dict) -> None:
     momentum = float(group.get("momentum", 0.0))
-    _launch("sgd", rows, grad, dst, ids, count, guard, grad.shape[1],
+    _launch("sgd", rows, grad, target, ids, count, guard, grad.shape[1],
             float(group["lr"]), momentum, float(group.get("weight_decay", 0.0)),
             MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
             HAS_WD=float(group.get("weight_decay", 0.0)) != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adam(rows, grad, dst, ids, count, guard, group: dict, t: int, cols: dict, *,
+def fused_adam(rows, grad, target, ids, count, guard, group: dict, t: int, cols: dict, *,
                decoupled: bool, sparse: bool = False) -> None:
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
@@ -236,18 +317,18 @@ def fused_adam(rows, grad, dst, ids, count, guard, group: dict, t: int, cols: di
     # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
     step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
     amsgrad = bool(group.get("amsgrad", False))
-    _launch("adam", rows, grad, dst, ids, count, guard, grad.shape[1],
+    _launch("adam", rows, grad, target, ids, count, guard, grad.shape[1],
             lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2),
             M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
             VMAX_COL=cols.get("max_exp_avg_sq", 0), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
             AMSGRAD=amsgrad, SPARSE=sparse, MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adagrad(rows, grad, dst, ids, count, guard, group: dict, t: int,
+def fused_adagrad(rows, grad, target, ids, count, guard, group: dict, t: int,
                   cols: dict) -> None:
     clr = float(group["lr"]) / (1 + (t - 1) * float(group.get("lr_decay", 0.0)))
     wd = float(group.get("weight_decay", 0.0))
-    _launch("adagrad", rows, grad, dst, ids, count, guard, grad.shape[1],
+    _launch("adagrad", rows, grad, target, ids, count, guard, grad.shape[1],
             clr, wd, float(group["eps"]), HAS_WD=wd != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 

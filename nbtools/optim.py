@@ -237,15 +237,16 @@ class _TableSlot:
         t, scalar = self._next_scalar_state()
         if scalar is None:
             return None
-        fused(got.rows, got.grad, self.table.rows.view(), got.batch.ids, got.batch.count, guard,
-              self.group, t)
+        fused(got.rows, got.grad, self.table.rows.target(got.batch.ids), got.batch.ids,
+              got.batch.count, guard, self.group, t)
         return scalar
 
     def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
         """The step went ahead: keep its scalar state and count the bytes written."""
         self.scalar_state = scalar
         store = self.table.rows
-        store.count_bytes((count - int(sentinel)) * store.row_bytes, h2d=False)
+        if store.cache is None:          # with a cache: counted from its statistics
+            store.count_bytes((count - int(sentinel)) * store.row_bytes, h2d=False)
 
     def apply(self, got: StepRows, count: int, sentinel: bool) -> None:
         """The generic path: the stock optimizer on the ``count - sentinel`` touched rows,
@@ -285,14 +286,14 @@ class _TableSlot:
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []
 
-    def row_state(self) -> dict:
-        return {k: self.table.state_columns(k) for k in self.names}
+    def row_state(self, keep_cache: bool = False) -> dict:
+        return {k: self.table.state_columns(k, keep_cache) for k in self.names}
 
     def state_dict(self) -> dict:
         return {
             "group": copy.deepcopy(self.hyper()),
             "scalar_state": copy.deepcopy(self.scalar_state),
-            "row_state": self.row_state(),
+            "row_state": self.row_state(keep_cache=True),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -372,16 +373,26 @@ class _Verdict:
         self.found_at = found_at
 
     def read(self):
-        """``([bad, count, sentinel] per table, any non-finite gradient)``."""
+        """``([bad, count, sentinel] per table, any non-finite gradient)``; each cached
+        table's statistics go to the table (:meth:`OffloadedEmbedding.record_cache_stats`)."""
         if self.found_at is not None:             # several devices: one read each
             tables = [got.batch.meta.tolist() for got in self.collected]
+            for got in self.collected:
+                if got.cache_stats is not None:
+                    got.table.record_cache_stats(got.cache_stats.tolist())
             return tables, any(bool(f.item()) for f in self.found_at.values())
         if self.host is None:
             return [], False
         if self.event is not None:
             self.event.synchronize()
         values = self.host.tolist()
-        tables = [values[3 * k:3 * k + 3] for k in range(len(self.collected))]
+        k = len(self.collected)
+        tables = [values[3 * i:3 * i + 3] for i in range(k)]
+        at = 3 * k
+        for got in self.collected:
+            if got.cache_stats is not None:
+                got.table.record_cache_stats(values[at:at + 4])
+                at += 4
         return tables, bool(values[-1])
 
 
@@ -558,7 +569,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
             return _Verdict(collected, None, None, None, found_at)
         (device,) = devices
-        flat = torch.cat([got.batch.meta for got in collected] + [found_at[device]])
+        flat = torch.cat([got.batch.meta for got in collected]
+                         + [got.cache_stats for got in collected if got.cache_stats is not None]
+                         + [found_at[device]])
         guard = (flat[0:3 * len(collected):3].sum() + flat[-1]).reshape(1)
         host, event = flat, None
         if device.type == "cuda":

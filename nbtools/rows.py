@@ -14,6 +14,10 @@ A :class:`RowStore` is where rows live (placement):
 * ``gpu``: a CUDA tensor (the table fits the GPU): same protocol, no PCIe.
 * ``staged``: pageable host memory with CUDA compute (``pin=False``): the CPU gathers, then copies.
 * ``host``: CPU compute.
+
+A zero-copy store may carry a :class:`~nbtools.cache.RowCache` of hot rows in GPU memory:
+lookups read cached rows from it, updates write them there, and :meth:`RowStore.flush` writes
+them back before the host rows are read from outside a step.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from . import kernels
+from .cache import RowCache
 from .hostmem import count_transfer, gather_rows, scatter_rows
 
 
@@ -178,6 +183,23 @@ class RowStore:
         self.width = int(shape[1]) if len(shape) > 1 else 1
         self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
             * host.tensor.element_size()
+        self.cache: RowCache | None = None
+
+    def attach_cache(self, capacity: int, ways: int = 32) -> RowCache:
+        """Keep up to ``capacity`` hot rows in a GPU cache (zero-copy stores; host stores on
+        the CPU too, where it only exercises the same logic)."""
+        if self.mode not in ("zero-copy", "host"):
+            raise ValueError(f"a cache of hot rows needs rows in pinned host memory, not "
+                             f"{self.mode!r}")
+        self.flush()
+        self.cache = RowCache(self.host.view(), capacity, ways)
+        return self.cache
+
+    def flush(self, drop: bool = True) -> None:
+        """Write the cached rows back to host memory (and, with ``drop``, empty the cache):
+        before the host rows are read or written from outside a step."""
+        if self.cache is not None:
+            self.cache.flush(self.host.view(), drop)
 
     @property
     def num_rows(self) -> int:
@@ -205,6 +227,17 @@ class RowStore:
 
     def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
         """Rows ``idx`` (columns ``start:stop``) on the compute device; every id in range."""
+        if self.cache is not None:
+            rows = self._gather_host(idx, start, stop)
+            return self._from_cache(rows, self.cache.locate(idx), start, stop)
+        return self._gather_host(idx, start, stop)
+
+    def _from_cache(self, rows, slots, start, stop):
+        hot = slots >= 0              # (the torch path: a host sync)
+        rows[hot] = self._cols(self.cache.rows, start, stop)[slots[hot].long()].to(rows.dtype)
+        return rows
+
+    def _gather_host(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
         if self.mode == "host":
             return self._cols(self.host.tensor, start, stop).index_select(0, idx)
         width = (stop if stop is not None else self.width) - start
@@ -213,25 +246,48 @@ class RowStore:
             return gather_rows(self._cols(self.host.view(), start, stop), idx)
         return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
 
-    def gather_batch(self, batch: RowBatch, start: int = 0, stop=None) -> torch.Tensor:
+    def gather_batch(self, batch: RowBatch, start: int = 0, stop=None,
+                     admit: bool = False) -> torch.Tensor:
         """Rows of a :class:`RowBatch`: [capacity, width]; rows of unused slots and of the
-        sentinel are zeros. No host synchronisation where the kernels run (CUDA + Triton)."""
+        sentinel are zeros. No host synchronisation where the kernels run (CUDA + Triton).
+        ``admit``: a training lookup, whose rows the cache (if any) counts and may admit."""
         stop = self.width if stop is None else stop
-        if self.direct and kernels.usable_on(self.device):
+        slots = None
+        if self.cache is not None:
+            slots = (self.cache.admit(batch.ids, batch.count, self.host.view()) if admit
+                     else self.cache.locate(batch.ids))
+        if (self.direct or slots is not None) and kernels.usable_on(self.device):
             out = torch.empty(batch.capacity, stop - start, dtype=self.host.tensor.dtype,
                               device=self.device)
-            # bytes estimated from capacity: the exact count is on the GPU (a sync to read)
-            itemsize = self.host.tensor.element_size()
-            self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
-            return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start)
+            if slots is None:
+                # bytes estimated from capacity: the exact count is on the GPU (a sync to
+                # read); with a cache they are counted from its statistics at the step
+                itemsize = self.host.tensor.element_size()
+                self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
+            return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start,
+                                       None if slots is None else self.cache.rows, slots)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it)
         safe = batch.ids.clamp(max=self.num_rows - 1)
-        rows = self.gather(safe, start, stop)
+        rows = self._gather_host(safe, start, stop)
+        if slots is not None:
+            rows = self._from_cache(rows, slots, start, stop)
         return rows.masked_fill_((batch.ids == self.num_rows).unsqueeze(1), 0)
 
+    def target(self, ids: torch.Tensor) -> kernels.Target:
+        """Where a fused update of the rows ``ids`` writes: the table's view and, with a cache,
+        the cache and each id's slot in it."""
+        if self.cache is None:
+            return kernels.Target(self.host.view())
+        return kernels.Target(self.host.view(), self.cache.rows, self.cache.locate(ids))
+
     def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write whole rows ``idx`` (every id in range)."""
+        """Write whole rows ``idx`` (every id in range); cached rows go to the cache."""
+        if self.cache is not None:
+            slots = self.cache.locate(idx)
+            hot = slots >= 0              # (the generic path has synchronised already)
+            self.cache.rows[slots[hot].long()] = rows[hot].to(self.cache.rows.dtype)
+            idx, rows = idx[~hot], rows[~hot]
         if self.mode == "host":
             self.host.tensor.index_copy_(0, idx, rows)
             return
@@ -303,7 +359,8 @@ class LookupGraphs:
         cap.flat.copy_(flat)
         cap.graph.replay()
         cap.in_use = True
-        store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
+        if store.cache is None:     # with a cache, bytes are counted from its statistics
+            store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
         return cap.batch, cap.rows, cap
 
     @staticmethod
@@ -313,14 +370,17 @@ class LookupGraphs:
 
         def lookup():
             batch = unique_ids(static, n, padding_idx)
-            return batch, store.gather_batch(batch, 0, width)
+            return batch, store.gather_batch(batch, 0, width, admit=True)
 
         side = torch.cuda.Stream(flat.device)
         side.wait_stream(torch.cuda.current_stream(flat.device))
+        stats = store.cache.stats.clone() if store.cache is not None else None
         with torch.cuda.stream(side):           # warm-up: kernels compiled, workspaces sized
             lookup()
             lookup()
         torch.cuda.current_stream(flat.device).wait_stream(side)
+        if stats is not None:                   # the warm-ups are not lookups of the model's
+            store.cache.stats.copy_(stats)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             batch, rows = lookup()

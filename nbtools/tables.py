@@ -126,6 +126,13 @@ class TableConfig:
     # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
     # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
     cuda_graphs: bool = True
+    # A GPU cache of hot rows (weight and optimizer state together, nbtools.cache) for a table
+    # in pinned host memory: its size in GPU bytes (the rows plus 8 bytes per table row for
+    # the row -> slot map and the counts), or a share of the GPU memory free when the
+    # optimizer attaches. None and None: no cache, except under placement="auto" when the
+    # table goes to host memory, where the cache takes the gpu_fraction budget.
+    cache_bytes: int | None = None
+    cache_fraction: float | None = None
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
@@ -155,6 +162,8 @@ class StepRows:
         lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
         captures: the CUDA graph captures whose outputs ``rows`` may be: :meth:`release` them
             once the step has used the rows.
+        table, cache_stats: the table, and its cache's ``[lookups, hits, admitted, evicted]``
+            (read with the step's flags), when it has a cache of hot rows.
     """
 
     batch: RowBatch
@@ -163,6 +172,8 @@ class StepRows:
     has_state: bool
     lookups: list
     captures: list = dataclasses.field(default_factory=list)
+    table: object = None            # the table (for its cache statistics)
+    cache_stats: torch.Tensor | None = None   # [4] on the device, when the table has a cache
 
     def release(self) -> None:
         LookupGraphs.release(self.captures)
@@ -255,6 +266,9 @@ class OffloadedEmbedding(nn.Module):
         self._graphs = LookupGraphs()
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
+        self._warm_counts = None     # warm_cache() before the cache exists
+        self._cache_seen = [0, 0, 0, 0]
+        self._cache_why = ""
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
             # pinned: drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and
@@ -292,9 +306,15 @@ class OffloadedEmbedding(nn.Module):
         """All rows: a CPU tensor aliasing the (pinned) host memory, or, when the table is
         placed on the GPU, a CUDA tensor. Reading a host table waits for queued GPU writes
         first, so what you read is current. Write to it to initialise."""
+        return self._host_columns(0, self.embedding_dim)
+
+    def _host_columns(self, start: int, stop: int, keep_cache: bool = False) -> torch.Tensor:
+        """Columns of every row, current: cached rows are written back first, and the cache is
+        emptied unless ``keep_cache`` (a read that nothing writes through, such as saving)."""
         if self.placement == "host":
+            self._rows.flush(drop=not keep_cache)
             synchronize(self.device)
-        return self._host.tensor[:, : self.embedding_dim]
+        return self._host.tensor[:, start:stop]
 
     @property
     def rows(self) -> RowStore:
@@ -307,13 +327,13 @@ class OffloadedEmbedding(nn.Module):
         """Per-row optimizer state stored after each row's weight, in order."""
         return list(self._state_names)
 
-    def state_columns(self, name: str) -> torch.Tensor:
-        """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows."""
-        if self.placement == "host":
-            synchronize(self.device)
+    def state_columns(self, name: str, keep_cache: bool = False) -> torch.Tensor:
+        """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows.
+        ``keep_cache``: for reads only (saving): the cache of hot rows is flushed, not
+        emptied."""
         i = self._state_names.index(name) + 1
         d = self.embedding_dim
-        return self._host.tensor[:, i * d:(i + 1) * d]
+        return self._host_columns(i * d, (i + 1) * d, keep_cache)
 
     def attach_state(self, names, initial: dict, owned: bool = True) -> None:
         """Give every row room for per-row optimizer state, stored after its weight.
@@ -332,6 +352,7 @@ class OffloadedEmbedding(nn.Module):
                              f"{self._state_names}; use one OffloadOptimizer per table")
         self._owned = owned
         if not names:
+            self._make_cache()
             return
         old = self._host
         dtype = old.tensor.dtype
@@ -357,6 +378,103 @@ class OffloadedEmbedding(nn.Module):
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
         self.clear_pending()
         self._graphs.invalidate()
+        self._make_cache()
+
+    # --- the cache of hot rows --------------------------------------------------------------
+    def _cache_budget(self) -> tuple[int | None, str]:
+        cfg = self.config
+        if cfg.cache_bytes is not None and cfg.cache_fraction is not None:
+            raise ValueError(f"table {self.name!r}: give cache_bytes or cache_fraction, not both")
+        if self.placement != "host" or self.device.type != "cuda" and cfg.cache_bytes is None:
+            return None, ""
+        if cfg.cache_bytes is not None:
+            return int(cfg.cache_bytes), "cache_bytes"
+        fraction = cfg.cache_fraction
+        why = "cache_fraction"
+        if fraction is None and self.requested_placement == "auto":
+            fraction, why = cfg.gpu_fraction, "auto: gpu_fraction"
+        if fraction is None:
+            return None, ""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"table {self.name!r}: cache_fraction must be in (0, 1], got "
+                             f"{fraction!r}")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(fraction * free), f"{why} {fraction:.0%} of {human_bytes(free)} free"
+
+    def _make_cache(self) -> None:
+        """Create the GPU cache of hot rows the config asks for (when the optimizer attaches:
+        the rows' width, with their state, is known only then)."""
+        budget, why = self._cache_budget()
+        self._cache_why = why
+        if budget is None:
+            return
+        if self._rows.mode not in ("zero-copy", "host"):
+            warnings.warn(f"table {self.name!r}: no cache of hot rows for {self._rows.mode!r} "
+                          "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
+                          stacklevel=4)
+            return
+        from .cache import RowCache
+        n = self.num_embeddings
+        capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(
+            self._rows.row_bytes)
+        if capacity < 1:
+            raise ValueError(
+                f"table {self.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
+                f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
+                f"row {human_bytes(RowCache.slot_bytes(self._rows.row_bytes))}; give "
+                "cache_bytes more room or leave the cache off")
+        self._rows.attach_cache(min(capacity, n))
+        self._graphs.invalidate()
+        self._cache_seen = [0, 0, 0, 0]
+        if self._warm_counts is not None:
+            self._rows.cache.warm(self._warm_counts, self._rows.view())
+            self._warm_counts = None
+
+    @property
+    def cache(self):
+        """The GPU cache of hot rows (:class:`nbtools.cache.RowCache`), or None."""
+        return self._rows.cache
+
+    def warm_cache(self, counts) -> None:
+        """Seed the cache's row counts with known frequencies (e.g. a word2vec vocabulary's
+        word counts, ``counts[id]``) and load the most frequent rows now, so the first steps
+        already hit. Before the optimizer attaches (no cache yet), the counts are kept and
+        used when it does."""
+        counts = torch.as_tensor(counts)
+        if counts.shape != (self.num_embeddings,) or counts.is_floating_point() \
+                and not torch.isfinite(counts).all():
+            raise ValueError(f"table {self.name!r}: counts must be a finite tensor of shape "
+                             f"({self.num_embeddings},), got {tuple(counts.shape)}")
+        counts = counts.round().long() if counts.is_floating_point() else counts.long()
+        if self._rows.cache is None:
+            self._warm_counts = counts
+            return
+        self._rows.cache.warm(counts, self._rows.view())
+        self._graphs.invalidate()
+
+    def record_cache_stats(self, stats) -> None:
+        """Take the cache's cumulative ``[lookups, hits, admitted, evicted]`` as read by the
+        optimizer's step, and count the bytes that crossed PCIe since the last reading."""
+        lookups, hits, admitted, evicted = (int(v) - s for v, s in zip(stats, self._cache_seen))
+        self._cache_seen = [int(v) for v in stats]
+        row = self._rows.row_bytes
+        self._rows.count_bytes((lookups - hits) * row, h2d=True)
+        self._rows.count_bytes((lookups - hits - admitted + evicted) * row, h2d=False)
+
+    def cache_stats(self) -> dict:
+        """The cache of hot rows as of the last optimizer step (no host sync): unique rows
+        looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
+        saved (a hit reads and writes nothing over PCIe), capacity. Empty without a cache."""
+        cache = self._rows.cache
+        if cache is None:
+            return {}
+        lookups, hits, admitted, evicted = self._cache_seen
+        row = self._rows.row_bytes
+        return {"lookups": lookups, "hits": hits,
+                "hit_rate": hits / lookups if lookups else float("nan"),
+                "admitted": admitted, "evicted": evicted,
+                "bytes_saved": 2 * hits * row - (admitted + evicted) * row,
+                "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
 
     def _grow_host(self, old, shape, init):
         """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
@@ -422,6 +540,7 @@ class OffloadedEmbedding(nn.Module):
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         if self.placement == "host":
+            self._rows.flush()
             synchronize(self.device)
         self.clear_pending()
         self._graphs.invalidate()
@@ -476,7 +595,8 @@ class OffloadedEmbedding(nn.Module):
                 self.raise_bad_ids(flat, ids.shape)
             with torch.no_grad():
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather_batch(batch, 0, width)
+                full = self._rows.gather_batch(batch, 0, width,
+                                               admit=recording and self._owned)
         rows = full[:, :d]         # a fresh view: the leaf autograd sees (never a capture's buffer)
         if width == d:
             full = None
@@ -515,7 +635,9 @@ class OffloadedEmbedding(nn.Module):
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records])
+        cache = self._rows.cache
+        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
+                        None if cache is None else cache.stats)
 
     def take_grad(self):
         """The rows looked up since the last call, exactly sized (this reads the unique count:
@@ -555,7 +677,10 @@ class OffloadedEmbedding(nn.Module):
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight
+        # the live rows, current; a cache of hot rows is flushed and stays warm (load_state_dict
+        # writes through .weight, which empties it first)
+        destination[prefix + "weight"] = self._host_columns(0, self.embedding_dim,
+                                                            keep_cache=True)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -580,6 +705,9 @@ class OffloadedEmbedding(nn.Module):
              f"{human_bytes(self.nbytes)}")
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
+        if self._rows.cache is not None:
+            s += (f", cache={self._rows.cache.capacity:,} rows "
+                  f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")
         return s
 
 

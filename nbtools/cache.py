@@ -1,0 +1,197 @@
+"""A GPU cache of a host table's hot rows: each row's weight *and* its optimizer state.
+
+Real id streams (words, items, users) are Zipf-like: a few thousand rows take most lookups.
+Without a cache each of those rows crosses PCIe twice per step (gathered, then written back).
+With one, a hot row stays in GPU memory, ``[weight | state...]`` together, so a cached row's
+optimizer state is never separated from its weight (a cache of weights alone would mix rows'
+moments, or lose them on eviction).
+
+How it works (all on the device, no host synchronisation, so a lookup with the cache still
+replays as a CUDA graph):
+
+* **Set-associative, LFU.** The cache has ``sets x ways`` slots; a row may live only in the
+  ``ways`` slots of the set its id hashes to. Each row has a count of the steps that touched
+  it (``freq``, optionally seeded from known frequencies with :meth:`RowCache.warm`).
+* **Admission at lookup.** A training lookup's unique ids are looked up in ``slot_of`` (row ->
+  slot). A missing row takes the least-frequent way of its set when its own count is higher;
+  rows of the current lookup are never evicted. The evicted row is written back to host
+  memory first (write-back on eviction); then the new row is copied in. Rows that are not
+  admitted (cold, or more misses in a set than it has ways, or a cache smaller than one batch)
+  are read and written in host memory, as without a cache.
+* **Updates go where the row is.** The optimizer's step finds each row's slot again
+  (:meth:`RowCache.locate`) and writes cached rows to the cache, the others to host memory.
+* **Flush.** :meth:`RowCache.flush` writes every cached row back; the table calls it before
+  its host rows are read or written from outside a step (``.weight``, ``state_dict``,
+  checkpoints) and drops the cache's rows, so the host copy is the one truth again.
+
+The arithmetic of a step is the same with and without a cache (the same kernels on the same
+values), so the tables and states after N steps are identical.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+
+# Multiplier of the id -> set hash (Knuth's multiplicative hashing, 2^32 / golden ratio).
+_HASH = 2654435761
+
+
+class RowCache:
+    """The hot rows of one table, in GPU memory.
+
+    Args:
+        host: the table's rows as the compute device reaches them ([N, W]: the zero-copy
+            view, or the CPU tensor).
+        capacity: rows the cache may hold (rounded down to whole sets; at least one set).
+        ways: slots per set.
+
+    ``stats`` is a device tensor ``[lookups, hits, admitted, evicted]`` (cumulative counts of
+    unique rows): read it with the optimizer's one synchronisation, not on its own.
+    """
+
+    def __init__(self, host: torch.Tensor, capacity: int, ways: int = 32):
+        n, width = host.shape
+        device = host.device
+        self.ways = max(1, min(ways, capacity))
+        self.sets = max(1, capacity // self.ways)
+        self.capacity = self.sets * self.ways
+        self.num_rows = n
+        self.device = device
+        self.rows = torch.zeros(self.capacity, width, dtype=host.dtype, device=device)
+        # the last entry of each map is a dummy that masked writes go to
+        self.tags = torch.full((self.capacity + 1,), -1, dtype=torch.long, device=device)
+        self.slot_of = torch.full((n + 1,), -1, dtype=torch.int32, device=device)
+        self.freq = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.stamp = torch.zeros(self.capacity + 1, dtype=torch.long, device=device)
+        self.tick = torch.zeros(1, dtype=torch.long, device=device)
+        self.stats = torch.zeros(4, dtype=torch.long, device=device)
+        self._way = torch.arange(self.ways, device=device)
+
+    @staticmethod
+    def overhead_bytes(num_rows: int) -> int:
+        """GPU bytes the cache needs beyond its rows: the row -> slot map and the counts."""
+        return 8 * (num_rows + 1)
+
+    @staticmethod
+    def slot_bytes(row_bytes: int) -> int:
+        """GPU bytes per cached row: the row, its tag and its stamp."""
+        return row_bytes + 16
+
+    @property
+    def nbytes(self) -> int:
+        return (self.rows.numel() * self.rows.element_size()
+                + self.tags.numel() * 8 + self.stamp.numel() * 8
+                + self.slot_of.numel() * 4 + self.freq.numel() * 4)
+
+    def _set_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.remainder(ids * _HASH, self.sets)
+
+    # --- the step --------------------------------------------------------------------------
+    def locate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id (int32; -1: in host memory). Ids in ``[0, num_rows]`` (the
+        sentinel ``num_rows`` is never cached)."""
+        return self.slot_of.index_select(0, ids)
+
+    def admit(self, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Count a training lookup's unique ``ids`` (sorted, sentinel-padded, ``count`` [1] in
+        use), admit the missing rows that beat their set's least-frequent row, write the
+        evicted rows back to ``host`` and copy the admitted ones in. Returns each id's slot
+        (int32, -1 for rows left in host memory), as :meth:`locate` would now."""
+        cap = ids.numel()
+        n, ways = self.num_rows, self.ways
+        pos = torch.arange(cap, device=ids.device)
+        live = (pos < count) & (ids < n)
+        self.tick += 1
+        self.freq.index_add_(0, ids, live.int())
+        slot = self.slot_of.index_select(0, ids).long()
+        hit = live & (slot >= 0)
+        # rows of this lookup are not evicted by it
+        self.stamp.scatter_(0, torch.where(hit, slot, self.capacity), self.tick.expand(cap))
+        miss = live & (slot < 0)
+        f = self.freq.index_select(0, ids).long()
+        sets = self._set_of(ids)
+        # misses by set, most frequent first; everything else after them
+        key = torch.where(miss, sets * (1 << 31) + ((1 << 31) - 1 - f), torch.iinfo(torch.long).max)
+        key, order = torch.sort(key)
+        s_sets, s_miss, s_f, s_ids = sets[order], miss[order], f[order], ids[order]
+        first = torch.ones(cap, dtype=torch.bool, device=ids.device)
+        if cap > 1:
+            torch.ne(s_sets[1:], s_sets[:-1], out=first[1:])
+        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+        # the set's ways, least frequent first; empty ways score -1, this lookup's rows +inf
+        way_slot = s_sets.unsqueeze(1) * ways + self._way
+        tags = self.tags[way_slot]
+        score = torch.where(tags >= 0, self.freq[tags.clamp(min=0)].long(), -1)
+        score = torch.where(self.stamp[way_slot] == self.tick, torch.iinfo(torch.long).max, score)
+        score, way = torch.sort(score, dim=1)
+        r = rank.clamp(max=ways - 1).unsqueeze(1)
+        victim_score = score.gather(1, r).squeeze(1)
+        victim_slot = way_slot.gather(1, way.gather(1, r)).squeeze(1)
+        admitted = s_miss & (rank < ways) & (s_f > victim_score)
+        slot_new = torch.where(admitted, victim_slot, -1)
+        victim = torch.where(admitted, self.tags[victim_slot], -1)
+        # write the evicted rows back, then copy the admitted ones in
+        self._copy(self.rows, torch.where(victim >= 0, slot_new, -1), host, victim)
+        self._copy(host, torch.where(admitted, s_ids, -1), self.rows, slot_new)
+        self.slot_of.scatter_(0, torch.where(victim >= 0, victim, n),
+                              torch.full_like(victim, -1, dtype=torch.int32))
+        self.slot_of.scatter_(0, torch.where(admitted, s_ids, n), slot_new.int())
+        self.slot_of[n] = -1
+        self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), s_ids)
+        self.tags[self.capacity] = -1
+        self.stamp.scatter_(0, torch.where(admitted, slot_new, self.capacity),
+                            self.tick.expand(cap))
+        self.stats += torch.stack((live.sum(), hit.sum(), admitted.sum(),
+                                   (victim >= 0).sum()))
+        out = torch.empty(cap, dtype=torch.int32, device=ids.device)
+        out.scatter_(0, order, slot_new.int())
+        return torch.where(hit, slot, out.long()).int()
+
+    def _copy(self, src, sidx, dst, didx) -> None:
+        """``dst[didx] = src[sidx]`` where both are >= 0."""
+        if kernels.usable_on(self.device):
+            kernels.copy_rows(src, sidx, dst, didx)
+            return
+        keep = (sidx >= 0) & (didx >= 0)          # the CPU path: a sync costs nothing here
+        dst.index_copy_(0, didx[keep], src.index_select(0, sidx[keep]))
+
+    # --- outside the step ------------------------------------------------------------------
+    def flush(self, host: torch.Tensor, drop: bool = True) -> None:
+        """Write every cached row back to ``host``; ``drop``: then empty the cache (the row
+        counts are kept, so the hot rows come back at the next steps)."""
+        tags = self.tags[: self.capacity]
+        self._copy(self.rows, torch.arange(self.capacity, device=self.device), host, tags)
+        if drop:
+            self.slot_of.scatter_(0, torch.where(tags >= 0, tags, self.num_rows),
+                                  torch.full_like(tags, -1, dtype=torch.int32))
+            self.slot_of[self.num_rows] = -1
+            self.tags.fill_(-1)
+
+    def warm(self, counts: torch.Tensor, host: torch.Tensor) -> None:
+        """Seed the row counts with known frequencies (e.g. word counts) and load, in each set,
+        its most frequent rows. Rows already cached are flushed first."""
+        self.flush(host)
+        counts = torch.as_tensor(counts).to(self.device)
+        self.freq[: self.num_rows] = counts.clamp(0, torch.iinfo(torch.int32).max).int()
+        ids = torch.arange(self.num_rows, device=self.device)
+        f = self.freq[: self.num_rows].long()
+        sets = self._set_of(ids)
+        key, order = torch.sort(sets * (1 << 31) + ((1 << 31) - 1 - f))
+        s_sets = sets[order]
+        pos = torch.arange(self.num_rows, device=self.device)
+        first = torch.ones_like(s_sets, dtype=torch.bool)
+        first[1:] = s_sets[1:] != s_sets[:-1]
+        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+        take = (rank < self.ways) & (f[order] > 0)
+        slot = torch.where(take, s_sets * self.ways + rank, -1)
+        self.tags[: self.capacity] = -1
+        self.tags.scatter_(0, torch.where(take, slot, self.capacity), order)
+        self.tags[self.capacity] = -1
+        self.slot_of.scatter_(0, torch.where(take, order, self.num_rows), slot.int())
+        self.slot_of[self.num_rows] = -1
+        self._copy(host, torch.where(take, order, -1), self.rows, slot)
+
+    def cached_rows(self) -> int:
+        """Rows in the cache now (a host sync)."""
+        return int((self.tags[: self.capacity] >= 0).sum())

@@ -1,0 +1,230 @@
+"""The GPU cache of hot rows (nbtools.cache): exact against the same table without a cache, for
+every fused optimizer and the generic path, under id streams chosen to break it.
+
+On the CPU the cache is a second CPU tensor and the fused kernels run in Triton's interpreter
+(conftest), so CI checks the admission, eviction and write-back logic; on the GPU machine the
+same tests run on CUDA, where training lookups replay as CUDA graphs with the admission inside.
+"""
+import warnings
+
+import pytest
+import torch
+
+from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools.cache import RowCache
+from nbtools.checkpoint import CheckpointConfig, CheckpointManager
+from nbtools.optim import OffloadConfig
+
+O = torch.optim
+N, D = 120, 4
+
+OPTIMIZERS = [
+    (O.Adam, dict(lr=0.05)),
+    (O.AdamW, dict(lr=0.05, weight_decay=0.1, amsgrad=True)),
+    (O.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    (O.Adagrad, dict(lr=0.1)),
+    (O.SparseAdam, dict(lr=0.05)),
+    (O.RMSprop, dict(lr=0.01, momentum=0.5)),      # no fused kernel: the generic path
+]
+OPT_IDS = [c.__name__ + ("-" + "-".join(kw) if len(kw) > 1 else "") for c, kw in OPTIMIZERS]
+
+
+def cache_for(rows: int, width_state: int) -> int:
+    """cache_bytes that hold ``rows`` rows of D x (1 + width_state) fp32."""
+    return RowCache.overhead_bytes(N) + rows * RowCache.slot_bytes(4 * D * (1 + width_state))
+
+
+def stream(kind: str, steps: int, batch: int = 40, seed: int = 0) -> list:
+    """Id batches (each a list of lookups) for one adversarial pattern."""
+    gen = torch.Generator().manual_seed(seed)
+    zipf = lambda n: (torch.rand(n, generator=gen) ** 4 * N).long()
+    out = []
+    for t in range(steps):
+        if kind == "repeat":                   # the same ids in consecutive batches
+            ids = zipf(batch) if t % 3 == 0 else out[-1][0]
+            out.append([ids])
+        elif kind == "uniform":                # all cold: no row comes back often
+            out.append([torch.randint(0, N, (batch,), generator=gen)])
+        elif kind == "zipf":
+            out.append([zipf(batch)])
+        elif kind == "two_lookups":            # a row in both lookups of a step, evicted by the 2nd
+            a = zipf(batch)
+            out.append([a, torch.cat([a[: batch // 4], torch.randint(0, N, (batch,), generator=gen)])])
+    return out
+
+
+def train(device, cls, kw, batches, cache_bytes=None, fused="auto", init_seed=1, warm=None):
+    torch.manual_seed(0)
+    table = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_bytes)
+    table.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(init_seed)))
+    if warm is not None:
+        table.warm_cache(warm)
+    opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=fused), **kw)
+    w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
+    for lookups in batches:
+        opt.zero_grad()
+        loss = sum(((table(ids.to(device)) * w).sin() * (k + 1)).sum()
+                   for k, ids in enumerate(lookups))
+        loss.backward()
+        opt.step()
+    return table, opt
+
+
+def final_state(table, opt) -> dict:
+    out = {"weight": table.weight.cpu().clone()}
+    for k, v in opt.table_state("t").items():
+        out[k] = v.cpu().clone()
+    return out
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        # the same kernels on the same values: equal, up to the order of atomic gradient sums
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=OPT_IDS)
+def test_cache_equals_no_cache_for_every_optimizer(device, cls, kw):
+    batches = stream("zipf", 8)
+    ref = final_state(*train(device, cls, kw, batches))
+    n_state = 2 if cls in (O.Adam, O.SparseAdam, O.RMSprop) else \
+        3 if cls is O.AdamW else 1
+    table, opt = train(device, cls, kw, batches, cache_bytes=cache_for(32, n_state))
+    stats = table.cache_stats()
+    assert stats["hits"] > 0 and stats["evicted"] > 0       # the cache was really used
+    assert_same(ref, final_state(table, opt))
+
+
+@pytest.mark.parametrize("kind", ["repeat", "uniform", "two_lookups"])
+@pytest.mark.parametrize("rows", [1, 8, 32, N], ids=lambda r: f"cache{r}")
+@pytest.mark.parametrize("fused", ["auto", False], ids=["fused", "generic"])
+def test_cache_equals_no_cache_under_adversarial_streams(device, kind, rows, fused):
+    """Consecutive repeats, all cold, a row in two lookups of a step; caches of one row
+    (smaller than a batch), one set, four sets and the whole table (all hot)."""
+    batches = stream(kind, 7)
+    ref = final_state(*train(device, O.Adam, dict(lr=0.05), batches, fused=fused))
+    table, opt = train(device, O.Adam, dict(lr=0.05), batches, cache_bytes=cache_for(rows, 2),
+                       fused=fused)
+    assert table.cache.capacity == min(rows, N) // min(32, rows) * min(32, rows)
+    assert_same(ref, final_state(table, opt))
+
+
+def test_all_hot_cache_hits_every_row_after_the_first_touch(device):
+    batches = stream("repeat", 6)
+    table, opt = train(device, O.Adam, dict(lr=0.05), batches, cache_bytes=cache_for(N, 2))
+    s = table.cache_stats()
+    distinct = len(torch.unique(torch.cat([b[0] for b in batches])))
+    # every row is admitted at its first lookup and never evicted: the rest are hits
+    assert s["admitted"] == distinct and s["evicted"] == 0
+    assert s["hits"] == s["lookups"] - distinct
+    assert s["bytes_saved"] == (2 * s["hits"] - distinct) * table.rows.row_bytes
+
+
+def test_lfu_keeps_the_frequent_rows(device):
+    """Rows 0..7 come in every batch; 200 other ids once each: a 32-row cache ends up holding
+    rows 0..7, and the one-off rows never push them out."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [[torch.cat([torch.arange(8), torch.randint(8, N, (30,), generator=gen)])]
+               for _ in range(10)]
+    table, opt = train(device, O.Adam, dict(lr=0.05), batches, cache_bytes=cache_for(32, 2))
+    slots = table.cache.locate(torch.arange(8, device=table.device))
+    assert (slots >= 0).all()
+    s = table.cache_stats()
+    assert s["hits"] >= 9 * 8
+
+
+def test_warm_cache_loads_the_most_frequent_rows_and_stays_exact(device):
+    counts = torch.zeros(N, dtype=torch.long)
+    counts[:16] = torch.arange(1000, 984, -1)
+    batches = stream("zipf", 5)
+    ref = final_state(*train(device, O.Adam, dict(lr=0.05), batches))
+    table, opt = train(device, O.Adam, dict(lr=0.05), batches, cache_bytes=cache_for(32, 2),
+                       warm=counts)
+    assert_same(ref, final_state(table, opt))
+    # before any step: warm right after the optimizer attaches
+    fresh = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_for(32, 2))
+    fresh.warm_cache(counts)
+    OffloadOptimizer(O.Adam, [fresh], lr=0.05)
+    slots = fresh.cache.locate(torch.arange(N, device=fresh.device))
+    assert (slots[:16] >= 0).all() and (slots[16:] < 0).all()
+    assert fresh.cache.cached_rows() == 16
+
+
+def test_checkpoint_with_a_warm_cache_restores_exactly(device, tmp_path):
+    batches = stream("zipf", 10)
+    first, rest = batches[:5], batches[5:]
+    ref = final_state(*train(device, O.Adam, dict(lr=0.05), batches))
+
+    table, opt = train(device, O.Adam, dict(lr=0.05), first, cache_bytes=cache_for(16, 2))
+    assert table.cache.cached_rows() > 0
+    ckpt = CheckpointManager(tmp_path, keep=1, config=CheckpointConfig(verbose=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.save(5, table=table, opt=opt)
+    # a new process's objects: a cache of another size, warm from other steps, then restore
+    table2, opt2 = train(device, O.Adam, dict(lr=0.05), stream("uniform", 3, seed=9),
+                         cache_bytes=cache_for(8, 2), init_seed=7)
+    assert table.cache.cached_rows() > 0          # saving flushed the cache but kept it warm
+    assert ckpt.restore(table=table2, opt=opt2) == 5
+    w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
+    for lookups in rest:
+        opt2.zero_grad()
+        sum(((table2(ids.to(device)) * w).sin() * (k + 1)).sum()
+            for k, ids in enumerate(lookups)).backward()
+        opt2.step()
+    assert_same(ref, final_state(table2, opt2))
+
+
+def test_reading_the_weight_flushes_and_empties_the_cache(device):
+    table, opt = train(device, O.Adam, dict(lr=0.05), stream("zipf", 3),
+                       cache_bytes=cache_for(32, 2))
+    assert table.cache.cached_rows() > 0
+    table.weight[5] = 123.0            # a write through .weight is not shadowed by the cache
+    assert table.cache.cached_rows() == 0
+    got = table(torch.tensor([5], device=table.device))
+    assert (got == 123.0).all()
+
+
+def test_cache_options_are_checked():
+    with pytest.raises(ValueError, match="cannot hold one row"):
+        t = OffloadedEmbedding(N, D, device="cpu", cache_bytes=100)
+        OffloadOptimizer(O.Adam, [t], lr=0.1)
+    with pytest.raises(ValueError, match="not both"):
+        t = OffloadedEmbedding(N, D, device="cpu", cache_bytes=10**6, cache_fraction=0.1)
+        OffloadOptimizer(O.Adam, [t], lr=0.1)
+    t = OffloadedEmbedding(N, D, device="cpu", cache_bytes=10**6)
+    with pytest.raises(ValueError, match="counts must be"):
+        t.warm_cache(torch.ones(N + 1))
+    OffloadOptimizer(O.Adam, [t], lr=0.1)
+    assert "cache=" in repr(t) and t.cache_stats()["lookups"] == 0
+
+
+@pytest.mark.gpu
+def test_cache_keeps_one_host_sync_per_step():
+    import warnings as w
+    table = OffloadedEmbedding(5000, 16, device="cuda", name="t",
+                               cache_bytes=cache_for(512, 2) + 8 * 5000)
+    opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def step():
+        ids = (torch.rand(4096, device="cuda", generator=gen) ** 3 * 5000).long()
+        opt.zero_grad()
+        table(ids).square().sum().backward()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            for _ in range(5):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [x for x in caught if "synchroniz" in str(x.message)]
+    assert len(syncs) <= 5, [str(x.message) for x in syncs]
+    assert table.cache_stats()["hit_rate"] > 0.3
