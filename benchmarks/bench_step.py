@@ -74,7 +74,17 @@ def loss_of(rows):
     return rows.float().pow(2).sum() * 1e-3
 
 
-def nbtools_step(n, dim, device, placement="host", fused="auto", **table_kw):
+def cache_bytes_for(n, dim, share, states=2):
+    """cache_bytes that hold ``share`` of an n x dim fp32 table's rows with ``states`` state
+    tensors (what nbtools.cache sizes a cache by)."""
+    from nbtools.cache import RowCache
+    rows = int(share * n)
+    return RowCache.overhead_bytes(n) + rows * RowCache.slot_bytes(4 * dim * (1 + states))
+
+
+def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None, **table_kw):
+    if cache_share:
+        table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
                                        **table_kw)
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
@@ -134,9 +144,18 @@ def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=10
         b = nn.Embedding(vocab, dim, sparse=True).to(device)
         opt = torch.optim.SparseAdam(list(a.parameters()) + list(b.parameters()), lr=1e-3)
     else:
-        placement = system.split()[-1]
-        a = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="in", placement=placement)
-        b = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="out", placement=placement)
+        placement = system.split()[1]
+        kw = {}
+        if system.endswith("cache"):       # a quarter of the rows in a GPU cache, warm from counts
+            kw["cache_bytes"] = cache_bytes_for(vocab, dim, 0.25)
+        a = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="in", placement=placement,
+                                       **kw)
+        b = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="out", placement=placement,
+                                       **kw)
+        if kw:
+            counts = (zipf * 1e7).long()
+            a.warm_cache(counts)
+            b.warm_cache(counts)
         opt = nbtools.OffloadOptimizer(torch.optim.Adam, [a, b], lr=1e-3)
 
     def step(batch):
@@ -172,8 +191,15 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host generic": dict(placement="host", fused=False),
     "nbtools host eager": dict(placement="host", cuda_graphs=False),
     "nbtools gpu": dict(placement="gpu"),
+    # issue 12: a GPU cache of hot rows (a share of the rows), bf16 storage with fp32 math
+    "nbtools host cache5%": dict(placement="host", cache_share=0.05),
+    "nbtools host cache25%": dict(placement="host", cache_share=0.25),
+    "nbtools host bf16": dict(placement="host", dtype=torch.bfloat16),
+    "nbtools host bf16+bf16 state": dict(placement="host", dtype=torch.bfloat16,
+                                         state_dtype=torch.bfloat16),
 }
-EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu"]
+EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
+         "small nbtools host cache"]
 
 
 def make_cases(args, device):
@@ -281,6 +307,13 @@ def main():
     ratio("small model: host / torch sparse", sm.get("nbtools host"), sm.get("torch sparse"))
     ratio("small model: gpu / torch sparse", sm.get("nbtools gpu"), sm.get("torch sparse"))
     ratio("small model: host speed / gpu speed (target >= 0.8)", sm.get("nbtools gpu"), sm.get("nbtools host"))
+    ratio("small model: host+cache speed / gpu speed (target >= 0.8)", sm.get("nbtools gpu"),
+          sm.get("nbtools host cache"))
+    for name in ("nbtools host cache5%", "nbtools host cache25%", "nbtools host bf16",
+                 "nbtools host bf16+bf16 state"):
+        for case in ("65,536 uniform", "65,536 zipf1.1"):
+            ratio(f"{name[8:]} / torch sparse, {case}", get(f"{name} | {case}"),
+                  get(f"torch sparse | {case}"))
     res["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:<62}{v:8.2f}x")

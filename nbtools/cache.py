@@ -137,9 +137,9 @@ class RowCache:
         self.slot_of.scatter_(0, torch.where(victim >= 0, victim, n),
                               torch.full_like(victim, -1, dtype=torch.int32))
         self.slot_of.scatter_(0, torch.where(admitted, s_ids, n), slot_new.int())
-        self.slot_of[n] = -1
+        self.slot_of[n:].fill_(-1)          # (a slice: writable inside a CUDA graph)
         self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), s_ids)
-        self.tags[self.capacity] = -1
+        self.tags[self.capacity:].fill_(-1)
         self.stamp.scatter_(0, torch.where(admitted, slot_new, self.capacity),
                             self.tick.expand(cap))
         self.stats += torch.stack((live.sum(), hit.sum(), admitted.sum(),
@@ -165,7 +165,7 @@ class RowCache:
         if drop:
             self.slot_of.scatter_(0, torch.where(tags >= 0, tags, self.num_rows),
                                   torch.full_like(tags, -1, dtype=torch.int32))
-            self.slot_of[self.num_rows] = -1
+            self.slot_of[self.num_rows:].fill_(-1)
             self.tags.fill_(-1)
 
     def warm(self, counts: torch.Tensor, host: torch.Tensor) -> None:
@@ -187,9 +187,9 @@ class RowCache:
         slot = torch.where(take, s_sets * self.ways + rank, -1)
         self.tags[: self.capacity] = -1
         self.tags.scatter_(0, torch.where(take, slot, self.capacity), order)
-        self.tags[self.capacity] = -1
+        self.tags[self.capacity:].fill_(-1)
         self.slot_of.scatter_(0, torch.where(take, order, self.num_rows), slot.int())
-        self.slot_of[self.num_rows] = -1
+        self.slot_of[self.num_rows:].fill_(-1)
         self._copy(host, torch.where(take, order, -1), self.rows, slot)
 
     def cached_rows(self) -> int:

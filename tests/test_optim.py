@@ -295,7 +295,8 @@ def test_state_dict_round_trip_with_scheduler(device):
     sched2.load_state_dict(saved[2])
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
     train(table2, opt2, sched2, slice(6, 12))
-    assert torch.equal(table2.weight, table.weight)
+    # CUDA sums a batch's gradients with atomics (index_add_): equal up to their order
+    torch.testing.assert_close(table2.weight, table.weight, rtol=1e-6, atol=1e-7)
 
 
 def test_per_row_grad_scale(device):

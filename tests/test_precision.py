@@ -8,15 +8,9 @@ from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.optim import OffloadConfig
 from nbtools.precision import round_to, stochastic_round_bf16
+from test_cache import FUSABLE, expect_fused, insist
 
 O = torch.optim
-FUSABLE = (O.Adam, O.AdamW, O.SGD, O.Adagrad, O.SparseAdam)
-
-
-def insist(cls, fused):
-    """OffloadConfig.fused for a test: "auto" takes the fused kernels only on CUDA; True makes
-    the CPU run them too (in Triton's interpreter) where one exists."""
-    return True if fused == "auto" and cls in FUSABLE else fused
 N, D = 64, 6
 BF = torch.bfloat16
 
@@ -69,8 +63,7 @@ def train_lowp(device, cls, kw, steps, fused="auto", **table_kw):
     table = OffloadedEmbedding(N, D, device=device, name="t", **table_kw)
     table.weight.copy_(init())
     opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=insist(cls, fused)), **kw)
-    fusable = cls in FUSABLE and fused == "auto"
-    assert (opt._slots[0].fused_update() is not None) == fusable
+    assert (opt._slots[0].fused_update() is not None) == expect_fused(cls, fused, device)
     for ids in steps:
         opt.zero_grad()
         out = table(ids.to(device))
@@ -131,7 +124,7 @@ def test_updates_below_bf16_resolution(device, fused):
         table.weight.fill_(1.0)
         opt = OffloadOptimizer(O.SGD, [table], config=OffloadConfig(fused=insist(O.SGD, fused)),
                                lr=2 ** -10)
-        assert (opt._slots[0].fused_update() is not None) == (fused == "auto")
+        assert (opt._slots[0].fused_update() is not None) == expect_fused(O.SGD, fused, device)
         for _ in range(4):
             opt.zero_grad()
             table(ids.to(device)).sum().backward()      # gradient 1: a step of -2^-10
