@@ -641,3 +641,23 @@ def test_meters_and_dashboard_import_torch_only_when_a_reading_needs_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(Path(nbtools.__file__).parents[1]))
     assert out.stdout.split() == ["False", "100", "True"]
+
+
+def test_a_table_with_a_cache_counts_for_the_meters():
+    import torch
+    from nbtools.cache import RowCache
+    from nbtools.hostmem import cache_counters
+    n, d = 200, 4
+    room = RowCache.overhead_bytes(n) + 64 * RowCache.slot_bytes(12 * d)   # 64 rows + Adam state
+    table = nbtools.OffloadedEmbedding(n, d, device="cpu", name="cached", cache_bytes=room)
+    opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    before = cache_counters()
+    for _ in range(5):
+        opt.zero_grad()
+        table(torch.arange(10)).sum().backward()
+        opt.step()
+    got = {k: v - before[k] for k, v in cache_counters().items()}
+    s = table.cache_stats()
+    assert got == {"lookup_rows": s["lookups"], "hit_rows": s["hits"],
+                   "saved_bytes": s["bytes_saved"]}
+    assert got["lookup_rows"] == 50 and got["hit_rows"] == 40
