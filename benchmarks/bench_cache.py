@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_step import loop_ms, nbtools_step, report, run_child, torch_sparse_step  # noqa: E402
 from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
+from nbtools.devices import resolve_device  # noqa: E402
 from nbtools.tables import TableConfig  # noqa: E402
 from nbtools.units import human_bytes  # noqa: E402
 
@@ -152,12 +152,12 @@ def time_case(step, table, dist, args, device, index) -> dict:
 
 
 def build(spec: dict | None, n: int, dim: int, device):
-    """(step, table or None, keep-alive) for a system: None is torch's SparseAdam."""
+    """(step, table or None) for a system (``spec`` None: torch's SparseAdam); the step holds
+    the model and optimizer."""
     if spec is None:
-        step, keep = torch_sparse_step(n, dim, device)
-        return step, None, keep
-    step, (table, opt) = nbtools_step(n, dim, device, **spec)
-    return step, table, (table, opt)
+        return torch_sparse_step(n, dim, device)[0], None
+    step, (table, _) = nbtools_step(n, dim, device, **spec)
+    return step, table
 
 
 def describe_table(table) -> dict:
@@ -179,7 +179,7 @@ def run_system(name, args, device) -> dict:
         return run_seed_system(name, args, device)
     spec = sweep_systems(args)[name]
     t0 = time.perf_counter()
-    step, table, keep = build(spec, args.rows, args.dim, device)
+    step, table = build(spec, args.rows, args.dim, device)
     out = {"setup_s": time.perf_counter() - t0, "pinned_bytes": hostmem.pinned_bytes(),
            "config": describe_table(table), "cases": {}}
     for i, dist in enumerate(args.dists):
@@ -209,7 +209,7 @@ def run_seed_system(name, args, device) -> dict:
             spec["cache_bytes"] = int(room)
         try:
             t0 = time.perf_counter()
-            step, table, keep = build(spec, n, dim, device)
+            step, table = build(spec, n, dim, device)
             out.update(setup_s=time.perf_counter() - t0, pinned_bytes=hostmem.pinned_bytes(),
                        config=describe_table(table), cases={})
             for i, dist in enumerate(args.dists):
@@ -223,7 +223,7 @@ def run_seed_system(name, args, device) -> dict:
             out["tries"].append(f"headroom {human_bytes(headroom)}: {str(e).splitlines()[0]}")
             print(f"{name}: out of memory with {human_bytes(headroom)} headroom", flush=True)
         # out of the except block: its traceback no longer holds the table
-        step = table = keep = None
+        step = table = None
         gc.collect()
         torch.cuda.empty_cache()
         if system != "nbtools cache":
