@@ -90,13 +90,15 @@ def _kernels():
         tl.store(dst + t[:, None] * dst_stride + c[None, :], vals, mask=mask)
 
     @triton.jit
-    def _tile(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-              cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
+    def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+              dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+              cache_w_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
               MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # This program's rows and columns: where to read them (src, in the gathered rows),
-        # where to write them (out, in the table; cout, in the cache for hot rows), which are
-        # live and go to the table (hmask) or to the cache (cmask), the weights and the
-        # gradients (fp32, negated to maximize).
+        # This program's rows and columns: where to read the state (src, in the gathered rows)
+        # and where to write it (out, in the table; cout, in the cache for hot rows), the same
+        # for the weights (whose storage may be narrower: bf16 weights, fp32 state), which
+        # rows are live and go to the table (hmask) or to the cache (cmask), the weights and
+        # the gradients (fp32, negated to maximize).
         # Rows past the count, the sentinel, and every row when the guard is set: untouched.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -106,25 +108,43 @@ def _kernels():
         mask = live[:, None] & (c < d)[None, :]
         src = rows + r[:, None] * rows_stride + c[None, :]
         out = dst + idx[:, None] * dst_stride + c[None, :]
+        out_w = dst_w + idx[:, None] * dst_w_stride + c[None, :]
         if HAS_CACHE:
             slot = tl.load(slots + r, mask=live, other=-1).to(tl.int64)
             cout = cache + slot[:, None] * cache_stride + c[None, :]
+            cout_w = cache_w + slot[:, None] * cache_w_stride + c[None, :]
             hmask = mask & (slot < 0)[:, None]
             cmask = mask & (slot >= 0)[:, None]
         else:
             cout = out
+            cout_w = out_w
             hmask = mask
             cmask = mask
         g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0)
         g = g.to(tl.float32)
         if MAXIMIZE:
             g = -g
-        p = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        return src, out, cout, mask, hmask, cmask, p, g
+        p = tl.load(rows_w + r[:, None] * rows_w_stride + c[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        return src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, idx[:, None] * d + c[None, :]
 
     @triton.jit
-    def _put(out, cout, hmask, cmask, off, val, HAS_CACHE: tl.constexpr):
-        # Write one column block of the rows: to the table, or to the cache for hot rows.
+    def _put(out, cout, hmask, cmask, off, val, seed, salt, elem, ROUND: tl.constexpr,
+             HAS_CACHE: tl.constexpr):
+        # Write one column block of the rows, rounded to the storage dtype, to the table, or
+        # to the cache for hot rows. ROUND 0: a plain cast; 1: bf16, to nearest, ties to even
+        # (spelled out: Triton's interpreter truncates); 2: bf16, stochastic (up with
+        # probability = the fraction dropped; the noise depends on the row id, not on where
+        # the row lives, so a cache changes nothing).
+        if ROUND == 1:
+            bits = val.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            val = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+        if ROUND == 2:
+            noise = tl.randint(seed + salt, elem.to(tl.uint32)) & 0xFFFF
+            bits = val.to(tl.uint32, bitcast=True)
+            val = (((bits + noise) >> 16) << 16).to(tl.float32, bitcast=True)
+        val = val.to(out.dtype.element_ty)
         tl.store(out + off, val, mask=hmask)
         if HAS_CACHE:
             tl.store(cout + off, val, mask=cmask)
@@ -134,45 +154,52 @@ def _kernels():
     globals()["_tile"] = _tile
     globals()["_put"] = _put
 
+    # The updates. Every one reads the weights through rows_w and writes them through dst_w /
+    # cache_w (their storage dtype, maybe narrower than the state's), and the state k
+    # (1-based) at column s0 + (k - 1) * d of the [weight | state...] rows; ROUND_W /
+    # ROUND_S: how the weights / the state are rounded to their storage (see _put).
     @triton.jit
-    def sgd(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-            cache, cache_stride, slots, n_rows, cap, d,
+    def sgd(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
+            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
+            slots, n_rows, cap, d, s0, seed,
             lr, momentum, wd,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-            MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_C: tl.constexpr):
-        src, out, cout, mask, hmask, cmask, p, g = _tile(
-            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+            ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         if HAS_WD:
             g = g + wd * p
         if MOMENTUM:
-            buf = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+            buf = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
             buf = buf * momentum + g
-            _put(out, cout, hmask, cmask, d, buf.to(dst.dtype.element_ty), HAS_CACHE)
+            _put(out, cout, hmask, cmask, s0, buf, seed, 1, elem, ROUND_S, HAS_CACHE)
             if NESTEROV:
                 g = g + momentum * buf
             else:
                 g = buf
         p = p - lr * g
-        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
 
     @triton.jit
-    def adam(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-             cache, cache_stride, slots, n_rows, cap, d,
+    def adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
+            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
+            slots, n_rows, cap, d, s0, seed,
              lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
-             SPARSE: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+             SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
-        # M_COL etc.: which state (1-based, in units of d columns) holds exp_avg, exp_avg_sq,
-        # max_exp_avg_sq in the row [weight | state...].
-        src, out, cout, mask, hmask, cmask, p, g = _tile(
-            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
-        ea = tl.load(src + M_COL * d, mask=mask, other=0.0).to(tl.float32)
-        eq = tl.load(src + V_COL * d, mask=mask, other=0.0).to(tl.float32)
+        # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
+        ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
+        eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
         if SPARSE:
             ea = ea + (g - ea) * (1.0 - beta1)
             eq = eq + (g * g - eq) * (1.0 - beta2)
@@ -186,34 +213,39 @@ def _kernels():
             ea = ea + (1.0 - beta1) * (g - ea)        # torch.lerp for weights below 0.5
             eq = eq * beta2 + g * g * (1.0 - beta2)
             if AMSGRAD:
-                vmax = tl.load(src + VMAX_COL * d, mask=mask, other=0.0).to(tl.float32)
+                vmax = tl.load(src + s0 + (VMAX_COL - 1) * d, mask=mask,
+                               other=0.0).to(tl.float32)
                 vmax = tl.maximum(vmax, eq)
-                _put(out, cout, hmask, cmask, VMAX_COL * d, vmax.to(dst.dtype.element_ty),
-                     HAS_CACHE)
+                _put(out, cout, hmask, cmask, s0 + (VMAX_COL - 1) * d, vmax, seed, VMAX_COL,
+                     elem, ROUND_S, HAS_CACHE)
                 denom = tl.sqrt(vmax) / bc2_sqrt + eps
             else:
                 denom = tl.sqrt(eq) / bc2_sqrt + eps
             p = p + (-step_size) * (ea / denom)
-        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
-        _put(out, cout, hmask, cmask, M_COL * d, ea.to(dst.dtype.element_ty), HAS_CACHE)
-        _put(out, cout, hmask, cmask, V_COL * d, eq.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0 + (M_COL - 1) * d, ea, seed, M_COL, elem, ROUND_S,
+             HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0 + (V_COL - 1) * d, eq, seed, V_COL, elem, ROUND_S,
+             HAS_CACHE)
 
     @triton.jit
-    def adagrad(rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr,
-                guard_ptr, cache, cache_stride, slots, n_rows, cap, d,
+    def adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
+            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
+            slots, n_rows, cap, d, s0, seed,
                 clr, wd, eps,
-                HAS_WD: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        src, out, cout, mask, hmask, cmask, p, g = _tile(
-            rows, rows_stride, grad, grad_stride, dst, dst_stride, ids, count_ptr, guard_ptr,
-            cache, cache_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
-        s = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+                HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+        s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
         if HAS_WD:
             g = g + wd * p
         s = s + g * g
         p = p + (-clr) * (g / (tl.sqrt(s) + eps))
-        _put(out, cout, hmask, cmask, 0, p.to(dst.dtype.element_ty), HAS_CACHE)
-        _put(out, cout, hmask, cmask, d, s.to(dst.dtype.element_ty), HAS_CACHE)
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
     return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad}
 
@@ -265,50 +297,67 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @dataclasses.dataclass
 class Target:
-    """Where a fused update writes its rows: ``view``, the table's [N, W] rows as the GPU
-    reaches them (zero-copy host memory or a GPU tensor), and for rows held in a GPU cache of
-    hot rows, ``cache`` [C, W] with ``slots`` [capacity] (the cache slot of each unique id,
-    -1 for rows written to the table)."""
+    """Where a fused update writes its rows.
+
+    ``view``: the table's [N, W] rows as the GPU reaches them (zero-copy host memory or a GPU
+    tensor); ``view_w``: their weights as stored ([N, d], maybe a narrower dtype packed into
+    the first columns). For rows held in a GPU cache of hot rows: ``cache`` [C, W],
+    ``cache_w`` and ``slots`` [capacity] (the cache slot of each unique id, -1 for rows
+    written to the table). ``state_col``: the first state column; ``rounding`` and ``seed``:
+    how low-precision values are rounded (the seed changes every step).
+    """
 
     view: torch.Tensor
+    view_w: torch.Tensor
+    state_col: int
     cache: torch.Tensor | None = None
+    cache_w: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    rounding: str = "nearest"
+    seed: int = 0
 
 
-def _launch(name, rows, grad, target: Target, ids, count, guard, d, *args, **consts):
+def _launch(name, rows, rows_w, grad, target: Target, ids, count, guard, d, *args, **consts):
     cap = ids.numel()
     if cap == 0:
         return
     block_r, block_c = _blocks(d)
     grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
-    dst, cache = target.view, target.cache
-    has_cache = cache is not None
-    _kernels()[name][grid](rows, rows.stride(0), grad, grad.stride(0), dst, dst.stride(0), ids,
-                           count, guard, cache if has_cache else dst,
-                           cache.stride(0) if has_cache else 0,
-                           target.slots if has_cache else ids, dst.shape[0], cap, d, *args,
-                           HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
+    t = target
+    has_cache = t.cache is not None
+    mode = 2 if t.rounding == "stochastic" else 1
+    _kernels()[name][grid](
+        rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
+        t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
+        t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
+        t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
+        t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, t.seed, *args,
+        ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
+        ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
+        HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
 
 
 # --- the fused updates, one per optimizer family ------------------------------------------------
 # Each takes: rows [cap, W] (the gathered [weight | state] of the unique ids, on the compute
-# device), grad [cap, d] (summed per id), target (where the rows go: the table's [N, W] view,
+# device), rows_w (their weights: a view of rows, or the float32 rows of a lookup that carried
+# no state), grad [cap, d] (summed per id), target (where the rows go: the table's [N, W] view,
 # zero-copy host or GPU, and the cache of hot rows if any), ids [cap] (sorted unique ids, then
 # the sentinel N), count [1] (slots in use) and guard [1] (nonzero: write nothing), both read on
 # the device, so an update can be queued before the host knows whether the step may proceed;
 # then the group's hyper-parameters and the step number t.
 
-def fused_sgd(rows, grad, target, ids, count, guard, group: dict, t: int, cols: dict) -> None:
+def fused_sgd(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int,
+              cols: dict) -> None:
     momentum = float(group.get("momentum", 0.0))
-    _launch("sgd", rows, grad, target, ids, count, guard, grad.shape[1],
+    _launch("sgd", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
             float(group["lr"]), momentum, float(group.get("weight_decay", 0.0)),
             MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
             HAS_WD=float(group.get("weight_decay", 0.0)) != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adam(rows, grad, target, ids, count, guard, group: dict, t: int, cols: dict, *,
-               decoupled: bool, sparse: bool = False) -> None:
+def fused_adam(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int, cols: dict,
+               *, decoupled: bool, sparse: bool = False) -> None:
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
     bc1 = 1 - beta1 ** t
@@ -317,18 +366,18 @@ def fused_adam(rows, grad, target, ids, count, guard, group: dict, t: int, cols:
     # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
     step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
     amsgrad = bool(group.get("amsgrad", False))
-    _launch("adam", rows, grad, target, ids, count, guard, grad.shape[1],
+    _launch("adam", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
             lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2),
             M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
-            VMAX_COL=cols.get("max_exp_avg_sq", 0), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
+            VMAX_COL=cols.get("max_exp_avg_sq", 1), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
             AMSGRAD=amsgrad, SPARSE=sparse, MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adagrad(rows, grad, target, ids, count, guard, group: dict, t: int,
+def fused_adagrad(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int,
                   cols: dict) -> None:
     clr = float(group["lr"]) / (1 + (t - 1) * float(group.get("lr_decay", 0.0)))
     wd = float(group.get("weight_decay", 0.0))
-    _launch("adagrad", rows, grad, target, ids, count, guard, grad.shape[1],
+    _launch("adagrad", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
             clr, wd, float(group["eps"]), HAS_WD=wd != 0.0,
             MAXIMIZE=bool(group.get("maximize", False)))
 
@@ -337,7 +386,8 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     """The fused update for optimizer class ``cls`` with hyper-parameters ``group`` and per-row
     state ``names``, or None when there is none (the generic path then runs ``cls`` itself).
 
-    Fused updates compute in float32 and are offered for float32 tables, for the optimizers and
+    Fused updates compute in float32; they are offered for tables whose compute dtype
+    (``dtype``) is float32 (float32, bfloat16 or float16 storage), for the optimizers and
     options whose arithmetic they reproduce exactly: SGD (momentum, nesterov, weight decay),
     Adam and AdamW (weight decay, amsgrad), SparseAdam and Adagrad.
     """

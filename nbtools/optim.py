@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import zlib
 import warnings
 from collections import defaultdict
 
@@ -172,20 +173,21 @@ class _TableSlot:
                  owner):
         self.name, self.table, self.cls = name, table, cls
         _check_hyper(cls, group)
-        dtype = table.rows.host.tensor.dtype
+        dtype = table.compute_dtype           # the math's dtype (float32 for bf16 storage)
         row_state, self.scalar_names, full, self.scalar_template = probe_row_state(
             cls, group, table.embedding_dim, table.device, dtype, check_separable=config.probe)
         odd = {k: str(v) for k, v in row_state.items() if v != dtype}
         if odd:
             raise UnsupportedOptimizerError(
-                f"{cls.__name__} keeps per-row state in another dtype than the table ({dtype}): "
-                f"{odd}; offloaded tables store state in the table's dtype")
+                f"{cls.__name__} keeps per-row state in another dtype than the table computes "
+                f"in ({dtype}): {odd}; offloaded tables keep state in one float dtype")
         self.ctor_kwargs = dict(group)                  # what the user passed
         self.group = {"params": [], **full, **group}   # what schedulers see and change
         self.sparse = issubclass(cls, torch.optim.SparseAdam)
         self.names = list(row_state)
         table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner)
         self.scalar_state = None      # created by the optimizer itself at the first step
+        self._rounds = 0              # generic steps that rounded stochastically (their seeds)
         self.opt = None
         self.skipped_steps = 0
         self.use_fused = config.fused
@@ -204,11 +206,11 @@ class _TableSlot:
         store = self.table.rows
         if not (store.direct or self.use_fused is True) or not kernels.usable_on(store.device):
             return None
-        fn = kernels.fused_update_for(self.cls, self.group, self.names, store.host.tensor.dtype)
+        fn = kernels.fused_update_for(self.cls, self.group, self.names, self.table.compute_dtype)
         if fn is None and self.use_fused is True:
             raise UnsupportedOptimizerError(
                 f"table {self.name!r}: no fused kernel for {self.cls.__name__} with "
-                f"{self.hyper()} on a {store.host.tensor.dtype} table; use "
+                f"{self.hyper()} on a {self.table.compute_dtype} table; use "
                 "OffloadConfig(fused='auto') to fall back to the generic path")
         return fn
 
@@ -237,9 +239,18 @@ class _TableSlot:
         t, scalar = self._next_scalar_state()
         if scalar is None:
             return None
-        fused(got.rows, got.grad, self.table.rows.target(got.batch.ids), got.batch.ids,
-              got.batch.count, guard, self.group, t)
+        table = self.table
+        layout = table.layout
+        rows_w = layout.weight(got.rows) if got.has_state else got.rows
+        target = table.rows.target(got.batch.ids, layout, table.config.rounding,
+                                   seed=self._seed(t))
+        fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
+              self.group, t)
         return scalar
+
+    def _seed(self, t: int) -> int:
+        """Stochastic rounding's seed for step ``t``: a new one every step, per table."""
+        return (t * 1_000_003 + zlib.crc32(self.name.encode())) % (1 << 31)
 
     def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
         """The step went ahead: keep its scalar state and count the bytes written."""
@@ -254,12 +265,15 @@ class _TableSlot:
         it still runs on zero rows, so the scalar state (Adam's step) advances as in the fused
         path and in torch's sparse optimizers: a shard of a ShardedEmbedding that no rank asked
         for this step keeps the same step count as the whole table would."""
-        table, d = self.table, self.table.embedding_dim
+        table = self.table
+        layout, compute = table.layout, table.compute_dtype
         m = max(count - int(sentinel), 0)
         ids, grad, rows = got.batch.ids[:m], got.grad[:m], got.rows[:m]
         if self.names and not got.has_state:        # looked up before the state was attached
             rows = table.rows.gather(ids)
-        p = nn.Parameter(rows[:, :d].clone())
+        stored = self.names or got.has_state        # rows as stored (else the lookup's values)
+        weight = layout.weight(rows) if stored else rows
+        p = nn.Parameter(weight.to(compute, copy=True))
         _set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
             self.opt = self.cls([p], **self.ctor_kwargs)
@@ -268,7 +282,8 @@ class _TableSlot:
         self.opt.param_groups[0].update(self.hyper())     # LR schedulers change self.group
         if self.scalar_state is not None:
             # These rows' own state, plus the table's global scalar state.
-            st = {k: rows[:, i * d:(i + 1) * d].contiguous() for i, k in enumerate(self.names, 1)}
+            st = {k: layout.state(rows, i).to(compute, copy=True)
+                  for i, k in enumerate(self.names)}
             st.update(self.scalar_state)
             self.opt.state = defaultdict(dict, {p: st})
         # else: the very first step lets the optimizer create its state exactly as it would
@@ -280,8 +295,14 @@ class _TableSlot:
             raise UnsupportedOptimizerError(
                 f"{self.cls.__name__} dropped state {missing} between steps (hyper-parameters "
                 "changed?); offloaded tables need a fixed set of per-row state")
-        # One write per row: [weight | state...], the layout of the table.
-        table.rows.scatter(ids, torch.cat([p.detach()] + [st[k] for k in self.names], dim=1))
+        # One write per row: [weight | state...], the layout of the table, each value rounded
+        # once to its storage dtype.
+        gen = None
+        if table.config.rounding == "stochastic":
+            self._rounds += 1
+            gen = torch.Generator(device=p.device).manual_seed(self._seed(self._rounds))
+        table.rows.scatter(ids, layout.pack(p.detach(), [st[k] for k in self.names],
+                                            table.config.rounding, gen))
         self.scalar_state = {k: v for k, v in st.items() if k not in self.names}
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []

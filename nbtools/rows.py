@@ -28,7 +28,67 @@ import torch
 
 from . import kernels
 from .cache import RowCache
+from .precision import round_to
 from .hostmem import count_transfer, gather_rows, scatter_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How one row ``[weight | state_1 | ... | state_k]`` sits in memory.
+
+    The row is stored in ``unit`` (the state's dtype once an optimizer attached, else the
+    weight's). A weight of a narrower dtype (bf16 or fp16 weights with fp32 state) is packed
+    into the first ``weight_cols`` columns: two bf16 values per fp32 column. Every value is
+    computed in float32 (:meth:`weight` / :meth:`state` upcast, the fused kernels likewise)
+    and rounded to its storage dtype when written.
+
+    >>> lay = RowLayout(3, torch.bfloat16, torch.float32, states=2)
+    >>> lay.weight_cols, lay.width, lay.state_col(1)
+    (2, 8, 5)
+    """
+
+    dim: int
+    weight_dtype: torch.dtype
+    unit: torch.dtype
+    states: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.weight_dtype != self.unit
+
+    @property
+    def weight_cols(self) -> int:
+        w = torch.empty((), dtype=self.weight_dtype).element_size()
+        u = torch.empty((), dtype=self.unit).element_size()
+        return -(-self.dim * w // u)
+
+    @property
+    def width(self) -> int:
+        return self.weight_cols + self.states * self.dim
+
+    def state_col(self, i: int) -> int:
+        """First column of state ``i`` (0-based)."""
+        return self.weight_cols + i * self.dim
+
+    def weight(self, rows: torch.Tensor) -> torch.Tensor:
+        """The weights of ``rows`` [m, width] as stored (a view)."""
+        if not self.packed:
+            return rows[:, : self.dim]
+        return rows[:, : self.weight_cols].view(self.weight_dtype)[:, : self.dim]
+
+    def state(self, rows: torch.Tensor, i: int) -> torch.Tensor:
+        c = self.state_col(i)
+        return rows[:, c:c + self.dim]
+
+    def pack(self, weight: torch.Tensor, states: list, rounding: str = "nearest",
+             generator=None) -> torch.Tensor:
+        """Rows [m, width] of ``unit`` from float32 ``weight`` [m, d] and ``states``, each
+        rounded to its storage dtype (:func:`nbtools.precision.round_to`)."""
+        out = weight.new_zeros(weight.shape[0], self.width, dtype=self.unit)
+        self.weight(out).copy_(round_to(weight, self.weight_dtype, rounding, generator))
+        for i, st in enumerate(states):
+            self.state(out, i).copy_(round_to(st, self.unit, rounding, generator))
+        return out
 
 
 @dataclasses.dataclass
@@ -274,12 +334,17 @@ class RowStore:
             rows = self._from_cache(rows, slots, start, stop)
         return rows.masked_fill_((batch.ids == self.num_rows).unsqueeze(1), 0)
 
-    def target(self, ids: torch.Tensor) -> kernels.Target:
-        """Where a fused update of the rows ``ids`` writes: the table's view and, with a cache,
-        the cache and each id's slot in it."""
-        if self.cache is None:
-            return kernels.Target(self.host.view())
-        return kernels.Target(self.host.view(), self.cache.rows, self.cache.locate(ids))
+    def target(self, ids: torch.Tensor, layout: RowLayout, rounding: str = "nearest",
+               seed: int = 0) -> kernels.Target:
+        """Where a fused update of the rows ``ids`` writes: the table's view (and its weights as
+        ``layout`` stores them) and, with a cache, the cache and each id's slot in it."""
+        view = self.host.view()
+        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding,
+                           seed=seed)
+        if self.cache is not None:
+            t.cache, t.cache_w = self.cache.rows, layout.weight(self.cache.rows)
+            t.slots = self.cache.locate(ids)
+        return t
 
     def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """Write whole rows ``idx`` (every id in range); cached rows go to the cache."""

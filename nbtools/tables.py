@@ -31,7 +31,8 @@ from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, pin_tensor
 from . import kernels
-from .rows import (DeviceRows, LookupGraphs, RowBatch, RowsOfIds, RowStore, merge,
+from .precision import LOW_PRECISION, check_rounding
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowsOfIds, RowStore, merge,
                    unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -72,16 +73,18 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
 _libc = None
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, init, after_chunk=None) -> None:
-    """``dst`` [n, width] <- ``src`` [n, d] in the first columns, the state columns at their
-    initial values (``init``: (first column, end column, value)), 64 MiB of ``dst`` at a time
-    (bounded temporaries); ``after_chunk(stop_row)`` runs after each chunk."""
-    n, d = src.shape
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, init, layout: RowLayout,
+               after_chunk=None) -> None:
+    """``dst`` [n, width] <- ``src`` [n, d] as the weights of ``layout``, the state columns at
+    their initial values (``init``: (first column, end column, value)), 64 MiB of ``dst`` at
+    a time (bounded temporaries); ``after_chunk(stop_row)`` runs after each chunk."""
+    n = src.shape[0]
     chunk = max(1, (64 << 20) // (dst.shape[1] * dst.element_size()))
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        dst[start:stop, :d].copy_(src[start:stop])
-        dst[start:stop, d:].zero_()
+        part = dst[start:stop]
+        part.zero_()
+        layout.weight(part).copy_(src[start:stop])
         for lo, hi, value in init:
             if value:
                 dst[start:stop, lo:hi].fill_(value)
@@ -118,7 +121,15 @@ def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
 class TableConfig:
     """Options of an offloaded table beyond its shape, name, device and placement."""
 
-    dtype: torch.dtype = torch.float32  # of the table and of its optimizer state
+    # Storage of the weights. bfloat16/float16 halve the bytes; every update is still computed
+    # in float32 (rows are upcast when gathered, rounded once when written).
+    dtype: torch.dtype = torch.float32
+    # Storage of the optimizer state: None = float32 for low-precision weights (an Adam moment
+    # in bf16 loses small updates), else the weights' dtype. bfloat16 here halves it too.
+    state_dtype: torch.dtype | None = None
+    # How low-precision values are rounded when written: "nearest" (ties to even) or
+    # "stochastic" (bfloat16 only: unbiased, so updates below bf16's resolution still count).
+    rounding: str = "nearest"
     pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
     # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
     # this share of the GPU memory free at that moment; the rest of it stays for activations.
@@ -232,8 +243,18 @@ class OffloadedEmbedding(nn.Module):
                             f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
         self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
         dtype = cfg.dtype
-        if not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else False):
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        for what, value in (("dtype", dtype), ("state_dtype", cfg.state_dtype or dtype)):
+            if not (value.is_floating_point if isinstance(value, torch.dtype) else False):
+                raise TypeError(f"{what} must be a floating torch.dtype, got {value!r}")
+        if dtype not in (torch.float32, torch.float64) + LOW_PRECISION:
+            raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+        state_dtype = self._state_dtype(cfg)
+        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
+                and state_dtype != dtype:
+            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
+                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
+        for value in (dtype, state_dtype):
+            check_rounding(cfg.rounding, value if value in LOW_PRECISION else torch.bfloat16)
         if placement not in ("auto", "gpu", "host"):
             raise ValueError(f"placement must be 'auto', 'gpu' or 'host', got {placement!r}")
         self.num_embeddings = int(num_embeddings)
@@ -258,6 +279,7 @@ class OffloadedEmbedding(nn.Module):
                        "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
                        "dtype=torch.bfloat16 halves it.")
         self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
+        self._layout = RowLayout(self.embedding_dim, dtype, dtype)
         self._rows = RowStore(self._host, self.device)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
@@ -279,6 +301,22 @@ class OffloadedEmbedding(nn.Module):
                 rows[padding_idx].zero_()
             if rows.is_cuda and self.placement == "host":
                 torch.cuda.synchronize(rows.device)   # the host copy is read from now on
+
+    @staticmethod
+    def _state_dtype(cfg: TableConfig) -> torch.dtype:
+        if cfg.state_dtype is not None:
+            return cfg.state_dtype
+        return torch.float32 if cfg.dtype in LOW_PRECISION else cfg.dtype
+
+    @property
+    def layout(self) -> RowLayout:
+        """How each row ``[weight | state...]`` is stored (:class:`nbtools.rows.RowLayout`)."""
+        return self._layout
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What lookups return and updates compute in: float32 for low-precision storage."""
+        return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def _choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
         if self.device.type != "cuda":
@@ -306,15 +344,18 @@ class OffloadedEmbedding(nn.Module):
         """All rows: a CPU tensor aliasing the (pinned) host memory, or, when the table is
         placed on the GPU, a CUDA tensor. Reading a host table waits for queued GPU writes
         first, so what you read is current. Write to it to initialise."""
-        return self._host_columns(0, self.embedding_dim)
+        return self._current(keep_cache=False, state=None)
 
-    def _host_columns(self, start: int, stop: int, keep_cache: bool = False) -> torch.Tensor:
-        """Columns of every row, current: cached rows are written back first, and the cache is
-        emptied unless ``keep_cache`` (a read that nothing writes through, such as saving)."""
+    def _current(self, keep_cache: bool, state) -> torch.Tensor:
+        """The weights (``state`` None) or one state's columns of every row, current: cached
+        rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
+        that nothing writes through, such as saving)."""
         if self.placement == "host":
             self._rows.flush(drop=not keep_cache)
             synchronize(self.device)
-        return self._host.tensor[:, start:stop]
+        if state is None:
+            return self._layout.weight(self._host.tensor)
+        return self._layout.state(self._host.tensor, state)
 
     @property
     def rows(self) -> RowStore:
@@ -331,9 +372,7 @@ class OffloadedEmbedding(nn.Module):
         """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows.
         ``keep_cache``: for reads only (saving): the cache of hot rows is flushed, not
         emptied."""
-        i = self._state_names.index(name) + 1
-        d = self.embedding_dim
-        return self._host_columns(i * d, (i + 1) * d, keep_cache)
+        return self._current(keep_cache, self._state_names.index(name))
 
     def attach_state(self, names, initial: dict, owned: bool = True) -> None:
         """Give every row room for per-row optimizer state, stored after its weight.
@@ -355,10 +394,11 @@ class OffloadedEmbedding(nn.Module):
             self._make_cache()
             return
         old = self._host
-        dtype = old.tensor.dtype
+        state_dtype = self._state_dtype(self.config)
         d, n = self.embedding_dim, self.num_embeddings
-        width = d * (1 + len(names))
-        nbytes = n * width * old.tensor.element_size()
+        layout = RowLayout(d, self.config.dtype, state_dtype, len(names))
+        width = layout.width
+        nbytes = n * width * state_dtype.itemsize
         was = self.placement
         if self.requested_placement == "auto":
             self.placement, self.placement_reason = self._choose_placement(nbytes)
@@ -368,14 +408,16 @@ class OffloadedEmbedding(nn.Module):
                        "(SGD, Adagrad).", reclaim=old.nbytes if was == "host" else 0)
         if was == "host":
             synchronize(self.device)
-        init = [(i * d, (i + 1) * d, float(initial.get(k, 0.0))) for i, k in enumerate(names, 1)]
+        init = [(layout.state_col(i), layout.state_col(i) + d, float(initial.get(k, 0.0)))
+                for i, k in enumerate(names)]
         if self.placement == "gpu":
-            new = DeviceRows((n, width), dtype, self.device, self.name)
-            _copy_rows(new.tensor, old.tensor, init)
+            new = DeviceRows((n, width), state_dtype, self.device, self.name)
+            _copy_rows(new.tensor, old.tensor, init, layout)
             old.close()
         else:
-            new = self._grow_host(old, (n, width), init)
+            new = self._grow_host(old, (n, width), init, layout)
         self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
+        self._layout = layout
         self.clear_pending()
         self._graphs.invalidate()
         self._make_cache()
@@ -478,18 +520,18 @@ class OffloadedEmbedding(nn.Module):
                 "bytes_saved": 2 * hits * row - (admitted + evicted) * row,
                 "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
 
-    def _grow_host(self, old, shape, init):
+    def _grow_host(self, old, shape, init, layout):
         """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
         each chunk of ``old`` back to the OS once copied; register the result when pinned."""
         n, width = shape
         d = self.embedding_dim
-        dtype = old.tensor.dtype
+        dtype = layout.unit
         pin = old.pinned if isinstance(old, HostTensor) else \
             (self.config.pin and self.device.type == "cuda")
         itemsize = old.tensor.element_size()
-        if n * width * itemsize < (256 << 20):       # small: the simple way
+        if n * width * dtype.itemsize < (256 << 20):       # small: the simple way
             new = self._new_host(shape, dtype, pin, self.name)
-            _copy_rows(new.tensor, old.tensor, init)
+            _copy_rows(new.tensor, old.tensor, init, layout)
             old.close()
             return new
         old.close()                                  # unregister: its pages may be released now
@@ -502,7 +544,7 @@ class OffloadedEmbedding(nn.Module):
         def release(stop):
             nonlocal released
             released = release_pages(base, released, stop * d * itemsize)
-        _copy_rows(dst, src, init, after_chunk=release)
+        _copy_rows(dst, src, init, layout, after_chunk=release)
         del src
         return pin_tensor(dst, name=self.name)
 
@@ -582,8 +624,8 @@ class OffloadedEmbedding(nn.Module):
         """
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
         recording = torch.is_grad_enabled() and self.trainable
-        d = self.embedding_dim
-        width = self._rows.width if (recording and self._state_names) else d
+        width = self._rows.width if (recording and self._state_names) else \
+            self._layout.weight_cols
         captured = None
         if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
                 and self.device.type == "cuda" and kernels.usable_on(self.device):
@@ -599,8 +641,10 @@ class OffloadedEmbedding(nn.Module):
                 # Training: whole rows now, so the optimizer step needs no second gather.
                 full = self._rows.gather_batch(batch, 0, width,
                                                admit=recording and self._owned)
-        rows = full[:, :d]         # a fresh view: the leaf autograd sees (never a capture's buffer)
-        if width == d:
+        # the leaf autograd sees: a fresh view (never a capture's buffer), in the compute dtype
+        rows = self._layout.weight(full)
+        rows = rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+        if not (recording and self._state_names):
             full = None
         if recording:
             rows.requires_grad_(True)
@@ -663,9 +707,14 @@ class OffloadedEmbedding(nn.Module):
         m = count - sentinel
         if m == 0:
             return None, None, None, None
-        d = self.embedding_dim
-        state = got.rows[:m, d:] if got.has_state and self._state_names else None
-        return got.batch.ids[:m], got.grad[:m], got.rows[:m, :d], state
+        lay = self._layout
+        if got.has_state and self._state_names:
+            state = torch.cat([lay.state(got.rows[:m], i).to(self.compute_dtype)
+                               for i in range(len(self._state_names))], dim=1)
+            weight = lay.weight(got.rows[:m]).to(self.compute_dtype)
+        else:
+            state, weight = None, got.rows[:m]
+        return got.batch.ids[:m], got.grad[:m], weight, state
 
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)
@@ -681,8 +730,7 @@ class OffloadedEmbedding(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         # the live rows, current; a cache of hot rows is flushed and stays warm (load_state_dict
         # writes through .weight, which empties it first)
-        destination[prefix + "weight"] = self._host_columns(0, self.embedding_dim,
-                                                            keep_cache=True)
+        destination[prefix + "weight"] = self._current(keep_cache=True, state=None)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
