@@ -164,9 +164,12 @@ def describe_table(table) -> dict:
     if table is None:
         return {}
     cfg = table.config
+    layout = getattr(table, "layout", None)        # where the table has low-precision storage
+    state = layout.unit if layout is not None and layout.states else cfg.dtype
     out = {"dtype": str(cfg.dtype).replace("torch.", ""),
-           "state_dtype": str(getattr(cfg, "state_dtype", "n/a")).replace("torch.", ""),
-           "rounding": getattr(cfg, "rounding", None), "placement": table.placement}
+           "state_dtype": str(state).replace("torch.", ""),
+           "rounding": getattr(cfg, "rounding", None), "placement": table.placement,
+           "row_bytes": table.rows.row_bytes}
     stats = table.cache_stats()
     if stats:
         out.update(capacity_rows=stats["capacity_rows"], cache_bytes=stats["cache_bytes"])
