@@ -238,6 +238,26 @@ def run_system(name, args, device) -> dict:
     return out
 
 
+def report(result: dict) -> None:
+    """A child's figures, as the one line :func:`run_child` looks for."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(name, cmd, timeout=None) -> dict | None:
+    """Run one system's process (``cmd``); the figures it reported, or None after printing why
+    there are none (a failure, or ``timeout`` seconds passed)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        print(f"{name}: stopped after {timeout:.0f} s\n{(e.stdout or b'')[-2000:]!r}", flush=True)
+        return None
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode or not line:
+        print(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(line[-1][len("RESULT "):])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4_000_000)
@@ -254,7 +274,7 @@ def main():
         args.rows, args.steps = 100_000, 4
     device = resolve_device("auto")
     if args.system:
-        print("RESULT " + json.dumps(run_system(args.system, args, device)), flush=True)
+        report(run_system(args.system, args, device))
         return
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
@@ -270,12 +290,10 @@ def main():
                str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
             (["--profile", "--out", args.out] if args.profile and args.out else []) + \
             (["--only", args.only] if args.only else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
+        got = run_child(name, cmd)
+        if got is None:
             continue
-        for key, value in json.loads(line[-1][len("RESULT "):]).items():
+        for key, value in got.items():
             res[key].update(value)
         print(f"{name:<24} done", flush=True)
 

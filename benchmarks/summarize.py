@@ -44,6 +44,30 @@ def main(d):
             row(f"  {k}", fmt(v), "x")
         for k, v in st.get("syncs", {}).items():
             row(f"  host syncs per step, {k}", fmt(v, ".1f"), "")
+    ca = load(d, "cache.json")
+    if ca:
+        row(f"cache: {ca['rows']:,} x {ca['dim']} Adam, {ca['ids_per_step']:,} ids ({ca['device']})",
+            "", "")
+        for k, v in ca.get("targets", {}).items():
+            row(f"  {k}", fmt(v), "x")
+        for k, v in ca.get("ratios", {}).items():
+            if "best cache" in k:
+                row(f"  {k}", fmt(v), "x")
+        if ca.get("skipped") or ca.get("failed"):
+            row("  systems not run (time budget) / failed",
+                f"{len(ca.get('skipped', []))} / {len(ca.get('failed', []))}", "")
+    cs = load(d, "cache_seed.json")
+    if cs:
+        row(f"cache, seed tables under a {cs['gpu_cap_gib']:g} GiB GPU cap ({cs['device']})", "", "")
+        for name, r in cs.get("systems", {}).items():
+            if "skipped" in r:
+                row(f"  {name}", "skipped", "")
+            for dist, c in r.get("cases", {}).items():
+                peak = r.get("peak_gpu_bytes")
+                row(f"  {name}, {dist}: steps/s, peak GPU GiB",
+                    f"{c['steps_per_s']:.1f}  {fmt(None if peak is None else peak / 2**30, '.1f')}", "")
+        for k, v in cs.get("ratios", {}).items():
+            row(f"  {k}", fmt(v), "x")
     wv = load(d, "word2vec.json")
     if wv:
         row(f"word2vec: {wv.get('tokens', 0):,} tokens x {wv['epochs']} epochs ({wv['device']})", "", "")

@@ -24,6 +24,7 @@ _LAZY = {
     "pin_tensor": "nbtools.hostmem",
     "pinned_bytes": "nbtools.hostmem",
     "transfer_counters": "nbtools.hostmem",
+    "cache_counters": "nbtools.hostmem",
     "OffloadedEmbedding": "nbtools.tables",
     "OffloadedEmbeddingBag": "nbtools.tables",
     "ShardedEmbedding": "nbtools.distributed",

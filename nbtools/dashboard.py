@@ -178,6 +178,11 @@ def _pct(part, whole) -> str:
     return f"{100 * part / whole:.0f}%" if part is not None and whole else "N/A"
 
 
+def _cache_in_use(r: dict) -> bool:
+    """Whether a table's GPU cache of hot rows has served a training lookup in this run."""
+    return bool(r.get("nbtools_cache_lookup_rows"))
+
+
 def _sub(a, b):
     return None if a is None or b is None else max(0, a - b)
 
@@ -229,6 +234,11 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
         _badge("nbtools moved", fmt_rate(r.get("nbtools_h2d_bytes_per_s")),
                f"back {fmt_rate(r.get('nbtools_d2h_bytes_per_s'))}",
                "bytes the nbtools tables moved host→GPU / GPU→host per second"),
+        _badge("cache hits", _pct(r.get("cache_hit_percent"), 100),
+               f"saved {fmt_rate(r.get('nbtools_cache_saved_bytes_per_s'))}",
+               "GPU cache of hot rows: share of the rows looked up since the last refresh that "
+               "were on the GPU, and the PCIe bytes per second it spared")
+        if _cache_in_use(r) else "",
         _badge("host RAM", fmt_bytes(r.get("host_used_bytes")),
                f"of {fmt_bytes(r.get('host_total_bytes'))}",
                f"process RSS {fmt_bytes(r.get('process_rss_bytes'))}"),
@@ -300,6 +310,9 @@ def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
                      f"TX {fmt_rate(r.get('pcie_tx_bytes_per_s'))}")
     if r.get("nbtools_h2d_bytes_per_s"):
         parts.append(f"moved {fmt_rate(r.get('nbtools_h2d_bytes_per_s'))}")
+    if _cache_in_use(r):
+        parts.append(f"cache {_pct(r.get('cache_hit_percent'), 100)} hits, saved "
+                     f"{fmt_rate(r.get('nbtools_cache_saved_bytes_per_s'))}")
     parts.append(r.get("diagnosis", ""))
     return " | ".join(parts)
 

@@ -11,7 +11,8 @@ Without CUDA the same objects hold ordinary memory and report ``pinned=False``; 
 is then the host tensor itself, so every caller runs unchanged on the CPU.
 
 Every pinned byte nbtools holds is counted (:func:`pinned_bytes`), as are the bytes its tables
-move between host and GPU (:func:`transfer_counters`): neither NVML nor /proc can see them.
+move between host and GPU (:func:`transfer_counters`), and what their GPU caches of hot rows spare
+the link (:func:`cache_counters`): neither NVML nor /proc can see them.
 
 One mechanism pins: :func:`page_aligned` allocates (pages of its own, so two registrations never
 share a page), and a registry keyed by address range registers each range once, shares it among
@@ -41,6 +42,7 @@ _lock = threading.RLock()   # re-entrant: a finalizer (release) may run in a GC 
 # the one place pinned memory is counted
 _regions: dict[tuple[int, int], "_Registration"] = {}
 _counters = {"h2d_bytes": 0, "d2h_bytes": 0}
+_cache_counters = {"lookup_rows": 0, "hit_rows": 0, "saved_bytes": 0}
 
 
 class PinningError(NbtoolsError, RuntimeError):
@@ -76,6 +78,26 @@ def count_transfer(h2d: int = 0, d2h: int = 0) -> None:
     """Add to the transfer counters (called by tables, loaders and checkpoints)."""
     _counters["h2d_bytes"] += int(h2d)
     _counters["d2h_bytes"] += int(d2h)
+
+
+def cache_counters() -> dict:
+    """Cumulative counts of every table's GPU cache of hot rows (a copy): unique rows looked up
+    in training, how many of them were cache hits, and the PCIe bytes the cache saved (a hit
+    is neither read nor written over PCIe; admissions and write-backs cost their rows). All
+    zero while no table has a cache.
+
+    >>> sorted(cache_counters())
+    ['hit_rows', 'lookup_rows', 'saved_bytes']
+    """
+    return dict(_cache_counters)
+
+
+def count_cache(lookups: int = 0, hits: int = 0, saved_bytes: int = 0) -> None:
+    """Add one table's cache readings since its last call (called by tables at each optimizer
+    step; ``saved_bytes`` may be negative while a cache fills)."""
+    _cache_counters["lookup_rows"] += int(lookups)
+    _cache_counters["hit_rows"] += int(hits)
+    _cache_counters["saved_bytes"] += int(saved_bytes)
 
 
 def _check(err, what: str, nbytes: int) -> None:

@@ -502,6 +502,8 @@ class OffloadedEmbedding(nn.Module):
         row = self._rows.row_bytes
         self._rows.count_bytes((lookups - hits) * row, h2d=True)
         self._rows.count_bytes((lookups - hits - admitted + evicted) * row, h2d=False)
+        from .hostmem import count_cache      # the meters' hit share and bytes saved
+        count_cache(lookups, hits, (2 * hits - admitted - evicted) * row)
 
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows

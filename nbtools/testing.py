@@ -46,6 +46,7 @@ class FakeBackend:
         "host_total_bytes": 64 << 30, "host_used_bytes": 20 << 30,
         "host_available_bytes": 44 << 30, "process_rss_bytes": 12 << 30,
         "nbtools_pinned_bytes": 8 << 30, "nbtools_h2d_bytes": 0, "nbtools_d2h_bytes": 0,
+        "nbtools_cache_lookup_rows": 0, "nbtools_cache_hit_rows": 0, "nbtools_cache_saved_bytes": 0,
         "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * _PCIE_LANE_BYTES_PER_S[5],
     }
 
@@ -78,6 +79,13 @@ class FakeBackend:
         if nbtools:
             self.values["nbtools_h2d_bytes"] += rx_bytes
             self.values["nbtools_d2h_bytes"] += tx_bytes
+
+    def serve(self, lookups: int, hits: int, saved_bytes: int = 0) -> None:
+        """Pretend a table's GPU cache of hot rows served ``hits`` of ``lookups`` unique rows,
+        sparing PCIe ``saved_bytes``."""
+        self.values["nbtools_cache_lookup_rows"] += lookups
+        self.values["nbtools_cache_hit_rows"] += hits
+        self.values["nbtools_cache_saved_bytes"] += saved_bytes
 
     def _read(self, name, keys):
         self.calls[name] += 1

@@ -38,7 +38,7 @@ def fmt_rate(bytes_per_s) -> str:
     """
     if bytes_per_s is None:
         return "N/A"
-    if bytes_per_s >= 1e9 or bytes_per_s == 0:
+    if abs(bytes_per_s) >= 1e9 or bytes_per_s == 0:   # negative: a cache filling costs bytes
         return f"{bytes_per_s / 1e9:.1f} GB/s"
     return f"{bytes_per_s / 1e6:.1f} MB/s"
 

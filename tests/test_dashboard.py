@@ -265,6 +265,22 @@ def test_save_history(tmp_path):
     assert len(History.load(tmp_path / "h.jsonl")) == len(dash.history)
 
 
+def test_cache_of_hot_rows_shows_only_when_in_use():
+    b = FakeBackend()
+    dash = make(backend=b, text_every_s=1.0)
+    run(dash, steps=20)
+    assert "cache" not in dash.out.getvalue()
+    assert 'cache hits' not in render_html(dash.monitor.record)
+    for _ in range(20):
+        b.serve(lookups=1000, hits=750, saved_bytes=300 << 20)
+        run(dash, steps=1)
+    last = dash.out.getvalue().splitlines()[-1]
+    assert "cache 75% hits, saved 3.1 GB/s" in last          # 300 MiB per 0.1 s step
+    html = render_html(dash.monitor.record)
+    assert ">cache hits</div>" in html and ">75%</div>" in html and html.count('class="nbtools-badge"') == 11
+    dash.close()
+
+
 # --- rendering, machine check, import cost -------------------------------------------------------
 
 def test_render_html_escapes_and_handles_an_empty_record():

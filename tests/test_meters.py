@@ -33,7 +33,8 @@ def test_meters_read_has_every_key_with_units():
         assert set(keys) <= set(rec)
     assert rec["gpu_used_bytes"] == 6 << 30
     assert rec["pinned_bytes"] == (8 << 30) + 0       # nbtools + torch host allocator
-    assert all(k.endswith(("_bytes", "_s", "_per_s", "_percent", "_gen", "_width", "_source"))
+    assert all(k.endswith(("_bytes", "_s", "_per_s", "_percent", "_gen", "_width", "_source",
+                           "_rows"))
                for k in rec), sorted(rec)
 
 
@@ -51,7 +52,7 @@ def test_a_failing_reader_reads_as_na(reader):
     assert all(rec[k] is None for k in keys)
     if reader == "nbtools":
         assert rec["pinned_bytes"] == 0          # torch's part is still there
-        assert rec["nbtools_h2d_bytes_per_s"] is None
+        assert rec["nbtools_h2d_bytes_per_s"] is None and rec["cache_hit_percent"] is None
 
 
 def test_link_failure_and_missing_values_are_na():
@@ -256,6 +257,37 @@ def test_nbtools_transfer_rates():
     rec = m.read()
     assert rec["nbtools_h2d_bytes_per_s"] == (10 << 30) / 2
     assert rec["nbtools_d2h_bytes_per_s"] == (2 << 30) / 2
+
+
+def test_cache_hit_share_and_saved_bytes_per_interval():
+    clock = FakeClock()
+    b = FakeBackend()
+    m = Meters(b, clock=clock, pcie="manual")
+    rec = m.read()
+    assert rec["cache_hit_percent"] is None and rec["nbtools_cache_saved_bytes_per_s"] is None
+    clock.advance(2.0)
+    b.serve(lookups=1000, hits=800, saved_bytes=4 << 20)
+    rec = m.read()
+    assert rec["cache_hit_percent"] == 80.0 and rec["nbtools_cache_lookup_rows"] == 1000
+    assert rec["nbtools_cache_saved_bytes_per_s"] == (4 << 20) / 2
+    clock.advance(1.0)
+    b.serve(lookups=1000, hits=500, saved_bytes=-(1 << 20))    # the interval's share, not the run's
+    rec = m.read()
+    assert rec["cache_hit_percent"] == 50.0 and rec["nbtools_cache_saved_bytes_per_s"] == -(1 << 20)
+    clock.advance(1.0)
+    rec = m.read()                                               # no training lookup: N/A, not 0%
+    assert rec["cache_hit_percent"] is None and rec["nbtools_cache_saved_bytes_per_s"] == 0
+
+
+def test_system_backend_reads_the_process_wide_cache_counters():
+    from nbtools import hostmem
+    b = SystemBackend("cpu")
+    before = b.nbtools()
+    hostmem.count_cache(10, 7, 3 << 10)
+    after = b.nbtools()
+    assert after["nbtools_cache_lookup_rows"] - before["nbtools_cache_lookup_rows"] == 10
+    assert after["nbtools_cache_hit_rows"] - before["nbtools_cache_hit_rows"] == 7
+    assert after["nbtools_cache_saved_bytes"] - before["nbtools_cache_saved_bytes"] == 3 << 10
 
 
 # --- throughput and step time -------------------------------------------------------------------
@@ -609,3 +641,23 @@ def test_meters_and_dashboard_import_torch_only_when_a_reading_needs_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(Path(nbtools.__file__).parents[1]))
     assert out.stdout.split() == ["False", "100", "True"]
+
+
+def test_a_table_with_a_cache_counts_for_the_meters():
+    import torch
+    from nbtools.cache import RowCache
+    from nbtools.hostmem import cache_counters
+    n, d = 200, 4
+    room = RowCache.overhead_bytes(n) + 64 * RowCache.slot_bytes(12 * d)   # 64 rows + Adam state
+    table = nbtools.OffloadedEmbedding(n, d, device="cpu", name="cached", cache_bytes=room)
+    opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    before = cache_counters()
+    for _ in range(5):
+        opt.zero_grad()
+        table(torch.arange(10)).sum().backward()
+        opt.step()
+    got = {k: v - before[k] for k, v in cache_counters().items()}
+    s = table.cache_stats()
+    assert got == {"lookup_rows": s["lookups"], "hit_rows": s["hits"],
+                   "saved_bytes": s["bytes_saved"]}
+    assert got["lookup_rows"] == 50 and got["hit_rows"] == 40

@@ -16,7 +16,8 @@ GPU_KEYS = ("gpu_used_bytes", "gpu_total_bytes", "gpu_process_bytes", "gpu_util_
 TORCH_KEYS = ("torch_allocated_bytes", "torch_reserved_bytes", "torch_peak_bytes",
               "torch_pinned_bytes")
 HOST_KEYS = ("host_total_bytes", "host_used_bytes", "host_available_bytes", "process_rss_bytes")
-NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes")
+NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes",
+                "nbtools_cache_lookup_rows", "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes")
 LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
 _READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
             "nbtools": NBTOOLS_KEYS, "link": LINK_KEYS}
@@ -205,8 +206,12 @@ class SystemBackend:
     def nbtools(self):
         from .. import hostmem
         c = hostmem.transfer_counters()
+        cache = hostmem.cache_counters()
         return {"nbtools_pinned_bytes": hostmem.pinned_bytes(),
-                "nbtools_h2d_bytes": c["h2d_bytes"], "nbtools_d2h_bytes": c["d2h_bytes"]}
+                "nbtools_h2d_bytes": c["h2d_bytes"], "nbtools_d2h_bytes": c["d2h_bytes"],
+                "nbtools_cache_lookup_rows": cache["lookup_rows"],
+                "nbtools_cache_hit_rows": cache["hit_rows"],
+                "nbtools_cache_saved_bytes": cache["saved_bytes"]}
 
     def event(self):
         """A CUDA timing event, or None on the CPU (the host clock times phases then)."""

@@ -11,6 +11,11 @@ import time
 from .backends import _PCIE_LANE_BYTES_PER_S, _READERS, LINK_KEYS, SystemBackend, _safe
 
 
+# nbtools' cumulative counters that Meters.read turns into per-interval figures
+_COUNTERS = ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_lookup_rows",
+             "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes")
+
+
 def _add(*xs):
     """Sum that is N/A only when every term is."""
     xs = [x for x in xs if x is not None]
@@ -183,7 +188,7 @@ class Meters:
         self.link = link
         self.pcie = PcieSampler(self.backend, self.clock, max_rate=link["link_bytes_per_s"])
         self._pcie_mode = pcie
-        self._last = None   # (t, h2d, d2h) for nbtools' rates
+        self._last = None   # (t, {counter: value}) for nbtools' rates
 
     def read(self) -> dict:
         if self._pcie_mode == "thread" and self.pcie._thread is None and self.pcie.source != "n/a":
@@ -196,15 +201,20 @@ class Meters:
             else:
                 rec.update(_safe(getattr(self.backend, name), keys))
         rec["pinned_bytes"] = _add(rec["nbtools_pinned_bytes"], rec["torch_pinned_bytes"])
-        h2d, d2h = rec["nbtools_h2d_bytes"], rec["nbtools_d2h_bytes"]
-        rec["nbtools_h2d_bytes_per_s"] = rec["nbtools_d2h_bytes_per_s"] = None
-        if self._last is not None and now > self._last[0]:
-            dt = now - self._last[0]
-            if h2d is not None and self._last[1] is not None:
-                rec["nbtools_h2d_bytes_per_s"] = (h2d - self._last[1]) / dt
-            if d2h is not None and self._last[2] is not None:
-                rec["nbtools_d2h_bytes_per_s"] = (d2h - self._last[2]) / dt
-        self._last = (now, h2d, d2h)
+        # nbtools' cumulative counters as rates since the last reading, and the share of the
+        # rows looked up in that interval that the GPU cache of hot rows served
+        last, self._last = self._last, (now, {k: rec[k] for k in _COUNTERS})
+        dt = now - last[0] if last is not None else 0.0
+
+        def delta(k):
+            if dt <= 0 or rec[k] is None or last[1][k] is None:
+                return None
+            return rec[k] - last[1][k]
+        for k in ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_saved_bytes"):
+            d = delta(k)
+            rec[f"{k}_per_s"] = None if d is None else d / dt
+        looked, hit = delta("nbtools_cache_lookup_rows"), delta("nbtools_cache_hit_rows")
+        rec["cache_hit_percent"] = 100.0 * hit / looked if looked and hit is not None else None
         if self._pcie_mode == "off":
             rec.update(pcie_rx_bytes_per_s=None, pcie_tx_bytes_per_s=None, pcie_source=None)
         else:
