@@ -74,10 +74,31 @@ def encode(lines, min_count):
     return ids, words, torch.tensor([counts[w] for w in words], dtype=torch.int64)
 
 
-def train_nbtools(ids, words, counts, args, placement, device):
+def system_config(system: str) -> dict:
+    """SkipGramConfig fields of an nbtools system name: a placement ("host", "gpu") and
+    modifiers joined by "+": "cache" (a quarter of the vocabulary's rows in a GPU cache,
+    warmed from the word counts), "bf16" (bf16 weights, fp32 Adam state), "sr" (stochastic
+    rounding). E.g. "host+cache", "gpu+bf16"."""
+    placement, *mods = system.split("+")
+    bad = sorted(set(mods) - {"cache", "bf16", "sr"})
+    if placement not in ("host", "gpu") or bad:
+        sys.exit(f"bench_word2vec: unknown system {system!r}: a placement (host, gpu) and "
+                 "modifiers cache, bf16, sr joined by '+'")
+    cfg = {"placement": placement}
+    if "cache" in mods:
+        cfg["cache_share"] = 0.25
+    if "bf16" in mods:
+        cfg["dtype"] = torch.bfloat16
+    if "sr" in mods:
+        cfg["rounding"] = "stochastic"
+    return cfg
+
+
+def train_nbtools(ids, words, counts, args, system, device):
     """Returns (model, setup seconds, train seconds, history)."""
     t0 = time.perf_counter()
-    cfg = models.SkipGramConfig(negatives=HYPER["negatives"], placement=placement, seed=args.seed)
+    cfg = models.SkipGramConfig(negatives=HYPER["negatives"], seed=args.seed,
+                                **system_config(system))
     torch.manual_seed(args.seed)
     model = models.SkipGram(len(words), HYPER["dim"], counts=counts, words=words, config=cfg,
                             device=device)
@@ -135,7 +156,9 @@ def main():
     ap.add_argument("--eval-dir", default=os.path.join(ROOT, ".scratch", "w2v", "eval"))
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=None, help="use the corpus' first N tokens")
-    ap.add_argument("--systems", default="host,gpu,gensim", help="comma list of host, gpu, gensim")
+    ap.add_argument("--systems", default="host,gpu,gensim",
+                    help="comma list of gensim and nbtools systems: host, gpu, with modifiers "
+                    "joined by '+': cache, bf16, sr (e.g. host+cache,gpu+bf16)")
     ap.add_argument("--batch-size", type=int, default=131072, help="pairs per nbtools step")
     ap.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam")
     ap.add_argument("--lr", type=float, default=None, help="first lr (default: the recipe's)")
@@ -157,10 +180,9 @@ def main():
     if args.lr is None:
         args.lr = {"adam": 0.02, "adagrad": 0.1}[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = sorted(set(systems) - {"host", "gpu", "gensim"})
-    if bad:
-        sys.exit(f"bench_word2vec: unknown systems {bad}; pick from host, gpu, gensim")
     args.placements = [s for s in systems if s != "gensim"]
+    for system in args.placements:
+        system_config(system)                   # exits on a name it does not know
     if not os.path.exists(args.corpus):
         sys.exit(f"bench_word2vec: no corpus at {args.corpus}; build it with "
                  "python3 /work/shared/data/build_offline_corpus.py DIR and gzip DIR/combined.txt "
@@ -193,7 +215,7 @@ def main():
             r["eval_s"] = time.perf_counter() - t
         res["systems"][name] = r
         q = wordsim.format_scores(r["quality"]) if have_eval else ""
-        print(f"{name:>7}: train {train_s:7.1f} s, {r['words_per_s'] / 1e6:6.2f}M words/s, "
+        print(f"{name:>16}: train {train_s:7.1f} s, {r['words_per_s'] / 1e6:6.2f}M words/s, "
               f"setup {setup_s:5.1f} s  {q}", flush=True)
 
     if args.placements:
@@ -208,7 +230,9 @@ def main():
                {"steps": history["step"][-1] if history["step"] else None,
                 "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None,
-                "placement": model.input.placement, "tables": model.input.transfer_mode})
+                "placement": model.input.placement, "tables": model.input.transfer_mode,
+                "cache": {t.name: t.cache_stats() for t in (model.input, model.output)
+                          if t.cache is not None}})
         del model
         gc.collect()
         if device.type == "cuda":
@@ -223,7 +247,9 @@ def main():
 
     s = res["systems"]
     ratios = {}
-    for a, b in (("host", "gensim"), ("gpu", "gensim"), ("host", "gpu")):
+    for a, b in (("host", "gensim"), ("gpu", "gensim"), ("host", "gpu"),
+                 ("host+cache", "gensim"), ("host+cache", "gpu"), ("host+bf16", "host"),
+                 ("gpu+bf16", "gpu")):
         if a in s and b in s:
             ratios[f"{a}_vs_{b}"] = s[a]["words_per_s"] / s[b]["words_per_s"]
     res["ratios"] = ratios
@@ -231,12 +257,12 @@ def main():
     print(f"\n## word2vec: {tokens:,} tokens x {args.epochs} epochs, {device}"
           f"{' (' + res['gpu'] + ')' if 'gpu' in res else ''}; nbtools {args.optimizer} "
           f"lr {args.lr:g}, {args.batch_size:,} pairs/step; gensim {args.workers} workers")
-    print(f"{'system':<8}{'M words/s':>10}{'train s':>9}{'setup s':>9}{'WS353':>8}{'SimLex':>8}"
+    print(f"{'system':<16}{'M words/s':>10}{'train s':>9}{'setup s':>9}{'WS353':>8}{'SimLex':>8}"
           f"{'analogy':>9}{'coverage (ws/sl/an)':>22}")
     for name, r in s.items():
         q = r.get("quality", {})
         cov = "/".join(f"{q[k]['coverage']:.2f}" for k in ("ws353", "simlex", "analogy") if k in q)
-        print(f"{name:<8}{r['words_per_s'] / 1e6:>10.2f}{r['train_s']:>9.1f}{r['setup_s']:>9.1f}"
+        print(f"{name:<16}{r['words_per_s'] / 1e6:>10.2f}{r['train_s']:>9.1f}{r['setup_s']:>9.1f}"
               f"{q.get('ws353', {}).get('spearman', float('nan')):>8.3f}"
               f"{q.get('simlex', {}).get('spearman', float('nan')):>8.3f}"
               f"{100 * q.get('analogy', {}).get('accuracy', float('nan')):>8.1f}%{cov:>22}")

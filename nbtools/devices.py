@@ -81,3 +81,17 @@ def synchronize(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def gpu_free_bytes(device) -> int:
+    """GPU memory this process may still take: the device's free memory, and no more than a
+    cap set with ``torch.cuda.set_per_process_memory_fraction`` leaves (what placement="auto"
+    and a cache's share of free memory are measured against)."""
+    device = torch.device(device)
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        cap = int(fraction(device) * total) - torch.cuda.memory_reserved(device)
+        free = min(free, max(cap, 0))
+    return free
+

@@ -11,7 +11,7 @@ import platform
 import torch
 
 from . import hostmem
-from .devices import cuda_ok, host_memory_bytes, memlock_limit, resolve_device
+from .devices import cuda_ok, gpu_free_bytes, host_memory_bytes, memlock_limit, resolve_device
 from .units import human_bytes as _human
 
 
@@ -44,7 +44,7 @@ def describe(file=None) -> dict:
         info["gpu_memory_bytes"] = props.total_memory
         info["pinning"] = hostmem.probe_pinning()
         from .tables import TableConfig
-        free, _ = torch.cuda.mem_get_info()
+        free = gpu_free_bytes(torch.cuda.current_device())
         info["auto_gpu_budget_bytes"] = int(TableConfig.gpu_fraction * free)
     lines = [
         f"nbtools  python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",

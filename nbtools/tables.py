@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import NbtoolsError
-from .devices import host_memory_bytes, human_bytes, resolve_device, synchronize
+from .devices import gpu_free_bytes, host_memory_bytes, human_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, pin_tensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
@@ -140,17 +140,19 @@ class TableConfig:
     # A GPU cache of hot rows (weight and optimizer state together, nbtools.cache) for a table
     # in pinned host memory: its size in GPU bytes (the rows plus 8 bytes per table row for
     # the row -> slot map and the counts), or a share of the GPU memory free when the
-    # optimizer attaches. None and None: no cache, except under placement="auto" when the
-    # table goes to host memory, where the cache takes the gpu_fraction budget.
+    # optimizer attaches, or room for cache_rows rows. None, None, None: no cache, except under
+    # placement="auto" when the table goes to host memory, where the cache takes the
+    # gpu_fraction budget.
     cache_bytes: int | None = None
     cache_fraction: float | None = None
+    cache_rows: int | None = None
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
     """Where ``placement="auto"`` puts ``nbytes`` of rows and state: ``("gpu" | "host", why)``."""
     if device.type != "cuda":
         return "host", "CPU compute"
-    free, _ = torch.cuda.mem_get_info(device)
+    free = gpu_free_bytes(device)
     budget = int(gpu_fraction * free)
     if nbytes <= budget:
         return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
@@ -425,12 +427,20 @@ class OffloadedEmbedding(nn.Module):
     # --- the cache of hot rows --------------------------------------------------------------
     def _cache_budget(self) -> tuple[int | None, str]:
         cfg = self.config
-        if cfg.cache_bytes is not None and cfg.cache_fraction is not None:
-            raise ValueError(f"table {self.name!r}: give cache_bytes or cache_fraction, not both")
-        if self.placement != "host" or self.device.type != "cuda" and cfg.cache_bytes is None:
+        given = [k for k in ("cache_bytes", "cache_fraction", "cache_rows")
+                 if getattr(cfg, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"table {self.name!r}: give one of cache_bytes, cache_fraction and "
+                             f"cache_rows, not {' and '.join(given)}")
+        if self.placement != "host" or self.device.type != "cuda" and not (
+                cfg.cache_bytes or cfg.cache_rows):
             return None, ""
         if cfg.cache_bytes is not None:
             return int(cfg.cache_bytes), "cache_bytes"
+        if cfg.cache_rows is not None:
+            from .cache import RowCache
+            return (RowCache.overhead_bytes(self.num_embeddings) + int(cfg.cache_rows)
+                    * RowCache.slot_bytes(self._rows.row_bytes)), "cache_rows"
         fraction = cfg.cache_fraction
         why = "cache_fraction"
         if fraction is None and self.requested_placement == "auto":
@@ -440,7 +450,7 @@ class OffloadedEmbedding(nn.Module):
         if not 0 < fraction <= 1:
             raise ValueError(f"table {self.name!r}: cache_fraction must be in (0, 1], got "
                              f"{fraction!r}")
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = gpu_free_bytes(self.device)
         return int(fraction * free), f"{why} {fraction:.0%} of {human_bytes(free)} free"
 
     def _make_cache(self) -> None:

@@ -376,3 +376,31 @@ def test_evaluate_takes_a_skipgram_and_checks_its_input(tmp_path):
     (tmp_path / "bad.tsv").write_text("a b 3\n")
     with pytest.raises(ValueError, match="bad.tsv:1"):
         wordsim.load_word_pairs(tmp_path / "bad.tsv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_cache_of_frequent_words_changes_nothing(dtype):
+    """SkipGram with a quarter of its vocabulary in a cache of hot rows (warmed from the word
+    counts) trains exactly as without one."""
+    vocab = 200
+    counts = (1e4 / torch.arange(1, vocab + 1)).round()
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.multinomial(counts, 64, True, generator=gen),
+                torch.multinomial(counts, 64, True, generator=gen)) for _ in range(6)]
+    got = []
+    for share in (None, 0.25):
+        torch.manual_seed(0)
+        model = SkipGram(vocab, 8, counts=counts, device="cpu",
+                         config=SkipGramConfig(cache_share=share, dtype=dtype, placement="host"))
+        opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.05)
+        if share:
+            assert model.input.cache.capacity == 32      # 50 rows asked: whole 32-way sets
+            assert (model.input.cache.locate(torch.arange(32)) >= 0).all()   # warm: top words
+        for centers, contexts in batches:
+            opt.zero_grad()
+            model.loss(centers, contexts).backward()
+            opt.step()
+        if share:
+            assert model.output.cache_stats()["hits"] > 0
+        got.append((model.input.weight.clone(), model.output.weight.clone()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])

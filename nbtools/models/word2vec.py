@@ -284,11 +284,16 @@ class SkipGramConfig:
 
     negatives: int = 5             # noise words per (center, context) pair
     noise_power: float = 0.75      # negatives ~ count ** noise_power (word2vec's 3/4)
-    dtype: torch.dtype = torch.float32   # of both tables (and their optimizer state)
+    dtype: torch.dtype = torch.float32   # of both tables' weights (bf16: half the bytes)
+    state_dtype: torch.dtype | None = None   # of their optimizer state (None: fp32 for bf16)
+    rounding: str = "nearest"      # low-precision writes: "nearest" or "stochastic"
     pin: bool = True               # register host memory with CUDA (zero-copy)
     seed: int = 0                  # negatives; their generator is saved with the model
     skip_context_negatives: bool = True   # drop a drawn negative equal to the context (word2vec)
     placement: str = "auto"        # both tables: "host" (pinned RAM), "gpu", "auto" (GPU if fits)
+    # Host tables: keep this share of each table's rows (the most frequent words, from the
+    # counts) in a GPU cache of hot rows, with their optimizer state. None: no cache.
+    cache_share: float | None = None
 
 
 class SkipGram(nn.Module):
@@ -318,7 +323,12 @@ class SkipGram(nn.Module):
             raise ValueError(f"words has {len(words):,} entries but vocab_size is {vocab_size:,}")
         self.words = list(words) if words is not None else None
         self._index = None
-        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin, placement=cfg.placement)
+        kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
+                  device=self.device, pin=cfg.pin, placement=cfg.placement)
+        if cfg.cache_share is not None:
+            if not 0 < cfg.cache_share <= 1:
+                raise ValueError(f"cache_share must be in (0, 1], got {cfg.cache_share!r}")
+            kw["cache_rows"] = max(1, int(cfg.cache_share * vocab_size))
         self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
         self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
         with torch.no_grad():
@@ -330,6 +340,9 @@ class SkipGram(nn.Module):
         if counts.numel() != vocab_size or (counts < 0).any() or counts.sum() <= 0:
             raise ValueError(f"counts must hold {vocab_size:,} non-negative numbers, not all "
                              f"zero; got shape {tuple(counts.shape)}")
+        if cfg.cache_share is not None:     # the cache starts with the most frequent words
+            self.input.warm_cache(counts.round().long())
+            self.output.warm_cache(counts.round().long())
         noise = counts.pow(cfg.noise_power)
         # Inverse-CDF sampling: one uniform and one binary search per negative, on the device.
         # Exact for any vocabulary size, and driven by our own generator, so a resumed run
