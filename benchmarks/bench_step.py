@@ -110,10 +110,11 @@ def torch_sparse_step(n, dim, device):
 
 def traffic_floor_ms(n, dim, batches, device, width_factor=3):
     """Gather + scatter of each batch's unique [weight | m | v] rows on a zero-copy view."""
-    h = hostmem.HostTensor((n, dim * width_factor), torch.float32, name="floor")
+    width = int(dim * width_factor)
+    h = hostmem.HostTensor((n, width), torch.float32, name="floor")
     view = h.view()
     uniq = [torch.unique(b) for b in batches]
-    rows = [torch.empty(u.numel(), dim * width_factor, device=device) for u in uniq]
+    rows = [torch.empty(u.numel(), width, device=device) for u in uniq]
 
     def step(i):
         hostmem.gather_rows(view, uniq[i])
@@ -218,8 +219,12 @@ def run_system(name, args, device) -> dict:
     allocator state or captured graphs)."""
     cases = make_cases(args, device)
     if name == "floor":
-        return {"floor_ms": {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
-                             for c in ("65,536 uniform", "65,536 zipf1.1")}}
+        out = {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
+               for c in ("65,536 uniform", "65,536 zipf1.1")}
+        # bf16 weights + bf16 state: rows of half the bytes (768 B at dim 128)
+        out["65,536 uniform, bf16 rows"] = traffic_floor_ms(
+            args.rows, args.dim, cases["65,536 uniform"], device, width_factor=1.5)
+        return {"floor_ms": out}
     if name.startswith("small "):
         prof = os.path.join(args.out or ".", "step_profile.txt") \
             if args.profile and args.only and args.only.split(",")[0] == name else None
@@ -335,6 +340,11 @@ def main():
     res["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:<62}{v:8.2f}x")
+    ratio("host bf16+bf16 state / its traffic floor, 65,536 uniform",
+          get("nbtools host bf16+bf16 state | 65,536 uniform"),
+          res["floor_ms"].get("65,536 uniform, bf16 rows"))
+    ratio("bf16 traffic floor / torch sparse, 65,536 uniform (what 1.5x needs: <= 1.5)",
+          res["floor_ms"].get("65,536 uniform, bf16 rows"), get("torch sparse | 65,536 uniform"))
     for k, v in res["floor_ms"].items():
         print(f"traffic floor {k:<30}{v:9.3f} ms")
     for k, v in res["syncs"].items():
