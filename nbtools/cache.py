@@ -13,10 +13,11 @@ replays as a CUDA graph):
   ``ways`` slots of the set its id hashes to. Each row has a count of the steps that touched
   it (``freq``, optionally seeded from known frequencies with :meth:`RowCache.warm`).
 * **Admission at lookup.** A training lookup's unique ids are looked up in ``slot_of`` (row ->
-  slot). A missing row takes the least-frequent way of its set when its own count is higher;
-  rows of the current lookup are never evicted. The evicted row is written back to host
+  slot). In each set, the most frequent missing row takes the set's least-frequent way when
+  its own count is higher (one admission per set and lookup); rows of the current lookup are
+  never evicted. The evicted row is written back to host
   memory first (write-back on eviction); then the new row is copied in. Rows that are not
-  admitted (cold, or more misses in a set than it has ways, or a cache smaller than one batch)
+  admitted (cold, or not their set's turn, or a cache smaller than one batch)
   are read and written in host memory, as without a cache.
 * **Updates go where the row is.** The optimizer's step finds each row's slot again
   (:meth:`RowCache.locate`) and writes cached rows to the cache, the others to host memory.
@@ -44,7 +45,8 @@ class RowCache:
         host: the table's rows as the compute device reaches them ([N, W]: the zero-copy
             view, or the CPU tensor).
         capacity: rows the cache may hold (rounded down to whole sets; at least one set).
-        ways: slots per set.
+        ways: slots per set (fewer for a cache of under 64 x ``ways`` rows, so that it has
+            64 sets: each set admits one row per lookup).
 
     ``stats`` is a device tensor ``[lookups, hits, admitted, evicted]`` (cumulative counts of
     unique rows): read it with the optimizer's one synchronisation, not on its own.
@@ -53,7 +55,8 @@ class RowCache:
     def __init__(self, host: torch.Tensor, capacity: int, ways: int = 32):
         n, width = host.shape
         device = host.device
-        self.ways = max(1, min(ways, capacity))
+        # at least 64 sets where the capacity allows: one admission per set and lookup
+        self.ways = max(1, min(ways, capacity // 64))
         self.sets = max(1, capacity // self.ways)
         self.capacity = self.sets * self.ways
         self.num_rows = n
@@ -67,6 +70,7 @@ class RowCache:
         self.tick = torch.zeros(1, dtype=torch.long, device=device)
         self.stats = torch.zeros(4, dtype=torch.long, device=device)
         self._way = torch.arange(self.ways, device=device)
+        self._best = torch.empty(self.sets, dtype=torch.long, device=device)
 
     @staticmethod
     def overhead_bytes(num_rows: int) -> int:
@@ -95,9 +99,13 @@ class RowCache:
 
     def admit(self, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         """Count a training lookup's unique ``ids`` (sorted, sentinel-padded, ``count`` [1] in
-        use), admit the missing rows that beat their set's least-frequent row, write the
-        evicted rows back to ``host`` and copy the admitted ones in. Returns each id's slot
-        (int32, -1 for rows left in host memory), as :meth:`locate` would now."""
+        use) and admit, in each set, the most frequent missing row when it is more frequent
+        than the set's least frequent row (rows of this lookup are never evicted): the evicted
+        row is written back to ``host``, the admitted one copied in. Returns each id's slot
+        (int32, -1 for rows left in host memory), as :meth:`locate` would now.
+
+        One admission per set and lookup keeps this to a few passes over the ids (no sort): a
+        hot row that loses its set's turn comes back at a later step."""
         cap = ids.numel()
         n, ways = self.num_rows, self.ways
         pos = torch.arange(cap, device=ids.device)
@@ -111,42 +119,33 @@ class RowCache:
         miss = live & (slot < 0)
         f = self.freq.index_select(0, ids).long()
         sets = self._set_of(ids)
-        # misses by set, most frequent first; everything else after them
-        key = torch.where(miss, sets * (1 << 31) + ((1 << 31) - 1 - f), torch.iinfo(torch.long).max)
-        key, order = torch.sort(key)
-        s_sets, s_miss, s_f, s_ids = sets[order], miss[order], f[order], ids[order]
-        first = torch.ones(cap, dtype=torch.bool, device=ids.device)
-        if cap > 1:
-            torch.ne(s_sets[1:], s_sets[:-1], out=first[1:])
-        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
-        # the set's ways, least frequent first; empty ways score -1, this lookup's rows +inf
-        way_slot = s_sets.unsqueeze(1) * ways + self._way
+        # each set's candidate: its most frequent miss (ties: the larger id)
+        key = torch.where(miss, (f << 32) | ids, -1)
+        best = self._best.fill_(-1).scatter_reduce_(0, sets, key, "amax")
+        winner = miss & (key == best.index_select(0, sets))
+        # its victim: the set's least frequent way (empty: -1; this lookup's rows: never)
+        way_slot = sets.unsqueeze(1) * ways + self._way
         tags = self.tags[way_slot]
         score = torch.where(tags >= 0, self.freq[tags.clamp(min=0)].long(), -1)
         score = torch.where(self.stamp[way_slot] == self.tick, torch.iinfo(torch.long).max, score)
-        score, way = torch.sort(score, dim=1)
-        r = rank.clamp(max=ways - 1).unsqueeze(1)
-        victim_score = score.gather(1, r).squeeze(1)
-        victim_slot = way_slot.gather(1, way.gather(1, r)).squeeze(1)
-        admitted = s_miss & (rank < ways) & (s_f > victim_score)
-        slot_new = torch.where(admitted, victim_slot, -1)
-        victim = torch.where(admitted, self.tags[victim_slot], -1)
+        victim_score, way = score.min(dim=1)
+        admitted = winner & (f > victim_score)
+        slot_new = torch.where(admitted, sets * ways + way, -1)
+        victim = torch.where(admitted, tags.gather(1, way.unsqueeze(1)).squeeze(1), -1)
         # write the evicted rows back, then copy the admitted ones in
         self._copy(self.rows, torch.where(victim >= 0, slot_new, -1), host, victim)
-        self._copy(host, torch.where(admitted, s_ids, -1), self.rows, slot_new)
+        self._copy(host, torch.where(admitted, ids, -1), self.rows, slot_new)
         self.slot_of.scatter_(0, torch.where(victim >= 0, victim, n),
                               torch.full_like(victim, -1, dtype=torch.int32))
-        self.slot_of.scatter_(0, torch.where(admitted, s_ids, n), slot_new.int())
+        self.slot_of.scatter_(0, torch.where(admitted, ids, n), slot_new.int())
         self.slot_of[n:].fill_(-1)          # (a slice: writable inside a CUDA graph)
-        self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), s_ids)
+        self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), ids)
         self.tags[self.capacity:].fill_(-1)
         self.stamp.scatter_(0, torch.where(admitted, slot_new, self.capacity),
                             self.tick.expand(cap))
         self.stats += torch.stack((live.sum(), hit.sum(), admitted.sum(),
                                    (victim >= 0).sum()))
-        out = torch.empty(cap, dtype=torch.int32, device=ids.device)
-        out.scatter_(0, order, slot_new.int())
-        return torch.where(hit, slot, out.long()).int()
+        return torch.where(hit, slot, slot_new).int()
 
     def _copy(self, src, sidx, dst, didx) -> None:
         """``dst[didx] = src[sidx]`` where both are >= 0."""

@@ -120,7 +120,7 @@ def test_cache_equals_no_cache_under_adversarial_streams(device, kind, rows, fus
     ref = final_state(*train(device, O.Adam, dict(lr=0.05), batches, fused=fused))
     table, opt = train(device, O.Adam, dict(lr=0.05), batches, cache_bytes=cache_for(rows, 2),
                        fused=fused)
-    assert table.cache.capacity == min(rows, N) // min(32, rows) * min(32, rows)
+    assert table.cache.capacity == min(rows, N)        # under 64 sets of 32: fewer ways
     assert_same(ref, final_state(table, opt))
 
 
