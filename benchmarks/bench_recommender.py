@@ -76,14 +76,16 @@ def fetch_ml100k(dest):
 
 # --- our model --------------------------------------------------------------------------------------
 
-def ours(r, train, defaults, device, **overrides):
-    cfg = {**defaults["config"], **overrides.pop("config", {})}
+def ours(r, train, defaults, device, seed=0, **overrides):
+    """nbtools MF with ``defaults`` (and ``overrides``); ``seed``: initial weights, negatives
+    and batch order."""
+    cfg = {**defaults["config"], "seed": seed, **overrides.pop("config", {})}
     fit_kw = {**defaults["fit"], **overrides}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = models.MatrixFactorization(r.num_users, r.num_items, defaults["dim"],
                                        config=models.MFConfig(**cfg), device=device)
     t0 = time.perf_counter()
-    models.fit(model, train, **fit_kw)
+    models.fit(model, train, seed=seed, **fit_kw)
     synchronize(model.device)
     return model, time.perf_counter() - t0
 
@@ -129,6 +131,15 @@ def implicit_scores(train, users, candidates, kind, factors):
     return (uf[:, None, :] * itf).sum(-1), time.perf_counter() - t0
 
 
+def mean_sd(runs):
+    """Mean of each metric over runs, with ``<metric>_sd`` (sample sd) when there are several."""
+    out = {k: sum(m[k] for m in runs) / len(runs) for k in runs[0]}
+    if len(runs) > 1:
+        out.update({f"{k}_sd": (sum((m[k] - out[k]) ** 2 for m in runs) / (len(runs) - 1)) ** .5
+                    for k in runs[0]})
+    return out
+
+
 # --- protocols --------------------------------------------------------------------------------------
 
 def rating_protocol(section, r, folds, device, oracle=None, **overrides):
@@ -167,14 +178,20 @@ def rating_protocol(section, r, folds, device, oracle=None, **overrides):
     return out
 
 
-def ranking_protocol(section, r, device, oracle=None, **overrides):
+def ranking_protocol(section, r, device, oracle=None, seeds=1, **overrides):
     train, test = models.leave_last_out(r)
     cand = models.sample_candidates(K.interactions_of(train, test), test.user_ids, test.item_ids,
                                     99, seed=0)
-    out = {}
-    model, s = ours(r, train, RANKING_DEFAULTS, device, **overrides)
-    out["nbtools MF (BCE)"] = K.ranking_metrics(model.score_candidates(test.user_ids, cand))
-    record(section, "nbtools MF (BCE)", out["nbtools MF (BCE)"], s)
+    out, runs, seconds = {}, [], 0.0
+    for seed in range(seeds):                 # the candidates stay fixed; the model's seed moves
+        model, s = ours(r, train, RANKING_DEFAULTS, device, seed=seed, **overrides)
+        runs.append(K.ranking_metrics(model.score_candidates(test.user_ids, cand)))
+        seconds += s
+        if seeds > 1:
+            print(f"  {section:<10}seed {seed}: " + "  ".join(f"{k} {v:.4f}"
+                                                            for k, v in runs[-1].items()))
+    out["nbtools MF (BCE)"] = mean_sd(runs)
+    record(section, "nbtools MF (BCE)", out["nbtools MF (BCE)"], seconds / seeds)
     out["popularity"] = K.ranking_metrics(models.popularity_scores(train, cand))
     record(section, "popularity", out["popularity"], 0.0)
     if oracle is not None:
@@ -323,6 +340,8 @@ def main():
                     help="directory or file with ML-100K (u.data or ml-100k.inter)")
     ap.add_argument("--fetch", action="store_true", help="pip download recbole's wheel for ML-100K")
     ap.add_argument("--folds", type=int, default=5, help="RMSE folds on ML-100K (of 5)")
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="ML-100K ranking: runs of nbtools MF (seeds 0..N-1), mean and sd")
     ap.add_argument("--quick", action="store_true", help="small synthetic set, 1 fold, no ML-100K")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-ml100k", action="store_true")
@@ -353,7 +372,7 @@ def main():
                 print(f"ML-100K: {r.ratings.numel():,} ratings, {r.num_users} users, "
                       f"{r.num_items} items", flush=True)
                 res["ml100k_ratings"] = rating_protocol("ML-100K", r, args.folds, device)
-                res["ml100k_ranking"] = ranking_protocol("ML-100K", r, device)
+                res["ml100k_ranking"] = ranking_protocol("ML-100K", r, device, seeds=args.seeds)
             else:
                 print(f"ML-100K not found at {args.ml100k}: run bash "
                       "/work/shared/data/fetch_offline_eval.sh .scratch/offline_eval, or pass "

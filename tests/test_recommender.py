@@ -385,3 +385,17 @@ def test_fit_with_lr_decay_resumes_exactly(device, tmp_path):
     constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
     fit(constant, r, epochs=4, batch_size=16, lr=0.05)
     assert not torch.equal(whole.users.weight, constant.users.weight)    # the decay did act
+
+
+def test_known_items_floor_recovers_users_and_is_no_better_than_the_oracle():
+    from nbtools.models.synthetic import SyntheticConfig, make_synthetic
+    d = make_synthetic(SyntheticConfig(num_users=300, num_items=200, per_user=80, rank=2,
+                                       seed=1))
+    train, test = K.kfold(d.ratings, 5, seed=0)[0]
+    est = d.with_estimated_users(train)
+    # the posterior mean tracks the planted factors (shrunk toward 0: compare directions)
+    cos = F.cosine_similarity(est.user_factors, d.user_factors, dim=1)
+    assert cos.median() > 0.9
+    floor = K.rating_metrics(est.expected_rating(test.user_ids, test.item_ids), test.ratings)
+    oracle = K.rating_metrics(d.expected_rating(test.user_ids, test.item_ids), test.ratings)
+    assert oracle["rmse"] <= floor["rmse"] < 1.05 * oracle["rmse"]
