@@ -303,7 +303,7 @@ def large_run(args, device):
           f"{res['offload_steps_per_s']:.1f} steps/s ({batch:,} positives + 4 negatives each), "
           f"peak GPU {res.get('offload_peak_gpu_gib', float('nan')):.2f} GiB, pinned "
           f"{res['pinned_gib']:.1f} GiB", flush=True)
-    del model, opt, step
+    model = opt = step = None       # free the offloaded tables before the resident ones
     # GPU-resident reference: the most users that fit under the cap with SparseAdam (weights + 2
     # moments, fp32), the same items, batch and negatives (on a CPU run: all users, for a check)
     fit_users = users
