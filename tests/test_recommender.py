@@ -102,6 +102,38 @@ def test_per_user_split_is_temporal_and_keeps_a_training_item():
         K.per_user_split(r._replace(timestamps=None))
 
 
+def test_recency_against_a_per_user_loop():
+    r = _random_ratings()
+    got = K.recency(r).tolist()
+    for j, (u, t) in enumerate(zip(r.user_ids.tolist(), r.timestamps.tolist())):
+        # later: the same user's interactions with a later time, or the same time later in the file
+        later = sum(1 for k, (uu, tt) in enumerate(zip(r.user_ids.tolist(), r.timestamps.tolist()))
+                    if uu == u and (tt > t or (tt == t and k > j)))
+        assert got[j] == later
+
+
+def test_recency_weights_and_the_weighted_loss(device):
+    from nbtools.models.recommender import recency_weights
+    r = _random_ratings()
+    w = recency_weights(r, 4.0, 2.0)
+    assert w.mean().item() == pytest.approx(1.0, rel=1e-6)
+    raw = 1 + 4.0 * 0.5 ** (K.recency(r).double() / 2.0)
+    torch.testing.assert_close(w.double(), raw / raw.mean(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="needs timestamps"):
+        recency_weights(r._replace(timestamps=None), 4.0, 2.0)
+    # a weighted implicit loss is the mean of the weighted per-positive losses
+    m = _model(device, "bce", negatives=3)
+    users, items, weights = torch.tensor([0, 3, 7]), torch.tensor([1, 2, 9]), torch.tensor([0.5, 2.0, 0.5])
+    state = m.generator.get_state()
+    got = m.loss(users, items, weights)
+    per = []
+    for j in range(3):
+        m.generator.set_state(state)
+        per.append(m.loss(users, items, torch.eye(3)[j] * 3))   # only positive j, times 3 / 3
+    want = sum(wj * pj for wj, pj in zip(weights.tolist(), per)) / 3
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
 def test_kfold_partitions_the_ratings():
     r = _random_ratings(n=103)
     folds = K.kfold(r, k=5, seed=3)
@@ -225,7 +257,8 @@ def test_batched_recommend_equals_brute_force(device, head):
                                m(users[:, None].expand(-1, 3), cand).cpu())
 
 
-def test_implicit_fit_learns_planted_preferences(device):
+@pytest.mark.parametrize("recency_weight", [0.0, 4.0])
+def test_implicit_fit_learns_planted_preferences(device, recency_weight):
     # two groups of users, each interacting only with its own half of the items (plus noise):
     # trained with BCE, the model ranks a held-out own-half item above other-half candidates
     g = torch.Generator().manual_seed(0)
@@ -235,7 +268,8 @@ def test_implicit_fit_learns_planted_preferences(device):
     r = Ratings(users, items, torch.ones(users.numel()), 40, 40, torch.arange(users.numel()))
     train, test = K.leave_last_out(r)
     torch.manual_seed(0)
-    m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce", negatives=4, l2=0.05),
+    m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce", negatives=4, l2=0.05,
+                                                       recency_weight=recency_weight),
                             device=device)
     fit(m, train, epochs=20, batch_size=32, lr=0.02)
     other = ((test.user_ids % 2) * 20 + 20) % 40
@@ -351,3 +385,17 @@ def test_fit_with_lr_decay_resumes_exactly(device, tmp_path):
     constant = MatrixFactorization(12, 15, 4, config=MFConfig(loss="bce", negatives=3), device=device)
     fit(constant, r, epochs=4, batch_size=16, lr=0.05)
     assert not torch.equal(whole.users.weight, constant.users.weight)    # the decay did act
+
+
+def test_known_items_floor_recovers_users_and_is_no_better_than_the_oracle():
+    from nbtools.models.synthetic import SyntheticConfig, make_synthetic
+    d = make_synthetic(SyntheticConfig(num_users=300, num_items=200, per_user=80, rank=2,
+                                       seed=1))
+    train, test = K.kfold(d.ratings, 5, seed=0)[0]
+    est = d.with_estimated_users(train)
+    # the posterior mean tracks the planted factors (shrunk toward 0: compare directions)
+    cos = F.cosine_similarity(est.user_factors, d.user_factors, dim=1)
+    assert cos.median() > 0.9
+    floor = K.rating_metrics(est.expected_rating(test.user_ids, test.item_ids), test.ratings)
+    oracle = K.rating_metrics(d.expected_rating(test.user_ids, test.item_ids), test.ratings)
+    assert oracle["rmse"] <= floor["rmse"] < 1.05 * oracle["rmse"]

@@ -4,7 +4,8 @@
   "has user u seen item i?" for many pairs at once and lists each user's items.
 * Splits of a :class:`~nbtools.data.Ratings`: :func:`leave_last_out` (by timestamp),
   :func:`per_user_split` (each user's latest or a random fraction), :func:`kfold` (random
-  folds of the ratings) and :func:`train_valid_test` (a split applied twice).
+  folds of the ratings) and :func:`train_valid_test` (a split applied twice); :func:`recency`
+  (each interaction's place from the end of its user's history).
 * :func:`sample_candidates`: the NCF protocol's held-out item plus ``n`` items the user never
   interacted with, drawn from a seed, so that every system ranks the same candidates.
 * Metrics: :func:`ranking_metrics` (HR@k, NDCG@k on candidate scores, ties split evenly),
@@ -140,6 +141,22 @@ def _user_order(r: Ratings, by_time: bool, seed: int) -> tuple[torch.Tensor, tor
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(n) - starts[r.user_ids[order]]
     return order, position
+
+
+def recency(r: Ratings) -> torch.Tensor:
+    """How many of the same user's interactions came after each one (0: the user's latest), by
+    timestamp (ties: the later in the file is the more recent). int64, in ``r``'s order.
+
+    >>> r = Ratings(torch.tensor([0, 1, 0, 0]), torch.tensor([1, 2, 3, 4]), torch.ones(4), 2, 5,
+    ...             torch.tensor([30, 5, 10, 20]))
+    >>> recency(r).tolist()
+    [0, 0, 2, 1]
+    """
+    order, position = _user_order(r, by_time=True, seed=0)
+    counts = torch.bincount(r.user_ids, minlength=r.num_users)[r.user_ids[order]]
+    age = torch.empty_like(position)
+    age[order] = counts - 1 - position
+    return age
 
 
 def leave_last_out(r: Ratings, n: int = 1) -> tuple[Ratings, Ratings]:

@@ -17,7 +17,7 @@ from torch import nn
 from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
-from .ranking import Interactions
+from .ranking import Interactions, recency
 
 # --- recommender ------------------------------------------------------------------------------
 
@@ -36,6 +36,11 @@ class MFConfig:
     sampling: str = "uniform"      # "uniform", or "popularity": ∝ count ** popularity_power
     popularity_power: float = 0.75
     exclude_seen: bool = True      # redraw negatives the user has seen (after set_seen)
+    recency_weight: float = 0.0    # implicit losses, in fit(): a user's latest interactions weigh
+                                   # 1 + recency_weight * 0.5 ** (later ones / recency_half_life)
+                                   # (then scaled to mean 1); tastes drift, and the next item is
+                                   # closer to the last few than to the first (needs timestamps)
+    recency_half_life: float = 5.0
     dtype: torch.dtype = torch.float32  # of both tables (and their optimizer state)
     pin: bool = True               # register host memory with CUDA (zero-copy)
     seed: int = 0                  # negatives; their generator is saved with the model
@@ -43,10 +48,31 @@ class MFConfig:
 
 # Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender (issue 15)"): what
 # the notebook and the benchmark use, so that a user starts from defaults that beat the baselines.
+# The ranking's recency weights were chosen on a validation split (each user's last training
+# interaction), never on the test items.
 RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=(1.0, 5.0)), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003, lr_final=0.0003))
-RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01), dim=64,
+RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01, recency_weight=16.0,
+                                    recency_half_life=3.0), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003))
+
+
+@torch.no_grad()
+def _init_rows(table: OffloadedEmbedding, dim: int, std: float, chunk_rows: int = 1 << 19) -> None:
+    """Rows ``[N(0, std²) factors | 0 bias]``. For host rows of a CUDA table the numbers are
+    drawn on the GPU, ``chunk_rows`` rows at a time, and copied over: the CPU's ``normal_`` is
+    one thread at ~100M numbers/s, so 10M x 129 rows would take ~15 s there."""
+    w = table.weight
+    if table.device.type != "cuda" or w.is_cuda:
+        w[:, :dim].normal_(0.0, std)
+        w[:, dim].zero_()
+        return
+    block = torch.empty(min(chunk_rows, w.shape[0]), dim + 1, device=table.device)
+    for start in range(0, w.shape[0], chunk_rows):
+        rows = block[: min(chunk_rows, w.shape[0] - start)]
+        rows[:, :dim].normal_(0.0, std)
+        rows[:, dim].zero_()
+        w[start:start + rows.shape[0]].copy_(rows)     # note: a CPU-GPU sync point per chunk
 
 
 class MatrixFactorization(nn.Module):
@@ -74,10 +100,8 @@ class MatrixFactorization(nn.Module):
         kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin)
         self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
         self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
-        with torch.no_grad():
-            for table in (self.users, self.items):
-                table.weight[:, :dim].normal_(0.0, cfg.init_std)
-                table.weight[:, dim].zero_()
+        for table in (self.users, self.items):
+            _init_rows(table, dim, cfg.init_std)
         self.global_bias = nn.Parameter(torch.zeros((), device=self.device))
         self.mlp = None
         if cfg.mlp_hidden:
@@ -188,7 +212,8 @@ class MatrixFactorization(nn.Module):
         ``"mse"``: mean squared error of the ratings. ``"bce"``: per positive,
         ``-log σ(s⁺) - Σ_k log σ(-s⁻_k)`` over ``negatives`` sampled items. ``"bpr"``: mean over
         the sampled items of ``-log σ(s⁺ - s⁻_k)``. ``"softmax"``: sampled softmax,
-        ``-log(exp(s⁺) / (exp(s⁺) + Σ_k exp(s⁻_k)))``. Implicit losses ignore ``ratings``.
+        ``-log(exp(s⁺) / (exp(s⁺) + Σ_k exp(s⁻_k)))``. Implicit losses read ``ratings`` as
+        per-positive weights (:func:`fit` passes recency weights; None: all 1).
         """
         cfg, d = self.config, self.dim
         users, items = users.to(self.device).long(), items.to(self.device).long()
@@ -203,11 +228,14 @@ class MatrixFactorization(nn.Module):
             q = self.items(torch.cat((items[:, None], negs), 1))            # [B, 1 + k, d + 1]
             s = self._score(p[:, None, :], q)                               # [B, 1 + k]
             if cfg.loss == "bce":
-                loss = (F.softplus(-s[:, 0]) + F.softplus(s[:, 1:]).sum(1)).mean()
+                per = F.softplus(-s[:, 0]) + F.softplus(s[:, 1:]).sum(1)
             elif cfg.loss == "softmax":
-                loss = (torch.logsumexp(s, 1) - s[:, 0]).mean()
+                per = torch.logsumexp(s, 1) - s[:, 0]
             else:
-                loss = F.softplus(s[:, 1:] - s[:, :1]).mean()
+                per = F.softplus(s[:, 1:] - s[:, :1]).mean(1)
+            if ratings is not None:
+                per = per * ratings.to(self.device, per.dtype)
+            loss = per.mean()
         if cfg.l2 or cfg.l2_bias:
             rows = torch.cat((p[:, None, :], q.reshape(users.numel(), -1, d + 1)), 1)
             reg = cfg.l2 * rows[..., :d].square().sum(-1) + cfg.l2_bias * rows[..., d].square()
@@ -325,6 +353,25 @@ def evaluate_rmse(model: MatrixFactorization, users, items, ratings, *,
     return float((pred - ratings).square().mean().sqrt()) if ratings.numel() else math.nan
 
 
+def recency_weights(train: Ratings, weight: float, half_life: float) -> torch.Tensor:
+    """Per-interaction loss weights ``1 + weight * 0.5 ** (later / half_life)``, where ``later``
+    counts the same user's interactions after this one (:func:`~nbtools.models.ranking.recency`),
+    scaled to mean 1 so that the learning rate keeps its meaning. float32, in ``train``'s order.
+
+    >>> r = Ratings(torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]), torch.ones(3), 1, 3,
+    ...             torch.tensor([1, 2, 3]))
+    >>> [round(w, 3) for w in recency_weights(r, 2.0, 1.0).tolist()]
+    [0.692, 0.923, 1.385]
+    """
+    if train.timestamps is None:
+        raise ValueError("recency_weight needs timestamps, and these ratings have none: load a "
+                         "file with a timestamp column, or set MFConfig(recency_weight=0)")
+    if half_life <= 0:
+        raise ValueError(f"recency_half_life must be positive, got {half_life!r}")
+    w = 1.0 + weight * torch.pow(0.5, recency(train).double() / half_life)
+    return (w / w.mean()).float()
+
+
 class _EpochDecay:
     """An optimizer that sets its learning rate from the loader's epoch before each step:
     ``lr * (lr_final / lr) ** (epoch / (epochs - 1))``. The rate depends only on the epoch, so
@@ -357,7 +404,8 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     """Train ``model`` on ``train`` with an :class:`~nbtools.OffloadOptimizer` (tables lazy).
 
     Sets what the loss needs first: the mean rating as ``μ`` (``"mse"``), or the seen pairs
-    for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses). Then
+    for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses), and
+    with ``config.recency_weight`` each interaction's weight (:func:`recency_weights`). Then
     runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
     of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
     from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
@@ -376,6 +424,9 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     else:
         model.set_seen(train.user_ids, train.item_ids)
         tensors = (train.user_ids, train.item_ids)
+        if model.config.recency_weight:
+            tensors += (recency_weights(train, model.config.recency_weight,
+                                        model.config.recency_half_life),)
     opt = OffloadOptimizer(optimizer, model, lr=lr)
     loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
     if lr_final is not None:

@@ -78,6 +78,31 @@ class SyntheticData:
         # E[r] = 1 + Σ_edges P(x >= edge): each edge crossed adds one star
         return (1 + (1 - below).sum(-1)).float()
 
+    def with_estimated_users(self, train: Ratings) -> "SyntheticData":
+        """The truth with each user's factors replaced by their posterior mean given ``train``'s
+        ratings, the item factors, item biases and rating link kept exact.
+
+        Its :meth:`expected_rating` is what a model could reach that knew everything about the
+        items and only had to estimate the users: a floor, measured, for any matrix
+        factorisation's RMSE (which must estimate the items too). The posterior treats a rating
+        as its Gaussian centre plus noise (rounding and clipping ignored) under the generator's
+        prior on the factors (Bayesian ridge).
+        """
+        c = self.config
+        slope = c.rating_slope / c.signal
+        b = (self.item_bias - self.item_bias.mean()) / self.item_bias.std().clamp_min(1e-12)
+        x = slope * self.item_factors.double()[train.item_ids]            # [N, rank]
+        y = (train.ratings.double() - c.rating_center
+             - c.rating_bias_weight * b.double()[train.item_ids])
+        xtx = torch.zeros(c.num_users, c.rank, c.rank, dtype=torch.float64).index_add_(
+            0, train.user_ids, x[:, :, None] * x[:, None, :])
+        xty = torch.zeros(c.num_users, c.rank, dtype=torch.float64).index_add_(
+            0, train.user_ids, x * y[:, None])
+        prior_var = c.signal / math.sqrt(c.rank)       # of each planted user factor
+        ridge = c.rating_noise ** 2 / prior_var * torch.eye(c.rank, dtype=torch.float64)
+        users = torch.linalg.solve(xtx + ridge, xty).float()
+        return dataclasses.replace(self, user_factors=users)
+
 
 def make_synthetic(config: SyntheticConfig | None = None, *, chunk_users: int = 512) -> SyntheticData:
     """Draw a synthetic data set (deterministic from ``config.seed``; CPU).
