@@ -217,8 +217,7 @@ def test_cache_options_are_checked():
 @pytest.mark.gpu
 def test_cache_keeps_one_host_sync_per_step():
     import warnings as w
-    table = OffloadedEmbedding(5000, 16, device="cuda", name="t",
-                               cache_bytes=cache_for(512, 2) + 8 * 5000)
+    table = OffloadedEmbedding(5000, 16, device="cuda", name="t", cache_rows=1024)
     opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -229,7 +228,7 @@ def test_cache_keeps_one_host_sync_per_step():
         table(ids).square().sum().backward()
         opt.step()
 
-    for _ in range(4):
+    for _ in range(12):     # the hot rows win their sets within a few steps
         step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
