@@ -82,7 +82,8 @@ def cache_bytes_for(n, dim, share, states=2):
     return RowCache.overhead_bytes(n) + rows * RowCache.slot_bytes(4 * dim * (1 + states))
 
 
-def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None, **table_kw):
+def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
+                 prefetch=False, **table_kw):
     if cache_share:
         table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
@@ -90,10 +91,16 @@ def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=Non
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
                                    config=OffloadConfig(fused=fused))
 
+    nxt = {}             # id(batch) -> the batch after it (run_system fills it)
+
     def step(ids):
-        opt.zero_grad()
-        loss_of(table(ids)).backward()
+        rows = table(ids)
+        if prefetch:      # the next step's lookup runs on a side stream during this one
+            table.prefetch(nxt[id(ids)])
+        loss_of(rows).backward()
         opt.step()
+        opt.zero_grad()
+    step.next = nxt
     return step, (table, opt)
 
 
@@ -198,6 +205,7 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16": dict(placement="host", dtype=torch.bfloat16),
     "nbtools host bf16+bf16 state": dict(placement="host", dtype=torch.bfloat16,
                                          state_dtype=torch.bfloat16),
+    "nbtools host prefetch": dict(placement="host", prefetch=True),
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
@@ -235,6 +243,9 @@ def run_system(name, args, device) -> dict:
     step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
                   nbtools_step(args.rows, args.dim, device, **kw))
     out = {"ms": {}, "syncs": {}}
+    for batches in cases.values():        # a prefetching step needs each batch's successor
+        getattr(step, "next", {}).update(
+            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
     for case, batches in cases.items():
         out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
@@ -318,6 +329,10 @@ def main():
     for case in ("65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host / traffic floor, {case}" + (" (target <= 1.1)" if "uniform" in case else ""),
               get(f"nbtools host | {case}"), res["floor_ms"].get(case))
+        ratio(f"host prefetch / traffic floor, {case}", get(f"nbtools host prefetch | {case}"),
+              res["floor_ms"].get(case))
+        ratio(f"host prefetch / host, {case}", get(f"nbtools host prefetch | {case}"),
+              get(f"nbtools host | {case}"))
     for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
         ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),

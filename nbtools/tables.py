@@ -162,6 +162,19 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tu
 
 
 @dataclasses.dataclass
+class _Prefetched:
+    """A training lookup started ahead (:meth:`OffloadedEmbedding.prefetch`): the ids tensor it
+    is for, its unique ids and rows (gathered on a side stream), the event that ends that
+    work, and the unique ids of every step that wrote rows since (their rows are read again)."""
+
+    ids: torch.Tensor
+    batch: RowBatch
+    rows: torch.Tensor
+    event: object
+    written: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class StepRows:
     """What an optimizer step needs from one table: the rows touched since the last step.
 
@@ -291,6 +304,8 @@ class OffloadedEmbedding(nn.Module):
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
         self._warm_counts = None     # warm_cache() before the cache exists
+        self._prefetched = None      # a training lookup started ahead (prefetch)
+        self._side_stream = None     # where prefetches run (CUDA)
         self._cache_seen = [0, 0, 0, 0]
         self._cache_why = ""
         self.trainable = True
@@ -352,6 +367,7 @@ class OffloadedEmbedding(nn.Module):
         """The weights (``state`` None) or one state's columns of every row, current: cached
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
         that nothing writes through, such as saving)."""
+        self._drop_prefetch()           # a write through what is returned would make it stale
         if self.placement == "host":
             self._rows.flush(drop=not keep_cache)
             synchronize(self.device)
@@ -501,6 +517,7 @@ class OffloadedEmbedding(nn.Module):
         if self._rows.cache is None:
             self._warm_counts = counts
             return
+        self._drop_prefetch()
         self._rows.cache.warm(counts, self._rows.view())
         self._graphs.invalidate()
 
@@ -593,6 +610,7 @@ class OffloadedEmbedding(nn.Module):
 
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
+        self._drop_prefetch()
         if self.placement == "host":
             self._rows.flush()
             synchronize(self.device)
@@ -636,6 +654,11 @@ class OffloadedEmbedding(nn.Module):
         recording = torch.is_grad_enabled() and self.trainable
         width = self._rows.width if (recording and self._state_names) else \
             self._layout.weight_cols
+        pre = self._prefetched
+        if pre is not None:
+            self._wait_for(pre)         # its cache admission comes before this lookup's
+            if recording and self._owned and ids is pre.ids and width == pre.rows.shape[1]:
+                return self._take_prefetched(pre, flat, ids.shape)
         captured = None
         if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
                 and self.device.type == "cuda" and kernels.usable_on(self.device):
@@ -667,10 +690,92 @@ class OffloadedEmbedding(nn.Module):
                     "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
         return rows, batch.inverse
 
+    # --- prefetch ---------------------------------------------------------------------------
+    def prefetch(self, ids) -> None:
+        """Start the next training lookup of ``ids`` now, while the current step computes.
+
+        Call it right after this step's lookups, with the ids tensor the next step will look up
+        (the very same tensor object)::
+
+            rows = table(ids)
+            table.prefetch(next_ids)        # dedup, cache admission, row gather: side stream
+            loss(rows).backward(); opt.step(); opt.zero_grad()
+            rows = table(next_ids)          # takes the prefetched rows
+
+        The next step's ids are deduplicated, admitted to the cache of hot rows (if any) and
+        their rows gathered on a CUDA side stream, overlapping this step's forward and
+        backward. The optimizer step waits for that work before it writes, and the rows it
+        writes that the next lookup also needs are read again when the next lookup takes them,
+        so the result is bit-identical to not prefetching. A lookup of other ids ignores the
+        prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
+        drops it. On the CPU the same work runs at once (no overlap, same results).
+        """
+        if not (self._owned and self.trainable):
+            raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
+                             "the OffloadOptimizer that steps this table first")
+        ids = self._prepare_ids(ids)
+        self._drop_prefetch()
+        flat = ids.reshape(-1).long()
+        width = self._rows.width if self._state_names else self._layout.weight_cols
+        cuda = self.device.type == "cuda"
+        if cuda:
+            main = torch.cuda.current_stream(self.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            side = self._side_stream
+            side.wait_stream(main)          # after this step's lookups (and their admission)
+            with torch.cuda.stream(side), torch.no_grad():
+                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+                rows = self._rows.gather_batch(batch, 0, width, admit=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            for t in (flat, batch.ids, batch.inverse, batch.meta, rows):
+                t.record_stream(main)       # made on the side stream, used on the main one
+        else:
+            with torch.no_grad():
+                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+                rows = self._rows.gather_batch(batch, 0, width, admit=True)
+            event = None
+        self._prefetched = _Prefetched(ids, batch, rows, event)
+
+    def _wait_for(self, pre: _Prefetched) -> None:
+        """Make the current stream wait for a prefetch (no host sync)."""
+        if pre.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(pre.event)
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetched is not None:
+            self._wait_for(self._prefetched)
+            self._prefetched = None
+
+    def _take_prefetched(self, pre: _Prefetched, flat: torch.Tensor, shape):
+        """The prefetched lookup, its rows made current: rows that steps wrote since the
+        prefetch are read again (the rest were not written, so they are current)."""
+        self._prefetched = None
+        batch, full = pre.batch, pre.rows
+        n = self.num_embeddings
+        with torch.no_grad():
+            for written in pre.written:          # sorted unique ids, then the sentinel
+                pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
+                again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)
+                fresh = self._rows.gather_batch(
+                    RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
+                    0, full.shape[1])
+                full = torch.where(again.unsqueeze(1), fresh, full)
+        rows = self._layout.weight(full)
+        rows = rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+        if not self._state_names:
+            full = None
+        rows.requires_grad_(True)
+        self._pending.append((batch, rows, full, flat, shape, None))
+        return rows, batch.inverse
+
     def collect(self) -> StepRows | None:
         """The row protocol's step input: the rows looked up since the last call, their unique
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
+        if self._prefetched is not None:  # the update must not race the prefetch's admission
+            self._wait_for(self._prefetched)
         records = [rec for rec in self._pending if rec[1].grad is not None]
         LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
         self._pending.clear()
@@ -691,6 +796,8 @@ class OffloadedEmbedding(nn.Module):
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
+        if self._prefetched is not None:  # this step writes these rows: read them again
+            self._prefetched.written.append(batch.ids)
         cache = self._rows.cache
         return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
                         None if cache is None else cache.stats)

@@ -243,3 +243,70 @@ def test_cache_keeps_one_host_sync_per_step():
     assert len(syncs) <= 5, [str(x.message) for x in syncs]
     assert table.cache_stats()["hits"] >= 5 * 64
     assert (table.cache.locate(torch.arange(64, device="cuda")) >= 0).all()
+
+
+# --- prefetch: the next lookup started while this step computes --------------------------------
+def unique_batches(kind, steps, batch=40, seed=0):
+    """Batches of distinct ids (so CUDA's atomic gradient sums have nothing to reorder and
+    runs compare bit for bit), consecutive batches sharing rows."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(steps):
+        if kind == "overlap":                      # half of each batch is the previous one's
+            keep = out[-1][: batch // 2] if out else torch.randperm(N, generator=gen)[: batch // 2]
+            rest = torch.randperm(N, generator=gen)
+            rest = rest[~torch.isin(rest, keep)][: batch - keep.numel()]
+            out.append(torch.cat([rest, keep]))
+        else:                                      # the same batch again and again
+            out.append(out[-1] if out else torch.randperm(N, generator=gen)[:batch])
+    return out
+
+
+def train_prefetch(device, cls, kw, batches, prefetch, cache_bytes=None, write_at=None):
+    table = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_bytes)
+    table.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(1)))
+    opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=insist(cls, "auto")), **kw)
+    w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
+    ids = [b.to(device) for b in batches]
+    for t, b in enumerate(ids):
+        rows = table(b)
+        if prefetch and t + 1 < len(ids):
+            table.prefetch(ids[t + 1])
+        ((rows * w).sin() + rows.pow(2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if write_at == t:                          # a write through .weight drops the prefetch
+            table.weight[ids[t + 1][:3].cpu() if table.weight.device.type == "cpu"
+                         else ids[t + 1][:3]] = 7.0
+    return final_state(table, opt)
+
+
+@pytest.mark.parametrize("kind", ["overlap", "same"])
+@pytest.mark.parametrize("cls,kw", [(O.Adam, dict(lr=0.05)), (O.RMSprop, dict(lr=0.01))],
+                         ids=["Adam", "RMSprop"])
+@pytest.mark.parametrize("cache", [None, 16, N], ids=["nocache", "cache16", "cacheall"])
+def test_prefetch_is_bit_identical_to_no_prefetch(device, kind, cls, kw, cache):
+    batches = unique_batches(kind, 8)
+    cb = None if cache is None else cache_for(cache, 2)
+    ref = train_prefetch(device, cls, kw, batches, False, cb)
+    got = train_prefetch(device, cls, kw, batches, True, cb)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_prefetch_sees_writes_through_weight_and_ignores_other_ids(device):
+    batches = unique_batches("overlap", 6)
+    ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False, write_at=2)
+    got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, True, write_at=2)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    table = OffloadedEmbedding(N, D, device=device, name="t")
+    with pytest.raises(ValueError, match="OffloadOptimizer"):
+        table.prefetch(torch.tensor([1, 2]))
+    opt = OffloadOptimizer(O.SGD, [table], lr=0.1)
+    a = torch.tensor([1, 2, 3], device=table.device)
+    table.prefetch(a)
+    before = table.weight[[4, 5]].clone()
+    table(torch.tensor([4, 5], device=table.device)).sum().backward()   # other ids: a lookup of its own
+    opt.step()
+    assert torch.equal(table.weight[[4, 5]], before - 0.1)
