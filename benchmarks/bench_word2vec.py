@@ -77,10 +77,10 @@ def encode(lines, min_count):
 def system_config(system: str) -> dict:
     """SkipGramConfig fields of an nbtools system name: a placement ("host", "gpu") and
     modifiers joined by "+": "cache" (a quarter of the vocabulary's rows in a GPU cache,
-    warmed from the word counts; "cache75": three quarters), "bf16" (bf16 weights, fp32 Adam state), "sr" (stochastic
-    rounding). E.g. "host+cache", "gpu+bf16"."""
+    warmed from the word counts; "cache75": three quarters), "bf16" (bf16 weights, fp32 Adam state),
+    "bf16s" (bf16 weights and state), "sr" (stochastic rounding). E.g. "host+cache", "gpu+bf16"."""
     placement, *mods = system.split("+")
-    bad = sorted(set(mods) - {"cache", "cache75", "bf16", "sr"})
+    bad = sorted(set(mods) - {"cache", "cache75", "bf16", "bf16s", "sr"})
     if placement not in ("host", "gpu") or bad:
         sys.exit(f"bench_word2vec: unknown system {system!r}: a placement (host, gpu) and "
                  "modifiers cache, bf16, sr joined by '+'")
@@ -89,8 +89,10 @@ def system_config(system: str) -> dict:
         cfg["cache_share"] = 0.25
     if "cache75" in mods:                 # three quarters of the words
         cfg["cache_share"] = 0.75
-    if "bf16" in mods:
+    if "bf16" in mods or "bf16s" in mods:
         cfg["dtype"] = torch.bfloat16
+    if "bf16s" in mods:                   # the Adam state in bf16 too: half the row bytes
+        cfg["state_dtype"] = torch.bfloat16
     if "sr" in mods:
         cfg["rounding"] = "stochastic"
     return cfg
@@ -251,7 +253,8 @@ def main():
     ratios = {}
     for a, b in (("host", "gensim"), ("gpu", "gensim"), ("host", "gpu"),
                  ("host+cache", "gensim"), ("host+cache", "gpu"), ("host+cache75", "gpu"),
-                 ("host+bf16", "host"),
+                 ("host+bf16", "host"), ("host+cache75+bf16s", "gpu+bf16s"),
+                 ("host+bf16s", "gpu+bf16s"),
                  ("gpu+bf16", "gpu")):
         if a in s and b in s:
             ratios[f"{a}_vs_{b}"] = s[a]["words_per_s"] / s[b]["words_per_s"]
