@@ -250,7 +250,8 @@ def run_system(name, args, device) -> dict:
         out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
     if args.profile and name == (args.only or "nbtools host").split(",")[0]:
-        profile(step, cases["4,096 uniform"], device, os.path.join(args.out or ".", "step_profile.txt"))
+        profile(step, cases[args.profile_case], device,
+                os.path.join(args.out or ".", "step_profile.txt"))
     return out
 
 
@@ -280,7 +281,9 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the 4,096-id step")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of one case's step")
+    ap.add_argument("--profile-case", default="4,096 uniform",
+                    help="which case --profile profiles (default: 4,096 uniform)")
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)   # one system, in a child
     ap.add_argument("--only", default=None, help="run these systems only (comma-separated names, "
                     "e.g. 'small nbtools gpu'); with --profile, profile the first")
@@ -304,7 +307,8 @@ def main():
     for name in names:
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
                str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
-            (["--profile", "--out", args.out] if args.profile and args.out else []) + \
+            (["--profile", "--profile-case", args.profile_case, "--out", args.out]
+             if args.profile and args.out else []) + \
             (["--only", args.only] if args.only else [])
         got = run_child(name, cmd)
         if got is None:

@@ -145,7 +145,11 @@ def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
     if padding_idx is not None:
         valid &= flat != padding_idx
     safe = torch.where(valid, flat, num_rows)
-    ordered, order = torch.sort(safe)
+    if num_rows < 2 ** 31 - 1:        # int32 keys: a radix sort of half the passes
+        ordered, order = torch.sort(safe.int())
+        ordered = ordered.long()
+    else:
+        ordered, order = torch.sort(safe)
     new = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ordered[1:], ordered[:-1], out=new[1:])
     slot = torch.cumsum(new, 0) - 1                 # slot of each sorted id
