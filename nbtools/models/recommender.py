@@ -41,7 +41,9 @@ class MFConfig:
                                    # (then scaled to mean 1); tastes drift, and the next item is
                                    # closer to the last few than to the first (needs timestamps)
     recency_half_life: float = 5.0
-    dtype: torch.dtype = torch.float32  # of both tables (and their optimizer state)
+    dtype: torch.dtype = torch.float32  # of both tables' weights (bf16: half the bytes)
+    state_dtype: torch.dtype | None = None   # of their optimizer state (None: fp32 for bf16)
+    rounding: str = "nearest"      # low-precision writes: "nearest" or "stochastic"
     pin: bool = True               # register host memory with CUDA (zero-copy)
     seed: int = 0                  # negatives; their generator is saved with the model
 
@@ -97,7 +99,8 @@ class MatrixFactorization(nn.Module):
         self.config = cfg = config or MFConfig()
         self.device = resolve_device(device)
         self.dim = dim
-        kw = dict(dtype=cfg.dtype, device=self.device, pin=cfg.pin)
+        kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
+                  device=self.device, pin=cfg.pin)
         self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
         self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
         for table in (self.users, self.items):
