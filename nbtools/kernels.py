@@ -126,7 +126,8 @@ def _kernels():
             g = -g
         p = tl.load(rows_w + r[:, None] * rows_w_stride + c[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-        return src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, idx[:, None] * d + c[None, :]
+        elem = idx[:, None] * d + c[None, :]          # each value's own index: rounding noise
+        return src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem
 
     @triton.jit
     def _put(out, cout, hmask, cmask, off, val, seed, salt, elem, ROUND: tl.constexpr,
@@ -190,7 +191,8 @@ def _kernels():
              lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
-             SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+             SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
+             HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
@@ -233,7 +235,8 @@ def _kernels():
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
             slots, n_rows, cap, d, s0, seed,
                 clr, wd, eps,
-                HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+                HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
+                HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,

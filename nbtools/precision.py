@@ -29,7 +29,8 @@ def check_rounding(rounding: str, dtype: torch.dtype) -> None:
                          "to nearest (its 10-bit mantissa loses far less)")
 
 
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor,
+                          generator: torch.Generator | None = None) -> torch.Tensor:
     """float32 ``x`` to bfloat16, rounding up (in magnitude) with probability equal to the
     dropped fraction: ``E[result] == x`` for every finite ``x`` below bfloat16's maximum.
 

@@ -62,7 +62,8 @@ def stream(kind: str, steps: int, batch: int = 40, seed: int = 0) -> list:
             out.append([zipf(batch)])
         elif kind == "two_lookups":            # a row in both lookups of a step, evicted by the 2nd
             a = zipf(batch)
-            out.append([a, torch.cat([a[: batch // 4], torch.randint(0, N, (batch,), generator=gen)])])
+            b = torch.cat([a[: batch // 4], torch.randint(0, N, (batch,), generator=gen)])
+            out.append([a, b])
     return out
 
 
@@ -307,6 +308,7 @@ def test_prefetch_sees_writes_through_weight_and_ignores_other_ids(device):
     a = torch.tensor([1, 2, 3], device=table.device)
     table.prefetch(a)
     before = table.weight[[4, 5]].clone()
-    table(torch.tensor([4, 5], device=table.device)).sum().backward()   # other ids: a lookup of its own
+    # other ids: a lookup of its own
+    table(torch.tensor([4, 5], device=table.device)).sum().backward()
     opt.step()
     assert torch.equal(table.weight[[4, 5]], before - 0.1)

@@ -140,7 +140,8 @@ def test_bf16_with_cache_and_stochastic_rounding_matches_without_cache(device):
     from nbtools.cache import RowCache
     steps = batches(8)
     outs = []
-    for cache in (None, RowCache.overhead_bytes(N) + 16 * RowCache.slot_bytes(4 * (D // 2 + 2 * D))):
+    row_bytes = 4 * (D // 2 + 2 * D)          # bf16 weights packed, fp32 Adam state
+    for cache in (None, RowCache.overhead_bytes(N) + 16 * RowCache.slot_bytes(row_bytes)):
         table, opt = train_lowp(device, O.Adam, dict(lr=0.05), steps, dtype=BF,
                                 rounding="stochastic", cache_bytes=cache)
         if cache:
