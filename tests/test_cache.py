@@ -14,6 +14,7 @@ from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.cache import RowCache
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.optim import OffloadConfig
+from test_optim import CASES as OPTIM_CASES, IDS as OPTIM_IDS
 
 O = torch.optim
 CPU_KERNELS = kernels.usable_on(torch.device("cpu"))
@@ -31,15 +32,9 @@ def expect_fused(cls, fused, device) -> bool:
                                                    or CPU_KERNELS)
 N, D = 120, 4
 
-OPTIMIZERS = [
-    (O.Adam, dict(lr=0.05)),
-    (O.AdamW, dict(lr=0.05, weight_decay=0.1, amsgrad=True)),
-    (O.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
-    (O.Adagrad, dict(lr=0.1)),
-    (O.SparseAdam, dict(lr=0.05)),
-    (O.RMSprop, dict(lr=0.01, momentum=0.5)),      # no fused kernel: the generic path
-]
-OPT_IDS = [c.__name__ + ("-" + "-".join(kw) if len(kw) > 1 else "") for c, kw in OPTIMIZERS]
+# every supported optimizer (test_optim's list: fused and generic paths, non-zero initial state)
+OPTIMIZERS = OPTIM_CASES + [(O.SparseAdam, dict(lr=0.05))]
+OPT_IDS = OPTIM_IDS + ["SparseAdam"]
 
 
 def cache_for(rows: int, width_state: int) -> int:
@@ -67,9 +62,11 @@ def stream(kind: str, steps: int, batch: int = 40, seed: int = 0) -> list:
     return out
 
 
-def train(device, cls, kw, batches, cache_bytes=None, fused="auto", init_seed=1, warm=None):
+def train(device, cls, kw, batches, cache_bytes=None, fused="auto", init_seed=1, warm=None,
+          cache_rows=None):
     torch.manual_seed(0)
-    table = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_bytes)
+    table = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_bytes,
+                               cache_rows=cache_rows)
     table.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(init_seed)))
     if warm is not None:
         table.warm_cache(warm)
@@ -103,9 +100,7 @@ def assert_same(a: dict, b: dict):
 def test_cache_equals_no_cache_for_every_optimizer(device, cls, kw):
     batches = stream("zipf", 8)
     ref = final_state(*train(device, cls, kw, batches))
-    n_state = 2 if cls in (O.Adam, O.SparseAdam, O.RMSprop) else \
-        3 if cls is O.AdamW else 1
-    table, opt = train(device, cls, kw, batches, cache_bytes=cache_for(32, n_state))
+    table, opt = train(device, cls, kw, batches, cache_rows=32)
     stats = table.cache_stats()
     assert stats["hits"] > 0 and stats["evicted"] > 0       # the cache was really used
     assert_same(ref, final_state(table, opt))
