@@ -18,7 +18,7 @@ from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
 from .ranking import (Interactions, leave_last_out, ranking_metrics, recency,
-                      sample_candidates)
+                      sample_candidates, take)
 
 # --- recommender ------------------------------------------------------------------------------
 
@@ -461,13 +461,16 @@ def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs
                          "column, or call fit without choices")
     part, valid = leave_last_out(train)
     seen = Interactions(train.user_ids, train.item_ids, train.num_users, train.num_items)
-    # tiny catalogues: as many negatives as the busiest validation user has left
-    room = train.num_items - int(seen.counts()[valid.user_ids].max()) if valid.user_ids.numel() \
-        else 0
-    negatives = min(negatives, room)
-    if negatives < 1:
-        raise ValueError(f"no validation split to choose on: {valid.user_ids.numel():,} users "
-                         f"have 2 or more training interactions and an unseen item left")
+    # small catalogues: at most a quarter of the items, and only users with twice that many
+    # unseen (sample_candidates draws at random until it has them: a nearly full user would
+    # take very long)
+    negatives = min(negatives, train.num_items // 4)
+    roomy = train.num_items - seen.counts()[valid.user_ids] >= 2 * negatives
+    valid = take(valid, torch.nonzero(roomy).reshape(-1))
+    if negatives < 1 or valid.user_ids.numel() == 0:
+        raise ValueError(f"no validation split to choose on: {train.num_items} items, and no user "
+                         f"with 2 or more training interactions and {2 * max(negatives, 1)} unseen "
+                         f"items")
     cand = sample_candidates(seen, valid.user_ids, valid.item_ids, negatives, seed=seed + 1)
     scores = []
     for change in choices:
