@@ -399,3 +399,81 @@ def test_known_items_floor_recovers_users_and_is_no_better_than_the_oracle():
     floor = K.rating_metrics(est.expected_rating(test.user_ids, test.item_ids), test.ratings)
     oracle = K.rating_metrics(d.expected_rating(test.user_ids, test.item_ids), test.ratings)
     assert oracle["rmse"] <= floor["rmse"] < 1.05 * oracle["rmse"]
+
+
+# --- choosing a setting on a validation split ----------------------------------------------------
+
+def _two_groups(users=40, items=40, per_user=8, seed=0):
+    """Two groups of users, each interacting only with its own half of the items; the last
+    interaction (by timestamp) of each user is the test item."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.arange(users).repeat_interleave(per_user)
+    half = (u % 2) * (items // 2)
+    i = half + torch.randint(items // 2, (u.numel(),), generator=g)
+    return Ratings(u, i, torch.ones(u.numel()), users, items, torch.arange(u.numel()))
+
+
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_fit_chooses_the_clearly_better_setting(device, bad_first):
+    # an L2 of 10 on every touched row holds the factors at ~0: the model cannot tell the two
+    # groups apart, so its validation HR@10 is near chance (~0.2), and the choice must be the
+    # other (~0.4: the held-out item is among the ~25 candidates of its own group)
+    train, test = K.leave_last_out(_two_groups(items=200, per_user=40))   # 50 negatives
+    good, bad = {"l2": 0.05}, {"l2": 10.0}
+    choices = [bad, good] if bad_first else [good, bad]
+    torch.manual_seed(0)
+    m = MatrixFactorization(40, 200, 8, config=MFConfig(loss="bce", negatives=4), device=device)
+    h = fit(m, train, epochs=5, batch_size=32, lr=0.02, choices=choices, choice_epochs=10)
+    assert h["choice"]["chosen"] == good and m.config.l2 == 0.05
+    hr = dict(zip(map(str, choices), h["choice"]["valid_hr@10"]))
+    assert hr[str(good)] > hr[str(bad)] + 0.05
+    # deterministic from the seed, and the caller's random stream is left alone
+    torch.manual_seed(1)
+    m2 = MatrixFactorization(40, 200, 8, config=MFConfig(loss="bce", negatives=4), device=device)
+    before = torch.random.get_rng_state()
+    choice = _choose(m2, train, choices)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert choice["valid_hr@10"] == h["choice"]["valid_hr@10"]
+
+
+def _choose(model, train, choices):
+    from nbtools.models.recommender import choose_config
+    return choose_config(model, train, choices, epochs=10, batch_size=32, lr=0.02, seed=0)
+
+
+def test_choice_validates_on_training_items_never_test_items(monkeypatch):
+    import nbtools.models.recommender as rec
+    r = _two_groups()
+    train, test = K.leave_last_out(r)
+    seen_by_choice = []
+    real = rec.sample_candidates
+
+    def spy(seen, users, positives, n, *, seed):
+        seen_by_choice.append((users.clone(), positives.clone(), seen))
+        return real(seen, users, positives, n, seed=seed)
+    monkeypatch.setattr(rec, "sample_candidates", spy)
+    m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce"), device="cpu")
+    fit(m, train, epochs=1, batch_size=32, choices=[{"recency_weight": 0.0}], choice_epochs=1)
+    (users, items, seen), = seen_by_choice
+    # each user's latest *training* interaction: in train, and no test pair among them
+    last = K.leave_last_out(train)[1]
+    assert sorted(zip(users.tolist(), items.tolist())) == sorted(zip(last.user_ids.tolist(),
+                                                                     last.item_ids.tolist()))
+    test_pairs = set(zip(test.user_ids.tolist(), test.item_ids.tolist()))
+    train_pairs = set(zip(train.user_ids.tolist(), train.item_ids.tolist()))
+    assert all(p in train_pairs for p in zip(users.tolist(), items.tolist()))
+    # the candidates are drawn from what train alone says the user has seen: no test pair known
+    assert not any(seen.contains(torch.tensor([u]), torch.tensor([i])).item()
+                   for u, i in test_pairs - train_pairs)
+
+
+def test_choice_needs_timestamps_and_an_implicit_loss():
+    r = _two_groups()
+    train, _ = K.leave_last_out(r)
+    untimed = Ratings(train.user_ids, train.item_ids, train.ratings, 40, 40, None)
+    from nbtools.models.recommender import choose_config
+    m = MatrixFactorization(40, 40, 8, config=MFConfig(loss="bce"), device="cpu")
+    with pytest.raises(ValueError, match="no timestamps"):
+        choose_config(m, untimed, [{"recency_weight": 16.0}, {"recency_weight": 0.0}], epochs=1)
+    with pytest.raises(ValueError, match="loss='mse'"):
+        choose_config(MatrixFactorization(40, 40, 8, device="cpu"), train, [{}], epochs=1)

@@ -17,7 +17,8 @@ from torch import nn
 from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
-from .ranking import Interactions, recency
+from .ranking import (Interactions, leave_last_out, ranking_metrics, recency,
+                      sample_candidates, take)
 
 # --- recommender ------------------------------------------------------------------------------
 
@@ -54,9 +55,16 @@ class MFConfig:
 # interaction), never on the test items.
 RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=(1.0, 5.0)), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003, lr_final=0.0003))
-RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=4, l2=0.01, recency_weight=16.0,
+# Whether recency weights help depends on the data (MovieLens: yes; the synthetic sets, whose draw
+# order carries no drift of taste: no), so fit() chooses: 4 epochs with each setting (4 negatives:
+# faster to show the difference) on train less each user's latest item, judged by HR@10 on it.
+# 8 negatives: the synthetic set's gap-normalised HR@10 0.818 against 0.792 with 4, and ML-100K
+# as good (validation 0.740 / 0.744).
+RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=8, l2=0.01, recency_weight=16.0,
                                     recency_half_life=3.0), dim=64,
-                        fit=dict(epochs=20, batch_size=256, lr=0.003))
+                        fit=dict(epochs=20, batch_size=256, lr=0.003,
+                                 choices=({"recency_weight": 16.0}, {"recency_weight": 0.0}),
+                                 choice_epochs=4, choice_trial={"negatives": 4}))
 
 
 @torch.no_grad()
@@ -400,23 +408,9 @@ class _EpochDecay:
         return self.optimizer.load_state_dict(state)
 
 
-def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
-        lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
-        dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
-        seed: int = 0) -> dict:
-    """Train ``model`` on ``train`` with an :class:`~nbtools.OffloadOptimizer` (tables lazy).
-
-    Sets what the loss needs first: the mean rating as ``μ`` (``"mse"``), or the seen pairs
-    for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses), and
-    with ``config.recency_weight`` each interaction's weight (:func:`recency_weights`). Then
-    runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
-    of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
-    from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
-    so a resumed run gets the same rates).
-
-    Returns:
-        The training history, plus ``"fit_s"``: wall seconds of this call.
-    """
+def _train(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int, lr: float,
+           lr_final: float | None, optimizer, seed: int, **loop) -> dict:
+    """One training run of :func:`fit` with ``model.config`` as it is (no choice)."""
     from ..loader import PinnedLoader
     from ..optim import OffloadOptimizer
     from .training import train as train_loop
@@ -434,8 +428,108 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
     if lr_final is not None:
         opt = _EpochDecay(opt, loader, lr, lr_final, epochs)
+    return train_loop(model, loader, opt, epochs=epochs, **loop)
+
+
+def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs: int,
+                  batch_size: int = 256, lr: float = 0.003, optimizer=torch.optim.Adam,
+                  seed: int = 0, trial: dict | None = None, negatives: int = 99) -> dict:
+    """Pick among ``choices`` (dicts of :class:`MFConfig` fields to change) the one whose
+    short run ranks best on a validation split carved from ``train`` alone.
+
+    Each user's latest interaction in ``train`` (by timestamp) is held out
+    (:func:`~nbtools.models.ranking.leave_last_out`), so the validation items are training
+    items, never test items. For each choice a fresh model (``model``'s sizes and config with
+    the choice applied, initialised from ``seed``) trains ``epochs`` epochs on the rest and
+    ranks each held-out item among ``negatives`` items the user has not interacted with in
+    ``train`` (drawn with ``seed + 1``); HR@10 decides, the earlier choice winning a tie.
+    ``trial``: more :class:`MFConfig` fields for these short runs only (e.g. ``{"negatives":
+    4}``: fewer negatives learn faster per epoch, so a short run already shows the difference).
+    Deterministic from ``seed``; the caller's random stream is left as it was. ``model`` is
+    not changed.
+
+    Returns:
+        ``{"chosen": dict, "valid_hr@10": [per choice], "choice_s": wall seconds}``.
+    """
     t0 = time.perf_counter()
-    history = train_loop(model, loader, opt, epochs=epochs, dashboard=dashboard,
-                         checkpoints=checkpoints, every=every, progress=progress)
+    choices = [dict(c) for c in choices]
+    if not choices:
+        raise ValueError("choices is empty: pass at least one dict of MFConfig fields")
+    if model.config.loss == "mse":
+        raise ValueError("choosing by validation HR@10 needs an implicit loss ('bce', 'bpr' or "
+                         "'softmax'); this model's config has loss='mse'")
+    if train.timestamps is None:
+        raise ValueError("choosing a setting holds out each user's latest training interaction, "
+                         "and these ratings have no timestamps: load a file with a timestamp "
+                         "column, or call fit without choices")
+    part, valid = leave_last_out(train)
+    seen = Interactions(train.user_ids, train.item_ids, train.num_users, train.num_items)
+    # small catalogues: at most a quarter of the items, and only users with twice that many
+    # unseen (sample_candidates draws at random until it has them: a nearly full user would
+    # take very long)
+    negatives = min(negatives, train.num_items // 4)
+    roomy = train.num_items - seen.counts()[valid.user_ids] >= 2 * negatives
+    valid = take(valid, torch.nonzero(roomy).reshape(-1))
+    if negatives < 1 or valid.user_ids.numel() == 0:
+        raise ValueError(f"no validation split to choose on: {train.num_items} items, and no user "
+                         f"with 2 or more training interactions and {2 * max(negatives, 1)} unseen "
+                         f"items")
+    cand = sample_candidates(seen, valid.user_ids, valid.item_ids, negatives, seed=seed + 1)
+    scores = []
+    for change in choices:
+        config = dataclasses.replace(model.config, **{**(trial or {}), **change})
+        with torch.random.fork_rng(devices=[]):    # the trial's init leaves the caller's stream
+            torch.manual_seed(seed)
+            run = MatrixFactorization(model.num_users, model.num_items, model.dim,
+                                      config=config, device=model.device)
+            _train(run, part, epochs=epochs, batch_size=batch_size, lr=lr, lr_final=None,
+                   optimizer=optimizer, seed=seed, progress=False)
+        scores.append(ranking_metrics(run.score_candidates(valid.user_ids, cand))["hr@10"])
+        del run
+    best = max(range(len(choices)), key=lambda j: (scores[j], -j))
+    return {"chosen": choices[best], "valid_hr@10": scores,
+            "choice_s": time.perf_counter() - t0}
+
+
+def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
+        lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
+        dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
+        seed: int = 0, choices=None, choice_epochs: int = 4, choice_trial: dict | None = None
+        ) -> dict:
+    """Train ``model`` on ``train`` with an :class:`~nbtools.OffloadOptimizer` (tables lazy).
+
+    With ``choices`` (implicit losses: a list of dicts of :class:`MFConfig` fields, e.g.
+    ``[{"recency_weight": 16.0}, {"recency_weight": 0.0}]``), first picks one by
+    :func:`choose_config`: ``choice_epochs`` epochs per choice on ``train`` less each user's
+    latest interaction (with ``choice_trial``'s fields too, for those short runs only), judged
+    by HR@10 on those latest interactions. The pick is applied to
+    ``model.config`` and reported in the history. Whether recency weights help depends on the
+    data (on MovieLens the next item resembles a user's latest ones; on data without drift of
+    taste they only thin it), so the ranking defaults let the data say.
+
+    Then sets what the loss needs: the mean rating as ``μ`` (``"mse"``), or the seen pairs
+    for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses), and
+    with ``config.recency_weight`` each interaction's weight (:func:`recency_weights`). Then
+    runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
+    of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
+    from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
+    so a resumed run gets the same rates; a resumed run also makes the same choice again).
+
+    Returns:
+        The training history, plus ``"fit_s"``: wall seconds of this call (the choice
+        included), and with ``choices`` ``"choice"`` (:func:`choose_config`'s answer).
+    """
+    t0 = time.perf_counter()
+    choice = None
+    if choices:
+        choice = choose_config(model, train, choices, epochs=choice_epochs,
+                               batch_size=batch_size, lr=lr, optimizer=optimizer, seed=seed,
+                               trial=choice_trial)
+        model.config = dataclasses.replace(model.config, **choice["chosen"])
+    history = _train(model, train, epochs=epochs, batch_size=batch_size, lr=lr,
+                     lr_final=lr_final, optimizer=optimizer, seed=seed, dashboard=dashboard,
+                     checkpoints=checkpoints, every=every, progress=progress)
+    if choice is not None:
+        history["choice"] = choice
     history["fit_s"] = time.perf_counter() - t0
     return history
