@@ -14,4 +14,7 @@ python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 pip install -q -e ".[dev]"
 # Includes the headless-Chromium test of the dashboard (tests/test_dashboard_browser.py runs
 # scripts/browser_test.sh, which apt-installs chromium); screenshots land in artifacts/.
+# One torch thread unless told otherwise: the tests' tensors are small, and on a machine of two
+# shared cores several threads per process (and per notebook kernel) made them many times slower.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python -m pytest -q "$@"
