@@ -738,6 +738,14 @@ class OffloadedEmbedding(nn.Module):
             event = None
         self._prefetched = _Prefetched(ids, batch, rows, event)
 
+    def __getstate__(self) -> dict:
+        # A pending prefetch and the side stream belong to this process's CUDA work: a copy
+        # (deepcopy, pickle) starts without them (its next lookups simply do not prefetch).
+        state = dict(self.__dict__)
+        state["_prefetched"] = None
+        state["_side_stream"] = None
+        return state
+
     def _wait_for(self, pre: _Prefetched) -> None:
         """Make the current stream wait for a prefetch (no host sync)."""
         if pre.event is not None:

@@ -307,3 +307,14 @@ def test_prefetch_sees_writes_through_weight_and_ignores_other_ids(device):
     table(torch.tensor([4, 5], device=table.device)).sum().backward()
     opt.step()
     assert torch.equal(table.weight[[4, 5]], before - 0.1)
+
+
+def test_a_table_with_a_cache_and_a_pending_prefetch_copies(device):
+    import copy
+    import pickle
+    table, opt = train(device, O.Adam, dict(lr=0.05), stream("zipf", 3), cache_rows=32)
+    nxt = torch.tensor([1, 2, 3], device=table.device)
+    table.prefetch(nxt)
+    for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
+        assert clone._prefetched is None and clone.cache.capacity == table.cache.capacity
+        assert torch.equal(clone.weight.cpu(), table.weight.cpu())
