@@ -58,9 +58,7 @@ class RowLayout:
 
     @property
     def weight_cols(self) -> int:
-        w = torch.empty((), dtype=self.weight_dtype).element_size()
-        u = torch.empty((), dtype=self.unit).element_size()
-        return -(-self.dim * w // u)
+        return -(-self.dim * self.weight_dtype.itemsize // self.unit.itemsize)
 
     @property
     def width(self) -> int:

@@ -212,7 +212,7 @@ def test_cache_options_are_checked():
 
 @pytest.mark.gpu
 def test_cache_keeps_one_host_sync_per_step():
-    import warnings as w
+    from test_step import syncs_during
     table = OffloadedEmbedding(5000, 16, device="cuda", name="t", cache_rows=1024)
     opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -226,17 +226,8 @@ def test_cache_keeps_one_host_sync_per_step():
 
     for _ in range(12):     # the hot rows win their sets within a few steps
         step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with w.catch_warnings(record=True) as caught:
-            w.simplefilter("always")
-            for _ in range(5):
-                step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [x for x in caught if "synchroniz" in str(x.message)]
-    assert len(syncs) <= 5, [str(x.message) for x in syncs]
+    syncs = syncs_during(step, 5)
+    assert len(syncs) <= 5, syncs
     assert table.cache_stats()["hits"] >= 5 * 64
     assert (table.cache.locate(torch.arange(64, device="cuda")) >= 0).all()
 

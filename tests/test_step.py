@@ -362,17 +362,23 @@ def test_one_host_sync_per_step():
         opt.step()
 
     step()                                   # first step: state created, kernels compiled
+    syncs = syncs_during(step, 5)
+    assert len(syncs) <= 5, syncs
+
+
+def syncs_during(step, n: int) -> list:
+    """The synchronising calls torch.cuda's sync debug mode reports over ``n`` calls of
+    ``step`` (after the GPU has caught up)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(5):
+            for _ in range(n):
                 step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= 5, [str(w.message) for w in syncs]
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 # --- setup memory, and what plan() says ------------------------------------------------------
