@@ -29,7 +29,7 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, human_bytes, resolve_device, synchronize
-from .hostmem import HostTensor, pin_tensor
+from .hostmem import HostTensor, count_cache, pin_tensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
 from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowsOfIds, RowStore, merge,
@@ -529,8 +529,12 @@ class OffloadedEmbedding(nn.Module):
         row = self._rows.row_bytes
         self._rows.count_bytes((lookups - hits) * row, h2d=True)
         self._rows.count_bytes((lookups - hits - admitted + evicted) * row, h2d=False)
-        from .hostmem import count_cache      # the meters' hit share and bytes saved
-        count_cache(lookups, hits, (2 * hits - admitted - evicted) * row)
+        count_cache(lookups, hits, self._saved_bytes(hits, admitted, evicted))  # for the meters
+
+    def _saved_bytes(self, hits: int, admitted: int, evicted: int) -> int:
+        """PCIe bytes the cache saved: a hit reads and writes nothing over PCIe, an admission
+        reads its row once and an eviction writes it once."""
+        return (2 * hits - admitted - evicted) * self._rows.row_bytes
 
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows
@@ -540,11 +544,10 @@ class OffloadedEmbedding(nn.Module):
         if cache is None:
             return {}
         lookups, hits, admitted, evicted = self._cache_seen
-        row = self._rows.row_bytes
         return {"lookups": lookups, "hits": hits,
                 "hit_rate": hits / lookups if lookups else float("nan"),
                 "admitted": admitted, "evicted": evicted,
-                "bytes_saved": 2 * hits * row - (admitted + evicted) * row,
+                "bytes_saved": self._saved_bytes(hits, admitted, evicted),
                 "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
 
     def _grow_host(self, old, shape, init, layout):
@@ -674,9 +677,7 @@ class OffloadedEmbedding(nn.Module):
                 # Training: whole rows now, so the optimizer step needs no second gather.
                 full = self._rows.gather_batch(batch, 0, width,
                                                admit=recording and self._owned)
-        # the leaf autograd sees: a fresh view (never a capture's buffer), in the compute dtype
-        rows = self._layout.weight(full)
-        rows = rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+        rows = self._leaf(full)
         if not (recording and self._state_names):
             full = None
         if recording:
@@ -770,13 +771,18 @@ class OffloadedEmbedding(nn.Module):
                     RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
                     0, full.shape[1])
                 full = torch.where(again.unsqueeze(1), fresh, full)
-        rows = self._layout.weight(full)
-        rows = rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+        rows = self._leaf(full)
         if not self._state_names:
             full = None
         rows.requires_grad_(True)
         self._pending.append((batch, rows, full, flat, shape, None))
         return rows, batch.inverse
+
+    def _leaf(self, full: torch.Tensor) -> torch.Tensor:
+        """The weights of gathered rows as the leaf autograd sees: a fresh tensor (never a
+        capture's or a prefetch's buffer), in the compute dtype (upcast from bf16 storage)."""
+        rows = self._layout.weight(full)
+        return rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
 
     def collect(self) -> StepRows | None:
         """The row protocol's step input: the rows looked up since the last call, their unique
