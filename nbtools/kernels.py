@@ -253,9 +253,16 @@ def _kernels():
     return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad}
 
 
-def _blocks(width: int) -> tuple[int, int]:
+# Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "copy", "update");
+# a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the choices.
+TILES: dict = {}
+
+
+def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
+    if kind in TILES:
+        return TILES[kind]
     block_c = min(1024, 1 << max(4, math.ceil(math.log2(max(width, 1)))))
-    return max(1, 4096 // block_c), block_c
+    return max(1, 4096 // block_c), block_c, 4
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
@@ -270,14 +277,14 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     cap, width = out.shape
     if cap == 0:
         return out
-    block_r, block_c = _blocks(width)
+    block_r, block_c, warps = _blocks(width, "gather")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     has_cache = cache is not None
     _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
                                out.stride(0), cap, width, cache if has_cache else src,
                                cache.stride(0) if has_cache else 0,
                                slots if has_cache else ids, HAS_CACHE=has_cache,
-                               BLOCK_R=block_r, BLOCK_C=block_c)
+                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
@@ -288,10 +295,10 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     cap, width = sidx.numel(), dst.shape[1]
     if cap == 0:
         return
-    block_r, block_c = _blocks(width)
+    block_r, block_c, warps = _blocks(width, "copy")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
-                             BLOCK_R=block_r, BLOCK_C=block_c)
+                             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -324,7 +331,7 @@ def _launch(name, rows, rows_w, grad, target: Target, ids, count, guard, d, *arg
     cap = ids.numel()
     if cap == 0:
         return
-    block_r, block_c = _blocks(d)
+    block_r, block_c, warps = _blocks(d, "update")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
     t = target
     has_cache = t.cache is not None
@@ -337,7 +344,7 @@ def _launch(name, rows, rows_w, grad, target: Target, ids, count, guard, d, *arg
         t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, t.seed, *args,
         ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
         ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
-        HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, **consts)
+        HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **consts)
 
 
 # --- the fused updates, one per optimizer family ------------------------------------------------
