@@ -71,6 +71,7 @@ class RowCache:
         self.stats = torch.zeros(4, dtype=torch.long, device=device)
         self._way = torch.arange(self.ways, device=device)
         self._best = torch.empty(self.sets, dtype=torch.long, device=device)
+        self._set_ids = torch.arange(self.sets, device=device)
 
     @staticmethod
     def overhead_bytes(num_rows: int) -> int:
@@ -104,8 +105,9 @@ class RowCache:
         row is written back to ``host``, the admitted one copied in. Returns each id's slot
         (int32, -1 for rows left in host memory), as :meth:`locate` would now.
 
-        One admission per set and lookup keeps this to a few passes over the ids (no sort): a
-        hot row that loses its set's turn comes back at a later step."""
+        One admission per set and lookup keeps this to a few passes over the ids (no sort) and
+        one over the sets' ways: a hot row that loses its set's turn comes back at a later
+        step."""
         cap = ids.numel()
         n, ways = self.num_rows, self.ways
         pos = torch.arange(cap, device=ids.device)
@@ -122,30 +124,33 @@ class RowCache:
         # each set's candidate: its most frequent miss (ties: the larger id)
         key = torch.where(miss, (f << 32) | ids, -1)
         best = self._best.fill_(-1).scatter_reduce_(0, sets, key, "amax")
-        winner = miss & (key == best.index_select(0, sets))
+        cand = torch.where(best >= 0, best & 0xFFFFFFFF, -1)          # per set: a row or -1
         # its victim: the set's least frequent way (empty: -1; this lookup's rows: never)
-        way_slot = sets.unsqueeze(1) * ways + self._way
-        tags = self.tags[way_slot]
-        score = torch.where(tags >= 0, self.freq[tags.clamp(min=0)].long(), -1)
-        score = torch.where(self.stamp[way_slot] == self.tick, torch.iinfo(torch.long).max, score)
+        tags = self.tags[: self.capacity].view(self.sets, ways)
+        score = torch.where(tags >= 0, self.freq.index_select(0, tags.clamp(min=0).view(-1))
+                            .view(self.sets, ways).long(), -1)
+        score = torch.where(self.stamp[: self.capacity].view(self.sets, ways) == self.tick,
+                            torch.iinfo(torch.long).max, score)
         victim_score, way = score.min(dim=1)
-        admitted = winner & (f > victim_score)
-        slot_new = torch.where(admitted, sets * ways + way, -1)
+        admitted = (best >= 0) & ((best >> 32) > victim_score)       # per set
+        slot_new = torch.where(admitted, self._set_ids * ways + way, -1)
         victim = torch.where(admitted, tags.gather(1, way.unsqueeze(1)).squeeze(1), -1)
         # write the evicted rows back, then copy the admitted ones in
         self._copy(self.rows, torch.where(victim >= 0, slot_new, -1), host, victim)
-        self._copy(host, torch.where(admitted, ids, -1), self.rows, slot_new)
+        self._copy(host, torch.where(admitted, cand, -1), self.rows, slot_new)
         self.slot_of.scatter_(0, torch.where(victim >= 0, victim, n),
                               torch.full_like(victim, -1, dtype=torch.int32))
-        self.slot_of.scatter_(0, torch.where(admitted, ids, n), slot_new.int())
+        self.slot_of.scatter_(0, torch.where(admitted, cand, n), slot_new.int())
         self.slot_of[n:].fill_(-1)          # (a slice: writable inside a CUDA graph)
-        self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), ids)
+        self.tags.scatter_(0, torch.where(admitted, slot_new, self.capacity), cand)
         self.tags[self.capacity:].fill_(-1)
         self.stamp.scatter_(0, torch.where(admitted, slot_new, self.capacity),
-                            self.tick.expand(cap))
+                            self.tick.expand(self.sets))
         self.stats += torch.stack((live.sum(), hit.sum(), admitted.sum(),
                                    (victim >= 0).sum()))
-        return torch.where(hit, slot, slot_new).int()
+        # each id's slot: its own if it hit; its set's new slot if it was the set's winner
+        won = miss & (key == best.index_select(0, sets))
+        return torch.where(hit, slot, torch.where(won, slot_new.index_select(0, sets), -1)).int()
 
     def _copy(self, src, sidx, dst, didx) -> None:
         """``dst[didx] = src[sidx]`` where both are >= 0."""

@@ -144,6 +144,66 @@ def test_lfu_keeps_the_frequent_rows(device):
     assert s["hits"] >= 9 * 8
 
 
+class ReferenceLFU:
+    """The admission policy of RowCache written out row by row in Python: the reference its
+    vectorised admission is checked against."""
+
+    def __init__(self, n, sets, ways):
+        self.sets, self.ways = sets, ways
+        self.freq = [0] * n
+        self.tags = [-1] * (sets * ways)
+        self.stamp = [0] * (sets * ways)
+        self.tick = 0
+
+    def set_of(self, i):
+        return (i * 2654435761) % self.sets
+
+    def admit(self, ids):
+        self.tick += 1
+        where = {t: k for k, t in enumerate(self.tags) if t >= 0}
+        best = {}
+        for i in ids:
+            self.freq[i] += 1
+            if i in where:
+                self.stamp[where[i]] = self.tick
+        for i in ids:
+            if i not in where:
+                s = self.set_of(i)
+                best[s] = max(best.get(s, (-1, -1)), (self.freq[i], i))
+        for s, (f, i) in best.items():
+            ways = range(s * self.ways, (s + 1) * self.ways)
+            score = [float("inf") if self.stamp[k] == self.tick else
+                     (self.freq[self.tags[k]] if self.tags[k] >= 0 else -1) for k in ways]
+            w = score.index(min(score))                  # the first least frequent way
+            if f > score[w]:
+                self.tags[s * self.ways + w] = i
+                self.stamp[s * self.ways + w] = self.tick
+
+
+@pytest.mark.parametrize("capacity", [8, 40, 64 * 3])
+def test_admission_follows_the_reference_policy(capacity):
+    """Every lookup's admissions and evictions, and the slots it returns, equal the policy
+    spelled out row by row (ReferenceLFU), on Zipf-like and uniform ids."""
+    n, w = 500, 3
+    gen = torch.Generator().manual_seed(capacity)
+    host = torch.randn(n, w, generator=gen)
+    cache = RowCache(host, capacity)
+    ref = ReferenceLFU(n, cache.sets, cache.ways)
+    for step in range(30):
+        draw = ((torch.rand(60, generator=gen) ** 3 * n).long() if step % 2
+                else torch.randint(0, n, (60,), generator=gen))
+        ids = torch.unique(draw)
+        padded = torch.cat([ids, torch.full((7,), n)])        # sentinel padding past count
+        slots = cache.admit(padded, torch.tensor([ids.numel()]), host)
+        ref.admit(ids.tolist())
+        assert cache.tags[: cache.capacity].tolist() == ref.tags, step
+        want = {t: k for k, t in enumerate(ref.tags) if t >= 0}
+        assert slots[: ids.numel()].tolist() == [want.get(i, -1) for i in ids.tolist()]
+        assert (slots[ids.numel():] == -1).all()
+        held = cache.tags[: cache.capacity]
+        assert torch.equal(cache.rows[held >= 0], host[held[held >= 0]])
+
+
 def test_warm_cache_loads_the_most_frequent_rows_and_stays_exact(device):
     counts = torch.zeros(N, dtype=torch.long)
     counts[:16] = torch.arange(1000, 984, -1)
