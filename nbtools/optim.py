@@ -74,6 +74,15 @@ class OffloadConfig:
     # "auto" uses them where they run (CUDA with Triton), False always runs the stock optimizer
     # on the gathered rows (the reference path), True insists (an error where none applies).
     fused: object = "auto"
+    # When a step reads its checks back (the bad-id and inf/nan flags, computed on the GPU).
+    # "auto": one step late wherever that is safe (every table takes a fused kernel, on one
+    # CUDA device, with no ordinary parameters, and nonfinite="raise"), so the host never
+    # waits for the GPU in steady state and the GPU never waits for the host; elsewhere, in
+    # the step itself. "every_step": always in the step itself (one host synchronisation per
+    # step). Read late or not, a bad step writes nothing: its kernels read the flags on the
+    # GPU; read late, the next step writes nothing either, and its step() raises the error
+    # (OffloadOptimizer.synchronize(), state_dict() and checkpoints read a pending check too).
+    checks: str = "auto"
 
 
 def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -255,6 +264,10 @@ class _TableSlot:
     def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
         """The step went ahead: keep its scalar state and count the bytes written."""
         self.scalar_state = scalar
+        self.count_written(count, sentinel)
+
+    def count_written(self, count: int, sentinel: bool) -> None:
+        """Count the bytes a fused step wrote to host memory."""
         store = self.table.rows
         if store.cache is None:          # with a cache: counted from its statistics
             store.count_bytes((count - int(sentinel)) * store.row_bytes, h2d=False)
@@ -417,6 +430,17 @@ class _Verdict:
         return tables, bool(values[-1])
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A step whose checks are still on their way to the host (OffloadConfig.checks): what
+    reading them needs, and each table's scalar state from before the step, to restore when
+    they say the step must not have happened."""
+
+    verdict: _Verdict
+    collected: list                 # (slot, StepRows) of the step
+    before: dict                    # id(slot) -> scalar state before the step
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """One optimizer for a model whose embedding tables live in host memory.
 
@@ -447,6 +471,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.config.nonfinite not in ("raise", "skip"):
             raise ValueError(f"OffloadConfig.nonfinite must be 'raise' or 'skip', "
                              f"got {self.config.nonfinite!r}")
+        if self.config.checks not in ("auto", "every_step"):
+            raise ValueError(f"OffloadConfig.checks must be 'auto' or 'every_step', "
+                             f"got {self.config.checks!r}")
         self.optimizer_class = optimizer_class
         tables, dense_groups = _split_groups(model_or_params)
         if not tables and not dense_groups:
@@ -482,6 +509,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._warned_skip = False
         self._skips = 0
         self._flag_buffers = {}     # pinned host buffers the step's flags are copied into
+        self._flip = 0              # which of two: a late read must not see the next step's
+        self._pending: _Pending | None = None     # a step whose checks are read late
         self._param_names = {}
         if isinstance(model_or_params, nn.Module):
             self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
@@ -497,6 +526,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         non-finite gradient raises :class:`NonFiniteGradientError` (or skips the whole step,
         with ``OffloadConfig(nonfinite="skip")``), and in both cases no parameter, table row or
         optimizer state has changed.
+
+        Where it is safe (``OffloadConfig.checks``), the flags are read one step late instead,
+        and the step has no host synchronisation at all: a bad step still writes nothing (its
+        kernels read the flags on the GPU), the step after it writes nothing either, and that
+        later ``step()`` raises the error.
         """
         loss = None
         if closure is not None:
@@ -504,9 +538,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         collected = [(slot, slot.table.collect()) for slot in self._slots]
         collected = [(slot, got) for slot, got in collected if got is not None]
+        pending, self._pending = self._pending, None
         try:
             dense = self._dense_grads()
-            verdict = self._verdict([got for _, got in collected], dense)
+            verdict = self._verdict([got for _, got in collected], dense,
+                                    None if pending is None else pending.verdict.guard)
             # Fused updates are queued now, before the host has read the verdict: each kernel
             # reads it on the device and writes nothing when the step must not go ahead, so
             # the GPU works on while the host waits for the flags.
@@ -516,6 +552,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     scalar = slot.launch_fused(got, verdict.guard)
                     if scalar is not None:
                         fused[id(slot)] = scalar
+            if pending is not None:
+                self._settle(pending)      # the last step's checks: raises if it was bad
+            if self._may_read_late(collected, dense, fused, verdict):
+                self._pending = _Pending(verdict, collected,
+                                         {id(slot): slot.scalar_state for slot, _ in collected})
+                for slot, _ in collected:  # as if it went ahead; _settle undoes it if not
+                    slot.scalar_state = fused[id(slot)]
+                return loss
             tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
             for (slot, got), (bad, _, _) in zip(collected, tables):
                 if bad:
@@ -564,11 +608,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
         return out
 
-    def _verdict(self, collected: list, dense: list) -> "_Verdict":
+    def _verdict(self, collected: list, dense: list, before=None) -> "_Verdict":
         """Queue the step's checks on the device: every table's ``[bad, count, sentinel]``
         and one multi-tensor non-finite check over every gradient; start copying them to the
         host. ``guard`` (on the device, nonzero when the step must not go ahead) is there when
-        everything lives on one device."""
+        everything lives on one device; ``before``: the guard of a step whose checks the host
+        has not read yet (a bad step stops this one too)."""
         grads = [got.grad for got in collected] + [g for _, g in dense]
         devices = {g.device for g in grads}
         if not devices:
@@ -594,17 +639,65 @@ class OffloadOptimizer(torch.optim.Optimizer):
                          + [got.cache_stats for got in collected if got.cache_stats is not None]
                          + [found_at[device]])
         guard = (flat[0:3 * len(collected):3].sum() + flat[-1]).reshape(1)
+        if before is not None and before.device == guard.device:
+            guard = guard + before
         host, event = flat, None
         if device.type == "cuda":
-            buf = self._flag_buffers.get((device, flat.numel()))
+            self._flip ^= 1
+            key = (device, flat.numel(), self._flip)
+            buf = self._flag_buffers.get(key)
             if buf is None:
-                buf = self._flag_buffers[(device, flat.numel())] = torch.empty(
+                buf = self._flag_buffers[key] = torch.empty(
                     flat.numel(), dtype=flat.dtype, pin_memory=True)
             buf.copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             host = buf
         return _Verdict(collected, guard, host, event, None)
+
+    def _may_read_late(self, collected, dense, fused, verdict) -> bool:
+        """Whether this step's checks may be read at the next step (OffloadConfig.checks)."""
+        return (self.config.checks == "auto" and self.config.nonfinite == "raise"
+                and not dense and bool(collected) and len(fused) == len(collected)
+                and verdict.guard is not None)
+
+    def _settle(self, pending: _Pending) -> None:
+        """Read the checks of a step queued earlier; if it was bad, put back every table's
+        scalar state from before it and raise (its rows and state were never written)."""
+        tables, nonfinite = pending.verdict.read()
+        if any(bad for bad, _, _ in tables) or nonfinite:
+            for slot, _ in pending.collected:
+                slot.scalar_state = pending.before[id(slot)]
+            late = ("; found one step late (OffloadConfig.checks='auto'): neither that step "
+                    "nor the one after it wrote anything")
+            for (slot, got), (bad, _, _) in zip(pending.collected, tables):
+                if bad:
+                    for flat, shape in got.lookups:
+                        if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
+                            try:
+                                slot.table.raise_bad_ids(flat, shape)
+                            except IndexError as e:
+                                raise IndexError(f"{e}{late}") from None
+                    raise IndexError(f"table {slot.name!r}: an out-of-range id in the step "
+                                     f"before this one (its ids changed since){late}")
+            culprits = [f"table {slot.name!r}" for slot, got in pending.collected
+                        if got.nonfinite()]
+            raise NonFiniteGradientError(
+                f"inf/nan gradients in {', '.join(culprits) or 'the step before this one'}"
+                f"{late}: every parameter, table and optimizer state is as it was before them. "
+                "Lower the learning rate, check the loss, or pass "
+                "config=OffloadConfig(nonfinite='skip').")
+        for (slot, _), (_, count, sentinel) in zip(pending.collected, tables):
+            slot.count_written(count, bool(sentinel))
+
+    def synchronize(self) -> None:
+        """Read the checks of the last step if they are still on their way (see
+        ``OffloadConfig.checks``): raises the error of a bad step, else does nothing. Saving,
+        loading and ``state_dict`` call it; call it after a training loop to learn whether
+        its last step went ahead."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._settle(pending)
 
     def _nonfinite_params(self, dense: list) -> list:
         return [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
@@ -613,9 +706,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's
         # tables and scalar state live in its other attributes. An LR scheduler's wrapper of
-        # `step` (an instance attribute holding a weak reference) stays behind.
+        # `step` (an instance attribute holding a weak reference) stays behind, and so do the
+        # pinned flag buffers; a step whose checks are on their way is read first.
+        self.synchronize()
         state = dict(self.__dict__)
         state.pop("step", None)
+        state["_flag_buffers"] = {}
         return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -657,6 +753,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Dense optimizer state plus, per table, hyper-parameters, scalar state and per-row
         state as the live host tensors (no copies)."""
+        self.synchronize()
         return {
             "format": "nbtools.OffloadOptimizer/1",
             "optimizer_class": self.optimizer_class.__name__,
@@ -677,6 +774,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              f"{sorted(s.name for s in self._slots)}")
         if (state_dict["dense"] is None) != (self._dense is None):
             raise ValueError("state_dict and optimizer disagree on having ordinary parameters")
+        self._pending = None           # what is loaded replaces a step not read back yet
         for slot in self._slots:
             slot.load_state_dict(state_dict["tables"][slot.name])     # waits for the GPU first
         if self._dense is not None:

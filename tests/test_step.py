@@ -10,6 +10,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -249,6 +250,123 @@ def test_bad_id_in_training_raises_at_step_and_writes_nothing(fused, device):
     train_step(model, opt, device, [1, 2], [3, 4])
 
 
+# --- checks read one step late (OffloadConfig.checks="auto") ---------------------------------
+class Dot(nn.Module):
+    """Tables only, so every update is a fused kernel and the checks may be read late."""
+
+    def __init__(self, device, placement="auto"):
+        super().__init__()
+        self.users = OffloadedEmbedding(30, 6, device=device, name="users", placement=placement)
+        self.items = OffloadedEmbedding(20, 6, device=device, name="items", placement=placement)
+
+    def forward(self, u, i):
+        return (self.users(u) * self.items(i)).sum(-1)
+
+
+def fused_opt(model, device, **config):
+    """Adam on fused kernels: "auto" on CUDA, insisted on in the CPU's Triton interpreter."""
+    fused = "auto" if torch.device(device).type == "cuda" else True
+    return OffloadOptimizer(O.Adam, model, lr=0.05,
+                            config=OffloadConfig(fused=fused, **config))
+
+
+def tables_of(opt):
+    return {n: (opt.tables[n].weight.clone(),
+                {k: v.clone() for k, v in opt.table_state(n).items()}) for n in opt.tables}
+
+
+def assert_tables_equal(a, b):
+    for n in a:
+        assert torch.equal(a[n][0], b[n][0]), n
+        for k in a[n][1]:
+            assert torch.equal(a[n][1][k], b[n][1][k]), (n, k)
+
+
+def scalar_steps(opt):
+    return {n: int(t["scalar_state"]["step"]) for n, t in opt.state_dict()["tables"].items()}
+
+
+@needs_triton
+def test_late_checks_train_exactly_as_checks_every_step(device):
+    torch.manual_seed(0)
+    model = Dot(device)
+    twin = copy.deepcopy(model)
+    late, every = fused_opt(model, device), fused_opt(twin, device, checks="every_step")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        u, i = torch.randint(0, 30, (9,), generator=gen), torch.randint(0, 20, (9,), generator=gen)
+        train_step(model, late, device, u.tolist(), i.tolist())
+        train_step(twin, every, device, u.tolist(), i.tolist())
+    assert late._pending is not None and every._pending is None
+    assert_tables_equal(tables_of(late), tables_of(every))
+    assert scalar_steps(late) == scalar_steps(every) == {"users": 4, "items": 4}
+
+
+@needs_triton
+@pytest.mark.parametrize("fault", ["id", "nan"])
+def test_late_checks_raise_at_the_next_step_and_nothing_is_written(fault, device):
+    """A bad step's step() returns (its flags are read at the next step) but writes nothing;
+    the next step writes nothing either and raises; training then goes on as if neither
+    step had happened."""
+    torch.manual_seed(0)
+    model = Dot(device)
+    twin = copy.deepcopy(model)
+    opt, ref = fused_opt(model, device), fused_opt(twin, device, checks="every_step")
+    for m, o in ((model, opt), (twin, ref)):
+        train_step(m, o, device, [1, 2, 3], [4, 5, 4])
+    before = tables_of(opt)
+    if fault == "id":
+        train_step(model, opt, device, [1, 2], [3, 25])
+    else:
+        train_step(model, opt, device, [1, 2], [3, 4], scale=float("inf"))
+    assert_tables_equal(before, tables_of(opt))
+    want = (IndexError, r"table 'items' has 20 rows but ids contain 25 \(first at position 1\)"
+                        r".*one step late") if fault == "id" else \
+        (NonFiniteGradientError, r"inf/nan gradients in table 'users', table 'items'.*one step late")
+    with pytest.raises(want[0], match=want[1]):
+        train_step(model, opt, device, [7, 8], [1, 2])
+    assert_tables_equal(before, tables_of(opt))
+    assert scalar_steps(opt) == {"users": 1, "items": 1}          # both steps undone
+    for m, o in ((model, opt), (twin, ref)):
+        train_step(m, o, device, [7, 8], [1, 2])
+    assert_tables_equal(tables_of(opt), tables_of(ref))
+    assert scalar_steps(opt) == scalar_steps(ref) == {"users": 2, "items": 2}
+
+
+@needs_triton
+def test_synchronize_and_state_dict_read_a_last_bad_step(device):
+    model = Dot(device)
+    opt = fused_opt(model, device)
+    train_step(model, opt, device, [1, 2], [3, 4])
+    opt.synchronize()                                   # a good step: nothing to say
+    assert opt._pending is None
+    train_step(model, opt, device, [1, 2], [3, 4], scale=float("nan"))
+    with pytest.raises(NonFiniteGradientError, match="one step late"):
+        opt.state_dict()
+    assert scalar_steps(opt) == {"users": 1, "items": 1}
+    train_step(model, opt, device, [1, 40], [3, 4])
+    with pytest.raises(IndexError, match="table 'users' has 30 rows but ids contain 40"):
+        opt.synchronize()
+
+
+@needs_triton
+def test_checks_are_read_in_the_step_where_late_is_not_safe(device):
+    """nonfinite="skip" (a skipped step's step count must not advance) and a model with
+    ordinary parameters (torch's optimizer cannot wait on the GPU's flags) read them at once."""
+    model = Dot(device)
+    opt = fused_opt(model, device, nonfinite="skip")
+    train_step(model, opt, device, [1, 2], [3, 4])
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
+        train_step(model, opt, device, [1, 2], [3, 4], scale=float("inf"))
+    assert opt.skipped_steps() == 1 and opt._pending is None
+    model = Model(device)
+    opt = fused_opt(model, device)
+    train_step(model, opt, device, [1, 2], [3, 4])
+    assert opt._pending is None
+    with pytest.raises(ValueError, match="checks must be 'auto' or 'every_step'"):
+        fused_opt(Dot(device), device, checks="later")
+
+
 def test_bad_id_outside_training_raises_at_lookup(device):
     table = OffloadedEmbedding(10, 2, device=device, name="t")
     OffloadOptimizer(O.SGD, [table], lr=0.1)
@@ -364,6 +482,38 @@ def test_one_host_sync_per_step():
     step()                                   # first step: state created, kernels compiled
     syncs = syncs_during(step, 5)
     assert len(syncs) <= 5, syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["host", "gpu"])
+def test_late_checks_never_wait_for_the_gpu(placement):
+    """With the checks read one step late, step() returns while the GPU is still busy with
+    work queued before it (a 0.2 s sleep kernel); read in the step, it waits that work out."""
+    u = torch.randint(0, 30, (64,), device="cuda")
+    i = torch.randint(0, 20, (64,), device="cuda")
+    took = {}
+    for checks in ("auto", "every_step"):
+        model = Dot("cuda", placement)
+        opt = fused_opt(model, "cuda", checks=checks)
+
+        def step():
+            opt.zero_grad()
+            model(u, i).square().mean().backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(400_000_000)
+        end.record()
+        t0 = time.perf_counter()
+        step()
+        took[checks] = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        slept = start.elapsed_time(end) / 1e3
+        assert slept > 0.05, slept                    # the sleep is long enough to tell
+    assert took["auto"] < slept / 4 and took["every_step"] > slept / 2, (took, slept)
 
 
 def syncs_during(step, n: int) -> list:

@@ -154,6 +154,8 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                 if checkpoints is not None and step % config.every == 0:
                     checkpoints.save(step, model=model, optimizer=optimizer, loader=loader,
                                      history=history)
+        if hasattr(optimizer, "synchronize"):     # a last step's checks, if read late
+            optimizer.synchronize()
         if checkpoints is not None and checkpoints.latest_step() != step:
             checkpoints.save(step, model=model, optimizer=optimizer, loader=loader,
                              history=history)
