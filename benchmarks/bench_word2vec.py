@@ -77,18 +77,19 @@ def encode(lines, min_count):
 def system_config(system: str) -> dict:
     """SkipGramConfig fields of an nbtools system name: a placement ("host", "gpu") and
     modifiers joined by "+": "cache" (a quarter of the vocabulary's rows in a GPU cache,
-    warmed from the word counts; "cache75": three quarters), "bf16" (bf16 weights, fp32 Adam state),
-    "bf16s" (bf16 weights and state), "sr" (stochastic rounding). E.g. "host+cache", "gpu+bf16"."""
+    warmed from the word counts; "cacheNN": NN percent of them, e.g. "cache75"), "bf16" (bf16
+    weights, fp32 Adam state), "bf16s" (bf16 weights and state), "sr" (stochastic rounding).
+    E.g. "host+cache", "gpu+bf16", "host+cache90+bf16s"."""
     placement, *mods = system.split("+")
-    bad = sorted(set(mods) - {"cache", "cache75", "bf16", "bf16s", "sr"})
-    if placement not in ("host", "gpu") or bad:
+    shares = {m: (int(m[5:]) if m[5:] else 25) / 100 for m in mods
+              if m.startswith("cache") and (m[5:] == "" or m[5:].isdigit())}
+    bad = sorted(set(mods) - {"bf16", "bf16s", "sr"} - set(shares))
+    if placement not in ("host", "gpu") or bad or any(not 0 < v <= 1 for v in shares.values()):
         sys.exit(f"bench_word2vec: unknown system {system!r}: a placement (host, gpu) and "
-                 "modifiers cache, bf16, sr joined by '+'")
+                 "modifiers cache, cacheNN (a percentage), bf16, bf16s, sr joined by '+'")
     cfg = {"placement": placement}
-    if "cache" in mods:
-        cfg["cache_share"] = 0.25
-    if "cache75" in mods:                 # three quarters of the words
-        cfg["cache_share"] = 0.75
+    for share in shares.values():
+        cfg["cache_share"] = share
     if "bf16" in mods or "bf16s" in mods:
         cfg["dtype"] = torch.bfloat16
     if "bf16s" in mods:                   # the Adam state in bf16 too: half the row bytes
