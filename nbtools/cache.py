@@ -70,8 +70,10 @@ class RowCache:
         self.tick = torch.zeros(1, dtype=torch.long, device=device)
         self.stats = torch.zeros(4, dtype=torch.long, device=device)
         self._way = torch.arange(self.ways, device=device)
-        self._best = torch.empty(self.sets, dtype=torch.long, device=device)
+        self._best = torch.full((self.sets,), -1, dtype=torch.long, device=device)
         self._set_ids = torch.arange(self.sets, device=device)
+        # admission in two Triton kernels where they run (else the torch code below)
+        self.use_kernels = True
 
     @staticmethod
     def overhead_bytes(num_rows: int) -> int:
@@ -108,11 +110,14 @@ class RowCache:
         One admission per set and lookup keeps this to a few passes over the ids (no sort) and
         one over the sets' ways: a hot row that loses its set's turn comes back at a later
         step."""
+        self.tick += 1
+        if self.use_kernels and kernels.usable_on(self.device):
+            kernels.admit(self, ids, count, host)      # two kernels, the same decisions
+            return self.locate(ids)
         cap = ids.numel()
         n, ways = self.num_rows, self.ways
         pos = torch.arange(cap, device=ids.device)
         live = (pos < count) & (ids < n)
-        self.tick += 1
         self.freq.index_add_(0, ids, live.int())
         slot = self.slot_of.index_select(0, ids).long()
         hit = live & (slot >= 0)
@@ -123,7 +128,7 @@ class RowCache:
         sets = self._set_of(ids)
         # each set's candidate: its most frequent miss (ties: the larger id)
         key = torch.where(miss, (f << 32) | ids, -1)
-        best = self._best.fill_(-1).scatter_reduce_(0, sets, key, "amax")
+        best = self._best.scatter_reduce_(0, sets, key, "amax")   # all -1 between lookups
         cand = torch.where(best >= 0, best & 0xFFFFFFFF, -1)          # per set: a row or -1
         # its victim: the set's least frequent way (empty: -1; this lookup's rows: never)
         tags = self.tags[: self.capacity].view(self.sets, ways)
@@ -150,7 +155,9 @@ class RowCache:
                                    (victim >= 0).sum()))
         # each id's slot: its own if it hit; its set's new slot if it was the set's winner
         won = miss & (key == best.index_select(0, sets))
-        return torch.where(hit, slot, torch.where(won, slot_new.index_select(0, sets), -1)).int()
+        slots = torch.where(hit, slot, torch.where(won, slot_new.index_select(0, sets), -1))
+        self._best.fill_(-1)
+        return slots.int()
 
     def _copy(self, src, sidx, dst, didx) -> None:
         """``dst[didx] = src[sidx]`` where both are >= 0."""

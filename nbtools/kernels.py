@@ -150,6 +150,73 @@ def _kernels():
         if HAS_CACHE:
             tl.store(cout + off, val, mask=cmask)
 
+    @triton.jit
+    def admit_count(ids, count_ptr, cap, n_rows, freq, slot_of, stamp, tick_ptr, best, sets,
+                    stats, HASH: tl.constexpr, BLOCK: tl.constexpr):
+        # The cache's admission, pass 1, over a lookup's unique ids (each at most once, so no
+        # two programs touch the same id): count each live id, stamp the slots of the hits
+        # (this lookup's rows are not evicted by it), and offer each miss to its set: the
+        # set's best[] keeps the largest (count << 32 | id), its most frequent miss.
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        count = tl.load(count_ptr)
+        idx = tl.load(ids + r, mask=r < cap, other=n_rows)
+        live = (r < count) & (idx >= 0) & (idx < n_rows)
+        f = tl.load(freq + idx, mask=live, other=0) + 1
+        tl.store(freq + idx, f, mask=live)
+        slot = tl.load(slot_of + idx, mask=live, other=-1)
+        hit = live & (slot >= 0)
+        tick = tl.load(tick_ptr)
+        tl.store(stamp + slot, tl.zeros_like(slot).to(tl.int64) + tick, mask=hit)
+        miss = live & (slot < 0)
+        key = (f.to(tl.int64) << 32) | idx.to(tl.int64)
+        s = (idx.to(tl.int64) * HASH) % sets
+        tl.atomic_max(best + s, key, mask=miss)
+        tl.atomic_add(stats + 0, tl.sum(live.to(tl.int64), 0))
+        tl.atomic_add(stats + 1, tl.sum(hit.to(tl.int64), 0))
+
+    @triton.jit
+    def admit_sets(best, tags, stamp, freq, slot_of, tick_ptr, rows, rows_stride, host,
+                   host_stride, width, stats, WAYS: tl.constexpr, WAYS_P2: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+        # Pass 2, one program per set: its candidate (best[s], then reset to -1 for the next
+        # lookup) takes the set's least frequent way (the first one, on ties; empty ways
+        # count -1, this lookup's rows never lose theirs) when its count is higher; the
+        # evicted row is written back to host memory, the admitted one copied in.
+        s = tl.program_id(0)
+        key = tl.load(best + s)
+        tl.store(best + s, -1)
+        if key >= 0:
+            cand = key & 0xFFFFFFFF
+            f = key >> 32
+            w = tl.arange(0, WAYS_P2)
+            real = w < WAYS
+            tag = tl.load(tags + s * WAYS + w, mask=real, other=-1)
+            score = tl.where(tag >= 0, tl.load(freq + tag, mask=tag >= 0, other=0).to(tl.int64),
+                             -1)
+            tick = tl.load(tick_ptr)
+            taken = tl.load(stamp + s * WAYS + w, mask=real, other=0) == tick
+            score = tl.where(taken | ~real, 0x7FFFFFFFFFFFFFFF, score)
+            low = tl.min(score, 0)
+            way = tl.min(tl.where(score == low, w, WAYS), 0)
+            if f > low:
+                slot = s * WAYS + way
+                victim = tl.load(tags + slot)
+                for c0 in range(0, width, BLOCK_C):
+                    c = c0 + tl.arange(0, BLOCK_C)
+                    cm = c < width
+                    if victim >= 0:
+                        v = tl.load(rows + slot * rows_stride + c, mask=cm)
+                        tl.store(host + victim * host_stride + c, v, mask=cm)
+                    v = tl.load(host + cand * host_stride + c, mask=cm)
+                    tl.store(rows + slot * rows_stride + c, v, mask=cm)
+                if victim >= 0:
+                    tl.store(slot_of + victim, -1)
+                    tl.atomic_add(stats + 3, 1)
+                tl.store(slot_of + cand, slot.to(tl.int32))
+                tl.store(tags + slot, cand)
+                tl.store(stamp + slot, tick)
+                tl.atomic_add(stats + 2, 1)
+
     # Triton resolves a kernel's callees among the module's globals (not this closure), and
     # the kernels are made here so that Triton is imported only when first used.
     globals()["_tile"] = _tile
@@ -250,7 +317,8 @@ def _kernels():
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
         _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
-    return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad}
+    return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
+            "admit_count": admit_count, "admit_sets": admit_sets}
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "copy", "update");
@@ -299,6 +367,24 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+
+
+def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> None:
+    """A :class:`~nbtools.cache.RowCache`'s admission for one lookup's unique ``ids`` in two
+    kernels (one pass over the ids, one over the sets), the same decisions as its torch
+    code; ``cache.tick`` has been advanced already."""
+    cap = ids.numel()
+    k = _kernels()
+    block = 1024
+    from .cache import _HASH
+    k["admit_count"][(triton_cdiv(cap, block),)](
+        ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
+        cache._best, cache.sets, cache.stats, HASH=_HASH, BLOCK=block)
+    width = cache.rows.shape[1]
+    k["admit_sets"][(cache.sets,)](
+        cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
+        cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
+        WAYS_P2=1 << max(0, math.ceil(math.log2(cache.ways))), BLOCK_C=min(1024, 1 << max(4, math.ceil(math.log2(max(width, 1))))))
 
 
 def triton_cdiv(a: int, b: int) -> int:

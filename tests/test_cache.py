@@ -154,6 +154,7 @@ class ReferenceLFU:
         self.tags = [-1] * (sets * ways)
         self.stamp = [0] * (sets * ways)
         self.tick = 0
+        self.stats = [0, 0, 0, 0]            # lookups, hits, admitted, evicted
 
     def set_of(self, i):
         return (i * 2654435761) % self.sets
@@ -164,8 +165,10 @@ class ReferenceLFU:
         best = {}
         for i in ids:
             self.freq[i] += 1
+            self.stats[0] += 1
             if i in where:
                 self.stamp[where[i]] = self.tick
+                self.stats[1] += 1
         for i in ids:
             if i not in where:
                 s = self.set_of(i)
@@ -176,21 +179,30 @@ class ReferenceLFU:
                      (self.freq[self.tags[k]] if self.tags[k] >= 0 else -1) for k in ways]
             w = score.index(min(score))                  # the first least frequent way
             if f > score[w]:
+                self.stats[2] += 1
+                self.stats[3] += self.tags[s * self.ways + w] >= 0
                 self.tags[s * self.ways + w] = i
                 self.stamp[s * self.ways + w] = self.tick
 
 
-@pytest.mark.parametrize("capacity", [8, 40, 64 * 3])
-def test_admission_follows_the_reference_policy(capacity):
-    """Every lookup's admissions and evictions, and the slots it returns, equal the policy
-    spelled out row by row (ReferenceLFU), on Zipf-like and uniform ids."""
-    n, w = 500, 3
+ADMISSION = [False] + ([True] if kernels.usable_on(torch.device("cpu")) else [])
+
+
+@pytest.mark.parametrize("use_kernels", ADMISSION, ids=lambda k: "triton" if k else "torch")
+@pytest.mark.parametrize("capacity", [8, 40, 64 * 3, 64 * 21])
+def test_admission_follows_the_reference_policy(capacity, use_kernels):
+    """Every lookup's admissions and evictions, the slots it returns and the statistics equal
+    the policy spelled out row by row (ReferenceLFU), on Zipf-like and uniform ids, for the
+    torch code and the Triton kernels (21 ways: not a power of two)."""
+    n, w = 500 if capacity < 1000 else 3000, 3
     gen = torch.Generator().manual_seed(capacity)
     host = torch.randn(n, w, generator=gen)
+    truth = host.clone()
     cache = RowCache(host, capacity)
+    cache.use_kernels = use_kernels
     ref = ReferenceLFU(n, cache.sets, cache.ways)
     for step in range(30):
-        draw = ((torch.rand(60, generator=gen) ** 3 * n).long() if step % 2
+        draw = ((torch.rand(4 * capacity, generator=gen) ** 3 * n).long() if step % 2
                 else torch.randint(0, n, (60,), generator=gen))
         ids = torch.unique(draw)
         padded = torch.cat([ids, torch.full((7,), n)])        # sentinel padding past count
@@ -200,8 +212,16 @@ def test_admission_follows_the_reference_policy(capacity):
         want = {t: k for k, t in enumerate(ref.tags) if t >= 0}
         assert slots[: ids.numel()].tolist() == [want.get(i, -1) for i in ids.tolist()]
         assert (slots[ids.numel():] == -1).all()
+        # every row's latest value is in the cache if it is held there, else in host memory
+        # (evicted rows were written back; admitted ones copied in)
         held = cache.tags[: cache.capacity]
-        assert torch.equal(cache.rows[held >= 0], host[held[held >= 0]])
+        assert torch.equal(cache.rows[held >= 0], truth[held[held >= 0]])
+        out = torch.ones(n, dtype=torch.bool)
+        out[held[held >= 0]] = False
+        assert torch.equal(host[out], truth[out])
+        assert cache.stats.tolist() == ref.stats
+        cache.rows[held >= 0] += 1                 # an update of the cached rows
+        truth[held[held >= 0]] += 1
 
 
 def test_warm_cache_loads_the_most_frequent_rows_and_stays_exact(device):
