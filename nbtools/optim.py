@@ -683,9 +683,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             culprits = [f"table {slot.name!r}" for slot, got in pending.collected
                         if got.nonfinite()]
             raise NonFiniteGradientError(
-                f"inf/nan gradients in {', '.join(culprits) or 'the step before this one'}"
-                f"{late}: every parameter, table and optimizer state is as it was before them. "
-                "Lower the learning rate, check the loss, or pass "
+                f"inf/nan gradients in {', '.join(culprits) or 'the step before this one'}; "
+                f"nothing was updated: every parameter, table and optimizer state was left "
+                f"unchanged{late}. Lower the learning rate, check the loss, or pass "
                 "config=OffloadConfig(nonfinite='skip').")
         for (slot, _), (_, count, sentinel) in zip(pending.collected, tables):
             slot.count_written(count, bool(sentinel))

@@ -36,6 +36,8 @@ def run(system, ids, words, counts, args, device):
                                  seed=1, device=device)
     it = iter(loader)
     batches = [next(it) for _ in range(args.warmup + args.steps + 10)]
+    if args.steps > len(batches) - args.warmup - 10:
+        sys.exit("profile_word2vec_step: the epoch has fewer batches than --steps")
 
     def step(batch):
         loss = model.loss(*batch)
@@ -58,6 +60,8 @@ def run(system, ids, words, counts, args, device):
                 step(b)
             synchronize(device)
         table = p.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows)
+        table += "\n\n" + p.key_averages().table(sort_by="self_cpu_time_total",
+                                                  row_limit=args.rows)
     stats = {}
     for name, t in (("input", model.input), ("output", model.output)):
         if getattr(t, "cache", None) is not None:
