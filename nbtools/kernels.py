@@ -51,12 +51,24 @@ def _kernels():
 
     @triton.jit
     def gather(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap, width,
-               cache, cache_stride, slots,
-               HAS_CACHE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+               cache, cache_stride, slots, row_blocks,
+               HAS_CACHE: tl.constexpr, KEEP: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
         # out[r] = src[ids[r], col0:col0 + width] for r < count and 0 <= ids[r] < n_rows;
         # zeros for every other row below cap. HAS_CACHE: rows with slots[r] >= 0 are read
-        # from cache[slots[r]] instead (the GPU copy of a hot row).
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # from cache[slots[r]] instead (the GPU copy of a hot row). Each program takes every
+        # num_programs(0)-th block of rows (one block each, unless the grid was capped).
+        # KEEP: rows not read are left as they are in out (not zeroed).
+        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
+            _gather_block(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap,
+                          width, cache, cache_stride, slots, rb, HAS_CACHE, KEEP, BLOCK_R,
+                          BLOCK_C)
+
+    @triton.jit
+    def _gather_block(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap,
+                      width, cache, cache_stride, slots, rb, HAS_CACHE: tl.constexpr,
+                      KEEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         count = tl.load(count_ptr)
         live = r < count
@@ -74,8 +86,12 @@ def _kernels():
         else:
             vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
                            mask=ok[:, None] & cmask[None, :], other=0.0)
-        tl.store(out + r[:, None] * out_stride + c[None, :], vals,
-                 mask=(r < cap)[:, None] & cmask[None, :])
+        if KEEP:
+            tl.store(out + r[:, None] * out_stride + c[None, :], vals,
+                     mask=ok[:, None] & cmask[None, :])
+        else:
+            tl.store(out + r[:, None] * out_stride + c[None, :], vals,
+                     mask=(r < cap)[:, None] & cmask[None, :])
 
     @triton.jit
     def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
@@ -221,6 +237,7 @@ def _kernels():
     # the kernels are made here so that Triton is imported only when first used.
     globals()["_tile"] = _tile
     globals()["_put"] = _put
+    globals()["_gather_block"] = _gather_block
 
     # The updates. Every one reads the weights through rows_w and writes them through dst_w /
     # cache_w (their storage dtype, maybe narrower than the state's), and the state k
@@ -335,23 +352,31 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
                 col0: int = 0, cache: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, programs: int | None = None,
+                keep: bool = False) -> torch.Tensor:
     """``out[r] = src[ids[r], col0:col0 + out.shape[1]]`` for ``r < count`` and ids in range;
     zero rows elsewhere. ``count`` is a one-element tensor on the GPU: no host sync. With a
     ``cache``, rows whose ``slots[r] >= 0`` are read from ``cache[slots[r]]`` instead.
 
     ``src`` is 2-D with unit column stride (a zero-copy view of host memory, or a GPU tensor).
+    ``programs``: at most this many programs per column block, each looping over blocks of
+    rows. A gather from host memory spends its time waiting on PCIe; uncapped, its waiting
+    programs fill every SM and kernels running beside it (a prefetch's gather beside the
+    step's compute) cannot start until it ends. ``keep``: rows not read (past ``count``, out
+    of range) keep what ``out`` held instead of becoming zeros.
     """
     cap, width = out.shape
     if cap == 0:
         return out
     block_r, block_c, warps = _blocks(width, "gather")
-    grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
+    row_blocks = triton_cdiv(cap, block_r)
+    grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
     has_cache = cache is not None
     _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
                                out.stride(0), cap, width, cache if has_cache else src,
                                cache.stride(0) if has_cache else 0,
-                               slots if has_cache else ids, HAS_CACHE=has_cache,
+                               slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
+                               KEEP=keep,
                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 

@@ -309,32 +309,40 @@ class RowStore:
         return self._cols(self.host.tensor, start, stop).index_select(0, idx.cpu()).to(self.device)
 
     def gather_batch(self, batch: RowBatch, start: int = 0, stop=None,
-                     admit: bool = False) -> torch.Tensor:
+                     admit: bool = False, programs: int | None = None,
+                     into: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of a :class:`RowBatch`: [capacity, width]; rows of unused slots and of the
         sentinel are zeros. No host synchronisation where the kernels run (CUDA + Triton).
-        ``admit``: a training lookup, whose rows the cache (if any) counts and may admit."""
+        ``admit``: a training lookup, whose rows the cache (if any) counts and may admit.
+        ``programs``: caps the gather kernel's grid (:func:`kernels.gather_rows`). ``into``:
+        write the rows into this [capacity, width] tensor and return it, leaving the rows of
+        unused slots and of the sentinel as they were."""
         stop = self.width if stop is None else stop
         slots = None
         if self.cache is not None:
             slots = (self.cache.admit(batch.ids, batch.count, self.host.view()) if admit
                      else self.cache.locate(batch.ids))
         if (self.direct or slots is not None) and kernels.usable_on(self.device):
-            out = torch.empty(batch.capacity, stop - start, dtype=self.host.tensor.dtype,
-                              device=self.device)
+            out = into if into is not None else torch.empty(
+                batch.capacity, stop - start, dtype=self.host.tensor.dtype, device=self.device)
             if slots is None:
                 # bytes estimated from capacity: the exact count is on the GPU (a sync to
                 # read); with a cache they are counted from its statistics at the step
                 itemsize = self.host.tensor.element_size()
                 self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start,
-                                       None if slots is None else self.cache.rows, slots)
+                                       None if slots is None else self.cache.rows, slots,
+                                       programs, keep=into is not None)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it)
         safe = batch.ids.clamp(max=self.num_rows - 1)
         rows = self._gather_host(safe, start, stop)
         if slots is not None:
             rows = self._from_cache(rows, slots, start, stop)
-        return rows.masked_fill_((batch.ids == self.num_rows).unsqueeze(1), 0)
+        unused = (batch.ids == self.num_rows).unsqueeze(1)
+        if into is not None:
+            return into.copy_(torch.where(unused, into, rows))
+        return rows.masked_fill_(unused, 0)
 
     def target(self, ids: torch.Tensor, layout: RowLayout, rounding: str = "nearest",
                seed: int = 0) -> kernels.Target:

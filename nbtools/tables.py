@@ -161,6 +161,13 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tu
                     f"{human_bytes(free)} free on {device}")
 
 
+def _prefetch_programs(device: torch.device) -> int | None:
+    """The grid cap of a prefetch's gather: two programs per SM (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @dataclasses.dataclass
 class _Prefetched:
     """A training lookup started ahead (:meth:`OffloadedEmbedding.prefetch`): the ids tensor it
@@ -692,6 +699,7 @@ class OffloadedEmbedding(nn.Module):
         return rows, batch.inverse
 
     # --- prefetch ---------------------------------------------------------------------------
+
     def prefetch(self, ids) -> None:
         """Start the next training lookup of ``ids`` now, while the current step computes.
 
@@ -727,7 +735,10 @@ class OffloadedEmbedding(nn.Module):
             side.wait_stream(main)          # after this step's lookups (and their admission)
             with torch.cuda.stream(side), torch.no_grad():
                 batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-                rows = self._rows.gather_batch(batch, 0, width, admit=True)
+                # a capped grid: its programs wait on PCIe without holding every SM, so the
+                # step's own kernels keep running beside it
+                rows = self._rows.gather_batch(batch, 0, width, admit=True,
+                                               programs=_prefetch_programs(self.device))
                 event = torch.cuda.Event()
                 event.record(side)
             for t in (flat, batch.ids, batch.inverse, batch.meta, rows):
@@ -767,10 +778,9 @@ class OffloadedEmbedding(nn.Module):
             for written in pre.written:          # sorted unique ids, then the sentinel
                 pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
                 again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)
-                fresh = self._rows.gather_batch(
+                self._rows.gather_batch(       # only those rows, in place
                     RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
-                    0, full.shape[1])
-                full = torch.where(again.unsqueeze(1), fresh, full)
+                    0, full.shape[1], into=full)
         rows = self._leaf(full)
         if not self._state_names:
             full = None

@@ -67,6 +67,26 @@ def test_gather_kernel_reads_only_live_rows():
     assert torch.equal(out.cpu(), expect)
 
 
+@needs_triton
+@pytest.mark.parametrize("programs", [None, 1, 3])
+@pytest.mark.parametrize("keep", [False, True])
+def test_gather_kernel_capped_grid_and_keep(programs, keep):
+    """A capped grid (each program looping over blocks of rows) reads the same rows;
+    ``keep`` leaves the rows it does not read as they were instead of zeroing them."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(500, 7, generator=gen).to(device)
+    ids = torch.cat([torch.randperm(500, generator=gen)[:300], torch.full((40,), 500)]).to(device)
+    ids[::7] = 500                                   # the sentinel, amid the live rows too
+    count = torch.tensor([320], device=device)
+    before = torch.randn(340, 7, generator=gen).to(device)
+    out = kernels.gather_rows(src, ids, count, before.clone(), programs=programs, keep=keep)
+    read = (torch.arange(340, device=device) < 320) & (ids < 500)
+    expect = torch.where(read.unsqueeze(1), src[ids.clamp(max=499)],
+                         before if keep else torch.zeros_like(before))
+    assert torch.equal(out, expect)
+
+
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
     _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,
