@@ -51,6 +51,11 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
     ctx.set_forkserver_preload(["torch", "pytest", "nbtools.checkpoint", _saver.__module__])
     rnd = random.Random(int(os.environ.get("NBTOOLS_CKPT_SEED", "1234")))
     directory = str(tmp_path / "ckpt")
+    # kill within a few saves' time: ~10-60 ms each on the CI machines, longer where fsync is
+    # slow (a save timed here, on the same disk)
+    t0 = time.perf_counter()
+    CheckpointManager(str(tmp_path / "timing"), keep=1, config=CONFIG).save(1, x=expected(1))
+    window = max(0.2, 4 * (time.perf_counter() - t0))
     last_reported, mid_save = 0, 0
     for trial in range(KILLS):
         parent, child = ctx.Pipe(duplex=False)
@@ -60,7 +65,7 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
         assert parent.poll(60), "saver child did not start"
         kind, start = parent.recv()
         assert kind == "ready" and start >= last_reported, (trial, start, last_reported)
-        time.sleep(rnd.uniform(0.0, 0.2))          # a save takes ~10-60 ms here
+        time.sleep(rnd.uniform(0.0, window))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         try:
