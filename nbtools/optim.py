@@ -557,8 +557,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self._may_read_late(collected, dense, fused, verdict):
                 self._pending = _Pending(verdict, collected,
                                          {id(slot): slot.scalar_state for slot, _ in collected})
-                for slot, _ in collected:  # as if it went ahead; _settle undoes it if not
+                for slot, got in collected:  # as if it went ahead; _settle undoes it if not
                     slot.scalar_state = fused[id(slot)]
+                    got.rows = None        # queued kernels hold them; nothing else needs them
                 return loss
             tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
             for (slot, got), (bad, _, _) in zip(collected, tables):
