@@ -343,10 +343,15 @@ def _kernels():
 TILES: dict = {}
 
 
+def _pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= ``n`` (and >= ``least``)."""
+    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
 def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
     if kind in TILES:
         return TILES[kind]
-    block_c = min(1024, 1 << max(4, math.ceil(math.log2(max(width, 1)))))
+    block_c = min(1024, _pow2(width, 16))
     return max(1, 4096 // block_c), block_c, 4
 
 
@@ -409,7 +414,7 @@ def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> 
     k["admit_sets"][(cache.sets,)](
         cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
         cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
-        WAYS_P2=1 << max(0, math.ceil(math.log2(cache.ways))), BLOCK_C=min(1024, 1 << max(4, math.ceil(math.log2(max(width, 1))))))
+        WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
 
 
 def triton_cdiv(a: int, b: int) -> int:

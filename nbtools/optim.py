@@ -75,8 +75,8 @@ class OffloadConfig:
     # on the gathered rows (the reference path), True insists (an error where none applies).
     fused: object = "auto"
     # When a step reads its checks back (the bad-id and inf/nan flags, computed on the GPU).
-    # "auto": one step late wherever that is safe (every table takes a fused kernel, on one
-    # CUDA device, with no ordinary parameters, and nonfinite="raise"), so the host never
+    # "auto": one step late wherever that is safe (every table takes a fused kernel, all on
+    # one device, with no ordinary parameters, and nonfinite="raise"), so the host never
     # waits for the GPU in steady state and the GPU never waits for the host; elsewhere, in
     # the step itself. "every_step": always in the step itself (one host synchronisation per
     # step). Read late or not, a bad step writes nothing: its kernels read the flags on the
