@@ -145,6 +145,19 @@ def _kernels():
         elem = idx[:, None] * d + c[None, :]          # each value's own index: rounding noise
         return src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem
 
+    # An update's scalars (learning rate, betas, bias corrections, ...) and its rounding seed
+    # are read from memory, float64 [HYPER]: the host writes them each step where the kernel
+    # reads them (pinned host memory on CUDA), so a step queued once as a CUDA graph replays
+    # with this step's values. A float64 value cast to float32 here is the value a float
+    # argument would have been.
+    @triton.jit
+    def _scalar(hyper, i):
+        return tl.load(hyper + i).to(tl.float32)
+
+    @triton.jit
+    def _seed(hyper):
+        return tl.load(hyper + 7).to(tl.int32)
+
     @triton.jit
     def _put(out, cout, hmask, cmask, off, val, seed, salt, elem, ROUND: tl.constexpr,
              HAS_CACHE: tl.constexpr):
@@ -237,6 +250,8 @@ def _kernels():
     # the kernels are made here so that Triton is imported only when first used.
     globals()["_tile"] = _tile
     globals()["_put"] = _put
+    globals()["_scalar"] = _scalar
+    globals()["_seed"] = _seed
     globals()["_gather_block"] = _gather_block
 
     # The updates. Every one reads the weights through rows_w and writes them through dst_w /
@@ -246,8 +261,7 @@ def _kernels():
     @triton.jit
     def sgd(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, seed,
-            lr, momentum, wd,
+            slots, n_rows, cap, d, s0, hyper,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
             ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -255,6 +269,8 @@ def _kernels():
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
             dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
             cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+        lr, momentum, wd = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
+        seed = _seed(hyper)
         if HAS_WD:
             g = g + wd * p
         if MOMENTUM:
@@ -271,8 +287,7 @@ def _kernels():
     @triton.jit
     def adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, seed,
-             lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
+            slots, n_rows, cap, d, s0, hyper,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
              SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
@@ -284,6 +299,10 @@ def _kernels():
             cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
         # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
+        lr, beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
+        eps, wd = _scalar(hyper, 3), _scalar(hyper, 4)
+        step_size, bc2_sqrt = _scalar(hyper, 5), _scalar(hyper, 6)
+        seed = _seed(hyper)
         ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
         eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
         if SPARSE:
@@ -317,8 +336,7 @@ def _kernels():
     @triton.jit
     def adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, seed,
-                clr, wd, eps,
+            slots, n_rows, cap, d, s0, hyper,
                 HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
                 HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -326,6 +344,8 @@ def _kernels():
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
             dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
             cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+        clr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
+        seed = _seed(hyper)
         s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
         if HAS_WD:
             g = g + wd * p
@@ -429,8 +449,8 @@ class Target:
     tensor); ``view_w``: their weights as stored ([N, d], maybe a narrower dtype packed into
     the first columns). For rows held in a GPU cache of hot rows: ``cache`` [C, W],
     ``cache_w`` and ``slots`` [capacity] (the cache slot of each unique id, -1 for rows
-    written to the table). ``state_col``: the first state column; ``rounding`` and ``seed``:
-    how low-precision values are rounded (the seed changes every step).
+    written to the table). ``state_col``: the first state column; ``rounding``: how
+    low-precision values are rounded (stochastic rounding's seed is a scalar: :data:`HYPER`).
     """
 
     view: torch.Tensor
@@ -440,50 +460,67 @@ class Target:
     cache_w: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     rounding: str = "nearest"
-    seed: int = 0
 
 
-def _launch(name, rows, rows_w, grad, target: Target, ids, count, guard, d, *args, **consts):
-    cap = ids.numel()
-    if cap == 0:
-        return
-    block_r, block_c, warps = _blocks(d, "update")
-    grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
-    t = target
-    has_cache = t.cache is not None
-    mode = 2 if t.rounding == "stochastic" else 1
-    _kernels()[name][grid](
-        rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
-        t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
-        t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
-        t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
-        t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, t.seed, *args,
-        ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
-        ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
-        HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **consts)
+HYPER = 8      # an update's scalars: float64 [HYPER], the rounding seed last
 
 
-# --- the fused updates, one per optimizer family ------------------------------------------------
-# Each takes: rows [cap, W] (the gathered [weight | state] of the unique ids, on the compute
-# device), rows_w (their weights: a view of rows, or the float32 rows of a lookup that carried
-# no state), grad [cap, d] (summed per id), target (where the rows go: the table's [N, W] view,
-# zero-copy host or GPU, and the cache of hot rows if any), ids [cap] (sorted unique ids, then
-# the sentinel N), count [1] (slots in use) and guard [1] (nonzero: write nothing), both read on
-# the device, so an update can be queued before the host knows whether the step may proceed;
-# then the group's hyper-parameters and the step number t.
+@dataclasses.dataclass(frozen=True)
+class FusedUpdate:
+    """One optimizer family's fused update, as :func:`fused_update_for` chose it.
 
-def fused_sgd(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int,
-              cols: dict) -> None:
+    ``scalars(group, t, seed)`` gives what a step needs from the host: the [HYPER] float64
+    values the kernel reads from memory (learning rate, bias corrections, ..., seed) and the
+    kernel's compile-time options (weight decay on, momentum, ...). Calling it queues the
+    kernel: rows [cap, W] (the gathered [weight | state] of the unique ids, on the compute
+    device), rows_w (their weights: a view of rows, or the float32 rows of a lookup that
+    carried no state), grad [cap, d] (summed per id), target (where the rows go), ids [cap]
+    (sorted unique ids, then the sentinel N), count [1] (slots in use), guard [1] (nonzero:
+    write nothing), hyper (the [HYPER] values, where the device reads them) and the options.
+    Count, guard and hyper are read on the device, so an update can be queued before the host
+    knows whether the step may proceed, and replayed as a CUDA graph.
+    """
+
+    kernel: str
+    scalars: object
+
+    def __call__(self, rows, rows_w, grad, target: Target, ids, count, guard, hyper,
+                 consts: dict) -> None:
+        cap, d = ids.numel(), grad.shape[1]
+        if cap == 0:
+            return
+        block_r, block_c, warps = _blocks(d, "update")
+        grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
+        t = target
+        has_cache = t.cache is not None
+        mode = 2 if t.rounding == "stochastic" else 1
+        _kernels()[self.kernel][grid](
+            rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
+            t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
+            t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
+            t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
+            t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, hyper,
+            ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
+            ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
+            HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **consts)
+
+
+def _pad(values: list, seed: int) -> list:
+    return values + [0.0] * (HYPER - 1 - len(values)) + [float(seed)]
+
+
+# --- the fused updates' scalars, one per optimizer family ----------------------------------------
+
+def sgd_scalars(group: dict, t: int, seed: int) -> tuple[list, dict]:
     momentum = float(group.get("momentum", 0.0))
-    _launch("sgd", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
-            float(group["lr"]), momentum, float(group.get("weight_decay", 0.0)),
-            MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
-            HAS_WD=float(group.get("weight_decay", 0.0)) != 0.0,
-            MAXIMIZE=bool(group.get("maximize", False)))
+    wd = float(group.get("weight_decay", 0.0))
+    return _pad([float(group["lr"]), momentum, wd], seed), dict(
+        MOMENTUM=momentum != 0.0, NESTEROV=bool(group.get("nesterov", False)),
+        HAS_WD=wd != 0.0, MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adam(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int, cols: dict,
-               *, decoupled: bool, sparse: bool = False) -> None:
+def adam_scalars(group: dict, t: int, seed: int, *, cols: dict, decoupled: bool,
+                 sparse: bool = False) -> tuple[list, dict]:
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
     bc1 = 1 - beta1 ** t
@@ -491,21 +528,18 @@ def fused_adam(rows, rows_w, grad, target, ids, count, guard, group: dict, t: in
     # torch.optim.Adam: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
     # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
     step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
-    amsgrad = bool(group.get("amsgrad", False))
-    _launch("adam", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
-            lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2),
-            M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
-            VMAX_COL=cols.get("max_exp_avg_sq", 1), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
-            AMSGRAD=amsgrad, SPARSE=sparse, MAXIMIZE=bool(group.get("maximize", False)))
+    return _pad([lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2)], seed), \
+        dict(M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
+             VMAX_COL=cols.get("max_exp_avg_sq", 1), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
+             AMSGRAD=bool(group.get("amsgrad", False)), SPARSE=sparse,
+             MAXIMIZE=bool(group.get("maximize", False)))
 
 
-def fused_adagrad(rows, rows_w, grad, target, ids, count, guard, group: dict, t: int,
-                  cols: dict) -> None:
+def adagrad_scalars(group: dict, t: int, seed: int) -> tuple[list, dict]:
     clr = float(group["lr"]) / (1 + (t - 1) * float(group.get("lr_decay", 0.0)))
     wd = float(group.get("weight_decay", 0.0))
-    _launch("adagrad", rows, rows_w, grad, target, ids, count, guard, grad.shape[1],
-            clr, wd, float(group["eps"]), HAS_WD=wd != 0.0,
-            MAXIMIZE=bool(group.get("maximize", False)))
+    return _pad([clr, wd, float(group["eps"])], seed), dict(
+        HAS_WD=wd != 0.0, MAXIMIZE=bool(group.get("maximize", False)))
 
 
 def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
@@ -530,19 +564,21 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
             return None
         if group.get("momentum", 0.0) and names != ["momentum_buffer"]:
             return None
-        return functools.partial(fused_sgd, cols=cols)
+        return FusedUpdate("sgd", sgd_scalars)
     if exact(torch.optim.Adam) or exact(torch.optim.AdamW):
         want = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
         if sorted(names) != sorted(want):
             return None
         decoupled = exact(torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        return functools.partial(fused_adam, cols=cols, decoupled=decoupled)
+        return FusedUpdate("adam", functools.partial(adam_scalars, cols=cols,
+                                                     decoupled=decoupled))
     if exact(torch.optim.SparseAdam):
         if sorted(names) != ["exp_avg", "exp_avg_sq"]:
             return None
-        return functools.partial(fused_adam, cols=cols, decoupled=False, sparse=True)
+        return FusedUpdate("adam", functools.partial(adam_scalars, cols=cols, decoupled=False,
+                                                     sparse=True))
     if exact(torch.optim.Adagrad):
         if names != ["sum"]:
             return None
-        return functools.partial(fused_adagrad, cols=cols)
+        return FusedUpdate("adagrad", adagrad_scalars)
     return None

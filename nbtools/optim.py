@@ -33,7 +33,7 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device
-from . import kernels
+from . import kernels, steps
 from .tables import OffloadedEmbedding, StepRows, auto_placement, copy_unless_same
 
 
@@ -171,6 +171,17 @@ def _check_hyper(cls, hyper: dict) -> None:
             "cannot reproduce exactly. Use dampening=0 (the default).")
 
 
+@dataclasses.dataclass
+class _FusedPlan:
+    """A table's fused update for one step: the kernel, its scalars and options, and the
+    scalar state (Adam's step) the table keeps if the step goes ahead."""
+
+    fused: kernels.FusedUpdate
+    values: list
+    consts: dict
+    scalar: dict
+
+
 class _TableSlot:
     """One table's share of an OffloadOptimizer: hyper-parameters, scalar state, scratch optimizer.
 
@@ -179,8 +190,9 @@ class _TableSlot:
     """
 
     def __init__(self, name, table: OffloadedEmbedding, cls, group: dict, config: "OffloadConfig",
-                 owner):
+                 owner, index: int = 0):
         self.name, self.table, self.cls = name, table, cls
+        self.index = index            # its row in a step's scalars (steps.Turn)
         _check_hyper(cls, group)
         dtype = table.compute_dtype           # the math's dtype (float32 for bf16 storage)
         row_state, self.scalar_names, full, self.scalar_template = probe_row_state(
@@ -236,10 +248,9 @@ class _TableSlot:
                 if torch.is_tensor(template) else t
         return t, state
 
-    def launch_fused(self, got: StepRows, guard: torch.Tensor):
-        """Queue this table's fused update (it writes nothing where ``guard`` is nonzero on the
-        device). Returns the scalar state to keep if the step goes ahead, or None when this
-        table takes the generic path (nothing was queued)."""
+    def plan_fused(self, got: StepRows) -> "_FusedPlan | None":
+        """This table's fused update for the step (the kernel, its scalars and the scalar
+        state to keep if the step goes ahead), or None where it takes the generic path."""
         if self.names and not got.has_state:        # looked up before the state was attached
             return None
         fused = self.fused_update()
@@ -248,14 +259,28 @@ class _TableSlot:
         t, scalar = self._next_scalar_state()
         if scalar is None:
             return None
+        values, consts = fused.scalars(self.group, t, self._seed(t))
+        return _FusedPlan(fused, values, consts, scalar)
+
+    def queue_fused(self, got: StepRows, plan: "_FusedPlan", guard: torch.Tensor,
+                    hyper: torch.Tensor) -> None:
+        """Queue the fused update (it writes nothing where ``guard`` is nonzero on the
+        device; it reads its scalars from ``hyper``)."""
         table = self.table
         layout = table.layout
         rows_w = layout.weight(got.rows) if got.has_state else got.rows
-        target = table.rows.target(got.batch.ids, layout, table.config.rounding,
-                                   seed=self._seed(t))
-        fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
-              self.group, t)
-        return scalar
+        target = table.rows.target(got.batch.ids, layout, table.config.rounding)
+        plan.fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
+                   hyper, plan.consts)
+
+    def graph_key(self, got: StepRows, plan: "_FusedPlan") -> tuple:
+        """What a CUDA graph of this table's checks and update bakes in."""
+        store, sig = self.table.rows, steps.signature
+        return (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
+                self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
+                sig(got.rows), sig(got.grad), sig(got.batch.ids), sig(got.batch.meta),
+                sig(got.cache_stats), sig(store.view()),
+                sig(None if store.cache is None else store.cache.rows))
 
     def _seed(self, t: int) -> int:
         """Stochastic rounding's seed for step ``t``: a new one every step, per table."""
@@ -496,7 +521,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 name = f"{base}_{k}"
             seen.add(name)
             slots.append(_TableSlot(name, table, optimizer_class,
-                                    {**optimizer_kwargs, **overrides}, self.config, True))
+                                    {**optimizer_kwargs, **overrides}, self.config, True,
+                                    len(slots)))
         defaults = dict(dense.defaults) if dense else \
             {k: v for k, v in slots[0].group.items() if k != "params"}
         # torch.optim.Optimizer.__init__ sets up hooks and the step wrapper schedulers rely on;
@@ -508,8 +534,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.state = self._dense.state if self._dense else defaultdict(dict)
         self._warned_skip = False
         self._skips = 0
-        self._flag_buffers = {}     # pinned host buffers the step's flags are copied into
-        self._flip = 0              # which of two: a late read must not see the next step's
+        self._rings = {}            # device -> steps.StepRing: a step's host buffers, in turns
+        self._graphs = steps.StepGraphs()     # CUDA graphs of steps' checks and updates
         self._pending: _Pending | None = None     # a step whose checks are read late
         self._param_names = {}
         if isinstance(model_or_params, nn.Module):
@@ -541,17 +567,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         pending, self._pending = self._pending, None
         try:
             dense = self._dense_grads()
-            verdict = self._verdict([got for _, got in collected], dense,
-                                    None if pending is None else pending.verdict.guard)
-            # Fused updates are queued now, before the host has read the verdict: each kernel
-            # reads it on the device and writes nothing when the step must not go ahead, so
-            # the GPU works on while the host waits for the flags.
-            fused = {}
-            if verdict.guard is not None:
-                for slot, got in collected:
-                    scalar = slot.launch_fused(got, verdict.guard)
-                    if scalar is not None:
-                        fused[id(slot)] = scalar
+            # Checks and fused updates are queued now, before the host has read the checks:
+            # each update reads the guard on the device and writes nothing when the step must
+            # not go ahead, so the GPU works on while the host waits for the flags.
+            verdict, fused = self._queue(collected, dense, pending)
             if pending is not None:
                 self._settle(pending)      # the last step's checks: raises if it was bad
             if self._may_read_late(collected, dense, fused, verdict):
@@ -609,16 +628,66 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
         return out
 
-    def _verdict(self, collected: list, dense: list, before=None) -> "_Verdict":
-        """Queue the step's checks on the device: every table's ``[bad, count, sentinel]``
-        and one multi-tensor non-finite check over every gradient; start copying them to the
-        host. ``guard`` (on the device, nonzero when the step must not go ahead) is there when
-        everything lives on one device; ``before``: the guard of a step whose checks the host
-        has not read yet (a bad step stops this one too)."""
-        grads = [got.grad for got in collected] + [g for _, g in dense]
+    def _queue(self, collected: list, dense: list, pending: "_Pending | None"):
+        """Queue the step's checks (every table's ``[bad, count, sentinel]``, its cache's
+        statistics, one multi-tensor inf/nan check over every gradient) and, where everything
+        lives on one device, every fused update; as two CUDA graphs when the step repeats one
+        seen before (:mod:`nbtools.steps`). Returns the :class:`_Verdict` and, per table that
+        took a fused kernel, the scalar state to keep if the step goes ahead.
+
+        The updates read the guard (nonzero when the step must not go ahead) on the device;
+        it includes the guard of ``pending``, a step whose checks the host has not read yet
+        (a bad step stops the one after it too)."""
+        gots = [got for _, got in collected]
+        grads = [got.grad for got in gots] + [g for _, g in dense]
         devices = {g.device for g in grads}
         if not devices:
-            return _Verdict([], None, None, None, None)
+            return _Verdict([], None, None, None, None), {}
+        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
+            return self._verdict_per_device(gots, grads, devices), {}
+        (device,) = devices
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings[device] = steps.StepRing(device, len(self._slots))
+        turn = ring.next()
+        before = ring.previous().guard
+        linked = pending is not None and pending.verdict.guard is before
+        plans = [slot.plan_fused(got) for slot, got in collected]
+        for (slot, _), plan in zip(collected, plans):
+            if plan is not None:
+                turn.scalars[slot.index] = plan.values
+        flags = [got.batch.meta for got in gots] + \
+            [got.cache_stats for got in gots if got.cache_stats is not None]
+
+        def checks():
+            return steps.queue_checks(turn, grads, flags, len(gots), before if linked else None)
+
+        def updates():
+            for (slot, got), plan in zip(collected, plans):
+                if plan is not None:
+                    slot.queue_fused(got, plan, turn.guard, turn.hyper[slot.index])
+
+        n = None
+        if device.type == "cuda" and all(p is not None for p in plans) and \
+                all(got.table.config.cuda_graphs for got in gots):
+            sig = steps.signature
+            key = (turn.index, linked, tuple(slot.graph_key(got, plan) for (slot, got), plan
+                                             in zip(collected, plans)),
+                   tuple(sig(g) for _, g in dense))
+            n = self._graphs.run(key, checks, updates, turn, [got.table for got in gots])
+        if n is None:
+            n = checks()
+            if turn.checked is not None:
+                turn.checked.record()
+            updates()
+        if turn.done is not None:
+            turn.done.record()
+        fused = {id(slot): plan.scalar for (slot, _), plan in zip(collected, plans)
+                 if plan is not None}
+        return _Verdict(gots, turn.guard, turn.flags[:n], turn.checked, None), fused
+
+    @staticmethod
+    def _verdict_per_device(gots: list, grads: list, devices) -> "_Verdict":
         found_at = {}
         for device in devices:
             found = torch.zeros(1, device=device)
@@ -627,34 +696,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if g.device == device:
                     by_dtype.setdefault(g.dtype, []).append(g)
             for same in by_dtype.values():
-                try:  # one multi-tensor kernel over every gradient; scaling by 1.0 changes none
+                try:
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         same, found, torch.ones(1, device=device))
-                except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
+                except (RuntimeError, AttributeError, NotImplementedError):
                     found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
             found_at[device] = found.long()
-        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
-            return _Verdict(collected, None, None, None, found_at)
-        (device,) = devices
-        flat = torch.cat([got.batch.meta for got in collected]
-                         + [got.cache_stats for got in collected if got.cache_stats is not None]
-                         + [found_at[device]])
-        guard = (flat[0:3 * len(collected):3].sum() + flat[-1]).reshape(1)
-        if before is not None and before.device == guard.device:
-            guard = guard + before
-        host, event = flat, None
-        if device.type == "cuda":
-            self._flip ^= 1
-            key = (device, flat.numel(), self._flip)
-            buf = self._flag_buffers.get(key)
-            if buf is None:
-                buf = self._flag_buffers[key] = torch.empty(
-                    flat.numel(), dtype=flat.dtype, pin_memory=True)
-            buf.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            host = buf
-        return _Verdict(collected, guard, host, event, None)
+        return _Verdict(gots, None, None, None, found_at)
 
     def _may_read_late(self, collected, dense, fused, verdict) -> bool:
         """Whether this step's checks may be read at the next step (OffloadConfig.checks)."""
@@ -712,7 +760,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.synchronize()
         state = dict(self.__dict__)
         state.pop("step", None)
-        state["_flag_buffers"] = {}
+        state["_rings"] = {}
+        state["_graphs"] = steps.StepGraphs()
         return state
 
     def zero_grad(self, set_to_none: bool = True) -> None:

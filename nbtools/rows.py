@@ -344,13 +344,12 @@ class RowStore:
             return into.copy_(torch.where(unused, into, rows))
         return rows.masked_fill_(unused, 0)
 
-    def target(self, ids: torch.Tensor, layout: RowLayout, rounding: str = "nearest",
-               seed: int = 0) -> kernels.Target:
+    def target(self, ids: torch.Tensor, layout: RowLayout,
+               rounding: str = "nearest") -> kernels.Target:
         """Where a fused update of the rows ``ids`` writes: the table's view (and its weights as
         ``layout`` stores them) and, with a cache, the cache and each id's slot in it."""
         view = self.host.view()
-        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding,
-                           seed=seed)
+        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding)
         if self.cache is not None:
             t.cache, t.cache_w = self.cache.rows, layout.weight(self.cache.rows)
             t.slots = self.cache.locate(ids)

@@ -539,6 +539,85 @@ def test_late_checks_never_wait_for_the_gpu(placement):
     assert took["auto"] < slept / 4 and took["every_step"] > slept / 2, (took, slept)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement,kind", [("gpu", "adamw"), ("host", "adamw"),
+                                            ("host", "cache+bf16"), ("gpu", "sgd+adagrad")])
+def test_step_graphs_train_exactly_as_eager_steps(placement, kind):
+    """Once a step repeats (its tensors back at the same addresses), its checks and fused
+    updates replay as two CUDA graphs. Training is bit-identical to queueing them op by op,
+    with scalars that change every step read from memory: Adam's bias corrections, a
+    scheduler's learning rate, the stochastic rounding seed."""
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 300, (16,), generator=gen).cuda(),
+                torch.randint(0, 200, (16,), generator=gen).cuda()) for _ in range(12)]
+    out = []
+    for graphs in (True, False):
+        torch.manual_seed(0)
+        kw = dict(dtype=torch.bfloat16, rounding="stochastic", cache_rows=32) \
+            if kind == "cache+bf16" else {}
+        users = OffloadedEmbedding(300, 6, device="cuda", name="users", placement=placement, **kw)
+        items = OffloadedEmbedding(200, 6, device="cuda", name="items", placement=placement, **kw)
+        if kind == "sgd+adagrad":
+            opt = OffloadOptimizer(O.SGD, [users, {"params": [items], "momentum": 0.0}],
+                                   lr=0.1, momentum=0.9, nesterov=True)
+        else:
+            opt = OffloadOptimizer(O.AdamW, [users, items], lr=0.05, weight_decay=0.1)
+        if not graphs:
+            opt._graphs.max_graphs = 0
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+        for u, i in batches:
+            opt.zero_grad()
+            (users(u) * items(i)).sum(-1).square().mean().backward()
+            opt.step()
+            sched.step()
+        opt.synchronize()
+        assert (opt._graphs.replays >= 6) if graphs else (opt._graphs.replays == 0)
+        out.append(tables_of(opt))
+    assert_tables_equal(*out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault", ["id", "nan"])
+def test_step_graphs_still_stop_a_bad_step(fault):
+    """A bad id or an inf gradient in a step that replays as a graph: that step and the next
+    write nothing, the next raises, and training goes on as if neither had happened."""
+    u = torch.tensor([1, 2, 3, 4], device="cuda")
+    i = torch.tensor([5, 6, 7, 8], device="cuda")
+    bad_i = torch.tensor([5, 6, 25, 8], device="cuda")
+    torch.manual_seed(0)
+    model = Dot("cuda")
+    twin = copy.deepcopy(model)
+    opt, ref = fused_opt(model, "cuda"), fused_opt(twin, "cuda")
+    ref._graphs.max_graphs = 0
+
+    def step(m, o, ids=i, scale=1.0):
+        o.zero_grad()
+        (m(u, ids) * scale).square().mean().backward()
+        o.step()
+    for _ in range(8):
+        step(model, opt)
+        step(twin, ref)
+    assert opt._graphs.replays > 0
+    replays = opt._graphs.replays
+    opt.synchronize()
+    before = tables_of(opt)
+    if fault == "id":
+        step(model, opt, ids=bad_i)
+    else:
+        step(model, opt, scale=float("inf"))
+    assert opt._graphs.replays == replays + 1          # the bad step itself ran as a graph
+    with pytest.raises(IndexError if fault == "id" else NonFiniteGradientError,
+                       match="one step late"):
+        step(model, opt)
+    assert_tables_equal(before, tables_of(opt))
+    for _ in range(3):
+        step(model, opt)
+        step(twin, ref)
+    opt.synchronize()
+    ref.synchronize()
+    assert_tables_equal(tables_of(opt), tables_of(ref))
+
+
 def syncs_during(step, n: int) -> list:
     """The synchronising calls torch.cuda's sync debug mode reports over ``n`` calls of
     ``step`` (after the GPU has caught up)."""

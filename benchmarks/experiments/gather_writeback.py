@@ -32,7 +32,17 @@ def main():
     view = h.view()
     dev = torch.device("cuda")
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    adam = kernels.fused_update_for(torch.optim.Adam, group, ["exp_avg", "exp_avg_sq"], torch.float32)
+    fused = kernels.fused_update_for(torch.optim.Adam, group, ["exp_avg", "exp_avg_sq"],
+                                     torch.float32)
+    values, consts = fused.scalars(group, 5, 0)
+    hyper = torch.tensor(values, dtype=torch.float64, device=dev)
+    guard = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def adam(rows, grad, dst, ids):
+        """The fused Adam update of ``rows`` (at ``ids``) written to ``dst``."""
+        target = kernels.Target(dst, dst[:, :d], d)
+        count = torch.tensor([ids.numel()], device=dev)
+        fused(rows, rows[:, :d], grad, target, ids, count, guard, hyper, consts)
     for label, m, cap in (("65,536 unique", 65536, 65536), ("19,000 of cap 65,536", 19000, 65536),
                           ("4,096 unique", 4096, 4096)):
         ids = torch.sort(torch.randperm(n, device=dev)[:m]).values
@@ -49,8 +59,8 @@ def main():
             "triton masked gather": ms(lambda: kernels.gather_rows(view, padded, count, out)),
             "index_select clamped (cap rows)": ms(lambda: view.index_select(0, padded.clamp(max=n - 1))),
             "index_copy_ (m rows)": ms(lambda: view.index_copy_(0, ids, rows)),
-            "fused adam -> host": ms(lambda: adam(rows, grad, view, ids, group, 5)),
-            "fused adam in GPU + index_copy_": ms(lambda: (adam(rows, grad, rows, arange, group, 5),
+            "fused adam -> host": ms(lambda: adam(rows, grad, view, ids)),
+            "fused adam in GPU + index_copy_": ms(lambda: (adam(rows, grad, rows, arange),
                                                           view.index_copy_(0, ids, rows))),
         }
         print(f"\n## {label}: {m:,} rows of {w * 4} B ({mb:.0f} MB)")
@@ -62,11 +72,9 @@ def main():
             ids = torch.sort(torch.randperm(n, device=dev)[:m]).values
             out = torch.empty(m, w, device=dev)
             count = torch.tensor([m], device=dev)
-            k = kernels._kernels()["gather"]
-            grid = (m // br, 1)
-            f = lambda: k[grid](view, view.stride(0), 0, ids, count, n, out, out.stride(0), m, w,
-                                BLOCK_R=br, BLOCK_C=512, num_warps=nw)
-            t = ms(f)
+            kernels.TILES["gather"] = (br, 512, nw)
+            t = ms(lambda: kernels.gather_rows(view, ids, count, out))
+            kernels.TILES.pop("gather")
             print(f"gather BLOCK_R={br:<3} num_warps={nw}: {t:.3f} ms {m * w * 4 / 1e6 / t:.1f} GB/s")
 
 

@@ -4,7 +4,7 @@
 sorted unique ids of 65,536 uniform draws. Times, in ms (median of 5 loops of 20 calls):
   torch index_select / index_copy_   the traffic floor's two halves (bench_step.py "floor")
   gather R x C / W                   kernels.gather_rows with BLOCK_R=R, BLOCK_C=C, W warps
-  adam R x C / W                     kernels.fused_adam writing the rows back (same tiles)
+  adam R x C / W                     the fused Adam update writing the rows back (same tiles)
   read || write                      a gather and a scatter of different rows on two streams
                                      at once, against the two in series (do they overlap?)
 
@@ -58,7 +58,10 @@ def main():
     grad = torch.randn(cap, d, device=dev) * 1e-3
     target = kernels.Target(view=view, view_w=view[:, :d], state_col=d)
     group = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    cols = {"exp_avg": 1, "exp_avg_sq": 2}
+    adam = kernels.fused_update_for(torch.optim.Adam, group, ["exp_avg", "exp_avg_sq"],
+                                    torch.float32)
+    values, consts = adam.scalars(group, 5, 0)
+    hyper = torch.tensor(values, dtype=torch.float64, device=dev)
     res = {}
     res["torch index_select"] = timed(lambda: view.index_select(0, ids))
     src = torch.zeros(ids.numel(), width, device=dev)
@@ -86,8 +89,7 @@ def main():
     for tile in UPDATE:
         kernels.TILES["update"] = tile
         res["adam %d x %d / %d" % tile] = timed(
-            lambda: kernels.fused_adam(rows, rows[:, :d], grad, target, kid, count, guard, group,
-                                       5, cols, decoupled=False))
+            lambda: adam(rows, rows[:, :d], grad, target, kid, count, guard, hyper, consts))
     kernels.TILES.pop("update")
     host.close()
     print(f"\n{torch.cuda.get_device_name(dev)}: 4,000,000 x 384 fp32, {ids.numel():,} unique ids")

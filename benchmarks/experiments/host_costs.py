@@ -1,0 +1,100 @@
+"""Where a small step's host (CPU) time goes: bench_step.py's 4,000,000 x 128 Adam step with
+4,096 uniform ids, nbtools GPU-placed and offloaded against nn.Embedding(sparse=True) +
+SparseAdam.
+
+At this size the GPU finishes each step long before the host has queued the next, so the
+step's wall time is the host's time. Every piece of the step is wrapped with a timer (a few
+hundred nanoseconds each) and timed over ``--steps`` steps; the table gives microseconds of
+CPU per step per piece (indented pieces are inside the one above: _queue holds the graph
+replay, or, for a step not seen before, the checks and launches queued op by op).
+
+    python benchmarks/experiments/host_costs.py [--steps 300]     # GPU machine, ~20 s
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+import bench_step as bs  # noqa: E402
+from nbtools import optim, rows, steps, tables  # noqa: E402
+
+SPENT = collections.Counter()
+
+
+def timed(owner, name, label=None):
+    """Wrap ``owner.name`` so each call adds its wall time to SPENT[label]."""
+    fn = getattr(owner, name)
+    label = label or f"{getattr(owner, '__name__', owner)}.{name}"
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            SPENT[label] += time.perf_counter() - t0
+    setattr(owner, name, wrapper)
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--ids", type=int, default=4096)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 4_000_000, (args.ids,), generator=gen).to(device)
+               for _ in range(20)]
+    wraps = [(optim.OffloadOptimizer, "step", "opt.step"),
+             (optim.OffloadOptimizer, "_queue", "  _queue (checks + updates)"),
+             (optim.OffloadOptimizer, "_settle", "  _settle"),
+             (optim._TableSlot, "plan_fused", "    plan_fused"),
+             (steps.StepGraphs, "run", "    StepGraphs.run (replay)"),
+             (steps, "queue_checks", "    queue_checks (eager)"),
+             (optim._TableSlot, "queue_fused", "    queue_fused (eager)"),
+             (tables.OffloadedEmbedding, "collect", "  collect"),
+             (tables.OffloadedEmbedding, "forward", "table(ids)"),
+             (rows.LookupGraphs, "run", "  LookupGraphs.run")]
+    for owner, name, label in wraps:
+        timed(owner, name, label)
+    results = {}
+    for system, make in (("torch sparse", lambda: bs.torch_sparse_step(4_000_000, 128, device)),
+                         ("nbtools gpu", lambda: bs.nbtools_step(4_000_000, 128, device,
+                                                                 placement="gpu")),
+                         ("nbtools host", lambda: bs.nbtools_step(4_000_000, 128, device))):
+        step, keep = make()
+        if system == "torch sparse":
+            emb, opt = keep
+            timed(opt, "step", "opt.step")
+            timed(emb, "forward", "table(ids)")
+        orig_backward = torch.Tensor.backward
+        timed(torch.Tensor, "backward", "loss.backward")
+        for i in range(30):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        SPENT.clear()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps * 1e6
+        torch.Tensor.backward = orig_backward
+        results[system] = (wall, {k: v / args.steps * 1e6 for k, v in SPENT.items()})
+        del step, keep
+        torch.cuda.empty_cache()
+    for system, (wall, parts) in results.items():
+        print(f"\n=== {system}: {wall:.1f} us/step wall (timers included)")
+        for k, us in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {us:8.1f} us  {k}")
+
+
+if __name__ == "__main__":
+    main()
