@@ -212,6 +212,8 @@ class _TableSlot:
         self.opt = None
         self.skipped_steps = 0
         self.use_fused = config.fused
+        self._fused_for = self._fused = None      # fused_update's last answer, and for what
+        self._name_crc = zlib.crc32(name.encode())
         if config.fused not in ("auto", True, False):
             raise ValueError(f"OffloadConfig.fused must be 'auto', True or False, "
                              f"got {config.fused!r}")
@@ -225,7 +227,16 @@ class _TableSlot:
         if self.use_fused is False:
             return None
         store = self.table.rows
+        try:          # the last answer, while nothing it depends on has changed
+            key = (store.direct, store.device, self.table.compute_dtype,
+                   tuple(kv for kv in self.group.items() if kv[0] != "params"))
+            hash(key)
+        except TypeError:                   # an unhashable hyper-parameter: ask every step
+            key = None
+        if key is not None and key == self._fused_for:
+            return self._fused
         if not (store.direct or self.use_fused is True) or not kernels.usable_on(store.device):
+            self._fused_for, self._fused = key, None
             return None
         fn = kernels.fused_update_for(self.cls, self.group, self.names, self.table.compute_dtype)
         if fn is None and self.use_fused is True:
@@ -233,6 +244,7 @@ class _TableSlot:
                 f"table {self.name!r}: no fused kernel for {self.cls.__name__} with "
                 f"{self.hyper()} on a {self.table.compute_dtype} table; use "
                 "OffloadConfig(fused='auto') to fall back to the generic path")
+        self._fused_for, self._fused = key, fn
         return fn
 
     def _next_scalar_state(self) -> tuple[int, dict]:
@@ -284,7 +296,7 @@ class _TableSlot:
 
     def _seed(self, t: int) -> int:
         """Stochastic rounding's seed for step ``t``: a new one every step, per table."""
-        return (t * 1_000_003 + zlib.crc32(self.name.encode())) % (1 << 31)
+        return (t * 1_000_003 + self._name_crc) % (1 << 31)
 
     def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
         """The step went ahead: keep its scalar state and count the bytes written."""

@@ -22,6 +22,8 @@ when checks are read late.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .hostmem import HostTensor
@@ -53,11 +55,14 @@ class Turn:
 
 
 class StepRing:
-    """Turns of step buffers, used in rotation (three: the host is at most about one step
-    ahead of the GPU when checks are read late, so a turn is free again when it comes
-    back; if it is not, :meth:`next` waits for it)."""
+    """Turns of step buffers, used in rotation. Two: a step's flags are read by the next
+    step at the latest, and when a turn comes back its updates are all but always done (the
+    host waits for the checks of the step before, queued right before those updates); if
+    they are not, :meth:`next` waits for them. Two turns also match a training loop's own
+    rhythm: a step whose checks are read late keeps its gradients until the next step, so
+    gradients come back to the same addresses every other step, and so do the turns."""
 
-    def __init__(self, device: torch.device, tables: int, turns: int = 3):
+    def __init__(self, device: torch.device, tables: int, turns: int = 2):
         self.turns = [Turn(device, tables, i) for i in range(turns)]
         self.at = turns - 1
 
@@ -131,6 +136,7 @@ class StepGraphs:
         self._seen: dict = {}
         self._failed: set = set()
         self.replays = 0              # steps that ran as graphs (for tests and diagnostics)
+        self.errors: list = []        # why captures failed
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -152,9 +158,14 @@ class StepGraphs:
                 return None
             try:
                 entry = self._capture(checks, updates, turn, keep)
-            except RuntimeError:
-                # e.g. another thread's work on the same stream; this step runs eagerly
+            except RuntimeError as e:
+                # this kind of step runs eagerly from now on (slower, not wrong); say why once
                 self._failed.add(key)
+                if not self.errors:
+                    warnings.warn(f"nbtools: an optimizer step could not be captured as a CUDA "
+                                  f"graph and runs op by op instead: {e}", RuntimeWarning,
+                                  stacklevel=4)
+                self.errors.append(str(e))
                 return None
             self._graphs[key] = entry
         entry.checks.replay()
