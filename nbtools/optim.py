@@ -285,14 +285,19 @@ class _TableSlot:
         plan.fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
                    hyper, plan.consts)
 
-    def graph_key(self, got: StepRows, plan: "_FusedPlan") -> tuple:
-        """What a CUDA graph of this table's checks and update bakes in."""
+    def graph_key(self, got: StepRows, plan: "_FusedPlan") -> tuple[tuple, list]:
+        """What a CUDA graph of this table's checks and update bakes in, and the objects
+        named in it by identity (the graph keeps them, so no other object takes their id)."""
         store, sig = self.table.rows, steps.signature
-        return (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
-                self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
-                sig(got.rows), sig(got.grad), sig(got.batch.ids), sig(got.batch.meta),
-                sig(got.cache_stats), sig(store.view()),
-                sig(None if store.cache is None else store.cache.rows))
+        caps = got.captures
+        if len(caps) == 1 and caps[0] is not None and got.rows is caps[0].rows:
+            looked = id(caps[0])        # a captured lookup: its outputs never move
+        else:
+            looked = (sig(got.rows), sig(got.batch.ids), sig(got.batch.meta))
+        key = (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
+               self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
+               looked, sig(got.grad), id(store.host), id(store.cache))
+        return key, [caps[0] if caps else None, store.host, store.cache]
 
     def _seed(self, t: int) -> int:
         """Stochastic rounding's seed for step ``t``: a new one every step, per table."""
@@ -682,11 +687,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         n = None
         if device.type == "cuda" and all(p is not None for p in plans) and \
                 all(got.table.config.cuda_graphs for got in gots):
-            sig = steps.signature
-            key = (turn.index, linked, tuple(slot.graph_key(got, plan) for (slot, got), plan
-                                             in zip(collected, plans)),
-                   tuple(sig(g) for _, g in dense))
-            n = self._graphs.run(key, checks, updates, turn, [got.table for got in gots])
+            parts = [slot.graph_key(got, plan) for (slot, got), plan in zip(collected, plans)]
+            key = (turn.index, linked, tuple(k for k, _ in parts),
+                   tuple(steps.signature(g) for _, g in dense))
+            n = self._graphs.run(key, checks, updates, turn, [keep for _, keep in parts])
         if n is None:
             n = checks()
             if turn.checked is not None:

@@ -178,26 +178,6 @@ def merge(batches: list, grads: list):
     return merged, grad, pick
 
 
-class RowsOfIds(torch.autograd.Function):
-    """``rows[inverse]`` whose backward sums the gradient of each slot with one ``index_add_``
-    (``F.embedding``'s backward sorts the ids again and costs ~0.5 ms of CPU per lookup on an
-    H100 machine; the ids are already deduplicated here). ``index_add_`` follows
-    ``torch.use_deterministic_algorithms``."""
-
-    @staticmethod
-    def forward(ctx, rows, inverse):
-        ctx.save_for_backward(inverse)
-        ctx.rows = rows.shape[0]
-        return rows.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (inverse,) = ctx.saved_tensors
-        grad = grad_out.new_zeros(ctx.rows, grad_out.shape[-1])
-        grad.index_add_(0, inverse, grad_out.reshape(-1, grad_out.shape[-1]))
-        return grad, None
-
-
 class DeviceRows:
     """A table's rows held on the GPU (``placement="gpu"``): what :class:`HostTensor` is for
     host rows, with the same attributes, so a RowStore treats both alike."""

@@ -32,7 +32,7 @@ from .devices import gpu_free_bytes, host_memory_bytes, human_bytes, resolve_dev
 from .hostmem import HostTensor, count_cache, pin_tensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
-from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowsOfIds, RowStore, merge,
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge,
                    unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -864,7 +864,10 @@ class OffloadedEmbedding(nn.Module):
     def forward(self, ids) -> torch.Tensor:
         ids = self._prepare_ids(ids)
         rows, inv = self._lookup(ids)
-        return RowsOfIds.apply(rows, inv).view(*ids.shape, self.embedding_dim)
+        # index_select's own backward is what a lookup needs: the gradient of each unique
+        # row is one index_add_ over the ids (F.embedding's backward would sort the ids
+        # again; they are deduplicated already), and it runs in C++ with no Python in it
+        return rows.index_select(0, inv).view(*ids.shape, self.embedding_dim)
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
