@@ -599,10 +599,8 @@ def test_step_graphs_still_stop_a_bad_step(fault):
     for _ in range(16):
         step(model, opt)
         step(twin, ref)
-    assert opt._graphs.replays > 0
     replays = opt._graphs.replays
-    opt.synchronize()
-    before = tables_of(opt)
+    assert replays > 0
     if fault == "id":
         step(model, opt, ids=bad_i)
     else:
@@ -611,7 +609,8 @@ def test_step_graphs_still_stop_a_bad_step(fault):
     with pytest.raises(IndexError if fault == "id" else NonFiniteGradientError,
                        match="one step late"):
         step(model, opt)
-    assert_tables_equal(before, tables_of(opt))
+    ref.synchronize()
+    assert_tables_equal(tables_of(opt), tables_of(ref))   # neither step wrote anything
     for _ in range(3):
         step(model, opt)
         step(twin, ref)
