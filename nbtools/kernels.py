@@ -375,6 +375,17 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
     return max(1, 4096 // block_c), block_c, 4
 
 
+@functools.lru_cache(maxsize=None)
+def zero_copy_programs(device: torch.device) -> int | None:
+    """The grid cap of a gather from pinned host memory: two programs per SM, each looping
+    over blocks of rows (None off CUDA). Measured on an H100 (benchmarks/RESULTS.md): a
+    persistent grid of 16 to 528 programs reads host rows ~11% faster than one program per
+    block of rows, and leaves SMs free for kernels beside it."""
+    if device.type != "cuda":
+        return None
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
                 col0: int = 0, cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, programs: int | None = None,

@@ -294,7 +294,8 @@ class RowStore:
         """Rows of a :class:`RowBatch`: [capacity, width]; rows of unused slots and of the
         sentinel are zeros. No host synchronisation where the kernels run (CUDA + Triton).
         ``admit``: a training lookup, whose rows the cache (if any) counts and may admit.
-        ``programs``: caps the gather kernel's grid (:func:`kernels.gather_rows`). ``into``:
+        ``programs``: caps the gather kernel's grid (:func:`kernels.gather_rows`); rows read
+        from pinned host memory default to :func:`kernels.zero_copy_programs`. ``into``:
         write the rows into this [capacity, width] tensor and return it, leaving the rows of
         unused slots and of the sentinel as they were."""
         stop = self.width if stop is None else stop
@@ -310,6 +311,8 @@ class RowStore:
                 # read); with a cache they are counted from its statistics at the step
                 itemsize = self.host.tensor.element_size()
                 self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
+            if programs is None and self.mode == "zero-copy":
+                programs = kernels.zero_copy_programs(self.device)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start,
                                        None if slots is None else self.cache.rows, slots,
                                        programs, keep=into is not None)

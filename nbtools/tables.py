@@ -161,13 +161,6 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tu
                     f"{human_bytes(free)} free on {device}")
 
 
-def _prefetch_programs(device: torch.device) -> int | None:
-    """The grid cap of a prefetch's gather: two programs per SM (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclasses.dataclass
 class _Prefetched:
     """A training lookup started ahead (:meth:`OffloadedEmbedding.prefetch`): the ids tensor it
@@ -735,10 +728,9 @@ class OffloadedEmbedding(nn.Module):
             side.wait_stream(main)          # after this step's lookups (and their admission)
             with torch.cuda.stream(side), torch.no_grad():
                 batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-                # a capped grid: its programs wait on PCIe without holding every SM, so the
-                # step's own kernels keep running beside it
-                rows = self._rows.gather_batch(batch, 0, width, admit=True,
-                                               programs=_prefetch_programs(self.device))
+                # on its capped grid (RowStore.gather_batch) the gather's programs wait on
+                # PCIe without holding every SM: the step's own kernels run beside it
+                rows = self._rows.gather_batch(batch, 0, width, admit=True)
                 event = torch.cuda.Event()
                 event.record(side)
             for t in (flat, batch.ids, batch.inverse, batch.meta, rows):
