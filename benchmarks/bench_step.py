@@ -83,7 +83,10 @@ def cache_bytes_for(n, dim, share, states=2):
 
 
 def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
-                 prefetch=False, **table_kw):
+                 prefetch=False, zero_copy_per_sm=None, **table_kw):
+    if zero_copy_per_sm is not None:
+        from nbtools import kernels
+        kernels.ZERO_COPY_PER_SM = zero_copy_per_sm
     if cache_share:
         table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
@@ -206,6 +209,8 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16+bf16 state": dict(placement="host", dtype=torch.bfloat16,
                                          state_dtype=torch.bfloat16),
     "nbtools host prefetch": dict(placement="host", prefetch=True),
+    # the lookup's gather on one program per block of rows instead of a capped grid
+    "nbtools host uncapped": dict(placement="host", zero_copy_per_sm=0),
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
@@ -337,6 +342,8 @@ def main():
               res["floor_ms"].get(case))
         ratio(f"host prefetch / host, {case}", get(f"nbtools host prefetch | {case}"),
               get(f"nbtools host | {case}"))
+        ratio(f"host uncapped / traffic floor, {case}", get(f"nbtools host uncapped | {case}"),
+              res["floor_ms"].get(case))
     for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
         ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),

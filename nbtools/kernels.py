@@ -375,15 +375,23 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
     return max(1, 4096 // block_c), block_c, 4
 
 
+# Programs per SM of a gather from pinned host memory (0: one program per block of rows).
+ZERO_COPY_PER_SM = 2
+
+
 @functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def zero_copy_programs(device: torch.device) -> int | None:
-    """The grid cap of a gather from pinned host memory: two programs per SM, each looping
-    over blocks of rows (None off CUDA). Measured on an H100 (benchmarks/RESULTS.md): a
-    persistent grid of 16 to 528 programs reads host rows ~11% faster than one program per
-    block of rows, and leaves SMs free for kernels beside it."""
-    if device.type != "cuda":
+    """The grid cap of a gather from pinned host memory: :data:`ZERO_COPY_PER_SM` programs
+    per SM, each looping over blocks of rows (None off CUDA, or uncapped). A capped grid's
+    programs wait on PCIe without holding every SM, so kernels beside it (a prefetch's
+    gather beside the step's compute) keep running (benchmarks/RESULTS.md)."""
+    if device.type != "cuda" or not ZERO_COPY_PER_SM:
         return None
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return ZERO_COPY_PER_SM * _sms(device)
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
