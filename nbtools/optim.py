@@ -707,16 +707,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         found_at = {}
         for device in devices:
             found = torch.zeros(1, device=device)
-            by_dtype = {}
-            for g in grads:
-                if g.device == device:
-                    by_dtype.setdefault(g.dtype, []).append(g)
-            for same in by_dtype.values():
-                try:
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        same, found, torch.ones(1, device=device))
-                except (RuntimeError, AttributeError, NotImplementedError):
-                    found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
+            steps.find_nonfinite([g for g in grads if g.device == device], found,
+                                 torch.ones(1, device=device))
             found_at[device] = found.long()
         return _Verdict(gots, None, None, None, found_at)
 

@@ -80,6 +80,19 @@ class StepRing:
         return self.turns[(self.at - 1) % len(self.turns)]
 
 
+def find_nonfinite(grads: list, found: torch.Tensor, one: torch.Tensor) -> None:
+    """Set ``found`` (float [1], zero) nonzero where any of ``grads`` (one device) holds
+    inf/nan: one multi-tensor kernel per dtype (``one``: a scale of 1.0, which changes none)."""
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+        except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
+            found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
+
+
 def queue_checks(turn: Turn, grads: list, flags: list, tables: int, before=None) -> int:
     """Queue the step's checks: ``flags`` (each table's ``[bad, count, sentinel]``, then
     cache statistics) and whether any of ``grads`` holds inf/nan go to ``turn.flags``; the
@@ -87,14 +100,7 @@ def queue_checks(turn: Turn, grads: list, flags: list, tables: int, before=None)
     ``turn.guard``. Returns how many flags the host will read."""
     found = turn.found
     found.zero_()
-    by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        try:   # one multi-tensor kernel over every gradient; scaling by 1.0 changes none
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, turn.one)
-        except (RuntimeError, AttributeError, NotImplementedError):   # dtypes it lacks
-            found += torch.stack([~torch.isfinite(g).all() for g in same]).any()
+    find_nonfinite(grads, found, turn.one)
     n = sum(f.numel() for f in flags) + 1
     # written by a kernel straight into pinned host memory (no copy to queue), and read back
     # from there for the guard: a few values, one PCIe read
