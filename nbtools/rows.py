@@ -431,13 +431,23 @@ class LookupGraphs:
 
         side = torch.cuda.Stream(flat.device)
         side.wait_stream(torch.cuda.current_stream(flat.device))
-        stats = store.cache.stats.clone() if store.cache is not None else None
+        cache = store.cache
+        if cache is not None:
+            kept = [(t, t.clone()) for t in (cache.stats, cache.tick, cache.stamp)]
         with torch.cuda.stream(side):           # warm-up: kernels compiled, workspaces sized
             lookup()
             lookup()
         torch.cuda.current_stream(flat.device).wait_stream(side)
-        if stats is not None:                   # the warm-ups are not lookups of the model's
-            store.cache.stats.copy_(stats)
+        if cache is not None:
+            # The warm-ups are not lookups of the model's: their statistics, their ticks and
+            # their counts of the batch's rows are taken back (the rows they admitted stay,
+            # as if admitted a little early; every row's value is where it was).
+            for t, before in kept:
+                t.copy_(before)
+            batch = unique_ids(static, n, padding_idx)
+            live = (torch.arange(batch.capacity, device=flat.device) < batch.count) & \
+                (batch.ids < n)
+            cache.freq.index_add_(0, batch.ids, -2 * live.int())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             batch, rows = lookup()

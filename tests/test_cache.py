@@ -312,6 +312,32 @@ def test_cache_keeps_one_host_sync_per_step():
     assert (table.cache.locate(torch.arange(64, device="cuda")) >= 0).all()
 
 
+@pytest.mark.gpu
+def test_captured_lookups_count_each_row_once():
+    """A lookup captured as a CUDA graph runs twice first (warm-ups); the cache counts only
+    the model's lookups: counts, ticks and statistics equal those of the same training with
+    every lookup eager."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.cat([torch.arange(8), torch.randint(8, 500, (24,), generator=gen)])
+               for _ in range(8)]
+    got = []
+    for graphs in (True, False):
+        table = OffloadedEmbedding(500, 4, device="cuda", name="t", cache_rows=64,
+                                   cuda_graphs=graphs)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
+        for ids in batches:
+            opt.zero_grad()
+            table(ids.cuda()).square().sum().backward()
+            opt.step()
+        opt.synchronize()
+        captured = sum(len(c) for c in table._graphs._graphs.values())
+        assert captured == (1 if graphs else 0)
+        c = table.cache
+        got.append((c.freq.cpu(), int(c.tick), table.cache_stats()["lookups"]))
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1:] == got[1][1:] and got[0][1] == 8
+    assert int(got[0][0][:8].min()) == 8             # the rows in every batch: 8 lookups
+
+
 # --- prefetch: the next lookup started while this step computes --------------------------------
 def unique_batches(kind, steps, batch=40, seed=0):
     """Batches of distinct ids (so CUDA's atomic gradient sums have nothing to reorder and

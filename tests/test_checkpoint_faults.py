@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager, CheckpointSpaceError
+from nbtools.devices import cuda_ok
 
 KILLS = int(os.environ.get("NBTOOLS_CKPT_KILLS", "25"))
 # Tiny chunks and files: a save is dozens of writes and several fsyncs, so kills land inside it.
@@ -32,6 +33,8 @@ def _saver(directory: str, conn) -> None:
     ck = CheckpointManager(directory, keep=3, config=CONFIG)
     state = {}
     step = ck.restore(x=state) or 0
+    if cuda_ok():      # a save records CUDA's RNG state: start CUDA before the kill window opens
+        torch.cuda.get_rng_state_all()
     conn.send(("ready", step))
     while True:
         step += 1
