@@ -209,6 +209,8 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16+bf16 state": dict(placement="host", dtype=torch.bfloat16,
                                          state_dtype=torch.bfloat16),
     "nbtools host prefetch": dict(placement="host", prefetch=True),
+    # ids handed over as host tensors: the prefetch's copy and dedup run beside the update
+    "nbtools host prefetch host-ids": dict(placement="host", prefetch=True, host_ids=True),
     # the lookup's gather on one program per block of rows instead of a capped grid
     "nbtools host uncapped": dict(placement="host", zero_copy_per_sm=0),
 }
@@ -244,7 +246,9 @@ def run_system(name, args, device) -> dict:
         ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30,
                                    profile_to=prof)
         return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
-    kw = SYSTEMS[name]
+    kw = dict(SYSTEMS[name]) if SYSTEMS[name] is not None else None
+    if kw is not None and kw.pop("host_ids", False):
+        cases = {k: [b.cpu() for b in v] for k, v in cases.items()}
     step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
                   nbtools_step(args.rows, args.dim, device, **kw))
     out = {"ms": {}, "syncs": {}}
@@ -344,6 +348,8 @@ def main():
               get(f"nbtools host | {case}"))
         ratio(f"host uncapped / traffic floor, {case}", get(f"nbtools host uncapped | {case}"),
               res["floor_ms"].get(case))
+        ratio(f"host prefetch host-ids / traffic floor, {case}",
+              get(f"nbtools host prefetch host-ids | {case}"), res["floor_ms"].get(case))
     for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
         ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),

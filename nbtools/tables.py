@@ -171,6 +171,7 @@ class _Prefetched:
     batch: RowBatch
     rows: torch.Tensor
     event: object
+    origin: object = None           # the ids as passed (a host tensor, copied by the prefetch)
     written: list = dataclasses.field(default_factory=list)
 
 
@@ -711,13 +712,17 @@ class OffloadedEmbedding(nn.Module):
         so the result is bit-identical to not prefetching. A lookup of other ids ignores the
         prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
         drops it. On the CPU the same work runs at once (no overlap, same results).
+
+        Ids on the GPU are ready only once the work queued before this call is done, which
+        includes the last step's update. Ids given as a host tensor are copied and
+        deduplicated on the side stream at once, beside that update; only the gather waits
+        for it. So where the ids come from the host, pass them as they are.
         """
         if not (self._owned and self.trainable):
             raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
-        ids = self._prepare_ids(ids)
+        origin = ids
         self._drop_prefetch()
-        flat = ids.reshape(-1).long()
         width = self._rows.width if self._state_names else self._layout.weight_cols
         cuda = self.device.type == "cuda"
         if cuda:
@@ -725,22 +730,32 @@ class OffloadedEmbedding(nn.Module):
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)
             side = self._side_stream
+            from_host = isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
+            if not from_host:   # ids made on the GPU: ready once what is queued so far is
+                ids = self._prepare_ids(ids)
+                side.wait_stream(main)
+            with torch.cuda.stream(side), torch.no_grad():
+                if from_host:   # copied and deduplicated at once, beside the GPU's work
+                    ids = self._prepare_ids(ids)
+                flat = ids.reshape(-1).long()
+                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
             side.wait_stream(main)          # after this step's lookups (and their admission)
             with torch.cuda.stream(side), torch.no_grad():
-                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
                 # on its capped grid (RowStore.gather_batch) the gather's programs wait on
                 # PCIe without holding every SM: the step's own kernels run beside it
                 rows = self._rows.gather_batch(batch, 0, width, admit=True)
                 event = torch.cuda.Event()
                 event.record(side)
-            for t in (flat, batch.ids, batch.inverse, batch.meta, rows):
+            for t in (ids, flat, batch.ids, batch.inverse, batch.meta, rows):
                 t.record_stream(main)       # made on the side stream, used on the main one
         else:
+            ids = self._prepare_ids(ids)
+            flat = ids.reshape(-1).long()
             with torch.no_grad():
                 batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
                 rows = self._rows.gather_batch(batch, 0, width, admit=True)
             event = None
-        self._prefetched = _Prefetched(ids, batch, rows, event)
+        self._prefetched = _Prefetched(ids, batch, rows, event, origin)
 
     def __getstate__(self) -> dict:
         # A pending prefetch and the side stream belong to this process's CUDA work: a copy
@@ -853,8 +868,16 @@ class OffloadedEmbedding(nn.Module):
         LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()
 
+    def _device_ids(self, ids) -> torch.Tensor:
+        """``ids`` on the compute device; for the very ids a prefetch was started with, the
+        copy the prefetch made."""
+        pre = self._prefetched
+        if pre is not None and ids is pre.origin:
+            return pre.ids
+        return self._prepare_ids(ids)
+
     def forward(self, ids) -> torch.Tensor:
-        ids = self._prepare_ids(ids)
+        ids = self._device_ids(ids)
         rows, inv = self._lookup(ids)
         # index_select's own backward is what a lookup needs: the gradient of each unique
         # row is one index_add_ over the ids (F.embedding's backward would sort the ids
