@@ -108,15 +108,15 @@ def _kernels():
     @triton.jit
     def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
               dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-              cache_w_stride, slots, n_rows, cap, d, rb, HAS_CACHE: tl.constexpr,
+              cache_w_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
               MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Block rb of rows, this program's columns: where to read the state (src, in the gathered rows)
+        # This program's rows and columns: where to read the state (src, in the gathered rows)
         # and where to write it (out, in the table; cout, in the cache for hot rows), the same
         # for the weights (whose storage may be narrower: bf16 weights, fp32 state), which
         # rows are live and go to the table (hmask) or to the cache (cmask), the weights and
         # the gradients (fp32, negated to maximize).
         # Rows past the count, the sentinel, and every row when the guard is set: untouched.
-        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         idx = tl.load(ids + r, mask=r < cap, other=-1)
         count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
@@ -261,107 +261,98 @@ def _kernels():
     @triton.jit
     def sgd(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper, row_blocks,
+            slots, n_rows, cap, d, s0, hyper,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
             ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         lr, momentum, wd = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
         seed = _seed(hyper)
-        # each program takes every num_programs(0)-th block of rows (one block each,
-        # unless the grid was capped)
-        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
-            src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-                rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-                dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-                cache_w_stride, slots, n_rows, cap, d, rb, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
-            if HAS_WD:
-                g = g + wd * p
-            if MOMENTUM:
-                buf = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
-                buf = buf * momentum + g
-                _put(out, cout, hmask, cmask, s0, buf, seed, 1, elem, ROUND_S, HAS_CACHE)
-                if NESTEROV:
-                    g = g + momentum * buf
-                else:
-                    g = buf
-            p = p - lr * g
-            _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        if HAS_WD:
+            g = g + wd * p
+        if MOMENTUM:
+            buf = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
+            buf = buf * momentum + g
+            _put(out, cout, hmask, cmask, s0, buf, seed, 1, elem, ROUND_S, HAS_CACHE)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        p = p - lr * g
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
 
     @triton.jit
     def adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper, row_blocks,
+            slots, n_rows, cap, d, s0, hyper,
              M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
              SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
              HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+        # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
+        # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
         lr, beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
         eps, wd = _scalar(hyper, 3), _scalar(hyper, 4)
         step_size, bc2_sqrt = _scalar(hyper, 5), _scalar(hyper, 6)
         seed = _seed(hyper)
-        # each program takes every num_programs(0)-th block of rows (one block each,
-        # unless the grid was capped)
-        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
-            src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-                rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-                dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-                cache_w_stride, slots, n_rows, cap, d, rb, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
-            # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
-            # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
-            ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
-            eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
-            if SPARSE:
-                ea = ea + (g - ea) * (1.0 - beta1)
-                eq = eq + (g * g - eq) * (1.0 - beta2)
-                p = p + (-step_size) * (ea / (tl.sqrt(eq) + eps))
-            else:
-                if HAS_WD:
-                    if DECOUPLED:
-                        p = p * (1.0 - lr * wd)
-                    else:
-                        g = g + wd * p
-                ea = ea + (1.0 - beta1) * (g - ea)        # torch.lerp for weights below 0.5
-                eq = eq * beta2 + g * g * (1.0 - beta2)
-                if AMSGRAD:
-                    vmax = tl.load(src + s0 + (VMAX_COL - 1) * d, mask=mask,
-                                   other=0.0).to(tl.float32)
-                    vmax = tl.maximum(vmax, eq)
-                    _put(out, cout, hmask, cmask, s0 + (VMAX_COL - 1) * d, vmax, seed, VMAX_COL,
-                         elem, ROUND_S, HAS_CACHE)
-                    denom = tl.sqrt(vmax) / bc2_sqrt + eps
+        ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
+        eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
+        if SPARSE:
+            ea = ea + (g - ea) * (1.0 - beta1)
+            eq = eq + (g * g - eq) * (1.0 - beta2)
+            p = p + (-step_size) * (ea / (tl.sqrt(eq) + eps))
+        else:
+            if HAS_WD:
+                if DECOUPLED:
+                    p = p * (1.0 - lr * wd)
                 else:
-                    denom = tl.sqrt(eq) / bc2_sqrt + eps
-                p = p + (-step_size) * (ea / denom)
-            _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-            _put(out, cout, hmask, cmask, s0 + (M_COL - 1) * d, ea, seed, M_COL, elem, ROUND_S,
-                 HAS_CACHE)
-            _put(out, cout, hmask, cmask, s0 + (V_COL - 1) * d, eq, seed, V_COL, elem, ROUND_S,
-                 HAS_CACHE)
+                    g = g + wd * p
+            ea = ea + (1.0 - beta1) * (g - ea)        # torch.lerp for weights below 0.5
+            eq = eq * beta2 + g * g * (1.0 - beta2)
+            if AMSGRAD:
+                vmax = tl.load(src + s0 + (VMAX_COL - 1) * d, mask=mask,
+                               other=0.0).to(tl.float32)
+                vmax = tl.maximum(vmax, eq)
+                _put(out, cout, hmask, cmask, s0 + (VMAX_COL - 1) * d, vmax, seed, VMAX_COL,
+                     elem, ROUND_S, HAS_CACHE)
+                denom = tl.sqrt(vmax) / bc2_sqrt + eps
+            else:
+                denom = tl.sqrt(eq) / bc2_sqrt + eps
+            p = p + (-step_size) * (ea / denom)
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0 + (M_COL - 1) * d, ea, seed, M_COL, elem, ROUND_S,
+             HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0 + (V_COL - 1) * d, eq, seed, V_COL, elem, ROUND_S,
+             HAS_CACHE)
 
     @triton.jit
     def adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
             dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper, row_blocks,
+            slots, n_rows, cap, d, s0, hyper,
                 HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
                 HAS_CACHE: tl.constexpr,
             MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
         clr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
         seed = _seed(hyper)
-        # each program takes every num_programs(0)-th block of rows (one block each,
-        # unless the grid was capped)
-        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
-            src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-                rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-                dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-                cache_w_stride, slots, n_rows, cap, d, rb, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
-            s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
-            if HAS_WD:
-                g = g + wd * p
-            s = s + g * g
-            p = p + (-clr) * (g / (tl.sqrt(s) + eps))
-            _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-            _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
+        s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WD:
+            g = g + wd * p
+        s = s + g * g
+        p = p + (-clr) * (g / (tl.sqrt(s) + eps))
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
     return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
             "admit_count": admit_count, "admit_sets": admit_sets}
@@ -478,8 +469,7 @@ class Target:
     the first columns). For rows held in a GPU cache of hot rows: ``cache`` [C, W],
     ``cache_w`` and ``slots`` [capacity] (the cache slot of each unique id, -1 for rows
     written to the table). ``state_col``: the first state column; ``rounding``: how
-    low-precision values are rounded (stochastic rounding's seed is a scalar: :data:`HYPER`);
-    ``programs``: at most this many programs, each looping over blocks of rows.
+    low-precision values are rounded (stochastic rounding's seed is a scalar: :data:`HYPER`).
     """
 
     view: torch.Tensor
@@ -489,7 +479,6 @@ class Target:
     cache_w: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     rounding: str = "nearest"
-    programs: int | None = None     # a cap on the grid (rows written to pinned host memory)
 
 
 HYPER = 8      # an update's scalars: float64 [HYPER], the rounding seed last
@@ -520,9 +509,8 @@ class FusedUpdate:
         if cap == 0:
             return
         block_r, block_c, warps = _blocks(d, "update")
-        row_blocks = triton_cdiv(cap, block_r)
+        grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
         t = target
-        grid = (min(row_blocks, t.programs or row_blocks), triton_cdiv(d, block_c))
         has_cache = t.cache is not None
         mode = 2 if t.rounding == "stochastic" else 1
         _kernels()[self.kernel][grid](
@@ -531,7 +519,6 @@ class FusedUpdate:
             t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
             t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
             t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, hyper,
-            row_blocks,
             ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
             ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
             HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **consts)

@@ -332,9 +332,7 @@ class RowStore:
         """Where a fused update of the rows ``ids`` writes: the table's view (and its weights as
         ``layout`` stores them) and, with a cache, the cache and each id's slot in it."""
         view = self.host.view()
-        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding,
-                           programs=kernels.zero_copy_programs(self.device)
-                           if self.mode == "zero-copy" else None)
+        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding)
         if self.cache is not None:
             t.cache, t.cache_w = self.cache.rows, layout.weight(self.cache.rows)
             t.slots = self.cache.locate(ids)

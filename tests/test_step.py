@@ -95,33 +95,6 @@ def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
 
 
 @needs_triton
-@pytest.mark.parametrize("programs", [1, 3])
-def test_fused_update_on_a_capped_grid_writes_the_same_rows(programs):
-    """A fused update whose grid is capped (each program looping over blocks of rows, as for
-    rows in pinned host memory) writes exactly what one program per block writes."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gen = torch.Generator().manual_seed(2)
-    n, d, cap = 400, 8, 300
-    ids = torch.cat([torch.sort(torch.randperm(n, generator=gen)[:250]).values,
-                     torch.full((cap - 250,), n)]).to(device)
-    rows = torch.rand(cap, 3 * d, generator=gen).to(device)      # v >= 0
-    grad = torch.randn(cap, d, generator=gen).to(device)
-    group = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    fused = kernels.fused_update_for(O.AdamW, group, ["exp_avg", "exp_avg_sq"], torch.float32)
-    values, consts = fused.scalars(group, 3, 0)
-    hyper = torch.tensor(values, dtype=torch.float64, device=device)
-    count = torch.tensor([250], device=device)
-    guard = torch.zeros(1, dtype=torch.long, device=device)
-    out = []
-    for cap_programs in (None, programs):
-        view = torch.zeros(n, 3 * d, device=device)
-        target = kernels.Target(view, view[:, :d], d, programs=cap_programs)
-        fused(rows, rows[:, :d], grad, target, ids, count, guard, hyper, consts)
-        out.append(view.cpu())
-    assert torch.equal(out[0], out[1]) and out[0].abs().sum() > 0
-
-
-@needs_triton
 @pytest.mark.parametrize("split", [False, True], ids=["one-lookup", "two-lookups"])
 @pytest.mark.parametrize("cls,kw", FUSED, ids=FUSED_IDS)
 def test_fused_matches_frozen_rows_reference_and_generic_path(cls, kw, split, device):
