@@ -172,6 +172,7 @@ class _Prefetched:
     rows: torch.Tensor
     event: object
     origin: object = None           # the ids as passed (a host tensor, copied by the prefetch)
+    capture: object = None          # the CUDA graph capture whose outputs batch and rows are
     written: list = dataclasses.field(default_factory=list)
 
 
@@ -734,19 +735,29 @@ class OffloadedEmbedding(nn.Module):
             if not from_host:   # ids made on the GPU: ready once what is queued so far is
                 ids = self._prepare_ids(ids)
                 side.wait_stream(main)
+            captured = None
             with torch.cuda.stream(side), torch.no_grad():
                 if from_host:   # copied and deduplicated at once, beside the GPU's work
                     ids = self._prepare_ids(ids)
                 flat = ids.reshape(-1).long()
-                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-            side.wait_stream(main)          # after this step's lookups (and their admission)
-            with torch.cuda.stream(side), torch.no_grad():
-                # on its capped grid (RowStore.gather_batch) the gather's programs wait on
-                # PCIe without holding every SM: the step's own kernels run beside it
-                rows = self._rows.gather_batch(batch, 0, width, admit=True)
-                event = torch.cuda.Event()
-                event.record(side)
-            for t in (ids, flat, batch.ids, batch.inverse, batch.meta, rows):
+                if not from_host and self.config.cuda_graphs and self._rows.direct and \
+                        kernels.usable_on(self.device):
+                    # the dedup, admission and gather as one CUDA graph, as for a lookup
+                    captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+                if captured is None:
+                    batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+            if captured is None:
+                side.wait_stream(main)      # after this step's lookups (and their admission)
+                with torch.cuda.stream(side), torch.no_grad():
+                    # on its capped grid (RowStore.gather_batch) the gather's programs wait
+                    # on PCIe without holding every SM: the step's own kernels run beside it
+                    rows = self._rows.gather_batch(batch, 0, width, admit=True)
+                capture, made = None, (ids, flat, batch.ids, batch.inverse, batch.meta, rows)
+            else:
+                (batch, rows, capture), made = captured, (ids, flat)
+            event = torch.cuda.Event()
+            event.record(side)
+            for t in made:
                 t.record_stream(main)       # made on the side stream, used on the main one
         else:
             ids = self._prepare_ids(ids)
@@ -754,8 +765,8 @@ class OffloadedEmbedding(nn.Module):
             with torch.no_grad():
                 batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
                 rows = self._rows.gather_batch(batch, 0, width, admit=True)
-            event = None
-        self._prefetched = _Prefetched(ids, batch, rows, event, origin)
+            event = capture = None
+        self._prefetched = _Prefetched(ids, batch, rows, event, origin, capture)
 
     def __getstate__(self) -> dict:
         # A pending prefetch and the side stream belong to this process's CUDA work: a copy
@@ -773,6 +784,7 @@ class OffloadedEmbedding(nn.Module):
     def _drop_prefetch(self) -> None:
         if self._prefetched is not None:
             self._wait_for(self._prefetched)
+            LookupGraphs.release([self._prefetched.capture])
             self._prefetched = None
 
     def _take_prefetched(self, pre: _Prefetched, flat: torch.Tensor, shape):
@@ -792,7 +804,7 @@ class OffloadedEmbedding(nn.Module):
         if not self._state_names:
             full = None
         rows.requires_grad_(True)
-        self._pending.append((batch, rows, full, flat, shape, None))
+        self._pending.append((batch, rows, full, flat, shape, pre.capture))
         return rows, batch.inverse
 
     def _leaf(self, full: torch.Tensor) -> torch.Tensor:
