@@ -395,9 +395,8 @@ class LookupGraphs:
         self._graphs.clear()
         self._seen.clear()
 
-    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int | None):
-        """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly.
-        ``width`` None: the dedup alone (``rows`` is None)."""
+    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int):
+        """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly."""
         key = (id(store.host), flat.numel(), width, flat.device)
         if self._key != key[0]:
             self.invalidate()
@@ -417,7 +416,7 @@ class LookupGraphs:
         cap.flat.copy_(flat)
         cap.graph.replay()
         cap.in_use = True
-        if store.cache is None and cap.rows is not None:   # else counted from cache statistics
+        if store.cache is None:     # with a cache, bytes are counted from its statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
         return cap.batch, cap.rows, cap
 
@@ -428,13 +427,11 @@ class LookupGraphs:
 
         def lookup():
             batch = unique_ids(static, n, padding_idx)
-            if width is None:
-                return batch, None
             return batch, store.gather_batch(batch, 0, width, admit=True)
 
         side = torch.cuda.Stream(flat.device)
         side.wait_stream(torch.cuda.current_stream(flat.device))
-        cache = store.cache if width is not None else None     # a dedup admits nothing
+        cache = store.cache
         if cache is not None:
             kept = [(t, t.clone()) for t in (cache.stats, cache.tick, cache.stamp)]
         with torch.cuda.stream(side):           # warm-up: kernels compiled, workspaces sized
