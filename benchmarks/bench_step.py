@@ -209,7 +209,8 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16+bf16 state": dict(placement="host", dtype=torch.bfloat16,
                                          state_dtype=torch.bfloat16),
     "nbtools host prefetch": dict(placement="host", prefetch=True),
-    # ids handed over as host tensors: the prefetch's copy and dedup run beside the update
+    # ids handed over as pinned host tensors: the prefetch's copy and dedup run beside the
+    # last update
     "nbtools host prefetch host-ids": dict(placement="host", prefetch=True, host_ids=True),
     # the lookup's gather on one program per block of rows instead of a capped grid
     "nbtools host uncapped": dict(placement="host", zero_copy_per_sm=0),
@@ -248,7 +249,9 @@ def run_system(name, args, device) -> dict:
         return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
     kw = dict(SYSTEMS[name]) if SYSTEMS[name] is not None else None
     if kw is not None and kw.pop("host_ids", False):
-        cases = {k: [b.cpu() for b in v] for k, v in cases.items()}
+        pin = device.type == "cuda"           # pinned, as a loader's batches are
+        cases = {k: [b.cpu().pin_memory() if pin else b.cpu() for b in v]
+                 for k, v in cases.items()}
     step, keep = (torch_sparse_step(args.rows, args.dim, device) if kw is None else
                   nbtools_step(args.rows, args.dim, device, **kw))
     out = {"ms": {}, "syncs": {}}
