@@ -357,11 +357,15 @@ class RowStore:
 
 class _Captured:
     """One captured lookup of ``n`` ids: static input, outputs, and whether a pending lookup
-    still holds its outputs."""
+    still holds its outputs. A dedup alone (``rows`` None, a prefetch of host ids) replays on
+    a side stream without waiting for the main one, so it also keeps when it was released,
+    and an event on the main stream after the last work that read its outputs."""
 
     def __init__(self, graph, flat, batch, rows):
         self.graph, self.flat, self.batch, self.rows = graph, flat, batch, rows
         self.in_use = False
+        self.released = 0
+        self.free = None
 
 
 class LookupGraphs:
@@ -395,8 +399,9 @@ class LookupGraphs:
         self._graphs.clear()
         self._seen.clear()
 
-    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int):
-        """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly."""
+    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int | None):
+        """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly.
+        ``width`` None: the dedup alone (``rows`` is None)."""
         key = (id(store.host), flat.numel(), width, flat.device)
         if self._key != key[0]:
             self.invalidate()
@@ -407,16 +412,23 @@ class LookupGraphs:
             if seen <= self.after or len(self._graphs) >= self.max_shapes:
                 return None
             caps = self._graphs[key] = []
-        cap = next((c for c in caps if not c.in_use), None)
-        if cap is None:
-            if len(caps) >= self.copies:
+        free = [c for c in caps if not c.in_use]
+        # a dedup alone keeps one copy more, and hands out the one released longest ago: its
+        # replay must wait for the main stream's last reads of it (cap.free), by then done
+        copies = self.copies + (width is None)
+        cap = min(free, key=lambda c: c.released) if free else None
+        if cap is None or (width is None and cap.free is not None and len(caps) < copies
+                           and not cap.free.query()):
+            if len(caps) >= copies:
                 return None
             cap = self._capture(store, flat, padding_idx, width)
             caps.append(cap)
+        if cap.free is not None:
+            torch.cuda.current_stream(flat.device).wait_event(cap.free)
         cap.flat.copy_(flat)
         cap.graph.replay()
         cap.in_use = True
-        if store.cache is None:     # with a cache, bytes are counted from its statistics
+        if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
         return cap.batch, cap.rows, cap
 
@@ -427,11 +439,13 @@ class LookupGraphs:
 
         def lookup():
             batch = unique_ids(static, n, padding_idx)
+            if width is None:
+                return batch, None
             return batch, store.gather_batch(batch, 0, width, admit=True)
 
         side = torch.cuda.Stream(flat.device)
         side.wait_stream(torch.cuda.current_stream(flat.device))
-        cache = store.cache
+        cache = store.cache if width is not None else None     # a dedup admits nothing
         if cache is not None:
             kept = [(t, t.clone()) for t in (cache.stats, cache.tick, cache.stamp)]
         with torch.cuda.stream(side):           # warm-up: kernels compiled, workspaces sized
@@ -453,8 +467,15 @@ class LookupGraphs:
             batch, rows = lookup()
         return _Captured(graph, static, batch, rows)
 
+    _releases = 0
+
     @staticmethod
     def release(captures) -> None:
         for cap in captures:
             if cap is not None:
                 cap.in_use = False
+                if cap.rows is None:          # a dedup alone: see _Captured
+                    LookupGraphs._releases += 1
+                    cap.released = LookupGraphs._releases
+                    cap.free = torch.cuda.Event()
+                    cap.free.record(torch.cuda.current_stream(cap.flat.device))

@@ -735,26 +735,29 @@ class OffloadedEmbedding(nn.Module):
             if not from_host:   # ids made on the GPU: ready once what is queued so far is
                 ids = self._prepare_ids(ids)
                 side.wait_stream(main)
+            graphs = self.config.cuda_graphs and self._rows.direct and \
+                kernels.usable_on(self.device)
             captured = None
             with torch.cuda.stream(side), torch.no_grad():
                 if from_host:   # copied and deduplicated at once, beside the GPU's work
                     ids = self._prepare_ids(ids)
                 flat = ids.reshape(-1).long()
-                if not from_host and self.config.cuda_graphs and self._rows.direct and \
-                        kernels.usable_on(self.device):
-                    # the dedup, admission and gather as one CUDA graph, as for a lookup
-                    captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+                if graphs:      # as one CUDA graph: the dedup (host ids: it alone), admission
+                    # and gather, as for a lookup
+                    captured = self._graphs.run(self._rows, flat, self.padding_idx,
+                                                None if from_host else width)
                 if captured is None:
                     batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-            if captured is None:
+                    made, capture = [ids, flat, batch.ids, batch.inverse, batch.meta], None
+                else:
+                    (batch, rows, capture), made = captured, [ids, flat]
+            if captured is None or from_host:
                 side.wait_stream(main)      # after this step's lookups (and their admission)
                 with torch.cuda.stream(side), torch.no_grad():
                     # on its capped grid (RowStore.gather_batch) the gather's programs wait
                     # on PCIe without holding every SM: the step's own kernels run beside it
                     rows = self._rows.gather_batch(batch, 0, width, admit=True)
-                capture, made = None, (ids, flat, batch.ids, batch.inverse, batch.meta, rows)
-            else:
-                (batch, rows, capture), made = captured, (ids, flat)
+                made.append(rows)
             event = torch.cuda.Event()
             event.record(side)
             for t in made:
