@@ -83,10 +83,10 @@ def cache_bytes_for(n, dim, share, states=2):
 
 
 def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
-                 prefetch=False, zero_copy_per_sm=None, **table_kw):
-    if zero_copy_per_sm is not None:
+                 prefetch=False, zero_copy_programs=None, **table_kw):
+    if zero_copy_programs is not None:
         from nbtools import kernels
-        kernels.ZERO_COPY_PER_SM = zero_copy_per_sm
+        kernels.ZERO_COPY_PROGRAMS = zero_copy_programs
     if cache_share:
         table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
@@ -213,7 +213,9 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     # last update
     "nbtools host prefetch host-ids": dict(placement="host", prefetch=True, host_ids=True),
     # the lookup's gather on one program per block of rows instead of a capped grid
-    "nbtools host uncapped": dict(placement="host", zero_copy_per_sm=0),
+    "nbtools host uncapped": dict(placement="host", zero_copy_programs=0),
+    # the update writes host memory itself, in series, instead of writing behind the next step
+    "nbtools host write-through": dict(placement="host", write_behind=False),
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
@@ -351,6 +353,8 @@ def main():
               get(f"nbtools host | {case}"))
         ratio(f"host uncapped / traffic floor, {case}", get(f"nbtools host uncapped | {case}"),
               res["floor_ms"].get(case))
+        ratio(f"host write-through / traffic floor, {case}",
+              get(f"nbtools host write-through | {case}"), res["floor_ms"].get(case))
         ratio(f"host prefetch host-ids / traffic floor, {case}",
               get(f"nbtools host prefetch host-ids | {case}"), res["floor_ms"].get(case))
     for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):

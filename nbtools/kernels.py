@@ -94,6 +94,51 @@ def _kernels():
                      mask=(r < cap)[:, None] & cmask[None, :])
 
     @triton.jit
+    def put(dst, dst_stride, ids, count_ptr, guard_ptr, n_rows, src, src_stride, cap, width,
+            row_blocks, HAS_GUARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # gather's mirror: dst[ids[r]] = src[r] for r < count and 0 <= ids[r] < n_rows (nothing
+        # when HAS_GUARD and the guard is set). Each program takes every num_programs(0)-th
+        # block of rows.
+        count = tl.load(count_ptr)
+        if HAS_GUARD:
+            count = tl.where(tl.load(guard_ptr) == 0, count, 0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < width
+        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
+            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+            live = r < count
+            idx = tl.load(ids + r, mask=live, other=-1)
+            mask = (live & (idx >= 0) & (idx < n_rows))[:, None] & cmask[None, :]
+            vals = tl.load(src + r[:, None] * src_stride + c[None, :], mask=mask)
+            tl.store(dst + idx[:, None] * dst_stride + c[None, :], vals, mask=mask)
+
+    @triton.jit
+    def patch(out, out_stride, ids, count_ptr, n_rows, src, src_stride, src_ids, src_count_ptr,
+              width, steps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # out[r] = src[j] where src_ids[j] == ids[r], for r < count, ids in range and j <
+        # src_count; other rows of out untouched. src_ids is sorted: a binary search of
+        # ``steps`` halvings (steps >= log2(len(src_ids) + 1)).
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = r < tl.load(count_ptr)
+        x = tl.load(ids + r, mask=live, other=-1)
+        live = live & (x >= 0) & (x < n_rows)
+        m = tl.load(src_count_ptr)
+        lo = tl.zeros_like(x)
+        hi = lo + m
+        for _ in range(steps):
+            go = live & (lo < hi)
+            mid = (lo + hi) // 2
+            below = tl.load(src_ids + mid, mask=go, other=0) < x
+            lo = tl.where(go & below, mid + 1, lo)
+            hi = tl.where(go & ~below, mid, hi)
+        found = live & (lo < m)
+        found = found & (tl.load(src_ids + lo, mask=found, other=-1) == x)
+        mask = found[:, None] & (c < width)[None, :]
+        vals = tl.load(src + lo[:, None] * src_stride + c[None, :], mask=mask)
+        tl.store(out + r[:, None] * out_stride + c[None, :], vals, mask=mask)
+
+    @triton.jit
     def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         # dst[didx[r]] = src[sidx[r]] for r < cap where both are >= 0 (whole rows).
@@ -109,13 +154,16 @@ def _kernels():
     def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
               dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
               cache_w_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
-              MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+              MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr):
         # This program's rows and columns: where to read the state (src, in the gathered rows)
         # and where to write it (out, in the table; cout, in the cache for hot rows), the same
         # for the weights (whose storage may be narrower: bf16 weights, fp32 state), which
         # rows are live and go to the table (hmask) or to the cache (cmask), the weights and
         # the gradients (fp32, negated to maximize).
         # Rows past the count, the sentinel, and every row when the guard is set: untouched.
+        # IN_PLACE: the rows are written where they were read, the gathered rows in GPU
+        # memory (a write-back to the table follows: RowStore.write_behind).
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         idx = tl.load(ids + r, mask=r < cap, other=-1)
@@ -123,8 +171,12 @@ def _kernels():
         live = (r < count) & (idx >= 0) & (idx < n_rows)
         mask = live[:, None] & (c < d)[None, :]
         src = rows + r[:, None] * rows_stride + c[None, :]
-        out = dst + idx[:, None] * dst_stride + c[None, :]
-        out_w = dst_w + idx[:, None] * dst_w_stride + c[None, :]
+        if IN_PLACE:
+            out = src
+            out_w = rows_w + r[:, None] * rows_w_stride + c[None, :]
+        else:
+            out = dst + idx[:, None] * dst_stride + c[None, :]
+            out_w = dst_w + idx[:, None] * dst_w_stride + c[None, :]
         if HAS_CACHE:
             slot = tl.load(slots + r, mask=live, other=-1).to(tl.int64)
             cout = cache + slot[:, None] * cache_stride + c[None, :]
@@ -264,11 +316,13 @@ def _kernels():
             slots, n_rows, cap, d, s0, hyper,
             MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
             ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_C: tl.constexpr):
         src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
             dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
+            BLOCK_C)
         lr, momentum, wd = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
         seed = _seed(hyper)
         if HAS_WD:
@@ -292,11 +346,13 @@ def _kernels():
              DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
              SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
              HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_C: tl.constexpr):
         src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
             dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
+            BLOCK_C)
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
         # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
         lr, beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
@@ -339,11 +395,13 @@ def _kernels():
             slots, n_rows, cap, d, s0, hyper,
                 HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
                 HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_C: tl.constexpr):
         src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
             rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
             dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, BLOCK_R, BLOCK_C)
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
+            BLOCK_C)
         clr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
         seed = _seed(hyper)
         s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
@@ -354,12 +412,13 @@ def _kernels():
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
         _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
-    return {"gather": gather, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
+    return {"gather": gather, "put": put, "patch": patch, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
             "admit_count": admit_count, "admit_sets": admit_sets}
 
 
-# Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "copy", "update");
-# a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the choices.
+# Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
+# "copy", "update"); a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the
+# choices.
 TILES: dict = {}
 
 
@@ -375,23 +434,22 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
     return max(1, 4096 // block_c), block_c, 4
 
 
-# Programs per SM of a gather from pinned host memory (0: one program per block of rows).
-ZERO_COPY_PER_SM = 2
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# Grid caps of the kernels that move rows over PCIe (0: one program per block of rows). Reads
+# and writes share the link: with a write-back running behind the next step's gather, their
+# shares follow their programs, and 32 gather programs beside 16 writing ones brought the
+# 65,536-id step to the traffic floor, where 264 beside 16 stayed 1.2x above it (sweep in
+# benchmarks/RESULTS.md, benchmarks/experiments/write_behind.py --real). 32 programs also
+# keep the link busy alone, and leave the SMs to kernels running beside them.
+ZERO_COPY_PROGRAMS = 32       # a gather from pinned host memory
+WRITE_BEHIND_PROGRAMS = 16    # a write-back behind the next step (RowStore.write_behind)
 
 
 def zero_copy_programs(device: torch.device) -> int | None:
-    """The grid cap of a gather from pinned host memory: :data:`ZERO_COPY_PER_SM` programs
-    per SM, each looping over blocks of rows (None off CUDA, or uncapped). A capped grid's
-    programs wait on PCIe without holding every SM, so kernels beside it (a prefetch's
-    gather beside the step's compute) keep running (benchmarks/RESULTS.md)."""
-    if device.type != "cuda" or not ZERO_COPY_PER_SM:
+    """The grid cap of a gather from pinned host memory: :data:`ZERO_COPY_PROGRAMS`
+    programs, each looping over blocks of rows (None off CUDA, or uncapped)."""
+    if device.type != "cuda" or not ZERO_COPY_PROGRAMS:
         return None
-    return ZERO_COPY_PER_SM * _sms(device)
+    return ZERO_COPY_PROGRAMS
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
@@ -423,6 +481,39 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
                                KEEP=keep,
                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
+
+
+def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: torch.Tensor,
+             guard: torch.Tensor | None = None, programs: int | None = None) -> None:
+    """``dst[ids[r]] = src[r]`` for ``r < count`` and ids in range (:func:`gather_rows`'
+    mirror; ``count`` is a one-element tensor on the GPU); nothing when ``guard`` (the same)
+    is nonzero. ``programs`` caps the grid as for :func:`gather_rows`."""
+    cap, width = src.shape
+    if cap == 0:
+        return
+    block_r, block_c, warps = _blocks(width, "put")
+    row_blocks = triton_cdiv(cap, block_r)
+    grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
+    _kernels()["put"][grid](dst, dst.stride(0), ids, count, count if guard is None else guard,
+                            dst.shape[0], src, src.stride(0), cap, width, row_blocks,
+                            HAS_GUARD=guard is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                            num_warps=warps)
+
+
+def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_rows: int,
+               src: torch.Tensor, src_ids: torch.Tensor, src_count: torch.Tensor) -> None:
+    """``out[r] = src[j]`` wherever ``ids[r] == src_ids[j]`` (``r < count``, ``j <
+    src_count``, ``0 <= ids[r] < num_rows``); the other rows of ``out`` keep their values.
+    ``src_ids`` is sorted (a lookup's unique ids); counts are one-element GPU tensors."""
+    cap, width = out.shape
+    if cap == 0 or src_ids.numel() == 0:
+        return
+    block_r, block_c, warps = _blocks(width, "patch")
+    grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
+    steps = max(1, math.ceil(math.log2(src_ids.numel() + 1)))
+    _kernels()["patch"][grid](out, out.stride(0), ids, count, num_rows, src, src.stride(0),
+                              src_ids, src_count, width, steps, BLOCK_R=block_r,
+                              BLOCK_C=block_c, num_warps=warps)
 
 
 def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
@@ -470,6 +561,8 @@ class Target:
     ``cache_w`` and ``slots`` [capacity] (the cache slot of each unique id, -1 for rows
     written to the table). ``state_col``: the first state column; ``rounding``: how
     low-precision values are rounded (stochastic rounding's seed is a scalar: :data:`HYPER`).
+    ``in_place``: the update writes each row where it read it, into the gathered rows (which
+    ``view`` / ``view_w`` then are); ``num_rows`` is then the table's row count.
     """
 
     view: torch.Tensor
@@ -479,6 +572,8 @@ class Target:
     cache_w: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     rounding: str = "nearest"
+    in_place: bool = False
+    num_rows: int | None = None
 
 
 HYPER = 8      # an update's scalars: float64 [HYPER], the rounding seed last
@@ -518,10 +613,12 @@ class FusedUpdate:
             t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
             t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
             t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
-            t.slots if has_cache else ids, t.view.shape[0], cap, d, t.state_col, hyper,
+            t.slots if has_cache else ids,
+            t.num_rows if t.num_rows is not None else t.view.shape[0], cap, d, t.state_col, hyper,
             ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
             ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
-            HAS_CACHE=has_cache, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **consts)
+            HAS_CACHE=has_cache, IN_PLACE=t.in_place, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=warps, **consts)
 
 
 def _pad(values: list, seed: int) -> list:

@@ -274,18 +274,31 @@ class _TableSlot:
         values, consts = fused.scalars(self.group, t, self._seed(t))
         return _FusedPlan(fused, values, consts, scalar)
 
+    def writes_behind(self, got: StepRows, plan: "_FusedPlan | None") -> bool:
+        """Whether this step's fused update writes the gathered rows in place, and the table
+        writes them back behind the next step (:meth:`nbtools.rows.RowStore.write_behind`)."""
+        wanted = self.table.config.write_behind
+        return plan is not None and wanted is not False and got.has_state \
+            and self.table.rows.can_write_behind(got.rows, forced=wanted is True)
+
     def queue_fused(self, got: StepRows, plan: "_FusedPlan", guard: torch.Tensor,
-                    hyper: torch.Tensor) -> None:
+                    hyper: torch.Tensor, in_place: bool = False) -> None:
         """Queue the fused update (it writes nothing where ``guard`` is nonzero on the
-        device; it reads its scalars from ``hyper``)."""
+        device; it reads its scalars from ``hyper``): to the table, or ``in_place``, into the
+        gathered rows (:meth:`writes_behind`)."""
         table = self.table
         layout = table.layout
         rows_w = layout.weight(got.rows) if got.has_state else got.rows
-        target = table.rows.target(got.batch.ids, layout, table.config.rounding)
+        if in_place:
+            target = kernels.Target(got.rows, rows_w, layout.weight_cols,
+                                    rounding=table.config.rounding, in_place=True,
+                                    num_rows=table.num_embeddings)
+        else:
+            target = table.rows.target(got.batch.ids, layout, table.config.rounding)
         plan.fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
                    hyper, plan.consts)
 
-    def graph_key(self, got: StepRows, plan: "_FusedPlan") -> tuple[tuple, list]:
+    def graph_key(self, got: StepRows, plan: "_FusedPlan", in_place: bool) -> tuple[tuple, list]:
         """What a CUDA graph of this table's checks and update bakes in, and the objects
         named in it by identity (the graph keeps them, so no other object takes their id)."""
         store, sig = self.table.rows, steps.signature
@@ -296,7 +309,7 @@ class _TableSlot:
             looked = (sig(got.rows), sig(got.batch.ids), sig(got.batch.meta))
         key = (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
                self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
-               looked, sig(got.grad), id(store.host), id(store.cache))
+               looked, sig(got.grad), id(store.host), id(store.cache), in_place)
         return key, [caps[0] if caps else None, store.host, store.cache]
 
     def _seed(self, t: int) -> int:
@@ -670,9 +683,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         before = ring.previous().guard
         linked = pending is not None and pending.verdict.guard is before
         plans = [slot.plan_fused(got) for slot, got in collected]
-        for (slot, _), plan in zip(collected, plans):
+        behind = [slot.writes_behind(got, plan) for (slot, got), plan in zip(collected, plans)]
+        for (slot, _), plan, back in zip(collected, plans, behind):
             if plan is not None:
                 turn.scalars[slot.index] = plan.values
+                if not back:     # it writes host rows: after their write-backs (no graph may
+                    slot.table.rows.settle()     # wait for an event from outside it)
         flags = [got.batch.meta for got in gots] + \
             [got.cache_stats for got in gots if got.cache_stats is not None]
 
@@ -680,14 +696,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return steps.queue_checks(turn, grads, flags, len(gots), before if linked else None)
 
         def updates():
-            for (slot, got), plan in zip(collected, plans):
+            for (slot, got), plan, back in zip(collected, plans, behind):
                 if plan is not None:
-                    slot.queue_fused(got, plan, turn.guard, turn.hyper[slot.index])
+                    slot.queue_fused(got, plan, turn.guard, turn.hyper[slot.index], back)
 
         n = None
         if device.type == "cuda" and all(p is not None for p in plans) and \
                 all(got.table.config.cuda_graphs for got in gots):
-            parts = [slot.graph_key(got, plan) for (slot, got), plan in zip(collected, plans)]
+            parts = [slot.graph_key(got, plan, back)
+                     for (slot, got), plan, back in zip(collected, plans, behind)]
             key = (turn.index, linked, tuple(k for k, _ in parts),
                    tuple(steps.signature(g) for _, g in dense))
             n = self._graphs.run(key, checks, updates, turn, [keep for _, keep in parts])
@@ -696,6 +713,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if turn.checked is not None:
                 turn.checked.record()
             updates()
+        for (slot, got), back in zip(collected, behind):
+            if back:     # (a lookup capture's outputs, unless several lookups were merged)
+                caps = got.captures if len(got.captures) == 1 else []
+                slot.table.rows.write_behind(got.batch, got.rows, caps)
         if turn.done is not None:
             turn.done.record()
         fused = {id(slot): plan.scalar for (slot, _), plan in zip(collected, plans)

@@ -18,6 +18,13 @@ A :class:`RowStore` is where rows live (placement):
 A zero-copy store may carry a :class:`~nbtools.cache.RowCache` of hot rows in GPU memory:
 lookups read cached rows from it, updates write them there, and :meth:`RowStore.flush` writes
 them back before the host rows are read from outside a step.
+
+A zero-copy store without a cache *writes behind* (:meth:`RowStore.write_behind`): a fused
+update writes the step's rows into the gathered rows in GPU memory, and a side stream writes
+them back to host memory while the next step deduplicates, gathers and computes, so the link
+is never idle while the GPU computes. The next lookup takes the rows it shares with that
+step from its GPU copy (:meth:`RowStore.patch`); anything else that reads or writes the host
+rows first waits for the write-back (:meth:`RowStore.settle`, no host synchronisation).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 from . import kernels
 from .cache import RowCache
 from .precision import round_to
+from .devices import synchronize
 from .hostmem import count_transfer, gather_rows, scatter_rows
 
 
@@ -178,6 +186,20 @@ def merge(batches: list, grads: list):
     return merged, grad, pick
 
 
+@dataclasses.dataclass
+class _WriteBack:
+    """A step's rows on their way back to host memory (:meth:`RowStore.write_behind`): its
+    unique ids and count, the updated rows in GPU memory, the event that ends the write, the
+    stream the step ran on, and the lookup captures whose outputs these are."""
+
+    ids: torch.Tensor
+    count: torch.Tensor
+    rows: torch.Tensor
+    event: object
+    stream: object
+    captures: list
+
+
 class DeviceRows:
     """A table's rows held on the GPU (``placement="gpu"``): what :class:`HostTensor` is for
     host rows, with the same attributes, so a RowStore treats both alike."""
@@ -226,6 +248,18 @@ class RowStore:
         self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
             * host.tensor.element_size()
         self.cache: RowCache | None = None
+        self._back: _WriteBack | None = None     # the last write-back queued
+        self._older = None        # event: every write-back queued before it is done
+        self._put_stream = None
+
+    def __getstate__(self) -> dict:
+        # Write-backs in flight belong to this process's CUDA work: a copy waits for them.
+        if self._back is not None:
+            self.settle()
+            synchronize(self.device)
+        state = dict(self.__dict__)
+        state.update(_back=None, _older=None, _put_stream=None)
+        return state
 
     def attach_cache(self, capacity: int, ways: int = 32) -> RowCache:
         """Keep up to ``capacity`` hot rows in a GPU cache (zero-copy stores; host stores on
@@ -233,6 +267,7 @@ class RowStore:
         if self.mode not in ("zero-copy", "host"):
             raise ValueError(f"a cache of hot rows needs rows in pinned host memory, not "
                              f"{self.mode!r}")
+        self.settle()
         self.flush()
         self.cache = RowCache(self.host.view(), capacity, ways)
         return self.cache
@@ -241,7 +276,95 @@ class RowStore:
         """Write the cached rows back to host memory (and, with ``drop``, empty the cache):
         before the host rows are read or written from outside a step."""
         if self.cache is not None:
+            self.settle()
             self.cache.flush(self.host.view(), drop)
+
+    # --- write-behind ---------------------------------------------------------------------
+    def can_write_behind(self, rows: torch.Tensor, forced: bool = False) -> bool:
+        """Whether updated ``rows`` (a step's gathered ``[weight | state...]`` rows, updated
+        in place) can be written back behind the next step: a zero-copy store without a
+        cache (``forced``: a CPU store too, where the write-back runs at once: tests)."""
+        return (self.mode == "zero-copy" or (forced and self.mode == "host")) \
+            and self.cache is None and rows.dtype == self.host.tensor.dtype \
+            and rows.dim() == 2 and rows.shape[1] == self.width and rows.stride(1) == 1 \
+            and kernels.usable_on(self.device)
+
+    def write_behind(self, batch: RowBatch, rows: torch.Tensor, captures=()) -> None:
+        """Write ``rows`` ([capacity, width], GPU memory: the step's gathered rows, which its
+        fused update has updated in place) to the table's rows ``batch.ids``, on a side stream
+        once the work queued so far is done, without making the current stream wait. The
+        grid is small (:data:`kernels.WRITE_BEHIND_PROGRAMS`): the write keeps the link busy
+        and leaves the SMs to the next step's kernels. ``captures``: the lookup captures whose
+        outputs ``batch`` and ``rows`` are; their next replay waits for this write."""
+        if self.device.type != "cuda":
+            kernels.put_rows(self.host.view(), batch.ids, batch.count, rows)
+            self._older, self._back = None, _WriteBack(batch.ids, batch.count, rows, None,
+                                                        None, [])
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._put_stream is None:
+            self._put_stream = torch.cuda.Stream(self.device)
+        side = self._put_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            kernels.put_rows(self.host.view(), batch.ids, batch.count, rows,
+                             programs=kernels.WRITE_BEHIND_PROGRAMS)
+        event = torch.cuda.Event()
+        event.record(side)
+        for t in (batch.ids, batch.meta, rows):
+            t.record_stream(side)        # (eager lookups' tensors: not reused before it ends)
+        for cap in captures:
+            if cap is not None:
+                cap.free = event
+        if self._back is not None:
+            self._older = self._back.event     # one stream: it ends every write before it
+        self._back = _WriteBack(batch.ids, batch.count, rows, event, main,
+                                [c for c in captures if c is not None])
+
+    def writing(self, ids: torch.Tensor) -> bool:
+        """Whether the last write-back queued is of the rows ``ids`` (that very tensor)."""
+        return self._back is not None and self._back.ids is ids
+
+    def settle(self) -> None:
+        """Order the current stream after every write-back queued (no host synchronisation):
+        what it queues next reads and writes the host rows as they are. On the stream that
+        queued them, lookups stop patching from them."""
+        back = self._back
+        if back is None:
+            return
+        if back.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(back.event)
+            if current != back.stream:     # (a prefetch's side stream): the main one has not
+                return
+        self._back = self._older = None
+
+    def before_gather(self, overwrites=()) -> bool:
+        """Before a lookup gathers host rows: whether it must then :meth:`patch` them from
+        the last write-back. Orders the current stream after every other write-back, or after
+        all of them where the lookup cannot patch (another stream, a cache, or a lookup
+        capture in ``overwrites`` holds the last write-back's rows)."""
+        back = self._back
+        if back is None:
+            return False
+        patchable = self.cache is None and (back.event is None or (
+            torch.cuda.current_stream(self.device) == back.stream
+            and not any(any(c is o for o in overwrites) for c in back.captures)))
+        if not patchable:
+            self.settle()
+            return False
+        if self._older is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._older)
+            self._older = None
+        return True
+
+    def patch(self, batch: RowBatch, out: torch.Tensor, start: int = 0) -> None:
+        """Rows of ``batch`` the last write-back holds, taken from its GPU copy into ``out``
+        (columns ``start:`` of the rows): the host copy of them may still be on its way."""
+        back = self._back
+        if back is not None:
+            kernels.patch_rows(out, batch.ids, batch.count, self.num_rows,
+                               back.rows[:, start:start + out.shape[1]], back.ids, back.count)
 
     @property
     def num_rows(self) -> int:
@@ -269,6 +392,7 @@ class RowStore:
 
     def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
         """Rows ``idx`` (columns ``start:stop``) on the compute device; every id in range."""
+        self.settle()
         if self.cache is not None:
             rows = self._gather_host(idx, start, stop)
             return self._from_cache(rows, self.cache.locate(idx), start, stop)
@@ -290,15 +414,29 @@ class RowStore:
 
     def gather_batch(self, batch: RowBatch, start: int = 0, stop=None,
                      admit: bool = False, programs: int | None = None,
-                     into: torch.Tensor | None = None) -> torch.Tensor:
+                     into: torch.Tensor | None = None, written: str = "patch") -> torch.Tensor:
         """Rows of a :class:`RowBatch`: [capacity, width]; rows of unused slots and of the
         sentinel are zeros. No host synchronisation where the kernels run (CUDA + Triton).
         ``admit``: a training lookup, whose rows the cache (if any) counts and may admit.
         ``programs``: caps the gather kernel's grid (:func:`kernels.gather_rows`); rows read
         from pinned host memory default to :func:`kernels.zero_copy_programs`. ``into``:
         write the rows into this [capacity, width] tensor and return it, leaving the rows of
-        unused slots and of the sentinel as they were."""
+        unused slots and of the sentinel as they were. ``written``: how rows still being
+        written back (:meth:`write_behind`) are read: "patch" (from their GPU copy where
+        this stream can, else after waiting), "wait", or "ignore" (inside a CUDA graph
+        capture: the caller sees to it)."""
         stop = self.width if stop is None else stop
+        patch = False
+        if written == "patch":
+            patch = self.before_gather()
+        elif written == "wait":
+            self.settle()
+        rows = self._gather_batch(batch, start, stop, admit, programs, into)
+        if patch:
+            self.patch(batch, rows, start)
+        return rows
+
+    def _gather_batch(self, batch, start, stop, admit, programs, into):
         slots = None
         if self.cache is not None:
             slots = (self.cache.admit(batch.ids, batch.count, self.host.view()) if admit
@@ -331,6 +469,7 @@ class RowStore:
                rounding: str = "nearest") -> kernels.Target:
         """Where a fused update of the rows ``ids`` writes: the table's view (and its weights as
         ``layout`` stores them) and, with a cache, the cache and each id's slot in it."""
+        self.settle()
         view = self.host.view()
         t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding)
         if self.cache is not None:
@@ -340,6 +479,7 @@ class RowStore:
 
     def scatter(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """Write whole rows ``idx`` (every id in range); cached rows go to the cache."""
+        self.settle()
         if self.cache is not None:
             slots = self.cache.locate(idx)
             hot = slots >= 0              # (the generic path has synchronised already)
@@ -356,10 +496,12 @@ class RowStore:
 
 
 class _Captured:
-    """One captured lookup of ``n`` ids: static input, outputs, and whether a pending lookup
-    still holds its outputs. A dedup alone (``rows`` None, a prefetch of host ids) replays on
-    a side stream without waiting for the main one, so it also keeps when it was released,
-    and an event on the main stream after the last work that read its outputs."""
+    """One captured lookup of ``n`` ids: static input, outputs, whether a pending lookup
+    still holds its outputs, when it was released, and ``free``: an event after the last
+    work that reads its outputs, which its next replay waits for. That work is a write-back
+    behind the next step (:meth:`RowStore.write_behind`), or for a dedup alone (``rows``
+    None, a prefetch of host ids, replayed on a side stream without waiting for the main
+    one) the main stream's reads of its ids."""
 
     def __init__(self, graph, flat, batch, rows):
         self.graph, self.flat, self.batch, self.rows = graph, flat, batch, rows
@@ -413,20 +555,24 @@ class LookupGraphs:
                 return None
             caps = self._graphs[key] = []
         free = [c for c in caps if not c.in_use]
-        # a dedup alone keeps one copy more, and hands out the one released longest ago: its
-        # replay must wait for the main stream's last reads of it (cap.free), by then done
+        # The capture released longest ago: its replay waits for the last work that reads
+        # its outputs (cap.free), by then all but always done; while it is not, one more copy
+        # is captured (a dedup alone keeps one copy more: see _Captured).
         copies = self.copies + (width is None)
         cap = min(free, key=lambda c: c.released) if free else None
-        if cap is None or (width is None and cap.free is not None and len(caps) < copies
+        if cap is None or (cap.free is not None and len(caps) < copies
                            and not cap.free.query()):
             if len(caps) >= copies:
                 return None
             cap = self._capture(store, flat, padding_idx, width)
             caps.append(cap)
+        patch = width is not None and store.before_gather(overwrites=(cap,))
         if cap.free is not None:
             torch.cuda.current_stream(flat.device).wait_event(cap.free)
         cap.flat.copy_(flat)
         cap.graph.replay()
+        if patch:
+            store.patch(cap.batch, cap.rows)
         cap.in_use = True
         if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
@@ -441,7 +587,7 @@ class LookupGraphs:
             batch = unique_ids(static, n, padding_idx)
             if width is None:
                 return batch, None
-            return batch, store.gather_batch(batch, 0, width, admit=True)
+            return batch, store.gather_batch(batch, 0, width, admit=True, written="ignore")
 
         side = torch.cuda.Stream(flat.device)
         side.wait_stream(torch.cuda.current_stream(flat.device))
@@ -474,8 +620,8 @@ class LookupGraphs:
         for cap in captures:
             if cap is not None:
                 cap.in_use = False
+                LookupGraphs._releases += 1
+                cap.released = LookupGraphs._releases
                 if cap.rows is None:          # a dedup alone: see _Captured
-                    LookupGraphs._releases += 1
-                    cap.released = LookupGraphs._releases
                     cap.free = torch.cuda.Event()
                     cap.free.record(torch.cuda.current_stream(cap.flat.device))

@@ -146,6 +146,12 @@ class TableConfig:
     cache_bytes: int | None = None
     cache_fraction: float | None = None
     cache_rows: int | None = None
+    # Write a step's updated rows back to pinned host memory behind the next step, on a side
+    # stream, so the link stays busy while the GPU computes (nbtools.rows, docs/step.md).
+    # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
+    # kernel; False: never (the update writes host memory itself); True: wherever the update
+    # is fused, a CPU table too (where the write runs at once: tests use it).
+    write_behind: bool | None = None
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
@@ -371,6 +377,7 @@ class OffloadedEmbedding(nn.Module):
         that nothing writes through, such as saving)."""
         self._drop_prefetch()           # a write through what is returned would make it stale
         if self.placement == "host":
+            self._rows.settle()         # lookups stop patching from write-backs in flight
             self._rows.flush(drop=not keep_cache)
             synchronize(self.device)
         if state is None:
@@ -774,6 +781,10 @@ class OffloadedEmbedding(nn.Module):
     def __getstate__(self) -> dict:
         # A pending prefetch and the side stream belong to this process's CUDA work: a copy
         # (deepcopy, pickle) starts without them (its next lookups simply do not prefetch).
+        # The host rows are copied as they are once queued writes have landed.
+        if self.placement == "host":
+            self._rows.settle()
+            synchronize(self.device)
         state = dict(self.__dict__)
         state["_prefetched"] = None
         state["_side_stream"] = None
@@ -798,11 +809,14 @@ class OffloadedEmbedding(nn.Module):
         n = self.num_embeddings
         with torch.no_grad():
             for written in pre.written:          # sorted unique ids, then the sentinel
+                if self._rows.writing(written) and self._rows.before_gather():
+                    self._rows.patch(batch, full)       # from their GPU copy
+                    continue
                 pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
                 again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)
                 self._rows.gather_batch(       # only those rows, in place
                     RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
-                    0, full.shape[1], into=full)
+                    0, full.shape[1], into=full, written="wait")
         rows = self._leaf(full)
         if not self._state_names:
             full = None

@@ -634,6 +634,119 @@ def syncs_during(step, n: int) -> list:
     return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
+# --- write-behind: a step's rows go back to host memory while the next step runs -------------
+def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
+    """Train one table with each step's ids overlapping the last step's, reading the table
+    between steps in every way a user can (an evaluation lookup, ``.weight``), and return
+    its weights, its state and what the evaluation lookups saw."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, rounding="stochastic") if kind == "bf16" else {}
+    table = OffloadedEmbedding(rows, 6, device=device, name="t", write_behind=behind, **kw)
+    fused = "auto" if torch.device(device).type == "cuda" else True
+    cls, opt_kw = {"adam": (O.Adam, dict(lr=0.05)), "bf16": (O.AdamW, dict(lr=0.05)),
+                   "sgd": (O.SGD, dict(lr=0.1, momentum=0.9)),
+                   "adagrad": (O.Adagrad, dict(lr=0.1))}[kind]
+    opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=fused), **opt_kw)
+    seen, wrote_behind = [], 0
+    ids = torch.randint(0, rows, (n,), generator=gen)
+    for t in range(steps):
+        ids = torch.cat([ids[: n // 2], torch.randint(0, rows, (n - n // 2,), generator=gen)])
+        opt.zero_grad()
+        if t % 3 == 2:          # two lookups in one step (merged)
+            out = torch.cat([table(ids[: n // 2].to(device)), table(ids[n // 2:].to(device))])
+        else:
+            out = table(ids.to(device))
+        (out.float() - 0.3).square().sum().backward()
+        opt.step()
+        wrote_behind += table.rows._back is not None
+        with torch.no_grad():   # an evaluation lookup right after the step
+            seen.append(table(ids[:5].to(device)).float().cpu())
+        if t == 7:              # read and written through .weight mid-training
+            table.weight[int(ids[0])] += 1
+    opt.synchronize()
+    return (table.weight.float().cpu().clone(),
+            {k: v.cpu().clone() for k, v in opt.table_state(table).items()},
+            torch.stack(seen), wrote_behind)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad", "bf16"])
+def test_write_behind_trains_exactly_as_writing_host_rows(kind, device):
+    """The update writes the gathered rows in GPU memory and they go back to host memory
+    behind the next step; the next lookups take the rows they share with it from that copy.
+    Bit-identical to the update writing host memory itself, lookups in between included.
+    (On the CPU the write runs at once, through the same kernels and bookkeeping.)"""
+    if device.type == "cpu" and not kernels.usable_on(device):
+        pytest.skip("fused kernels on the CPU run in Triton's interpreter")
+    behind = None if device.type == "cuda" else True      # the default on CUDA
+    w, st, seen, used = train_behind(device, behind, kind)
+    w0, st0, seen0, used0 = train_behind(device, False, kind)
+    assert used == 14 and used0 == 0
+    assert torch.equal(w, w0) and torch.equal(seen, seen0)
+    for k in st0:
+        assert torch.equal(st[k], st0[k]), k
+
+
+@needs_triton
+@pytest.mark.parametrize("fault", ["id", "nan"])
+def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device):
+    if device.type == "cpu" and not kernels.usable_on(device):
+        pytest.skip("fused kernels on the CPU run in Triton's interpreter")
+    torch.manual_seed(0)
+    model = Dot(device, placement="host")
+    for t in (model.users, model.items):
+        t.config.write_behind = True
+    twin = copy.deepcopy(model)
+    opt, ref = fused_opt(model, device), fused_opt(twin, device, checks="every_step")
+    for m, o in ((model, opt), (twin, ref)):
+        train_step(m, o, device, [1, 2, 3], [4, 5, 4])
+    assert model.items.rows._back is not None
+    before = tables_of(ref)
+    if fault == "id":
+        train_step(model, opt, device, [1, 2], [3, 25])
+    else:
+        train_step(model, opt, device, [1, 2], [4, 5], scale=float("inf"))
+    with pytest.raises(IndexError if fault == "id" else NonFiniteGradientError,
+                       match="one step late"):
+        train_step(model, opt, device, [1, 3], [4, 2])
+    assert_tables_equal(before, tables_of(opt))
+    for m, o in ((model, opt), (twin, ref)):
+        train_step(m, o, device, [2, 3], [5, 4])
+    opt.synchronize()
+    assert_tables_equal(tables_of(opt), tables_of(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_write_behind_under_load_matches_writing_host_rows(graphs):
+    """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before:
+    the next lookup reads host rows while the last write-back is still on its way, and
+    must take every shared row from its GPU copy. Bit-identical to writing host memory
+    in the update; fails if a lookup reads a row the write-back has not landed yet."""
+    gen = torch.Generator().manual_seed(9)
+    n, rows = 8192, 20_000
+    out = []
+    for behind in (None, False):
+        torch.manual_seed(0)
+        table = OffloadedEmbedding(rows, 64, device="cuda", name="t", write_behind=behind,
+                                   cuda_graphs=graphs)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.01)
+        if not graphs:
+            opt._graphs.max_graphs = 0
+        gen.manual_seed(9)
+        ids = torch.randint(0, rows, (n,), generator=gen)
+        for _ in range(30):
+            ids = torch.cat([ids[n // 2:], torch.randint(0, rows, (n // 2,), generator=gen)])
+            opt.zero_grad()
+            table(ids.cuda()).square().sum().backward()
+            opt.step()
+        assert (table.rows._back is not None) == (behind is None)
+        opt.synchronize()
+        out.append((table.weight.clone(), opt.table_state(table)["exp_avg_sq"].clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 # --- setup memory, and what plan() says ------------------------------------------------------
 def fake_available(monkeypatch, nbytes):
     fake = lambda: {"total": 2 * nbytes, "available": nbytes}

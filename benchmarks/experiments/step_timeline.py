@@ -1,7 +1,8 @@
 """A GPU timeline of bench_step.py's 65,536-uniform-id step: where the time between the
 traffic floor and the step goes.
 
-For each system (nbtools host, with and without prefetch): 6 profiled steps after a warm-up;
+For each system (nbtools host; its update writing host memory itself instead of writing
+behind the next step; with prefetch): 6 profiled steps after a warm-up;
 from the profiler's trace, per CUDA stream: busy time, and the wall span of the steps; the
 kernels by total time; the largest idle gaps of the main stream and what came before them.
 
@@ -59,7 +60,8 @@ def main():
     batches = [torch.randint(0, 4_000_000, (65_536,), generator=gen).to(device)
                for _ in range(20)]
     from torch.profiler import ProfilerActivity, profile
-    for name, kw in (("host", {}), ("host prefetch", {"prefetch": True})):
+    for name, kw in (("host", {}), ("host write-through", {"write_behind": False}),
+                     ("host prefetch", {"prefetch": True})):
         step, keep = bs.nbtools_step(4_000_000, 128, device, **kw)
         step.next.update({id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
         for b in batches[:8]:
