@@ -719,11 +719,17 @@ def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_write_behind_under_load_matches_writing_host_rows(graphs):
-    """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before:
-    the next lookup reads host rows while the last write-back is still on its way, and
-    must take every shared row from its GPU copy. Bit-identical to writing host memory
-    in the update; fails if a lookup reads a row the write-back has not landed yet."""
+def test_write_behind_under_load_matches_writing_host_rows(graphs, monkeypatch):
+    """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before, and
+    every write-back held back ~5 ms on its stream: the next lookup reads host rows while
+    the last write-back has not started, and must take every shared row from its GPU copy.
+    Bit-identical to writing host memory in the update (and not without the patch)."""
+    put = kernels.put_rows
+
+    def slow_put(*args, **kwargs):
+        torch.cuda._sleep(10_000_000)       # GPU cycles (~5 ms), on the write-back's stream
+        put(*args, **kwargs)
+    monkeypatch.setattr(kernels, "put_rows", slow_put)
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []
