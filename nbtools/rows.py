@@ -280,13 +280,21 @@ class RowStore:
             self.cache.flush(self.host.view(), drop)
 
     # --- write-behind ---------------------------------------------------------------------
+    # Smaller write-backs are written by the update itself: a step that small is bound by the
+    # host's Python, which queueing a write-back costs more (~0.1 ms) than its link time
+    # saves (4,096 ids of 1,536 B: 1.11x the step's time; 16,384 ids: 0.79x; 65,536: 0.85x;
+    # benchmarks/experiments/write_behind.py --sizes).
+    WRITE_BEHIND_MIN_BYTES = 8 << 20
+
     def can_write_behind(self, rows: torch.Tensor, forced: bool = False) -> bool:
         """Whether updated ``rows`` (a step's gathered ``[weight | state...]`` rows, updated
         in place) can be written back behind the next step: a zero-copy store without a
-        cache (``forced``: a CPU store too, where the write-back runs at once: tests)."""
+        cache, and at least :attr:`WRITE_BEHIND_MIN_BYTES` of rows (``forced``: any size, and
+        a CPU store too, where the write-back runs at once: tests)."""
         return (self.mode == "zero-copy" or (forced and self.mode == "host")) \
             and self.cache is None and rows.dtype == self.host.tensor.dtype \
             and rows.dim() == 2 and rows.shape[1] == self.width and rows.stride(1) == 1 \
+            and (forced or rows.shape[0] * self.row_bytes >= self.WRITE_BEHIND_MIN_BYTES) \
             and kernels.usable_on(self.device)
 
     def write_behind(self, batch: RowBatch, rows: torch.Tensor, captures=()) -> None:
@@ -295,9 +303,17 @@ class RowStore:
         once the work queued so far is done, without making the current stream wait. The
         grid is small (:data:`kernels.WRITE_BEHIND_PROGRAMS`): the write keeps the link busy
         and leaves the SMs to the next step's kernels. ``captures``: the lookup captures whose
-        outputs ``batch`` and ``rows`` are; their next replay waits for this write."""
+        outputs ``batch`` and ``rows`` are; their next replay waits for this write, and the
+        write itself replays as a CUDA graph of the capture's (a Triton launch costs the host
+        more than the rest of the write-back together)."""
+        captures = [c for c in captures if c is not None]
+        view = self.host.view()
+
+        def put():
+            kernels.put_rows(view, batch.ids, batch.count, rows,
+                             programs=kernels.WRITE_BEHIND_PROGRAMS)
         if self.device.type != "cuda":
-            kernels.put_rows(self.host.view(), batch.ids, batch.count, rows)
+            put()
             self._older, self._back = None, _WriteBack(batch.ids, batch.count, rows, None,
                                                         None, [])
             return
@@ -306,20 +322,22 @@ class RowStore:
             self._put_stream = torch.cuda.Stream(self.device)
         side = self._put_stream
         side.wait_stream(main)
+        own = _own_outputs(captures, batch, rows)
         with torch.cuda.stream(side):
-            kernels.put_rows(self.host.view(), batch.ids, batch.count, rows,
-                             programs=kernels.WRITE_BEHIND_PROGRAMS)
+            if own is not None:
+                own.graphed("put", put)
+            else:
+                put()
         event = torch.cuda.Event()
         event.record(side)
-        for t in (batch.ids, batch.meta, rows):
-            t.record_stream(side)        # (eager lookups' tensors: not reused before it ends)
+        if own is None:
+            for t in (batch.ids, batch.meta, rows):
+                t.record_stream(side)     # eager lookups' tensors: not reused before it ends
         for cap in captures:
-            if cap is not None:
-                cap.free = event
+            cap.free = event
         if self._back is not None:
             self._older = self._back.event     # one stream: it ends every write before it
-        self._back = _WriteBack(batch.ids, batch.count, rows, event, main,
-                                [c for c in captures if c is not None])
+        self._back = _WriteBack(batch.ids, batch.count, rows, event, main, captures)
 
     def writing(self, ids: torch.Tensor) -> bool:
         """Whether the last write-back queued is of the rows ``ids`` (that very tensor)."""
@@ -347,24 +365,38 @@ class RowStore:
         back = self._back
         if back is None:
             return False
-        patchable = self.cache is None and (back.event is None or (
-            torch.cuda.current_stream(self.device) == back.stream
-            and not any(any(c is o for o in overwrites) for c in back.captures)))
-        if not patchable:
+        if back.event is None:           # CPU: written already; patching changes nothing
+            return self.cache is None
+        current = torch.cuda.current_stream(self.device)
+        if self.cache is not None or current != back.stream or \
+                any(c is o for c in back.captures for o in overwrites):
             self.settle()
             return False
         if self._older is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._older)
+            current.wait_event(self._older)
             self._older = None
         return True
 
-    def patch(self, batch: RowBatch, out: torch.Tensor, start: int = 0) -> None:
+    def patch(self, batch: RowBatch, out: torch.Tensor, start: int = 0,
+              capture=None) -> None:
         """Rows of ``batch`` the last write-back holds, taken from its GPU copy into ``out``
-        (columns ``start:`` of the rows): the host copy of them may still be on its way."""
+        (columns ``start:`` of the rows): the host copy of them may still be on its way.
+        ``capture``: the lookup capture whose outputs ``batch`` and ``out`` are; between two
+        captures' outputs the patch replays as a CUDA graph."""
         back = self._back
-        if back is not None:
-            kernels.patch_rows(out, batch.ids, batch.count, self.num_rows,
-                               back.rows[:, start:start + out.shape[1]], back.ids, back.count)
+        if back is None:
+            return
+        src = back.rows[:, start:start + out.shape[1]]
+
+        def run():
+            kernels.patch_rows(out, batch.ids, batch.count, self.num_rows, src, back.ids,
+                               back.count)
+        own = _own_outputs([capture] if capture is not None else [], batch, out)
+        source = _own_outputs(back.captures, back.ids, back.rows)
+        if own is not None and source is not None and start == 0:
+            own.graphed(("patch", id(source)), run)
+        else:
+            run()
 
     @property
     def num_rows(self) -> int:
@@ -495,6 +527,16 @@ class RowStore:
             self.host.tensor.index_copy_(0, idx.cpu(), rows.cpu())
 
 
+def _own_outputs(captures, batch, rows):
+    """The one capture whose outputs ``batch`` (a RowBatch, or its ids) and ``rows`` are, or
+    None."""
+    if len(captures) != 1:
+        return None
+    cap = captures[0]
+    ids = batch.ids if isinstance(batch, RowBatch) else batch
+    return cap if cap.rows is rows and cap.batch.ids is ids else None
+
+
 class _Captured:
     """One captured lookup of ``n`` ids: static input, outputs, whether a pending lookup
     still holds its outputs, when it was released, and ``free``: an event after the last
@@ -508,6 +550,43 @@ class _Captured:
         self.in_use = False
         self.released = 0
         self.free = None
+        self.graphs = {}          # work on its outputs, as CUDA graphs (graphed)
+
+    def graphed(self, key, fn) -> None:
+        """Run ``fn`` (kernels on this capture's outputs, and on other captures' outputs
+        named in ``key``) on the current stream: eagerly the first time (so its kernels are
+        compiled), captured as a CUDA graph the second, replayed after that. A capture that
+        fails leaves that work eager from then on (slower, not wrong)."""
+        got = self.graphs.get(key)
+        if got is None or got == "eager":
+            self.graphs[key] = got or "seen"
+            fn()
+            return
+        if got == "seen":
+            try:
+                got = self.graphs[key] = _capture_work(fn)
+            except RuntimeError:
+                self.graphs[key] = "eager"
+                fn()
+                return
+        got.replay()
+
+
+def _capture_work(fn) -> "torch.cuda.CUDAGraph":
+    """``fn``'s kernels as a CUDA graph, captured on a side stream (capture_begin/end, not
+    torch.cuda.graph(), which empties the allocator's cache)."""
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream(main.device)
+    side.wait_stream(main)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    main.wait_stream(side)
+    return graph
 
 
 class LookupGraphs:
@@ -572,7 +651,7 @@ class LookupGraphs:
         cap.flat.copy_(flat)
         cap.graph.replay()
         if patch:
-            store.patch(cap.batch, cap.rows)
+            store.patch(cap.batch, cap.rows, capture=cap)
         cap.in_use = True
         if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)

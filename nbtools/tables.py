@@ -149,8 +149,9 @@ class TableConfig:
     # Write a step's updated rows back to pinned host memory behind the next step, on a side
     # stream, so the link stays busy while the GPU computes (nbtools.rows, docs/step.md).
     # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
-    # kernel; False: never (the update writes host memory itself); True: wherever the update
-    # is fused, a CPU table too (where the write runs at once: tests use it).
+    # kernel, in steps that write at least RowStore.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
+    # never (the update writes host memory itself); True: wherever the update is fused, any
+    # size, a CPU table too (where the write runs at once: tests use it).
     write_behind: bool | None = None
 
 

@@ -679,8 +679,7 @@ def test_write_behind_trains_exactly_as_writing_host_rows(kind, device):
     (On the CPU the write runs at once, through the same kernels and bookkeeping.)"""
     if device.type == "cpu" and not kernels.usable_on(device):
         pytest.skip("fused kernels on the CPU run in Triton's interpreter")
-    behind = None if device.type == "cuda" else True      # the default on CUDA
-    w, st, seen, used = train_behind(device, behind, kind)
+    w, st, seen, used = train_behind(device, True, kind)
     w0, st0, seen0, used0 = train_behind(device, False, kind)
     assert used == 14 and used0 == 0
     assert torch.equal(w, w0) and torch.equal(seen, seen0)
@@ -733,7 +732,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, monkeypatch):
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []
-    for behind in (None, False):
+    for behind in (True, False):
         torch.manual_seed(0)
         table = OffloadedEmbedding(rows, 64, device="cuda", name="t", write_behind=behind,
                                    cuda_graphs=graphs)
@@ -747,10 +746,29 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, monkeypatch):
             opt.zero_grad()
             table(ids.cuda()).square().sum().backward()
             opt.step()
-        assert (table.rows._back is not None) == (behind is None)
+        assert (table.rows._back is not None) == behind
         opt.synchronize()
         out.append((table.weight.clone(), opt.table_state(table)["exp_avg_sq"].clone()))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+@pytest.mark.gpu
+def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
+    """The default (write_behind=None): steps that write at least 8 MiB of rows of a table
+    in pinned host memory write behind; smaller steps, cached tables and GPU-placed ones
+    write in the update."""
+    def behind_after_a_step(n, **kw):
+        table = OffloadedEmbedding(20_000, 64, device="cuda", **kw)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.01)
+        table(torch.randint(0, 20_000, (n,), device="cuda")).sum().backward()
+        opt.step()
+        return table.rows._back is not None
+    big = 8 * 2 ** 20 // (64 * 3 * 4) + 1           # ids whose rows take just over 8 MiB
+    assert behind_after_a_step(big, placement="host")
+    assert not behind_after_a_step(big - 2, placement="host")
+    assert not behind_after_a_step(big, placement="host", cache_rows=1000)
+    assert not behind_after_a_step(big, placement="gpu")
+    assert not behind_after_a_step(big, placement="host", write_behind=False)
 
 
 # --- setup memory, and what plan() says ------------------------------------------------------

@@ -1,6 +1,6 @@
 """Where a small step's host (CPU) time goes: bench_step.py's 4,000,000 x 128 Adam step with
-4,096 uniform ids, nbtools GPU-placed and offloaded against nn.Embedding(sparse=True) +
-SparseAdam.
+4,096 uniform ids, nbtools GPU-placed and offloaded (writing behind the next step, and
+writing through) against nn.Embedding(sparse=True) + SparseAdam.
 
 At this size the GPU finishes each step long before the host has queued the next, so the
 step's wall time is the host's time. Every piece of the step is wrapped with a timer (a few
@@ -62,14 +62,18 @@ def main():
              (optim._TableSlot, "queue_fused", "    queue_fused (eager)"),
              (tables.OffloadedEmbedding, "collect", "  collect"),
              (tables.OffloadedEmbedding, "forward", "table(ids)"),
-             (rows.LookupGraphs, "run", "  LookupGraphs.run")]
+             (rows.LookupGraphs, "run", "  LookupGraphs.run"),
+             (rows.RowStore, "patch", "    RowStore.patch"),
+             (rows.RowStore, "write_behind", "  RowStore.write_behind")]
     for owner, name, label in wraps:
         timed(owner, name, label)
     results = {}
     for system, make in (("torch sparse", lambda: bs.torch_sparse_step(4_000_000, 128, device)),
                          ("nbtools gpu", lambda: bs.nbtools_step(4_000_000, 128, device,
                                                                  placement="gpu")),
-                         ("nbtools host", lambda: bs.nbtools_step(4_000_000, 128, device))):
+                         ("nbtools host", lambda: bs.nbtools_step(4_000_000, 128, device)),
+                         ("nbtools host write-through",
+                          lambda: bs.nbtools_step(4_000_000, 128, device, write_behind=False))):
         step, keep = make()
         if system == "torch sparse":
             emb, opt = keep
@@ -87,13 +91,18 @@ def main():
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
         torch.Tensor.backward = orig_backward
-        results[system] = (wall, {k: v / args.steps * 1e6 for k, v in SPENT.items()})
+        parts = {k: v / args.steps * 1e6 for k, v in SPENT.items()}
+        if system.startswith("nbtools"):      # steps replayed as graphs, of those timed
+            graphs = keep[1]._graphs
+            parts["(step graphs: replays, captures)"] = (graphs.replays, len(graphs._graphs))
+        results[system] = (wall, parts)
         del step, keep
         torch.cuda.empty_cache()
     for system, (wall, parts) in results.items():
         print(f"\n=== {system}: {wall:.1f} us/step wall (timers included)")
-        for k, us in sorted(parts.items(), key=lambda kv: -kv[1]):
-            print(f"  {us:8.1f} us  {k}")
+        for k, us in sorted(parts.items(), key=lambda kv: -kv[1] if isinstance(kv[1], float)
+                            else 0):
+            print(f"  {us:8.1f} us  {k}" if isinstance(us, float) else f"  {us}  {k}")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,19 @@ v] of a 128-wide Adam table) in pinned host RAM, a new batch of 65,536 uniform d
   floor            gather + write back of each batch's unique rows (bench_step.py's floor)
   series           dedup, gather, the step's compute, the fused Adam update writing host
                    memory: what an offloaded step does today, in series
-  behind W=P       the same, but the update writes the gathered rows in GPU memory and a side
-                   stream writes them back to host memory (a grid capped at P programs) while
+  behind W=w       the same, but the update writes the gathered rows in GPU memory and a side
+                   stream writes them back to host memory (a grid capped at w programs) while
                    the next step deduplicates, gathers and computes. Rows the next step shares
                    with the last one are taken from the last step's GPU rows, not host memory.
+
+  --real           bench_step.py's nbtools step itself, writing through and behind, over grid
+                   caps of the gather (P programs) and the write-back (W)
+  --sizes          write-behind against write-through at 4,096, 16,384 and 65,536 ids
 
 Before timing, ``behind`` and ``series`` train a 200,000-row table for 12 steps from the same
 start and must leave it bit-identical (a third of each batch's rows were in the step before).
 
-    python benchmarks/experiments/write_behind.py        # GPU machine, ~1 minute
+    python benchmarks/experiments/write_behind.py [--real] [--sizes]   # GPU machine, 1-2 min
 """
 from __future__ import annotations
 
@@ -181,28 +185,67 @@ def main():
             kernels.put_rows(view, u, counts[i], out[:u.numel()], programs=w)
         counts = [torch.tensor([u.numel()], device=dev) for u in uniq]
         rows.append((f"write alone W={w}", timed(write, list(range(len(batches))))))
-    if "--real" in sys.argv:        # the nbtools step itself (bench_step.py's "nbtools host")
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-        import bench_step as bs
-        grid = [("nbtools write-through, gather P=264", False, 16, 2 * sms),
-                ("nbtools write-through, gather P=32", False, 16, 32)]
-        for p in (16, 32, 64, 132):
-            for w in (8, 16, 32):
-                grid.append((f"nbtools behind W={w}, gather P={p}", None, w, p))
-        for name, behind, w, zc in grid:
-            kernels.WRITE_BEHIND_PROGRAMS = w
-            kernels.ZERO_COPY_PROGRAMS = zc
-            step, keep = bs.nbtools_step(N, D, dev, write_behind=behind)
-            rows.append((name, bs.loop_ms(step, batches, dev)))
-            del step, keep
-            torch.cuda.empty_cache()
+    if "--real" in sys.argv:
+        rows += real_grid(dev, batches, sms)
     base = rows[0][1]
     print(f"{N:,} x {3 * D} fp32 rows, {IDS:,} uniform draws per step, {sms} SMs")
     for name, ms in rows:
         print(f"  {name:40s} {ms:7.3f} ms   {ms / base:5.2f}x floor")
+    if "--sizes" in sys.argv:
+        sizes(dev, view, gen)
     h.close()
     if not ok:
         sys.exit(1)
+
+
+def nbtools_ms(dev, batches, behind, write_programs=None, gather_programs=None):
+    """bench_step.py's "nbtools host" step (write-behind as ``behind`` says), ms per step."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import bench_step as bs
+    saved = kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS
+    if write_programs is not None:
+        kernels.WRITE_BEHIND_PROGRAMS = write_programs
+    if gather_programs is not None:
+        kernels.ZERO_COPY_PROGRAMS = gather_programs
+    try:
+        step, keep = bs.nbtools_step(N, D, dev, write_behind=behind)
+        ms = bs.loop_ms(step, batches, dev)
+        del step, keep
+    finally:
+        kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS = saved
+    torch.cuda.empty_cache()
+    return ms
+
+
+def real_grid(dev, batches, sms):
+    """--real: the nbtools step itself, writing through and behind, over grid caps."""
+    out = [("nbtools write-through, gather P=264", nbtools_ms(dev, batches, False, 16, 2 * sms)),
+           ("nbtools write-through, gather P=32", nbtools_ms(dev, batches, False, 16, 32))]
+    for p in (16, 32, 64, 132):
+        for w in (8, 16, 32):
+            out.append((f"nbtools behind W={w}, gather P={p}",
+                        nbtools_ms(dev, batches, None, w, p)))
+    return out
+
+
+def sizes(dev, view, gen):
+    """--sizes: write-behind against write-through at the default caps, by batch size, each
+    against the traffic floor of its own batches."""
+    print("by batch size (default grid caps), ms per step:")
+    for n in (4096, 16384, 65536):
+        batches = [torch.randint(0, N, (n,), generator=gen).to(dev) for _ in range(16)]
+        uniq = [torch.unique(b) for b in batches]
+        out = torch.empty(n, 3 * D, device=dev)
+
+        def floor(i):
+            u = uniq[i]
+            torch.index_select(view, 0, u, out=out[:u.numel()])
+            view.index_copy_(0, u, out[:u.numel()])
+        f = timed(floor, list(range(len(batches))))
+        through = nbtools_ms(dev, batches, False)
+        behind = nbtools_ms(dev, batches, None)
+        print(f"  {n:6,} ids: floor {f:6.3f}  write-through {through:6.3f} ({through / f:4.2f}x)"
+              f"  behind {behind:6.3f} ({behind / f:4.2f}x)  behind/through {behind / through:4.2f}")
 
 
 if __name__ == "__main__":
