@@ -439,17 +439,27 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
 # shares follow their programs, and 32 gather programs beside 16 writing ones brought the
 # 65,536-id step to the traffic floor, where 264 beside 16 stayed 1.2x above it (sweep in
 # benchmarks/RESULTS.md, benchmarks/experiments/write_behind.py --real). 32 programs also
-# keep the link busy alone, and leave the SMs to kernels running beside them.
+# keep the link busy alone, and leave the SMs to kernels running beside them. A gather
+# through a cache of hot rows reads most rows from GPU memory, which takes more programs:
+# two per SM (word2vec with 75% of its rows cached: 0.71x the GPU-placed model's speed on 32
+# programs, 0.85-0.91x on two per SM).
 ZERO_COPY_PROGRAMS = 32       # a gather from pinned host memory
+CACHED_PER_SM = 2             # ... through a cache of hot rows, programs per SM
 WRITE_BEHIND_PROGRAMS = 16    # a write-back behind the next step (RowStore.write_behind)
 
 
-def zero_copy_programs(device: torch.device) -> int | None:
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def zero_copy_programs(device: torch.device, cached: bool = False) -> int | None:
     """The grid cap of a gather from pinned host memory: :data:`ZERO_COPY_PROGRAMS`
-    programs, each looping over blocks of rows (None off CUDA, or uncapped)."""
+    programs, each looping over blocks of rows, or :data:`CACHED_PER_SM` per SM for a
+    gather through a cache of hot rows (None off CUDA, or uncapped)."""
     if device.type != "cuda" or not ZERO_COPY_PROGRAMS:
         return None
-    return ZERO_COPY_PROGRAMS
+    return CACHED_PER_SM * _sms(device) if cached else ZERO_COPY_PROGRAMS
 
 
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,

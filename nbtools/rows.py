@@ -482,7 +482,7 @@ class RowStore:
                 itemsize = self.host.tensor.element_size()
                 self.count_bytes(batch.capacity * (stop - start) * itemsize, h2d=True)
             if programs is None and self.mode == "zero-copy":
-                programs = kernels.zero_copy_programs(self.device)
+                programs = kernels.zero_copy_programs(self.device, cached=slots is not None)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start,
                                        None if slots is None else self.cache.rows, slots,
                                        programs, keep=into is not None)
