@@ -28,3 +28,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=devices())
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture
+def slow_write_backs(monkeypatch):
+    """Every write-back behind a step (RowStore.write_behind) held ~5 ms on its CUDA stream
+    before it writes: work queued after it that read host rows without waiting or patching
+    would read rows it has not written yet. (On the CPU write-backs run at once: no-op.)"""
+    from nbtools import kernels
+    put = kernels.put_rows
+
+    def slow_put(*args, **kwargs):
+        if args[0].is_cuda:
+            torch.cuda._sleep(10_000_000)       # GPU cycles (~5 ms), on the current stream
+        put(*args, **kwargs)
+    monkeypatch.setattr(kernels, "put_rows", slow_put)

@@ -672,11 +672,12 @@ def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
 
 @needs_triton
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad", "bf16"])
-def test_write_behind_trains_exactly_as_writing_host_rows(kind, device):
+def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_write_backs):
     """The update writes the gathered rows in GPU memory and they go back to host memory
-    behind the next step; the next lookups take the rows they share with it from that copy.
-    Bit-identical to the update writing host memory itself, lookups in between included.
-    (On the CPU the write runs at once, through the same kernels and bookkeeping.)"""
+    behind the next step (on CUDA here each write-back is held ~5 ms); the next lookups take
+    the rows they share with it from that copy. Bit-identical to the update writing host
+    memory itself, lookups in between included. (On the CPU the write runs at once, through
+    the same kernels and bookkeeping.)"""
     if device.type == "cpu" and not kernels.usable_on(device):
         pytest.skip("fused kernels on the CPU run in Triton's interpreter")
     w, st, seen, used = train_behind(device, True, kind)
@@ -689,7 +690,7 @@ def test_write_behind_trains_exactly_as_writing_host_rows(kind, device):
 
 @needs_triton
 @pytest.mark.parametrize("fault", ["id", "nan"])
-def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device):
+def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_write_backs):
     if device.type == "cpu" and not kernels.usable_on(device):
         pytest.skip("fused kernels on the CPU run in Triton's interpreter")
     torch.manual_seed(0)
@@ -718,17 +719,12 @@ def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_write_behind_under_load_matches_writing_host_rows(graphs, monkeypatch):
+def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_backs):
     """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before, and
     every write-back held back ~5 ms on its stream: the next lookup reads host rows while
     the last write-back has not started, and must take every shared row from its GPU copy.
-    Bit-identical to writing host memory in the update (and not without the patch)."""
-    put = kernels.put_rows
-
-    def slow_put(*args, **kwargs):
-        torch.cuda._sleep(10_000_000)       # GPU cycles (~5 ms), on the write-back's stream
-        put(*args, **kwargs)
-    monkeypatch.setattr(kernels, "put_rows", slow_put)
+    Bit-identical to writing host memory in the update (and not without the patch:
+    benchmarks/experiments/patch_mutation.py)."""
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []
