@@ -334,7 +334,7 @@ class RowStore:
             for t in (batch.ids, batch.meta, rows):
                 t.record_stream(side)     # eager lookups' tensors: not reused before it ends
         for cap in captures:
-            cap.free = event
+            cap.free.append(event)
         if self._back is not None:
             self._older = self._back.event     # one stream: it ends every write before it
         self._back = _WriteBack(batch.ids, batch.count, rows, event, main, captures)
@@ -539,17 +539,17 @@ def _own_outputs(captures, batch, rows):
 
 class _Captured:
     """One captured lookup of ``n`` ids: static input, outputs, whether a pending lookup
-    still holds its outputs, when it was released, and ``free``: an event after the last
-    work that reads its outputs, which its next replay waits for. That work is a write-back
-    behind the next step (:meth:`RowStore.write_behind`), or for a dedup alone (``rows``
-    None, a prefetch of host ids, replayed on a side stream without waiting for the main
-    one) the main stream's reads of its ids."""
+    still holds its outputs, when it was released, and ``free``: events after the work that
+    reads its outputs, which its next replay waits for. That work is a write-back behind the
+    next step (:meth:`RowStore.write_behind`) and, for a dedup alone (``rows`` None, a
+    prefetch of host ids, replayed on a side stream without waiting for the main one), the
+    main stream's reads of its ids."""
 
     def __init__(self, graph, flat, batch, rows):
         self.graph, self.flat, self.batch, self.rows = graph, flat, batch, rows
         self.in_use = False
         self.released = 0
-        self.free = None
+        self.free = []            # events: the work that reads its outputs is done
         self.graphs = {}          # work on its outputs, as CUDA graphs (graphed)
 
     def graphed(self, key, fn) -> None:
@@ -639,15 +639,15 @@ class LookupGraphs:
         # is captured (a dedup alone keeps one copy more: see _Captured).
         copies = self.copies + (width is None)
         cap = min(free, key=lambda c: c.released) if free else None
-        if cap is None or (cap.free is not None and len(caps) < copies
-                           and not cap.free.query()):
+        if cap is None or (len(caps) < copies and not all(e.query() for e in cap.free)):
             if len(caps) >= copies:
                 return None
             cap = self._capture(store, flat, padding_idx, width)
             caps.append(cap)
         patch = width is not None and store.before_gather(overwrites=(cap,))
-        if cap.free is not None:
-            torch.cuda.current_stream(flat.device).wait_event(cap.free)
+        for event in cap.free:
+            torch.cuda.current_stream(flat.device).wait_event(event)
+        cap.free = []
         cap.flat.copy_(flat)
         cap.graph.replay()
         if patch:
@@ -702,5 +702,6 @@ class LookupGraphs:
                 LookupGraphs._releases += 1
                 cap.released = LookupGraphs._releases
                 if cap.rows is None:          # a dedup alone: see _Captured
-                    cap.free = torch.cuda.Event()
-                    cap.free.record(torch.cuda.current_stream(cap.flat.device))
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(cap.flat.device))
+                    cap.free.append(event)
