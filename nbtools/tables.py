@@ -281,6 +281,9 @@ class OffloadedEmbedding(nn.Module):
             check_rounding(cfg.rounding, value if value in LOW_PRECISION else torch.bfloat16)
         if placement not in ("auto", "gpu", "host"):
             raise ValueError(f"placement must be 'auto', 'gpu' or 'host', got {placement!r}")
+        if cfg.write_behind not in (None, True, False):
+            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
+                             f"memory), True or False, got {cfg.write_behind!r}")
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:

@@ -414,6 +414,8 @@ def test_placement_arguments():
         OffloadedEmbedding(10, 2, placement="cuda")
     with pytest.raises(TypeError, match="unexpected keyword"):
         OffloadedEmbedding(10, 2, pinned=False)
+    with pytest.raises(ValueError, match="write_behind must be None"):
+        OffloadedEmbedding(10, 2, write_behind="auto")
     t = OffloadedEmbedding(10, 2, device="cpu", placement="gpu")   # CPU compute: rows on the host
     assert t.placement == "host" and t.transfer_mode == "host"
     assert "placement=host" in repr(t)
