@@ -691,6 +691,35 @@ def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_wri
 
 
 @needs_triton
+def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs):
+    """A table whose steps switch between writing behind and writing in the update (as a
+    step under 8 MiB does, the last partial batch of an epoch): an update that writes host
+    rows waits for the write-back still on its way, so the older values never land over it."""
+    if device.type == "cpu" and not kernels.usable_on(device):
+        pytest.skip("fused kernels on the CPU run in Triton's interpreter")
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 30, (40,), generator=gen) for _ in range(9)]
+    out = []
+    for switching in (True, False):
+        torch.manual_seed(0)
+        table = OffloadedEmbedding(30, 4, device=device, name="t", placement="host",
+                                   write_behind=switching or False)
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.05,
+                               config=OffloadConfig(fused="auto" if device.type == "cuda"
+                                                    else True))
+        for t, ids in enumerate(batches):
+            if switching:
+                table.config.write_behind = t % 3 != 2      # every third step writes through
+            opt.zero_grad()
+            table(ids.to(device)).sin().sum().backward()
+            opt.step()
+            assert (table.rows._back is not None) == (switching and t % 3 != 2)
+        opt.synchronize()
+        out.append(tables_of(opt))
+    assert_tables_equal(*out)
+
+
+@needs_triton
 @pytest.mark.parametrize("fault", ["id", "nan"])
 def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_write_backs):
     if device.type == "cpu" and not kernels.usable_on(device):
