@@ -13,6 +13,8 @@ Loaders turn files into what the models eat: ``load_movielens`` / ``load_ratings
 ``.inter`` files),
 ``load_text8`` -> ``Corpus(ids, vocab, counts)``. Small bundled samples (``"movielens-sample"``,
 ``"text8-sample"``) need no network: the notebooks' smoke settings and CI use them.
+The word-vector evaluation sets (``"ws353"``, ``"simlex999"``, ``"questions-words"``, fetched
+from gensim's repository) have bundled made-up samples too (``"ws353-sample"``, ...).
 
 >>> r = load("movielens-sample")
 >>> r.num_users, r.num_items, r.user_ids.dtype
@@ -75,7 +77,7 @@ class Dataset:
     name: str
     url: str | None               # None: bundled with nbtools (no download)
     filename: str
-    kind: str                     # "ratings" or "text"
+    kind: str                     # "ratings", "text", "wordsim" (word pairs) or "analogy"
     description: str
     md5: str | None = None
     sha256: str | None = None
@@ -85,6 +87,12 @@ class Dataset:
 
 _ML = "https://files.grouplens.org/datasets/movielens"
 _GL = "md5 published by GroupLens beside the file (.zip.md5)"
+# gensim's test data at its 4.4.0 tag (commit ee2642b4fa26e689ba4595067504668bc7a89016). No
+# hash is published; these are the same files' hashes in the gensim 4.4.0 wheel on PyPI
+# (gensim/test/test_data/), checked equal to the tag's blobs.
+_GENSIM = "https://raw.githubusercontent.com/piskvorky/gensim/4.4.0/gensim/test/test_data"
+_GS = ("md5, sha256 and size of the file in the gensim 4.4.0 wheel on PyPI, the same bytes as "
+       "at the repository's tag 4.4.0")
 REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset("ml-100k", f"{_ML}/ml-100k.zip", "ml-100k.zip", "ratings",
             "MovieLens 100K: 100,000 ratings, 943 users, 1,682 movies",
@@ -122,6 +130,28 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset("text8", "http://mattmahoney.net/dc/text8.zip", "text8.zip", "text",
             "text8: the first 10^8 characters of cleaned English Wikipedia (~17M words)",
             bytes=31_344_016, hash_source="size from the word2vec tutorials; no hash published"),
+    # word-vector evaluation sets (nbtools.models.wordsim): the files gensim ships in its test data
+    Dataset("ws353", f"{_GENSIM}/wordsim353.tsv", "wordsim353.tsv", "wordsim",
+            "WordSimilarity-353: 353 word pairs with human relatedness scores (Finkelstein et "
+            "al., 2002)", md5="fa3334003a2c00a47810856c5813a990",
+            sha256="f92a022fc2537793a15bc3a8c162ebcd74990e033a228bb6388cb71e4c0b1e1d",
+            bytes=7_186, hash_source=_GS),
+    Dataset("simlex999", f"{_GENSIM}/simlex999.txt", "simlex999.txt", "wordsim",
+            "SimLex-999: 999 word pairs with human similarity scores (Hill et al., 2015)",
+            md5="ea3b421726e288d9c368d3db0f1831a4",
+            sha256="d5e0501971478a511430ee880bd0121e94ac701ba86d90544d83e6d2ba3db05d",
+            bytes=18_126, hash_source=_GS),
+    Dataset("questions-words", f"{_GENSIM}/questions-words.txt", "questions-words.txt", "analogy",
+            "Google analogy questions: 19,544 'a b c d' questions in 14 sections (Mikolov et al., "
+            "2013)", md5="8b7461cbf7ecc0aec9b32eb626821105",
+            sha256="8c29b3332afc46f3fb8be04cb5297bf96f39aa7131272dff57869b4485b22a36",
+            bytes=603_955, hash_source=_GS),
+    Dataset("ws353-sample", None, "wordsim353-sample.tsv", "wordsim",
+            "made-up WS353-format pairs of text8-sample's words, bundled (smoke runs, CI)"),
+    Dataset("simlex999-sample", None, "simlex999-sample.txt", "wordsim",
+            "made-up SimLex-format pairs of text8-sample's words, bundled (smoke runs, CI)"),
+    Dataset("questions-words-sample", None, "questions-words-sample.txt", "analogy",
+            "made-up analogy questions of text8-sample's words, bundled (smoke runs, CI)"),
     Dataset("movielens-sample", None, "ratings-sample.csv", "ratings",
             "synthetic MovieLens-format ratings bundled with nbtools (smoke runs, CI)"),
     Dataset("text8-sample", None, "text8-sample.txt", "text",
@@ -540,7 +570,9 @@ def load_text8(path, *, min_count: int = 5, max_vocab: int | None = None) -> Cor
 
 
 def load(name_or_path, **kwargs):
-    """Fetch a registry dataset (or take a local path) and load it: ``Ratings`` or ``Corpus``.
+    """Fetch a registry dataset (or take a local path) and load it: ``Ratings`` or ``Corpus``;
+    for the word-vector evaluation sets (``"ws353"``, ``"simlex999"``, ``"questions-words"``
+    and their ``-sample`` versions) the lists :mod:`nbtools.models.wordsim` reads.
 
     Keyword arguments go to the loader (``min_count=`` for text) or to :func:`fetch`
     (``cache_dir=``, ``quiet=``, ...).
@@ -554,6 +586,10 @@ def load(name_or_path, **kwargs):
     entry = REGISTRY.get(str(name_or_path))
     if entry is not None:
         path, kind = fetch(entry.name, **fetch_kw), entry.kind
+        if kind in ("wordsim", "analogy"):
+            from .models import wordsim     # lazy: data does not need the models otherwise
+
+            return (wordsim.load_word_pairs if kind == "wordsim" else wordsim.load_analogies)(path)
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():

@@ -43,3 +43,59 @@ def slow_write_backs(monkeypatch):
             torch.cuda._sleep(10_000_000)       # GPU cycles (~5 ms), on the current stream
         put(*args, **kwargs)
     monkeypatch.setattr(kernels, "put_rows", slow_put)
+
+
+@pytest.fixture
+def file_server():
+    """A local HTTP server for real gdown downloads: ``files`` maps paths (``"/a/b.txt"``) to
+    the bytes served there; ``hits`` counts requests per path. Yields ``(base_url, files, hits)``."""
+    import http.server
+    import threading
+
+    pytest.importorskip("gdown")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            srv.hits[path] = srv.hits.get(path, 0) + 1
+            body = srv.files.get(path)
+            code = 200 if body is not None else 404
+            body = body if body is not None else b"<html><title>404 Not Found</title></html>"
+            self.send_response(code)
+            self.send_header("Content-Type", "application/octet-stream" if code == 200 else "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    srv.files, srv.hits = {}, {}
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", srv.files, srv.hits
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def eval_server(file_server, monkeypatch):
+    """The registry's word-vector evaluation sets ("ws353", "simlex999", "questions-words")
+    served by ``file_server``: each entry's URL points there, and its hashes and size are those
+    of the bytes served (the bundled samples' bytes). Yields ``(files, hits)``."""
+    import dataclasses
+    import hashlib
+
+    from nbtools import data
+
+    base, files, hits = file_server
+    for name in ("ws353", "simlex999", "questions-words"):
+        entry = data.REGISTRY[name]
+        body = (data.SAMPLES_DIR / data.REGISTRY[f"{name}-sample"].filename).read_bytes()
+        files[f"/gensim/{entry.filename}"] = body
+        monkeypatch.setitem(data.REGISTRY, name, dataclasses.replace(
+            entry, url=f"{base}/gensim/{entry.filename}", md5=hashlib.md5(body).hexdigest(),
+            sha256=hashlib.sha256(body).hexdigest(), bytes=len(body)))
+    yield files, hits

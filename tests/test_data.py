@@ -299,3 +299,51 @@ def test_fetch_options_live_in_a_config(tmp_path):
         fetch("text8-sample", retry=3)
     cfg = data.FetchConfig(cache_dir=tmp_path, quiet=True)
     assert fetch("text8-sample", config=cfg) == fetch("text8-sample", cache_dir=tmp_path, quiet=True)
+
+
+# --- word-vector evaluation sets ----------------------------------------------------------------
+
+EVAL_SETS = ("ws353", "simlex999", "questions-words")
+
+
+def test_eval_sets_are_pinned_with_hashes_and_sizes():
+    # a tag's raw files (never a branch, which moves), each with md5, sha256 and size; the
+    # samples are bundled
+    for name in EVAL_SETS:
+        d = data.REGISTRY[name]
+        assert d.url == ("https://raw.githubusercontent.com/piskvorky/gensim/4.4.0/gensim/test/"
+                         f"test_data/{d.filename}"), d.url
+        assert d.md5 and d.sha256 and d.bytes and d.kind in ("wordsim", "analogy")
+        sample = data.REGISTRY[f"{name}-sample"]
+        assert sample.url is None and sample.kind == d.kind
+        assert fetch(sample.name) == data.SAMPLES_DIR / sample.filename
+    assert (data.REGISTRY["ws353"].md5, data.REGISTRY["questions-words"].bytes) == (
+        "fa3334003a2c00a47810856c5813a990", 603_955)     # md5sum / stat of the wheel's copies
+
+
+def test_eval_sets_download_verified_and_cached(eval_server, tmp_path):
+    files, hits = eval_server
+    for name in EVAL_SETS:
+        d = data.REGISTRY[name]
+        path = fetch(name, cache_dir=tmp_path, quiet=True)
+        assert path == tmp_path / name / d.filename
+        assert path.read_bytes() == files[f"/gensim/{d.filename}"]
+        assert fetch(name, cache_dir=tmp_path, quiet=True) == path      # from the cache
+        assert hits[f"/gensim/{d.filename}"] == 1
+    pairs = data.load("ws353", cache_dir=tmp_path)
+    assert len(pairs) == 31 and all(len(p) == 3 and isinstance(p[2], float) for p in pairs)
+    questions = data.load("questions-words", cache_dir=tmp_path)
+    assert len(questions) == 25 and questions[0][0] == "topic-to-topic"
+    assert data.load("questions-words-sample") == questions             # bundled, same bytes
+
+
+def test_eval_set_with_a_wrong_hash_or_size_is_refused(eval_server, tmp_path, monkeypatch):
+    import dataclasses
+    entry = data.REGISTRY["simlex999"]
+    monkeypatch.setitem(data.REGISTRY, "simlex999", dataclasses.replace(entry, sha256="0" * 64))
+    with pytest.raises(HashMismatchError, match="sha256 of the download is"):
+        fetch("simlex999", cache_dir=tmp_path, quiet=True)
+    monkeypatch.setitem(data.REGISTRY, "simlex999", dataclasses.replace(entry, bytes=entry.bytes + 1))
+    with pytest.raises(DownloadError, match=f"expected {entry.bytes + 1:,}"):
+        fetch("simlex999", cache_dir=tmp_path, quiet=True, retries=0)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

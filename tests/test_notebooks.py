@@ -64,6 +64,9 @@ def test_word2vec_notebook_runs(tmp_path):
     nb = _execute("word2vec", tmp_path)
     out = _outputs(nb)
     assert "pairs" in out and "is to" in out
+    # quality on the bundled made-up sets, offline: three scores with their coverage
+    scores = out.split("nbtools (this run):")[1].splitlines()[0]
+    assert all(k in scores for k in ("WS353", "SimLex", "analogy", "coverage")), scores
     assert any((tmp_path / "nbtools" / "word2vec-smoke").glob("step-*")), "no checkpoint on 'Drive'"
 
 

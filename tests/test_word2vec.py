@@ -410,3 +410,50 @@ def test_a_cache_of_frequent_words_changes_nothing(dtype):
             assert model.output.cache_stats()["hits"] > 0
         got.append((model.input.weight.clone(), model.output.weight.clone()))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+# --- the evaluation sets from the data registry --------------------------------------------------
+
+def _sample_vectors():
+    from nbtools import data
+    words = data.load("text8-sample", min_count=1).vocab
+    return words, torch.randn(len(words), 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_evaluate_without_a_folder_fetches_the_registry_sets(eval_server, tmp_path, monkeypatch):
+    files, hits = eval_server
+    monkeypatch.setenv("NBTOOLS_DATA_DIR", str(tmp_path / "cache"))
+    vectors = _sample_vectors()
+    r = wordsim.evaluate(vectors, quiet=True)
+    assert sorted(hits.values()) == [1, 1, 1]
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()
+                  and not p.name.startswith(".")) == sorted(wordsim.FILES.values())
+    # the same scores as from a folder holding the same files
+    (tmp_path / "eval").mkdir()
+    for key, name in wordsim.FILES.items():
+        (tmp_path / "eval" / name).write_bytes(files[f"/gensim/{name}"])
+    assert r == wordsim.evaluate(vectors, tmp_path / "eval")
+    assert r["ws353"]["pairs"] == 30 and r["analogy"]["questions"] == 24
+    assert wordsim.evaluate(vectors) == r and sorted(hits.values()) == [1, 1, 1]   # cached
+
+
+def test_evaluate_on_the_bundled_samples_needs_no_network(monkeypatch):
+    from nbtools import data
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the bundled samples must not be downloaded")
+    monkeypatch.setattr(data, "_gdown_download", no_network)
+    r = wordsim.evaluate(_sample_vectors(), sample=True)
+    assert (r["ws353"]["pairs"], r["simlex"]["pairs"], r["analogy"]["questions"]) == (30, 30, 24)
+    assert r["ws353"]["coverage"] == pytest.approx(30 / 31)
+    assert "WS353" in wordsim.format_scores(r) and "analogy" in wordsim.format_scores(r)
+    with pytest.raises(TypeError, match="only without eval_dir"):
+        wordsim.evaluate(_sample_vectors(), "eval", sample=True)
+
+
+def test_bundled_eval_samples_are_what_make_samples_makes(tmp_path):
+    from nbtools import data
+    wordsim.make_samples(tmp_path)
+    for name in ("ws353-sample", "simlex999-sample", "questions-words-sample"):
+        filename = data.REGISTRY[name].filename
+        assert (tmp_path / filename).read_bytes() == (data.SAMPLES_DIR / filename).read_bytes()

@@ -6,7 +6,11 @@ words ordered by frequency (gensim: ``(model.wv.index_to_key, model.wv.vectors)`
 
 The files are the ones gensim ships in its test data (``wordsim353.tsv``, ``simlex999.txt``:
 ``word1<TAB>word2<TAB>score`` lines, ``#`` comments; ``questions-words.txt``: ``: section``
-headers, then ``a b c d`` lines). Words are lower-cased, as the corpus is.
+headers, then ``a b c d`` lines). Words are lower-cased, as the corpus is. They are datasets of
+:mod:`nbtools.data` (``"ws353"``, ``"simlex999"``, ``"questions-words"``): ``evaluate(model)``
+fetches them once, checks their hashes and caches them (on Google Drive in Colab).
+``evaluate(model, sample=True)`` uses tiny made-up sets of the bundled text8 sample's words
+instead, with no network: a smoke test of the plumbing, not a measure of quality.
 
 >>> words = ["king", "queen", "man", "woman", "cat"]
 >>> m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0],
@@ -22,12 +26,25 @@ headers, then ``a b c d`` lines). Words are lower-cased, as the corpus is.
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 FILES = {"ws353": "wordsim353.tsv", "simlex": "simlex999.txt", "analogy": "questions-words.txt"}
+DATASETS = {"ws353": "ws353", "simlex": "simlex999", "analogy": "questions-words"}  # nbtools.data
+
+
+def fetch_sets(*, sample: bool = False, **fetch_options) -> dict:
+    """``{"ws353": path, "simlex": path, "analogy": path}``: the three files from the data
+    registry (downloaded once, hash-checked, cached; on Google Drive in Colab), or with
+    ``sample=True`` the small bundled samples (no network). ``fetch_options`` go to
+    :func:`nbtools.data.fetch` (``cache_dir=``, ``quiet=``, ...)."""
+    from .. import data
+
+    suffix = "-sample" if sample else ""
+    return {key: data.fetch(name + suffix, **fetch_options) for key, name in DATASETS.items()}
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -178,27 +195,43 @@ def analogies(vectors, questions, *, restrict: int = 30000, chunk: int = 2048) -
             "questions": len(asked), "correct": correct}
 
 
-def evaluate(vectors, eval_dir, *, restrict: int = 30000) -> dict:
+def evaluate(vectors, eval_dir=None, *, sample: bool = False, restrict: int = 30000,
+             **fetch_options) -> dict:
     """WS353 and SimLex-999 Spearman, Google analogy accuracy (top ``restrict`` words).
 
     Args:
         vectors: a :class:`~nbtools.models.SkipGram` or ``(words, matrix)`` (words ordered by
             frequency).
         eval_dir: folder with ``wordsim353.tsv``, ``simlex999.txt`` and ``questions-words.txt``
-            (a missing file's entry is left out).
+            (a missing file's entry is left out). None (the default): the files come from the
+            data registry, fetched and cached on first use (:func:`fetch_sets`).
+        sample: with no ``eval_dir``, score on the tiny bundled samples instead (offline; a
+            smoke test: the numbers mean little).
+        fetch_options: passed to :func:`nbtools.data.fetch` (``cache_dir=``, ``quiet=``, ...).
 
     Returns:
         ``{"ws353": {...}, "simlex": {...}, "analogy": {...}}`` as :func:`word_similarity` and
         :func:`analogies` return them.
+
+    Raises:
+        nbtools.data.DownloadError, nbtools.data.HashMismatchError: fetching failed; pass
+            ``eval_dir`` to use local copies.
     """
-    eval_dir = Path(eval_dir)
-    if not eval_dir.is_dir():
-        raise FileNotFoundError(f"eval_dir {str(eval_dir)!r} is not a folder; it should hold "
-                                f"{sorted(FILES.values())}")
+    if eval_dir is None:
+        paths = fetch_sets(sample=sample, **fetch_options)
+    else:
+        if sample or fetch_options:
+            raise TypeError(f"evaluate(eval_dir={str(eval_dir)!r}) reads that folder; sample= "
+                            "and fetch options apply only without eval_dir")
+        eval_dir = Path(eval_dir)
+        if not eval_dir.is_dir():
+            raise FileNotFoundError(f"eval_dir {str(eval_dir)!r} is not a folder; it should hold "
+                                    f"{sorted(FILES.values())} (or leave eval_dir out to fetch "
+                                    "them)")
+        paths = {key: eval_dir / name for key, name in FILES.items()}
     words_matrix = _vectors(vectors)            # one copy of the table for all three
     out = {}
-    for key, name in FILES.items():
-        path = eval_dir / name
+    for key, path in paths.items():
         if not path.exists():
             continue
         if key == "analogy":
@@ -219,3 +252,50 @@ def format_scores(scores: dict) -> str:
             value = f"{100 * r['accuracy']:.1f}%" if key == "analogy" else f"{r['spearman']:.3f}"
             parts.append(f"{label} {value} (coverage {r['coverage']:.2f})")
     return "  ".join(parts)
+
+
+# --- bundled samples (tests/test_word2vec.py regenerates them to prove they are what this makes) --
+
+_SAMPLE_FILES = {"ws353": "wordsim353-sample.tsv", "simlex": "simlex999-sample.txt",
+                 "analogy": "questions-words-sample.txt"}
+
+
+def make_samples(folder, seed: int = 0) -> None:
+    """Write the three small made-up evaluation files bundled with nbtools, in the real files'
+    formats, over the words of the bundled text8 sample (:func:`nbtools.data.make_text8_sample`):
+    pairs of one topic score 6-10, pairs across topics 0-4; an analogy question takes ``a b``
+    from one topic and ``c d`` from another. Each file also holds one pair or question of words
+    the sample lacks, so that coverage is below 1 as on real data."""
+    from ..data import _SAMPLE_TOPICS
+
+    rnd = random.Random(seed)
+    topics = [t.split() for t in _SAMPLE_TOPICS.values()]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    made_up = ("# Made up for nbtools' smoke runs (nbtools.models.wordsim.make_samples): words of "
+               "the bundled text8 sample,\n# scored 6-10 within a topic and 0-4 across topics. "
+               "Not a measure of quality.\n")
+    for key, label in (("ws353", "relatedness"), ("simlex", "similarity")):
+        lines = [made_up.rstrip("\n"), f"# Word 1\tWord 2\tHuman (mean {label})"]
+        for n in range(30):
+            same = n % 2 == 0
+            t1 = rnd.randrange(len(topics))
+            t2 = t1 if same else (t1 + rnd.randrange(1, len(topics))) % len(topics)
+            a, b = rnd.choice(topics[t1]), rnd.choice(topics[t2])
+            while b == a:
+                b = rnd.choice(topics[t2])
+            score = rnd.uniform(6, 10) if same else rnd.uniform(0, 4)
+            lines.append(f"{a}\t{b}\t{score:.2f}")
+        lines.append("tiger\tcat\t7.35")                 # not in the sample: coverage < 1
+        (folder / _SAMPLE_FILES[key]).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    lines = []
+    for section in ("topic-to-topic", "numbers-to-topic"):
+        lines.append(f": {section}")
+        for _ in range(12):
+            t1 = 0 if section.startswith("numbers") else rnd.randrange(len(topics))
+            t2 = (t1 + rnd.randrange(1, len(topics))) % len(topics)
+            a, b = rnd.sample(topics[t1], 2)
+            c, d = rnd.sample(topics[t2], 2)
+            lines.append(f"{a} {b} {c} {d}")
+    lines.append("Athens Greece Baghdad Iraq")            # not in the sample
+    (folder / _SAMPLE_FILES["analogy"]).write_text("\n".join(lines) + "\n", encoding="utf-8")
