@@ -40,11 +40,14 @@ _LAZY = {
     "NonFiniteGradientError": "nbtools.optim",
     "UnsupportedOptimizerError": "nbtools.optim",
     "HostMemoryError": "nbtools.tables",
+    "NoRoomError": "nbtools.tables",
+    "HostBudgetError": "nbtools.devices",
+    "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
-_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "distributed", "env",
+_SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "disk", "distributed", "env",
                "hostmem", "loader", "meters", "models", "optim", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]

@@ -7,10 +7,12 @@ resolved once per process. The printout of all of it, :func:`nbtools.describe`, 
 from __future__ import annotations
 
 import functools
+import os
 import resource
 
 import torch
 
+from . import NbtoolsError
 from .units import human_bytes  # noqa: F401  (nbtools.devices.human_bytes: older imports)
 
 
@@ -44,8 +46,87 @@ def resolve_device(device="auto") -> torch.device:
     return dev
 
 
+class HostBudgetError(NbtoolsError, MemoryError):
+    """An allocation would take nbtools past its host-memory budget (set_host_budget)."""
+
+
+# The host-RAM budget (set_host_budget / NBTOOLS_HOST_BUDGET) and what nbtools holds now: every
+# HostTensor (pinned or not: tables, RAM caches, loader slabs) and a disk table's row maps.
+_host = {"budget": None, "held": 0, "env_read": False}
+
+
+def parse_bytes(text) -> int:
+    """``12GiB``, ``512M``, ``3e9`` or an int -> bytes.
+
+    >>> parse_bytes("1.5GiB"), parse_bytes("512M"), parse_bytes(1000)
+    (1610612736, 536870912, 1000)
+    """
+    if isinstance(text, (int, float)):
+        return int(text)
+    t = str(text).strip().upper().replace("IB", "").replace("B", "")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def set_host_budget(nbytes) -> None:
+    """Bound the host RAM nbtools takes: pinned and plain table rows, disk tables' RAM caches
+    and row maps, loader slabs (``nbytes``: bytes or a string such as ``"12GiB"``; None: no
+    bound). The environment variable ``NBTOOLS_HOST_BUDGET`` sets it too. Placement
+    ("auto" picks disk over RAM), nbtools.plan and every allocation respect it; an allocation
+    past it raises :class:`HostBudgetError` before anything is taken. Disk tables read with
+    ``O_DIRECT``, so the page cache does not grow outside it."""
+    _host["budget"] = None if nbytes is None else parse_bytes(nbytes)
+    _host["env_read"] = True
+
+
+def host_budget() -> int | None:
+    """The host-memory budget in bytes, or None (see :func:`set_host_budget`)."""
+    if not _host["env_read"]:
+        _host["env_read"] = True
+        env = os.environ.get("NBTOOLS_HOST_BUDGET")
+        if env:
+            _host["budget"] = parse_bytes(env)
+    return _host["budget"]
+
+
+def hold_host(nbytes: int, what: str = "host memory") -> None:
+    """Count ``nbytes`` that nbtools is about to take; refuse past the budget."""
+    budget = host_budget()
+    if budget is not None and _host["held"] + nbytes > budget:
+        raise HostBudgetError(
+            f"{what} needs {human_bytes(nbytes)} but nbtools already holds "
+            f"{human_bytes(_host['held'])} of its {human_bytes(budget)} host budget "
+            "(nbtools.set_host_budget / NBTOOLS_HOST_BUDGET); nothing was allocated. Use "
+            "placement='disk' with a smaller host_cache_bytes, or raise the budget.")
+    _host["held"] += nbytes
+
+
+def release_host(nbytes: int) -> None:
+    _host["held"] = max(0, _host["held"] - nbytes)
+
+
+def held_host_bytes() -> int:
+    """Host bytes nbtools holds now (what the budget counts)."""
+    return _host["held"]
+
+
+def _cgroup_available() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            return int(limit) - int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def host_memory_bytes() -> dict:
-    """Total and available host RAM in bytes, from /proc/meminfo (N/A elsewhere -> None)."""
+    """Total and available host RAM in bytes, from /proc/meminfo (N/A elsewhere -> None),
+    within the container's memory limit and nbtools' host budget, where either is set."""
     info = {"total": None, "available": None}
     try:
         with open("/proc/meminfo") as f:
@@ -57,6 +138,13 @@ def host_memory_bytes() -> dict:
                     info["available"] = int(rest.split()[0]) * 1024
     except OSError:
         pass
+    limits = [v for v in (_cgroup_available(),) if v is not None]
+    budget = host_budget()
+    if budget is not None:
+        limits.append(budget - _host["held"])
+    if limits:
+        least = max(0, min(limits))
+        info["available"] = least if info["available"] is None else min(info["available"], least)
     return info
 
 

@@ -11,7 +11,9 @@ import platform
 import torch
 
 from . import hostmem
-from .devices import cuda_ok, gpu_free_bytes, host_memory_bytes, memlock_limit, resolve_device
+from . import disk
+from .devices import (cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes, memlock_limit,
+                      resolve_device)
 from .units import human_bytes as _human
 
 
@@ -37,6 +39,9 @@ def describe(file=None) -> dict:
         "pinned_bytes": hostmem.pinned_bytes(),
         # what OffloadedEmbedding(placement="auto") puts on the GPU now (rows + state)
         "auto_gpu_budget_bytes": None,
+        "host_budget_bytes": host_budget(),          # nbtools.set_host_budget, or None
+        "disk_dir": disk.default_dir(),              # where placement="disk" files go
+        "disk_free_bytes": disk.free_bytes(disk.default_dir()),
     }
     if cuda_ok():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -56,7 +61,11 @@ def describe(file=None) -> dict:
                                 f"{_human(info['auto_gpu_budget_bytes'])} (half the free GPU "
                                 "memory) lives on the GPU, a larger one in pinned host RAM"
                                 if info["auto_gpu_budget_bytes"] is not None else
-                                "CPU compute: tables live in host memory"),
+                                "CPU compute: tables live in host memory")
+        + (f"; past 90% of available RAM, in a file under {info['disk_dir']} "
+           f"({_human(info['disk_free_bytes'])} free)"),
+        f"host budget {_human(info['host_budget_bytes']) if info['host_budget_bytes'] else 'none'}"
+        " (nbtools.set_host_budget: bounds pinned rows, RAM caches and staging)",
     ]
     print("\n".join(lines), file=file)
     return info

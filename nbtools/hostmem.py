@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import NbtoolsError
-from .devices import cuda_ok, memlock_limit
+from .devices import cuda_ok, hold_host, memlock_limit, release_host
 from .units import human_bytes
 
 _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
@@ -246,7 +246,13 @@ class HostTensor:
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         # pages of its own; unregistered exactly when numpy frees them (the tensor keeps the
         # array alive), or earlier by close()
-        self._raw = page_aligned(self.nbytes)
+        hold_host(self.nbytes, f"{name!r} ({human_bytes(self.nbytes)})")
+        try:
+            self._raw = page_aligned(self.nbytes)
+        except BaseException:
+            release_host(self.nbytes)
+            raise
+        weakref.finalize(self._raw, release_host, self.nbytes)
         self.tensor = torch.from_numpy(self._raw)[: self.nbytes].view(dtype).view(shape)
         self.tensor.zero_()   # touch every page (multi-threaded memset) before pinning
         self.pinned = False

@@ -34,7 +34,8 @@ from torch import nn
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import kernels, steps
-from .tables import OffloadedEmbedding, StepRows, auto_placement, copy_unless_same
+from .tables import (NoRoomError, OffloadedEmbedding, StepRows, auto_placement,
+                     copy_unless_same)
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -886,9 +887,10 @@ class Plan:
     host_bytes: int            # table + state, all in (pinned) host memory
     gpu_bytes_per_step: int    # rows, grads and state of one batch of unique ids on the GPU
     host_available_bytes: int | None
-    fits: bool
-    placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now
-    placement_reason: str = ""
+    fits: bool                 # in host RAM
+    placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now:
+    placement_reason: str = ""  # "gpu", "host", "disk", or "none" (it fits on no tier)
+    disk_free_bytes: int | None = None   # free on the disk placement="disk" would use
 
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
@@ -898,12 +900,13 @@ class Plan:
                 f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
                 f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
+                f"  disk: {human_bytes(self.disk_free_bytes)} free for placement='disk'\n"
                 f"  placement='auto' -> {self.placement} ({self.placement_reason})")
 
 
 def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
          unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
-         **optimizer_kwargs) -> Plan:
+         disk_dir=None, **optimizer_kwargs) -> Plan:
     """Size a table and its optimizer state before allocating anything.
 
     Args:
@@ -911,9 +914,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         optimizer: optimizer class (or its name, e.g. ``"adam"``).
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
-        device, gpu_fraction: for what ``placement="auto"`` would choose now (the rule of
-            :class:`~nbtools.tables.TableConfig`: rows + state within ``gpu_fraction`` of the
-            free GPU memory).
+        device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
+            (:func:`~nbtools.tables.auto_placement`: the GPU when rows + state take at most
+            ``gpu_fraction`` of its free memory, else host RAM, else a file in ``disk_dir``).
         **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
 
     >>> p = plan(10_000_000, 128, "adam")
@@ -936,13 +939,18 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     host = table_bytes + state_bytes
     rows = min(unique_ids_per_step, num_rows) * dim * itemsize
     available = host_memory_bytes()["available"]
-    placement, why = auto_placement(host, resolve_device(device), gpu_fraction)
+    try:
+        placement, why = auto_placement(host, resolve_device(device), gpu_fraction, disk_dir)
+    except NoRoomError as e:
+        placement, why = "none", str(e)
+    from . import disk
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,
                 gpu_bytes_per_step=rows * (3 + 2 * len(row_state)),
                 host_available_bytes=available,
                 fits=available is None or host <= 0.9 * available,
-                placement=placement, placement_reason=why)
+                placement=placement, placement_reason=why,
+                disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()))
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",

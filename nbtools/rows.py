@@ -248,6 +248,7 @@ class RowStore:
         self.row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1) \
             * host.tensor.element_size()
         self.cache: RowCache | None = None
+        self.write_behind_ok = True   # False: updates always write the rows themselves
         self._back: _WriteBack | None = None     # the last write-back queued
         self._older = None        # event: every write-back queued before it is done
         self._put_stream = None
@@ -292,7 +293,7 @@ class RowStore:
         cache, and at least :attr:`WRITE_BEHIND_MIN_BYTES` of rows (``forced``: any size, and
         a CPU store too, where the write-back runs at once: tests)."""
         return (self.mode == "zero-copy" or (forced and self.mode == "host")) \
-            and self.cache is None and rows.dtype == self.host.tensor.dtype \
+            and self.write_behind_ok and self.cache is None and rows.dtype == self.host.tensor.dtype \
             and rows.dim() == 2 and rows.shape[1] == self.width and rows.stride(1) == 1 \
             and (forced or rows.shape[0] * self.row_bytes >= self.WRITE_BEHIND_MIN_BYTES) \
             and kernels.usable_on(self.device)
@@ -487,12 +488,13 @@ class RowStore:
                                        None if slots is None else self.cache.rows, slots,
                                        programs, keep=into is not None)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
-        # unique value, and ids past count repeat it)
+        # unique value, and ids past count repeat it). It is batch.num_rows, which is past
+        # every row here (a disk table's RAM slots are fewer than its rows).
         safe = batch.ids.clamp(max=self.num_rows - 1)
         rows = self._gather_host(safe, start, stop)
         if slots is not None:
             rows = self._from_cache(rows, slots, start, stop)
-        unused = (batch.ids == self.num_rows).unsqueeze(1)
+        unused = (batch.ids >= self.num_rows).unsqueeze(1)
         if into is not None:
             return into.copy_(torch.where(unused, into, rows))
         return rows.masked_fill_(unused, 0)

@@ -153,19 +153,51 @@ class TableConfig:
     # never (the update writes host memory itself); True: wherever the update is fused, any
     # size, a CPU table too (where the write runs at once: tests use it).
     write_behind: bool | None = None
+    # placement="disk": the folder of the table's file (local disk, not a Drive mount; None:
+    # nbtools.disk.default_dir(), under the system's temporary folder), and the RAM its cache
+    # of hot rows may take (None: nbtools.disk.DEFAULT_HOST_CACHE_BYTES, 1 GiB). The file
+    # holds every row with its optimizer state; RAM holds only the cached rows.
+    disk_dir: str | None = None
+    host_cache_bytes: int | None = None
 
 
-def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float) -> tuple[str, str]:
-    """Where ``placement="auto"`` puts ``nbytes`` of rows and state: ``("gpu" | "host", why)``."""
-    if device.type != "cuda":
-        return "host", "CPU compute"
-    free = gpu_free_bytes(device)
-    budget = int(gpu_fraction * free)
-    if nbytes <= budget:
-        return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
-                       f"{human_bytes(free)} free on {device}")
-    return "host", (f"{human_bytes(nbytes)} exceeds {gpu_fraction:.0%} of the "
-                    f"{human_bytes(free)} free on {device}")
+class NoRoomError(HostMemoryError):
+    """A table fits on no tier (GPU, host RAM, local disk); nothing was allocated."""
+
+
+def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
+                   disk_dir=None) -> tuple[str, str]:
+    """Where ``placement="auto"`` puts ``nbytes`` of rows and state, and why: the GPU when they
+    take at most ``gpu_fraction`` of its free memory, else host RAM when they take at most 90%
+    of what is available (:func:`check_fits`' rule), else a file in ``disk_dir`` (default
+    :func:`nbtools.disk.default_dir`) when the disk has room. Raises :class:`NoRoomError`,
+    with every tier's numbers, when none has."""
+    tried = []
+    if device.type == "cuda":
+        free = gpu_free_bytes(device)
+        budget = int(gpu_fraction * free)
+        if nbytes <= budget:
+            return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
+                           f"{human_bytes(free)} free on {device}")
+        tried.append(f"{gpu_fraction:.0%} of the {human_bytes(free)} free on {device}")
+    available = host_memory_bytes()["available"]
+    if available is None or nbytes <= 0.9 * available:
+        if device.type != "cuda":
+            return "host", "CPU compute"
+        return "host", (f"{human_bytes(nbytes)} exceeds {tried[0]}; host RAM has "
+                        f"{human_bytes(available)} available")
+    tried.append(f"90% of the {human_bytes(available)} of host RAM available")
+    from . import disk
+    folder = disk_dir or disk.default_dir()
+    free_disk = disk.free_bytes(folder)
+    if nbytes <= free_disk:
+        return "disk", (f"{human_bytes(nbytes)} exceeds {' and '.join(tried)}; "
+                        f"{human_bytes(free_disk)} free in {folder}")
+    raise NoRoomError(
+        f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
+        f"{'; '.join(tried)}; {human_bytes(free_disk)} free on disk in {folder}. Use "
+        "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
+        "optimizer with less state (nbtools.RowWiseAdagrad), or a disk_dir with more room.")
 
 
 @dataclasses.dataclass
@@ -279,8 +311,19 @@ class OffloadedEmbedding(nn.Module):
                              f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
         for value in (dtype, state_dtype):
             check_rounding(cfg.rounding, value if value in LOW_PRECISION else torch.bfloat16)
-        if placement not in ("auto", "gpu", "host"):
-            raise ValueError(f"placement must be 'auto', 'gpu' or 'host', got {placement!r}")
+        if placement not in ("auto", "gpu", "host", "disk"):
+            raise ValueError(f"placement must be 'auto', 'gpu', 'host' or 'disk', got "
+                             f"{placement!r}")
+        if cfg.host_cache_bytes is not None and (isinstance(cfg.host_cache_bytes, bool) or
+                                                 not isinstance(cfg.host_cache_bytes, int)
+                                                 or cfg.host_cache_bytes <= 0):
+            raise ValueError(f"host_cache_bytes must be a positive int (bytes of RAM for a disk "
+                             f"table's cached rows), got {cfg.host_cache_bytes!r}")
+        if placement == "disk" and any(getattr(cfg, k) is not None for k in
+                                       ("cache_bytes", "cache_fraction", "cache_rows")):
+            raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
+                             "a GPU cache above a disk table is not supported: leave "
+                             "cache_bytes, cache_fraction and cache_rows unset")
         if cfg.write_behind not in (None, True, False):
             raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
                              f"memory), True or False, got {cfg.write_behind!r}")
@@ -305,9 +348,10 @@ class OffloadedEmbedding(nn.Module):
                                f"{self.embedding_dim} {str(dtype).replace('torch.', '')})",
                        "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
                        "dtype=torch.bfloat16 halves it.")
+        self._disk = None            # placement="disk": the file and its RAM slots (nbtools.disk)
         self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
         self._layout = RowLayout(self.embedding_dim, dtype, dtype)
-        self._rows = RowStore(self._host, self.device)
+        self._rows = self._store()
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
         self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape,
@@ -322,6 +366,10 @@ class OffloadedEmbedding(nn.Module):
         self._cache_why = ""
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
+            if self._disk is not None:
+                from . import disk
+                disk.init_normal(self._disk, padding_idx, self.device)
+                return
             # pinned: drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and
             # written over PCIe, ~50x faster than the single CPU thread of Tensor.normal_
             rows = self._host.view()
@@ -348,15 +396,29 @@ class OffloadedEmbedding(nn.Module):
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def _choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
-        if self.device.type != "cuda":
+        if self.requested_placement == "disk":
+            return "disk", "asked for"
+        if self.device.type != "cuda" and self.requested_placement != "auto":
             return "host", "CPU compute"
         if self.requested_placement != "auto":
             return self.requested_placement, "asked for"
-        where, why = auto_placement(nbytes, self.device, self.config.gpu_fraction)
+        where, why = auto_placement(nbytes, self.device, self.config.gpu_fraction,
+                                    self.config.disk_dir)
         return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
+
+    def _store(self) -> RowStore:
+        """The row store over this table's memory (for a disk table: its RAM slots, which
+        lookups address by slot; they never write behind, whose patches need sorted ids)."""
+        store = RowStore(self._host, self.device)
+        store.write_behind_ok = self._disk is None
+        return store
 
     def _new_rows(self, shape, dtype):
         """Memory for ``shape`` rows where this table is placed (zero-filled)."""
+        if self.placement == "disk":
+            from . import disk
+            self._disk = disk.new_rows(self, shape[1], dtype)
+            return self._disk.slab
         if self.placement == "gpu":
             return DeviceRows(shape, dtype, self.device, self.name)
         return self._new_host(shape, dtype, self.config.pin and self.device.type == "cuda",
@@ -380,6 +442,12 @@ class OffloadedEmbedding(nn.Module):
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
         that nothing writes through, such as saving)."""
         self._drop_prefetch()           # a write through what is returned would make it stale
+        if self._disk is not None:      # the file, mapped, once every dirty row is in it
+            self._disk.flush(drop=not keep_cache)
+            full = self._disk.mapped(writable=not keep_cache)
+            if state is None:
+                return self._layout.weight(full)
+            return self._layout.state(full, state)
         if self.placement == "host":
             self._rows.settle()         # lookups stop patching from write-backs in flight
             self._rows.flush(drop=not keep_cache)
@@ -431,7 +499,7 @@ class OffloadedEmbedding(nn.Module):
         width = layout.width
         nbytes = n * width * state_dtype.itemsize
         was = self.placement
-        if self.requested_placement == "auto":
+        if self.requested_placement == "auto" and was != "disk":   # (a file stays a file)
             self.placement, self.placement_reason = self._choose_placement(nbytes)
         if self.placement == "host":
             check_fits(nbytes, f"table {self.name!r} with optimizer state ({', '.join(names)})",
@@ -445,9 +513,14 @@ class OffloadedEmbedding(nn.Module):
             new = DeviceRows((n, width), state_dtype, self.device, self.name)
             _copy_rows(new.tensor, old.tensor, init, layout)
             old.close()
+        elif self.placement == "disk":     # a file of the new rows; from host RAM under "auto"
+            from . import disk
+            self._disk = disk.regrow(self, self._disk or old, layout, init, _copy_rows)
+            new = self._disk.slab
         else:
             new = self._grow_host(old, (n, width), init, layout)
-        self._host, self._rows, self._state_names = new, RowStore(new, self.device), names
+        self._host, self._state_names = new, names
+        self._rows = self._store()
         self._layout = layout
         self.clear_pending()
         self._graphs.invalidate()
@@ -527,6 +600,10 @@ class OffloadedEmbedding(nn.Module):
             raise ValueError(f"table {self.name!r}: counts must be a finite tensor of shape "
                              f"({self.num_embeddings},), got {tuple(counts.shape)}")
         counts = counts.round().long() if counts.is_floating_point() else counts.long()
+        if self._disk is not None:      # the RAM cache: the most frequent rows, read now
+            hot = torch.argsort(counts, descending=True, stable=True)[: self._disk.slots]
+            self._disk.warm(hot[counts[hot] > 0].numpy())
+            return
         if self._rows.cache is None:
             self._warm_counts = counts
             return
@@ -597,13 +674,26 @@ class OffloadedEmbedding(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self._host.nbytes
+        """Bytes of rows (and optimizer state) where the table lives: host RAM, GPU or disk."""
+        return self._disk.nbytes if self._disk is not None else self._host.nbytes
+
+    @property
+    def ram_bytes(self) -> int:
+        """Host RAM the rows take: the table itself, or a disk table's cache of hot rows."""
+        if self._disk is not None:
+            return self._disk.ram_bytes
+        return 0 if self.placement == "gpu" else self._host.nbytes
+
+    @property
+    def disk(self):
+        """A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), or None."""
+        return self._disk
 
     @property
     def transfer_mode(self) -> str:
-        """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA) or 'host'
-        (CPU compute)."""
-        return self._rows.mode
+        """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA), 'host'
+        (CPU compute) or 'disk' (rows in a file, a RAM cache read zero-copy)."""
+        return "disk" if self._disk is not None else self._rows.mode
 
     def set_grad_scale(self, weights) -> None:
         """Multiply each row's summed gradient by ``weights[id]`` before the optimizer step.
@@ -614,6 +704,9 @@ class OffloadedEmbedding(nn.Module):
         if weights is None:
             self._grad_scale = None
             return
+        if self._disk is not None:
+            raise NotImplementedError(f"table {self.name!r}: per-row gradient scaling is not "
+                                      "supported with placement='disk' yet")
         weights = torch.as_tensor(weights)
         if weights.shape != (self.num_embeddings,) or not weights.is_floating_point():
             raise ValueError(f"grad scale for table {self.name!r} must be a float tensor of shape "
@@ -632,8 +725,11 @@ class OffloadedEmbedding(nn.Module):
             synchronize(self.device)
         self.clear_pending()
         self._graphs.invalidate()
+        if self._disk is not None:
+            synchronize(self.device)
+            self._disk.close()          # the file goes with it: save a checkpoint first
         self._host.close()
-        self._rows = RowStore(self._host, self.device)
+        self._rows = self._store()
 
     # --- lookups ----------------------------------------------------------------------------
     def _prepare_ids(self, ids) -> torch.Tensor:
@@ -646,6 +742,8 @@ class OffloadedEmbedding(nn.Module):
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise TypeError(f"table {self.name!r}: ids must be integers, got dtype {ids.dtype}; "
                             "convert with ids.long() if they are whole numbers")
+        if self._disk is not None:      # deduplicated on the CPU: host ids stay there
+            return ids
         return ids.to(self.device, non_blocking=True)
 
     def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
@@ -670,6 +768,8 @@ class OffloadedEmbedding(nn.Module):
         recording = torch.is_grad_enabled() and self.trainable
         width = self._rows.width if (recording and self._state_names) else \
             self._layout.weight_cols
+        if self._disk is not None:
+            return self._disk_lookup(ids, recording, width)
         pre = self._prefetched
         if pre is not None:
             self._wait_for(pre)         # its cache admission comes before this lookup's
@@ -704,6 +804,29 @@ class OffloadedEmbedding(nn.Module):
                     "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
         return rows, batch.inverse
 
+    def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int):
+        """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
+        gathered from there like a host table's (nbtools.disk)."""
+        from . import disk
+        training = recording and self._owned
+        batch, slots = disk.lookup(self, ids, training)
+        if self._host is not self._disk.slab:     # the RAM cache grew to hold this step
+            self._host = self._disk.slab
+            self._rows = self._store()
+        if not training and bool(batch.bad):                # note: a sync point
+            self.raise_bad_ids(ids.reshape(-1), ids.shape)
+        with torch.no_grad():
+            full = self._rows.gather_batch(batch, 0, width)
+        if not training:             # its slots may be reused once the gather has run
+            self._disk.mark_used(slots)
+        rows = self._leaf(full)
+        if not (recording and self._state_names):
+            full = None
+        if recording:
+            rows.requires_grad_(True)
+            self._pending.append((batch, rows, full, ids.reshape(-1), ids.shape, None))
+        return rows, batch.inverse
+
     # --- prefetch ---------------------------------------------------------------------------
 
     def prefetch(self, ids) -> None:
@@ -733,6 +856,9 @@ class OffloadedEmbedding(nn.Module):
         if not (self._owned and self.trainable):
             raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
+        if self._disk is not None:   # the rows the next step misses, read from the file now
+            self._disk.read_ahead(self._prepare_ids(ids), self.padding_idx)
+            return
         origin = ids
         self._drop_prefetch()
         width = self._rows.width if self._state_names else self._layout.weight_cols
@@ -785,7 +911,8 @@ class OffloadedEmbedding(nn.Module):
     def __getstate__(self) -> dict:
         # A pending prefetch and the side stream belong to this process's CUDA work: a copy
         # (deepcopy, pickle) starts without them (its next lookups simply do not prefetch).
-        # The host rows are copied as they are once queued writes have landed.
+        # The host rows are copied as they are once queued writes have landed. A disk table's
+        # file is not copied: DiskRows refuses, naming the table.
         if self.placement == "host":
             self._rows.settle()
             synchronize(self.device)
@@ -843,6 +970,8 @@ class OffloadedEmbedding(nn.Module):
         records = [rec for rec in self._pending if rec[1].grad is not None]
         LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
         self._pending.clear()
+        if self._disk is not None:   # the step's update of their slots is queued next
+            self._disk.step_queued()
         if not records:
             return None
         lookups = [(r[3], r[4]) for r in records]
@@ -900,6 +1029,8 @@ class OffloadedEmbedding(nn.Module):
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()
+        if self._disk is not None:
+            self._disk.step_queued()
 
     def _device_ids(self, ids) -> torch.Tensor:
         """``ids`` on the compute device; for the very ids a prefetch was started with, the
@@ -943,10 +1074,14 @@ class OffloadedEmbedding(nn.Module):
             placement = f"auto -> {placement} ({self.placement_reason})"
         s = (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
              f"dtype={self._host.tensor.dtype}, device={self.device}, placement={placement}, "
-             f"{self.transfer_mode}, {'gpu' if self.placement == 'gpu' else 'host'}="
+             f"{self.transfer_mode}, "
+             f"{self.placement if self.placement in ('gpu', 'disk') else 'host'}="
              f"{human_bytes(self.nbytes)}")
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
+        if self._disk is not None:
+            from . import disk
+            s += ", " + disk.describe(self._disk)
         if self._rows.cache is not None:
             s += (f", cache={self._rows.cache.capacity:,} rows "
                   f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")

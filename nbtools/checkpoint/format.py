@@ -20,6 +20,7 @@ import torch
 
 from .. import NbtoolsError
 from ..devices import cuda_ok
+from ..rowfile import fadvise
 
 FORMAT = "nbtools-checkpoint"
 FORMAT_VERSION = 1
@@ -95,13 +96,7 @@ def _fsync_dir(path) -> None:
         os.close(fd)
 
 
-def _fadvise(fd, advice_name: str) -> None:
-    advice = getattr(os, advice_name, None)
-    if advice is not None and hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, advice)
-        except OSError:
-            pass
+_fadvise = fadvise         # (one implementation: nbtools.rowfile's)
 
 
 def _write_all(f, mv) -> None:

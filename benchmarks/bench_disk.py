@@ -1,0 +1,330 @@
+"""placement="disk" (issue 25): capacity under a simulated Colab free tier, and steps that run
+at the disk's rate. Every figure is measured in this run; ratios are within it.
+
+A table of ``--rows`` x ``--dim`` (bf16 weights, the leanest optimizer state available) lives in
+a file under ``--dir`` with a RAM cache of ``--cache-gib``; the GPU is capped at ``--gpu-gib``.
+Sections:
+  probe         the disk's random-read rate at the layout's read size: RowFile reads of random
+                unique rows of the table's own file (O_DIRECT where allowed), 16 and 64 threads
+  warm          the RAM cache loaded with the hottest rows of the Zipf stream (table.warm_cache)
+  zipf          Zipf(1.1) ids, ``--ids`` per step, with and without read-ahead (table.prefetch):
+                ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
+                table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
+                (b) misses/step / the probed random-read rate
+  uniform       uniform ids: rows read per second against the probed rate
+  memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
+                every 0.2 s from outside the training loop; max and a plot (memory.png)
+
+    python benchmarks/bench_disk.py --out DIR                              # GPU machine
+    python benchmarks/bench_disk.py --quick                                # small, any machine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nbtools  # noqa: E402
+from nbtools import hostmem  # noqa: E402
+from nbtools.devices import resolve_device, synchronize  # noqa: E402
+
+ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
+
+
+def zipf_ids(gen: np.random.Generator, n_rows: int, size: int, a: float = 1.1) -> np.ndarray:
+    ranks = gen.zipf(a, size)
+    while (ranks > n_rows).any():
+        bad = ranks > n_rows
+        ranks[bad] = gen.zipf(a, int(bad.sum()))
+    return ((ranks - 1) * ZIPF_PRIME) % n_rows
+
+
+def hottest(n_rows: int, k: int) -> np.ndarray:
+    return (np.arange(k, dtype=np.int64) * ZIPF_PRIME) % n_rows
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cgroup_current() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+        try:
+            with open(path) as f:
+                return int(f.read())
+        except OSError:
+            pass
+    return None
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class MemorySampler:
+    """RSS, nbtools' pinned bytes and the page cache's growth, every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.2):
+        self.period, self.samples, self.marks = period, [], []
+        self.cached0, self.cg0 = _meminfo("Cached"), _cgroup_current()
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.period)
+
+    def sample(self):
+        rss = _rss()
+        cache = max(0, _meminfo("Cached") - self.cached0)
+        cg = _cgroup_current()
+        self.samples.append((time.perf_counter() - self.t0, rss, hostmem.pinned_bytes(), cache,
+                             None if cg is None or self.cg0 is None else cg))
+
+    def mark(self, label: str):
+        self.marks.append((time.perf_counter() - self.t0, label))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        arr = np.array([s[:4] for s in self.samples], dtype=np.float64)
+        # pinned memory is part of RSS once touched: RSS + page cache is what the host holds
+        total = arr[:, 1] + arr[:, 3]
+        cg = [s[4] for s in self.samples if s[4] is not None]
+        return {"max_rss_bytes": int(arr[:, 1].max()), "max_pinned_bytes": int(arr[:, 2].max()),
+                "max_page_cache_growth_bytes": int(arr[:, 3].max()),
+                "max_rss_plus_page_cache_bytes": int(total.max()),
+                "max_cgroup_bytes": max(cg) if cg else None, "samples": len(self.samples)}
+
+    def plot(self, path: str, budget: int | None):
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        arr = np.array([s[:4] for s in self.samples], dtype=np.float64)
+        gib = 1 << 30
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot(arr[:, 0], (arr[:, 1] + arr[:, 3]) / gib, label="RSS + page cache growth")
+        ax.plot(arr[:, 0], arr[:, 1] / gib, label="RSS")
+        ax.plot(arr[:, 0], arr[:, 2] / gib, label="pinned (nbtools)")
+        ax.plot(arr[:, 0], arr[:, 3] / gib, label="page cache growth")
+        if budget:
+            ax.axhline(budget / gib, color="red", linestyle="--", label="host budget")
+        for t, label in self.marks:
+            ax.axvline(t, color="grey", linewidth=0.5)
+            ax.text(t, ax.get_ylim()[1] * 0.95, label, rotation=90, fontsize=7, va="top")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("GiB")
+        ax.legend(fontsize=7, loc="lower right")
+        ax.set_title("host memory of a disk table's training, sampled from outside the loop")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def optimizer_for(name: str):
+    if name == "rowwise_adagrad" and hasattr(nbtools, "RowWiseAdagrad"):
+        return nbtools.RowWiseAdagrad, {"lr": 0.05}
+    if name in ("rowwise_adagrad", "sgd"):
+        return torch.optim.SGD, {"lr": 0.05}
+    if name == "adagrad":
+        return torch.optim.Adagrad, {"lr": 0.05}
+    return torch.optim.Adam, {"lr": 1e-3}
+
+
+def make_table(args, device, placement, **extra):
+    table = nbtools.OffloadedEmbedding(args.rows, args.dim, name=f"bench-{placement}",
+                                       device=device, placement=placement,
+                                       dtype=torch.bfloat16, **extra)
+    cls, kw = optimizer_for(args.optimizer)
+    opt = nbtools.OffloadOptimizer(cls, table, **kw)
+    return table, opt
+
+
+def run_steps(table, opt, batches, device, prefetch: bool) -> float:
+    """ms per step over ``batches`` (a loop: one synchronisation at the end)."""
+    head = torch.linspace(-1, 1, table.embedding_dim, device=device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(batches):
+        rows = table(ids)
+        if prefetch and i + 1 < len(batches):
+            table.prefetch(batches[i + 1])
+        (rows * head).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    synchronize(device)
+    return (time.perf_counter() - t0) / len(batches) * 1e3
+
+
+def probe(table, n: int, threads: int, gen) -> float:
+    """Rows per second of RowFile random reads (unique, sorted) on the table's own file."""
+    from nbtools.rowfile import RowFile
+    f = table.disk.file
+    ids = np.unique(gen.integers(0, table.num_embeddings, n))
+    out = np.empty((len(ids), f.row_bytes), dtype=np.uint8)
+    rf = RowFile.open(f.path, threads=threads, writable=False)
+    try:
+        rf.read(ids[: min(2048, len(ids))], out[: min(2048, len(ids))])       # warm the pool
+        t0 = time.perf_counter()
+        rf.read(ids, out)
+        return len(ids) / (time.perf_counter() - t0)
+    finally:
+        rf.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--ids", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--optimizer", default="rowwise_adagrad")
+    ap.add_argument("--cache-gib", type=float, default=7.0)
+    ap.add_argument("--budget-gib", type=float, default=12.0)
+    ap.add_argument("--gpu-gib", type=float, default=15.0)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--host-compare", action="store_true")
+    ap.add_argument("--uniform-steps", type=int, default=4)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.dim, args.ids, args.steps = 200_000, 32, 4096, 6
+        args.cache_gib, args.uniform_steps = 0.002, 2
+        args.host_compare = True
+    device = resolve_device()
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gib * (1 << 30) / total))
+    res = {"args": vars(args), "device": str(device),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    gen = np.random.default_rng(0)
+    mem = MemorySampler()
+    t0 = time.perf_counter()
+    table, opt = make_table(args, device, "disk", disk_dir=args.dir,
+                            host_cache_bytes=int(args.cache_gib * (1 << 30)))
+    res["create_s"] = time.perf_counter() - t0
+    res["row_bytes"] = table.disk.row_bytes
+    res["file_bytes"] = table.nbytes
+    res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
+    res["cache_rows"] = table.disk.slots
+    mem.mark("created")
+    print(f"created {table!r} in {res['create_s']:.1f} s", flush=True)
+
+    n_probe = min(args.ids * 2, args.rows)
+    res["probe_rows_per_s_16"] = probe(table, n_probe, 16, gen)
+    res["probe_rows_per_s_64"] = probe(table, n_probe, 64, gen)
+    probed = max(res["probe_rows_per_s_16"], res["probe_rows_per_s_64"])
+    mem.mark("probed")
+
+    t0 = time.perf_counter()
+    res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.slots))
+    res["warm_s"] = time.perf_counter() - t0
+    mem.mark("warm")
+
+    host_ids = [torch.from_numpy(zipf_ids(gen, args.rows, args.ids)) for _ in range(args.steps)]
+    batches = [b.to(device) for b in host_ids]
+    run_steps(table, opt, batches[:3], device, prefetch=False)            # warm-up
+    for prefetch in (False, True):
+        before = dict(table.disk.stats)
+        ms = run_steps(table, opt, batches, device, prefetch)
+        s = table.disk.stats
+        key = "zipf_read_ahead" if prefetch else "zipf"
+        misses = (s["misses"] - before["misses"]) / len(batches)
+        looked = (s["lookups"] - before["lookups"]) / len(batches)
+        res[key] = {"ms_per_step": ms, "misses_per_step": misses, "unique_per_step": looked,
+                    "ram_hit_rate": 1 - misses / looked if looked else None,
+                    "read_ahead_rows_per_step": (s["read_ahead"] - before["read_ahead"])
+                    / len(batches)}
+        mem.mark(key)
+        print(key, res[key], flush=True)
+    best = min(res["zipf"]["ms_per_step"], res["zipf_read_ahead"]["ms_per_step"])
+    floor_b = res["zipf"]["misses_per_step"] / probed * 1e3
+    res["zipf_disk_floor_ms"] = floor_b
+
+    uni = [torch.randint(0, args.rows, (args.ids,), device=device)
+           for _ in range(args.uniform_steps)]
+    before = dict(table.disk.stats)
+    ms = run_steps(table, opt, uni, device, prefetch=False)
+    s = table.disk.stats
+    misses = (s["misses"] - before["misses"]) / len(uni)
+    res["uniform"] = {"ms_per_step": ms, "misses_per_step": misses,
+                      "rows_per_s": misses / ms * 1e3,
+                      "x_probe": misses / ms * 1e3 / probed}
+    mem.mark("uniform")
+    print("uniform", res["uniform"], flush=True)
+    res["memory"] = mem.stop()
+    res["memory"]["budget_bytes"] = int(args.budget_gib * (1 << 30))
+    out_dir = args.out or "."
+    os.makedirs(out_dir, exist_ok=True)
+    res["memory_plot"] = mem.plot(os.path.join(out_dir, "memory.png"), int(args.budget_gib *
+                                                                         (1 << 30)))
+    table.close()
+
+    if args.host_compare:
+        need = args.rows * res["row_bytes"]
+        avail = nbtools.devices.host_memory_bytes()["available"] or 0
+        if need < 0.6 * avail:
+            host, hopt = make_table(args, device, "host")
+            run_steps(host, hopt, batches[:3], device, prefetch=False)
+            res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=False)
+            host.close()
+        else:
+            res["host_zipf_ms"] = None
+            print(f"host comparison skipped: {need / 2**30:.1f} GiB of rows, "
+                  f"{avail / 2**30:.1f} GiB available", flush=True)
+    bound = max(res.get("host_zipf_ms") or 0.0, floor_b)
+    res["zipf_x_bound"] = best / bound if bound else None
+
+    print("\n| measure | value |\n|---|---|")
+    rows = [
+        ("table", f"{args.rows:,} x {args.dim} bf16, {args.optimizer}, "
+                  f"{res['row_bytes']} B/row, file {res['file_bytes'] / 2**30:.1f} GiB"),
+        ("RAM cache", f"{res['cache_rows']:,} rows, warmed in {res['warm_s']:.1f} s"),
+        ("probe (rows/s, 16 / 64 threads)", f"{res['probe_rows_per_s_16']:,.0f} / "
+                                           f"{res['probe_rows_per_s_64']:,.0f}"),
+        ("zipf ms/step (no read-ahead / read-ahead)",
+         f"{res['zipf']['ms_per_step']:.1f} / {res['zipf_read_ahead']['ms_per_step']:.1f}"),
+        ("zipf misses/step, RAM hit rate", f"{res['zipf']['misses_per_step']:,.0f}, "
+                                           f"{res['zipf']['ram_hit_rate']:.3f}"),
+        ("(a) host-RAM table ms/step", f"{res.get('host_zipf_ms') or float('nan'):.1f}"),
+        ("(b) misses / probed rate, ms", f"{floor_b:.1f}"),
+        ("zipf best / max(a, b)", f"{res['zipf_x_bound']:.2f}"),
+        ("uniform rows/s (x probe)", f"{res['uniform']['rows_per_s']:,.0f} "
+                                     f"({res['uniform']['x_probe']:.2f})"),
+        ("max RSS + page cache growth (GiB)",
+         f"{res['memory']['max_rss_plus_page_cache_bytes'] / 2**30:.2f} "
+         f"(budget {args.budget_gib})"),
+        ("max pinned / page cache growth (GiB)",
+         f"{res['memory']['max_pinned_bytes'] / 2**30:.2f} / "
+         f"{res['memory']['max_page_cache_growth_bytes'] / 2**30:.2f}"),
+    ]
+    for k, v in rows:
+        print(f"| {k} | {v} |")
+    if args.out:
+        with open(os.path.join(args.out, "bench_disk.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

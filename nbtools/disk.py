@@ -1,0 +1,682 @@
+"""Rows on local disk, under a RAM cache of hot rows (``placement="disk"``).
+
+A disk table keeps every row ``[weight | state...]`` in one preallocated file
+(:class:`nbtools.rowfile.RowFile`) and a bounded number of them in RAM, in *slots* of a pinned
+host buffer (the slab). A lookup deduplicates its ids on the CPU, finds each row's slot, reads
+the rows that are not in RAM from the file (sorted by offset, in parallel) into free slots, and
+hands the step a :class:`~nbtools.rows.RowBatch` whose ids are *slot numbers*. From there on the
+step is the host placement's, unchanged: the GPU gathers the slots zero-copy, the optimizer's
+fused update writes them back into the slab, with the same checks and the same lazy rules. So
+a disk table trains bit-identically to the same table in host RAM.
+
+Why slots and not a memory map: a map of a file grows the page cache to the table's size (the
+failure that made SpeedTorch's author give up on disk); the slab is the only RAM the rows take,
+and the file is read with ``O_DIRECT`` where the filesystem allows it.
+
+Rules that keep it exact:
+
+* A slot is *locked* from a training lookup until the optimizer step that writes it has been
+  queued, and *busy* until the GPU work queued after that (recorded as a CUDA event at the next
+  host access) has run. Only slots neither locked nor busy are evicted; dirty ones are written
+  to the file before their slot is reused, so a row not in RAM is always current on disk.
+* A read-ahead (:meth:`DiskRows.read_ahead`, from ``table.prefetch(next_ids)``) loads the next
+  step's missing rows on a background thread by the same rules, under the same lock; it only
+  moves rows between file and RAM, never changes a value, so results are bit-identical with and
+  without it.
+* Anything that reads the file from outside a step (``table.weight``, ``state_dict``,
+  checkpoints) first writes every dirty row back (:meth:`DiskRows.flush`).
+
+Eviction is CLOCK (second chance), vectorised over windows of slots: cost per step follows the
+number of misses, not the cache size. When one step touches more distinct rows than the RAM
+cache holds, the slab grows to hold that step (with a warning: the RAM budget is too small for
+the batch).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .devices import hold_host, host_memory_bytes, release_host
+from .hostmem import HostTensor
+from .rows import RowBatch
+from .units import human_bytes
+
+# Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
+# chosen: enough for the hot rows of most id streams, small next to Colab's 12.7 GB.
+DEFAULT_HOST_CACHE_BYTES = 1 << 30
+
+
+# Every disk table's traffic, for the meters and the dashboard (plain counters: the GIL keeps
+# each += whole; the read-ahead thread adds to them too).
+_counters = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0,
+             "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0}
+
+
+def disk_counters() -> dict:
+    """Cumulative disk-table traffic: bytes read and written, seconds spent in reads and
+    writes, unique rows looked up in training and evaluation and how many of them were in RAM
+    (``hit_rows``), and ``wait_s``: seconds lookups spent waiting for the disk (reads and
+    write-backs on the training loop's thread, read-ahead not counted).
+
+    >>> sorted(disk_counters())[:3]
+    ['hit_rows', 'lookup_rows', 'read_bytes']
+    """
+    return dict(_counters)
+
+
+def default_dir() -> str:
+    """Where disk tables go unless ``disk_dir`` says otherwise: local disk, not Drive."""
+    return os.path.join(tempfile.gettempdir(), "nbtools-tables")
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    return torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
+
+
+class DiskRows:
+    """The rows of one table in a file, and the RAM slots that cache them.
+
+    Args:
+        directory: folder for the table file (created if missing); the file is removed when
+            the table is closed or collected.
+        num_rows, width, dtype: the rows ``[num_rows, width]`` of ``dtype``.
+        cache_rows: slots in RAM (grown if one step needs more).
+        device: the compute device (CUDA: the slab is pinned and read zero-copy).
+        name: the table's name, for the file name and messages.
+
+    >>> import tempfile
+    >>> d = DiskRows(tempfile.mkdtemp(), 10, 2, torch.float32, cache_rows=4, device="cpu")
+    >>> d.write_rows(np.arange(10), torch.arange(20.).view(10, 2))
+    >>> slots = d.resolve(np.array([3, 7]), training=False)
+    >>> d.slab.tensor[torch.as_tensor(slots)].tolist()
+    [[6.0, 7.0], [14.0, 15.0]]
+    >>> d.close()
+    """
+
+    def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
+                 cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
+                 threads: int = 16):
+        from .rowfile import RowFile
+        self.name = name
+        self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
+        self.device = torch.device(device)
+        self.row_bytes = self.width * dtype.itemsize
+        self.directory = os.path.abspath(os.fspath(directory))
+        path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
+        meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
+        self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta, threads=threads)
+        self._remove = weakref.finalize(self, _remove_file, self.file, path)
+        self._pin = pin and self.device.type == "cuda"
+        self._lock = threading.RLock()
+        self._ahead_pool = None
+        self._ahead = None
+        self._prepared = None                   # the read-ahead's dedup of the next ids
+        maps = self.num_rows * 9            # the two arrays below: counted in the host budget
+        hold_host(maps, f"table {name!r}'s row maps")
+        weakref.finalize(self, release_host, maps)
+        self.slot_of = np.full(self.num_rows, -1, dtype=np.int64)  # row -> slot, -1: on disk
+        # rows written to the file since the last checkpoint took them (incremental saves)
+        self.changed = np.ones(self.num_rows, dtype=bool)
+        self._alloc(max(1, min(int(cache_rows), self.num_rows)))
+        self._events = collections.deque()      # (index, CUDA event) of GPU uses of slots
+        self._event_index = 0
+        self._done_upto = 0                     # every use up to this index has run
+        self._step = []                         # slots a training lookup locked since a step
+        self._written = []                      # slots a step has queued writes to (unmarked)
+        self._grew_warned = False
+        # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
+        self.initial = None
+        self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
+                      "read_ahead": 0}
+
+    # --- the slab -------------------------------------------------------------------------
+    def _alloc(self, slots: int, old=None) -> None:
+        """(Re)allocate ``slots`` RAM slots, keeping the first ``len(old)`` slots' rows."""
+        slab = HostTensor((slots, self.width), self.dtype, pin=self._pin,
+                          name=f"{self.name} (RAM cache)",
+                          device=self.device if self.device.type == "cuda" else None)
+        keep = 0
+        if old is not None:
+            keep = old.tensor.shape[0]
+            slab.tensor[:keep].copy_(old.tensor)
+        self.slab = slab
+        self.slots = slots
+        self._bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
+        if old is None:
+            self.id_of = np.full(slots, -1, dtype=np.int64)
+            self.busy = np.zeros(slots, dtype=np.int64)
+            for name in ("dirty", "ref", "locked"):
+                setattr(self, name, np.zeros(slots, dtype=bool))
+            self._hand = 0
+        else:
+            grow = slots - keep
+            self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=np.int64)))
+            self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
+            for name in ("dirty", "ref", "locked"):
+                setattr(self, name, np.concatenate((getattr(self, name),
+                                                    np.zeros(grow, dtype=bool))))
+        self._free = collections.deque([np.arange(keep, slots, dtype=np.int64)])
+        self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
+
+    @property
+    def pinned(self) -> bool:
+        return self.slab.pinned
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
+        return self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes + self.slots * 27
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of rows on disk."""
+        return self.num_rows * self.row_bytes
+
+    def _ensure_init(self) -> None:
+        """Write the initial rows to the file the first time any row is needed."""
+        initial, self.initial = self.initial, None
+        if initial is None:
+            return
+        step = _chunk_rows(self)
+        for start in range(0, self.num_rows, step):
+            stop = min(self.num_rows, start + step)
+            self.write_range(start, initial(start, stop))
+
+    # --- GPU uses of slots ----------------------------------------------------------------
+    def mark_used(self, slots: np.ndarray) -> None:
+        """The GPU work queued so far reads or writes ``slots``: they are not reused before it
+        has run (a CUDA event; nothing to wait for on the CPU)."""
+        if self.device.type != "cuda" or len(slots) == 0:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._event_index += 1
+        self._events.append((self._event_index, event))
+        self.busy[slots] = self._event_index
+
+    def _advance(self, wait_for: int = 0) -> None:
+        """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
+        while self._events:
+            index, event = self._events[0]
+            if index <= wait_for:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._done_upto = index
+            self._events.popleft()
+
+    def step_queued(self) -> None:
+        """The optimizer has taken this table's lookups (its update is queued after this):
+        their slots are marked used at the next host access. Lock-free: the step's Python
+        never waits for a read-ahead."""
+        if self._step:
+            self._written.append(np.concatenate(self._step))
+            self._step = []
+
+    def _close_step(self) -> None:
+        written, self._written = self._written, []
+        if written:
+            slots = np.concatenate(written)
+            self.mark_used(slots)
+            self.locked[slots] = False
+
+    # --- rows in and out of RAM -----------------------------------------------------------
+    def resolve(self, ids: np.ndarray, training: bool) -> np.ndarray:
+        """Slots holding rows ``ids`` (sorted, unique, in range), reading the missing rows
+        from the file. ``training``: the slots stay locked until the optimizer's step (their
+        rows are written by it)."""
+        t0 = time.perf_counter()
+        self.wait_read_ahead()
+        self.sync_mapped()
+        self._ensure_init()
+        with self._lock:
+            self._close_step()
+            slots = self.slot_of[ids]
+            miss = slots < 0
+            nmiss = int(miss.sum())
+            self.stats["lookups"] += len(ids)
+            self.stats["misses"] += nmiss
+            self.stats["hits"] += len(ids) - nmiss
+            _counters["lookup_rows"] += len(ids)
+            _counters["hit_rows"] += len(ids) - nmiss
+            if nmiss:
+                hits = slots[~miss]
+                was = self.locked[hits].copy()
+                self.locked[hits] = True            # not evicted for this lookup's misses
+                try:
+                    free = self._take(nmiss, wait=True)
+                finally:
+                    self.locked[hits] = was
+                self._load(ids[miss], free)
+                slots[miss] = free
+            self.ref[slots] = True
+            if training:
+                self.locked[slots] = True
+                self.dirty[slots] = True
+                self._step.append(slots)
+        _counters["wait_s"] += time.perf_counter() - t0
+        return slots
+
+    def _take(self, k: int, wait: bool) -> np.ndarray:
+        """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
+        ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
+        return fewer."""
+        got = [self._take_free(k)]
+        need = k - len(got[0])
+        for waiting in (False, True):
+            if not need or waiting and not wait:
+                break
+            self._advance(wait_for=self._event_index if waiting else 0)  # (waiting: a sync)
+            victims = self._sweep(need)
+            self._evict(victims)
+            got.append(victims)
+            need -= len(victims)
+        if need and wait:
+            self._grow(need)
+            got.append(self._take(need, wait))
+        return np.concatenate(got)
+
+    def _take_free(self, k: int) -> np.ndarray:
+        """Up to ``k`` slots that hold no row."""
+        got, need = [], k
+        while need and self._free:
+            part = self._free.popleft()
+            if len(part) > need:
+                self._free.appendleft(part[need:])
+                part = part[:need]
+            got.append(part)
+            need -= len(part)
+        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+    def _sweep(self, need: int) -> np.ndarray:
+        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear,
+        clearing the bits it passes (two turns at most)."""
+        out, taken, passed = [], 0, 0
+        window = max(4 * need, 4096)
+        while taken < need and passed < 2 * self.slots:
+            lo = self._hand
+            hi = min(lo + window, self.slots)
+            idx = np.arange(lo, hi)
+            ok = (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & \
+                (self.busy[lo:hi] <= self._done_upto)
+            pick = idx[ok & ~self.ref[lo:hi]][: need - taken]
+            if len(pick):
+                end = pick[-1] + 1 if taken + len(pick) == need else hi
+            else:
+                end = hi
+            self.ref[lo:end] &= ~ok[: end - lo]   # second chance spent
+            self.locked[pick] = True              # not picked twice on the next turn
+            out.append(pick)
+            taken += len(pick)
+            passed += end - lo
+            self._hand = end % self.slots
+        out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        self.locked[out] = False
+        return out
+
+    def _evict(self, slots: np.ndarray) -> None:
+        dirty = slots[self.dirty[slots]]
+        if len(dirty):
+            self._write_slots(dirty)
+        self.slot_of[self.id_of[slots]] = -1
+        self.id_of[slots] = -1
+        self.stats["evicted"] += len(slots)
+
+    def _write_slots(self, slots: np.ndarray) -> None:
+        ids = self.id_of[slots]
+        order = np.argsort(ids, kind="stable")
+        slots = slots[order]
+        t0 = time.perf_counter()
+        self.file.write(ids[order], self._bytes[slots])
+        self.changed[ids] = True
+        _counters["write_s"] += time.perf_counter() - t0
+        _counters["write_bytes"] += len(slots) * self.row_bytes
+        self.dirty[slots] = False
+        self.stats["written_back"] += len(slots)
+
+    def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        buf = np.empty((len(ids), self.row_bytes), dtype=np.uint8)
+        t0 = time.perf_counter()
+        self.file.read(ids, buf)
+        _counters["read_s"] += time.perf_counter() - t0
+        _counters["read_bytes"] += len(ids) * self.row_bytes
+        self._bytes[slots] = buf
+        self.slot_of[ids] = slots
+        self.id_of[slots] = ids
+        self.dirty[slots] = False
+        self.ref[slots] = True
+
+    def _grow(self, need: int) -> None:
+        """One step touches more rows than the slab holds: make room (a host sync)."""
+        slots = self.slots + max(need, self.slots // 4)
+        if not self._grew_warned:
+            self._grew_warned = True
+            warnings.warn(
+                f"table {self.name!r}: one step touches more distinct rows than its RAM cache "
+                f"holds ({self.slots:,} rows, {human_bytes(self.slab.nbytes)}); growing it to "
+                f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
+                "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)     # queued kernels read the old slab
+        old = self.slab
+        self._alloc(slots, old)
+        old.close()
+
+    # --- read-ahead -----------------------------------------------------------------------
+    def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
+        """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
+        are not in RAM, on a background thread, and deduplicating them for their lookup.
+        Changes no value: only where rows are."""
+        self.wait_read_ahead()
+        self._ensure_init()
+        self._prepared = None
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
+        self._ahead = self._ahead_pool.submit(self._read_ahead, ids, padding_idx)
+
+    def _read_ahead(self, ids: torch.Tensor, padding_idx) -> None:
+        p = prepare(ids, self.num_rows, padding_idx)
+        with self._lock:
+            miss = p.uniq[self.slot_of[p.uniq] < 0]
+            if len(miss):
+                self._advance()
+                free = self._take(len(miss), wait=False)
+                if len(free):
+                    self._load(miss[: len(free)], free)
+                    self.stats["read_ahead"] += len(free)
+        self._prepared = p
+
+    def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
+        """The read-ahead's deduplication of these very ids (the same tensor object), once."""
+        self.wait_read_ahead()
+        p, self._prepared = self._prepared, None
+        return p if p is not None and p.ids is ids else None
+
+    def wait_read_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
+
+    def warm(self, ids, chunk: int = 1 << 20) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots until they are full, reading
+        in file order; evicts nothing. Returns the rows loaded."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self._ensure_init()
+        loaded = 0
+        with self._lock:
+            for a in range(0, len(ids), chunk):
+                part = ids[a:a + chunk]
+                part = np.unique(part[self.slot_of[part] < 0])
+                free = self._take_free(len(part))
+                part = part[: len(free)]
+                if not len(part):
+                    break
+                self._load(part, free)
+                loaded += len(part)
+                if not self._free:
+                    break
+        return loaded
+
+    # --- whole-table access ---------------------------------------------------------------
+    def flush(self, drop: bool = False) -> None:
+        """Write every dirty row to the file (after the GPU work that writes them); with
+        ``drop``, also empty RAM of every row no pending lookup holds."""
+        self.wait_read_ahead()
+        self._ensure_init()
+        with self._lock:
+            self._close_step()
+            self._advance(wait_for=self._event_index)
+            dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
+            if len(dirty):
+                self._write_slots(dirty)
+            if drop:
+                out = np.flatnonzero((self.id_of >= 0) & ~self.locked)
+                self.slot_of[self.id_of[out]] = -1
+                self.id_of[out] = -1
+                self.ref[out] = False
+                free = np.flatnonzero(self.id_of < 0)
+                self._free = collections.deque([free]) if len(free) else collections.deque()
+
+    def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
+        self._ensure_init()
+        rows = rows.detach().to("cpu", self.dtype).contiguous()
+        raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
+        with self._lock:
+            self.file.write(np.asarray(ids, dtype=np.int64), raw)
+            self.changed[ids] = True
+            slots = self.slot_of[ids]
+            hot = slots >= 0
+            if hot.any():
+                self._bytes[slots[hot]] = raw[hot]
+
+    def write_range(self, start: int, rows: torch.Tensor) -> None:
+        """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
+        rows must not be cached in RAM, as at creation)."""
+        rows = rows.detach().to("cpu", self.dtype).contiguous()
+        with self._lock:
+            self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
+                rows.shape[0], self.row_bytes))
+            self.changed[start:start + rows.shape[0]] = True
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
+        self._ensure_init()
+        with self._lock:
+            out = torch.empty((stop - start, self.width), dtype=self.dtype)
+            raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
+            self.file.read_range(start, raw)
+            slots = self.slot_of[start:stop]
+            hot = np.flatnonzero(slots >= 0)
+            if len(hot):
+                raw[hot] = self._bytes[slots[hot]]
+            return out
+
+    def mapped(self, writable: bool = True) -> torch.Tensor:
+        """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first). Reads
+        and writes go through the page cache: for whole-table access, not steps. Without
+        ``writable``, writes stay in this process's copy (copy-on-write), never the file."""
+        self.file.flush()
+        unit = self.file.stride // self.dtype.itemsize
+        arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),
+                        mode="r+" if writable else "c",
+                        offset=self.file.data_offset, shape=(self.num_rows, unit))
+        if writable:
+            self._map = arr
+            self.changed[:] = True        # whatever is written through it is not tracked
+        t = torch.from_numpy(arr)
+        if self.dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t[:, : self.width]
+
+    def sync_mapped(self) -> None:
+        """Writes made through :meth:`mapped` reach the file before rows are read again."""
+        m = getattr(self, "_map", None)
+        if m is not None:
+            m.flush()
+            self._map = None
+            with self._lock:     # rows cached in RAM may be older than what was written
+                out = np.flatnonzero((self.id_of >= 0) & ~self.locked & ~self.dirty)
+                self.slot_of[self.id_of[out]] = -1
+                self.id_of[out] = -1
+                free = np.flatnonzero(self.id_of < 0)
+                self._free = collections.deque([free]) if len(free) else collections.deque()
+
+    def take_changed(self) -> np.ndarray:
+        """Sorted ids of the rows written to the file since the last call (every row the first
+        time), after writing every dirty row back: what an incremental checkpoint saves."""
+        self.flush()
+        with self._lock:
+            ids = np.flatnonzero(self.changed)
+            self.changed[:] = False
+            return ids
+
+    def close(self) -> None:
+        """Stop the read-ahead, unpin the slab and remove the file."""
+        self.wait_read_ahead()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown()
+            self._ahead_pool = None
+        self.slab.close()
+        self._map = None
+        self._remove()
+
+    def __reduce__(self):
+        raise TypeError(f"table {self.name!r} lives on disk and cannot be copied or pickled; "
+                        "save it with nbtools.CheckpointManager instead")
+
+    def __repr__(self):
+        return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
+                f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
+                f"({human_bytes(self.slab.nbytes)}))")
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
+
+
+def _remove_file(file, path: str) -> None:
+    try:
+        file.close()
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+# --- the table's side: what OffloadedEmbedding calls for placement="disk" ----------------------
+
+def cache_rows_for(config, row_bytes: int) -> int:
+    """RAM slots for rows of ``row_bytes`` under ``config.host_cache_bytes``."""
+    budget = config.host_cache_bytes
+    if budget is None:      # 1 GiB, or half of what the host budget leaves when that is less
+        available = host_memory_bytes()["available"]
+        budget = DEFAULT_HOST_CACHE_BYTES if available is None else \
+            min(DEFAULT_HOST_CACHE_BYTES, available // 2)
+    return max(1, int(budget) // row_bytes)
+
+
+def new_rows(table, width: int, dtype: torch.dtype) -> DiskRows:
+    """A disk table's file (``width`` columns of ``dtype`` per row) and its RAM slots."""
+    cfg = table.config
+    return DiskRows(cfg.disk_dir or default_dir(), table.num_embeddings, width, dtype,
+                    cache_rows=cache_rows_for(cfg, width * dtype.itemsize),
+                    device=table.device, pin=cfg.pin, name=table.name)
+
+
+def _chunk_rows(disk: DiskRows) -> int:
+    return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
+
+
+def init_normal(disk: DiskRows, padding_idx, device: torch.device) -> None:
+    """``N(0, 1)`` weights (``nn.Embedding``'s initialisation), drawn on the compute device
+    64 MiB at a time when the rows are first needed: a table whose optimizer attaches first is
+    written once, in its final layout, and RAM never holds it."""
+    width, dtype = disk.width, disk.dtype
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        out = torch.randn(stop - start, width, device=device).to(dtype)
+        if padding_idx is not None and start <= padding_idx < stop:
+            out[padding_idx - start].zero_()
+        return out
+    disk.initial = rows
+
+
+def regrow(table, old, layout, init, copy_rows) -> DiskRows:
+    """``old`` rows (weights only: a :class:`DiskRows`, or host/GPU rows under placement
+    "auto") copied into a new file of ``layout`` rows, state columns at their initial values,
+    64 MiB at a time; the old rows are released (a file removed)."""
+    if isinstance(old, DiskRows) and old.initial is not None:   # never written: draw them now
+        read = old.initial
+    elif isinstance(old, DiskRows):
+        old.flush()
+        read = old.read_rows
+    else:
+        read = lambda a, b: old.tensor[a:b].cpu()      # noqa: E731
+    new = new_rows(table, layout.width, layout.unit)
+    step = _chunk_rows(new)
+    for start in range(0, table.num_embeddings, step):
+        stop = min(table.num_embeddings, start + step)
+        dst = torch.empty((stop - start, layout.width), dtype=layout.unit)
+        copy_rows(dst, read(start, stop), init, layout)
+        new.write_range(start, dst)
+    old.close()
+    return new
+
+
+def free_bytes(folder) -> int:
+    """Free bytes on the disk that holds ``folder`` (its nearest existing parent)."""
+    import shutil
+    path = os.path.abspath(os.fspath(folder))
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A lookup's ids deduplicated on the CPU: ``uniq`` the sorted unique ids in range (and
+    not padding), ``inverse`` [n] the slot of each id (the sentinel's slot ``len(uniq)`` where
+    ``sentinel``), ``bad`` whether some id was out of range."""
+
+    ids: torch.Tensor
+    uniq: np.ndarray
+    inverse: torch.Tensor
+    bad: bool
+    sentinel: bool
+
+
+def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
+    """Deduplicate ``ids`` (any shape, any device: GPU ids are a sync) on the CPU."""
+    flat = ids.reshape(-1).to("cpu").long()         # note: a sync point for GPU ids
+    valid = (flat >= 0) & (flat < num_rows)
+    bad = not bool(valid.all())
+    if padding_idx is not None:
+        valid &= flat != padding_idx
+    uniq, inverse = torch.unique(torch.where(valid, flat, num_rows), sorted=True,
+                                 return_inverse=True)
+    sentinel = bool(uniq.numel()) and int(uniq[-1]) == num_rows
+    uniq = uniq.numpy()
+    return Prepared(ids, uniq[: len(uniq) - int(sentinel)], inverse, bad, sentinel)
+
+
+def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarray]:
+    """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
+    read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
+    compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
+    count as :func:`nbtools.rows.unique_ids` gives them), and the slots as a host array."""
+    disk = table._disk
+    n = table.num_embeddings
+    p = disk.take_prepared(ids) or prepare(ids, n, table.padding_idx)
+    slots = disk.resolve(p.uniq, training)
+    m = len(slots)
+    local = torch.full((m + int(p.sentinel),), n, dtype=torch.long)
+    local[:m] = torch.from_numpy(slots)
+    meta = torch.tensor([int(p.bad), m + int(p.sentinel), int(p.sentinel)])
+    dev = table.device
+    if dev.type == "cuda":        # from pinned memory: a pageable copy would wait for the GPU
+        local, inverse, meta = (t.pin_memory().to(dev, non_blocking=True)
+                                for t in (local, p.inverse, meta))
+    else:
+        inverse = p.inverse
+    return RowBatch(local, inverse, meta, n), slots
+
+
+def describe(disk: DiskRows) -> str:
+    """What ``repr(table)`` says of a disk table's file and RAM cache."""
+    s = disk.stats
+    rate = f"{s['hits'] / s['lookups']:.0%}" if s["lookups"] else "n/a"
+    return (f"file={disk.file.path!r} ({human_bytes(disk.nbytes)}), RAM cache "
+            f"{disk.slots:,} rows ({human_bytes(disk.slab.nbytes)}, hit rate {rate})")

@@ -1,0 +1,251 @@
+"""placement="disk": rows in a file under a RAM cache train exactly as in host RAM.
+
+The reference is the same model with ``placement="host"`` (itself tested against SparseAdam,
+sparse Adagrad and dense optimizers in test_optim.py / test_step.py): every comparison is
+``torch.equal`` on weights and optimizer state.
+"""
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import nbtools
+from nbtools import OffloadConfig, OffloadedEmbedding, OffloadOptimizer
+from nbtools.devices import resolve_device
+
+DEVICE = resolve_device()
+N, D = 300, 8
+
+
+def _pair(tmp_path, opt_cls=torch.optim.Adam, steps=6, batch=64, lookups=1, seed=0,
+          prefetch=False, opt_kwargs=None, table_kwargs=None, ids_fn=None, **disk_kwargs):
+    """Train a host table and a disk table side by side on the same ids; return both."""
+    opt_kwargs = opt_kwargs or {"lr": 0.05}
+    table_kwargs = table_kwargs or {}
+    torch.manual_seed(seed)
+    init = torch.randn(N, D)
+    tables, opts = [], []
+    for placement, extra in (("host", {}), ("disk", dict(disk_dir=str(tmp_path), **disk_kwargs))):
+        t = OffloadedEmbedding(N, D, name=f"t-{placement}", device=DEVICE, placement=placement,
+                               **table_kwargs, **extra)
+        with torch.no_grad():
+            t.weight.copy_(init)
+        tables.append(t)
+        opts.append(OffloadOptimizer(opt_cls, t, **opt_kwargs))
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [[(ids_fn(gen) if ids_fn else torch.randint(0, N, (batch,), generator=gen))
+                for _ in range(lookups)] for _ in range(steps)]
+    for t, opt in zip(tables, opts):
+        for i, step in enumerate(batches):
+            out = sum((t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum()
+                      for ids in step)
+            if prefetch and t.placement == "disk" and i + 1 < len(batches):
+                t.prefetch(batches[i + 1][0])
+            out.backward()
+            opt.step()
+            opt.zero_grad()
+    return tables, opts
+
+
+def _assert_same(tables):
+    host, disk = tables
+    assert torch.equal(host.weight, disk.weight)
+    for name in host.state_names:
+        assert torch.equal(host.state_columns(name), disk.state_columns(name)), name
+
+
+@pytest.mark.parametrize("opt_cls,kwargs", [
+    (torch.optim.Adam, {"lr": 0.05}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+])
+def test_disk_trains_as_host(tmp_path, opt_cls, kwargs):
+    tables, _ = _pair(tmp_path, opt_cls, opt_kwargs=kwargs, host_cache_bytes=100 * 3 * D * 4)
+    _assert_same(tables)
+    s = tables[1].disk.stats
+    assert s["misses"] > 0 and s["evicted"] > 0 and s["written_back"] > 0   # the file is used
+
+
+@pytest.mark.parametrize("cache_rows", [10, 150, 400])
+def test_cache_sizes(tmp_path, cache_rows):
+    """A RAM cache smaller than one batch (it grows to hold the step, with a warning), one
+    that evicts every step, and one larger than the table."""
+    row_bytes = 3 * D * 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tables, _ = _pair(tmp_path, host_cache_bytes=cache_rows * row_bytes, lookups=2)
+    _assert_same(tables)
+    grew = any("RAM cache" in str(w.message) for w in caught)
+    assert grew == (cache_rows == 10)
+
+
+def test_bf16_storage_and_padding(tmp_path):
+    tables, _ = _pair(tmp_path, table_kwargs={"dtype": torch.bfloat16},
+                      host_cache_bytes=50 * 64)
+    _assert_same(tables)
+
+
+def test_prefetch_reads_ahead_bit_identical(tmp_path):
+    tables, _ = _pair(tmp_path, prefetch=True, host_cache_bytes=120 * 3 * D * 4, steps=8)
+    _assert_same(tables)
+    assert tables[1].disk.stats["read_ahead"] > 0
+
+
+def test_bad_id_raises_and_writes_nothing(tmp_path):
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=40 * 3 * D * 4)
+    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.1, config=OffloadConfig(checks="every_step"))
+    before = t.weight.clone()
+    t(torch.tensor([1, 2, N + 5])).sum().backward()
+    with pytest.raises(IndexError, match=f"{N + 5}"):
+        opt.step()
+    opt.zero_grad()
+    assert torch.equal(t.weight, before)
+    with pytest.raises(IndexError, match="-3"):
+        with torch.no_grad():
+            t(torch.tensor([0, -3]))
+
+
+def test_nonfinite_step_skipped(tmp_path):
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path))
+    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.1,
+                           config=OffloadConfig(nonfinite="skip"))
+    before = t.weight.clone()
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        (t(torch.tensor([4, 5])).sum() * float("nan")).backward()
+        opt.step()
+    opt.zero_grad()
+    assert torch.equal(t.weight, before)
+    assert opt.skipped_steps() == 1
+
+
+def test_weight_writes_reach_lookups(tmp_path):
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=16 * D * 4)
+    with torch.no_grad():
+        t(torch.arange(10))                    # rows 0..9 cached in RAM
+        t.weight[3] = 7.0                      # written through the file
+        assert torch.equal(t(torch.tensor([3])).cpu(), torch.full((1, D), 7.0))
+
+
+def test_state_dict_round_trip(tmp_path):
+    tables, opts = _pair(tmp_path, host_cache_bytes=60 * 3 * D * 4)
+    disk, opt = tables[1], opts[1]
+    sd_t, sd_o = disk.state_dict(), opt.state_dict()
+    fresh = OffloadedEmbedding(N, D, name="t-disk", device=DEVICE, placement="disk",
+                               disk_dir=str(tmp_path / "b"))
+    fopt = OffloadOptimizer(torch.optim.Adam, fresh, lr=0.05)
+    fresh.load_state_dict(sd_t)
+    fopt.load_state_dict(sd_o)
+    assert torch.equal(fresh.weight, disk.weight)
+    for name in disk.state_names:
+        assert torch.equal(fresh.state_columns(name), disk.state_columns(name))
+    ids = torch.randint(0, N, (50,))
+    for t, o in ((disk, opt), (fresh, fopt)):     # and they go on identically
+        t(ids).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert torch.equal(fresh.weight, disk.weight)
+
+
+def test_eval_lookups_do_not_pin_ram(tmp_path):
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=32 * D * 4)
+    OffloadOptimizer(torch.optim.SGD, t, lr=0.1)
+    with torch.no_grad():
+        for start in range(0, N, 20):
+            t(torch.arange(start, start + 20))
+    assert t.disk.slots == 32          # never grew: evaluation holds no slot for a step
+
+
+def test_file_lives_in_disk_dir_and_goes_with_close(tmp_path):
+    t = OffloadedEmbedding(N, D, name="items", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path))
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].startswith("items")
+    assert "disk" in repr(t) and "RAM cache" in repr(t)
+    assert t.transfer_mode == "disk" and t.nbytes == N * D * 4
+    t.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_config_refused(tmp_path):
+    with pytest.raises(ValueError, match="GPU cache above a disk table"):
+        OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           cache_rows=10)
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=-1)
+    with pytest.raises(ValueError, match="placement"):
+        OffloadedEmbedding(N, D, device=DEVICE, placement="ssd")
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="cannot be copied"):
+        import copy
+        copy.deepcopy(t)
+
+
+def test_disk_full_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    real = shutil.disk_usage
+
+    def tiny(path):
+        u = real(path)
+        return type(u)(u.total, u.total - 1000, 1000)
+    monkeypatch.setattr(shutil, "disk_usage", tiny)
+    with pytest.raises(OSError, match="free"):
+        OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
+    from nbtools import disk, tables
+    monkeypatch.setattr(tables, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                              "available": 1000})
+    where, why = tables.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
+    assert where == "disk" and str(tmp_path) in why
+    t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
+    assert t.placement == "disk" and t.transfer_mode == "disk"
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 5000)
+    with pytest.raises(nbtools.NoRoomError, match="fit nowhere") as e:
+        tables.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
+    assert "1000" in str(e.value) or "1,000" in str(e.value) or "KiB" in str(e.value)
+    p = nbtools.plan(10 ** 6, 128, "adam", disk_dir=str(tmp_path))
+    assert p.placement == "none" and "fit nowhere" in str(p)
+
+
+def test_plan_names_the_disk(tmp_path):
+    p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
+    assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
+
+
+def test_warm_cache_loads_the_most_frequent_rows(tmp_path):
+    t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=20 * D * 4)
+    counts = torch.zeros(N)
+    counts[100:130] = torch.arange(30, 0, -1).float()
+    t.warm_cache(counts)
+    resident = set(int(i) for i in t.disk.id_of if i >= 0)
+    assert resident == set(range(100, 120))
+
+
+def test_host_budget_holds(tmp_path):
+    """Every host allocation counts against nbtools.set_host_budget; placement="auto" turns
+    to disk when RAM is past it, and an allocation past it is refused before it happens."""
+    from nbtools import devices
+    held = devices.held_host_bytes()
+    try:
+        devices.set_host_budget(held + 16 * 1024)
+        t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path),
+                               host_cache_bytes=8 * 1024)
+        assert t.placement == "disk"        # 300 x 8 x 4 x 3 (Adam-sized) > the budget left
+        assert devices.held_host_bytes() - held <= 16 * 1024
+        with pytest.raises(devices.HostBudgetError, match="host budget"):
+            nbtools.HostTensor((1000, 1000), torch.float32)
+        with pytest.raises(nbtools.HostMemoryError, match="host memory"):
+            OffloadedEmbedding(N, D, device="cpu", placement="host", disk_dir=str(tmp_path))
+    finally:
+        devices.set_host_budget(None)
+    assert devices.parse_bytes("12GiB") == 12 << 30
