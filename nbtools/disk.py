@@ -122,13 +122,18 @@ class DiskRows:
         self._ahead_pool = None
         self._ahead = None
         self._prepared = None                   # the read-ahead's dedup of the next ids
+        self._stash = []                        # evicted dirty rows (ids, bytes) to write
+        self._writer = None
         maps = self.num_rows * 9            # the two arrays below: counted in the host budget
         hold_host(maps, f"table {name!r}'s row maps")
         weakref.finalize(self, release_host, maps)
         self.slot_of = np.full(self.num_rows, -1, dtype=np.int64)  # row -> slot, -1: on disk
         # rows written to the file since the last checkpoint took them (incremental saves)
         self.changed = np.ones(self.num_rows, dtype=bool)
-        self._alloc(max(1, min(int(cache_rows), self.num_rows)))
+        # the RAM cache is pinned when first needed: a table whose optimizer attaches at once
+        # (and so moves to a file of wider rows) never pins the first one's
+        self._want = max(1, min(int(cache_rows), self.num_rows))
+        self._alloc(1)
         self._events = collections.deque()      # (index, CUDA event) of GPU uses of slots
         self._event_index = 0
         self._done_upto = 0                     # every use up to this index has run
@@ -166,8 +171,16 @@ class DiskRows:
             for name in ("dirty", "ref", "locked"):
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
-        self._free = collections.deque([np.arange(keep, slots, dtype=np.int64)])
+        if old is None:
+            self._free = collections.deque([np.arange(slots, dtype=np.int64)])
+        else:   # the old slots keep their free list (a _take that grows holds the rest)
+            self._free.append(np.arange(keep, slots, dtype=np.int64))
         self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
+
+    @property
+    def capacity_rows(self) -> int:
+        """Rows the RAM cache holds (once pinned; more if a step needed it)."""
+        return max(self.slots, self._want)
 
     @property
     def pinned(self) -> bool:
@@ -240,6 +253,7 @@ class DiskRows:
         self.wait_read_ahead()
         self.sync_mapped()
         self._ensure_init()
+        self.ensure_slab()
         with self._lock:
             self._close_step()
             slots = self.slot_of[ids]
@@ -326,9 +340,15 @@ class DiskRows:
         return out
 
     def _evict(self, slots: np.ndarray) -> None:
+        """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
+        :meth:`_load`, beside its reads, before the lock is released: no reader of the file
+        can see a row between its eviction and its write."""
         dirty = slots[self.dirty[slots]]
         if len(dirty):
-            self._write_slots(dirty)
+            ids = self.id_of[dirty]
+            order = np.argsort(ids, kind="stable")
+            self._stash.append((ids[order], self._bytes[dirty[order]]))
+            self.dirty[dirty] = False
         self.slot_of[self.id_of[slots]] = -1
         self.id_of[slots] = -1
         self.stats["evicted"] += len(slots)
@@ -336,26 +356,61 @@ class DiskRows:
     def _write_slots(self, slots: np.ndarray) -> None:
         ids = self.id_of[slots]
         order = np.argsort(ids, kind="stable")
-        slots = slots[order]
+        self._write(ids[order], self._bytes, slots[order])
+        self.dirty[slots] = False
+
+    def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
         t0 = time.perf_counter()
-        self.file.write(ids[order], self._bytes[slots])
+        self.file.write(ids, src, at=at)
         self.changed[ids] = True
         _counters["write_s"] += time.perf_counter() - t0
-        _counters["write_bytes"] += len(slots) * self.row_bytes
-        self.dirty[slots] = False
-        self.stats["written_back"] += len(slots)
+        _counters["write_bytes"] += len(ids) * self.row_bytes
+        self.stats["written_back"] += len(ids)
+
+    def _drain(self) -> None:
+        """Write the rows evicted so far (the stash)."""
+        stash, self._stash = self._stash, []
+        for ids, rows in stash:
+            self._write(ids, rows)
 
     def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        buf = np.empty((len(ids), self.row_bytes), dtype=np.uint8)
+        """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
+        another thread meanwhile (the disk serves both at once; they touch different rows)."""
+        writing = None
+        if self._stash:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
+            writing = self._writer.submit(self._drain)
         t0 = time.perf_counter()
-        self.file.read(ids, buf)
+        try:
+            self.file.read(ids, self._bytes, at=slots)
+        finally:
+            if writing is not None:
+                writing.result()
         _counters["read_s"] += time.perf_counter() - t0
         _counters["read_bytes"] += len(ids) * self.row_bytes
-        self._bytes[slots] = buf
+        self._placed(ids, slots)
+
+    def _placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Rows ``ids`` now sit, clean, in ``slots``."""
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
         self.dirty[slots] = False
         self.ref[slots] = True
+
+    def ensure_slab(self) -> None:
+        """Pin the RAM cache at its full size, the first time rows are needed (on the
+        training loop's thread: the table then takes the new slab, ``slab``)."""
+        with self._lock:
+            if self.slots < self._want:
+                self._resize(self._want)
+
+    def _resize(self, slots: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)     # queued kernels read the old slab
+        old = self.slab
+        self._alloc(slots, old)
+        old.close()
 
     def _grow(self, need: int) -> None:
         """One step touches more rows than the slab holds: make room (a host sync)."""
@@ -367,11 +422,7 @@ class DiskRows:
                 f"holds ({self.slots:,} rows, {human_bytes(self.slab.nbytes)}); growing it to "
                 f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
                 "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)     # queued kernels read the old slab
-        old = self.slab
-        self._alloc(slots, old)
-        old.close()
+        self._resize(slots)
 
     # --- read-ahead -----------------------------------------------------------------------
     def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
@@ -380,6 +431,7 @@ class DiskRows:
         Changes no value: only where rows are."""
         self.wait_read_ahead()
         self._ensure_init()
+        self.ensure_slab()
         self._prepared = None
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
@@ -408,24 +460,38 @@ class DiskRows:
         if ahead is not None:
             ahead.result()
 
-    def warm(self, ids, chunk: int = 1 << 20) -> int:
-        """Load rows ``ids`` (hottest first) into free RAM slots until they are full, reading
-        in file order; evicts nothing. Returns the rows loaded."""
-        ids = np.asarray(ids, dtype=np.int64)
+    def warm(self, ids) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
+        nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
+        file (one in 16 or more) the stretch is read whole, sequentially, which beats random
+        reads of them."""
         self._ensure_init()
-        loaded = 0
+        self.ensure_slab()
         with self._lock:
-            for a in range(0, len(ids), chunk):
-                part = ids[a:a + chunk]
-                part = np.unique(part[self.slot_of[part] < 0])
+            ids = np.asarray(ids, dtype=np.int64)
+            ids = ids[self.slot_of[ids] < 0][: sum(len(f) for f in self._free)]
+            ids = np.unique(ids)
+            span = max(1, (64 << 20) // self.file.stride)       # rows per sequential stretch
+            loaded = 0
+            cuts = np.searchsorted(ids, np.arange(0, self.num_rows + span, span))
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                part = ids[a:b]
+                if not len(part):
+                    continue
                 free = self._take_free(len(part))
                 part = part[: len(free)]
                 if not len(part):
                     break
-                self._load(part, free)
+                if len(part) * 16 >= span:
+                    start = int(part[0]) // span * span
+                    stop = min(self.num_rows, start + span)
+                    buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
+                    self.file.read_range(start, buf)
+                    self._bytes[free] = buf[part - start]
+                    self._placed(part, free)
+                else:
+                    self._load(part, free)
                 loaded += len(part)
-                if not self._free:
-                    break
         return loaded
 
     # --- whole-table access ---------------------------------------------------------------
@@ -525,9 +591,10 @@ class DiskRows:
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         self.wait_read_ahead()
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown()
-            self._ahead_pool = None
+        for pool in (self._ahead_pool, self._writer):
+            if pool is not None:
+                pool.shutdown()
+        self._ahead_pool = self._writer = None
         self.slab.close()
         self._map = None
         self._remove()
@@ -609,8 +676,9 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
     step = _chunk_rows(new)
     for start in range(0, table.num_embeddings, step):
         stop = min(table.num_embeddings, start + step)
-        dst = torch.empty((stop - start, layout.width), dtype=layout.unit)
-        copy_rows(dst, read(start, stop), init, layout)
+        src = read(start, stop)          # (drawn on the compute device, rows are built there)
+        dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
+        copy_rows(dst, src, init, layout)
         new.write_range(start, dst)
     old.close()
     return new

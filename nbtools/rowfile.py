@@ -192,13 +192,16 @@ class RowFile:
         return cls(path, fd, meta, is_direct, threads, writable)
 
     # --- rows -----------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = row ids[i]`` (ids unique, any order; ``out`` uint8 [k, row_bytes])."""
-        self._io(ids, out, write=False)
+    def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
+        """``out[i] = row ids[i]`` (ids unique, any order; ``out`` uint8 [k, row_bytes]); with
+        ``at``, ``out[at[i]] = row ids[i]`` (``out`` any number of rows: a RAM cache's slots,
+        filled without an intermediate copy of the rows)."""
+        self._io(ids, out, write=False, at=at)
 
-    def write(self, ids: np.ndarray, src: np.ndarray) -> None:
-        """Row ``ids[i] = src[i]`` (ids unique, any order; ``src`` uint8 [k, row_bytes])."""
-        self._io(ids, src, write=True)
+    def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None) -> None:
+        """Row ``ids[i] = src[i]`` (ids unique, any order; ``src`` uint8 [k, row_bytes]);
+        with ``at``, row ``ids[i] = src[at[i]]``."""
+        self._io(ids, src, write=True, at=at)
 
     def read_range(self, start: int, out: np.ndarray) -> None:
         """Rows ``start : start + len(out)`` into ``out``, in large sequential requests."""
@@ -236,13 +239,16 @@ class RowFile:
                 f"stride={self.stride}, direct={self.direct})")
 
     # --- internals ------------------------------------------------------------------------
-    def _check(self, ids: np.ndarray, rows: np.ndarray, write: bool) -> np.ndarray:
+    def _check(self, ids: np.ndarray, rows: np.ndarray, write: bool, at) -> np.ndarray:
         if self._fd is None:
             raise ValueError(f"{self.path!r} is closed")
         if write and not self.writable:
             raise PermissionError(f"{self.path!r} was opened read-only")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if rows.dtype != np.uint8 or rows.shape != (len(ids), self.row_bytes):
+        k = len(ids) if at is None else rows.shape[0]
+        if at is not None and len(at) != len(ids):
+            raise ValueError(f"at has {len(at)} entries for {len(ids)} ids")
+        if rows.dtype != np.uint8 or rows.shape != (k, self.row_bytes):
             raise ValueError(f"rows must be uint8 [{len(ids)}, {self.row_bytes}], got "
                              f"{rows.dtype} {list(rows.shape)}")
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
@@ -255,19 +261,23 @@ class RowFile:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="nbtools-rowfile")
         return self._pool
 
-    def _io(self, ids, rows, write: bool) -> None:
+    def _io(self, ids, rows, write: bool, at=None) -> None:
         import time
-        ids = self._check(ids, rows, write)
+        ids = self._check(ids, rows, write, at)
         if not len(ids):
             return
         t0 = time.perf_counter()
         order = np.argsort(ids, kind="stable")
+        if at is not None:
+            order_rows = np.asarray(at, dtype=np.int64)[order]
+        else:
+            order_rows = order
         ids = ids[order]
         stride = self.stride
         per = max(1, BOUNCE // stride)                  # rows per bounce buffer
         buf = _aligned(min(len(ids), per) * stride).reshape(-1, stride)
         for a in range(0, len(ids), per):
-            part, rows_at = ids[a:a + per], order[a:a + per]
+            part, rows_at = ids[a:a + per], order_rows[a:a + per]
             k = len(part)
             if write:
                 buf[:k, : self.row_bytes] = rows[rows_at]

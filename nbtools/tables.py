@@ -601,8 +601,10 @@ class OffloadedEmbedding(nn.Module):
                              f"({self.num_embeddings},), got {tuple(counts.shape)}")
         counts = counts.round().long() if counts.is_floating_point() else counts.long()
         if self._disk is not None:      # the RAM cache: the most frequent rows, read now
-            hot = torch.argsort(counts, descending=True, stable=True)[: self._disk.slots]
-            self._disk.warm(hot[counts[hot] > 0].numpy())
+            hot = torch.argsort(counts, descending=True, stable=True)
+            hot = hot[counts[hot] > 0][: self._disk.capacity_rows]
+            self._disk.warm(hot.numpy())
+            self._sync_slab()
             return
         if self._rows.cache is None:
             self._warm_counts = counts
@@ -804,15 +806,19 @@ class OffloadedEmbedding(nn.Module):
                     "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
         return rows, batch.inverse
 
+    def _sync_slab(self) -> None:
+        """A disk table's RAM cache was pinned or grew: its row store follows."""
+        if self._host is not self._disk.slab:
+            self._host = self._disk.slab
+            self._rows = self._store()
+
     def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int):
         """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
         gathered from there like a host table's (nbtools.disk)."""
         from . import disk
         training = recording and self._owned
         batch, slots = disk.lookup(self, ids, training)
-        if self._host is not self._disk.slab:     # the RAM cache grew to hold this step
-            self._host = self._disk.slab
-            self._rows = self._store()
+        self._sync_slab()
         if not training and bool(batch.bad):                # note: a sync point
             self.raise_bad_ids(ids.reshape(-1), ids.shape)
         with torch.no_grad():
@@ -858,6 +864,7 @@ class OffloadedEmbedding(nn.Module):
                              "the OffloadOptimizer that steps this table first")
         if self._disk is not None:   # the rows the next step misses, read from the file now
             self._disk.read_ahead(self._prepare_ids(ids), self.padding_idx)
+            self._sync_slab()
             return
         origin = ids
         self._drop_prefetch()

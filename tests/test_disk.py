@@ -212,7 +212,7 @@ def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
     with pytest.raises(nbtools.NoRoomError, match="fit nowhere") as e:
         tables.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
     assert "1000" in str(e.value) or "1,000" in str(e.value) or "KiB" in str(e.value)
-    p = nbtools.plan(10 ** 6, 128, "adam", disk_dir=str(tmp_path))
+    p = nbtools.plan(10 ** 6, 128, "adam", device="cpu", disk_dir=str(tmp_path))
     assert p.placement == "none" and "fit nowhere" in str(p)
 
 
@@ -245,7 +245,7 @@ def test_host_budget_holds(tmp_path):
         with pytest.raises(devices.HostBudgetError, match="host budget"):
             nbtools.HostTensor((1000, 1000), torch.float32)
         with pytest.raises(nbtools.HostMemoryError, match="host memory"):
-            OffloadedEmbedding(N, D, device="cpu", placement="host", disk_dir=str(tmp_path))
+            OffloadedEmbedding(10 * N, D, device="cpu", placement="host")
     finally:
         devices.set_host_budget(None)
     assert devices.parse_bytes("12GiB") == 12 << 30
