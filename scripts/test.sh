@@ -10,11 +10,16 @@ fi
 . .venv/bin/activate
 # A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
 # unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[dev]"
+# --no-compile: pip would byte-compile every file of torch, triton and the rest (about 40 s of
+# the set-up on two cores); Python compiles the few modules the tests import, once, instead.
+if python -c "import torch" 2>/dev/null; then torch=(); else torch=(torch==2.13.0); fi
+pip install -q --no-compile "${torch[@]}" -e ".[dev]"
 # Includes the headless-Chromium test of the dashboard (tests/test_dashboard_browser.py runs
 # scripts/browser_test.sh, which apt-installs chromium); screenshots land in artifacts/.
 # One torch thread unless told otherwise: the tests' tensors are small, and on a machine of two
 # shared cores several threads per process (and per notebook kernel) made them many times slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python -m pytest -q "$@"
+# One pytest-xdist worker per core (-n 0 in the arguments: none). --dist loadgroup keeps tests
+# that share something (tests/conftest.py: xdist_group) on one worker; the slowest start first.
+# Only the fast tests: bash scripts/test.sh -m "not slow"
+python -m pytest -q -n "${NBTOOLS_TEST_WORKERS:-$(nproc)}" --dist loadgroup "$@"

@@ -16,7 +16,21 @@ def devices():
     return ["cpu", "cuda"] if cuda_ok() else ["cpu"]
 
 
+# Under pytest-xdist (scripts/test.sh): the longest tests start first, so that no worker is
+# left with one of them at the end; lower runs earlier, files not named here keep their place.
+FIRST = {"test_dashboard_browser.py": 0, "test_notebooks.py": 1, "test_distributed.py": 2,
+         "test_cache.py": 3, "test_step.py": 4}
+# Tests that must share a worker: the multi-process tests each pick a free port and start
+# several processes, so they run one after another rather than beside each other.
+GROUPS = {"test_distributed.py": "processes"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: FIRST.get(item.path.name, len(FIRST)))     # stable
     if cuda_ok():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `bash benchmarks/gpu_suite.sh` on the GPU machine")

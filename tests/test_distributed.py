@@ -5,7 +5,13 @@ of every rank's batch, with the global loss = the sum of the ranks' losses. Each
 reference itself (the batches are drawn from seeds every rank knows) and compares it with the
 gathered sharded table and per-row optimizer state. Every multi-process test runs under a
 timeout: a hang fails the test and kills the processes it started.
+
+Starting the processes is most of the cost (each imports torch), so on the CPU the checks of
+each world size share one group of processes (``on_ranks``): every check's traceback comes back
+to its own test.
 """
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -95,11 +101,48 @@ def _train_worker(rank, world, device):
                                        msg=lambda m: f"{what}: state {name} differs: {m}")
 
 
+def _checks_worker(rank, world, directory):
+    """Every CPU check of this file for ``world`` processes, in order, on one process group:
+    ``{check: (its return value, None) or (None, the traceback of its failure)}``."""
+    out = {}
+    for name, check in CHECKS[world]:
+        try:
+            out[name] = (check(rank, world, directory), None)
+        except Exception:               # the next checks still run; the test of this one fails
+            out[name] = (None, traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("sharded"))
+
+
+@pytest.fixture(scope="module")
+def on_ranks(sharded_dir):
+    """``{world: [each rank's _checks_worker result]}``: the checks of 2 processes (the
+    checkpoint among them is saved there), then those of 3."""
+    return {world: _run(_checks_worker, world, args=(sharded_dir,), timeout=90.0)
+            for world in (2, 3)}
+
+
+def _passed(on_ranks, world, check) -> list:
+    """The check's return value on each rank, in rank order; fails with the ranks' tracebacks."""
+    failures = [f"rank {r}:\n{done[check][1]}" for r, done in enumerate(on_ranks[world])
+                if done[check][1]]
+    assert not failures, f"{check} on {world} processes failed:\n" + "\n".join(failures)
+    return [done[check][0] for done in on_ranks[world]]
+
+
+@pytest.mark.slow                   # starts processes (each imports torch)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("device", DEVICES)
-def test_matches_single_process_table(world, device):
+def test_matches_single_process_table(world, device, request):
     """On the GPU machine also with CUDA compute: the gloo group exchanges through the CPU."""
-    _run(_train_worker, world, args=(device,), timeout=120.0 if device == "cuda" else 40.0)
+    if device == "cpu":
+        _passed(request.getfixturevalue("on_ranks"), world, "train")
+    else:
+        _run(_train_worker, world, args=(device,), timeout=120.0)
 
 
 def _lookup_worker(rank, world):
@@ -117,9 +160,10 @@ def _lookup_worker(rank, world):
     return table.shard.num_embeddings
 
 
-def test_lookup_returns_rows_in_callers_order():
+@pytest.mark.slow                   # starts processes (each imports torch)
+def test_lookup_returns_rows_in_callers_order(on_ranks):
     # spawn hands back each rank's return value, in rank order: here the size of its shard
-    assert _run(_lookup_worker, 3) == [8, 8, 7]
+    assert _passed(on_ranks, 3, "lookup") == [8, 8, 7]
 
 
 def _bad_id_worker(rank, world):
@@ -148,8 +192,9 @@ def _bad_id_worker(rank, world):
     assert not torch.equal(table.gather_full(), before[0])
 
 
-def test_out_of_range_id_raises_on_every_rank():
-    _run(_bad_id_worker, 2)
+@pytest.mark.slow                   # starts processes (each imports torch)
+def test_out_of_range_id_raises_on_every_rank(on_ranks):
+    _passed(on_ranks, 2, "bad id")
 
 
 def test_single_process_is_an_offloaded_embedding():
@@ -218,19 +263,26 @@ def _restore_worker(rank, world, directory):
                                    atol=1e-6, msg=lambda m: f"state {name}: {m}")
 
 
-@pytest.fixture(scope="module")
-def saved_on_two_ranks(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("sharded"))
-    _run(_save_worker, 2, args=(directory,))
-    return directory
-
-
+@pytest.mark.slow                   # starts processes (each imports torch)
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_checkpoint_restores_onto_any_number_of_ranks(saved_on_two_ranks, world):
+def test_checkpoint_restores_onto_any_number_of_ranks(on_ranks, sharded_dir, world):
+    _passed(on_ranks, 2, "save")
     if world == 1:              # one process, no process group at all
-        _restore_worker(0, 1, saved_on_two_ranks)
-    else:
-        _run(_restore_worker, world, args=(saved_on_two_ranks,))
+        _restore_worker(0, 1, sharded_dir)
+    else:                       # restored in new objects (by the same processes, for 2)
+        _passed(on_ranks, world, "restore")
+
+
+# The CPU checks run by each group of processes (on_ranks), in this order.
+CHECKS = {
+    2: [("train", lambda rank, world, d: _train_worker(rank, world, "cpu")),
+        ("bad id", lambda rank, world, d: _bad_id_worker(rank, world)),
+        ("save", _save_worker),
+        ("restore", _restore_worker)],
+    3: [("train", lambda rank, world, d: _train_worker(rank, world, "cpu")),
+        ("lookup", lambda rank, world, d: _lookup_worker(rank, world)),
+        ("restore", _restore_worker)],
+}
 
 
 def test_restore_without_checkpoint_returns_none(tmp_path):
