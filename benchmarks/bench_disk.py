@@ -256,7 +256,7 @@ def main():
     mem.mark("probed")
 
     t0 = time.perf_counter()
-    res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.slots))
+    res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
     res["warm_s"] = time.perf_counter() - t0
     mem.mark("warm")
 

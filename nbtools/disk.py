@@ -451,7 +451,9 @@ class DiskRows:
 
     def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
         """The read-ahead's deduplication of these very ids (the same tensor object), once."""
+        t0 = time.perf_counter()
         self.wait_read_ahead()
+        _counters["wait_s"] += time.perf_counter() - t0
         p, self._prepared = self._prepared, None
         return p if p is not None and p.ids is ids else None
 
