@@ -33,9 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-
-# Multiplier of the id -> set hash (Knuth's multiplicative hashing, 2^32 / golden ratio).
-_HASH = 2654435761
+from .kernels import CACHE_HASH as _HASH  # the admission kernel hashes ids the same way
 
 
 class RowCache:

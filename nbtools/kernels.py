@@ -25,6 +25,10 @@ import os
 
 import torch
 
+# Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
+# ratio); nbtools.cache's torch code and the admission kernel below must agree on it.
+CACHE_HASH = 2654435761
+
 
 @functools.lru_cache(maxsize=None)
 def triton_ok() -> bool:
@@ -546,10 +550,9 @@ def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> 
     cap = ids.numel()
     k = _kernels()
     block = 1024
-    from .cache import _HASH
     k["admit_count"][(triton_cdiv(cap, block),)](
         ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
-        cache._best, cache.sets, cache.stats, HASH=_HASH, BLOCK=block)
+        cache._best, cache.sets, cache.stats, HASH=CACHE_HASH, BLOCK=block)
     width = cache.rows.shape[1]
     k["admit_sets"][(cache.sets,)](
         cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
