@@ -11,7 +11,10 @@ fi
 # A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
 # unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
 # --no-compile: pip would byte-compile every file of torch, triton and the rest (about 40 s of
-# the set-up on two cores); Python compiles the few modules the tests import, once, instead.
+# the set-up on two cores); Python compiles the modules the tests import instead, once, and
+# keeps them: PYTHONDONTWRITEBYTECODE (set on these machines) would have every process (each
+# xdist worker, notebook kernel and spawned rank) compile torch again, several times slower.
+unset PYTHONDONTWRITEBYTECODE
 if python -c "import torch" 2>/dev/null; then torch=(); else torch=(torch==2.13.0); fi
 pip install -q --no-compile "${torch[@]}" -e ".[dev]"
 # Includes the headless-Chromium test of the dashboard (tests/test_dashboard_browser.py runs
