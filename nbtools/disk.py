@@ -55,6 +55,9 @@ from .units import human_bytes
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
 # chosen: enough for the hot rows of most id streams, small next to Colab's 12.7 GB.
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
+# Reads in flight: a step misses ~1,000-10,000 rows, and a cloud disk answers each in ~0.3 ms,
+# so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides).
+DISK_THREADS = 32
 
 
 # Every disk table's traffic, for the meters and the dashboard (plain counters: the GIL keeps
@@ -106,7 +109,7 @@ class DiskRows:
 
     def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
                  cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
-                 threads: int = 16):
+                 threads: int | None = None):
         from .rowfile import RowFile
         self.name = name
         self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
@@ -115,6 +118,7 @@ class DiskRows:
         self.directory = os.path.abspath(os.fspath(directory))
         path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
+        threads = threads or int(os.environ.get("NBTOOLS_DISK_THREADS", DISK_THREADS))
         self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta, threads=threads)
         self._remove = weakref.finalize(self, _remove_file, self.file, path)
         self._pin = pin and self.device.type == "cuda"
