@@ -194,6 +194,21 @@ def measure(table, opt, batches, device, prefetch: bool) -> dict:
                for key in ("read_s", "write_s", "wait_s")}}
 
 
+def syncs_per_step(table, opt, batches, device) -> float | None:
+    """Host synchronisations per step (torch.cuda.set_sync_debug_mode), read-ahead on."""
+    if device.type != "cuda":
+        return None
+    import warnings
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_steps(table, opt, batches, device, prefetch=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught) / len(batches)
+
+
 def probe(table, n: int, threads: int, gen) -> float:
     """Rows per second of RowFile random reads (unique, sorted) on the table's own file."""
     from nbtools.rowfile import RowFile
@@ -236,6 +251,7 @@ def main():
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gib * (1 << 30) / total))
+    nbtools.set_host_budget(int(args.budget_gib * (1 << 30)))   # every nbtools allocation
     res = {"args": vars(args), "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     gen = np.random.default_rng(0)
@@ -284,6 +300,7 @@ def main():
         res[key] = measure(table, opt, run, device, prefetch)
         mem.mark(key)
         print(key, res[key], flush=True)
+    res["syncs_per_step"] = syncs_per_step(table, opt, zipf_batches(4), device)
     best = res["zipf_read_ahead"]["ms_per_step"]
     floor_b = res["zipf_read_ahead"]["misses_per_step"] / probed * 1e3
     res["zipf_disk_floor_ms"] = floor_b
@@ -307,9 +324,11 @@ def main():
         need = args.rows * res["row_bytes"]
         avail = nbtools.devices.host_memory_bytes()["available"] or 0
         if need < 0.6 * avail:
+            nbtools.set_host_budget(None)       # (the comparison needs the table in RAM)
             host, hopt = make_table(args, device, "host")
             run_steps(host, hopt, batches[:3], device, prefetch=False)
             res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=False)
+            res["host_syncs_per_step"] = syncs_per_step(host, hopt, batches[:4], device)
             host.close()
         else:
             res["host_zipf_ms"] = None
@@ -340,7 +359,10 @@ def main():
          f"{res['zipf_read_ahead']['ram_hit_rate']:.3f}"),
         ("(a) host-RAM table ms/step", f"{res.get('host_zipf_ms') or float('nan'):.1f}"),
         ("(b) misses / probed rate, ms", f"{floor_b:.1f}"),
-        ("zipf best / max(a, b)", f"{res['zipf_x_bound']:.2f}"),
+        ("zipf read-ahead / max(a, b)", f"{res['zipf_x_bound']:.2f}"),
+        ("zipf steps/s (read-ahead)", f"{1e3 / res['zipf_read_ahead']['ms_per_step']:.1f}"),
+        ("host syncs/step: disk / host table", f"{res['syncs_per_step']} / "
+                                                f"{res.get('host_syncs_per_step')}"),
         ("uniform rows/s (x probe)", f"{res['uniform']['rows_per_s']:,.0f} "
                                      f"({res['uniform']['x_probe']:.2f})"),
         ("max RSS + page cache growth (GiB)",
