@@ -187,6 +187,29 @@ def _sub(a, b):
     return None if a is None or b is None else max(0, a - b)
 
 
+_PHASES = (("data", "data_wait_s"), ("xfer", "transfer_s"), ("compute", "compute_s"))
+
+
+def _breakdown(r: dict) -> str:
+    """``data 10% · xfer 40% · compute 50%`` of the mean step, for the phases measured."""
+    step = r.get("step_s")
+    return " · ".join(f"{n} {_pct(r.get(k), step)}" for n, k in _PHASES if r.get(k) is not None)
+
+
+def run_summary_text(r: dict) -> str:
+    """Where a run's time went, from its summary record (``whole_run``): ``"in steps 1.7 min:
+    waiting for data 5.0 s (5%), transfers 40 s (40%), compute 50 s (50%)"``; empty when the
+    step timer measured nothing."""
+    total = r.get("step_total_s")
+    if total is None:
+        return ""
+    parts = [f"{name} {fmt_seconds(r.get(key))} ({_pct(r.get(key), total)})"
+             for name, key in (("waiting for data", "data_wait_total_s"),
+                               ("transfers", "transfer_total_s"), ("compute", "compute_total_s"))
+             if r.get(key) is not None]
+    return f"in steps {fmt_seconds(total)}" + (": " + ", ".join(parts) if parts else "")
+
+
 def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_=(),
                 error: str = "", note: str = "", image_png: bytes | None = None,
                 frame: bool = True, config: MonitorConfig | None = None) -> str:
@@ -210,14 +233,16 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
     link = r.get("link_bytes_per_s")
     of_link = f"of {fmt_rate(link)} link" if link else "link N/A"
     step = r.get("step_s")
+    run = bool(r.get("whole_run"))    # the summary on close: means over the run
     badges = "".join([
         _badge(f"{unit}/s", fmt_count(r.get("samples_per_s")),
-               f"mean {fmt_count(r.get('mean_samples_per_s'))}", f"throughput, last {cfg.window_s:g} s"),
-        _badge("step", fmt_seconds(step), " · ".join(
-            f"{n} {_pct(r.get(k), step)}" for n, k in
-            (("data", "data_wait_s"), ("xfer", "transfer_s"), ("compute", "compute_s"))
-            if r.get(k) is not None) or "no breakdown",
-            "mean wall time per step since the last refresh; data wait, transfer, compute"),
+               f"mean over {fmt_seconds(r.get('run_s'))} of steps" if run
+               else f"mean {fmt_count(r.get('mean_samples_per_s'))}",
+               "mean throughput from the first step to the last" if run
+               else f"throughput, last {cfg.window_s:g} s"),
+        _badge("step", fmt_seconds(step), _breakdown(r) or "no breakdown",
+               "mean wall time per step over the run" if run else
+               "mean wall time per step since the last refresh; data wait, transfer, compute"),
         _badge("GPU memory", fmt_bytes(r.get("gpu_used_bytes")),
                f"of {fmt_bytes(r.get('gpu_total_bytes'))}",
                f"NVML; this process {fmt_bytes(r.get('gpu_process_bytes'))}"),
@@ -225,7 +250,8 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
                f"reserved {fmt_bytes(r.get('torch_reserved_bytes'))}",
                f"allocated / reserved; peak {fmt_bytes(r.get('torch_peak_bytes'))}"),
         _badge("GPU busy", "N/A" if r.get("gpu_util_percent") is None
-               else f"{r['gpu_util_percent']:.0f}%", "utilization.gpu",
+               else f"{r['gpu_util_percent']:.0f}%",
+               "mean over the run" if run else "utilization.gpu",
                "NVML; reads ~100% during pure copies too"),
         _badge("PCIe → GPU", fmt_rate(r.get("pcie_rx_bytes_per_s")), of_link,
                f"NVML RX ({r.get('pcie_source') or 'N/A'})"),
@@ -264,7 +290,8 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
               ("compute", r.get("compute_s"), _C["compute"])]
     if any(v is not None for _, v, _ in phases):
         bars += _bar("step", step, phases, fmt_seconds(step) + ": " + " · ".join(
-            f"{n} {_pct(v, step)}" for n, v, _ in phases if v is not None))
+            f"{n} {_pct(v, step)}" for n, v, _ in phases if v is not None)
+            + (f" · {run_summary_text(r)}" if run and run_summary_text(r) else ""))
     diag = (f'<div class="nbtools-diagnosis" style="margin:6px 0 2px;font-size:13px">'
             f'<b>⚑ {_e(r.get("diagnosis", ""))}</b></div>')
     warn = "".join(f'<div class="nbtools-warning" style="background:{_C["warn_bg"]};'
@@ -295,14 +322,17 @@ def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
     r = rec
     unit = r.get("unit", "samples")
     step = r.get("step_s")
+    run = bool(r.get("whole_run"))    # the summary on close: means over the run
     parts = [f"[{title or 'nbtools'} {_STATE[state][2]} {fmt_seconds(r.get('elapsed_s'))}]",
-             f"{fmt_count(r.get('samples_per_s'))} {unit}/s",
-             f"step {fmt_seconds(step)}"]
+             f"{fmt_count(r.get('samples_per_s'))} {unit}/s"
+             + (f" mean over {fmt_seconds(r.get('run_s'))} of steps" if run else ""),
+             f"step {fmt_seconds(step)}" + (f" ({_breakdown(r)})" if run and _breakdown(r) else "")]
     gu, gt = r.get("gpu_used_bytes"), r.get("gpu_total_bytes")
     if gt is not None:
         util = r.get("gpu_util_percent")
         parts.append(f"GPU {fmt_bytes(gu)}/{fmt_bytes(gt)}"
-                     + (f" {util:.0f}% busy" if util is not None else ""))
+                     + (f" {util:.0f}% busy" + (" (mean)" if run else "")
+                        if util is not None else ""))
     parts.append(f"host {fmt_bytes(r.get('host_used_bytes'))}/{fmt_bytes(r.get('host_total_bytes'))}"
                  f" pinned {fmt_bytes(r.get('pinned_bytes'))}")
     if r.get("pcie_rx_bytes_per_s") is not None or r.get("pcie_tx_bytes_per_s") is not None:
@@ -354,7 +384,8 @@ class _Plotter:
         self.fig.subplots_adjust(left=0.075, right=0.99, top=0.98, bottom=0.09, hspace=0.12)
 
     def render(self, history: History, link_bytes_per_s=None) -> bytes:
-        recs = history.records
+        # a run's summary (written on close) holds means over the run, not a point in time
+        recs = [r for r in history.records if not r.get("whole_run")]
         t = [r.get("time_s", math.nan) for r in recs]
         minutes = bool(t) and (t[-1] - t[0]) > 600
         div = 60.0 if minutes else 1.0
@@ -685,6 +716,8 @@ class Dashboard:
                  f"({fmt_count(rec.get('mean_samples_per_s'))}/s mean)"]
         if self.error:
             lines.append(f"[nbtools] {self.error}")
+        if run_summary_text(rec):
+            lines.append(f"[nbtools] {run_summary_text(rec)}")
         lines.append(f"[nbtools] {rec.get('diagnosis', '')}")
         lines += [f"[nbtools] warning: {w}" for w in self.warnings]
         print("\n".join(lines), file=f, flush=True)

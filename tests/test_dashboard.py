@@ -339,3 +339,95 @@ def test_save_png_writes_the_plot_the_snapshot_shows(tmp_path):
     png = (tmp_path / "dash.png").read_bytes()
     assert str(path).endswith("dash.png") and png[:8] == b"\x89PNG\r\n\x1a\n"
     assert png == plot_history(dash.history, "rows").png   # the same drawing as a re-plot
+
+
+# --- the final verdict sums up the run (issue 26) ------------------------------------------------
+
+def _loop(dash, backend, steps=2000, rx=0, tx=0):
+    """10 ms steps: 1 ms waiting for data, 9 ms of compute moving ``rx``/``tx`` bytes by
+    zero-copy (no transfer phase: the rows cross PCIe inside the kernels)."""
+    def batches():
+        for i in range(steps):
+            dash.clock.advance(0.001)
+            yield i
+    for _ in dash.data(batches()):
+        with dash.compute():
+            dash.clock.advance(0.009)
+            backend.move(rx_bytes=rx, tx_bytes=tx, nbtools=True)
+        dash.step(256)
+
+
+def _idle_then_close(dash, backend, seconds=60.0):
+    # the loop is over: an evaluation runs with the GPU idle, then the cell closes the dashboard
+    backend.values["gpu_util_percent"] = 0.0
+    dash.clock.advance(seconds)
+    dash.close()
+
+
+def test_final_verdict_of_a_transfer_bound_run_is_not_the_idle_moment_after_it():
+    b = FakeBackend(gpu_util_percent=46.0)      # no clock: phases timed on the host clock
+    dash = make(backend=b)
+    _loop(dash, b, rx=250_000_000, tx=150_000_000)    # 25 GB/s in, 15 GB/s out
+    assert dash.record["diagnosis"].startswith("transfer-bound: nbtools moves 40 GB/s")
+    _idle_then_close(dash, b)
+    r = dash.record
+    assert r["whole_run"] and r["diagnosis"].startswith("over the run: transfer-bound: nbtools "
+                                                         "moves 40 GB/s of rows (25 in, 15 out)")
+    assert r["gpu_util_percent"] == pytest.approx(46.0)                 # not the idle 0%
+    assert r["nbtools_h2d_bytes_per_s"] == pytest.approx(25e9)
+    assert r["samples_per_s"] == pytest.approx(25_600) == r["mean_samples_per_s"]   # no idle tail
+    assert r["run_s"] == pytest.approx(19.99) and r["elapsed_s"] == pytest.approx(80.0)
+    assert r["data_wait_total_s"] == pytest.approx(1.999) and r["compute_total_s"] == pytest.approx(17.991)
+    assert r["step_s"] == pytest.approx(0.010) and r["data_wait_s"] == pytest.approx(0.001)
+    text = dash.out.getvalue()
+    last = text.rstrip().splitlines()
+    assert "0% busy" not in text and "GPU busy only 0%" not in text
+    assert last[-1].startswith("[nbtools] over the run: transfer-bound")
+    assert last[-2] == "[nbtools] in steps 20 s: waiting for data 2 s (10%), compute 18 s (90%)"
+    final = next(line for line in last if line.startswith("[test run finished 1:20]"))
+    assert "25.6k rows/s mean over 20 s of steps" in final and "46% busy (mean)" in final
+    assert "step 10 ms (data 10% · compute 90%)" in final and "over the run: transfer" in final
+    html = dash.snapshot_html()
+    assert "over the run: transfer-bound" in html and "mean over the run" in html
+    assert dash.summary()["diagnosis"] == r["diagnosis"]
+    assert dash.warnings == []                  # the idle tail is no "throughput drop"
+    # the history keeps the summary, flagged; the plot leaves it out (it is not a point in time)
+    assert dash.history.records[-1]["whole_run"] and not dash.history.records[-2].get("whole_run")
+
+
+def test_final_verdict_of_a_host_bound_run_keeps_its_busy_share():
+    b = FakeBackend(gpu_util_percent=30.0)
+    dash = make(backend=b)
+    _loop(dash, b, steps=500)
+    assert dash.record["diagnosis"].startswith("host-bound: GPU busy only 30%")
+    _idle_then_close(dash, b)
+    assert dash.record["diagnosis"].startswith("over the run: host-bound: GPU busy only 30%")
+    assert dash.record["samples_per_s"] == pytest.approx(25_600)
+
+
+def test_run_means_weigh_readings_by_the_time_steps_were_made():
+    b = FakeBackend(gpu_util_percent=90.0)
+    dash = make(backend=b)
+    dash.clock.advance(30.0)                    # building the model: not part of the run
+    run(dash, steps=100, dt=0.1)                # 10 s at 90%
+    b.values["gpu_util_percent"] = 40.0
+    run(dash, steps=300, dt=0.1)                # 30 s at 40%
+    dash.clock.advance(100.0)                   # idle, at 40%: not part of the run either
+    dash.close()
+    assert dash.record["gpu_util_percent"] == pytest.approx((10 * 90 + 30 * 40) / 40, abs=1.5)
+    assert dash.record["run_s"] == pytest.approx(39.9)
+
+
+def test_a_run_shorter_than_one_refresh_uses_the_readings_at_close():
+    b = FakeBackend(gpu_util_percent=97.0)
+    dash = make(backend=b)
+    run(dash, steps=5, dt=0.1)
+    dash.close()
+    assert dash.record["gpu_util_percent"] == 97.0
+    assert dash.record["diagnosis"].startswith("over the run: compute-bound: GPU busy 97%")
+
+
+def test_a_run_without_steps_says_so():
+    dash = make()
+    dash.close()
+    assert dash.record["diagnosis"] == "no steps were made"

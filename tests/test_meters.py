@@ -661,3 +661,24 @@ def test_a_table_with_a_cache_counts_for_the_meters():
     assert got == {"lookup_rows": s["lookups"], "hit_rows": s["hits"],
                    "saved_bytes": s["bytes_saved"]}
     assert got["lookup_rows"] == 50 and got["hit_rows"] == 40
+
+
+def test_whole_run_readings_leave_out_the_idle_tail_and_add_totals():
+    clock = FakeClock()
+    tm = ThroughputMeter("rows", clock=clock, window_s=10)
+    st = StepTimer(clock=clock)
+    for _ in range(11):
+        clock.advance(0.5)
+        with st.compute():
+            clock.advance(0.5)
+        tm.update(100)
+        st.step()
+    clock.advance(50.0)                           # idle after the loop
+    live, run = tm.read(), tm.read(whole_run=True)
+    assert live["mean_samples_per_s"] == pytest.approx(1000 / 60)     # diluted by the idle tail
+    assert run["mean_samples_per_s"] == pytest.approx(100.0) and run["run_s"] == pytest.approx(10.0)
+    assert "run_s" not in live
+    r = st.read(whole_run=True)
+    assert r["step_total_s"] == pytest.approx(10.0) and r["compute_total_s"] == pytest.approx(5.0)
+    assert r["data_wait_total_s"] is None and r["transfer_total_s"] is None
+    assert "step_total_s" not in st.read()                             # live reads: no totals

@@ -46,13 +46,14 @@ from ..units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 from .backends import (GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS, TORCH_KEYS,
                        SystemBackend)
 from .bandwidth import measure_bandwidth
-from .monitor import History, Monitor, MonitorConfig, Warnings, diagnose
+from .monitor import RUN_MEAN_KEYS, History, Monitor, MonitorConfig, RunMeans, Warnings, diagnose
 from .samplers import CounterUnwrapper, Meters, PcieSampler, StepTimer, ThroughputMeter
 
 __all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "NBTOOLS_KEYS", "LINK_KEYS",
            "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
            "CounterUnwrapper", "PcieSampler", "Meters", "ThroughputMeter", "StepTimer",
-           "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "measure_bandwidth",
+           "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "RunMeans", "RUN_MEAN_KEYS",
+           "measure_bandwidth",
            "FakeClock", "FakeBackend", "FakeEvent"]
 
 _FAKES = ("FakeClock", "FakeBackend", "FakeEvent")

@@ -233,6 +233,47 @@ class Warnings:
         return [message]
 
 
+# --- the run's summary --------------------------------------------------------------------------
+
+# Readings that a summary of the whole run averages over the time steps were made.
+RUN_MEAN_KEYS = ("gpu_util_percent", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s",
+                 "nbtools_h2d_bytes_per_s", "nbtools_d2h_bytes_per_s",
+                 "nbtools_cache_saved_bytes_per_s", "cache_hit_percent")
+
+
+class RunMeans:
+    """Time-weighted means of :data:`RUN_MEAN_KEYS` over the refresh intervals in which steps
+    were made, each weighted by its seconds between the end of the first and of the last step.
+    Time before the first step (building the model) and after the last (evaluation, a cell left
+    open) does not count: a run's verdict is about the run, not the idle moment that follows.
+
+    >>> m = RunMeans()
+    >>> m.add({"gpu_util_percent": 90.0}, 3.0); m.add({"gpu_util_percent": 30.0}, 1.0)
+    >>> m.read()["gpu_util_percent"], m.read()["pcie_rx_bytes_per_s"]
+    (75.0, None)
+    """
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+
+    def add(self, record: dict, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        for k in RUN_MEAN_KEYS:
+            v = record.get(k)
+            if v is not None:
+                self.sums[k] = self.sums.get(k, 0.0) + v * seconds
+                self.seconds[k] = self.seconds.get(k, 0.0) + seconds
+
+    def __bool__(self) -> bool:
+        return bool(self.seconds)
+
+    def read(self) -> dict:
+        return {k: self.sums[k] / self.seconds[k] if k in self.seconds else None
+                for k in RUN_MEAN_KEYS}
+
+
 # --- the loop's model ---------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -294,6 +335,8 @@ class Monitor:
         self.new_warnings: list[str] = []
         self.overhead_s = 0.0
         self._cost = 0.0
+        self.run_means = RunMeans()
+        self._last_refresh = (self._t0, 0)   # (clock, steps) at the previous refresh
 
     def _event_factory(self):
         b = self.meters.backend
@@ -327,13 +370,22 @@ class Monitor:
         return now
 
     def refresh(self, now: float | None = None, *, final: bool = False) -> dict:
-        """Sample every meter now (the view calls this from its thread, and on close with
-        ``final=True``: the step-time breakdown is then the whole run's mean)."""
+        """Sample every meter now (the view calls this from its thread).
+
+        On close the view calls it with ``final=True``, and the record sums up the whole run
+        (``whole_run: True``): ``samples_per_s`` is the mean rate from the end of the first step
+        to the end of the last (the window's rate at close is ``last_samples_per_s``),
+        ``run_s`` that span; the step-time breakdown is the run's mean per step, with totals
+        (``data_wait_total_s``, ``transfer_total_s``, ``compute_total_s``, ``step_total_s``);
+        GPU utilisation, PCIe and nbtools' rates and the cache hit rate are the means of
+        :class:`RunMeans` over the time steps were made; and the diagnosis, prefixed
+        ``over the run:``, is made from these, never from the idle moment after the loop.
+        Memory readings are those at close."""
         t_start = time.perf_counter()
         now = self.clock() if now is None else now
         self._cost = 0.0
         rec = self.meters.read()
-        rec.update(self.throughput.read(now))
+        rec.update(self.throughput.read(now, whole_run=final))
         rec.update(self.timer.read(whole_run=final))
         rec["time_s"] = now - self._t0 + self._t_offset
         rec["step"] = self.steps
@@ -343,14 +395,39 @@ class Monitor:
             self._resumed = False
         rec["overhead_percent"] = (100.0 * self.overhead_s / rec["elapsed_s"]
                                    if rec.get("elapsed_s") else None)
+        if final:
+            self._summarise(rec)
+        else:
+            self._add_to_run(rec, now)
         link = self.config.link_bytes_per_s
-        self.diagnosis = diagnose(rec, link_bytes_per_s=link)
+        diagnosis = diagnose(rec, link_bytes_per_s=link)
+        if final:
+            diagnosis = ("over the run: " + diagnosis) if self.steps else "no steps were made"
+        self.diagnosis = diagnosis
         rec["diagnosis"] = self.diagnosis
         self.new_warnings = self.warnings.check(rec)
         self.history.append(rec)
         self.record = rec
         self.add_overhead(time.perf_counter() - t_start, now)
         return rec
+
+    def _add_to_run(self, rec: dict, now: float) -> None:
+        """Count this refresh's readings in the run's means when steps were made since the
+        previous one, weighted by the part of the interval between the first and last step.
+        The reading on close is not counted: it is taken after the loop has stopped."""
+        t_prev, steps_prev = self._last_refresh
+        self._last_refresh = (now, self.steps)
+        first, last = self.throughput.first_step_time, self.throughput.last_step_time
+        if self.steps > steps_prev and first is not None:
+            self.run_means.add(rec, min(now, last) - max(t_prev, first))
+
+    def _summarise(self, rec: dict) -> None:
+        """Turn the record taken on close into the run's summary (see :meth:`refresh`)."""
+        rec["whole_run"] = True
+        rec["last_samples_per_s"] = rec["samples_per_s"]
+        rec["samples_per_s"] = rec["mean_samples_per_s"]
+        if self.run_means:   # else the run was shorter than one refresh: the readings at close
+            rec.update(self.run_means.read())
 
     def add_overhead(self, seconds: float, now: float | None = None, *,
                      reschedule: bool = True) -> None:

@@ -257,10 +257,12 @@ class ThroughputMeter:
         # small at any step rate
         self._points = collections.deque()
         self._first = None   # (t, total) at the end of the first step
+        self.last_step_time = None   # clock reading at the end of the latest step
 
     def update(self, n=1, now: float | None = None) -> None:
         self.total += n
         now = self.clock() if now is None else now
+        self.last_step_time = now
         if self._first is None:
             self._first = (now, self.total)
             self._points.append(self._first)
@@ -285,14 +287,26 @@ class ThroughputMeter:
             return None
         return (self.total - n_old) / (now - t_old)
 
-    def read(self, now: float | None = None) -> dict:
+    @property
+    def first_step_time(self):
+        """Clock reading at the end of the first step (None before it)."""
+        return None if self._first is None else self._first[0]
+
+    def read(self, now: float | None = None, *, whole_run: bool = False) -> dict:
+        """The readings at ``now``. With ``whole_run`` (a run's summary, on close) the mean
+        rate is over the run's steps, from the end of the first to the end of the last, so
+        idle time after the loop does not dilute it; ``run_s`` is that span."""
         now = self.clock() if now is None else now
+        end = self.last_step_time if whole_run and self.last_step_time is not None else now
         mean = None
-        if self._first is not None and now > self._first[0]:
-            mean = (self.total - self._first[1]) / (now - self._first[0])
-        return {"unit": self.unit, "samples_total": self.total,
-                "samples_per_s": self.rate_per_s(now), "mean_samples_per_s": mean,
-                "elapsed_s": now - self._t0}
+        if self._first is not None and end > self._first[0]:
+            mean = (self.total - self._first[1]) / (end - self._first[0])
+        out = {"unit": self.unit, "samples_total": self.total,
+               "samples_per_s": self.rate_per_s(now), "mean_samples_per_s": mean,
+               "elapsed_s": now - self._t0}
+        if whole_run:
+            out["run_s"] = None if self._first is None else end - self._first[0]
+        return out
 
 
 class _Phase:
@@ -451,7 +465,9 @@ class StepTimer:
 
     def read(self, whole_run: bool = False) -> dict:
         """Mean seconds per step since the previous read (or over the whole run): ``step_s``,
-        ``data_wait_s``, ``transfer_s``, ``compute_s`` (None where nothing was measured)."""
+        ``data_wait_s``, ``transfer_s``, ``compute_s`` (None where nothing was measured).
+        ``whole_run`` adds the run's totals: ``step_total_s``, ``data_wait_total_s``,
+        ``transfer_total_s``, ``compute_total_s``."""
         self._resolve()
         acc = self._all if whole_run else self._win
         step = acc["step"] / acc["n_step"] if acc["n_step"] else None
@@ -467,6 +483,16 @@ class StepTimer:
         if acc["n_step"] or acc["n_data_wait"]:   # else keep the last reading (no step ended)
             self._last_out = out
         self._win = self._zeros()
-        return dict(self._last_out)
+        if not whole_run:
+            return dict(self._last_out)
+        # the run's totals: seconds spent in steps, waiting for data, in transfers, in compute
+        # (transfer and compute as their share of the timed steps, applied to all steps)
+        totals = {"step_total_s": acc["step"] if acc["n_step"] else None,
+                  "data_wait_total_s": acc["data_wait"] if acc["n_data_wait"] else None}
+        for name in self.PHASES:
+            mean = out[f"{name}_s"]
+            totals[f"{name}_total_s"] = (mean * acc["n_step"] if mean is not None
+                                         and acc["n_step"] else None)
+        return {**out, **totals}
 
 
