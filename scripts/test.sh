@@ -25,4 +25,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # One pytest-xdist worker per core (-n 0 in the arguments: none). --dist loadgroup keeps tests
 # that share something (tests/conftest.py: xdist_group) on one worker; the slowest start first.
 # Only the fast tests: bash scripts/test.sh -m "not slow"
-python -m pytest -q -n "${NBTOOLS_TEST_WORKERS:-$(nproc)}" --dist loadgroup "$@"
+# (nproc would answer OMP_NUM_THREADS, 1, not the cores.)
+python -m pytest -q -n "${NBTOOLS_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}" \
+  --dist loadgroup "$@"
