@@ -197,7 +197,7 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
         f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
         f"{'; '.join(tried)}; {human_bytes(free_disk)} free on disk in {folder}. Use "
         "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
-        "optimizer with less state (nbtools.RowWiseAdagrad), or a disk_dir with more room.")
+        "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
 
 
 @dataclasses.dataclass
@@ -340,9 +340,12 @@ class OffloadedEmbedding(nn.Module):
         self.requested_placement = placement
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = self.num_embeddings * self.embedding_dim * itemsize
-        self.placement, self.placement_reason = self._choose_placement(3 * nbytes, "Adam-sized "
-                                                                       "state assumed until an "
-                                                                       "optimizer attaches")
+        try:
+            self.placement, self.placement_reason = self._choose_placement(
+                3 * nbytes, "Adam-sized state assumed until an optimizer attaches")
+        except NoRoomError:          # the optimizer may keep less state: its attach decides
+            self.placement, self.placement_reason = self._choose_placement(
+                nbytes, "placed by its weights alone: with Adam-sized state it fits nowhere")
         if self.placement == "host":
             check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x "
                                f"{self.embedding_dim} {str(dtype).replace('torch.', '')})",

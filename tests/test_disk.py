@@ -249,3 +249,14 @@ def test_host_budget_holds(tmp_path):
     finally:
         devices.set_host_budget(None)
     assert devices.parse_bytes("12GiB") == 12 << 30
+
+
+def test_auto_places_by_weights_when_adam_state_fits_nowhere(tmp_path, monkeypatch):
+    """At construction the optimizer is unknown: a table that fits only without Adam-sized
+    state is placed by its weights (its optimizer's attach decides for good)."""
+    from nbtools import disk, tables
+    monkeypatch.setattr(tables, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                              "available": 1000})
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 2 * N * D * 4)
+    t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
+    assert t.placement == "disk" and "weights alone" in t.placement_reason
