@@ -227,6 +227,20 @@ def _gdown_download(kind: str, source: str, output: str, quiet: bool) -> str:
     return result
 
 
+def _require_downloader(what: str) -> None:
+    """Raise an ImportError that names the install line when gdown (or requests, which it
+    brings) is missing: downloads need the ``[notebook]`` extra."""
+    try:
+        import gdown  # noqa: F401  (only whether it imports)
+        import requests  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"downloading {what} needs gdown, which is not installed ({e}). It comes with the "
+            "notebook extra: %pip install \"nbtools-offload[notebook]\" in a notebook cell "
+            "(pip install \"nbtools-offload[notebook]\" in a shell), or pip install gdown. "
+            "A file already in the cache, or a local path, needs neither.") from e
+
+
 def _looks_like_error_page(path: Path, expected_name: str) -> str | None:
     """gdown 5 saves an HTTP error body as if it were the file; spot HTML where none belongs."""
     if expected_name.lower().endswith((".html", ".htm")):
@@ -329,6 +343,7 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
     if hit is not None:
         return hit
 
+    _require_downloader(repr(name_or_url))          # before anything is tried: name the extra
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"fetching {name_or_url} from {link} -> {folder}")
     last = None

@@ -1,6 +1,7 @@
 """nbtools.data: real gdown downloads from a local HTTP server, hashes, retries, quota, loaders."""
 import hashlib
 import http.server
+import sys
 import threading
 import zipfile
 
@@ -347,3 +348,21 @@ def test_eval_set_with_a_wrong_hash_or_size_is_refused(eval_server, tmp_path, mo
     with pytest.raises(DownloadError, match=f"expected {entry.bytes + 1:,}"):
         fetch("simlex999", cache_dir=tmp_path, quiet=True, retries=0)
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("missing", ["gdown", "requests"])
+def test_missing_downloader_names_gdown_and_the_install_line(tmp_path, monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)     # `import gdown` now raises ImportError
+    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("tried to download"))
+    with pytest.raises(ImportError) as err:
+        data.load("ml-100k", cache_dir=tmp_path)
+    msg = str(err.value)
+    assert "needs gdown" in msg and '%pip install "nbtools-offload[notebook]"' in msg
+    assert missing in msg                                                 # what was missing
+
+
+def test_a_cached_file_needs_no_downloader(server, tmp_path, monkeypatch):
+    base, _ = server
+    path, _ = _get(f"{base}/ok.bin", tmp_path, md5=MD5)
+    monkeypatch.setitem(sys.modules, "gdown", None)
+    assert _get(f"{base}/ok.bin", tmp_path, md5=MD5)[0] == path

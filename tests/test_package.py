@@ -100,7 +100,8 @@ def test_the_checker_finds_names_in_every_form():
     names = doc_names()
     # one of each form, known to be in the documents
     assert "nbtools.plan" in names                                     # nbtools.X
-    assert "nbtools.models.ranking.interactions_of" in names           # models.X.Y in code
+    assert "nbtools.models.RANKING_DEFAULTS" in names                  # models.X in code
+    assert "nbtools.models.wordsim.evaluate" in names                  # models.X.Y in code
     assert "nbtools.distributed.restore_sharded" in names              # from nbtools.x import a, b
     assert "nbtools.TableConfig" in names                              # a bare config
     with pytest.raises((AttributeError, ImportError)):

@@ -5,7 +5,9 @@
   the unigram distribution raised to 3/4.
 * :class:`MatrixFactorization`: a recommender. User and item tables (each row ends with the
   row's bias) plus an optional small NCF head, an MLP on the GPU trained by the same
-  :class:`~nbtools.OffloadOptimizer` as the tables.
+  :class:`~nbtools.OffloadOptimizer` as the tables. :data:`RATINGS_DEFAULTS` and
+  :data:`RANKING_DEFAULTS` are the settings measured on MovieLens-100K
+  (``benchmarks/RESULTS.md``, "Recommender (issue 15)").
 * :class:`CorpusLoader`: word2vec's training pairs, subsampled and windowed afresh each epoch.
 * :mod:`~nbtools.models.wordsim`: WS353, SimLex-999 and Google analogies for any word vectors.
 * :func:`train`: one loop for both. It feeds a :class:`~nbtools.Dashboard` from the loop's own
@@ -33,10 +35,11 @@ import torch  # noqa: F401  (the doctest above uses it)
 from ..loader import PinnedLoader  # noqa: F401  (the doctest above uses it)
 from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
 from . import wordsim
-from .ranking import (Interactions, full_ranking_metrics, kfold, leave_last_out, per_user_split,
-                      popularity_scores, ranking_metrics, rating_metrics, sample_candidates,
-                      train_valid_test)
-from .recommender import MatrixFactorization, MFConfig, evaluate_rmse, fit, holdout
+from .ranking import (Interactions, full_ranking_metrics, interactions_of, kfold, leave_last_out,
+                      per_user_split, popularity_scores, ranking_metrics, rating_metrics, recency,
+                      sample_candidates, train_valid_test)
+from .recommender import (RANKING_DEFAULTS, RATINGS_DEFAULTS, MatrixFactorization, MFConfig,
+                          choose_config, evaluate_rmse, fit, holdout, recency_weights)
 from .synthetic import SyntheticConfig, SyntheticData, gap_normalised, make_synthetic
 from .training import TrainConfig, train
 from .word2vec import (CorpusLoader, SkipGram, SkipGramConfig, count_pairs, keep_probabilities,
@@ -49,3 +52,7 @@ __all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", 
             "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
             "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",
             "gap_normalised"]
+# the measured recommender settings (benchmarks/RESULTS.md, "Recommender (issue 15)"), and the
+# helpers a ranking evaluation needs
+__all__ += ["RATINGS_DEFAULTS", "RANKING_DEFAULTS", "interactions_of", "recency",
+            "recency_weights", "choose_config"]

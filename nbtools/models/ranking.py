@@ -266,8 +266,14 @@ def ranking_metrics(scores, k: int = 10, *, positive: int = 0) -> dict:
     same as the relevant item, its rank is uniform on ``g .. g + t``, and the metrics are their
     expected values (a constant scorer gets ``k / candidates``, not 1 or 0).
 
+    A NaN score never helps: a relevant item scored NaN is a miss (0 for that user), and a
+    NaN-scored candidate ranks above the relevant item. A model whose scores are all NaN gets
+    0, the worst score, not NaN.
+
     >>> ranking_metrics(torch.tensor([[1.0, 1.0, 0.0, 0.0]]), k=1)['hr@1']
     0.5
+    >>> ranking_metrics(torch.full((3, 4), float("nan")), k=1)
+    {'hr@1': 0.0, 'ndcg@1': 0.0}
     """
     scores = torch.as_tensor(scores, dtype=torch.float64)
     if scores.dim() != 2 or not 0 <= positive < scores.shape[1]:
@@ -276,11 +282,13 @@ def ranking_metrics(scores, k: int = 10, *, positive: int = 0) -> dict:
     if scores.shape[0] == 0:
         return {f"hr@{k}": math.nan, f"ndcg@{k}": math.nan}
     pos = scores[:, positive:positive + 1]
-    greater = (scores > pos).sum(1)
-    ties = (scores == pos).sum(1) - 1
+    nan = torch.isnan(scores)
+    greater = (scores > pos).sum(1) + nan.sum(1) - nan[:, positive].long()   # NaNs rank above
+    ties = ((scores == pos).sum(1) - 1).clamp(min=0)
     ranks = torch.arange(scores.shape[1], dtype=torch.float64)                  # 0-based
     possible = (ranks[None] >= greater[:, None]) & (ranks[None] <= (greater + ties)[:, None])
     weight = possible / (ties + 1)[:, None]
+    weight[nan[:, positive]] = 0.0                                 # a NaN relevant item: a miss
     top = ranks < k
     hr = (weight * top).sum(1)
     ndcg = (weight * top / torch.log2(ranks + 2)).sum(1)

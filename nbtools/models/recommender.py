@@ -28,9 +28,15 @@ class MFConfig:
 
     mlp_hidden: tuple = ()         # NCF head: hidden sizes of an MLP on [user, item]; () = none
     init_std: float = 0.01         # factors start ~ N(0, init_std²); biases at 0
-    l2: float = 0.0                # L2 penalty on the factors of the rows a batch touches, per rating
+    # L2 penalty on the factors of the rows a batch touches, per rating. None: 0.1 for "mse" and
+    # 0.01 for the implicit losses, the values measured on MovieLens-100K (RATINGS_DEFAULTS,
+    # RANKING_DEFAULTS); with no L2, "mse" overfits to a worse RMSE than the global mean.
+    l2: float | None = None
     l2_bias: float = 0.0           # the same for the rows' biases
-    rating_range: tuple | None = None   # (low, high): clamp predictions when evaluating
+    # (low, high): clamp predictions (predict, evaluate_rmse). None: the lowest and highest
+    # rating fit() trained on; clamp=False: never clamp.
+    rating_range: tuple | None = None
+    clamp: bool = True
     loss: str = "mse"              # "mse" on ratings; implicit, with sampled negatives: "bce",
                                    # "bpr" or "softmax" (cross-entropy over [positive, negatives])
     negatives: int = 4             # sampled items per positive (implicit losses)
@@ -46,7 +52,15 @@ class MFConfig:
     state_dtype: torch.dtype | None = None   # of their optimizer state (None: fp32 for bf16)
     rounding: str = "nearest"      # low-precision writes: "nearest" or "stochastic"
     pin: bool = True               # register host memory with CUDA (zero-copy)
-    seed: int = 0                  # negatives; their generator is saved with the model
+    seed: int = 0                  # initial weights (tables, NCF head) and negatives: the same seed
+                                   # gives the same model, whatever torch's global seed; the
+                                   # negatives' generator is saved with the model
+
+    def l2_value(self) -> float:
+        """``l2``, or its default for ``loss`` when None."""
+        if self.l2 is not None:
+            return self.l2
+        return 0.1 if self.loss == "mse" else 0.01
 
 
 # Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender (issue 15)"): what
@@ -68,19 +82,21 @@ RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=8, l2=0.01, recency_we
 
 
 @torch.no_grad()
-def _init_rows(table: OffloadedEmbedding, dim: int, std: float, chunk_rows: int = 1 << 19) -> None:
-    """Rows ``[N(0, std²) factors | 0 bias]``. For host rows of a CUDA table the numbers are
-    drawn on the GPU, ``chunk_rows`` rows at a time, and copied over: the CPU's ``normal_`` is
-    one thread at ~100M numbers/s, so 10M x 129 rows would take ~15 s there."""
+def _init_rows(table: OffloadedEmbedding, dim: int, std: float, generator: torch.Generator,
+               chunk_rows: int = 1 << 19) -> None:
+    """Rows ``[N(0, std²) factors | 0 bias]``, drawn from ``generator`` (on the table's compute
+    device). For host rows of a CUDA table the numbers are drawn on the GPU, ``chunk_rows``
+    rows at a time, and copied over: the CPU's ``normal_`` is one thread at ~100M numbers/s, so
+    10M x 129 rows would take ~15 s there."""
     w = table.weight
     if table.device.type != "cuda" or w.is_cuda:
-        w[:, :dim].normal_(0.0, std)
+        w[:, :dim].normal_(0.0, std, generator=generator)
         w[:, dim].zero_()
         return
     block = torch.empty(min(chunk_rows, w.shape[0]), dim + 1, device=table.device)
     for start in range(0, w.shape[0], chunk_rows):
         rows = block[: min(chunk_rows, w.shape[0] - start)]
-        rows[:, :dim].normal_(0.0, std)
+        rows[:, :dim].normal_(0.0, std, generator=generator)
         rows[:, dim].zero_()
         w[start:start + rows.shape[0]].copy_(rows)     # note: a CPU-GPU sync point per chunk
 
@@ -109,18 +125,26 @@ class MatrixFactorization(nn.Module):
         self.dim = dim
         kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
                   device=self.device, pin=cfg.pin)
-        self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
-        self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
+        # initial weights from the config's seed, not torch's global stream: the same seed makes
+        # the same model, and building one leaves the caller's stream as it was (the tables'
+        # own N(0, 1) rows, drawn from it, are overwritten below)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
+            self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
+        init = torch.Generator(device=self.device).manual_seed(cfg.seed)
         for table in (self.users, self.items):
-            _init_rows(table, dim, cfg.init_std)
+            _init_rows(table, dim, cfg.init_std, init)
         self.global_bias = nn.Parameter(torch.zeros((), device=self.device))
+        self.observed_range: tuple | None = None     # fit(): lowest and highest training rating
         self.mlp = None
         if cfg.mlp_hidden:
             layers, width = [], 2 * dim
-            for h in cfg.mlp_hidden:
-                layers += [nn.Linear(width, h), nn.ReLU()]
-                width = h
-            layers.append(nn.Linear(width, 1))
+            with torch.random.fork_rng(devices=[]):   # nn.Linear draws from the global stream:
+                torch.manual_seed(cfg.seed)           # from the config's seed, the caller's left
+                for h in cfg.mlp_hidden:
+                    layers += [nn.Linear(width, h), nn.ReLU()]
+                    width = h
+                layers.append(nn.Linear(width, 1))
             nn.init.zeros_(layers[-1].weight)     # starts as plain MF; the head learns a correction
             nn.init.zeros_(layers[-1].bias)
             self.mlp = nn.Sequential(*layers).to(self.device)
@@ -144,9 +168,22 @@ class MatrixFactorization(nn.Module):
         return self.items.num_embeddings
 
     def set_global_bias(self, ratings) -> None:
-        """Start ``μ`` at the mean training rating (saves the first epoch from learning it)."""
+        """Start ``μ`` at the mean training rating (saves the first epoch from learning it), and
+        remember the lowest and highest rating (:attr:`observed_range`): without a
+        ``config.rating_range``, predictions are clamped to them."""
+        ratings = torch.as_tensor(ratings, dtype=torch.float64)
         with torch.no_grad():
-            self.global_bias.fill_(float(torch.as_tensor(ratings, dtype=torch.float64).mean()))
+            self.global_bias.fill_(float(ratings.mean()))
+        if ratings.numel():
+            self.observed_range = (float(ratings.min()), float(ratings.max()))
+
+    @property
+    def clamp_range(self) -> tuple | None:
+        """What :meth:`predict` clamps to: ``config.rating_range``, else the training ratings'
+        range (:meth:`set_global_bias`), None with ``config.clamp=False`` or before training."""
+        if not self.config.clamp:
+            return None
+        return self.config.rating_range or self.observed_range
 
     def set_seen(self, users, items) -> None:
         """Tell the model which (user, item) pairs are known interactions (the training set).
@@ -196,10 +233,11 @@ class MatrixFactorization(nn.Module):
 
     # Negatives' generator state travels with the model's state_dict (and so with checkpoints).
     def get_extra_state(self):
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "observed_range": self.observed_range}
 
     def set_extra_state(self, state) -> None:
         self.generator.set_state(state["generator"].cpu())
+        self.observed_range = state.get("observed_range", self.observed_range)
 
     def _score(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Predictions from rows ``[factors | bias]`` of matching shapes [..., dim + 1]."""
@@ -247,21 +285,24 @@ class MatrixFactorization(nn.Module):
             if ratings is not None:
                 per = per * ratings.to(self.device, per.dtype)
             loss = per.mean()
-        if cfg.l2 or cfg.l2_bias:
+        l2 = cfg.l2_value()
+        if l2 or cfg.l2_bias:
             rows = torch.cat((p[:, None, :], q.reshape(users.numel(), -1, d + 1)), 1)
-            reg = cfg.l2 * rows[..., :d].square().sum(-1) + cfg.l2_bias * rows[..., d].square()
+            reg = l2 * rows[..., :d].square().sum(-1) + cfg.l2_bias * rows[..., d].square()
             loss = loss + reg.sum(1).mean()
         return loss
 
     @torch.no_grad()
     def predict(self, users, items, *, batch_size: int = 1 << 16) -> torch.Tensor:
-        """Predictions (CPU float32), in batches, clamped to ``config.rating_range`` if set."""
+        """Predictions (CPU float32), in batches, clamped to :attr:`clamp_range` (the
+        config's ``rating_range``, else the training ratings' range) unless ``config.clamp`` is
+        False."""
         users, items = torch.as_tensor(users), torch.as_tensor(items)
         out = torch.cat([self(users[s:s + batch_size], items[s:s + batch_size]).float().cpu()
                          for s in range(0, users.numel(), batch_size)]) if users.numel() else \
             torch.empty(0)
-        if self.config.rating_range is not None:
-            out.clamp_(*self.config.rating_range)
+        if self.clamp_range is not None:
+            out.clamp_(*self.clamp_range)
         return out
 
     @torch.no_grad()
@@ -287,7 +328,8 @@ class MatrixFactorization(nn.Module):
             users: a user id, or ids [U].
             k: items per user.
             exclude: for one user, item ids not to recommend.
-            exclude_seen: leave out the pairs given to :meth:`set_seen` (the training set).
+            exclude_seen: leave out the pairs given to :meth:`set_seen`: the training set,
+                which :func:`fit` gives for every loss, ratings too (False keeps them).
             batch_users, chunk_items: work sizes: scores of ``batch_users`` x ``chunk_items``
                 pairs are computed at a time on the compute device (fewer with an NCF head).
 
@@ -356,7 +398,7 @@ def holdout(*tensors, fraction: float = 0.1, seed: int = 0):
 def evaluate_rmse(model: MatrixFactorization, users, items, ratings, *,
                   batch_size: int = 1 << 16) -> float:
     """Root mean squared error of ``model`` on held-out ratings (predictions clamped to
-    ``model.config.rating_range`` when set)."""
+    :attr:`MatrixFactorization.clamp_range`)."""
     pred = model.predict(users, items, batch_size=batch_size)
     ratings = torch.as_tensor(ratings, dtype=torch.float32).reshape(-1)
     if pred.numel() != ratings.numel():
@@ -415,11 +457,11 @@ def _train(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_siz
     from ..optim import OffloadOptimizer
     from .training import train as train_loop
 
+    model.set_seen(train.user_ids, train.item_ids)     # negatives and recommend() skip them
     if model.config.loss == "mse":
         model.set_global_bias(train.ratings)
         tensors = (train.user_ids, train.item_ids, train.ratings)
     else:
-        model.set_seen(train.user_ids, train.item_ids)
         tensors = (train.user_ids, train.item_ids)
         if model.config.recency_weight:
             tensors += (recency_weights(train, model.config.recency_weight,
@@ -440,7 +482,7 @@ def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs
     Each user's latest interaction in ``train`` (by timestamp) is held out
     (:func:`~nbtools.models.ranking.leave_last_out`), so the validation items are training
     items, never test items. For each choice a fresh model (``model``'s sizes and config with
-    the choice applied, initialised from ``seed``) trains ``epochs`` epochs on the rest and
+    the choice applied, so initialised from the config's seed) trains ``epochs`` epochs on the rest and
     ranks each held-out item among ``negatives`` items the user has not interacted with in
     ``train`` (drawn with ``seed + 1``); HR@10 decides, the earlier choice winning a tie.
     ``trial``: more :class:`MFConfig` fields for these short runs only (e.g. ``{"negatives":
@@ -478,8 +520,7 @@ def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs
     scores = []
     for change in choices:
         config = dataclasses.replace(model.config, **{**(trial or {}), **change})
-        with torch.random.fork_rng(devices=[]):    # the trial's init leaves the caller's stream
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):    # the trial leaves the caller's stream
             run = MatrixFactorization(model.num_users, model.num_items, model.dim,
                                       config=config, device=model.device)
             _train(run, part, epochs=epochs, batch_size=batch_size, lr=lr, lr_final=None,
