@@ -127,7 +127,7 @@ class DiskRows:
         self._ahead = None
         self._prepared = None                   # the read-ahead's dedup of the next ids
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
-        self._writer = None
+        self._writer = self._loader = None
         maps = self.num_rows * 9            # the two arrays below: counted in the host budget
         hold_host(maps, f"table {name!r}'s row maps")
         weakref.finalize(self, release_host, maps)
@@ -442,16 +442,27 @@ class DiskRows:
         self._ahead = self._ahead_pool.submit(self._read_ahead, ids, padding_idx)
 
     def _read_ahead(self, ids: torch.Tensor, padding_idx) -> None:
-        p = prepare(ids, self.num_rows, padding_idx)
+        # The misses first (a sort of the ids, no inverse), so the reads start early; the
+        # lookup's full deduplication runs on this thread while they are in flight.
+        flat = ids.reshape(-1).to("cpu").numpy()
+        want = np.unique(flat[(flat >= 0) & (flat < self.num_rows)]).astype(np.int64)
         with self._lock:
-            miss = p.uniq[self.slot_of[p.uniq] < 0]
+            miss = want[self.slot_of[want] < 0]
+            loading = None
             if len(miss):
                 self._advance()
                 free = self._take(len(miss), wait=False)
                 if len(free):
-                    self._load(miss[: len(free)], free)
+                    if self._loader is None:
+                        self._loader = ThreadPoolExecutor(1, thread_name_prefix="nbtools-load")
+                    # (this thread holds the lock until the load is done: it is the load's)
+                    loading = self._loader.submit(self._load, miss[: len(free)], free)
                     self.stats["read_ahead"] += len(free)
-        self._prepared = p
+            try:
+                self._prepared = prepare(ids, self.num_rows, padding_idx)
+            finally:
+                if loading is not None:
+                    loading.result()
 
     def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
         """The read-ahead's deduplication of these very ids (the same tensor object), once."""
@@ -597,10 +608,10 @@ class DiskRows:
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         self.wait_read_ahead()
-        for pool in (self._ahead_pool, self._writer):
+        for pool in (self._ahead_pool, self._writer, self._loader):
             if pool is not None:
                 pool.shutdown()
-        self._ahead_pool = self._writer = None
+        self._ahead_pool = self._writer = self._loader = None
         self.slab.close()
         self._map = None
         self._remove()
