@@ -49,8 +49,8 @@ _LAZY = {
     "TrainConfig": "nbtools.models",
     "NonFiniteGradientError": "nbtools.optim",
     "UnsupportedOptimizerError": "nbtools.optim",
-    "HostMemoryError": "nbtools.tables",
-    "NoRoomError": "nbtools.tables",
+    "HostMemoryError": "nbtools.placement",
+    "NoRoomError": "nbtools.placement",
     "HostBudgetError": "nbtools.devices",
     "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",
@@ -58,7 +58,8 @@ _LAZY = {
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
 _SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "disk", "distributed", "env",
-               "hostmem", "loader", "meters", "models", "optim", "tables", "testing", "units")
+               "hostmem", "loader", "meters", "models", "optim", "placement", "rowfile", "tables",
+               "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 

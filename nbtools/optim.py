@@ -34,8 +34,8 @@ from torch import nn
 from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import kernels, steps
-from .tables import (NoRoomError, OffloadedEmbedding, StepRows, auto_placement,
-                     copy_unless_same)
+from .placement import NoRoomError, auto_placement, copy_unless_same
+from .tables import OffloadedEmbedding, StepRows
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -915,7 +915,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
         device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
-            (:func:`~nbtools.tables.auto_placement`: the GPU when rows + state take at most
+            (:func:`~nbtools.placement.auto_placement`: the GPU when rows + state take at most
             ``gpu_fraction`` of its free memory, else host RAM, else a file in ``disk_dir``).
         **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
 

@@ -17,9 +17,7 @@ writes one long row per id instead of k + 1 short ones: on an H100, zero-copy ga
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import mmap
 import warnings
 
 import numpy as np
@@ -27,87 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import NbtoolsError
-from .devices import gpu_free_bytes, host_memory_bytes, human_bytes, resolve_device, synchronize
+from .devices import gpu_free_bytes, resolve_device, synchronize
 from .hostmem import HostTensor, count_cache, pin_tensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
+from .units import human_bytes
+from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_rows,
+                        copy_unless_same, release_pages)
 from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge,
                    unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
 _PENDING_WARN = 256
-
-
-class HostMemoryError(NbtoolsError, MemoryError):
-    """A table or its optimizer state would not fit in host memory; nothing was allocated."""
-
-
-def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None:
-    """Refuse, before allocating, ``nbytes`` of host memory that this machine does not have.
-
-    ``reclaim``: bytes the allocation frees as it goes (a table growing into its optimizer
-    state hands its old rows back), counted as available. The rule is :func:`nbtools.plan`'s:
-    the final footprint must fit in 90% of what is available before any of it exists.
-    """
-    available = host_memory_bytes()["available"]
-    if available is not None:
-        available += reclaim
-    if available is not None and nbytes > 0.9 * available:
-        raise HostMemoryError(
-            f"{what} needs {human_bytes(nbytes)} of host memory but only "
-            f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
-
-
-def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, skipped when ``src`` is the very same memory (a state dict of live
-    host tensors handed back)."""
-    if (src.device == dst.device and src.data_ptr() == dst.data_ptr()
-            and src.stride() == dst.stride() and src.dtype == dst.dtype):
-        return
-    with torch.no_grad():
-        dst.copy_(src)
-
-
-_libc = None
-
-
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor, init, layout: RowLayout,
-               after_chunk=None) -> None:
-    """``dst`` [n, width] <- ``src`` [n, d] as the weights of ``layout``, the state columns at
-    their initial values (``init``: (first column, end column, value)), 64 MiB of ``dst`` at
-    a time (bounded temporaries); ``after_chunk(stop_row)`` runs after each chunk."""
-    n = src.shape[0]
-    chunk = max(1, (64 << 20) // (dst.shape[1] * dst.element_size()))
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        part = dst[start:stop]
-        part.zero_()
-        layout.weight(part).copy_(src[start:stop])
-        for lo, hi, value in init:
-            if value:
-                dst[start:stop, lo:hi].fill_(value)
-        if after_chunk is not None:
-            after_chunk(stop)
-
-
-def release_pages(base: int, done: int, upto: int) -> int:
-    """Hand the whole pages of ``[base + done, base + upto)`` back to the OS (``MADV_DONTNEED``;
-    they read as zeros afterwards). Returns the new ``done``, page-aligned. Best effort: where
-    madvise is unavailable nothing is released and the copy still works."""
-    global _libc
-    lo = -(-(base + done) // mmap.PAGESIZE) * mmap.PAGESIZE
-    hi = (base + upto) // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi <= lo:
-        return done
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)   # 4: MADV_DONTNEED
-    except (OSError, AttributeError):
-        return done
-    return hi - base
 
 
 def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
@@ -159,45 +89,6 @@ class TableConfig:
     # holds every row with its optimizer state; RAM holds only the cached rows.
     disk_dir: str | None = None
     host_cache_bytes: int | None = None
-
-
-class NoRoomError(HostMemoryError):
-    """A table fits on no tier (GPU, host RAM, local disk); nothing was allocated."""
-
-
-def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
-                   disk_dir=None) -> tuple[str, str]:
-    """Where ``placement="auto"`` puts ``nbytes`` of rows and state, and why: the GPU when they
-    take at most ``gpu_fraction`` of its free memory, else host RAM when they take at most 90%
-    of what is available (:func:`check_fits`' rule), else a file in ``disk_dir`` (default
-    :func:`nbtools.disk.default_dir`) when the disk has room. Raises :class:`NoRoomError`,
-    with every tier's numbers, when none has."""
-    tried = []
-    if device.type == "cuda":
-        free = gpu_free_bytes(device)
-        budget = int(gpu_fraction * free)
-        if nbytes <= budget:
-            return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
-                           f"{human_bytes(free)} free on {device}")
-        tried.append(f"{gpu_fraction:.0%} of the {human_bytes(free)} free on {device}")
-    available = host_memory_bytes()["available"]
-    if available is None or nbytes <= 0.9 * available:
-        if device.type != "cuda":
-            return "host", "CPU compute"
-        return "host", (f"{human_bytes(nbytes)} exceeds {tried[0]}; host RAM has "
-                        f"{human_bytes(available)} available")
-    tried.append(f"90% of the {human_bytes(available)} of host RAM available")
-    from . import disk
-    folder = disk_dir or disk.default_dir()
-    free_disk = disk.free_bytes(folder)
-    if nbytes <= free_disk:
-        return "disk", (f"{human_bytes(nbytes)} exceeds {' and '.join(tried)}; "
-                        f"{human_bytes(free_disk)} free in {folder}")
-    raise NoRoomError(
-        f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
-        f"{'; '.join(tried)}; {human_bytes(free_disk)} free on disk in {folder}. Use "
-        "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
-        "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
 
 
 @dataclasses.dataclass
@@ -514,11 +405,11 @@ class OffloadedEmbedding(nn.Module):
                 for i, k in enumerate(names)]
         if self.placement == "gpu":
             new = DeviceRows((n, width), state_dtype, self.device, self.name)
-            _copy_rows(new.tensor, old.tensor, init, layout)
+            copy_rows(new.tensor, old.tensor, init, layout)
             old.close()
         elif self.placement == "disk":     # a file of the new rows; from host RAM under "auto"
             from . import disk
-            self._disk = disk.regrow(self, self._disk or old, layout, init, _copy_rows)
+            self._disk = disk.regrow(self, self._disk or old, layout, init, copy_rows)
             new = self._disk.slab
         else:
             new = self._grow_host(old, (n, width), init, layout)
@@ -656,7 +547,7 @@ class OffloadedEmbedding(nn.Module):
         itemsize = old.tensor.element_size()
         if n * width * dtype.itemsize < (256 << 20):       # small: the simple way
             new = self._new_host(shape, dtype, pin, self.name)
-            _copy_rows(new.tensor, old.tensor, init, layout)
+            copy_rows(new.tensor, old.tensor, init, layout)
             old.close()
             return new
         old.close()                                  # unregister: its pages may be released now
@@ -669,7 +560,7 @@ class OffloadedEmbedding(nn.Module):
         def release(stop):
             nonlocal released
             released = release_pages(base, released, stop * d * itemsize)
-        _copy_rows(dst, src, init, layout, after_chunk=release)
+        copy_rows(dst, src, init, layout, after_chunk=release)
         del src
         return pin_tensor(dst, name=self.name)
 

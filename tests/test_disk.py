@@ -84,7 +84,7 @@ def test_cache_sizes(tmp_path, cache_rows):
 
 def test_bf16_storage_and_padding(tmp_path):
     tables, _ = _pair(tmp_path, table_kwargs={"dtype": torch.bfloat16},
-                      host_cache_bytes=50 * 64)
+                      host_cache_bytes=80 * 80)
     _assert_same(tables)
 
 
@@ -201,16 +201,16 @@ def test_disk_full_refused_before_writing(tmp_path, monkeypatch):
 
 
 def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
-    from nbtools import disk, tables
-    monkeypatch.setattr(tables, "host_memory_bytes", lambda: {"total": 1 << 20,
-                                                              "available": 1000})
-    where, why = tables.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
+    from nbtools import disk, placement
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                                 "available": 1000})
+    where, why = placement.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
     assert where == "disk" and str(tmp_path) in why
     t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
     assert t.placement == "disk" and t.transfer_mode == "disk"
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 5000)
     with pytest.raises(nbtools.NoRoomError, match="fit nowhere") as e:
-        tables.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
+        placement.auto_placement(10 ** 6, torch.device("cpu"), 0.5, str(tmp_path))
     assert "1000" in str(e.value) or "1,000" in str(e.value) or "KiB" in str(e.value)
     p = nbtools.plan(10 ** 6, 128, "adam", device="cpu", disk_dir=str(tmp_path))
     assert p.placement == "none" and "fit nowhere" in str(p)
@@ -254,9 +254,9 @@ def test_host_budget_holds(tmp_path):
 def test_auto_places_by_weights_when_adam_state_fits_nowhere(tmp_path, monkeypatch):
     """At construction the optimizer is unknown: a table that fits only without Adam-sized
     state is placed by its weights (its optimizer's attach decides for good)."""
-    from nbtools import disk, tables
-    monkeypatch.setattr(tables, "host_memory_bytes", lambda: {"total": 1 << 20,
-                                                              "available": 1000})
+    from nbtools import disk, placement
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                                 "available": 1000})
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 2 * N * D * 4)
     t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
     assert t.placement == "disk" and "weights alone" in t.placement_reason

@@ -9,7 +9,7 @@ import nbtools
 
 @pytest.mark.parametrize("name, module", [
     ("OffloadConfig", "nbtools.optim"), ("NonFiniteGradientError", "nbtools.optim"),
-    ("UnsupportedOptimizerError", "nbtools.optim"), ("HostMemoryError", "nbtools.tables"),
+    ("UnsupportedOptimizerError", "nbtools.optim"), ("HostMemoryError", "nbtools.placement"),
     ("PinningError", "nbtools.hostmem"), ("describe", "nbtools.env"),
     ("CheckpointManager", "nbtools.checkpoint.manager"),
 ])

@@ -801,7 +801,7 @@ def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
 # --- setup memory, and what plan() says ------------------------------------------------------
 def fake_available(monkeypatch, nbytes):
     fake = lambda: {"total": 2 * nbytes, "available": nbytes}
-    monkeypatch.setattr(nbtools.tables, "host_memory_bytes", fake)
+    monkeypatch.setattr(nbtools.placement, "host_memory_bytes", fake)
     monkeypatch.setattr(nbtools.optim, "host_memory_bytes", fake)
 
 

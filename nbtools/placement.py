@@ -1,0 +1,128 @@
+"""Where a table's rows live, decided before anything is allocated: the GPU, host RAM, or a
+file on local disk (``placement="auto"``), the checks that refuse what does not fit, and the
+chunked copies that move rows between them without doubling their memory.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+from . import NbtoolsError
+from .devices import gpu_free_bytes, host_memory_bytes
+from .rows import RowLayout
+from .units import human_bytes
+
+
+class HostMemoryError(NbtoolsError, MemoryError):
+    """A table or its optimizer state would not fit in host memory; nothing was allocated."""
+
+
+def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None:
+    """Refuse, before allocating, ``nbytes`` of host memory that this machine does not have.
+
+    ``reclaim``: bytes the allocation frees as it goes (a table growing into its optimizer
+    state hands its old rows back), counted as available. The rule is :func:`nbtools.plan`'s:
+    the final footprint must fit in 90% of what is available before any of it exists.
+    """
+    available = host_memory_bytes()["available"]
+    if available is not None:
+        available += reclaim
+    if available is not None and nbytes > 0.9 * available:
+        raise HostMemoryError(
+            f"{what} needs {human_bytes(nbytes)} of host memory but only "
+            f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
+
+
+def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, skipped when ``src`` is the very same memory (a state dict of live
+    host tensors handed back)."""
+    if (src.device == dst.device and src.data_ptr() == dst.data_ptr()
+            and src.stride() == dst.stride() and src.dtype == dst.dtype):
+        return
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+_libc = None
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, init, layout: RowLayout,
+               after_chunk=None) -> None:
+    """``dst`` [n, width] <- ``src`` [n, d] as the weights of ``layout``, the state columns at
+    their initial values (``init``: (first column, end column, value)), 64 MiB of ``dst`` at
+    a time (bounded temporaries); ``after_chunk(stop_row)`` runs after each chunk."""
+    n = src.shape[0]
+    chunk = max(1, (64 << 20) // (dst.shape[1] * dst.element_size()))
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        part = dst[start:stop]
+        part.zero_()
+        layout.weight(part).copy_(src[start:stop])
+        for lo, hi, value in init:
+            if value:
+                dst[start:stop, lo:hi].fill_(value)
+        if after_chunk is not None:
+            after_chunk(stop)
+
+
+def release_pages(base: int, done: int, upto: int) -> int:
+    """Hand the whole pages of ``[base + done, base + upto)`` back to the OS (``MADV_DONTNEED``;
+    they read as zeros afterwards). Returns the new ``done``, page-aligned. Best effort: where
+    madvise is unavailable nothing is released and the copy still works."""
+    global _libc
+    lo = -(-(base + done) // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (base + upto) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return done
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)   # 4: MADV_DONTNEED
+    except (OSError, AttributeError):
+        return done
+    return hi - base
+
+
+class NoRoomError(HostMemoryError):
+    """A table fits on no tier (GPU, host RAM, local disk); nothing was allocated."""
+
+
+def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
+                   disk_dir=None) -> tuple[str, str]:
+    """Where ``placement="auto"`` puts ``nbytes`` of rows and state, and why: the GPU when they
+    take at most ``gpu_fraction`` of its free memory, else host RAM when they take at most 90%
+    of what is available (:func:`check_fits`' rule), else a file in ``disk_dir`` (default
+    :func:`nbtools.disk.default_dir`) when the disk has room. Raises :class:`NoRoomError`,
+    with every tier's numbers, when none has."""
+    tried = []
+    if device.type == "cuda":
+        free = gpu_free_bytes(device)
+        budget = int(gpu_fraction * free)
+        if nbytes <= budget:
+            return "gpu", (f"{human_bytes(nbytes)} fits {gpu_fraction:.0%} of the "
+                           f"{human_bytes(free)} free on {device}")
+        tried.append(f"{gpu_fraction:.0%} of the {human_bytes(free)} free on {device}")
+    available = host_memory_bytes()["available"]
+    if available is None or nbytes <= 0.9 * available:
+        if device.type != "cuda":
+            return "host", "CPU compute"
+        return "host", (f"{human_bytes(nbytes)} exceeds {tried[0]}; host RAM has "
+                        f"{human_bytes(available)} available")
+    tried.append(f"90% of the {human_bytes(available)} of host RAM available")
+    from . import disk
+    folder = disk_dir or disk.default_dir()
+    free_disk = disk.free_bytes(folder)
+    if nbytes <= free_disk:
+        return "disk", (f"{human_bytes(nbytes)} exceeds {' and '.join(tried)}; "
+                        f"{human_bytes(free_disk)} free in {folder}")
+    raise NoRoomError(
+        f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
+        f"{'; '.join(tried)}; {human_bytes(free_disk)} free on disk in {folder}. Use "
+        "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
+        "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
+
+
+__all__ = ["HostMemoryError", "NoRoomError", "auto_placement", "check_fits", "copy_rows",
+           "copy_unless_same", "release_pages"]
