@@ -1,41 +1,63 @@
 """A file of fixed-size rows on local disk, read and written in parallel, around the page cache.
 
 The disk tier's storage (:mod:`nbtools.disk`): one preallocated file per table, a 4 KiB header
-(magic, format version, JSON: rows, row bytes, stride, what the rows are), then row ``i`` at
-``data_offset + i * stride``.
+(magic ``NBTROWS\\0``, format version, JSON: rows, row bytes, stride, data offset, what the rows
+are), then row ``i`` at ``data_offset + i * stride``.
 
 Why it reads the way it does:
 
 * **O_DIRECT where the filesystem allows it.** Buffered reads fill the page cache with the
   table, and the page cache is charged to the process's memory (a container's limit, Colab's
   12.7 GB): the failure that ended memory-mapped tables. With ``O_DIRECT`` nothing is cached.
-  ``O_DIRECT`` needs offsets, lengths and buffers aligned to the device's logical block
-  (512 bytes on the disks measured), so the **stride is the row rounded up to 512 bytes**: every
-  row is whole sectors, a write never has to read its neighbours first (a 260-byte row takes
-  512, a 1,536-byte row 1,536). Filesystems that refuse ``O_DIRECT`` (tmpfs) get buffered I/O
-  with ``POSIX_FADV_RANDOM`` (no read-ahead of neighbours) and ``POSIX_FADV_DONTNEED`` after each
-  batch, so the cache stays small there too; their stride is the row itself.
-* **Many requests in flight.** A cloud disk answers one random read in ~50 µs but serves tens of
-  thousands per second only with many in flight. Rows are sorted by offset, neighbours merged
-  into one request, and the requests split across a thread pool (``os.preadv`` releases the GIL).
-* **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB.
+  ``O_DIRECT`` needs offsets, lengths and buffers aligned to the device's logical block, which
+  is probed on the file itself (512 bytes, else 4,096).
+* **Rows never share a block.** The stride is the row rounded up to that block, so a write
+  never reads its neighbours first (no read-modify-write): a 260-byte row takes 512 bytes of
+  file, a 1,536-byte row 1,536. Packing rows into shared blocks would save file space below
+  512 bytes only, and would turn every random write into a read plus a write on a disk whose
+  random I/O rate is the bound; reads cost one block either way.
+* **Many requests in flight.** A cloud disk answers one random read in ~50 µs but serves tens
+  of thousands per second only with many in flight. Rows are sorted by offset, neighbours
+  merged into one request (up to 1 MiB), and the requests handed out in small chunks to a
+  thread pool that lives as long as the file (``os.preadv`` releases the GIL); the calling
+  thread works too. Sorting and merging are numpy; per request the Python cost is one slice
+  and one system call.
+* **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
+  between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
+  pay for fresh pages. The padding of a row inside the bounce buffer is only ever filled from
+  the file's own padding (zeros), so the file's padding stays zero.
+* **Buffered fallback** (filesystems that refuse ``O_DIRECT``, or ``direct=False``): the file is
+  opened with ``POSIX_FADV_RANDOM`` (no read-ahead of neighbours) and, after every call,
+  ``POSIX_FADV_DONTNEED`` hands back its clean pages and starts write-back of dirty ones;
+  ``fdatasync`` runs once 64 MiB were written since the last one (and in :meth:`drop_cache`),
+  so dirty pages stay bounded without paying a device flush per step. ``auto_drop = False``
+  leaves the cache alone until :meth:`drop_cache`. On tmpfs the file *is* memory either way.
+* **Preallocated, not written.** ``posix_fallocate`` reserves the space (and fails early when it
+  is missing), but the blocks stay "unwritten": they read as zeros without touching the disk,
+  and the first write to each one costs a metadata update. Fill a new file sequentially
+  (:meth:`write_range`) before timing random I/O.
 
 >>> import tempfile, os
->>> f = RowFile.create(os.path.join(tempfile.mkdtemp(), "t.rows"), 100, 12)
+>>> f = RowFile.create(os.path.join(tempfile.mkdtemp(), "t.rows"), 100, 12, {"dtype": "uint8"})
 >>> f.write(np.array([7, 3]), np.arange(24, dtype=np.uint8).reshape(2, 12))
 >>> out = np.zeros((1, 12), dtype=np.uint8)
 >>> f.read(np.array([3]), out)
 >>> out[0, :4].tolist()
 [12, 13, 14, 15]
+>>> f.meta["dtype"], f.counters["read_calls"]
+('uint8', 1)
 >>> f.close()
 """
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import mmap
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -45,9 +67,12 @@ from .units import human_bytes
 
 MAGIC = b"NBTROWS\x00"
 VERSION = 1
-HEADER = 4096
-ALIGN = 512                    # O_DIRECT's unit on the disks measured (logical block size)
+HEADER = 4096                  # header bytes; data starts here (aligned for any block size)
+BLOCKS = (512, 4096)           # O_DIRECT alignments tried, smallest first
+REQUEST = 1 << 20              # bytes per request at most when neighbours are merged
 BOUNCE = 64 << 20              # bytes of aligned buffer per call, at most
+KEEP = 64 << 20                # bytes of bounce buffers kept between calls, per file
+DIRTY_LIMIT = 64 << 20         # buffered mode: fdatasync once this much was written
 
 
 class RowFileError(NbtoolsError, ValueError):
@@ -58,37 +83,25 @@ class DiskFullError(NbtoolsError, OSError):
     """Not enough free disk space; nothing was written (or the partial file was removed)."""
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer of at least ``nbytes`` (anonymous memory, never cached)."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)
-
-
-def _runs(first: np.ndarray, count: int):
-    """Split sorted row numbers into runs of consecutive rows: (start index, end index)."""
-    if len(first) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    brk = np.flatnonzero(np.diff(first) != 1) + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [len(first)]))
-    # long runs are cut so one request stays under `count` rows
-    if (ends - starts).max() > count:
-        s, e = [], []
-        for a, b in zip(starts, ends):
-            for x in range(a, b, count):
-                s.append(x)
-                e.append(min(b, x + count))
-        starts, ends = np.array(s), np.array(e)
-    return starts, ends
-
-
 class RowFile:
     """One preallocated file of ``num_rows`` rows of ``row_bytes`` bytes (see module docs).
 
-    Use :meth:`create` or :meth:`open`. ``threads``: requests in flight; ``direct``: ``True``,
-    ``False`` or ``"auto"`` (O_DIRECT where the filesystem accepts it).
+    Use :meth:`create` or :meth:`open`; close with :meth:`close` or a ``with`` block.
+
+    Attributes:
+        path, num_rows, row_bytes: what the header says.
+        stride: bytes between rows on disk (``row_bytes`` rounded up to ``block`` with O_DIRECT).
+        data_offset: file offset of row 0 (4,096).
+        meta: the header's JSON (``num_rows``, ``row_bytes``, ``stride``, ``data_offset`` and the
+            caller's own keys).
+        direct: whether ``O_DIRECT`` is in use; block: its alignment in bytes (0 when buffered).
+        threads: requests in flight at most.
+        auto_drop: buffered mode only: drop this file's cached pages after every call.
+        counters: ``read_bytes``, ``write_bytes`` (disk bytes, whole strides), ``read_calls``,
+            ``write_calls``, ``read_s``, ``write_s`` (wall seconds inside the calls).
     """
 
-    def __init__(self, path, fd, meta: dict, direct: bool, threads: int, writable: bool):
+    def __init__(self, path, fd: int, meta: dict, block: int, threads: int, writable: bool):
         self.path = os.fspath(path)
         self._fd = fd
         self.meta = meta
@@ -96,111 +109,144 @@ class RowFile:
         self.row_bytes = int(meta["row_bytes"])
         self.stride = int(meta["stride"])
         self.data_offset = int(meta["data_offset"])
-        self.direct = direct
+        self.block = block
+        self.direct = block > 0
         self.writable = writable
         self.threads = max(1, int(threads))
+        self.auto_drop = True
         self._pool = None
         self._lock = threading.Lock()
+        self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
+        self._unsynced = 0                       # buffered bytes written since the last fdatasync
         self.counters = {"read_bytes": 0, "write_bytes": 0, "read_calls": 0, "write_calls": 0,
                          "read_s": 0.0, "write_s": 0.0}
-        if not direct:
+        if not self.direct:
             fadvise(fd, "POSIX_FADV_RANDOM")
 
     # --- creating and opening -------------------------------------------------------------
     @classmethod
     def create(cls, path, num_rows: int, row_bytes: int, meta: dict | None = None, *,
-               threads: int = 16, direct="auto", overwrite: bool = False) -> "RowFile":
-        """A new file of ``num_rows`` zero rows, its space reserved now. Refuses before writing
-        anything when the disk lacks the room (:class:`DiskFullError`) or the folder cannot be
-        written (``PermissionError``)."""
+               threads: int = 16, direct: str | bool = "auto",
+               overwrite: bool = False) -> "RowFile":
+        """A new file of ``num_rows`` zero rows, its space reserved now.
+
+        Args:
+            path: the file; its folder is created if missing.
+            num_rows, row_bytes: the shape of the table in bytes.
+            meta: JSON-able keys stored in the header (``dtype``, what the columns are...).
+            threads: requests in flight at most.
+            direct: ``True`` (O_DIRECT or an error), ``False`` (buffered) or ``"auto"``.
+            overwrite: replace an existing file instead of raising ``FileExistsError``.
+
+        Raises:
+            DiskFullError: the disk lacks the room (checked before anything is written), or
+                filled while the space was reserved (the partial file is removed).
+            PermissionError: the folder cannot be created or written.
+            FileExistsError: the file exists and ``overwrite`` is false.
+        """
+        num_rows, row_bytes = int(num_rows), int(row_bytes)
+        if num_rows < 0 or row_bytes < 1:
+            raise ValueError(f"a row file needs num_rows >= 0 and row_bytes >= 1, got "
+                             f"num_rows={num_rows}, row_bytes={row_bytes}")
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         try:
             os.makedirs(folder, exist_ok=True)
         except PermissionError as e:
-            raise PermissionError(f"cannot create the folder {folder!r} for a disk table: {e}; "
-                                  "pick another disk_dir") from None
+            raise PermissionError(f"cannot create the folder {folder!r} for a disk table "
+                                  f"({e.strerror}): pick another disk_dir") from None
         if not os.access(folder, os.W_OK):
-            raise PermissionError(f"the folder {folder!r} is read-only: a disk table needs a "
-                                  "writable disk_dir")
+            raise PermissionError(f"the folder {folder!r} is read-only: pick another disk_dir "
+                                  "(a writable folder on local disk)")
         if os.path.exists(path) and not overwrite:
             raise FileExistsError(f"{path!r} exists already (overwrite=True replaces it)")
-        fd, is_direct = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct)
-        stride = -(-row_bytes // ALIGN) * ALIGN if is_direct else row_bytes
-        size = HEADER + num_rows * stride
-        free = shutil.disk_usage(folder).free
-        if size > free:
-            os.close(fd)
-            os.remove(path)
-            raise DiskFullError(f"a table file of {human_bytes(size)} ({num_rows:,} rows of "
-                                f"{stride} bytes) does not fit: {human_bytes(free)} free in "
-                                f"{folder!r}. Free space, pick another disk_dir, or make rows "
-                                "smaller (dtype=torch.bfloat16, an optimizer with less state)")
+        fd, existed = None, os.path.exists(path)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in (28,):            # ENOSPC
-                    raise
-                os.ftruncate(fd, size)          # filesystems without fallocate: sparse
-            info = {"num_rows": int(num_rows), "row_bytes": int(row_bytes), "stride": stride,
+            fd, block = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct, fresh=True)
+            stride = _round_up(row_bytes, block) if block else row_bytes
+            size = HEADER + num_rows * stride
+            free = shutil.disk_usage(folder).free
+            if size > free:
+                raise DiskFullError(
+                    f"a row file of {human_bytes(size)} ({size:,} bytes: {num_rows:,} rows of "
+                    f"{stride} bytes) does not fit: {human_bytes(free)} ({free:,} bytes) free in "
+                    f"{folder!r}. Free space, pick another disk_dir, or make rows smaller "
+                    "(dtype=torch.bfloat16, an optimizer with less state)")
+            _reserve(fd, size, path)
+            info = {"num_rows": num_rows, "row_bytes": row_bytes, "stride": stride,
                     "data_offset": HEADER, **(meta or {})}
             head = _header(info)
             buf = _aligned(HEADER)
             buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-            _pwrite_all(fd, memoryview(buf)[:HEADER], 0)
-        except OSError as e:
-            os.close(fd)
-            os.remove(path)
-            if e.errno == 28:
-                raise DiskFullError(f"the disk filled while reserving {human_bytes(size)} for "
-                                    f"{path!r}; the partial file was removed") from None
+            _pwrite_all(fd, memoryview(buf), 0)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            if fd is not None or not existed:       # ours: a partial (or empty) file
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
             raise
-        return cls(path, fd, info, is_direct, threads, True)
+        return cls(path, fd, info, block, threads, True)
 
     @classmethod
-    def open(cls, path, *, expect: dict | None = None, threads: int = 16, direct="auto",
-             writable: bool = True) -> "RowFile":
-        """An existing row file, its header checked (and compared with ``expect``)."""
+    def open(cls, path, *, expect: dict | None = None, threads: int = 16,
+             direct: str | bool = "auto", writable: bool = True) -> "RowFile":
+        """An existing row file, its header checked (and compared with ``expect``).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            RowFileError: not a row file, another format version, a damaged header, shorter
+                than its header says (truncated), or a field differs from ``expect``.
+        """
         path = os.fspath(path)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no row file at {path!r}")
+            raise FileNotFoundError(errno.ENOENT, f"no row file at {path!r}", path)
         with open(path, "rb") as f:
             head = f.read(HEADER)
         if len(head) < 16 or head[:8] != MAGIC:
-            raise RowFileError(f"{path!r} is not an nbtools row file (no {MAGIC!r} header)")
+            raise RowFileError(f"{path!r} is not an nbtools row file (it does not start with "
+                               f"{MAGIC!r})")
         version = int.from_bytes(head[8:12], "little")
         if version != VERSION:
             raise RowFileError(f"{path!r} is row-file format {version}; this nbtools reads "
-                               f"{VERSION}")
+                               f"format {VERSION}")
         n = int.from_bytes(head[12:16], "little")
         try:
             meta = json.loads(head[16:16 + n])
-        except ValueError:
+            need = int(meta["data_offset"]) + int(meta["num_rows"]) * int(meta["stride"])
+            int(meta["row_bytes"])
+        except (ValueError, KeyError, TypeError):
             raise RowFileError(f"{path!r}: its header is damaged") from None
-        need = meta["data_offset"] + meta["num_rows"] * meta["stride"]
         have = os.path.getsize(path)
         if have < need:
             raise RowFileError(f"{path!r} is truncated: {have:,} bytes, its header says "
-                               f"{need:,} ({meta['num_rows']:,} rows of {meta['stride']})")
-        wrong = {k: (v, meta.get(k)) for k, v in (expect or {}).items() if meta.get(k) != v}
+                               f"{need:,} ({meta['num_rows']:,} rows of {meta['stride']} bytes "
+                               f"after {meta['data_offset']})")
+        wrong = [(k, v, meta.get(k, "missing")) for k, v in (expect or {}).items()
+                 if meta.get(k, "missing") != v]
         if wrong:
-            raise RowFileError(f"{path!r} does not match: " + ", ".join(
-                f"{k} is {got!r}, expected {want!r}" for k, (want, got) in wrong.items()))
-        flags = os.O_RDWR if writable else os.O_RDONLY
-        fd, is_direct = _open(path, flags, direct if meta["stride"] % ALIGN == 0 else False)
-        return cls(path, fd, meta, is_direct, threads, writable)
+            raise RowFileError(f"{path!r} does not match what was expected: " + ", ".join(
+                f"{k} is {got!r}, expected {want!r}" for k, want, got in wrong))
+        fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
+                          stride=int(meta["stride"]))
+        return cls(path, fd, meta, block, threads, writable)
 
     # --- rows -----------------------------------------------------------------------------
     def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
-        """``out[i] = row ids[i]`` (ids unique, any order; ``out`` uint8 [k, row_bytes]); with
-        ``at``, ``out[at[i]] = row ids[i]`` (``out`` any number of rows: a RAM cache's slots,
-        filled without an intermediate copy of the rows)."""
+        """``out[i] = row ids[i]``.
+
+        Args:
+            ids: row numbers, int64 (any integer type), unique, any order, may be empty.
+            out: C-contiguous uint8 ``[len(ids), row_bytes]``; with ``at``, any number of rows.
+            at: optional: ``out[at[i]] = row ids[i]`` (a RAM cache's slots, filled without an
+                intermediate copy).
+        """
         self._io(ids, out, write=False, at=at)
 
     def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None) -> None:
-        """Row ``ids[i] = src[i]`` (ids unique, any order; ``src`` uint8 [k, row_bytes]);
-        with ``at``, row ``ids[i] = src[at[i]]``."""
+        """Row ``ids[i] = src[i]`` (ids unique, any order); with ``at``, ``src[at[i]]``."""
         self._io(ids, src, write=True, at=at)
 
     def read_range(self, start: int, out: np.ndarray) -> None:
@@ -208,25 +254,42 @@ class RowFile:
         self._range(start, out, write=False)
 
     def write_range(self, start: int, src: np.ndarray) -> None:
+        """Rows ``start : start + len(src)`` from ``src``, in large sequential requests."""
         self._range(start, src, write=True)
 
     def flush(self) -> None:
-        """Make written rows durable (fsync)."""
-        os.fsync(self._fd)
+        """Make written rows durable (``fsync``)."""
+        os.fsync(self._live())
+        self._unsynced = 0
 
     def drop_cache(self) -> None:
-        """Hand this file's cached pages back (buffered mode; O_DIRECT caches none)."""
+        """Hand this file's cached pages back (buffered mode; O_DIRECT caches none). Dirty
+        pages are written first, since only clean ones can be dropped."""
+        fd = self._live()
         if not self.direct:
-            fadvise(self._fd, "POSIX_FADV_DONTNEED")
+            if self._unsynced:
+                os.fdatasync(fd)
+                self._unsynced = 0
+            fadvise(fd, "POSIX_FADV_DONTNEED")
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes of bounce buffers held between calls."""
+        return sum(b.nbytes for b in self._spare)
 
     def close(self) -> None:
+        """Stop the threads and close the file (idempotent). Buffered mode drops its clean
+        cached pages; nothing is fsynced (call :meth:`flush` for durability)."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            pool, self._pool = self._pool, None
+            fd, self._fd = self._fd, None
+            self._spare = []
+        if pool is not None:
+            pool.shutdown()
+        if fd is not None:
+            if not self.direct:
+                fadvise(fd, "POSIX_FADV_DONTNEED")
+            os.close(fd)
 
     def __enter__(self):
         return self
@@ -234,142 +297,336 @@ class RowFile:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                os.close(fd)
+            except Exception:
+                pass
+
     def __repr__(self):
+        mode = f"O_DIRECT, {self.block}-byte blocks" if self.direct else "buffered"
         return (f"RowFile({self.path!r}, rows={self.num_rows:,}, row_bytes={self.row_bytes}, "
-                f"stride={self.stride}, direct={self.direct})")
+                f"stride={self.stride}, {mode})")
 
     # --- internals ------------------------------------------------------------------------
-    def _check(self, ids: np.ndarray, rows: np.ndarray, write: bool, at) -> np.ndarray:
-        if self._fd is None:
+    def _live(self) -> int:
+        fd = self._fd
+        if fd is None:
             raise ValueError(f"{self.path!r} is closed")
+        return fd
+
+    def _check(self, ids, rows: np.ndarray, write: bool, at) -> tuple[np.ndarray, np.ndarray]:
+        self._live()
         if write and not self.writable:
-            raise PermissionError(f"{self.path!r} was opened read-only")
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        k = len(ids) if at is None else rows.shape[0]
-        if at is not None and len(at) != len(ids):
-            raise ValueError(f"at has {len(at)} entries for {len(ids)} ids")
-        if rows.dtype != np.uint8 or rows.shape != (k, self.row_bytes):
-            raise ValueError(f"rows must be uint8 [{len(ids)}, {self.row_bytes}], got "
-                             f"{rows.dtype} {list(rows.shape)}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
-            raise IndexError(f"{self.path!r} has {self.num_rows:,} rows; ids range "
-                             f"{ids.min()}..{ids.max()}")
-        return ids
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="nbtools-rowfile")
-        return self._pool
-
-    def _io(self, ids, rows, write: bool, at=None) -> None:
-        import time
-        ids = self._check(ids, rows, write, at)
-        if not len(ids):
-            return
-        t0 = time.perf_counter()
-        order = np.argsort(ids, kind="stable")
-        if at is not None:
-            order_rows = np.asarray(at, dtype=np.int64)[order]
+            raise PermissionError(f"{self.path!r} was opened read-only (writable=False)")
+        ids = np.asarray(ids).reshape(-1)
+        if ids.dtype.kind not in "iu" and len(ids):
+            raise TypeError(f"ids must be integers, got {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False)
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2 \
+                or rows.shape[1] != self.row_bytes or (at is None and len(rows) != len(ids)):
+            got = (f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, np.ndarray)
+                   else type(rows).__name__)
+            want = len(ids) if at is None else "k"
+            raise ValueError(f"rows must be a uint8 numpy array [{want}, {self.row_bytes}], "
+                             f"got {got}")
+        if at is None:
+            dst = None
         else:
-            order_rows = order
-        ids = ids[order]
-        stride = self.stride
-        per = max(1, BOUNCE // stride)                  # rows per bounce buffer
-        buf = _aligned(min(len(ids), per) * stride).reshape(-1, stride)
-        for a in range(0, len(ids), per):
-            part, rows_at = ids[a:a + per], order_rows[a:a + per]
-            k = len(part)
-            if write:
-                buf[:k, : self.row_bytes] = rows[rows_at]
-            starts, ends = _runs(part, max(1, (1 << 20) // stride))
-            offs = self.data_offset + part[starts] * stride
-            self._parallel(buf, starts, ends, offs, write)
-            if not write:
-                rows[rows_at] = buf[:k, : self.row_bytes]
-        if not self.direct:
-            if write:
-                os.fdatasync(self._fd)
-            self.drop_cache()
-        key = "write" if write else "read"
-        self.counters[f"{key}_bytes"] += len(ids) * stride
-        self.counters[f"{key}_calls"] += 1
-        self.counters[f"{key}_s"] += time.perf_counter() - t0
+            dst = np.asarray(at).reshape(-1).astype(np.int64, copy=False)
+            if len(dst) != len(ids):
+                raise ValueError(f"at has {len(dst)} entries for {len(ids)} ids")
+            if len(dst) and (dst.min() < 0 or dst.max() >= len(rows)):
+                raise IndexError(f"at ranges {dst.min()}..{dst.max()}; rows has {len(rows):,}")
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= self.num_rows))[0])
+            raise IndexError(f"{self.path!r} has {self.num_rows:,} rows but ids contain "
+                             f"{int(ids[bad]):,} (first at position {bad})")
+        return ids, dst
 
-    def _parallel(self, buf, starts, ends, offs, write: bool) -> None:
-        """Requests (rows ``starts[j]:ends[j]`` of ``buf`` at file offset ``offs[j]``) across
-        the pool, each thread a contiguous share."""
-        flat = memoryview(buf.reshape(-1))
-        stride, fd = self.stride, self._fd
-        op = _pwrite_all if write else _pread_all
-        jobs = len(starts)
-
-        def run(lo, hi):
-            for j in range(lo, hi):
-                a, b = int(starts[j]) * stride, int(ends[j]) * stride
-                op(fd, flat[a:b], int(offs[j]))
-        workers = min(self.threads, jobs)
-        if workers <= 1:
-            run(0, jobs)
-            return
-        bounds = np.linspace(0, jobs, workers + 1).astype(np.int64)
-        futures = [self._executor().submit(run, int(bounds[i]), int(bounds[i + 1]))
-                   for i in range(workers)]
-        for f in futures:
-            f.result()
+    def _io(self, ids, rows: np.ndarray, write: bool, at=None) -> None:
+        ids, at = self._check(ids, rows, write, at)
+        t0 = time.perf_counter()
+        k = len(ids)
+        if k:
+            order = np.argsort(ids, kind="stable")
+            ids = ids[order]
+            dst = order if at is None else at[order]
+            stride, rb = self.stride, self.row_bytes
+            per = max(1, BOUNCE // stride)                  # rows per bounce buffer
+            buf = self._take(min(k, per) * stride)
+            try:
+                for a in range(0, k, per):
+                    part, where = ids[a:a + per], dst[a:a + per]
+                    n = len(part)
+                    view = buf[: n * stride].reshape(n, stride)
+                    if write:
+                        if stride == rb:
+                            np.take(rows, where, axis=0, out=view)
+                        else:
+                            view[:, :rb] = rows[where]
+                    boff, blen, foff = _requests(part, stride, self.data_offset)
+                    self._parallel(buf, boff, blen, foff, write)
+                    if not write:
+                        rows[where] = view[:, :rb]
+            finally:
+                self._give(buf)
+        self._account(write, k * self.stride, t0)
 
     def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
+        self._live()
+        if write and not self.writable:
+            raise PermissionError(f"{self.path!r} was opened read-only (writable=False)")
         n = len(rows)
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2 \
+                or rows.shape[1] != self.row_bytes:
+            raise ValueError(f"rows must be a uint8 numpy array [n, {self.row_bytes}], got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)} "
+                             f"{list(getattr(rows, 'shape', []))}")
         if start < 0 or start + n > self.num_rows:
-            raise IndexError(f"rows {start}..{start + n} of {self.path!r}: it has "
+            raise IndexError(f"rows {start:,}..{start + n:,} of {self.path!r}: it has "
                              f"{self.num_rows:,}")
-        self._io(np.arange(start, start + n, dtype=np.int64), rows, write)
+        t0 = time.perf_counter()
+        stride, rb = self.stride, self.row_bytes
+        # straight into the caller's rows when they are laid out as on disk (no bounce copy)
+        own = stride == rb and rows.flags.c_contiguous and (
+            not self.direct or rows.ctypes.data % self.block == 0)
+        per = max(1, BOUNCE // stride)
+        buf = None if own or n == 0 else self._take(min(n, per) * stride)
+        try:
+            for a in range(0, n, per):
+                m = min(per, n - a)
+                if own:
+                    flat = rows[a:a + m].reshape(-1)
+                else:
+                    flat = buf[: m * stride]
+                    if write:
+                        flat.reshape(m, stride)[:, :rb] = rows[a:a + m]
+                # requests of 4 MiB: large enough for the disk's sequential rate, many in flight
+                step = max(stride, (4 << 20) // stride * stride)
+                boff = list(range(0, m * stride, step))
+                blen = [min(step, m * stride - b) for b in boff]
+                base = self.data_offset + (start + a) * stride
+                self._parallel(flat, boff, blen, [base + b for b in boff], write, chunk=1)
+                if not own and not write:
+                    rows[a:a + m] = flat.reshape(m, stride)[:, :rb]
+        finally:
+            if buf is not None:
+                self._give(buf)
+        self._account(write, n * stride, t0)
+
+    def _account(self, write: bool, nbytes: int, t0: float) -> None:
+        if not self.direct and nbytes:
+            fd = self._live()
+            if write:
+                self._unsynced += nbytes
+                if self._unsynced >= DIRTY_LIMIT:
+                    os.fdatasync(fd)
+                    self._unsynced = 0
+            if self.auto_drop:
+                # drops clean pages and starts write-back of dirty ones (dropped next time)
+                fadvise(fd, "POSIX_FADV_DONTNEED")
+        key = "write" if write else "read"
+        with self._lock:
+            c = self.counters
+            c[f"{key}_bytes"] += nbytes
+            c[f"{key}_calls"] += 1
+            c[f"{key}_s"] += time.perf_counter() - t0
+
+    def _parallel(self, buf: np.ndarray, boff, blen, foff, write: bool, chunk: int = 0) -> None:
+        """Requests ``j``: ``blen[j]`` bytes at ``buf[boff[j]:]`` <-> file offset ``foff[j]``.
+
+        Handed out in chunks of requests to the pool's threads and the calling thread, each
+        taking the next chunk when done (a slow request delays only its own thread)."""
+        fd = self._live()
+        flat = memoryview(buf.reshape(-1))
+        op = _pwrite_all if write else _pread_all
+        jobs = len(boff)
+        workers = min(self.threads, jobs)
+        if workers <= 1:
+            for j in range(jobs):
+                op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
+            return
+        chunk = chunk or max(1, min(32, jobs // (workers * 4)))
+        nchunks = -(-jobs // chunk)
+        counter = itertools.count()          # next() is atomic under the GIL
+        failed: list[BaseException] = []
+
+        def work():
+            try:
+                while not failed:
+                    c = next(counter)
+                    if c >= nchunks:
+                        return
+                    for j in range(c * chunk, min(jobs, c * chunk + chunk)):
+                        op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
+            except BaseException as e:       # re-raised by the caller
+                failed.append(e)
+
+        futures = [self._executor().submit(work) for _ in range(workers - 1)]
+        work()
+        for f in futures:
+            f.result()
+        if failed:
+            raise failed[0]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1 or 1,
+                                                thread_name_prefix="nbtools-rowfile")
+            return self._pool
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        """An aligned buffer of at least ``nbytes`` (a kept one when one is large enough)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
+            if fits:
+                return self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes))
+        # powers of two from 64 KiB: calls of similar sizes reuse one buffer
+        return _aligned(max(1 << 16, 1 << (nbytes - 1).bit_length()))
+
+    def _give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._fd is None:
+                return
+            self._spare.append(buf)
+            self._spare.sort(key=lambda b: -b.nbytes)
+            while sum(b.nbytes for b in self._spare) > KEEP:
+                self._spare.pop()            # the smallest go first
+                if not self._spare:
+                    break
+
+
+def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST):
+    """Sorted row numbers -> requests over runs of consecutive rows, each at most ``limit``
+    bytes: (offset in the bounce buffer, bytes, file offset), as Python lists."""
+    n = len(ids)
+    brk = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [n])))
+    cap = max(1, limit // stride)
+    if lens.max() > cap:                     # cut long runs: requests of `cap` rows
+        pieces = -(-lens // cap)
+        first = np.repeat(starts, pieces)
+        k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        ends = np.repeat(starts + lens, pieces)
+        starts = first + k * cap
+        lens = np.minimum(starts + cap, ends) - starts
+    return ((starts * stride).tolist(), (lens * stride).tolist(),
+            (data_offset + ids[starts] * stride).tolist())
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer of ``nbytes`` (anonymous memory, never in the page cache)."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
 
 
 def _header(info: dict) -> bytes:
     body = json.dumps(info).encode()
     head = MAGIC + VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body
     if len(head) > HEADER:
-        raise ValueError(f"row-file header of {len(head)} bytes exceeds {HEADER}")
+        raise ValueError(f"row-file header of {len(head):,} bytes exceeds {HEADER:,}: meta is "
+                         "too large")
     return head
 
 
-def _open(path: str, flags: int, direct) -> tuple[int, bool]:
-    """Open with O_DIRECT when asked for or ("auto") when the filesystem takes it."""
-    use = direct is True or (direct == "auto" and hasattr(os, "O_DIRECT"))
-    if use:
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Reserve ``size`` bytes (``posix_fallocate``; a sparse ``ftruncate`` where unsupported)."""
+    try:
+        if not hasattr(os, "posix_fallocate"):
+            raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"the disk filled while reserving "
+                                f"{human_bytes(size)} ({size:,} bytes) for {path!r}; the "
+                                "partial file was removed") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
+    """(fd, O_DIRECT block size or 0). ``direct``: True, False or "auto"."""
+    if direct not in (True, False, "auto"):
+        raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
+    if direct is not False and hasattr(os, "O_DIRECT"):
+        fd = None
         try:
             fd = os.open(path, flags | os.O_DIRECT)
-            if _probe_direct(fd):
-                return fd, True
-            os.close(fd)
+            if fresh:
+                os.ftruncate(fd, HEADER)     # something to probe (a hole: reads still check)
+            block = _probe_block(fd, stride)
+            if block:
+                return fd, block
         except OSError:
-            if direct is True:
-                raise
-    return os.open(path, flags & ~os.O_TRUNC if use else flags), False
+            pass
+        if fd is not None:
+            os.close(fd)
+        if direct is True:
+            why = (f"the row stride ({stride} bytes) is not a multiple of the disk's block"
+                   if stride and _probe_ok(path) else "the filesystem refuses O_DIRECT "
+                   "(tmpfs on older kernels, some network or FUSE filesystems)")
+            raise OSError(errno.EINVAL, f"cannot use O_DIRECT on {path!r}: {why}; pass "
+                          "direct='auto' or direct=False", path)
+        flags &= ~os.O_TRUNC                 # created (and truncated) above already
+    elif direct is True:
+        raise OSError(errno.EINVAL, f"O_DIRECT is not available on this platform; pass "
+                      f"direct='auto' or direct=False for {path!r}", path)
+    return os.open(path, flags), 0
 
 
-def _probe_direct(fd: int) -> bool:
-    """Whether an aligned O_DIRECT read works on this file (tmpfs opens but refuses)."""
-    buf = _aligned(ALIGN)
+def _probe_block(fd: int, stride: int = 0) -> int:
+    """The smallest alignment at which an O_DIRECT read works on this file (0: none), among
+    those that divide ``stride`` (when given): ``block`` bytes at offset 0, into memory aligned
+    to exactly ``block`` (a device of 4 KiB sectors refuses the 512-byte read)."""
+    buf = _aligned(2 * BLOCKS[-1])
+    for block in BLOCKS:
+        if stride and stride % block:
+            continue
+        try:
+            if os.preadv(fd, [memoryview(buf)[block:2 * block]], 0) == block:
+                return block
+        except OSError:
+            pass
+    return 0
+
+
+def _probe_ok(path: str) -> bool:
     try:
-        os.preadv(fd, [memoryview(buf)], 0)
-        return True
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         return False
+    try:
+        return _probe_block(fd) > 0
+    finally:
+        os.close(fd)
 
 
 def _pread_all(fd: int, mv: memoryview, offset: int) -> None:
-    while len(mv):
-        n = os.preadv(fd, [mv], offset)
+    n = os.preadv(fd, [mv], offset)
+    while n < len(mv):                       # short reads: rare, but allowed
         if n <= 0:
-            raise OSError(f"short read at offset {offset} (file truncated?)")
+            raise OSError(errno.EIO, f"short read at offset {offset:,}: the file is shorter "
+                          "than its header says (truncated while open?)")
         mv, offset = mv[n:], offset + n
+        n = os.preadv(fd, [mv], offset)
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    while len(mv):
-        n = os.pwritev(fd, [mv], offset)
+    n = os.pwritev(fd, [mv], offset)
+    while n < len(mv):
         mv, offset = mv[n:], offset + n
+        n = os.pwritev(fd, [mv], offset)
 
 
 def fadvise(fd: int, advice: str) -> None:

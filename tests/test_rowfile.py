@@ -1,83 +1,209 @@
 """RowFile: random and sequential row I/O against a plain numpy reference, and its errors."""
+import errno
 import os
 import shutil
 
 import numpy as np
 import pytest
 
+from nbtools import NbtoolsError
+from nbtools import rowfile
 from nbtools.rowfile import DiskFullError, RowFile, RowFileError
 
 
+def _direct_or_skip(tmp_path, direct):
+    """direct=True where the filesystem of tmp_path takes O_DIRECT, else skip."""
+    if direct is True:
+        try:
+            RowFile.create(tmp_path / "probe.rows", 1, 8, direct=True).close()
+        except OSError as e:
+            pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: {e}")
+        os.remove(tmp_path / "probe.rows")
+
+
 @pytest.mark.parametrize("row_bytes", [260, 512, 1536, 4100])
-@pytest.mark.parametrize("direct", ["auto", False])
+@pytest.mark.parametrize("direct", [True, False])
 def test_random_rows_round_trip(tmp_path, row_bytes, direct):
+    _direct_or_skip(tmp_path, direct)
     n = 500
     rng = np.random.default_rng(row_bytes)
     ref = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
     f = RowFile.create(tmp_path / "t.rows", n, row_bytes, {"what": "test"}, threads=4,
                        direct=direct)
-    assert f.stride >= row_bytes and (not f.direct or f.stride % 512 == 0)
+    assert f.direct is direct
+    assert f.stride >= row_bytes and f.data_offset % 4096 == 0
+    assert f.stride == (-(-row_bytes // f.block) * f.block if direct else row_bytes)
     f.write_range(0, ref)
-    # unsorted, with runs of neighbours and isolated rows, and an empty request
-    ids = np.concatenate((np.arange(40, 90), rng.choice(n, 120, replace=False)))
-    ids = np.unique(ids)
+    # unsorted, with runs of neighbours (longer than one request) and isolated rows
+    ids = np.unique(np.concatenate((np.arange(40, 90), np.arange(200, 200 + 300),
+                                    rng.choice(n, 60, replace=False))))
     rng.shuffle(ids)
     out = np.zeros((len(ids), row_bytes), dtype=np.uint8)
     f.read(ids, out)
     assert np.array_equal(out, ref[ids])
     f.read(np.zeros(0, dtype=np.int64), np.zeros((0, row_bytes), dtype=np.uint8))
+    f.write(np.array([], dtype=np.int64), np.zeros((0, row_bytes), dtype=np.uint8))
     new = rng.integers(0, 256, (len(ids), row_bytes), dtype=np.uint8)
-    f.write(ids, new)
+    f.write(ids.astype(np.int32), new)
     ref[ids] = new
     back = np.zeros_like(ref)
     f.read_range(0, back)
     assert np.array_equal(back, ref)            # neighbours of written rows untouched
+    part = np.zeros((7, row_bytes), dtype=np.uint8)
+    f.read_range(n - 7, part)
+    assert np.array_equal(part, ref[-7:])
+    f.write_range(3, ref[:5][::-1].copy())
+    ref[3:8] = ref[:5][::-1].copy()
+    assert f.counters["read_calls"] == 4 and f.counters["write_calls"] == 4
+    assert f.counters["read_bytes"] == (len(ids) + n + 7) * f.stride
     f.close()
-    g = RowFile.open(tmp_path / "t.rows", expect={"num_rows": n, "row_bytes": row_bytes})
-    assert g.meta["what"] == "test"
-    g.read_range(0, back)
-    assert np.array_equal(back, ref)
-    assert g.counters["read_calls"] == 1
-    g.close()
+    f.close()                                    # idempotent
+    with RowFile.open(tmp_path / "t.rows", expect={"num_rows": n, "row_bytes": row_bytes,
+                                                   "what": "test"}, direct=direct) as g:
+        assert g.meta["what"] == "test" and g.stride == f.stride and g.direct is direct
+        g.read_range(0, back)
+        assert np.array_equal(back, ref)
+    if f.stride > row_bytes:                     # padding between rows stays zero
+        raw = np.fromfile(tmp_path / "t.rows", dtype=np.uint8, offset=f.data_offset)
+        assert not raw.reshape(n, f.stride)[:, row_bytes:].any()
+
+
+def test_slots_and_unaligned_buffers(tmp_path):
+    """``at=`` scatters into (gathers from) any rows; a misaligned caller buffer is fine."""
+    n, rb = 300, 1024
+    rng = np.random.default_rng(0)
+    ref = rng.integers(0, 256, (n, rb), dtype=np.uint8)
+    with RowFile.create(tmp_path / "t.rows", n, rb, threads=3) as f:
+        raw = np.zeros(n * rb + 1, dtype=np.uint8)
+        src = raw[1:].reshape(n, rb)             # not aligned: goes through the bounce buffer
+        src[:] = ref
+        f.write_range(0, src)
+        slots = np.zeros((50, rb), dtype=np.uint8)
+        ids = rng.choice(n, 20, replace=False)
+        at = rng.choice(50, 20, replace=False)
+        f.read(ids, slots, at=at)
+        assert np.array_equal(slots[at], ref[ids])
+        assert not np.delete(slots, at, axis=0).any()
+        slots[at] = 7
+        f.write(ids, slots, at=at)
+        ref[ids] = 7
+        back = np.zeros((n, rb), dtype=np.uint8)
+        f.read_range(0, back)
+        assert np.array_equal(back, ref)
+        assert f.ram_bytes <= rowfile.KEEP
+
+
+def test_requests_merge_neighbours_and_cut_long_runs():
+    ids = np.array([0, 1, 2, 5, 7, 8, 9, 10, 11])
+    boff, blen, foff = rowfile._requests(ids, 512, 4096, limit=3 * 512)
+    assert foff == [4096 + 512 * i for i in (0, 5, 7, 10)]
+    assert blen == [3 * 512, 512, 3 * 512, 2 * 512]
+    assert boff == [0, 3 * 512, 4 * 512, 7 * 512]
+
+
+def test_buffered_cache_stays_small(tmp_path):
+    """Buffered mode drops the file's pages after each call (auto_drop) or on drop_cache()."""
+    with RowFile.create(tmp_path / "t.rows", 2000, 512, direct=False) as f:
+        rows = np.ones((2000, 512), dtype=np.uint8)
+        f.write_range(0, rows)
+        f.auto_drop = False
+        f.read(np.arange(0, 2000, 3), np.zeros((667, 512), dtype=np.uint8))
+        f.drop_cache()
+        f.flush()
+        assert f._unsynced == 0
 
 
 def test_errors_name_the_file(tmp_path):
     path = tmp_path / "t.rows"
     with pytest.raises(FileNotFoundError, match="t.rows"):
         RowFile.open(path)
-    RowFile.create(path, 10, 8).close()
+    RowFile.create(path, 10, 8, {"dtype": "float32"}).close()
     with pytest.raises(FileExistsError, match="t.rows"):
         RowFile.create(path, 10, 8)
-    with pytest.raises(RowFileError, match="row_bytes is 8, expected 16"):
-        RowFile.open(path, expect={"row_bytes": 16})
+    RowFile.create(path, 10, 8, {"dtype": "float32"}, overwrite=True).close()
+    with pytest.raises(RowFileError, match="row_bytes is 8, expected 16") as e:
+        RowFile.open(path, expect={"row_bytes": 16, "num_rows": 10})
+    assert "num_rows" not in str(e.value)
+    with pytest.raises(RowFileError, match="num_rows is 10, expected 11.*dtype is 'float32', "
+                       "expected 'bfloat16'"):
+        RowFile.open(path, expect={"num_rows": 11, "dtype": "bfloat16"})
     with open(path, "r+b") as fh:
-        fh.truncate(4096 + 100)
-    with pytest.raises(RowFileError, match="truncated"):
+        fh.truncate(4096 + 30)
+    with pytest.raises(RowFileError, match=r"truncated: 4,126 bytes, its header says"):
         RowFile.open(path)
     foreign = tmp_path / "foreign.rows"
     foreign.write_bytes(b"PK\x03\x04" + bytes(5000))
-    with pytest.raises(RowFileError, match="not an nbtools row file"):
+    with pytest.raises(RowFileError, match="foreign.rows' is not an nbtools row file"):
         RowFile.open(foreign)
+    assert issubclass(RowFileError, NbtoolsError) and issubclass(RowFileError, ValueError)
     f = RowFile.create(tmp_path / "u.rows", 10, 8)
-    with pytest.raises(IndexError, match="10 rows"):
-        f.read(np.array([10]), np.zeros((1, 8), dtype=np.uint8))
+    with pytest.raises(IndexError, match="10 rows but ids contain 10 \\(first at position 1\\)"):
+        f.read(np.array([3, 10]), np.zeros((2, 8), dtype=np.uint8))
     with pytest.raises(ValueError, match="uint8"):
         f.write(np.array([1]), np.zeros((1, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"\[2, 8\]"):
+        f.read(np.array([1, 2]), np.zeros((3, 8), dtype=np.uint8))
+    with pytest.raises(IndexError, match="it has 10"):
+        f.read_range(5, np.zeros((6, 8), dtype=np.uint8))
     f.close()
+    with pytest.raises(ValueError, match="closed"):
+        f.read(np.array([1]), np.zeros((1, 8), dtype=np.uint8))
+    g = RowFile.open(tmp_path / "u.rows", writable=False)
+    with pytest.raises(PermissionError, match="read-only"):
+        g.write(np.array([1]), np.zeros((1, 8), dtype=np.uint8))
+    g.close()
 
 
 def test_disk_full_refused_before_writing(tmp_path, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: type(real(p))(real(p).total, real(p).total - 10, 10))
-    with pytest.raises(DiskFullError, match="does not fit"):
+    with pytest.raises(DiskFullError, match=r"does not fit: 10 B \(10 bytes\) free in") as e:
+        RowFile.create(tmp_path / "big.rows", 1000, 64)
+    assert str(tmp_path) in str(e.value) and isinstance(e.value, OSError)
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_full_while_reserving_removes_the_file(tmp_path, monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(DiskFullError, match="the partial file was removed"):
         RowFile.create(tmp_path / "big.rows", 1000, 64)
     assert os.listdir(tmp_path) == []
 
 
-def test_read_only_folder(tmp_path, monkeypatch):
+def test_no_fallocate_falls_back_to_ftruncate(tmp_path, monkeypatch):
+    def unsupported(fd, offset, size):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setattr(os, "posix_fallocate", unsupported, raising=False)
+    with RowFile.create(tmp_path / "t.rows", 100, 64) as f:
+        assert os.path.getsize(f.path) == f.data_offset + 100 * f.stride
+
+
+def test_folders(tmp_path, monkeypatch):
+    # missing folders are created, parents too
+    with RowFile.create(tmp_path / "a" / "b" / "t.rows", 4, 8):
+        pass
+    # a read-only folder (simulated: root ignores permission bits)
     real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path)
-                        else real(p, mode))
-    with pytest.raises(PermissionError, match="read-only"):
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path)
+                        else real(p, mode, **kw))
+    with pytest.raises(PermissionError, match=f"{tmp_path}.*read-only.*disk_dir"):
         RowFile.create(tmp_path / "t.rows", 10, 8)
+    monkeypatch.undo()
+
+    def refuse(name, mode=0o777, exist_ok=False):
+        raise PermissionError(errno.EACCES, "Permission denied", name)
+    monkeypatch.setattr(os, "makedirs", refuse)
+    with pytest.raises(PermissionError, match="cannot create the folder.*disk_dir"):
+        RowFile.create(tmp_path / "new" / "t.rows", 10, 8)
+
+
+def test_direct_true_refused_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(rowfile, "_probe_block", lambda fd, stride=0: 0)
+    with pytest.raises(OSError, match="O_DIRECT.*direct='auto' or direct=False"):
+        RowFile.create(tmp_path / "t.rows", 10, 8, direct=True)
+    assert os.listdir(tmp_path) == []
+    with RowFile.create(tmp_path / "t.rows", 10, 8, direct="auto", overwrite=True) as f:
+        assert not f.direct and f.stride == 8     # the buffered fallback
