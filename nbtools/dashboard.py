@@ -183,6 +183,13 @@ def _cache_in_use(r: dict) -> bool:
     return bool(r.get("nbtools_cache_lookup_rows"))
 
 
+def _disk_in_use(r: dict) -> bool:
+    """Whether disk tables have been used since the dashboard opened (the meters leave the
+    disk tier's readings N/A until then): only then is there a disk row."""
+    return any(r.get(k) is not None for k in ("nbtools_disk_read_bytes_per_s",
+                                              "host_cache_hit_percent", "disk_wait_s"))
+
+
 def _sub(a, b):
     return None if a is None or b is None else max(0, a - b)
 
@@ -198,8 +205,9 @@ def _breakdown(r: dict) -> str:
 
 def run_summary_text(r: dict) -> str:
     """Where a run's time went, from its summary record (``whole_run``): ``"in steps 1.7 min:
-    waiting for data 5.0 s (5%), transfers 40 s (40%), compute 50 s (50%)"``; empty when the
-    step timer measured nothing."""
+    waiting for data 5.0 s (5%), transfers 40 s (40%), compute 50 s (50%)"``, and with disk
+    tables ``"; of it waiting for the disk 30 s (30%)"`` (that wait is part of whichever phase
+    looked the rows up, usually compute); empty when the step timer measured nothing."""
     total = r.get("step_total_s")
     if total is None:
         return ""
@@ -207,7 +215,10 @@ def run_summary_text(r: dict) -> str:
              for name, key in (("waiting for data", "data_wait_total_s"),
                                ("transfers", "transfer_total_s"), ("compute", "compute_total_s"))
              if r.get(key) is not None]
-    return f"in steps {fmt_seconds(total)}" + (": " + ", ".join(parts) if parts else "")
+    disk = r.get("disk_wait_total_s")
+    of_it = (f"; of it waiting for the disk {fmt_seconds(disk)} ({_pct(disk, total)})"
+             if disk is not None else "")
+    return f"in steps {fmt_seconds(total)}" + (": " + ", ".join(parts) if parts else "") + of_it
 
 
 def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_=(),
@@ -272,6 +283,21 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
                f"nbtools {fmt_bytes(r.get('nbtools_pinned_bytes'))}",
                f"torch host allocator {fmt_bytes(r.get('torch_pinned_bytes'))}"),
     ])
+    if _disk_in_use(r):   # the disk tier: its own row, only while disk tables are in use
+        per = "mean over the run" if run else "since the last refresh"
+        badges = f"<div>{badges}</div><div>" + "".join([
+            _badge("disk read", fmt_rate(r.get("nbtools_disk_read_bytes_per_s")),
+                   f"write {fmt_rate(r.get('nbtools_disk_write_bytes_per_s'))}",
+                   f"bytes the disk tables read from and wrote to their files per second, {per}"),
+            _badge("RAM cache hits", _pct(r.get("host_cache_hit_percent"), 100),
+                   "rows already in RAM",
+                   "disk tables: share of the unique rows looked up that their host RAM cache "
+                   f"held, so that no disk read was needed; {per}"),
+            _badge("disk wait", fmt_seconds(r.get("disk_wait_s")),
+                   f"{_pct(r.get('disk_wait_s'), step)} of a step",
+                   "mean time per step the training loop waited for the disk: reads, write-backs "
+                   f"of evicted rows, a read-ahead still in flight; {per}"),
+        ]) + "</div>"
     gt, gu = r.get("gpu_total_bytes"), r.get("gpu_used_bytes")
     ta, tr = r.get("torch_allocated_bytes"), r.get("torch_reserved_bytes")
     bars = "" if gt is None else _bar("GPU memory", gt, [("torch allocated", ta, _C["gpu"]),
@@ -343,6 +369,11 @@ def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
     if _cache_in_use(r):
         parts.append(f"cache {_pct(r.get('cache_hit_percent'), 100)} hits, saved "
                      f"{fmt_rate(r.get('nbtools_cache_saved_bytes_per_s'))}")
+    if _disk_in_use(r):
+        parts.append(f"disk read {fmt_rate(r.get('nbtools_disk_read_bytes_per_s'))} write "
+                     f"{fmt_rate(r.get('nbtools_disk_write_bytes_per_s'))}, RAM hits "
+                     f"{_pct(r.get('host_cache_hit_percent'), 100)}, wait "
+                     f"{_pct(r.get('disk_wait_s'), step)} of step")
     parts.append(r.get("diagnosis", ""))
     return " | ".join(parts)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import collections
 
-from .meters.backends import (_PCIE_LANE_BYTES_PER_S, GPU_KEYS, HOST_KEYS, LINK_KEYS, NBTOOLS_KEYS,
-                              TORCH_KEYS)
+from .meters.backends import (_PCIE_LANE_BYTES_PER_S, DISK_COUNTERS, DISK_KEYS, GPU_KEYS, HOST_KEYS,
+                              LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
 
 
 class FakeClock:
@@ -28,7 +28,8 @@ class FakeClock:
 class FakeBackend:
     """Deterministic readings for tests and docs, no GPU needed.
 
-    Every reading is an attribute in ``values`` (set it to ``None`` for N/A); the raw PCIe
+    Every reading is an attribute in ``values`` (set it to ``None`` for N/A; the disk readings
+    are N/A, as without disk tables, until :meth:`disk_io`); the raw PCIe
     counters are ``counter_bits`` wide and wrap like NVML's. Put a reader's name in ``fail``
     (``"gpu"``, ``"host"``, ``"pcie_counters"`` ...) to make it raise.
 
@@ -47,6 +48,8 @@ class FakeBackend:
         "host_available_bytes": 44 << 30, "process_rss_bytes": 12 << 30,
         "nbtools_pinned_bytes": 8 << 30, "nbtools_h2d_bytes": 0, "nbtools_d2h_bytes": 0,
         "nbtools_cache_lookup_rows": 0, "nbtools_cache_hit_rows": 0, "nbtools_cache_saved_bytes": 0,
+        # no disk table: N/A until disk_io() pretends one moved rows
+        **dict.fromkeys(DISK_KEYS),
         "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * _PCIE_LANE_BYTES_PER_S[5],
     }
 
@@ -87,6 +90,27 @@ class FakeBackend:
         self.values["nbtools_cache_hit_rows"] += hits
         self.values["nbtools_cache_saved_bytes"] += saved_bytes
 
+    def disk_io(self, **counts) -> None:
+        """Pretend disk tables moved rows: adds to the :func:`nbtools.disk.disk_counters`
+        names given (``read_bytes``, ``write_bytes``, ``read_s``, ``write_s``,
+        ``lookup_rows``, ``hit_rows``, ``wait_s``); the first call makes the disk readings
+        0 instead of N/A, as importing ``nbtools.disk`` does.
+
+        >>> b = FakeBackend()
+        >>> b.disk()["nbtools_disk_read_bytes"] is None
+        True
+        >>> b.disk_io(read_bytes=4096, lookup_rows=10, hit_rows=9)
+        >>> b.disk()["nbtools_disk_read_bytes"], b.disk()["nbtools_disk_wait_s"]
+        (4096, 0)
+        """
+        unknown = set(counts) - set(DISK_COUNTERS)
+        if unknown:
+            raise TypeError(f"FakeBackend.disk_io got unknown counters {sorted(unknown)}; "
+                            f"known: {list(DISK_COUNTERS)}")
+        for k in DISK_COUNTERS:
+            key = f"nbtools_disk_{k}"
+            self.values[key] = (self.values[key] or 0) + counts.get(k, 0)
+
     def _read(self, name, keys):
         self.calls[name] += 1
         if name in self.fail:
@@ -104,6 +128,9 @@ class FakeBackend:
 
     def nbtools(self):
         return self._read("nbtools", NBTOOLS_KEYS)
+
+    def disk(self):
+        return self._read("disk", DISK_KEYS)
 
     def link(self):
         return self._read("link", LINK_KEYS)

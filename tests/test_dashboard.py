@@ -431,3 +431,106 @@ def test_a_run_without_steps_says_so():
     dash = make()
     dash.close()
     assert dash.record["diagnosis"] == "no steps were made"
+
+
+# --- the disk tier (issue 25, item 6) -------------------------------------------------------------
+
+def _disk_loop(dash, backend, steps=2000, wait=0.006, reads=400 << 10, writes=100 << 10):
+    """10 ms steps: 1 ms waiting for data, 9 ms of compute in which the lookups wait ``wait``
+    for the disk, reading ``reads`` and writing back ``writes`` bytes; 90% of rows in RAM."""
+    def batches():
+        for i in range(steps):
+            dash.clock.advance(0.001)
+            yield i
+    for _ in dash.data(batches()):
+        with dash.compute():
+            dash.clock.advance(0.009)
+            backend.disk_io(read_bytes=reads, write_bytes=writes, lookup_rows=1000,
+                            hit_rows=900, wait_s=wait)
+        dash.step(256)
+
+
+def test_no_disk_row_without_disk_tables():
+    b = FakeBackend()
+    b.disk_io()                            # nbtools.disk imported (describe() does), no table
+    dash = make(backend=b, text_every_s=1.0)
+    _loop(dash, b, steps=300)
+    html = render_html(dash.record)
+    assert "disk" not in dash.out.getvalue() and "disk" not in html.lower()
+    assert html.count('class="nbtools-badge"') == 10
+    dash.close()
+    assert "disk" not in dash.out.getvalue() and "disk" not in dash.snapshot_html().lower()
+
+
+def test_disk_row_rates_and_the_disk_bound_verdict():
+    b = FakeBackend(gpu_util_percent=30.0)
+    dash = make(backend=b, text_every_s=1.0)
+    _disk_loop(dash, b, steps=500)                         # 6 of 10 ms waiting for the disk
+    r = dash.record
+    assert r["nbtools_disk_read_bytes_per_s"] == pytest.approx((400 << 10) / 0.010)
+    assert r["nbtools_disk_write_bytes_per_s"] == pytest.approx((100 << 10) / 0.010)
+    assert r["host_cache_hit_percent"] == pytest.approx(90.0)
+    assert r["disk_wait_s"] == pytest.approx(0.006)
+    assert r["diagnosis"].startswith("disk-bound: 60% of each step waits for the disk "
+                                     "(reads 41.0 MB/s, RAM cache hits 90%)")
+    last = dash.out.getvalue().splitlines()[-1]
+    assert "disk read 41.0 MB/s write 10.2 MB/s, RAM hits 90%, wait 60% of step" in last
+    html = render_html(r)
+    assert html.count('class="nbtools-badge"') == 13
+    assert ">disk read</div>" in html and ">41.0 MB/s</div>" in html and ">90%</div>" in html
+    assert "60% of a step" in html and "disk-bound: 60%" in html
+    # the disk stops being the wait: the rest of the step (host work) is the largest share
+    _disk_loop(dash, b, steps=500, wait=0.002)
+    assert dash.record["disk_wait_s"] == pytest.approx(0.002)
+    assert dash.record["diagnosis"].startswith("host-bound: GPU busy only 30%")
+    assert ">disk read</div>" in render_html(dash.record)     # the row stays, the verdict not
+
+
+def test_final_verdict_sums_the_disk_wait_over_the_run():
+    b = FakeBackend(gpu_util_percent=30.0)
+    dash = make(backend=b)
+    _disk_loop(dash, b, steps=1000, wait=0.008)            # 10 s disk-bound (80%)
+    _disk_loop(dash, b, steps=1000, wait=0.002)            # 10 s host-bound (disk 20%)
+    assert dash.record["diagnosis"].startswith("host-bound")
+    _idle_then_close(dash, b)                              # idle: no disk traffic
+    r = dash.record
+    assert r["disk_wait_total_s"] == pytest.approx(1999 * 0.005, rel=2e-3)   # step 1 left out
+    assert r["disk_wait_s"] == pytest.approx(0.005, rel=2e-3)
+    assert r["nbtools_disk_read_bytes_per_s"] == pytest.approx((400 << 10) / 0.010, rel=1e-3)
+    assert r["host_cache_hit_percent"] == pytest.approx(90.0)
+    assert r["diagnosis"].startswith("over the run: disk-bound: 50% of each step waits")
+    text = dash.out.getvalue()
+    assert "[nbtools] in steps 20 s: waiting for data 2 s (10%), compute 18 s (90%); of it " \
+           "waiting for the disk 9.99 s (50%)" in text
+    assert text.rstrip().splitlines()[-1].startswith("[nbtools] over the run: disk-bound: 50%")
+
+
+def test_a_disk_table_trained_on_cpu_shows_its_reads(tmp_path):
+    import torch
+
+    from nbtools.meters import SystemBackend
+    n, d = 4_000, 8
+    table = nbtools.OffloadedEmbedding(n, d, device="cpu", name="on-disk", placement="disk",
+                                       disk_dir=str(tmp_path), host_cache_bytes=256 * 3 * d * 4)
+    opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    clock = FakeClock()
+    out = io.StringIO()
+    config = DashboardConfig(mode="text", pcie="manual", file=out, text_every_s=0.0)
+    mon = Monitor("rows", backend=SystemBackend("cpu"), clock=clock, config=config)
+    gen = torch.Generator().manual_seed(0)
+    with Dashboard("rows", config=config, monitor=mon) as dash:
+        for _ in range(12):
+            ids = torch.randint(0, n, (128,), generator=gen)
+            with dash.compute():
+                opt.zero_grad()
+                table(ids).sum().backward()
+                opt.step()
+            clock.advance(1.0)
+            dash.step(len(ids))
+            live = dash.record
+    assert live["nbtools_disk_read_bytes_per_s"] > 0 and live["nbtools_disk_write_bytes_per_s"] > 0
+    assert 0 <= live["host_cache_hit_percent"] < 100 and live["disk_wait_s"] > 0
+    r = dash.record
+    assert r["whole_run"] and r["nbtools_disk_read_bytes_per_s"] > 0 and r["disk_wait_total_s"] > 0
+    assert "disk read" in out.getvalue() and ">disk read</div>" in dash.snapshot_html()
+    table.close()

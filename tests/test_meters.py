@@ -38,8 +38,9 @@ def test_meters_read_has_every_key_with_units():
                for k in rec), sorted(rec)
 
 
-@pytest.mark.parametrize("reader", ["gpu", "torch_memory", "host", "nbtools", "pcie_counters",
-                                    "pcie_throughput"], ids=lambda r: f"{r}_reader")  # not the gpu marker
+@pytest.mark.parametrize("reader", ["gpu", "torch_memory", "host", "nbtools", "disk",
+                                    "pcie_counters", "pcie_throughput"],
+                         ids=lambda r: f"{r}_reader")  # not the gpu marker
 def test_a_failing_reader_reads_as_na(reader):
     b = FakeBackend()
     b.fail.add(reader)
@@ -48,8 +49,10 @@ def test_a_failing_reader_reads_as_na(reader):
     m.pcie.poll()
     rec = m.read()   # never raises
     keys = {"gpu": meters.GPU_KEYS, "torch_memory": meters.TORCH_KEYS, "host": meters.HOST_KEYS,
-            "nbtools": meters.NBTOOLS_KEYS}.get(reader, ())
+            "nbtools": meters.NBTOOLS_KEYS, "disk": meters.DISK_KEYS}.get(reader, ())
     assert all(rec[k] is None for k in keys)
+    if reader == "disk":
+        assert rec["nbtools_disk_read_bytes_per_s"] is None and rec["host_cache_hit_percent"] is None
     if reader == "nbtools":
         assert rec["pinned_bytes"] == 0          # torch's part is still there
         assert rec["nbtools_h2d_bytes_per_s"] is None and rec["cache_hit_percent"] is None
@@ -288,6 +291,123 @@ def test_system_backend_reads_the_process_wide_cache_counters():
     assert after["nbtools_cache_lookup_rows"] - before["nbtools_cache_lookup_rows"] == 10
     assert after["nbtools_cache_hit_rows"] - before["nbtools_cache_hit_rows"] == 7
     assert after["nbtools_cache_saved_bytes"] - before["nbtools_cache_saved_bytes"] == 3 << 10
+
+
+# --- the disk tier (issue 25, item 6) -----------------------------------------------------------
+
+def test_disk_rates_ram_hit_share_per_interval():
+    clock = FakeClock()
+    b = FakeBackend()
+    m = Meters(b, clock=clock, pcie="manual")
+    m.read()
+    clock.advance(2.0)
+    b.disk_io(read_bytes=6 << 20, write_bytes=2 << 20, read_s=0.5, write_s=0.1,
+              lookup_rows=1000, hit_rows=900, wait_s=0.3)
+    rec = m.read()
+    assert rec["nbtools_disk_read_bytes_per_s"] == (6 << 20) / 2
+    assert rec["nbtools_disk_write_bytes_per_s"] == (2 << 20) / 2
+    assert rec["host_cache_hit_percent"] == 90.0 and rec["nbtools_disk_wait_s"] == 0.3
+    clock.advance(0.5)
+    b.disk_io(read_bytes=1 << 20, lookup_rows=400, hit_rows=100)   # the interval's, not the run's
+    rec = m.read()
+    assert rec["nbtools_disk_read_bytes_per_s"] == (1 << 20) / 0.5
+    assert rec["nbtools_disk_write_bytes_per_s"] == 0.0 and rec["host_cache_hit_percent"] == 25.0
+    clock.advance(1.0)
+    rec = m.read()                               # no lookup: 0 B/s, hit share N/A (not 0%)
+    assert rec["nbtools_disk_read_bytes_per_s"] == 0.0 and rec["host_cache_hit_percent"] is None
+
+
+def test_disk_readings_are_na_without_disk_tables():
+    clock = FakeClock()
+    b = FakeBackend()                            # nbtools.disk never imported: N/A
+    m = Meters(b, clock=clock, pcie="manual")
+    for _ in range(3):
+        clock.advance(1.0)
+        rec = m.read()
+        assert all(rec[k] is None for k in meters.DISK_KEYS)
+    b.disk_io()                                  # imported (describe() does), no disk table: 0
+    for _ in range(3):
+        clock.advance(1.0)
+        rec = m.read()
+        assert rec["nbtools_disk_read_bytes"] == 0 and not m.disk_in_use
+        assert rec["nbtools_disk_read_bytes_per_s"] is None
+        assert rec["host_cache_hit_percent"] is None
+    # a disk table used earlier in the process, before these meters: still no disk tier
+    b2 = FakeBackend()
+    b2.disk_io(read_bytes=1 << 30, lookup_rows=10 ** 6, hit_rows=10 ** 5, wait_s=50.0)
+    mon, _, _ = monitor(backend=b2, clock=clock)
+    for _ in range(30):
+        clock.advance(0.1)
+        mon.step(10)
+    r = mon.record
+    assert r["nbtools_disk_read_bytes_per_s"] is None and r["host_cache_hit_percent"] is None
+    assert r["disk_wait_s"] is None and "disk" not in mon.diagnosis
+
+
+def test_system_backend_reads_the_disk_counters_only_once_imported(monkeypatch):
+    import nbtools.disk
+    fake = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0,
+            "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0}
+    monkeypatch.setattr(nbtools.disk, "disk_counters", lambda: dict(fake))
+    clock = FakeClock()
+    m = Meters(SystemBackend("cpu"), clock=clock, pcie="manual")
+    m.read()
+    clock.advance(4.0)
+    fake.update(read_bytes=400 << 20, write_bytes=100 << 20, lookup_rows=2000, hit_rows=1500,
+                wait_s=1.0)
+    rec = m.read()
+    assert rec["nbtools_disk_read_bytes_per_s"] == (100 << 20)
+    assert rec["nbtools_disk_write_bytes_per_s"] == (25 << 20)
+    assert rec["host_cache_hit_percent"] == 75.0 and rec["nbtools_disk_wait_s"] == 1.0
+    monkeypatch.delitem(sys.modules, "nbtools.disk")     # not imported: N/A, and not imported
+    assert SystemBackend("cpu").disk() == dict.fromkeys(meters.DISK_KEYS)
+    assert "nbtools.disk" not in sys.modules
+
+
+def _disk_steps(mon, b, clock, steps, wait, data=0.0, step=0.010, reads=1 << 20):
+    """``steps`` steps of ``step`` seconds (host clock), of which ``data`` wait for the loader
+    and ``wait`` for the disk (inside compute, where the lookups run)."""
+    def batches():
+        for i in range(steps):
+            clock.advance(data)
+            yield i
+    for _ in mon.timer.data(batches()):
+        with mon.timer.compute():
+            clock.advance(step - data)
+            b.disk_io(read_bytes=reads, lookup_rows=100, hit_rows=80, wait_s=wait)
+        mon.step(256)
+
+
+def test_monitor_disk_wait_per_step_and_the_disk_bound_verdict():
+    clock = FakeClock()
+    b = FakeBackend(gpu_util_percent=None)
+    b.disk_io()
+    mon, _, _ = monitor(backend=b, clock=clock)
+    _disk_steps(mon, b, clock, 500, wait=0.006)          # 6 of 10 ms waiting for the disk
+    r = mon.record
+    assert r["disk_wait_s"] == pytest.approx(0.006) and r["step_s"] == pytest.approx(0.010)
+    assert r["nbtools_disk_read_bytes_per_s"] == pytest.approx((1 << 20) / 0.010)
+    assert r["host_cache_hit_percent"] == pytest.approx(80.0)
+    assert mon.diagnosis.startswith("disk-bound: 60% of each step waits for the disk (reads "
+                                    "104.9 MB/s, RAM cache hits 80%)")
+    _disk_steps(mon, b, clock, 500, wait=0.003)          # 30%: the rest (70%) is larger
+    assert mon.record["disk_wait_s"] == pytest.approx(0.003)
+    assert mon.diagnosis.startswith("no GPU readings")
+    _disk_steps(mon, b, clock, 500, wait=0.003, data=0.004)   # data 40% > disk 30%
+    assert mon.diagnosis.startswith("data-bound: 40%")
+
+
+@pytest.mark.parametrize("rec, start", [
+    ({"disk_wait_s": 0.005, "step_s": 0.01, "gpu_util_percent": 99}, "disk-bound: 50%"),
+    ({"disk_wait_s": 0.003, "data_wait_s": 0.003, "transfer_s": 0.003, "step_s": 0.01},
+     "disk-bound: 30%"),                                 # the largest of four (rest 10%)
+    ({"disk_wait_s": 0.004, "step_s": 0.01, "gpu_util_percent": 99}, "compute-bound"),
+    ({"disk_wait_s": 0.004, "data_wait_s": 0.005, "step_s": 0.01}, "data-bound: 50%"),
+    ({"disk_wait_s": 0.0, "step_s": 0.01}, "no GPU readings"),
+    ({"disk_wait_s": 0.02, "step_s": None}, "warming up"),
+])
+def test_diagnose_disk_bound_when_the_disk_wait_is_the_largest_share(rec, start):
+    assert diagnose(rec).startswith(start)
 
 
 # --- throughput and step time -------------------------------------------------------------------
@@ -637,10 +757,12 @@ def test_meters_and_dashboard_import_torch_only_when_a_reading_needs_it():
         "print('torch' in sys.modules, round(mon.record['samples_per_s']))",
         "nbtools.meters.SystemBackend('cpu').host()",
         "print('torch' in sys.modules)",
+        "nbtools.meters.SystemBackend('cpu').disk()",           # no disk table: not imported
+        "print('nbtools.disk' in sys.modules)",
     ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(Path(nbtools.__file__).parents[1]))
-    assert out.stdout.split() == ["False", "100", "True"]
+    assert out.stdout.split() == ["False", "100", "True", "False"]
 
 
 def test_a_table_with_a_cache_counts_for_the_meters():

@@ -17,6 +17,8 @@ Facts the design rests on (measured on an H100, see ``shared/DESIGN.md``):
 * Nothing in NVML or /proc reports CUDA-pinned host memory: nbtools counts its own
   (:func:`nbtools.hostmem.pinned_bytes`), torch's caching host allocator reports its own.
 * ``utilization.gpu`` reads ~100% during a pure copy: :func:`diagnose` looks at PCIe first.
+* Disk tables count their own traffic (:func:`nbtools.disk.disk_counters`), read only once
+  ``nbtools.disk`` is imported; the disk tier's rates stay N/A until disk tables are used.
 
 The parts, one file each: :mod:`~nbtools.meters.backends` (where readings come from),
 :mod:`~nbtools.meters.samplers` (PCIe, resources, throughput, step timer),
@@ -43,13 +45,13 @@ from __future__ import annotations
 import importlib
 
 from ..units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
-from .backends import (GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS, TORCH_KEYS,
+from .backends import (DISK_KEYS, GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS, TORCH_KEYS,
                        SystemBackend)
 from .bandwidth import measure_bandwidth
 from .monitor import RUN_MEAN_KEYS, History, Monitor, MonitorConfig, RunMeans, Warnings, diagnose
 from .samplers import CounterUnwrapper, Meters, PcieSampler, StepTimer, ThroughputMeter
 
-__all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "NBTOOLS_KEYS", "LINK_KEYS",
+__all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "NBTOOLS_KEYS", "DISK_KEYS", "LINK_KEYS",
            "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
            "CounterUnwrapper", "PcieSampler", "Meters", "ThroughputMeter", "StepTimer",
            "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "RunMeans", "RUN_MEAN_KEYS",

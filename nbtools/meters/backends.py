@@ -5,6 +5,7 @@ the names), ``None`` where a reading cannot be had. Fakes for tests live in :mod
 from __future__ import annotations
 
 import os
+import sys
 
 NA = None   # a reading that cannot be had
 
@@ -19,8 +20,12 @@ HOST_KEYS = ("host_total_bytes", "host_used_bytes", "host_available_bytes", "pro
 NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes",
                 "nbtools_cache_lookup_rows", "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes")
 LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
+# nbtools.disk.disk_counters(), every disk table's cumulative traffic, under these names
+DISK_COUNTERS = ("read_bytes", "write_bytes", "read_s", "write_s", "lookup_rows", "hit_rows",
+                 "wait_s")
+DISK_KEYS = tuple(f"nbtools_disk_{k}" for k in DISK_COUNTERS)
 _READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
-            "nbtools": NBTOOLS_KEYS, "link": LINK_KEYS}
+            "nbtools": NBTOOLS_KEYS, "disk": DISK_KEYS, "link": LINK_KEYS}
 
 
 class SystemBackend:
@@ -212,6 +217,18 @@ class SystemBackend:
                 "nbtools_cache_lookup_rows": cache["lookup_rows"],
                 "nbtools_cache_hit_rows": cache["hit_rows"],
                 "nbtools_cache_saved_bytes": cache["saved_bytes"]}
+
+    def disk(self):
+        """The disk tier's cumulative counters (:func:`nbtools.disk.disk_counters`): bytes read
+        and written, seconds in file reads and writes, unique rows looked up and how many were
+        in RAM, seconds the loop's thread waited for the disk. N/A while ``nbtools.disk`` is not
+        imported: no disk table can exist then, and importing it (and torch) to read zeros is
+        not worth it."""
+        module = sys.modules.get("nbtools.disk")
+        if module is None:
+            return dict.fromkeys(DISK_KEYS)
+        c = module.disk_counters()
+        return {f"nbtools_disk_{k}": c.get(k) for k in DISK_COUNTERS}
 
     def event(self):
         """A CUDA timing event, or None on the CPU (the host clock times phases then)."""

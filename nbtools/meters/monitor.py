@@ -115,10 +115,31 @@ def _dumps(record: dict) -> str:
 _FEWER_BYTES = "fewer bytes per row help (bf16 tables, an optimizer with less state)"
 
 
+def _disk_share(r: dict):
+    """The share of the mean step that the loop's thread waited for the disk, when it is the
+    largest share (see :func:`diagnose`), else None."""
+    step = r.get("step_s")
+    disk = _frac(r.get("disk_wait_s"), step)
+    if disk is None:
+        return None
+    disk = min(disk, 1.0)
+    data = _frac(r.get("data_wait_s"), step) or 0.0
+    xfer = _frac(r.get("transfer_s"), step) or 0.0
+    rest = 1.0 - disk - data - xfer      # compute and everything else (the lookups' own CPU work)
+    return disk if disk > 0 and disk >= max(data, xfer, rest) else None
+
+
 def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     """One line saying what bounds the run, from one record.
 
-    The checks, in order: the loader (data wait), the PCIe link (NVML rates, or the bytes nbtools
+    First the disk tier: **disk-bound** when ``disk_wait_s`` (mean seconds per step that the
+    training loop's thread waited for disk tables: their reads, write-backs of evicted rows,
+    and the wait for a read-ahead still in flight) is the largest of the four parts a step is
+    split into: that wait, ``data_wait_s``, ``transfer_s``, and the rest of ``step_s`` (compute
+    and everything else: ``compute_s`` is not used, as the lookups that wait usually run inside
+    the compute block). Ties go to the disk. Over a refresh interval these are means over its
+    steps; in the summary on close, over the run's steps. The other checks, in order: the
+    loader (data wait), the PCIe link (NVML rates, or the bytes nbtools
     moved, against the link's speed; nbtools' zero-copy reads plus writes against it), the step
     timer's transfer share, then GPU utilisation.
     PCIe comes before utilisation because ``utilization.gpu`` reads ~100% during pure copies.
@@ -130,10 +151,21 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     'transfer-bound: nbtools moves 36 GB/s of rows (18 in, 18 o'
     >>> diagnose({"gpu_util_percent": 97.0, "step_s": 0.005})
     'compute-bound: GPU busy 97%; a larger batch or mixed precision helps'
+    >>> diagnose({"disk_wait_s": 0.006, "step_s": 0.010, "host_cache_hit_percent": 91.0,
+    ...           "nbtools_disk_read_bytes_per_s": 200e6, "gpu_util_percent": 40})[:86]
+    'disk-bound: 60% of each step waits for the disk (reads 200.0 MB/s, RAM cache hits 91%)'
     """
     r = record
     link = link_bytes_per_s or r.get("link_bytes_per_s")
     step = r.get("step_s")
+    disk = _disk_share(r)
+    if disk is not None:
+        hits = r.get("host_cache_hit_percent")
+        return (f"disk-bound: {disk:.0%} of each step waits for the disk (reads "
+                f"{fmt_rate(r.get('nbtools_disk_read_bytes_per_s'))}, RAM cache hits "
+                f"{'N/A' if hits is None else f'{hits:.0f}%'}); a larger host_cache_bytes, "
+                "table.prefetch(next_ids) to read ahead while a step computes, or a faster disk "
+                "helps")
     data_frac = _frac(r.get("data_wait_s"), step)
     if data_frac is not None and data_frac >= 0.3:
         return (f"data-bound: {data_frac:.0%} of each step waits for the next batch; "
@@ -238,7 +270,9 @@ class Warnings:
 # Readings that a summary of the whole run averages over the time steps were made.
 RUN_MEAN_KEYS = ("gpu_util_percent", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s",
                  "nbtools_h2d_bytes_per_s", "nbtools_d2h_bytes_per_s",
-                 "nbtools_cache_saved_bytes_per_s", "cache_hit_percent")
+                 "nbtools_cache_saved_bytes_per_s", "cache_hit_percent",
+                 "nbtools_disk_read_bytes_per_s", "nbtools_disk_write_bytes_per_s",
+                 "host_cache_hit_percent")
 
 
 class RunMeans:
@@ -337,6 +371,11 @@ class Monitor:
         self._cost = 0.0
         self.run_means = RunMeans()
         self._last_refresh = (self._t0, 0)   # (clock, steps) at the previous refresh
+        # (steps, the disk counters' cumulative wait_s) at the previous refresh, the run's
+        # (seconds waited, steps) from the end of the first step on, and the latest per-step wait
+        self._disk_mark = (0, self.meters._disk_start["nbtools_disk_wait_s"])
+        self._disk_run = [0.0, 0]
+        self._disk_wait = None
 
     def _event_factory(self):
         b = self.meters.backend
@@ -376,9 +415,10 @@ class Monitor:
         (``whole_run: True``): ``samples_per_s`` is the mean rate from the end of the first step
         to the end of the last (the window's rate at close is ``last_samples_per_s``),
         ``run_s`` that span; the step-time breakdown is the run's mean per step, with totals
-        (``data_wait_total_s``, ``transfer_total_s``, ``compute_total_s``, ``step_total_s``);
-        GPU utilisation, PCIe and nbtools' rates and the cache hit rate are the means of
-        :class:`RunMeans` over the time steps were made; and the diagnosis, prefixed
+        (``data_wait_total_s``, ``transfer_total_s``, ``compute_total_s``, ``step_total_s``,
+        and ``disk_wait_total_s`` with disk tables: see :meth:`_add_disk_wait`); GPU
+        utilisation, PCIe, nbtools' and the disk tier's rates and both cache hit rates are the
+        means of :class:`RunMeans` over the time steps were made; and the diagnosis, prefixed
         ``over the run:``, is made from these, never from the idle moment after the loop.
         Memory readings are those at close."""
         t_start = time.perf_counter()
@@ -395,6 +435,7 @@ class Monitor:
             self._resumed = False
         rec["overhead_percent"] = (100.0 * self.overhead_s / rec["elapsed_s"]
                                    if rec.get("elapsed_s") else None)
+        self._add_disk_wait(rec, final)
         if final:
             self._summarise(rec)
         else:
@@ -420,6 +461,31 @@ class Monitor:
         first, last = self.throughput.first_step_time, self.throughput.last_step_time
         if self.steps > steps_prev and first is not None:
             self.run_means.add(rec, min(now, last) - max(t_prev, first))
+
+    def _add_disk_wait(self, rec: dict, final: bool) -> None:
+        """``disk_wait_s``: mean seconds per step that the loop's thread waited for disk tables
+        (the disk counters' ``wait_s``) over the steps since the previous refresh; kept from the
+        last interval with steps when none was made, like the step timer's readings; N/A
+        without a disk tier in use. On close it is the mean over the run's steps, and
+        ``disk_wait_total_s`` their total: counted from the first refresh after the first
+        step on (the end of the first step unless the view refreshes from a thread), which,
+        like the step timer, leaves the first step out (it fills the empty RAM cache)."""
+        steps_prev, wait_prev = self._disk_mark
+        wait = rec.get("nbtools_disk_wait_s")
+        self._disk_mark = (self.steps, wait)
+        made = self.steps - steps_prev
+        if self.meters.disk_in_use and wait is not None and made > 0:
+            waited = wait - (wait_prev or 0.0)    # N/A before: not imported yet, so it was 0
+            self._disk_wait = waited / made
+            if steps_prev >= 1:
+                self._disk_run[0] += waited
+                self._disk_run[1] += made
+        rec["disk_wait_s"] = self._disk_wait
+        if final:
+            total, n = self._disk_run
+            rec["disk_wait_total_s"] = total if n else None
+            if n:
+                rec["disk_wait_s"] = total / n
 
     def _summarise(self, rec: dict) -> None:
         """Turn the record taken on close into the run's summary (see :meth:`refresh`)."""

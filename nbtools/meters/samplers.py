@@ -8,12 +8,16 @@ import math
 import threading
 import time
 
-from .backends import _PCIE_LANE_BYTES_PER_S, _READERS, LINK_KEYS, SystemBackend, _safe
+from .backends import (_PCIE_LANE_BYTES_PER_S, _READERS, DISK_KEYS, LINK_KEYS, SystemBackend,
+                       _safe)
 
 
 # nbtools' cumulative counters that Meters.read turns into per-interval figures
 _COUNTERS = ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_lookup_rows",
-             "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes")
+             "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes") + DISK_KEYS
+# the disk counters that say a disk table has been used (time counters do not: they only grow
+# while rows move)
+_DISK_USE = ("nbtools_disk_lookup_rows", "nbtools_disk_read_bytes", "nbtools_disk_write_bytes")
 
 
 def _add(*xs):
@@ -161,6 +165,15 @@ class PcieSampler:
 class Meters:
     """Samples GPU, torch, host, pinned-memory and PCIe readings into one flat dict.
 
+    nbtools' cumulative counters become rates over the interval since the previous
+    :meth:`read`: ``nbtools_h2d_bytes_per_s``, ``cache_hit_percent`` (the GPU cache of hot
+    rows), and for the disk tier ``nbtools_disk_read_bytes_per_s``,
+    ``nbtools_disk_write_bytes_per_s`` and ``host_cache_hit_percent`` (the share of the unique
+    rows disk tables looked up that were already in their RAM cache). The disk rates are N/A
+    until disk tables have looked up rows or moved bytes since these meters were made
+    (:attr:`disk_in_use`), so a run without them shows no disk tier, even in a process where
+    ``nbtools.disk`` was imported or used before.
+
     Args:
         backend: where readings come from (default :class:`SystemBackend` for ``device``).
         clock: seconds, monotonic (default ``time.monotonic``).
@@ -189,6 +202,13 @@ class Meters:
         self.pcie = PcieSampler(self.backend, self.clock, max_rate=link["link_bytes_per_s"])
         self._pcie_mode = pcie
         self._last = None   # (t, {counter: value}) for nbtools' rates
+        # the disk counters now: a disk tier is shown once they move (N/A: not imported, = 0)
+        self._disk_start = self._reader("disk", DISK_KEYS)
+        self.disk_in_use = False
+
+    def _reader(self, name, keys) -> dict:
+        fn = getattr(self.backend, name, None)   # a backend without a reader: N/A
+        return dict.fromkeys(keys) if fn is None else _safe(fn, keys)
 
     def read(self) -> dict:
         if self._pcie_mode == "thread" and self.pcie._thread is None and self.pcie.source != "n/a":
@@ -199,7 +219,7 @@ class Meters:
             if name == "link":
                 rec.update(self.link)
             else:
-                rec.update(_safe(getattr(self.backend, name), keys))
+                rec.update(self._reader(name, keys))
         rec["pinned_bytes"] = _add(rec["nbtools_pinned_bytes"], rec["torch_pinned_bytes"])
         # nbtools' cumulative counters as rates since the last reading, and the share of the
         # rows looked up in that interval that the GPU cache of hot rows served
@@ -207,14 +227,29 @@ class Meters:
         dt = now - last[0] if last is not None else 0.0
 
         def delta(k):
-            if dt <= 0 or rec[k] is None or last[1][k] is None:
+            before = last[1][k] if last is not None else None
+            if before is None and k in DISK_KEYS:
+                before = 0        # N/A: nbtools.disk was not imported, its counters start at 0
+            if dt <= 0 or rec[k] is None or before is None:
                 return None
-            return rec[k] - last[1][k]
+            return rec[k] - before
         for k in ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_saved_bytes"):
             d = delta(k)
             rec[f"{k}_per_s"] = None if d is None else d / dt
         looked, hit = delta("nbtools_cache_lookup_rows"), delta("nbtools_cache_hit_rows")
         rec["cache_hit_percent"] = 100.0 * hit / looked if looked and hit is not None else None
+        # the disk tier, once disk tables have been used since these meters started
+        if not self.disk_in_use:
+            self.disk_in_use = any(rec[k] is not None and rec[k] > (self._disk_start[k] or 0)
+                                   for k in _DISK_USE)
+        use = self.disk_in_use
+        for k in ("nbtools_disk_read_bytes", "nbtools_disk_write_bytes"):
+            d = delta(k) if use else None
+            rec[f"{k}_per_s"] = None if d is None else d / dt
+        looked = delta("nbtools_disk_lookup_rows") if use else None
+        hit = delta("nbtools_disk_hit_rows") if use else None
+        rec["host_cache_hit_percent"] = (100.0 * hit / looked if looked and hit is not None
+                                         else None)
         if self._pcie_mode == "off":
             rec.update(pcie_rx_bytes_per_s=None, pcie_tx_bytes_per_s=None, pcie_source=None)
         else:
