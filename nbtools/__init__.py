@@ -29,6 +29,8 @@ _LAZY = {
     "OffloadedEmbeddingBag": "nbtools.tables",
     "ShardedEmbedding": "nbtools.distributed",
     "OffloadOptimizer": "nbtools.optim",
+    "RowWiseAdagrad": "nbtools.rowwise",
+    "PartialRowWiseAdam": "nbtools.rowwise",
     "plan": "nbtools.optim",
     "Plan": "nbtools.optim",
     "PinnedLoader": "nbtools.loader",
@@ -58,8 +60,8 @@ _LAZY = {
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
 _SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "disk", "distributed", "env",
-               "hostmem", "loader", "meters", "models", "optim", "placement", "rowfile", "tables",
-               "testing", "units")
+               "hostmem", "loader", "meters", "models", "optim", "placement", "rowfile", "rowwise",
+               "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 

@@ -132,19 +132,19 @@ class ShardedEmbedding(nn.Module):
 
     def gather_full(self, state: str | None = None) -> torch.Tensor:
         """The whole table (``state=None``) or one per-row optimizer state (e.g.
-        ``"exp_avg"``) as a CPU tensor ``[num_embeddings, dim]`` on every rank: an
-        ``all_gather`` of every shard (the whole table crosses the network; for tests and small
-        tables)."""
+        ``"exp_avg"``) as a CPU tensor ``[num_embeddings, dim]`` (``[num_embeddings, 1]`` for a
+        row-wise state) on every rank: an ``all_gather`` of every shard (the whole table crosses
+        the network; for tests and small tables)."""
         local = self.shard.weight if state is None else self.shard.state_columns(state)
         local = local.detach().to("cpu")
         if self.world == 1:
             return local.clone()
         most = (self.num_embeddings + self.world - 1) // self.world
-        padded = local.new_zeros(most, self.embedding_dim)
+        padded = local.new_zeros(most, local.shape[1])    # (a row-wise state: 1 column)
         padded[: local.shape[0]] = local
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded.to(self._comm_device), group=self.group)
-        full = local.new_empty(self.num_embeddings, self.embedding_dim)
+        full = local.new_empty(self.num_embeddings, local.shape[1])
         for r, part in enumerate(parts):
             n = (self.num_embeddings - r + self.world - 1) // self.world
             full[r::self.world] = part[:n].cpu()

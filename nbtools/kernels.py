@@ -416,7 +416,77 @@ def _kernels():
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
         _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
+    # The row-wise updates (nbtools.rowwise). A program holds whole rows, the row in one
+    # column block (FusedUpdate.whole_row), so a row's mean(g^2) is one tl.sum over its tile,
+    # with no second pass and no exchange between programs. The per-row state is one column
+    # wide: read and written in the tile's first column only (FIRST).
+    @triton.jit
+    def _row_value(src, off, mask, first):
+        # [BLOCK_R] float32: each row's value at column `off` of its row (a one-column state)
+        return tl.sum(tl.load(src + off, mask=mask & first, other=0.0).to(tl.float32), 1)
+
+    globals()["_row_value"] = _row_value
+
+    @triton.jit
+    def rowwise_adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst,
+                        dst_stride, dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache,
+                        cache_stride, cache_w, cache_w_stride, slots, n_rows, cap, d, s0, hyper,
+                        HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
+                        HAS_CACHE: tl.constexpr, MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # RowWiseAdagrad: s += sum(g^2) / d per row (state "sum", one column at s0), then
+        # w -= lr * g / (sqrt(s) + eps).
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
+            BLOCK_C)
+        lr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
+        seed = _seed(hyper)
+        first = (tl.arange(0, BLOCK_C) == 0)[None, :]
+        if HAS_WD:
+            g = g + wd * p
+        s = _row_value(src, s0, mask, first) + tl.sum(g * g, 1) / d
+        p = p + (-lr) * (g / (tl.sqrt(s)[:, None] + eps))
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask & first, cmask & first, s0, s[:, None] + tl.zeros_like(p), seed,
+             1, elem, ROUND_S, HAS_CACHE)
+
+    @triton.jit
+    def partial_rowwise_adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst,
+                             dst_stride, dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache,
+                             cache_stride, cache_w, cache_w_stride, slots, n_rows, cap, d, s0,
+                             hyper, HAS_WD: tl.constexpr, ROUND_W: tl.constexpr,
+                             ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
+                             MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # PartialRowWiseAdam, in the order of operations of nbtools.rowwise: exp_avg (d
+        # columns at s0) per value, exp_avg_sq (one column at s0 + d) per row.
+        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
+            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
+            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
+            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
+            BLOCK_C)
+        one_minus_beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1)
+        one_minus_beta2, eps = _scalar(hyper, 2), _scalar(hyper, 3)
+        decay, step_size, bc2_sqrt = _scalar(hyper, 4), _scalar(hyper, 5), _scalar(hyper, 6)
+        seed = _seed(hyper)
+        first = (tl.arange(0, BLOCK_C) == 0)[None, :]
+        ea = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
+        v = _row_value(src, s0 + d, mask, first)
+        if HAS_WD:
+            p = p * decay                              # decay = 1 - lr * weight_decay
+        ea = ea + one_minus_beta1 * (g - ea)          # torch.lerp for weights below 0.5
+        v = v * beta2 + one_minus_beta2 * (tl.sum(g * g, 1) / d)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p + (-step_size) * (ea / denom[:, None])
+        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
+        _put(out, cout, hmask, cmask, s0, ea, seed, 1, elem, ROUND_S, HAS_CACHE)
+        _put(out, cout, hmask & first, cmask & first, s0 + d, v[:, None] + tl.zeros_like(p),
+             seed, 2, elem, ROUND_S, HAS_CACHE)
+
     return {"gather": gather, "put": put, "patch": patch, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
+            "rowwise_adagrad": rowwise_adagrad, "partial_rowwise_adam": partial_rowwise_adam,
             "admit_count": admit_count, "admit_sets": admit_sets}
 
 
@@ -610,13 +680,18 @@ class FusedUpdate:
 
     kernel: str
     scalars: object
+    whole_row: bool = False     # a program holds whole rows (row-wise rules: a mean per row)
 
     def __call__(self, rows, rows_w, grad, target: Target, ids, count, guard, hyper,
                  consts: dict) -> None:
         cap, d = ids.numel(), grad.shape[1]
         if cap == 0:
             return
-        block_r, block_c, warps = _blocks(d, "update")
+        if self.whole_row:
+            block_c = _pow2(d, 16)          # the whole row; 4,096 values a program, as _blocks
+            block_r, warps = max(1, 4096 // block_c), (4 if block_c <= 2048 else 8)
+        else:
+            block_r, block_c, warps = _blocks(d, "update")
         grid = (triton_cdiv(cap, block_r), triton_cdiv(d, block_c))
         t = target
         has_cache = t.cache is not None
@@ -671,6 +746,21 @@ def adagrad_scalars(group: dict, t: int, seed: int) -> tuple[list, dict]:
         HAS_WD=wd != 0.0, MAXIMIZE=bool(group.get("maximize", False)))
 
 
+def rowwise_adagrad_scalars(group: dict, t: int, seed: int) -> tuple[list, dict]:
+    wd = float(group.get("weight_decay", 0.0))
+    return _pad([float(group["lr"]), wd, float(group["eps"])], seed), dict(
+        HAS_WD=wd != 0.0, MAXIMIZE=bool(group.get("maximize", False)))
+
+
+def partial_rowwise_adam_scalars(group: dict, t: int, seed: int) -> tuple[list, dict]:
+    # each value as nbtools.rowwise.PartialRowWiseAdam computes it in float64 on the host
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+    return _pad([1 - beta1, beta2, 1 - beta2, float(group["eps"]), 1 - lr * wd,
+                 lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)], seed), dict(
+        HAS_WD=wd != 0.0, MAXIMIZE=bool(group.get("maximize", False)))
+
+
 def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     """The fused update for optimizer class ``cls`` with hyper-parameters ``group`` and per-row
     state ``names``, or None when there is none (the generic path then runs ``cls`` itself).
@@ -678,8 +768,10 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     Fused updates compute in float32; they are offered for tables whose compute dtype
     (``dtype``) is float32 (float32, bfloat16 or float16 storage), for the optimizers and
     options whose arithmetic they reproduce exactly: SGD (momentum, nesterov, weight decay),
-    Adam and AdamW (weight decay, amsgrad), SparseAdam and Adagrad.
+    Adam and AdamW (weight decay, amsgrad), SparseAdam, Adagrad, and nbtools' RowWiseAdagrad
+    and PartialRowWiseAdam (every option).
     """
+    from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
     if dtype != torch.float32:
         return None
     if any(torch.is_tensor(v) for k, v in group.items() if k != "params"):
@@ -710,4 +802,12 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
         if names != ["sum"]:
             return None
         return FusedUpdate("adagrad", adagrad_scalars)
+    if exact(RowWiseAdagrad):
+        if names != ["sum"]:
+            return None
+        return FusedUpdate("rowwise_adagrad", rowwise_adagrad_scalars, whole_row=True)
+    if exact(PartialRowWiseAdam):
+        if names != ["exp_avg", "exp_avg_sq"]:      # exp_avg_sq's column follows exp_avg's
+            return None
+        return FusedUpdate("partial_rowwise_adam", partial_rowwise_adam_scalars, whole_row=True)
     return None

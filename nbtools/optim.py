@@ -14,16 +14,18 @@ Semantics are **lazy**: only rows touched since the last step change. Untouched 
 momentum decay and no weight decay; their state stays as it was. When every row is touched
 every step, the result equals the same optimizer on a dense ``nn.Embedding``.
 
-Optimizers whose state is per element and whose update treats each row on its own are
-supported: SGD (momentum, nesterov, weight decay), Adam, AdamW, Adamax, NAdam, RAdam, Adadelta,
-Adagrad, RMSprop (centered, momentum), Rprop, ASGD and SparseAdam. Others (LBFGS, Adafactor,
-Muon, ...) are refused: a probe checks, on a tiny parameter, that updating rows together equals
-updating them one by one.
+Optimizers whose state is per element or per row (first dimension = the rows) and whose update
+treats each row on its own are supported: SGD (momentum, nesterov, weight decay), Adam, AdamW,
+Adamax, NAdam, RAdam, Adadelta, Adagrad, RMSprop (centered, momentum), Rprop, ASGD, SparseAdam,
+and the row-wise :class:`RowWiseAdagrad` and :class:`PartialRowWiseAdam` (nbtools.rowwise),
+whose per-row state is one column wide. Others (LBFGS, Adafactor, Muon, ...) are refused: a
+probe checks, on a tiny parameter, that updating rows together equals updating them one by one.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import zlib
 import warnings
 from collections import defaultdict
@@ -35,6 +37,8 @@ from . import NbtoolsError
 from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import kernels, steps
 from .placement import NoRoomError, auto_placement, copy_unless_same
+from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
+from .rows import RowLayout
 from .tables import OffloadedEmbedding, StepRows
 
 
@@ -50,6 +54,7 @@ class NonFiniteGradientError(NbtoolsError, FloatingPointError):
 # (group hyper-parameters -> {state name: initial value}); everything else starts at zero.
 _NONZERO_INITIAL_STATE = {
     torch.optim.Adagrad: lambda g: {"sum": g["initial_accumulator_value"]},
+    RowWiseAdagrad: lambda g: {"sum": g["initial_accumulator_value"]},
     torch.optim.Rprop: lambda g: {"step_size": g["lr"]},
 }
 
@@ -111,10 +116,16 @@ def _step_rows(cls, hyper, weight, grad, sparse, steps=2):
 
 
 def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: bool = True):
-    """Find which state of ``cls`` is per element and check that rows update independently.
+    """Find which state of ``cls`` is per row and check that rows update independently.
+
+    Per-row state has the rows as its first dimension: shaped like the parameter (per
+    element, ``dim`` columns), ``[rows, k]`` with ``k <= dim`` (a row-wise optimizer's
+    ``[rows, 1]``) or ``[rows]``; it is stored in ``k`` columns (1 for ``[rows]``) after each
+    row's weight. State of one value is scalar (Adam's ``step``); anything else is refused.
 
     Returns (row state names -> dtype, scalar state names, the optimizer's full param group,
-    the probe's scalar state after its steps: its types are what the optimizer keeps).
+    the probe's scalar state after its steps: its types are what the optimizer keeps, row
+    state names -> their shape after the row dimension: ``(dim,)``, ``(k,)`` or ``()``).
     """
     if _REFUSED and issubclass(cls, _REFUSED):
         raise UnsupportedOptimizerError(
@@ -122,8 +133,15 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
             "(it needs a closure or mixes rows). Use Adam, AdamW, SGD, Adagrad, RMSprop, ...")
     sparse = issubclass(cls, torch.optim.SparseAdam)
     gen = torch.Generator(device="cpu").manual_seed(1234)
-    weight = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
-    grad = torch.randn(3, dim, generator=gen).to(device=device, dtype=dtype)
+    n = 3 if dim != 3 else 5         # rows != dim: a state's first dim tells rows from columns
+    weight = torch.randn(n, dim, generator=gen).to(device=device, dtype=dtype)
+    grad = torch.randn(n, dim, generator=gen).to(device=device, dtype=dtype)
+    try:                  # bad hyper-parameters (lr < 0, ...): the optimizer's own error
+        cls([nn.Parameter(weight.clone())], **hyper)
+    except (TypeError, ValueError):
+        raise
+    except Exception:     # anything else: reported by the probe step below
+        pass
     try:
         together, probe_opt = _step_rows(cls, hyper, weight, grad, sparse)
         state = probe_opt.state[probe_opt.param_groups[0]["params"][0]]
@@ -134,17 +152,20 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
             f"{cls.__name__}({hyper}) failed a probe step on a small parameter: {e}") from e
     group = {k: v for k, v in probe_opt.param_groups[0].items() if k not in _NOT_HYPER}
     row_state, scalar_state = {}, []
-    scalar_values = {}
+    scalar_values, row_shapes = {}, {}
     for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == weight.shape:
-            row_state[key] = value.dtype
+        if torch.is_tensor(value) and value.dim() in (1, 2) and value.shape[0] == n and \
+                (value.dim() == 1 or 1 <= value.shape[1] <= dim):
+            row_state[key] = value.dtype         # per element ([n, dim]) or per row
+            row_shapes[key] = tuple(value.shape[1:])
         elif not torch.is_tensor(value) or value.numel() == 1:
             scalar_state.append(key)
             scalar_values[key] = value
         else:
             raise UnsupportedOptimizerError(
                 f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
-                f"of shape {tuple(weight.shape)}: not per row, so it cannot be offloaded by row")
+                f"of shape {tuple(weight.shape)}: neither per row ([rows, k] with k <= "
+                f"{dim}, or [rows]) nor one value, so it cannot be offloaded by row")
     if check_separable:
         # Rows updated together must equal rows updated one at a time, with the same grads.
         for r in range(weight.shape[0]):
@@ -153,7 +174,7 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
                 raise UnsupportedOptimizerError(
                     f"{cls.__name__} updates rows jointly (a row's update depends on other "
                     "rows), so lazy per-row offloading would change its results")
-    return row_state, scalar_state, group, scalar_values
+    return row_state, scalar_state, group, scalar_values, row_shapes
 
 
 def _initial_row_state(cls, group: dict, names) -> dict:
@@ -196,8 +217,9 @@ class _TableSlot:
         self.index = index            # its row in a step's scalars (steps.Turn)
         _check_hyper(cls, group)
         dtype = table.compute_dtype           # the math's dtype (float32 for bf16 storage)
-        row_state, self.scalar_names, full, self.scalar_template = probe_row_state(
-            cls, group, table.embedding_dim, table.device, dtype, check_separable=config.probe)
+        row_state, self.scalar_names, full, self.scalar_template, self.row_shapes = \
+            probe_row_state(cls, group, table.embedding_dim, table.device, dtype,
+                            check_separable=config.probe)
         odd = {k: str(v) for k, v in row_state.items() if v != dtype}
         if odd:
             raise UnsupportedOptimizerError(
@@ -207,7 +229,8 @@ class _TableSlot:
         self.group = {"params": [], **full, **group}   # what schedulers see and change
         self.sparse = issubclass(cls, torch.optim.SparseAdam)
         self.names = list(row_state)
-        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner)
+        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner,
+                           dims={k: math.prod(s) for k, s in self.row_shapes.items()})
         self.scalar_state = None      # created by the optimizer itself at the first step
         self._rounds = 0              # generic steps that rounded stochastically (their seeds)
         self.opt = None
@@ -351,7 +374,7 @@ class _TableSlot:
         self.opt.param_groups[0].update(self.hyper())     # LR schedulers change self.group
         if self.scalar_state is not None:
             # These rows' own state, plus the table's global scalar state.
-            st = {k: layout.state(rows, i).to(compute, copy=True)
+            st = {k: layout.state(rows, i).to(compute, copy=True).reshape(m, *self.row_shapes[k])
                   for i, k in enumerate(self.names)}
             st.update(self.scalar_state)
             self.opt.state = defaultdict(dict, {p: st})
@@ -370,8 +393,8 @@ class _TableSlot:
         if table.config.rounding == "stochastic":
             self._rounds += 1
             gen = torch.Generator(device=p.device).manual_seed(self._seed(self._rounds))
-        table.rows.scatter(ids, layout.pack(p.detach(), [st[k] for k in self.names],
-                                            table.config.rounding, gen))
+        states = [st[k].reshape(m, w) for k, w in zip(self.names, layout.state_widths)]
+        table.rows.scatter(ids, layout.pack(p.detach(), states, table.config.rounding, gen))
         self.scalar_state = {k: v for k, v in st.items() if k not in self.names}
         self.opt.state = defaultdict(dict)       # drop references to this step's rows
         self.opt.param_groups[0]["params"] = []
@@ -873,6 +896,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 
 # --- planning -------------------------------------------------------------------------------
+# plan()'s names of the row-wise optimizers (besides the torch.optim class names)
+_ROWWISE_NAMES = {"rowwise_adagrad": RowWiseAdagrad, "rowwiseadagrad": RowWiseAdagrad,
+                  "partial_rowwise_adam": PartialRowWiseAdam,
+                  "partialrowwiseadam": PartialRowWiseAdam}
+
 @dataclasses.dataclass
 class Plan:
     """What a table and its optimizer state need, computed before anything is allocated."""
@@ -911,7 +939,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
 
     Args:
         num_rows, dim: table shape.
-        optimizer: optimizer class (or its name, e.g. ``"adam"``).
+        optimizer: optimizer class (or its name, e.g. ``"adam"``, ``"rowwise_adagrad"``,
+            ``"partial_rowwise_adam"``).
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
         device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
@@ -922,22 +951,37 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     >>> p = plan(10_000_000, 128, "adam")
     >>> p.row_state, p.host_bytes == 3 * 10_000_000 * 128 * 4
     (['exp_avg', 'exp_avg_sq'], True)
+    >>> p = plan(10_000_000, 128, "rowwise_adagrad", dtype=torch.bfloat16)
+    >>> p.row_state, p.host_bytes // 10_000_000      # bytes per row: 256 weight + 4 state
+    (['sum'], 260)
     """
     if isinstance(optimizer, str):
         lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                   if isinstance(getattr(torch.optim, n), type)}
-        if optimizer.lower() not in lookup:
+        lookup.update(_ROWWISE_NAMES)
+        key = optimizer.lower().replace("-", "_")
+        if key not in lookup:
             raise ValueError(f"unknown optimizer {optimizer!r}; use a torch.optim class or one of "
                              f"{sorted(lookup)}")
-        optimizer = lookup[optimizer.lower()]
+        optimizer = lookup[key]
     optimizer_kwargs.setdefault("lr", 1e-3)
-    row_state, _, _, _ = probe_row_state(optimizer, optimizer_kwargs, 4, torch.device("cpu"),
-                                         dtype, check_separable=False)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    table_bytes = num_rows * dim * itemsize
-    state_bytes = len(row_state) * table_bytes
+    low = dtype in (torch.bfloat16, torch.float16)
+    row_state, _, _, _, shapes = probe_row_state(optimizer, optimizer_kwargs, dim,
+                                                 torch.device("cpu"),
+                                                 torch.float32 if low else dtype,
+                                                 check_separable=False)
+    # Rows as a table stores them (nbtools.rows.RowLayout): state in the table's state dtype
+    # (float32 for bf16/fp16 weights), the weights packed into its columns.
+    layout = RowLayout(dim, dtype, torch.float32 if low and row_state else dtype,
+                       len(row_state), tuple(math.prod(s) for s in shapes.values()))
+    unit = layout.unit.itemsize
+    table_bytes = num_rows * layout.weight_cols * unit
+    state_bytes = num_rows * (layout.width - layout.weight_cols) * unit
     host = table_bytes + state_bytes
-    rows = min(unique_ids_per_step, num_rows) * dim * itemsize
+    unique = min(unique_ids_per_step, num_rows)
+    # gathered rows, the lookup's output and its gradient, and the optimizer's temporaries
+    rows = unique * dim * torch.empty((), dtype=dtype).element_size()
+    gpu_per_step = 3 * rows + 2 * unique * (layout.width - layout.weight_cols) * unit
     available = host_memory_bytes()["available"]
     try:
         placement, why = auto_placement(host, resolve_device(device), gpu_fraction, disk_dir)
@@ -946,7 +990,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     from . import disk
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,
-                gpu_bytes_per_step=rows * (3 + 2 * len(row_state)),
+                gpu_bytes_per_step=gpu_per_step,
                 host_available_bytes=available,
                 fits=available is None or host <= 0.9 * available,
                 placement=placement, placement_reason=why,
@@ -954,4 +998,4 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",
-           "NonFiniteGradientError"]
+           "NonFiniteGradientError", "RowWiseAdagrad", "PartialRowWiseAdam"]

@@ -50,15 +50,31 @@ class RowLayout:
     computed in float32 (:meth:`weight` / :meth:`state` upcast, the fused kernels likewise)
     and rounded to its storage dtype when written.
 
+    Each state is ``dim`` columns wide unless ``state_dims`` says otherwise: a row-wise
+    optimizer's per-row state is narrower (:class:`nbtools.rowwise.PartialRowWiseAdam`'s
+    ``exp_avg_sq`` is one column: ``state_dims=(dim, 1)``).
+
     >>> lay = RowLayout(3, torch.bfloat16, torch.float32, states=2)
     >>> lay.weight_cols, lay.width, lay.state_col(1)
     (2, 8, 5)
+    >>> lay = RowLayout(4, torch.float32, torch.float32, states=2, state_dims=(4, 1))
+    >>> lay.width, lay.state_col(1), lay.state_widths
+    (9, 8, (4, 1))
     """
 
     dim: int
     weight_dtype: torch.dtype
     unit: torch.dtype
     states: int = 0
+    state_dims: tuple | None = None    # columns of each state (None: ``dim`` each)
+
+    def __post_init__(self):
+        if self.state_dims is not None:
+            dims = tuple(int(k) for k in self.state_dims)
+            if len(dims) != self.states or any(k <= 0 for k in dims):
+                raise ValueError(f"state_dims must give a positive width for each of the "
+                                 f"{self.states} states, got {self.state_dims!r}")
+            object.__setattr__(self, "state_dims", dims)
 
     @property
     def packed(self) -> bool:
@@ -69,12 +85,17 @@ class RowLayout:
         return -(-self.dim * self.weight_dtype.itemsize // self.unit.itemsize)
 
     @property
+    def state_widths(self) -> tuple:
+        """Columns of each state, in order."""
+        return self.state_dims if self.state_dims is not None else (self.dim,) * self.states
+
+    @property
     def width(self) -> int:
-        return self.weight_cols + self.states * self.dim
+        return self.weight_cols + sum(self.state_widths)
 
     def state_col(self, i: int) -> int:
         """First column of state ``i`` (0-based)."""
-        return self.weight_cols + i * self.dim
+        return self.weight_cols + sum(self.state_widths[:i])
 
     def weight(self, rows: torch.Tensor) -> torch.Tensor:
         """The weights of ``rows`` [m, width] as stored (a view)."""
@@ -84,12 +105,12 @@ class RowLayout:
 
     def state(self, rows: torch.Tensor, i: int) -> torch.Tensor:
         c = self.state_col(i)
-        return rows[:, c:c + self.dim]
+        return rows[:, c:c + self.state_widths[i]]
 
     def pack(self, weight: torch.Tensor, states: list, rounding: str = "nearest",
              generator=None) -> torch.Tensor:
-        """Rows [m, width] of ``unit`` from float32 ``weight`` [m, d] and ``states``, each
-        rounded to its storage dtype (:func:`nbtools.precision.round_to`)."""
+        """Rows [m, width] of ``unit`` from float32 ``weight`` [m, d] and ``states`` (each
+        [m, its width]), each rounded to its storage dtype (:func:`nbtools.precision.round_to`)."""
         out = weight.new_zeros(weight.shape[0], self.width, dtype=self.unit)
         self.weight(out).copy_(round_to(weight, self.weight_dtype, rounding, generator))
         for i, st in enumerate(states):

@@ -367,11 +367,14 @@ class OffloadedEmbedding(nn.Module):
         emptied."""
         return self._current(keep_cache, self._state_names.index(name))
 
-    def attach_state(self, names, initial: dict, owned: bool = True) -> None:
+    def attach_state(self, names, initial: dict, owned: bool = True,
+                     dims: dict | None = None) -> None:
         """Give every row room for per-row optimizer state, stored after its weight.
 
         Called once by :class:`nbtools.OffloadOptimizer`. The table is reallocated as
-        ``[weight | state...]`` per row; state columns start at ``initial[name]``. With
+        ``[weight | state...]`` per row; state columns start at ``initial[name]``. ``dims``:
+        columns of each state (default ``embedding_dim``; a row-wise optimizer's per-row
+        state is narrower, e.g. ``{"exp_avg_sq": 1}``). With
         ``placement="auto"`` this is when the table's place is decided for good, from its
         size with this optimizer's state. Host memory peaks at the final footprint plus one
         64 MiB chunk: the old rows are handed back to the OS as they are copied. References to
@@ -389,7 +392,8 @@ class OffloadedEmbedding(nn.Module):
         old = self._host
         state_dtype = self._state_dtype(self.config)
         d, n = self.embedding_dim, self.num_embeddings
-        layout = RowLayout(d, self.config.dtype, state_dtype, len(names))
+        layout = RowLayout(d, self.config.dtype, state_dtype, len(names),
+                           tuple((dims or {}).get(k, d) for k in names))
         width = layout.width
         nbytes = n * width * state_dtype.itemsize
         was = self.placement
@@ -398,11 +402,12 @@ class OffloadedEmbedding(nn.Module):
         if self.placement == "host":
             check_fits(nbytes, f"table {self.name!r} with optimizer state ({', '.join(names)})",
                        "Use nbtools.plan(...) to size it, or an optimizer with less state "
-                       "(SGD, Adagrad).", reclaim=old.nbytes if was == "host" else 0)
+                       "(SGD, nbtools.RowWiseAdagrad: one value per row).",
+                       reclaim=old.nbytes if was == "host" else 0)
         if was == "host":
             synchronize(self.device)
-        init = [(layout.state_col(i), layout.state_col(i) + d, float(initial.get(k, 0.0)))
-                for i, k in enumerate(names)]
+        init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
+                 float(initial.get(k, 0.0))) for i, k in enumerate(names)]
         if self.placement == "gpu":
             new = DeviceRows((n, width), state_dtype, self.device, self.name)
             copy_rows(new.tensor, old.tensor, init, layout)
