@@ -76,7 +76,8 @@ class OffloadConfig:
     nonfinite: str = "raise"
     # Check on a tiny parameter that the optimizer updates rows independently (cheap; leave on).
     probe: bool = True
-    # Fused Triton kernels for SGD, Adam/AdamW, SparseAdam and Adagrad on float32 tables:
+    # Fused Triton kernels for SGD, Adam/AdamW, SparseAdam, Adagrad, RowWiseAdagrad and
+    # PartialRowWiseAdam on float32 tables (float32, bf16 or fp16 storage):
     # "auto" uses them where they run (CUDA with Triton), False always runs the stock optimizer
     # on the gathered rows (the reference path), True insists (an error where none applies).
     fused: object = "auto"

@@ -50,6 +50,10 @@ def _row_state_shape(p: torch.Tensor) -> tuple:
 
 
 def _check(lr, eps, weight_decay, betas=None) -> None:
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if torch.is_tensor(value):
+            raise TypeError(f"{name} must be a float, got a tensor; these optimizers take "
+                            "plain numbers (an LR scheduler sets floats too)")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr} (expected lr >= 0)")
     if not 0.0 <= eps:
