@@ -69,8 +69,8 @@ _counters = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0,
 def disk_counters() -> dict:
     """Cumulative disk-table traffic: bytes read and written, seconds spent in reads and
     writes, unique rows looked up in training and evaluation and how many of them were in RAM
-    (``hit_rows``), and ``wait_s``: seconds lookups spent waiting for the disk (reads and
-    write-backs on the training loop's thread, read-ahead not counted).
+    (``hit_rows``), and ``wait_s``: seconds the training loop's thread spent waiting for the
+    disk (its own reads and write-backs, and waiting for a read-ahead to finish).
 
     >>> sorted(disk_counters())[:3]
     ['hit_rows', 'lookup_rows', 'read_bytes']
