@@ -100,11 +100,28 @@ def count_cache(lookups: int = 0, hits: int = 0, saved_bytes: int = 0) -> None:
     _cache_counters["saved_bytes"] += int(saved_bytes)
 
 
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last-error slot after a refused registration, so that the next kernel launch
+    torch checks does not report it. torch's cudart binding has no ``cudaGetLastError``; the
+    runtime library torch loaded is found in this process's maps and called through ctypes."""
+    fn = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if fn is not None:
+        fn()
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass                                        # not Linux, or no runtime found: nothing to clear
+
+
 def _check(err, what: str, nbytes: int) -> None:
     code = int(err)
     if code == 0:
         return
-    torch.cuda.cudart().cudaGetLastError()          # clear it, so later CUDA calls are unaffected
+    _clear_cuda_error()
     limit = memlock_limit()
     raise PinningError(
         f"{what} failed for {human_bytes(nbytes)} (cudaError {code}). The container or driver "

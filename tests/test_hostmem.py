@@ -70,3 +70,21 @@ def test_memory_pinned_by_someone_else_is_used_as_it_is(fake_cuda, monkeypatch):
     assert p.pinned and fake_cuda["register"] == []
     p.close()
     assert fake_cuda["unregister"] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_refused_registration_leaves_later_cuda_calls_working():
+    """Registering a range twice is refused by CUDA (already registered); the error is raised as a
+    PinningError and cleared, so the next kernel torch launches does not report it."""
+    buf = page_aligned(1 << 16)
+    ptr = buf.ctypes.data
+    hostmem._register(ptr, buf.nbytes)
+    try:
+        with pytest.raises(hostmem.PinningError, match="cudaHostRegister"):
+            hostmem._register(ptr, buf.nbytes)
+        x = torch.ones(8, device="cuda") * 2          # a launch checked for errors
+        torch.cuda.synchronize()
+        assert x.sum().item() == 16
+    finally:
+        hostmem._unregister(ptr)

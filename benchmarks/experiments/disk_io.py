@@ -28,9 +28,11 @@ read calls) after one untimed batch. Page cache: bytes of the file resident afte
 and the change of /proc/meminfo Cached and of the cgroup's page-cache counter over the cell; the
 file's pages are dropped before each cell.
 
-    # on the GPU machine (no network): the KvikIO and liburing wheels travel in .whl/
+    # on the GPU machine (no network): the KvikIO and liburing wheels travel in .whl/io/, a folder
+    # of their own: their nvidia/ namespace (libcufile) on PYTHONPATH breaks torch's CUDA calls
+    # (cudaHostRegister, graph capture), so the test suite never installs them
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+        --target /tmp/site-io .whl/io/*.whl && export PYTHONPATH=/tmp/site-io
     python3 benchmarks/experiments/disk_io.py --dir /tmp/nbtools-disk --gib 8 --out disk_io.json
     python3 benchmarks/experiments/disk_io.py --dir /tmp/nbtools-disk --gib 1 --quick   # < 60 s
 
