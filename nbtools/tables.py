@@ -30,6 +30,7 @@ from .hostmem import HostTensor, count_cache, pin_tensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes
+from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_rows,
                         copy_unless_same, release_pages)
 from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge,
@@ -89,21 +90,6 @@ class TableConfig:
     # holds every row with its optimizer state; RAM holds only the cached rows.
     disk_dir: str | None = None
     host_cache_bytes: int | None = None
-
-
-@dataclasses.dataclass
-class _Prefetched:
-    """A training lookup started ahead (:meth:`OffloadedEmbedding.prefetch`): the ids tensor it
-    is for, its unique ids and rows (gathered on a side stream), the event that ends that
-    work, and the unique ids of every step that wrote rows since (their rows are read again)."""
-
-    ids: torch.Tensor
-    batch: RowBatch
-    rows: torch.Tensor
-    event: object
-    origin: object = None           # the ids as passed (a host tensor, copied by the prefetch)
-    capture: object = None          # the CUDA graph capture whose outputs batch and rows are
-    written: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -254,8 +240,7 @@ class OffloadedEmbedding(nn.Module):
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
         self._warm_counts = None     # warm_cache() before the cache exists
-        self._prefetched = None      # a training lookup started ahead (prefetch)
-        self._side_stream = None     # where prefetches run (CUDA)
+        self._prefetch = Prefetcher(self)   # a training lookup started ahead (prefetch)
         self._cache_seen = [0, 0, 0, 0]
         self._cache_why = ""
         self.trainable = True
@@ -335,7 +320,7 @@ class OffloadedEmbedding(nn.Module):
         """The weights (``state`` None) or one state's columns of every row, current: cached
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
         that nothing writes through, such as saving)."""
-        self._drop_prefetch()           # a write through what is returned would make it stale
+        self._prefetch.drop()           # a write through what is returned would make it stale
         if self._disk is not None:      # the file, mapped, once every dirty row is in it
             self._disk.flush(drop=not keep_cache)
             full = self._disk.mapped(writable=not keep_cache)
@@ -508,7 +493,7 @@ class OffloadedEmbedding(nn.Module):
         if self._rows.cache is None:
             self._warm_counts = counts
             return
-        self._drop_prefetch()
+        self._prefetch.drop()
         self._rows.cache.warm(counts, self._rows.view())
         self._graphs.invalidate()
 
@@ -620,7 +605,7 @@ class OffloadedEmbedding(nn.Module):
 
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
-        self._drop_prefetch()
+        self._prefetch.drop()
         if self.placement == "host":
             self._rows.flush()
             synchronize(self.device)
@@ -671,11 +656,9 @@ class OffloadedEmbedding(nn.Module):
             self._layout.weight_cols
         if self._disk is not None:
             return self._disk_lookup(ids, recording, width)
-        pre = self._prefetched
-        if pre is not None:
-            self._wait_for(pre)         # its cache admission comes before this lookup's
-            if recording and self._owned and ids is pre.ids and width == pre.rows.shape[1]:
-                return self._take_prefetched(pre, flat, ids.shape)
+        self._prefetch.wait()           # its cache admission comes before this lookup's
+        if recording and self._owned and self._prefetch.matches(ids, width):
+            return self._prefetch.take(flat, ids.shape)
         captured = None
         if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
                 and self.device.type == "cuda" and kernels.usable_on(self.device):
@@ -765,101 +748,16 @@ class OffloadedEmbedding(nn.Module):
             self._disk.read_ahead(self._prepare_ids(ids), self.padding_idx)
             self._sync_slab()
             return
-        origin = ids
-        self._drop_prefetch()
-        width = self._rows.width if self._state_names else self._layout.weight_cols
-        cuda = self.device.type == "cuda"
-        if cuda:
-            main = torch.cuda.current_stream(self.device)
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(self.device)
-            side = self._side_stream
-            from_host = isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
-            if not from_host:   # ids made on the GPU: ready once what is queued so far is
-                ids = self._prepare_ids(ids)
-                side.wait_stream(main)
-            graphs = self.config.cuda_graphs and self._rows.direct and \
-                kernels.usable_on(self.device)
-            captured = None
-            with torch.cuda.stream(side), torch.no_grad():
-                if from_host:   # copied and deduplicated at once, beside the GPU's work
-                    ids = self._prepare_ids(ids)
-                flat = ids.reshape(-1).long()
-                if graphs:      # as one CUDA graph: the dedup (host ids: it alone), admission
-                    # and gather, as for a lookup
-                    captured = self._graphs.run(self._rows, flat, self.padding_idx,
-                                                None if from_host else width)
-                if captured is None:
-                    batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-                    made, capture = [ids, flat, batch.ids, batch.inverse, batch.meta], None
-                else:
-                    (batch, rows, capture), made = captured, [ids, flat]
-            if captured is None or from_host:
-                side.wait_stream(main)      # after this step's lookups (and their admission)
-                with torch.cuda.stream(side), torch.no_grad():
-                    # on its capped grid (RowStore.gather_batch) the gather's programs wait
-                    # on PCIe without holding every SM: the step's own kernels run beside it
-                    rows = self._rows.gather_batch(batch, 0, width, admit=True)
-                made.append(rows)
-            event = torch.cuda.Event()
-            event.record(side)
-            for t in made:
-                t.record_stream(main)       # made on the side stream, used on the main one
-        else:
-            ids = self._prepare_ids(ids)
-            flat = ids.reshape(-1).long()
-            with torch.no_grad():
-                batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-                rows = self._rows.gather_batch(batch, 0, width, admit=True)
-            event = capture = None
-        self._prefetched = _Prefetched(ids, batch, rows, event, origin, capture)
+        self._prefetch.start(ids)
 
     def __getstate__(self) -> dict:
-        # A pending prefetch and the side stream belong to this process's CUDA work: a copy
-        # (deepcopy, pickle) starts without them (its next lookups simply do not prefetch).
+        # A pending prefetch and its side stream are left behind (Prefetcher.__getstate__).
         # The host rows are copied as they are once queued writes have landed. A disk table's
         # file is not copied: DiskRows refuses, naming the table.
         if self.placement == "host":
             self._rows.settle()
             synchronize(self.device)
-        state = dict(self.__dict__)
-        state["_prefetched"] = None
-        state["_side_stream"] = None
-        return state
-
-    def _wait_for(self, pre: _Prefetched) -> None:
-        """Make the current stream wait for a prefetch (no host sync)."""
-        if pre.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(pre.event)
-
-    def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
-            self._wait_for(self._prefetched)
-            LookupGraphs.release([self._prefetched.capture])
-            self._prefetched = None
-
-    def _take_prefetched(self, pre: _Prefetched, flat: torch.Tensor, shape):
-        """The prefetched lookup, its rows made current: rows that steps wrote since the
-        prefetch are read again (the rest were not written, so they are current)."""
-        self._prefetched = None
-        batch, full = pre.batch, pre.rows
-        n = self.num_embeddings
-        with torch.no_grad():
-            for written in pre.written:          # sorted unique ids, then the sentinel
-                if self._rows.writing(written) and self._rows.before_gather():
-                    self._rows.patch(batch, full)       # from their GPU copy
-                    continue
-                pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
-                again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)
-                self._rows.gather_batch(       # only those rows, in place
-                    RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
-                    0, full.shape[1], into=full, written="wait")
-        rows = self._leaf(full)
-        if not self._state_names:
-            full = None
-        rows.requires_grad_(True)
-        self._pending.append((batch, rows, full, flat, shape, pre.capture))
-        return rows, batch.inverse
+        return dict(self.__dict__)
 
     def _leaf(self, full: torch.Tensor) -> torch.Tensor:
         """The weights of gathered rows as the leaf autograd sees: a fresh tensor (never a
@@ -871,8 +769,7 @@ class OffloadedEmbedding(nn.Module):
         """The row protocol's step input: the rows looked up since the last call, their unique
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
-        if self._prefetched is not None:  # the update must not race the prefetch's admission
-            self._wait_for(self._prefetched)
+        self._prefetch.wait()        # the update must not race the prefetch's admission
         records = [rec for rec in self._pending if rec[1].grad is not None]
         LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
         self._pending.clear()
@@ -895,8 +792,7 @@ class OffloadedEmbedding(nn.Module):
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        if self._prefetched is not None:  # this step writes these rows: read them again
-            self._prefetched.written.append(batch.ids)
+        self._prefetch.written(batch.ids)   # a prefetch reads these rows again
         cache = self._rows.cache
         return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
                         None if cache is None else cache.stats)
@@ -941,10 +837,8 @@ class OffloadedEmbedding(nn.Module):
     def _device_ids(self, ids) -> torch.Tensor:
         """``ids`` on the compute device; for the very ids a prefetch was started with, the
         copy the prefetch made."""
-        pre = self._prefetched
-        if pre is not None and ids is pre.origin:
-            return pre.ids
-        return self._prepare_ids(ids)
+        taken = self._prefetch.device_ids(ids)
+        return self._prepare_ids(ids) if taken is None else taken
 
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)

@@ -446,5 +446,5 @@ def test_a_table_with_a_cache_and_a_pending_prefetch_copies(device):
     nxt = torch.tensor([1, 2, 3], device=table.device)
     table.prefetch(nxt)
     for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
-        assert clone._prefetched is None and clone.cache.capacity == table.cache.capacity
+        assert clone._prefetch.pending is None and clone.cache.capacity == table.cache.capacity
         assert torch.equal(clone.weight.cpu(), table.weight.cpu())
