@@ -42,6 +42,12 @@ from nbtools.models import wordsim  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 HYPER = dict(dim=100, window=5, negatives=5, min_count=5, sample=1e-4)
+OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD,
+              "rowwise_adagrad": nbtools.RowWiseAdagrad,
+              "partial_rowwise_adam": nbtools.PartialRowWiseAdam}
+# first learning rates (linear decay to 0): Adam's measured on the corpus (RESULTS.md); the
+# row-wise ones chosen on it in bench_rowwise.py
+DEFAULT_LR = {"adam": 0.02, "adagrad": 0.1, "rowwise_adagrad": 0.1, "partial_rowwise_adam": 0.02}
 
 
 def read_corpus(path, max_tokens=None):
@@ -107,8 +113,7 @@ def train_nbtools(ids, words, counts, args, system, device):
     torch.manual_seed(args.seed)
     model = models.SkipGram(len(words), HYPER["dim"], counts=counts, words=words, config=cfg,
                             device=device)
-    opt_cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
-               "sgd": torch.optim.SGD}[args.optimizer]
+    opt_cls = OPTIMIZERS[args.optimizer]
     optimizer = nbtools.OffloadOptimizer(opt_cls, model, lr=args.lr)
     keep = models.keep_probabilities(counts, HYPER["sample"])
     loader = models.CorpusLoader(ids, args.batch_size, window=HYPER["window"], keep_prob=keep,
@@ -165,7 +170,7 @@ def main():
                     help="comma list of gensim and nbtools systems: host, gpu, with modifiers "
                     "joined by '+': cache, bf16, sr (e.g. host+cache,gpu+bf16)")
     ap.add_argument("--batch-size", type=int, default=131072, help="pairs per nbtools step")
-    ap.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam")
+    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
     ap.add_argument("--lr", type=float, default=None, help="first lr (default: the recipe's)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="gensim threads")
     ap.add_argument("--seed", type=int, default=1)
@@ -183,7 +188,7 @@ def main():
         # thousands of pair gradients in one step
         sys.exit("bench_word2vec: pass --lr with --optimizer sgd (no tested default)")
     if args.lr is None:
-        args.lr = {"adam": 0.02, "adagrad": 0.1}[args.optimizer]
+        args.lr = DEFAULT_LR[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.placements = [s for s in systems if s != "gensim"]
     for system in args.placements:
