@@ -48,7 +48,7 @@ def _check_thin(nb):
             assert not any(ln.lstrip().startswith(("def ", "class ")) for ln in lines), cell.source
 
 
-@pytest.mark.parametrize("name", ["word2vec", "recommender"])
+@pytest.mark.parametrize("name", ["word2vec", "recommender", "disk"])
 def test_notebook_is_committed_clean(name):
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     _check_thin(nb)
@@ -79,3 +79,29 @@ def test_recommender_notebook_runs(tmp_path):
                       .split())
     assert rmse < baseline, out
     assert any((tmp_path / "nbtools" / "recommender-smoke").glob("step-*"))
+
+
+@pytest.mark.slow
+def test_disk_notebook_runs(tmp_path):
+    """The smoke run sizes a table 5x its 4 MiB host budget, which placement="auto" puts on
+    disk; it trains (loss down, accuracy and the planted topics up from chance) and nbtools
+    stays within the budget, the table's file out of the page cache."""
+    nb = _execute("disk", tmp_path)
+    out = _outputs(nb)
+    assert "= 5.0x the host budget (4.0 MiB)" in out, out
+    assert "placement='auto' -> disk" in out and "placement: disk" in out, out
+    loss, accuracy = out.split("\nloss ")[1].split(" (the first")[0].split(", accuracy ")
+    loss0, loss1 = (float(x) for x in loss.split(" -> "))
+    acc0, acc1 = (float(x.rstrip("%")) / 100 for x in accuracy.split(" -> "))
+    assert loss1 < loss0 - 0.2 and acc1 > acc0 + 0.1, (loss, accuracy)
+    top = [line for line in out.splitlines() if line.startswith("popularity ranks 0-999:")]
+    assert len(top) == 2, out                       # before training, then after
+    (before, chance), (after, _) = [
+        (float(x.split("%")[0]) / 100 for x in (line.split(": ")[1], line.split("chance ")[1]))
+        for line in top]
+    assert before < 3 * chance and after > max(0.5, 5 * chance), top
+    assert "of host RAM (RAM caches, row maps, tables): within its 4.0 MiB budget" in out, out
+    cached = out.split("in the page cache: ")[1].split(" of ")[0]
+    if "file (O_DIRECT)" in out:
+        assert cached == "0 B", out
+
