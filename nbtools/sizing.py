@@ -71,8 +71,9 @@ class Sizing:
         if self.capped:
             want = int(self.wanted * self.ram_bytes / self.row_bytes) * self.file_row_bytes
             s += (f"\n  CAPPED by the disk: {self.wanted:g}x needs a file of "
-                  f"{human_bytes(want)}, more than that disk has free. Free disk space or pick "
-                  f"a disk_dir on a larger disk for the full {self.wanted:g}x.")
+                  f"{human_bytes(want)} and {human_bytes(self.disk_free_bytes)} is free (a "
+                  f"share of it is left free). Free disk space, or pick a disk_dir on a larger "
+                  f"disk, for the full {self.wanted:g}x.")
         return s
 
 

@@ -70,3 +70,29 @@ def test_bad_arguments(tmp_path, kwargs, match):
 
 def test_sizing_is_importable_from_the_module():
     assert sizing.Sizing.__name__ == "Sizing"
+
+
+@pytest.mark.xfail(strict=True, raises=nbtools.rowfile.DiskFullError, reason=(
+    "nbtools.disk.regrow makes the file of rows with optimizer state while the weights-only file "
+    "(never written) still holds its reserved space: attaching the optimizer needs room for "
+    "both files, so a table sized to the disk (Colab: a 64 GB file, 78 GB free) cannot take one"))
+def test_a_table_sized_to_the_disk_takes_its_optimizer(tmp_path, monkeypatch):
+    """A disk of 24 MiB (the blocks the folder's files hold count as used): rows_for caps the
+    table to it, and the table must then be creatable and trainable there."""
+    import shutil
+    capacity = 24 << 20
+
+    def usage(path):
+        used = sum(f.stat().st_blocks * 512 for f in tmp_path.rglob("*") if f.is_file())
+        return shutil._ntuple_diskusage(capacity, used, capacity - used)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    s = rows_for(5, 252, "rowwise_adagrad", dtype=torch.bfloat16, ram_bytes=8 << 20,
+                 disk_dir=tmp_path)
+    assert s.capped and s.file_bytes <= 0.9 * capacity
+    table = nbtools.OffloadedEmbedding(s.rows, 252, device="cpu", dtype=torch.bfloat16,
+                                       placement="disk", disk_dir=str(tmp_path),
+                                       host_cache_bytes=1 << 20)
+    opt = nbtools.OffloadOptimizer(nbtools.RowWiseAdagrad, table, lr=0.1)
+    table(torch.arange(10)).sum().backward()
+    opt.step()
+    table.close()
