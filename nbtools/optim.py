@@ -569,6 +569,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for table, overrides, path in tables:
             if any(s.table is table for s in slots):
                 continue
+            if not table.trainable:     # e.g. from_pretrained(freeze=True): state for nothing
+                warnings.warn(f"table {table.name!r} is frozen (trainable=False, as "
+                              "from_pretrained(freeze=True) makes it): the optimizer keeps state "
+                              "for it but never changes it; pass freeze=False, or leave the "
+                              "table out of the optimizer", RuntimeWarning, stacklevel=2)
             name = table.name if table.name != type(table).__name__ or not path else path
             base, k = name, 1
             while name in seen:
@@ -839,6 +844,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def table_state(self, table) -> dict:
         """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
         return self._slot(table).row_state()
+
+    def load_row_state(self, table, name: str, source, *, step=None, **options) -> None:
+        """Load one per-row state of ``table`` (e.g. ``"exp_avg"``, with ``step=`` the steps
+        it has seen) from an array or ``.npy`` file, streamed in chunks: docs/speedtorch.md,
+        :func:`nbtools.pretrained.load_row_state`."""
+        from .pretrained import load_row_state
+        self.synchronize()
+        load_row_state(self._slot(table), name, source, step=step, **options)
 
     def skipped_steps(self, table=None) -> int:
         """How many steps were skipped for non-finite gradients (a skip skips every table

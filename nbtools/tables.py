@@ -887,6 +887,20 @@ class OffloadedEmbedding(nn.Module):
                   f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")
         return s
 
+    @classmethod
+    def from_pretrained(cls, source, **kwargs) -> "OffloadedEmbedding":
+        """A table whose rows are ``source``: a tensor, a NumPy or CuPy array, or a ``.npy``
+        file bigger than RAM, streamed in chunks (64 MiB beyond the table at most). Takes
+        ``freeze=True`` and ``padding_idx`` as ``nn.Embedding.from_pretrained`` does, ``dtype``,
+        ``placement``, ``name``, ``device``, ``config``, ``allow_nonfinite``, ``progress``:
+        :func:`nbtools.pretrained.from_pretrained`.
+
+        >>> OffloadedEmbedding.from_pretrained(torch.ones(3, 2), device="cpu").weight.sum()
+        tensor(6.)
+        """
+        from .pretrained import from_pretrained
+        return from_pretrained(cls, source, **kwargs)
+
 
 class OffloadedEmbeddingBag(OffloadedEmbedding):
     """``nn.EmbeddingBag`` over a host-memory table: sums, means or maxima of rows per bag.
