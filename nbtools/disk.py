@@ -34,6 +34,7 @@ the batch).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -569,7 +570,11 @@ class DiskRows:
     def mapped(self, writable: bool = True) -> torch.Tensor:
         """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first). Reads
         and writes go through the page cache: for whole-table access, not steps. Without
-        ``writable``, writes stay in this process's copy (copy-on-write), never the file."""
+        ``writable``, writes stay in this process's copy (copy-on-write), never the file.
+        While a checkpoint holds a mapping (:meth:`hold_mapping`), that one is returned."""
+        held = getattr(self, "_held", None)
+        if held is not None:
+            return held
         self.file.flush()
         unit = self.file.stride // self.dtype.itemsize
         arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),
@@ -624,6 +629,79 @@ class DiskRows:
         return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
                 f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
+
+    # --- checkpoints (nbtools.checkpoint.rows: saved by reference, restored in place) ------
+    def changed_since(self, token) -> int | None:
+        """Rows written since the checkpoint ``token`` took every row (:meth:`mark_checkpointed`),
+        after writing every dirty row back; None when changes were not counted from that
+        checkpoint (another one came since, or none): the next save must copy every row."""
+        self.flush()
+        self.sync_mapped()
+        with self._lock:
+            if token is None or getattr(self, "_checkpoint", None) != token:
+                return None
+            return int(np.count_nonzero(self.changed))
+
+    def changed_ids(self, start: int, stop: int) -> np.ndarray:
+        """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
+        with self._lock:
+            return np.flatnonzero(self.changed[start:stop]) + start
+
+    def mark_checkpointed(self, token) -> None:
+        """The checkpoint ``token`` now holds every row as it is: count changes from here.
+        (Called after the checkpoint is committed, so a failed save loses no change.)"""
+        with self._lock:
+            self.changed[:] = False
+            self._checkpoint = token
+
+    def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
+        the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
+        with self._lock:
+            slots = self.slot_of[ids]
+            hot = slots >= 0
+            if hot.any():
+                out[hot] = self._bytes[slots[hot]]
+            if not hot.all():
+                cold = np.flatnonzero(~hot)
+                self.file.read(ids[cold], out, at=cold)
+
+    @contextlib.contextmanager
+    def hold_mapping(self, writable: bool = False):
+        """Within the block, :meth:`mapped` returns one and the same mapping of the file, so a
+        checkpoint recognises the views a state dict hands out (it saves them by reference,
+        never reading them) and can hand the same views back to ``load_state_dict`` (which then
+        copies nothing)."""
+        if getattr(self, "_held", None) is not None:
+            raise RuntimeError(f"table {self.name!r}: its mapping is held already")
+        self._held = self.mapped(writable)
+        try:
+            yield self._held
+        finally:
+            self._held = None
+            if writable:
+                self.sync_mapped()
+
+    def discard_cache(self) -> None:
+        """Forget every row in RAM without writing it back, and rows not written yet (initial
+        rows, evicted rows waiting to be written): a restore rewrites the whole file next.
+        Waits for the read-ahead and for GPU work on the slots first."""
+        self.wait_read_ahead()
+        self.sync_mapped()
+        with self._lock:
+            self._close_step()
+            self._step = []
+            self._advance(wait_for=self._event_index)
+            self._stash = []
+            self._prepared = None
+            self.initial = None
+            self.slot_of[:] = -1
+            self.id_of[:] = -1
+            for name in ("dirty", "ref", "locked"):
+                getattr(self, name)[:] = False
+            self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
+            self.changed[:] = True
+            self._checkpoint = None
 
 
 def _safe(name: str) -> str:
@@ -684,6 +762,8 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
     64 MiB at a time; the old rows are released (a file removed)."""
     if isinstance(old, DiskRows) and old.initial is not None:   # never written: draw them now
         read = old.initial
+        old.close()          # its file goes before the new one is made: only one needs room
+        old = None
     elif isinstance(old, DiskRows):
         old.flush()
         read = old.read_rows
@@ -697,7 +777,8 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
         dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
         copy_rows(dst, src, init, layout)
         new.write_range(start, dst)
-    old.close()
+    if old is not None:
+        old.close()
     return new
 
 

@@ -62,6 +62,7 @@ import json
 import mmap
 import os
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -180,11 +181,8 @@ class RowFile:
                     "(dtype=torch.bfloat16, an optimizer with less state)")
             _reserve(fd, size, path)
             info = {"num_rows": num_rows, "row_bytes": row_bytes, "stride": stride,
-                    "data_offset": HEADER, **(meta or {})}
-            head = _header(info)
-            buf = _aligned(HEADER)
-            buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-            _pwrite_all(fd, memoryview(buf), 0)
+                    "data_offset": HEADER, **(meta or {}), "clean": False, "writer": _writer()}
+            _write_header(fd, info)
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -198,13 +196,21 @@ class RowFile:
 
     @classmethod
     def open(cls, path, *, expect: dict | None = None, threads: int = 16,
-             direct: str | bool = "auto", writable: bool = True) -> "RowFile":
+             direct: str | bool = "auto", writable: bool = True,
+             unclean_ok: bool = False) -> "RowFile":
         """An existing row file, its header checked (and compared with ``expect``).
+
+        The header says whether the file was closed by its writer (``clean``) and who writes it
+        (``writer``: pid, host, start time). A file whose writer died with it open (killed,
+        crashed, out of memory) may hold stale or torn rows: opening it raises, unless
+        ``unclean_ok`` (to rewrite every row, as a checkpoint restore does). Opened
+        ``writable``, the file is this process's until :meth:`close` marks it clean again.
 
         Raises:
             FileNotFoundError: no file at ``path``.
             RowFileError: not a row file, another format version, a damaged header, shorter
-                than its header says (truncated), or a field differs from ``expect``.
+                than its header says (truncated), a field differs from ``expect``, or it was
+                not closed cleanly (and ``unclean_ok`` is false).
         """
         path = os.fspath(path)
         if not os.path.exists(path):
@@ -235,8 +241,24 @@ class RowFile:
         if wrong:
             raise RowFileError(f"{path!r} does not match what was expected: " + ", ".join(
                 f"{k} is {got!r}, expected {want!r}" for k, want, got in wrong))
+        if meta.get("clean") is False and not unclean_ok and not _alive(meta.get("writer")):
+            w = meta.get("writer") or {}
+            raise RowFileError(
+                f"{path!r} was not closed cleanly: its writer (process {w.get('pid')} on "
+                f"{w.get('host')!r}) stopped while it was open (killed, crashed or out of "
+                "memory), so rows written just before may be stale or torn. Rebuild it from a "
+                "checkpoint (CheckpointManager.restore rewrites every row of a disk table), or "
+                "open it as it is with RowFile.open(path, unclean_ok=True); "
+                "nbtools.rowfile.leftovers(folder) lists such files, remove_leftovers deletes them")
         fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
                           stride=int(meta["stride"]))
+        if writable:                 # this process writes it now: unclean until closed
+            meta = {**meta, "clean": False, "writer": _writer()}
+            try:
+                _write_header(fd, meta)
+            except BaseException:
+                os.close(fd)
+                raise
         return cls(path, fd, meta, block, threads, writable)
 
     # --- rows -----------------------------------------------------------------------------
@@ -284,8 +306,9 @@ class RowFile:
         return sum(b.nbytes for b in self._spare)
 
     def close(self) -> None:
-        """Stop the threads and close the file (idempotent). Buffered mode drops its clean
-        cached pages; nothing is fsynced (call :meth:`flush` for durability)."""
+        """Stop the threads and close the file (idempotent), its header marked clean (closed
+        by its writer). Buffered mode drops its clean cached pages; nothing is fsynced (call
+        :meth:`flush` for durability)."""
         with self._lock:
             pool, self._pool = self._pool, None
             fd, self._fd = self._fd, None
@@ -293,6 +316,12 @@ class RowFile:
         if pool is not None:
             pool.shutdown()
         if fd is not None:
+            if self.writable and self.meta.get("clean") is False:
+                self.meta = {**self.meta, "clean": True}
+                try:
+                    _write_header(fd, self.meta)
+                except OSError:      # it stays marked unclean: the safe side
+                    pass
             if not self.direct:
                 fadvise(fd, "POSIX_FADV_DONTNEED")
             os.close(fd)
@@ -525,6 +554,98 @@ def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUE
         lens = np.minimum(starts + cap, ends) - starts
     return ((starts * stride).tolist(), (lens * stride).tolist(),
             (data_offset + ids[starts] * stride).tolist())
+
+
+def _writer() -> dict:
+    """Who writes a row file: this process (pid, host, its start time)."""
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+
+
+def _started(pid: int):
+    """A process's start time in clock ticks since boot (Linux; None elsewhere): tells a live
+    writer from a later process that got its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(writer) -> bool:
+    """Whether ``writer`` (a header's) is a live process on this host."""
+    if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = _started(pid)
+    return started is None or writer.get("started") in (None, started)
+
+
+def _write_header(fd: int, info: dict) -> None:
+    head = _header(info)
+    buf = _aligned(HEADER)
+    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    _pwrite_all(fd, memoryview(buf), 0)
+
+
+def _read_meta(path) -> dict | None:
+    """The header's JSON of the row file at ``path``, or None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER)
+        if len(head) < 16 or head[:8] != MAGIC:
+            return None
+        n = int.from_bytes(head[12:16], "little")
+        meta = json.loads(head[16:16 + n])
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def leftovers(folder) -> list[dict]:
+    """Row files in ``folder`` that their writer left open when it died (killed, crashed):
+    ``{"path", "bytes", "writer"}`` each. A disk table's working file is removed when the
+    table is closed, so these are files of killed runs, taking disk space for nothing (their
+    rows may be torn: checkpoints are what a run resumes from).
+
+    >>> import tempfile
+    >>> leftovers(tempfile.mkdtemp())
+    []
+    """
+    out = []
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        meta = _read_meta(path)
+        if meta is not None and meta.get("clean") is False and not _alive(meta.get("writer")):
+            out.append({"path": path, "bytes": os.path.getsize(path),
+                        "writer": meta.get("writer")})
+    return out
+
+
+def remove_leftovers(folder) -> int:
+    """Delete the files :func:`leftovers` lists; returns the bytes freed."""
+    freed = 0
+    for f in leftovers(folder):
+        try:
+            os.remove(f["path"])
+            freed += f["bytes"]
+        except OSError:
+            pass
+    return freed
 
 
 def _round_up(n: int, block: int) -> int:

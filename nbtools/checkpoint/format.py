@@ -23,7 +23,7 @@ from ..devices import cuda_ok
 from ..rowfile import fadvise
 
 FORMAT = "nbtools-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                # what this reads; checkpoints without disk tables are written as 1
 MANIFEST = "MANIFEST"
 EXTRAS = "extras.pt"
 _ALIGN = 64                       # every tensor starts at a multiple of this in its data file
@@ -59,6 +59,13 @@ class CheckpointConfig:
     free_space_margin_bytes: int = 64 << 20   # refuse a save that would leave less than this
     progress: bool | None = None       # None: a bar only for saves/restores longer than ~1 s
     verbose: bool = True               # one line per save / restore with its throughput
+    # Disk tables (placement="disk") are saved as a full copy of their rows (a base), then as
+    # the rows changed since the previous save (deltas). A new base comes after this many
+    # saves (a restore reads the base and every delta since: this bounds the chain) ...
+    base_every: int = 24
+    # ... or once the deltas since the base would hold more than this fraction of the rows
+    # (then a base costs little more, and the chain's disk space stays under 1 + this x base)
+    base_fraction: float = 0.5
 
     def __post_init__(self):
         if self.chunk_bytes < 4096 or self.chunk_bytes % _ALIGN:
@@ -69,6 +76,13 @@ class CheckpointConfig:
                              f"got {self.file_bytes}")
         if self.half_dtype not in ("bfloat16", "float16"):
             raise ValueError(f"half_dtype must be 'bfloat16' or 'float16', got {self.half_dtype!r}")
+        if isinstance(self.base_every, bool) or not isinstance(self.base_every, int) \
+                or self.base_every < 1:
+            raise ValueError(f"base_every must be an int >= 1 (saves per full copy of a disk "
+                             f"table), got {self.base_every!r}")
+        if not 0.0 <= self.base_fraction <= 1.0:
+            raise ValueError(f"base_fraction must be between 0 and 1 (the share of a disk "
+                             f"table's rows that deltas may hold), got {self.base_fraction!r}")
 
 
 
@@ -156,6 +170,12 @@ class _DataWriter:
             self._open_next()
         self.segments = []
         return self.segments
+
+    def cut(self) -> None:
+        """Start a new segment (its own checksum) here: a reader can then check each piece
+        before using it, holding one piece at a time."""
+        if self.segments and self.segments[-1][2]:
+            self.segments.append([self.name, self.offset, 0, 0])
 
     def write(self, mv: memoryview) -> None:
         while len(mv):
@@ -332,7 +352,8 @@ class _Reader:
 
 def _write_manifest(root: Path, body: dict, fsync: bool) -> None:
     data = json.dumps(body, indent=1, allow_nan=True).encode()
-    head = f"{FORMAT} {FORMAT_VERSION} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
+    version = body.get("version", FORMAT_VERSION)
+    head = f"{FORMAT} {version} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
     with open(root / MANIFEST, "wb") as f:
         f.write(head + data)
         f.flush()

@@ -1,5 +1,6 @@
 """Checkpoint directories under a root: finding them (newest first, damaged ones included),
-temporary names for saves in progress, removing old ones, and cleaning up after dead saves."""
+temporary names for saves in progress, removing old ones (never one that a kept checkpoint
+needs: the base and deltas of its disk tables), and cleaning up after dead saves."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,19 @@ def _scan(root: Path) -> list[_Entry]:
     return out
 
 
+def needs(manifest: dict) -> list[tuple[str, str]]:
+    """The other checkpoint directories whose row data ``manifest``'s checkpoint needs (the
+    base and deltas of its disk tables), oldest first, as ``(directory name, checkpoint id)``."""
+    own = manifest.get("id")
+    out = []
+    for item in manifest.get("rows") or ():
+        for link in item["chain"]:
+            key = (link["dir"], link["id"])
+            if link["id"] != own and key not in out:
+                out.append(key)
+    return out
+
+
 def _remove_dir(path: Path) -> None:
     """Rename out of the way first (atomic), then delete: a crash mid-delete never leaves a
     half-deleted directory that looks like a checkpoint."""
@@ -109,11 +123,16 @@ def _tmp_name(final_name: str) -> str:
 
 def prune(root, keep: int, protect=()) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints under ``root`` (and damaged ones
-    older than all of those). Paths in ``protect`` are left alone. Returns what was deleted."""
+    older than all of those), except those a kept one needs (:func:`needs`). Paths in
+    ``protect`` are left alone, and what they need. Returns what was deleted."""
     entries = _scan(Path(root))
     good = [e for e in entries if e.manifest is not None]
     removed = []
     protect = {Path(p) for p in protect}
+    kept = protect | {e.path for e in good[:keep]}
+    for e in good:
+        if e.path in kept:
+            protect.update(Path(root) / name for name, _ in needs(e.manifest))
     for e in good[keep:]:
         if e.path not in protect:
             _remove_dir(e.path)

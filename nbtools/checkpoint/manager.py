@@ -10,6 +10,7 @@ import random
 import shutil
 import socket
 import time
+import uuid
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +22,13 @@ import torch
 from .. import __version__
 from ..devices import cuda_ok
 from ..units import human_bytes
+from . import rows as _rows
 from . import tree as _tree
-from .format import (_ALIGN, EXTRAS, FORMAT, FORMAT_VERSION, CheckpointConfig, CheckpointError,
+from .format import (_ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
                      CheckpointSpaceError, CheckpointWarning, _check_files, _Damaged, _DataWriter,
-                     _dtype, _dtype_name, _fsync_dir, _Reader, _save_chunks, _Staging,
-                     _write_manifest)
-from .layout import _clean_leftovers, _Entry, _scan, _tmp_name, prune
+                     _dtype, _dtype_name, _fsync_dir, _read_manifest, _Reader, _save_chunks,
+                     _Staging, _write_manifest)
+from .layout import _clean_leftovers, _Entry, _scan, _tmp_name, needs, prune
 from .mirror import DriveSync
 
 _RESERVED = ("rng", "half_tables", "allow_half")
@@ -97,6 +99,8 @@ class _SavePlan:
     total: int                    # tensor bytes as stored
     half: bool
     estimate: int                 # bytes the checkpoint needs on disk, at most
+    rows: list                    # disk tables: base, delta or unchanged (rows.SaveRows)
+    id: str                       # this checkpoint's id (chains of disk tables name it)
 
 
 # --- the manager --------------------------------------------------------------------------------
@@ -132,6 +136,7 @@ class CheckpointManager:
         self._seq = None
         self.last_restore = None     # figures of the last restore(): step, bytes, seconds, ...
         self.sync = None
+        self._chains = {}            # id(DiskRows) -> rows.Chain: what a delta extends
         if mirror is not None:
             self.sync = mirror if isinstance(mirror, DriveSync) else DriveSync(mirror)
             self.sync.after_copy = lambda: prune(self.sync.target, self.keep)
@@ -158,26 +163,31 @@ class CheckpointManager:
                              "save(step, model=model, opt=opt)")
         if cuda_ok():
             torch.cuda.synchronize()   # GPU kernels may still be writing zero-copy tables
-        plan = self._plan(objects, rng, half)
+        final = self._final_path(step)
+        plan = self._plan(objects, rng, half, final.name)
         self._check_space(plan.estimate, step)
         seq = self._next_seq()
-        final = self._final_path(step)
         body = self._write(plan, step, seq, final)
         self._seq = seq
+        _rows.committed(plan.rows, self._chains, plan.id)
         self._hand_to_mirror_and_prune(final)
-        return self._report_save(step, final, body, time.perf_counter() - t0)
+        return self._report_save(step, final, body, plan, time.perf_counter() - t0)
 
     # the phases of save() ----------------------------------------------------------------------
-    def _plan(self, objects: dict, rng: bool, half: bool) -> _SavePlan:
-        """Encode the objects' states (and the RNG states) and decide how each tensor is stored;
-        nothing is written yet."""
+    def _plan(self, objects: dict, rng: bool, half: bool, dir_name: str) -> _SavePlan:
+        """Encode the objects' states (and the RNG states) and decide how each tensor is stored,
+        and each disk table's rows (every dirty row written back first); nothing is written
+        to the checkpoint yet."""
         cfg = self.config
         packer = _tree.Packer()
         objects_tree = {}
-        for name, obj in objects.items():
-            objects_tree[name] = {"type": f"{type(obj).__module__}.{type(obj).__qualname__}",
-                                  "state": packer.encode(self._state_of(name, obj), name)}
-        rng_tree = packer.encode(_rng_state(), "<rng>") if rng else None
+        tables = _rows.find(objects)
+        with _rows.holding(tables, writable=False):     # their views become $rows nodes
+            refs = packer.ref = _rows.Refs(tables)
+            for name, obj in objects.items():
+                objects_tree[name] = {"type": f"{type(obj).__module__}.{type(obj).__qualname__}",
+                                      "state": packer.encode(self._state_of(name, obj), name)}
+            rng_tree = packer.encode(_rng_state(), "<rng>") if rng else None
 
         half_dtype = getattr(torch, cfg.half_dtype)
         entries, total = [], 0
@@ -196,9 +206,17 @@ class CheckpointManager:
             buf = io.BytesIO()
             torch.save(packer.extras, buf)
             extras_blob = buf.getvalue()
-        estimate = total + (_ALIGN + 512) * len(entries) + len(extras_blob or b"") + (64 << 10)
+        uid = uuid.uuid4().hex
+        saved = _rows.plan(refs.used, self._chains, cfg, dir_name, uid, len(entries))
+        for s in saved:
+            if s.entry is not None:
+                entries.append(s.entry)
+                total += s.entry["bytes"]
+        segments = sum(s.entry["bytes"] // _rows.PIECE + 2 for s in saved if s.entry)
+        estimate = (total + (_ALIGN + 512) * len(entries) + 64 * segments
+                    + len(extras_blob or b"") + (64 << 10))
         return _SavePlan(objects_tree, rng_tree, packer.tensors, entries, extras_blob, total,
-                         half, estimate)
+                         half, estimate, saved, uid)
 
     def _write(self, plan: _SavePlan, step: int, seq: int, final: Path) -> dict:
         """Write the checkpoint under a temporary name, then rename it to ``final``; returns the
@@ -212,7 +230,8 @@ class CheckpointManager:
             files = self._write_tensors(tmp, plan, bar)
             extras = self._write_extras(tmp, plan.extras_blob, files)
             body = {
-                "format": FORMAT, "version": FORMAT_VERSION, "step": step, "seq": seq,
+                "format": FORMAT, "version": 2 if plan.rows else 1, "id": plan.id,
+                "step": step, "seq": seq,
                 "created_unix": time.time(), "host": socket.gethostname(),
                 "nbtools": __version__, "torch": torch.__version__,
                 "half": plan.half and any(e["stored"] != e["dtype"] for e in plan.entries),
@@ -220,6 +239,8 @@ class CheckpointManager:
                 "bytes": sum(files.values()), "files": files, "tensors": plan.entries,
                 "extras": extras, "objects": plan.objects, "rng": plan.rng,
             }
+            if plan.rows:
+                body["rows"] = [s.item() for s in plan.rows]
             _write_manifest(tmp, body, cfg.fsync)     # last: its presence marks completeness
             self._commit(tmp, final)
         except BaseException as e:
@@ -249,6 +270,9 @@ class CheckpointManager:
                         staging = _Staging(cfg.chunk_bytes)
                     for mv in _save_chunks(t, stored, cfg, staging):
                         writer.write(mv)
+                for s in plan.rows:                # disk tables: file to file
+                    if s.entry is not None:
+                        _rows.write(s, writer, cfg.chunk_bytes)
             finally:
                 writer.close()
         return dict(writer.files)
@@ -294,14 +318,19 @@ class CheckpointManager:
             self.sync.submit(final)
         prune(self.directory, self.keep, protect=[final, *protect])
 
-    def _report_save(self, step: int, final: Path, body: dict, seconds: float) -> dict:
+    def _report_save(self, step: int, final: Path, body: dict, plan: _SavePlan,
+                     seconds: float) -> dict:
         info = {"step": step, "path": str(final), "bytes": body["bytes"], "seconds": seconds,
                 "bytes_per_s": body["bytes"] / seconds if seconds > 0 else None,
-                "half": body["half"]}
+                "half": body["half"],
+                "disk_tables": {s.table.disk.name: {"kind": s.kind, "rows": s.count,
+                                                    "needs": len(s.links)}
+                                for s in plan.rows}}
         if self.config.verbose:
+            tables = f"; disk tables: {_rows.describe(plan.rows)}" if plan.rows else ""
             print(f"checkpoint: saved step {step} ({human_bytes(body['bytes'])}"
                   f"{', half-precision tables' if body['half'] else ''}) in {seconds:.2f} s, "
-                  f"{_rate(body['bytes'], seconds)} -> {final}")
+                  f"{_rate(body['bytes'], seconds)}{tables} -> {final}")
         return info
 
     @staticmethod
@@ -368,6 +397,7 @@ class CheckpointManager:
         config's ``half_tables``).
         """
         t0 = time.perf_counter()
+        self._rows_touched = False
         allow_half = self.config.half_tables if allow_half is None else allow_half
         for name, obj in objects.items():
             self._state_of(name, obj)             # type check before touching anything
@@ -400,6 +430,7 @@ class CheckpointManager:
                         f"{m.get('half_dtype')} (saved with half_tables=True): restoring it is "
                         "not exact. Pass allow_half=True to restore it anyway.")
                 _check_files(entry.path, m)
+                self._check_needs(entry.path, m)
                 nbytes = self._load(entry, objects, rng)
             except _Damaged as e:
                 failures.append(f"{label}: {e}")
@@ -421,10 +452,18 @@ class CheckpointManager:
                                  "skipped": failures}
             return m["step"]
         raise CheckpointError("no checkpoint could be restored; every one is damaged:\n  "
-                              + "\n  ".join(failures))
+                              + "\n  ".join(failures)
+                              + ("\nDisk tables may have been partly rewritten by the attempts: "
+                                 "do not train on them." if self._rows_touched else ""))
 
     def _load(self, entry: _Entry, objects: dict, rng: bool) -> int:
         m, cfg = entry.manifest, self.config
+        # Disk tables the restored objects refer to: matched with the live ones, and their
+        # chains found, before anything is read.
+        nodes = _tree.rows_nodes(*(m["objects"][name]["state"] for name in objects))
+        matched = _rows.match(m.get("rows") or [], {n["$rows"] for n in nodes},
+                              _rows.find(objects), entry.path) if nodes else {}
+        chains = {k: self._chain_of(entry, m["rows"][k]) for k in matched}
         # Destinations: the objects' live tensors where shape and dtype match (read in place,
         # no second copy), else fresh CPU tensors.
         live: dict[int, torch.Tensor] = {}
@@ -456,9 +495,27 @@ class CheckpointManager:
         finally:
             if bar is not None:
                 bar.close()
-        # Every byte verified: now hand the state to the objects.
+        # Every byte verified: the disk tables' rows (each piece checked before it is written),
+        # then the state goes to the objects, the tables' own views standing for their rows.
+        for k, t in matched.items():
+            self._rows_touched = True
+            total += _rows.restore(t, chains[k], cfg.chunk_bytes)
+        with _rows.holding(list(matched.values()), writable=True):
+            self._hand_over(m, objects, tensors, extras, matched)
+        for k, t in matched.items():
+            links = m["rows"][k]["chain"]
+            _rows.committed([_rows.SaveRows(t, "same", 0, links, None)], self._chains, m["id"])
+        if rng and m.get("rng") is not None:
+            _set_rng_state(_tree.decode(m["rng"], tensors, extras))
+        return total
+
+    def _hand_over(self, m: dict, objects: dict, tensors: list, extras: list,
+                   matched: dict) -> None:
+        """``load_state_dict`` of each object with its decoded state."""
+        def on_rows(node):
+            return _rows.view(node, matched[node["$rows"]])
         for name, obj in objects.items():
-            state = _tree.decode(m["objects"][name]["state"], tensors, extras)
+            state = _tree.decode(m["objects"][name]["state"], tensors, extras, on_rows)
             if isinstance(obj, torch.Tensor):
                 if obj.shape != state.shape:
                     raise CheckpointError(f"tensor {name!r} has shape {tuple(obj.shape)}, the "
@@ -471,9 +528,48 @@ class CheckpointManager:
                 obj.update(state)
             else:
                 obj.load_state_dict(state)
-        if rng and m.get("rng") is not None:
-            _set_rng_state(_tree.decode(m["rng"], tensors, extras))
-        return total
+
+    def _roots(self) -> list[Path]:
+        return [self.directory] + ([self.sync.target] if self.sync is not None else [])
+
+    def _find_dir(self, first: Path, name: str, uid: str) -> tuple[Path, dict] | None:
+        """The complete checkpoint directory ``name`` of id ``uid``: in ``first`` (the root of
+        the checkpoint that needs it), else in the other root (local or mirror)."""
+        for root in [first] + [r for r in self._roots() if r != first]:
+            path = root / name
+            try:
+                mm = _read_manifest(path)
+                if mm.get("id") != uid:
+                    continue
+                _check_files(path, mm)
+            except _Damaged:
+                continue
+            return path, mm
+        return None
+
+    def _check_needs(self, path: Path, m: dict) -> None:
+        for name, uid in needs(m):
+            if self._find_dir(path.parent, name, uid) is None:
+                raise _Damaged(f"it needs {name} (a base or delta of its disk tables), which is "
+                               f"missing or incomplete in {' and '.join(map(str, self._roots()))}")
+
+    def _chain_of(self, entry: _Entry, item: dict) -> list:
+        """``(directory, link, tensor entry)`` of each link of a disk table's chain."""
+        m, out = entry.manifest, []
+        for link in item["chain"]:
+            if link["id"] == m.get("id"):
+                found = (entry.path, m)
+            else:
+                found = self._find_dir(entry.path.parent, link["dir"], link["id"])
+            if found is None:
+                raise _Damaged(f"it needs {link['dir']} (the {link['kind']} of disk table "
+                               f"{item['name']!r}), which is missing or incomplete")
+            tensors = found[1]["tensors"]
+            if not 0 <= link["tensor"] < len(tensors):
+                raise _Damaged(f"{link['dir']} has no tensor {link['tensor']} (the "
+                               f"{link['kind']} of disk table {item['name']!r})")
+            out.append((found[0], link, tensors[link["tensor"]]))
+        return out
 
     @staticmethod
     def _read_extras(path: Path, m: dict) -> list:
@@ -497,11 +593,13 @@ class CheckpointManager:
                    "bytes": m["bytes"] if m else None,
                    "created": time.strftime("%Y-%m-%d %H:%M:%S",
                                             time.localtime(m["created_unix"])) if m else None,
-                   "half": m.get("half") if m else None, "status": None}
+                   "half": m.get("half") if m else None,
+                   "needs": [name for name, _ in needs(m)] if m else [], "status": None}
             try:
                 if m is None:
                     raise _Damaged(entry.error)
                 _check_files(entry.path, m)
+                self._check_needs(entry.path, m)
                 row["status"] = "ok"
                 if verify:
                     self._verify(entry)

@@ -4,7 +4,9 @@
 Drive in Colab is a FUSE mount that uploads late: ``os.replace`` from local disk into the mount
 fails (EXDEV), and files written shortly before a disconnect can be missing or empty. So a copy
 goes to a temporary directory *inside* the target, is fsync'ed (manifest last) and renamed there;
-``CheckpointManager.restore`` verifies sizes and checksums and skips what did not arrive. Where
+``CheckpointManager.restore`` verifies sizes and checksums and skips what did not arrive. A
+checkpoint whose disk tables are a delta needs older directories (their base and earlier
+deltas): those are copied first, unless the target has them already. Where
 the folder lives (``nbtools.colab.drive_dir``) and how Drive is flushed are :mod:`nbtools.colab`'s.
 """
 from __future__ import annotations
@@ -20,8 +22,9 @@ from pathlib import Path
 from .. import colab
 from ..colab import DriveError
 from ..units import human_bytes
-from .format import MANIFEST, CheckpointSpaceError, _check_files, _Damaged, _fsync_dir, _read_manifest
-from .layout import _remove_dir, _tmp_name
+from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, _check_files, _Damaged,
+                     _fsync_dir, _read_manifest)
+from .layout import _remove_dir, _tmp_name, needs
 
 
 def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
@@ -64,6 +67,16 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
         raise
     return final
 
+
+
+def _complete(path: Path, uid: str) -> bool:
+    """Whether ``path`` is the complete checkpoint of id ``uid``."""
+    try:
+        m = _read_manifest(path)
+        _check_files(path, m)
+    except _Damaged:
+        return False
+    return m.get("id") == uid
 
 
 class DriveSync:
@@ -134,6 +147,13 @@ class DriveSync:
 
     def _copy(self, path: Path) -> None:
         t0 = time.perf_counter()
+        for name, uid in needs(_read_manifest(path)):      # the base and deltas first
+            if _complete(self.target / name, uid):
+                continue
+            if not _complete(path.parent / name, uid):
+                raise CheckpointError(f"cannot copy {path.name} to {self.target}: it needs "
+                                      f"{name}, complete in neither {path.parent} nor there")
+            copy_checkpoint(path.parent / name, self.target)
         final = copy_checkpoint(path, self.target)
         nbytes = sum(f.stat().st_size for f in final.iterdir())
         self.copied.append({"path": str(final), "bytes": nbytes,

@@ -1,0 +1,442 @@
+"""Disk tables (``placement="disk"``) in checkpoints: their rows go file to file, never through
+RAM, as a full copy (a *base*) or as the rows changed since the previous save (a *delta*).
+
+A disk table's ``state_dict()`` (and its optimizer's) hands out views of the table file mapped
+into memory. While a checkpoint is being planned, each disk table holds one mapping
+(:meth:`nbtools.disk.DiskRows.hold_mapping`), so every view of it is recognised and saved as a
+``{"$rows": k, ...}`` node (which columns of table ``k``'s rows it is), never read. The rows
+themselves, weights and optimizer state together, are saved once per table:
+
+* a **base**: every row, ``row_bytes`` each (not the file's 512-byte-aligned stride), read
+  from the table file in blocks of at most ``chunk_bytes / 4`` while the previous block is
+  written, one checksum per block;
+* a **delta**: records ``[id (int64) | row]`` of the rows written since the previous save, in
+  id order, one checksum per 256 KiB. The table counts those rows itself
+  (:meth:`~nbtools.disk.DiskRows.changed_since`); its count restarts only once the checkpoint
+  is committed, so a save that fails loses no change.
+
+Each checkpoint's manifest lists, per table, the *chain* it needs: the base and every delta
+since, as (directory, checkpoint id, tensor entry). A chain grows by one delta per save until
+``CheckpointConfig.base_every`` links or until its deltas would hold ``base_fraction`` of the
+rows; then a new base starts a new chain. Pruning keeps what a kept checkpoint needs
+(:func:`nbtools.checkpoint.layout.needs`), and a mirror copies it first.
+
+A restore merges the chain in one pass: base blocks in row order, each overlaid with the
+rows that the deltas, oldest first, hold for it, then written to the table file. Nothing is
+written before its checksum is checked; the table's RAM cache is emptied first (its rows are
+older than the checkpoint's). The state dicts are then loaded with the same mapping held, so
+their ``load_state_dict`` finds the very views it would write to and copies nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import weakref
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..units import human_bytes
+from .format import CheckpointError, _Damaged, _dtype, _dtype_name, _fadvise
+
+PIECE = 256 << 10          # bytes per checksummed piece of a delta (a restore holds one per delta)
+_ID = 8                    # bytes of a row id in a delta record
+
+
+@dataclasses.dataclass
+class Table:
+    """A disk table found among the objects of a save or restore."""
+    disk: object                  # nbtools.disk.DiskRows
+    keys: list                    # where the objects reach it: "model:emb", "opt:emb"
+    index: int | None = None      # its place in the manifest's "rows", once a view refers to it
+    held: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Chain:
+    """What a manager last saved or restored for one table: the checkpoint id whose rows the
+    table matched then (its changes are counted from there) and the links a delta extends."""
+    disk: weakref.ref
+    token: str
+    links: list
+    delta_rows: int
+
+
+@dataclasses.dataclass
+class SaveRows:
+    """One table's part of a save: ``kind`` "base", "delta" or "same" (no row changed)."""
+    table: Table
+    kind: str
+    count: int                    # rows this checkpoint writes
+    links: list                   # the chain this checkpoint needs, its own link last
+    entry: dict | None            # its tensor entry (None for "same")
+
+    def item(self) -> dict:
+        d = self.table.disk
+        return {"name": d.name, "keys": self.table.keys, "num_rows": d.num_rows,
+                "row_bytes": d.row_bytes, "width": d.width, "dtype": _dtype_name(d.dtype),
+                "kind": self.kind, "count": self.count, "chain": self.links}
+
+
+def find(objects: dict) -> list[Table]:
+    """The disk tables among ``objects``: modules' submodules with a ``disk`` (DiskRows) and
+    optimizers' ``tables``."""
+    mod = sys.modules.get("nbtools.disk")
+    if mod is None:                       # nothing imported it: there is no disk table
+        return []
+    found: dict[int, Table] = {}
+
+    def add(owner, key):
+        d = getattr(owner, "disk", None)
+        if isinstance(d, mod.DiskRows):
+            found.setdefault(id(d), Table(d, [])).keys.append(key)
+
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for sub, m in obj.named_modules():
+                add(m, f"{name}:{sub}")
+        elif isinstance(getattr(obj, "tables", None), dict):
+            for sub, t in obj.tables.items():
+                add(t, f"{name}:{sub}")
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def holding(tables: list[Table], writable: bool):
+    """Each table's mapping held (see the module docs) for the block."""
+    with contextlib.ExitStack() as stack:
+        for t in tables:
+            t.held = stack.enter_context(t.disk.hold_mapping(writable))
+        try:
+            yield
+        finally:
+            for t in tables:
+                t.held = None
+
+
+class Refs:
+    """``Packer(ref=...)``: views of held tables become ``$rows`` nodes; ``used`` lists the
+    tables referred to, in the order of their indices."""
+
+    def __init__(self, tables: list[Table]):
+        self.by_storage = {t.held.untyped_storage().data_ptr(): t for t in tables}
+        self.used: list[Table] = []
+
+    def __call__(self, x: torch.Tensor, path: str):
+        if x.device.type != "cpu" or not self.by_storage:
+            return None
+        t = self.by_storage.get(x.untyped_storage().data_ptr())
+        if t is None:
+            return None
+        d, item = t.disk, x.element_size()
+        offset = x.storage_offset() * item
+        extent = item + sum((n - 1) * s for n, s in zip(x.shape[1:], x.stride()[1:])) * item
+        if (x.dim() < 1 or x.shape[0] != d.num_rows or min(x.stride()[1:], default=1) < 0
+                or (d.num_rows > 1 and x.stride(0) * item != d.file.stride)
+                or offset + extent > d.row_bytes):
+            raise CheckpointError(
+                f"{path}: a view of disk table {d.name!r} (shape {tuple(x.shape)}, strides "
+                f"{x.stride()}, {x.dtype}) that is not columns of every row; a checkpoint saves "
+                "a disk table's rows by reference. Save a copy (x.clone()) under another name "
+                "if you need this one.")
+        if t.index is None:
+            t.index = len(self.used)
+            self.used.append(t)
+        return {"$rows": t.index, "offset": offset, "dtype": _dtype_name(x.dtype),
+                "shape": list(x.shape), "stride": list(x.stride()[1:])}
+
+
+def view(node: dict, t: Table) -> torch.Tensor:
+    """The live table's view that ``node`` describes, on its held mapping."""
+    d, dtype = t.disk, _dtype(node["dtype"])
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = [int(n) for n in node["shape"]]
+    if shape[0] != d.num_rows or node["offset"] % item or d.file.stride % item:
+        raise CheckpointError(f"disk table {d.name!r}: the checkpoint's view {shape} "
+                              f"{node['dtype']} does not fit its {d.num_rows:,} rows")
+    stride = [d.file.stride // item, *node["stride"]]
+    return torch.empty(0, dtype=dtype).set_(t.held.untyped_storage(), node["offset"] // item,
+                                            shape, stride)
+
+
+# --- saving -------------------------------------------------------------------------------------
+
+def plan(used: list[Table], chains: dict, cfg, own_dir: str, own_id: str,
+         first_index: int) -> list[SaveRows]:
+    """Decide base, delta or nothing for each table referred to (every dirty row is written
+    back first); ``first_index`` is the tensor index of the first new entry."""
+    out = []
+    for t in used:
+        d = t.disk
+        chain = chains.get(id(d))
+        if chain is not None and chain.disk() is not d:
+            chain = None
+        changed = d.changed_since(chain.token if chain is not None else None)
+        index = first_index + sum(s.entry is not None for s in out)
+        if (changed is None or len(chain.links) >= cfg.base_every
+                or chain.delta_rows + changed > cfg.base_fraction * d.num_rows):
+            entry = _entry(f"<rows {t.index}>/base", d.num_rows, d.row_bytes)
+            link = {"dir": own_dir, "id": own_id, "tensor": index, "kind": "base",
+                    "count": d.num_rows}
+            out.append(SaveRows(t, "base", d.num_rows, [link], entry))
+        elif changed == 0:
+            out.append(SaveRows(t, "same", 0, list(chain.links), None))
+        else:
+            entry = _entry(f"<rows {t.index}>/delta", changed, _ID + d.row_bytes)
+            link = {"dir": own_dir, "id": own_id, "tensor": index, "kind": "delta",
+                    "count": changed}
+            out.append(SaveRows(t, "delta", changed, [*chain.links, link], entry))
+    return out
+
+
+def _entry(path: str, n: int, width: int) -> dict:
+    return {"path": path, "dtype": "uint8", "stored": "uint8", "shape": [n, width],
+            "bytes": n * width, "device": "disk", "segments": None}
+
+
+def write(s: SaveRows, writer, chunk_bytes: int) -> None:
+    """Stream one table's base or delta into the checkpoint's data files (``writer``)."""
+    from ..rowfile import _aligned
+    d = s.table.disk
+    s.entry["segments"] = writer.begin_tensor()
+    if s.kind == "base":
+        per = max(1, (chunk_bytes // 4) // max(d.row_bytes, d.file.stride))
+        bufs = [_aligned(per * d.row_bytes).reshape(per, d.row_bytes) for _ in range(2)]
+
+        def read(k, a):
+            m = min(per, d.num_rows - a)
+            d.file.read_range(a, bufs[k % 2][:m])
+            return bufs[k % 2][:m]
+        with ThreadPoolExecutor(1, thread_name_prefix="nbtools-ckpt-read") as pool:
+            fut = pool.submit(read, 0, 0)
+            for k, a in enumerate(range(0, d.num_rows, per)):
+                block = fut.result()
+                if a + per < d.num_rows:       # read the next block while this one is written
+                    fut = pool.submit(read, k + 1, a + per)
+                writer.cut()
+                writer.write(memoryview(block.reshape(-1)))
+        return
+    rec = _ID + d.row_bytes
+    per = max(1, PIECE // rec)                          # records per checksummed piece
+    batch = per * max(1, (chunk_bytes // 4) // (per * max(rec, d.file.stride)))
+    buf = np.empty((batch, rec), dtype=np.uint8)
+    rows = np.empty((batch, d.row_bytes), dtype=np.uint8)
+    seen = 0
+    for a in range(0, d.num_rows, 1 << 20):              # the change map, a million rows at once
+        ids = d.changed_ids(a, min(d.num_rows, a + (1 << 20)))
+        for b in range(0, len(ids), batch):
+            part = ids[b:b + batch]
+            m = len(part)
+            d.copy_rows(part, rows[:m])
+            buf[:m, :_ID] = part.astype("<i8").view(np.uint8).reshape(m, _ID)
+            buf[:m, _ID:] = rows[:m]
+            for c in range(0, m, per):
+                writer.cut()
+                writer.write(memoryview(buf[c:min(m, c + per)].reshape(-1)))
+            seen += m
+    if seen != s.count:
+        raise CheckpointError(f"disk table {d.name!r}: {seen:,} rows changed while its delta of "
+                              f"{s.count:,} was being saved; nothing may write rows during save()")
+
+
+def committed(saved: list[SaveRows], chains: dict, token: str) -> None:
+    """The checkpoint ``token`` is on disk: each table counts changes from it now."""
+    for s in saved:
+        d = s.table.disk
+        d.mark_checkpointed(token)
+        deltas = sum(link["count"] for link in s.links if link["kind"] == "delta")
+        chains[id(d)] = Chain(weakref.ref(d), token, s.links, deltas)
+
+
+# --- restoring ----------------------------------------------------------------------------------
+
+def match(items: list[dict], wanted: set, tables: list[Table], where: str) -> dict[int, Table]:
+    """The live table for each saved table in ``wanted`` (indices into ``items``), checked."""
+    by_key = {key: t for t in tables for key in t.keys}
+    out = {}
+    for k in sorted(wanted):
+        item = items[k]
+        live = [by_key[key] for key in item["keys"] if key in by_key]
+        if not live:
+            raise CheckpointError(
+                f"checkpoint {where} saved disk table {item['name']!r} (as "
+                f"{', '.join(item['keys'])}), and none of the objects restored here holds a "
+                "disk table there. Create the table with placement='disk' (and its optimizer) "
+                "before restore(), under the same names.")
+        t = live[0]
+        d = t.disk
+        if any(x is not t for x in live[1:]):
+            raise CheckpointError(f"checkpoint {where}: {', '.join(item['keys'])} were one disk "
+                                  "table when saved, and are different tables here")
+        have = (d.num_rows, d.row_bytes, d.width, _dtype_name(d.dtype))
+        want = (item["num_rows"], item["row_bytes"], item["width"], item["dtype"])
+        if have != want:
+            raise CheckpointError(
+                f"checkpoint {where}: disk table {item['name']!r} has {want[0]:,} rows of "
+                f"{want[2]} {want[3]} ({want[1]} bytes: weights and optimizer state), the live "
+                f"table {d.name!r} has {have[0]:,} rows of {have[2]} {have[3]} ({have[1]} "
+                "bytes). Create the table with the same size and dtype, and its optimizer (the "
+                "same class: its state is part of each row), before restore().")
+        out[k] = t
+    return out
+
+
+class _Stream:
+    """The bytes of one tensor entry, in order; each segment's checksum is checked before any
+    of its bytes is handed out (one segment held at a time)."""
+
+    def __init__(self, root: Path, entry: dict, what: str):
+        self.root, self.what = root, what
+        self.segs = entry["segments"] or []
+        self.k = 0
+        self.buf = np.empty(0, dtype=np.uint8)
+        self.pos = self.end = 0
+        self.files: dict[str, int] = {}
+        self.read = 0
+
+    def _next(self) -> None:
+        name, off, n, crc = self.segs[self.k]
+        self.k += 1
+        if len(self.buf) < n:
+            self.buf = np.empty(n, dtype=np.uint8)
+        fd = self.files.get(name)
+        if fd is None:
+            try:
+                fd = os.open(self.root / name, os.O_RDONLY)
+            except OSError as e:
+                raise _Damaged(f"{self.what}: {name} unreadable ({e})") from None
+            _fadvise(fd, "POSIX_FADV_SEQUENTIAL")
+            self.files[name] = fd
+        mv, got = memoryview(self.buf)[:n], 0
+        while got < n:
+            r = os.preadv(fd, [mv[got:]], off + got)
+            if r <= 0:
+                raise _Damaged(f"{self.what}: {name} is truncated (wanted {n} bytes at {off})")
+            got += r
+        if zlib.crc32(mv) != crc:
+            raise _Damaged(f"{self.what}: checksum mismatch in {name} bytes {off}..{off + n} "
+                           "(file damaged)")
+        self.pos, self.end = 0, n
+        self.read += n
+
+    def read_into(self, out: np.ndarray) -> None:
+        out = out.reshape(-1)
+        got = 0
+        while got < len(out):
+            if self.pos == self.end:
+                if self.k == len(self.segs):
+                    raise _Damaged(f"{self.what}: ends early")
+                self._next()
+            take = min(len(out) - got, self.end - self.pos)
+            out[got:got + take] = self.buf[self.pos:self.pos + take]
+            got += take
+            self.pos += take
+
+    def done(self) -> bool:
+        return self.pos == self.end and all(s[2] == 0 for s in self.segs[self.k:])
+
+    def close(self) -> None:
+        for fd in self.files.values():
+            _fadvise(fd, "POSIX_FADV_DONTNEED")
+            os.close(fd)
+        self.files.clear()
+
+
+class _Delta:
+    """A delta's records, read piece by piece, laid over base blocks in row order."""
+
+    def __init__(self, stream: _Stream, count: int, row_bytes: int, num_rows: int):
+        self.stream, self.left, self.rb, self.n = stream, count, row_bytes, num_rows
+        self.buf = np.empty((max(1, PIECE // (_ID + row_bytes)), _ID + row_bytes), np.uint8)
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.pos = 0
+        self.last = -1
+
+    def apply(self, block: np.ndarray, a: int, b: int) -> None:
+        """``block`` holds rows ``a:b``: put this delta's rows among them in place."""
+        while True:
+            if self.pos == len(self.ids):
+                if not self.left:
+                    return
+                k = min(len(self.buf), self.left)
+                self.stream.read_into(self.buf[:k])
+                self.left -= k
+                self.ids = self.buf[:k, :_ID].copy().view("<i8").reshape(-1).astype(np.int64)
+                self.pos = 0
+                if (self.ids[0] <= self.last or self.ids[-1] >= self.n
+                        or (k > 1 and np.any(np.diff(self.ids) <= 0))):
+                    raise _Damaged(f"{self.stream.what}: row ids out of order or out of range")
+                self.last = int(self.ids[-1])
+            ids = self.ids[self.pos:]
+            j = int(np.searchsorted(ids, b))
+            if j:
+                if ids[0] < a:
+                    raise _Damaged(f"{self.stream.what}: row ids out of order")
+                block[ids[:j] - a] = self.buf[self.pos:self.pos + j, _ID:]
+                self.pos += j
+            if self.pos < len(self.ids):         # the next row is past this block
+                return
+
+
+def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) -> int:
+    """Rewrite every row of ``t``'s file from its chain: ``(directory, link, tensor entry)``
+    for the base, then each delta, oldest first. Returns the checkpoint bytes read."""
+    from ..rowfile import _aligned
+    d = t.disk
+    (base_dir, base_link, base_entry), deltas = links[0], links[1:]
+    rb, n = d.row_bytes, d.num_rows
+    _check_shape(base_entry, [n, rb], base_dir, d.name)
+    for root, link, entry in deltas:
+        _check_shape(entry, [link["count"], _ID + rb], root, d.name)
+    d.discard_cache()                      # its RAM rows are older than the checkpoint's
+    base = _Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table {d.name!r}")
+    laid = [_Delta(_Stream(root, e, f"{root.name}: delta of disk table {d.name!r}"),
+                   link["count"], rb, n) for root, link, e in deltas]
+    per = max(1, (chunk_bytes // 4) // max(rb, d.file.stride))
+    bufs = [_aligned(per * rb).reshape(per, rb) for _ in range(2)]
+    pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-ckpt-write")
+    try:
+        writing = None
+        for k, a in enumerate(range(0, n, per)):
+            m = min(per, n - a)
+            block = bufs[k % 2][:m]
+            base.read_into(block)
+            for delta in laid:
+                delta.apply(block, a, a + m)
+            if writing is not None:
+                writing.result()
+            writing = pool.submit(d.file.write_range, a, block)   # while the next is merged
+        if writing is not None:
+            writing.result()
+        if not base.done() or any(x.left or x.pos < len(x.ids) for x in laid):
+            raise _Damaged(f"{base_dir.name}: the chain of disk table {d.name!r} holds more "
+                           "rows than the table")
+    finally:
+        pool.shutdown()
+        for s in (base, *(x.stream for x in laid)):
+            s.close()
+    return base.read + sum(x.stream.read for x in laid)
+
+
+def _check_shape(entry: dict, want: list, root: Path, name: str) -> None:
+    if list(entry["shape"]) != want or entry["dtype"] != "uint8":
+        raise _Damaged(f"{root.name}: the rows of disk table {name!r} are {entry['shape']} "
+                       f"{entry['dtype']}, expected {want} uint8")
+
+
+def describe(saved: list[SaveRows]) -> str:
+    """``emb: delta of 1,234 rows (29.1 KiB)`` for the save's report."""
+    parts = []
+    for s in saved:
+        if s.kind == "same":
+            parts.append(f"{s.table.disk.name}: unchanged")
+        else:
+            what = "base" if s.kind == "base" else "delta"
+            parts.append(f"{s.table.disk.name}: {what} of {s.count:,} rows "
+                         f"({human_bytes(s.entry['bytes'])})")
+    return "; ".join(parts)
