@@ -151,3 +151,19 @@ def test_fit_stream_without_read_ahead_and_its_errors(tmp_path):
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
         fit_stream(Item2Vec(table), stream, opt, 0)
     table.close()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_the_hit_rate_counts_every_row_read_from_disk(tmp_path, read_ahead):
+    """A RAM cache that holds the whole table reads each row once, by the lookup or by the
+    read-ahead: the hit rate over the run is 1 - distinct rows / rows looked up."""
+    stream = ClickStream(300, 32, topics=4)
+    table = nbtools.OffloadedEmbedding(300, 8, device="cpu", placement="disk",
+                                       disk_dir=str(tmp_path), host_cache_bytes=600 * 8 * 4)
+    opt = nbtools.OffloadOptimizer(torch.optim.SGD, table, lr=0.1)
+    history = fit_stream(Item2Vec(table), stream, opt, 12, log_every=12, read_ahead=read_ahead)
+    batches = [stream.batch(t) for t in range(12)]
+    distinct = len(torch.cat([b.flatten() for b in batches]).unique())
+    looked = sum(len(b.unique()) for b in batches)
+    assert history["ram_hit_rate"] == [pytest.approx(1 - distinct / looked)]
+    table.close()

@@ -156,8 +156,11 @@ class Item2Vec(nn.Module):
         return (anchor * positive).sum(-1) * scale, (anchor * negative).sum(-1) * scale
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        pos, neg = self.scores(batch)
-        return -(F.logsigmoid(pos) + F.logsigmoid(-neg)).mean()
+        return _loss(*self.scores(batch))
+
+
+def _loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    return -(F.logsigmoid(pos) + F.logsigmoid(-neg)).mean()
 
 
 def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, dashboard=None,
@@ -171,20 +174,21 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     Returns the history: ``step``, ``loss`` (mean over each ``log_every`` steps),
     ``pair_accuracy`` (share of those steps' triples whose positive outscored the negative,
     measured before the step that trains on them: a held-out figure for the rows seen so far),
-    ``ram_hit_rate`` (share of those steps' unique rows found in a disk table's RAM cache; None
-    for other tables), ``time_s``; and ``pairs_per_s`` over the whole run.
+    ``ram_hit_rate`` (share of those steps' unique rows that a disk table found in its RAM
+    cache without reading them from disk, by the step or by its read-ahead; None for other
+    tables), ``time_s``; and ``pairs_per_s`` over the whole run.
     """
-    from ..disk import disk_counters
     if steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     log_every = log_every or max(1, steps // 50)
     table = model.table
+    disk = getattr(table, "disk", None)       # a disk table's file and RAM cache, else None
     history = {"step": [], "loss": [], "pair_accuracy": [], "ram_hit_rate": [], "time_s": []}
     pin = table.device.type == "cuda"         # host ids in pinned memory: copies need no sync
     ids = stream.batch(0)
     ids = ids.pin_memory() if pin else ids
     loss_sum = right = None
-    seen = disk_counters()
+    seen = dict(disk.stats) if disk is not None else None
     t0 = time.perf_counter()
     for step in range(steps):
         pos, neg = model.scores(ids)
@@ -192,7 +196,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
             upcoming = stream.batch(step + 1)
             upcoming = upcoming.pin_memory() if pin else upcoming
             table.prefetch(upcoming)
-        loss = -(F.logsigmoid(pos) + F.logsigmoid(-neg)).mean()
+        loss = _loss(pos, neg)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -204,16 +208,13 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
             dashboard.step(stream.batch_size)
         if (step + 1) % log_every == 0 or step + 1 == steps:
             n = step + 1 - (history["step"][-1] if history["step"] else 0)
-            now = disk_counters()
-            looked = now["lookup_rows"] - seen["lookup_rows"]
             history["step"].append(step + 1)
             history["loss"].append(float(loss_sum) / n)           # note: a CPU-GPU sync point
             history["pair_accuracy"].append(float(right) / n)
-            history["ram_hit_rate"].append((now["hit_rows"] - seen["hit_rows"]) / looked
-                                           if looked else None)
+            history["ram_hit_rate"].append(_hit_rate(seen, disk))
             history["time_s"].append(time.perf_counter() - t0)
             loss_sum = right = None
-            seen = now
+            seen = dict(disk.stats) if disk is not None else None
         if read_ahead and step + 1 < steps:
             ids = upcoming
         else:
@@ -222,6 +223,17 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     synchronize(table.device)
     history["pairs_per_s"] = steps * stream.batch_size / (time.perf_counter() - t0)
     return history
+
+
+def _hit_rate(before: dict | None, disk) -> float | None:
+    """Share of the unique rows looked up since ``before`` (a disk table's ``stats``) that
+    were neither missed nor brought in by a read-ahead (those count as hits in the lookup)."""
+    if disk is None:
+        return None
+    now = disk.stats
+    looked = now["lookups"] - before["lookups"]
+    read = now["misses"] - before["misses"] + now["read_ahead"] - before["read_ahead"]
+    return max(0.0, 1.0 - read / looked) if looked else None
 
 
 @dataclasses.dataclass
