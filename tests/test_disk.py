@@ -260,3 +260,29 @@ def test_auto_places_by_weights_when_adam_state_fits_nowhere(tmp_path, monkeypat
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 2 * N * D * 4)
     t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
     assert t.placement == "disk" and "weights alone" in t.placement_reason
+
+
+def test_attaching_state_needs_room_for_one_file_only(tmp_path, monkeypatch):
+    """A table never written has its weights drawn when the optimizer's state attaches: the
+    weights-only file goes before the file with the state columns is made, so a disk with room
+    for one file holds the table (a 100M-row table on a 64 GiB disk needs this)."""
+    import collections
+    import shutil
+    Usage = collections.namedtuple("Usage", "total used free")
+    torch.manual_seed(3)
+    t = OffloadedEmbedding(4000, D, name="t", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path), host_cache_bytes=64 * 3 * D * 4)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    capacity = int(1.6 * sum(p.stat().st_size for p in files))
+
+    def usage(folder):
+        used = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+        return Usage(capacity, used, capacity - used)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
+    torch.manual_seed(3)
+    expected = torch.randn(4000, D, device=DEVICE).cpu()
+    assert torch.equal(t.weight.cpu(), expected)
+    assert t.state_names and len([p for p in tmp_path.rglob("*") if p.is_file()]) == 1
+    t(torch.arange(10)).sum().backward()
+    opt.step()
