@@ -72,13 +72,11 @@ def test_sizing_is_importable_from_the_module():
     assert sizing.Sizing.__name__ == "Sizing"
 
 
-@pytest.mark.xfail(strict=True, raises=nbtools.rowfile.DiskFullError, reason=(
-    "nbtools.disk.regrow makes the file of rows with optimizer state while the weights-only file "
-    "(never written) still holds its reserved space: attaching the optimizer needs room for "
-    "both files, so a table sized to the disk (Colab: a 64 GB file, 78 GB free) cannot take one"))
 def test_a_table_sized_to_the_disk_takes_its_optimizer(tmp_path, monkeypatch):
     """A disk of 24 MiB (the blocks the folder's files hold count as used): rows_for caps the
-    table to it, and the table must then be creatable and trainable there."""
+    table to it, and the table can then be made and trained there. (Until 00af75b, attaching
+    the optimizer made the file with state beside the unwritten weights-only one, and needed
+    room for both: Colab's 78 GB could not take the notebook's 64 GB table.)"""
     import shutil
     capacity = 24 << 20
 
