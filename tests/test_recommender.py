@@ -288,15 +288,16 @@ def _tiny(users=1500, seed=0):
 
 def _sequence_probabilities(a):
     """Brute force: probability of every ordered draw of 3 of the items, one after another
-    without replacement, each ∝ exp(a) over the items not drawn yet."""
+    without replacement, each ∝ exp(a) over the items not drawn yet. ``a``: [..., items]
+    affinities (one row per user); each probability has ``a``'s leading shape."""
     import itertools
     w = a.double().exp()
     out = {}
-    for seq in itertools.permutations(range(len(a)), 3):
-        prob, left = 1.0, float(w.sum())
+    for seq in itertools.permutations(range(a.shape[-1]), 3):
+        prob, left = torch.ones_like(w[..., 0]), w.sum(-1)
         for i in seq:
-            prob *= float(w[i]) / left
-            left -= float(w[i])
+            prob = prob * w[..., i] / left
+            left = left - w[..., i]
         out[seq] = prob
     return out
 
@@ -306,10 +307,11 @@ def test_synthetic_draws_follow_sequential_sampling():
     r = d.ratings
     assert r.user_ids.bincount().tolist() == [3] * 1500
     expected_first, expected_last = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
-    for u in range(1500):
-        for seq, prob in _sequence_probabilities(d.affinity(u, torch.arange(6))).items():
-            expected_first[seq[0]] += prob
-            expected_last[seq[2]] += prob
+    # every user's 6 affinities at once: [1500, 6]
+    for seq, prob in _sequence_probabilities(d.affinity(torch.arange(1500)[:, None],
+                                                        torch.arange(6))).items():
+        expected_first[seq[0]] += prob.sum()
+        expected_last[seq[2]] += prob.sum()
     first = r.item_ids[r.timestamps == 0].bincount(minlength=6).double()
     last = r.item_ids[r.timestamps == 2].bincount(minlength=6).double()
     assert _chi2(first, expected_first) < 20.515 and _chi2(last, expected_last) < 20.515  # df 5
