@@ -3,11 +3,13 @@
 References: bytes per row written out from the layout (weights plus state), the file's stride and
 the RAM per row read off a real disk table (its file and what the host budget counted).
 """
+import os
+
 import pytest
 import torch
 
 import nbtools
-from nbtools import devices, disk, sizing
+from nbtools import devices, disk
 from nbtools.sizing import ROW_MAP_BYTES, file_row_bytes, rows_for
 
 
@@ -37,7 +39,7 @@ def test_file_rows_and_row_maps_are_what_a_disk_table_takes(tmp_path):
     d = table.disk
     assert file_row_bytes(d.row_bytes, tmp_path) == d.file.stride
     assert devices.held_host_bytes() - held - d.slab.nbytes == 1_000 * ROW_MAP_BYTES
-    assert list(tmp_path.iterdir()) == [__import__("pathlib").Path(d.file.path)]  # probe gone
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(d.file.path)]  # probe gone
     table.close()
 
 
@@ -66,10 +68,6 @@ def test_bad_arguments(tmp_path, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rows_for(**args)
-
-
-def test_sizing_is_importable_from_the_module():
-    assert sizing.Sizing.__name__ == "Sizing"
 
 
 def test_a_table_sized_to_the_disk_takes_its_optimizer(tmp_path, monkeypatch):
