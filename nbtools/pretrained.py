@@ -21,8 +21,9 @@ How the rows travel, and why that keeps memory bounded:
   while this one is checked and written), straight into a host table's memory where the dtypes
   agree, and each chunk is dropped from the page cache once read (``POSIX_FADV_DONTNEED``):
   the page cache counts against a container's memory limit. A memory map that cannot be read
-  that way (copy-on-write, not row-major) is read through its mapping, its pages released
-  behind each chunk where that is safe.
+  that way (not row-major, copy-on-write) is read through its mapping, its pages released
+  behind each chunk where that loses nothing (not for ``mode="c"``, whose pages then stay
+  resident until the map is dropped).
 * **Checked while streaming.** Each chunk is checked once it is in the table's dtype (a finite
   sum proves a chunk finite; only a chunk that fails is searched), so a NaN, an inf, or a
   finite float64 that overflows a float16 table is refused naming its row; nothing is left
