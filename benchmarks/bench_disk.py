@@ -264,7 +264,7 @@ def main():
                             host_cache_bytes=int(args.cache_gib * (1 << 30)))
     res["create_s"] = time.perf_counter() - t0
     res["row_bytes"] = table.disk.row_bytes
-    res["file_bytes"] = table.nbytes
+    res["file_bytes"] = table.disk.file_bytes          # rows rounded up to the O_DIRECT block
     res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
     res["cache_rows"] = table.disk.capacity_rows
     mem.mark("created")

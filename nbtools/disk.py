@@ -198,8 +198,14 @@ class DiskRows:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of rows on disk."""
+        """Bytes of the rows themselves (as in RAM); :attr:`file_bytes` is what they take on disk."""
         return self.num_rows * self.row_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the rows take on disk: each row rounded up to the file's O_DIRECT block (a
+        260-byte row takes 512)."""
+        return self.num_rows * self.file.stride
 
     def _ensure_init(self) -> None:
         """Write the initial rows to the file the first time any row is needed."""
@@ -844,5 +850,5 @@ def describe(disk: DiskRows) -> str:
     """What ``repr(table)`` says of a disk table's file and RAM cache."""
     s = disk.stats
     rate = f"{s['hits'] / s['lookups']:.0%}" if s["lookups"] else "n/a"
-    return (f"file={disk.file.path!r} ({human_bytes(disk.nbytes)}), RAM cache "
+    return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}), RAM cache "
             f"{disk.slots:,} rows ({human_bytes(disk.slab.nbytes)}, hit rate {rate})")

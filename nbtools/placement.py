@@ -89,13 +89,22 @@ class NoRoomError(HostMemoryError):
     """A table fits on no tier (GPU, host RAM, local disk); nothing was allocated."""
 
 
+def disk_bytes(nbytes: int, num_rows: int | None) -> int:
+    """What ``nbytes`` of ``num_rows`` rows take in a row file: each row rounded up to a 512-byte
+    sector (``O_DIRECT``; the file is made with the disk's own block, checked again then)."""
+    if not num_rows:
+        return nbytes
+    return num_rows * -(-(nbytes // num_rows) // 512) * 512
+
+
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
-                   disk_dir=None) -> tuple[str, str]:
+                   disk_dir=None, num_rows: int | None = None) -> tuple[str, str]:
     """Where ``placement="auto"`` puts ``nbytes`` of rows and state, and why: the GPU when they
     take at most ``gpu_fraction`` of its free memory, else host RAM when they take at most 90%
     of what is available (:func:`check_fits`' rule), else a file in ``disk_dir`` (default
     :func:`nbtools.disk.default_dir`) when the disk has room. Raises :class:`NoRoomError`,
-    with every tier's numbers, when none has."""
+    with every tier's numbers, when none has. ``num_rows``: the disk's need counts each row
+    rounded up to a sector (:func:`disk_bytes`)."""
     tried = []
     if device.type == "cuda":
         free = gpu_free_bytes(device)
@@ -114,12 +123,15 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
     from . import disk
     folder = disk_dir or disk.default_dir()
     free_disk = disk.free_bytes(folder)
-    if nbytes <= free_disk:
+    on_disk = disk_bytes(nbytes, num_rows)
+    if on_disk <= free_disk:
         return "disk", (f"{human_bytes(nbytes)} exceeds {' and '.join(tried)}; "
-                        f"{human_bytes(free_disk)} free in {folder}")
+                        f"{human_bytes(on_disk)} on disk, {human_bytes(free_disk)} free in "
+                        f"{folder}")
     raise NoRoomError(
         f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
-        f"{'; '.join(tried)}; {human_bytes(free_disk)} free on disk in {folder}. Use "
+        f"{'; '.join(tried)}; {human_bytes(on_disk)} needed on disk (rows rounded up to "
+        f"512-byte sectors), {human_bytes(free_disk)} free in {folder}. Use "
         "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
         "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
 

@@ -216,6 +216,25 @@ def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
     assert p.placement == "none" and "fit nowhere" in str(p)
 
 
+def test_auto_counts_rows_rounded_up_to_sectors_on_disk(tmp_path, monkeypatch):
+    """260-byte rows (bf16 x 128 and a row-wise accumulator) take 512 bytes each in the file:
+    a disk with room for the rows but not for their sectors is refused, with both numbers."""
+    from nbtools import disk, placement
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                                 "available": 1000})
+    rows = 10_000
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 400 * rows)
+    assert placement.disk_bytes(260 * rows, rows) == 512 * rows
+    with pytest.raises(nbtools.NoRoomError, match="512-byte sectors"):
+        placement.auto_placement(260 * rows, torch.device("cpu"), 0.5, str(tmp_path), rows)
+    where, _ = placement.auto_placement(260 * rows, torch.device("cpu"), 0.5, str(tmp_path))
+    assert where == "disk"                  # counted without rows: the bytes alone fit
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 512 * rows)
+    where, why = placement.auto_placement(260 * rows, torch.device("cpu"), 0.5, str(tmp_path),
+                                          rows)
+    assert where == "disk" and "on disk" in why
+
+
 def test_plan_names_the_disk(tmp_path):
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
@@ -257,8 +276,9 @@ def test_auto_places_by_weights_when_adam_state_fits_nowhere(tmp_path, monkeypat
     from nbtools import disk, placement
     monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
                                                                  "available": 1000})
-    monkeypatch.setattr(disk, "free_bytes", lambda folder: 2 * N * D * 4)
-    t = OffloadedEmbedding(N, D, device="cpu", placement="auto", disk_dir=str(tmp_path))
+    dim = 128                   # 512-byte rows: one sector each; with Adam's state three
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 2 * N * dim * 4)
+    t = OffloadedEmbedding(N, dim, device="cpu", placement="auto", disk_dir=str(tmp_path))
     assert t.placement == "disk" and "weights alone" in t.placement_reason
 
 
