@@ -147,8 +147,10 @@ class DiskRows:
         self._grew_warned = False
         # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
         self.initial = None
+        # hits: rows found in RAM that no read-ahead brought in (those count as ahead_hits:
+        # read from disk all the same, only earlier)
         self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
-                      "read_ahead": 0}
+                      "read_ahead": 0, "ahead_hits": 0}
 
     # --- the slab -------------------------------------------------------------------------
     def _alloc(self, slots: int, old=None) -> None:
@@ -166,14 +168,14 @@ class DiskRows:
         if old is None:
             self.id_of = np.full(slots, -1, dtype=np.int64)
             self.busy = np.zeros(slots, dtype=np.int64)
-            for name in ("dirty", "ref", "locked"):
+            for name in ("dirty", "ref", "locked", "ahead"):
                 setattr(self, name, np.zeros(slots, dtype=bool))
             self._hand = 0
         else:
             grow = slots - keep
             self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=np.int64)))
             self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
-            for name in ("dirty", "ref", "locked"):
+            for name in ("dirty", "ref", "locked", "ahead"):
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
         if old is None:
@@ -270,11 +272,15 @@ class DiskRows:
             slots = self.slot_of[ids]
             miss = slots < 0
             nmiss = int(miss.sum())
+            found = slots[~miss]
+            early = int(self.ahead[found].sum())     # rows a read-ahead brought in
+            self.ahead[found] = False
             self.stats["lookups"] += len(ids)
             self.stats["misses"] += nmiss
-            self.stats["hits"] += len(ids) - nmiss
+            self.stats["hits"] += len(ids) - nmiss - early
+            self.stats["ahead_hits"] += early
             _counters["lookup_rows"] += len(ids)
-            _counters["hit_rows"] += len(ids) - nmiss
+            _counters["hit_rows"] += len(ids) - nmiss - early
             if nmiss:
                 hits = slots[~miss]
                 was = self.locked[hits].copy()
@@ -384,9 +390,10 @@ class DiskRows:
         for ids, rows in stash:
             self._write(ids, rows)
 
-    def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _load(self, ids: np.ndarray, slots: np.ndarray, ahead: bool = False) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
-        another thread meanwhile (the disk serves both at once; they touch different rows)."""
+        another thread meanwhile (the disk serves both at once; they touch different rows).
+        ``ahead``: a read-ahead's (its rows do not count as RAM hits when looked up)."""
         writing = None
         if self._stash:
             if self._writer is None:
@@ -401,12 +408,15 @@ class DiskRows:
         _counters["read_s"] += time.perf_counter() - t0
         _counters["read_bytes"] += len(ids) * self.row_bytes
         self._placed(ids, slots)
+        if ahead:
+            self.ahead[slots] = True
 
     def _placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
         self.dirty[slots] = False
+        self.ahead[slots] = False
         self.ref[slots] = True
 
     def ensure_slab(self) -> None:
@@ -463,7 +473,7 @@ class DiskRows:
                     if self._loader is None:
                         self._loader = ThreadPoolExecutor(1, thread_name_prefix="nbtools-load")
                     # (this thread holds the lock until the load is done: it is the load's)
-                    loading = self._loader.submit(self._load, miss[: len(free)], free)
+                    loading = self._loader.submit(self._load, miss[: len(free)], free, True)
                     self.stats["read_ahead"] += len(free)
             try:
                 self._prepared = prepare(ids, self.num_rows, padding_idx)
@@ -703,7 +713,7 @@ class DiskRows:
             self.initial = None
             self.slot_of[:] = -1
             self.id_of[:] = -1
-            for name in ("dirty", "ref", "locked"):
+            for name in ("dirty", "ref", "locked", "ahead"):
                 getattr(self, name)[:] = False
             self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
             self.changed[:] = True

@@ -306,3 +306,27 @@ def test_attaching_state_needs_room_for_one_file_only(tmp_path, monkeypatch):
     assert t.state_names and len([p for p in tmp_path.rglob("*") if p.is_file()]) == 1
     t(torch.arange(10)).sum().backward()
     opt.step()
+
+
+def test_rows_a_read_ahead_brought_in_are_not_ram_hits(tmp_path):
+    """Every id new: every row comes from disk, whether the read-ahead or the lookup read it.
+    The hit rate (table stats, disk_counters for the dashboard) says 0, not the share the
+    read-ahead happened to bring in first."""
+    from nbtools.disk import disk_counters
+    t = OffloadedEmbedding(10_000, 8, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
+                           host_cache_bytes=640_000)
+    opt = OffloadOptimizer(torch.optim.SGD, t, lr=0.1)
+    batches = [torch.arange(i * 500, (i + 1) * 500) for i in range(10)]
+    before = disk_counters()
+    for i, ids in enumerate(batches):
+        t(ids).sum().backward()
+        if i + 1 < len(batches):
+            t.prefetch(batches[i + 1])
+        opt.step()
+        opt.zero_grad()
+    after = disk_counters()
+    s = t.disk.stats
+    assert s["read_ahead"] > 0 and s["ahead_hits"] > 0       # the read-ahead did bring rows in
+    assert s["hits"] == 0 and after["hit_rows"] == before["hit_rows"]
+    assert after["lookup_rows"] - before["lookup_rows"] == 5000
+    assert "hit rate 0%" in repr(t)
