@@ -195,10 +195,11 @@ def test_mf_training_lowers_rmse(device, mlp_hidden):
                                 device=device)
     model.set_global_bias(ratings[:split])
     before = evaluate_rmse(model, users[split:], items[split:], ratings[split:])
-    opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.03)
-    loader = PinnedLoader(users[:split], items[:split], ratings[:split], batch_size=128,
+    opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.05)
+    loader = PinnedLoader(users[:split], items[:split], ratings[:split], batch_size=256,
                           device=device)
-    history = train(model, loader, opt, epochs=25, progress=False)
+    # 8 epochs of 18 steps: after / before is 0.17 (no MLP) and 0.25-0.29 (MLP) over seeds 0-2
+    history = train(model, loader, opt, epochs=8, progress=False)
     after = evaluate_rmse(model, users[split:], items[split:], ratings[split:])
     assert history["loss"][-1] < history["loss"][0]
     assert after < 0.6 * before, (before, after)
