@@ -15,7 +15,15 @@ at 4,096 and 65,536 uniform ids per step, and 65,536 Zipf(1.1) ids. Plus:
 Steps are timed as loops (one synchronisation at the end, none between steps), median of
 several loops.
 
+The cost of determinism (issue 24): with ``--deterministic both``, the host and GPU placements
+(and the small model) also run with OffloadConfig(deterministic=False), whose lookups' backward
+sums duplicate ids with torch's atomic index_add_ instead of the fixed-order segment sum, and
+"repeat diff" trains the same short run twice in each mode and reports how far apart the two
+runs end (0 where the sums are fixed-order). ``--deterministic off`` runs every nbtools system
+with atomics.
+
     python benchmarks/bench_step.py --out DIR          # GPU machine
+    python benchmarks/bench_step.py --deterministic both --only "nbtools host,nbtools gpu,small nbtools gpu,repeat diff"
     python benchmarks/bench_step.py --quick            # small, runs on a CPU
 """
 from __future__ import annotations
@@ -83,7 +91,7 @@ def cache_bytes_for(n, dim, share, states=2):
 
 
 def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
-                 prefetch=False, zero_copy_programs=None, **table_kw):
+                 prefetch=False, zero_copy_programs=None, deterministic=True, **table_kw):
     if zero_copy_programs is not None:
         from nbtools import kernels
         kernels.ZERO_COPY_PROGRAMS = zero_copy_programs
@@ -92,7 +100,7 @@ def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=Non
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
                                        **table_kw)
     opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
-                                   config=OffloadConfig(fused=fused))
+                                   config=OffloadConfig(fused=fused, deterministic=deterministic))
 
     nxt = {}             # id(batch) -> the batch after it (run_system fills it)
 
@@ -135,9 +143,12 @@ def traffic_floor_ms(n, dim, batches, device, width_factor=3):
 
 
 def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30,
-                   profile_to=None):
+                   profile_to=None, deterministic=True):
     """word2vec-sized step: input and output tables, with ``system`` one of "nbtools host",
-    "nbtools gpu", "torch sparse". Returns (ms per step, host syncs per step)."""
+    "nbtools gpu", "nbtools host cache", "torch sparse" (" atomics" after it:
+    OffloadConfig(deterministic=False)). Returns (ms per step, host syncs per step)."""
+    if system.endswith(" atomics"):
+        system, deterministic = system[: -len(" atomics")], False
     gen = torch.Generator(device="cpu").manual_seed(1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     batches = [(torch.multinomial(zipf, pairs, True, generator=gen).to(device),
@@ -167,7 +178,8 @@ def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=10
             counts = (zipf * 1e7).long()
             a.warm_cache(counts)
             b.warm_cache(counts)
-        opt = nbtools.OffloadOptimizer(torch.optim.Adam, [a, b], lr=1e-3)
+        opt = nbtools.OffloadOptimizer(torch.optim.Adam, [a, b], lr=1e-3,
+                                       config=OffloadConfig(deterministic=deterministic))
 
     def step(batch):
         opt.zero_grad()
@@ -219,6 +231,45 @@ SYSTEMS = {   # name -> table options (None: torch's own)
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
+# --deterministic both: these also run with OffloadConfig(deterministic=False) ("... atomics")
+DETERMINISM = ["nbtools host", "nbtools gpu", "nbtools host cache25%",
+               "nbtools host bf16+bf16 state", "small nbtools host", "small nbtools gpu"]
+for _name in DETERMINISM:
+    if _name in SYSTEMS:
+        SYSTEMS[f"{_name} atomics"] = dict(SYSTEMS[_name], deterministic=False)
+
+
+def repeat_diff(device, rows=200_000, dim=128, n=65536, steps=30) -> dict:
+    """How far apart two identical runs end (max |difference| of the weights), for each
+    placement and OffloadConfig.deterministic: 30 Adam steps of Zipf(1.1) ids, each position's
+    gradient row a different multiple of its row (equal gradient rows would sum to the same
+    bits in any order, hiding the atomics' order)."""
+    gen = torch.Generator().manual_seed(3)
+    p = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64).pow(1.1)
+    batches = [(torch.multinomial(p, n, True, generator=gen).to(device),
+                torch.randn(n, 1, generator=gen).to(device)) for _ in range(steps)]
+    out = {}
+    for placement in ("host", "gpu") if device.type == "cuda" else ("host",):
+        for det in (True, False):
+            ends = []
+            for _ in range(2):
+                table = nbtools.OffloadedEmbedding(rows, dim, device=device, name="t",
+                                                   placement=placement)
+                with torch.no_grad():
+                    table.weight.copy_(torch.randn(rows, dim,
+                                                   generator=torch.Generator().manual_seed(0)))
+                opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
+                                               config=OffloadConfig(deterministic=det))
+                for ids, w in batches:
+                    (table(ids) * w).square().sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                opt.synchronize()
+                ends.append(table.weight.float().cpu().clone())
+                del table, opt
+            diff = (ends[0] - ends[1]).abs().max().item()
+            out[f"{placement}, deterministic={det}"] = diff
+    return out
 
 
 def make_cases(args, device):
@@ -236,6 +287,9 @@ def run_system(name, args, device) -> dict:
     """One system's figures (run in a process of its own, so no system inherits another's
     allocator state or captured graphs)."""
     cases = make_cases(args, device)
+    if name == "repeat diff":
+        return {"repeat_diff": repeat_diff(device, rows=min(args.rows, 200_000), dim=args.dim,
+                                           steps=5 if args.quick else 30)}
     if name == "floor":
         out = {c: traffic_floor_ms(args.rows, args.dim, cases[c], device)
                for c in ("65,536 uniform", "65,536 zipf1.1")}
@@ -247,9 +301,11 @@ def run_system(name, args, device) -> dict:
         prof = os.path.join(args.out or ".", "step_profile.txt") \
             if args.profile and args.only and args.only.split(",")[0] == name else None
         ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30,
-                                   profile_to=prof)
+                                   profile_to=prof, deterministic=args.deterministic != "off")
         return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
     kw = dict(SYSTEMS[name]) if SYSTEMS[name] is not None else None
+    if kw is not None and args.deterministic == "off":
+        kw["deterministic"] = False
     if kw is not None and kw.pop("host_ids", False):
         pin = device.type == "cuda"           # pinned, as a loader's batches are
         cases = {k: [b.cpu().pin_memory() if pin else b.cpu() for b in v]
@@ -302,6 +358,10 @@ def main():
     ap.add_argument("--only", default=None, help="run these systems only (comma-separated names, "
                     "e.g. 'small nbtools gpu'); with --profile, profile the first")
     ap.add_argument("--out", default=None, help="write DIR/step.json")
+    ap.add_argument("--deterministic", choices=("on", "off", "both"), default="on",
+                    help="OffloadConfig.deterministic of the nbtools systems: on (the default), "
+                    "off (atomics), both (the host, GPU and small-model systems in each mode, "
+                    "their time ratios, and 'repeat diff': how far two identical runs end apart)")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.steps = 100_000, 4
@@ -311,16 +371,22 @@ def main():
         return
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
-           "floor_ms": {}, "small_model": {}}
+           "floor_ms": {}, "small_model": {}, "repeat_diff": {},
+           "deterministic": args.deterministic}
     print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam; each system in a "
           "process of its own", flush=True)
-    names = [n for n in SYSTEMS if device.type == "cuda" or SYSTEMS[n] is not None] + \
-        [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"]
+    both = args.deterministic == "both"
+    names = [n for n in SYSTEMS if (device.type == "cuda" or SYSTEMS[n] is not None)
+             and (both or not n.endswith(" atomics"))] + \
+        [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"] + \
+        ([f"{n} atomics" for n in DETERMINISM if n.startswith("small ")] + ["repeat diff"]
+         if both else [])
     if args.only:
         names = [n for n in args.only.split(",") if n in names]
     for name in names:
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
-               str(args.dim), "--steps", str(args.steps)] + (["--quick"] if args.quick else []) + \
+               str(args.dim), "--steps", str(args.steps),
+               "--deterministic", args.deterministic] + (["--quick"] if args.quick else []) + \
             (["--profile", "--profile-case", args.profile_case, "--out", args.out]
              if args.profile and args.out else []) + \
             (["--only", args.only] if args.only else [])
@@ -365,6 +431,15 @@ def main():
               get(f"nbtools host generic | {case}"))
         ratio(f"host graphs / host eager, {case}", get(f"nbtools host | {case}"),
               get(f"nbtools host eager | {case}"))
+    for name in DETERMINISM:
+        if name.startswith("small "):
+            ratio(f"determinism cost: {name} / atomics (target <= 1.03)",
+                  res["small_model"].get(name[len("small "):]),
+                  res["small_model"].get(name[len("small "):] + " atomics"))
+            continue
+        for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
+            ratio(f"determinism cost: {name[8:]} / atomics, {case} (target <= 1.03)",
+                  get(f"{name} | {case}"), get(f"{name} atomics | {case}"))
     sm = res["small_model"]
     ratio("small model: host / torch sparse", sm.get("nbtools host"), sm.get("torch sparse"))
     ratio("small model: gpu / torch sparse", sm.get("nbtools gpu"), sm.get("torch sparse"))
@@ -390,6 +465,8 @@ def main():
         print(f"host syncs per step, {k:<24}{v if v is None else f'{v:.1f}'}")
     for k, v in sm.items():
         print(f"small model {k:<32}{v:9.3f} ms")
+    for k, v in res["repeat_diff"].items():
+        print(f"two identical runs end apart by, {k:<32}{v:.3g}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "step.json"), "w") as f:

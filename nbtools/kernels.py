@@ -485,9 +485,88 @@ def _kernels():
         _put(out, cout, hmask & first, cmask & first, s0 + d, v[:, None] + tl.zeros_like(p),
              seed, 2, elem, ROUND_S, HAS_CACHE)
 
+    # The sum of each unique id's gradient rows, in a fixed order (segment_sum): no atomics,
+    # so the same inputs give the same bits on every run. The rows are taken in sorted order
+    # (order: positions sorted by slot; slot: nondecreasing) and cut into chunks of CHUNK
+    # positions, whatever the runs of equal slots are.
+    @triton.jit
+    def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride,
+                       part_first, part_last, d, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Pass 1, one program per chunk (and block of columns): the chunk's rows in order,
+        # one run of equal slots after another. A run that begins and ends in the chunk is
+        # written to out[slot]; the piece of a run that began in an earlier chunk goes to
+        # part_first[chunk], the start of a run that goes on past the chunk to
+        # part_last[chunk] (segment_join adds them up). Per-position values are loaded into
+        # every lane (the same address: one broadcast load), so every mask is a vector.
+        c = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < d
+        base = c * CHUNK + tl.zeros([BLOCK_C], dtype=tl.int32)
+        first = tl.load(slot + base)
+        before = tl.load(slot + base - 1, mask=base > 0, other=-1)
+        cont_in = (base > 0) & (before == first)       # the first run began earlier
+        in_first = cm | ~cm                             # still in the chunk's first run
+        prev = first
+        acc = tl.zeros([BLOCK_C], dtype=out.dtype.element_ty)
+        for i in tl.static_range(CHUNK):
+            p = base + i
+            live = p < n
+            s = tl.load(slot + p, mask=live, other=-1)
+            nxt = tl.load(slot + p + 1, mask=p + 1 < n, other=-2)
+            row = tl.load(order + p, mask=live, other=0).to(tl.int64)
+            v = tl.load(src + row * src_stride + cols * src_cstride, mask=cm & live,
+                        other=0.0).to(out.dtype.element_ty)
+            if i == 0:
+                acc = v
+            else:
+                acc = tl.where(s != prev, v, acc + v)
+                in_first = in_first & (s == prev)
+            tail = live & (nxt != s)                    # the run ends here
+            through = in_first & cont_in
+            tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=cm & tail & ~through)
+            if i == CHUNK - 1:
+                tl.store(part_first + c * d + cols, acc, mask=cm & live & through)
+                tl.store(part_last + c * d + cols, acc, mask=cm & live & ~tail & ~through)
+            else:
+                tl.store(part_first + c * d + cols, acc, mask=cm & tail & through)
+            prev = s
+
+    @triton.jit
+    def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d,
+                     CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Pass 2, one program per chunk: where a run begins in this chunk and goes on past it,
+        # its start (part_last) plus its pieces in the chunks after (part_first), PARTS
+        # chunks at a time, each block summed by one fixed reduction tree.
+        c = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < d
+        base = c * CHUNK
+        last = base + CHUNK - 1
+        s = tl.load(slot + last, mask=last < n, other=-1)
+        nxt = tl.load(slot + last + 1, mask=last + 1 < n, other=-2)
+        first = tl.load(slot + base)
+        before = tl.load(slot + base - 1, mask=base > 0, other=-1)
+        through = (base > 0) & (before == first) & (first == s)   # one run from before
+        start = (last + 1 < n) & (nxt == s) & ~through
+        mask = tl.where(start, cm, False)
+        acc = tl.load(part_last + c * d + cols, mask=mask, other=0.0)
+        k = c + 1
+        go = start
+        while go:
+            ks = k + tl.arange(0, PARTS)
+            inside = ks < chunks
+            mine = inside & (tl.load(slot + ks * CHUNK, mask=inside, other=-1) == s)
+            piece = tl.load(part_first + ks[:, None] * d + cols[None, :],
+                            mask=mine[:, None] & cm[None, :], other=0.0)
+            acc = acc + tl.sum(piece, 0)
+            k = k + PARTS
+            go = tl.sum(mine.to(tl.int32), 0) == PARTS
+        tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=mask)
+
     return {"gather": gather, "put": put, "patch": patch, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
             "rowwise_adagrad": rowwise_adagrad, "partial_rowwise_adam": partial_rowwise_adam,
-            "admit_count": admit_count, "admit_sets": admit_sets}
+            "admit_count": admit_count, "admit_sets": admit_sets,
+            "segment_chunks": segment_chunks, "segment_join": segment_join}
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
@@ -628,6 +707,44 @@ def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> 
         cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
         cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
         WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
+
+
+# segment_sum: positions per program of its first pass, and chunks summed per reduction of its
+# second (a run of r equal ids takes r / SEGMENT_CHUNK pieces, r / (SEGMENT_CHUNK *
+# SEGMENT_PARTS) rounds of the second pass: 4 for the hottest id of 65,536 Zipf(1.1) ids).
+SEGMENT_CHUNK = 32
+SEGMENT_PARTS = 64
+
+
+def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """``out[slot[j]] = sum of src[order[j]]`` over each run of equal ``slot[j]``, in a fixed
+    order: the same bits on every run, whatever the GPU's scheduling (no atomics).
+
+    ``src`` [n, d] (any strides); ``order`` [n]: positions of ``src`` sorted by their slot
+    (stable: ascending within a slot); ``slot`` [n]: the slot of each sorted position,
+    nondecreasing (a RowBatch's ``order`` and ``slot``). ``out`` [cap, d] with a unit column
+    stride, zeros where no position maps. Runs are summed in chunks of
+    :data:`SEGMENT_CHUNK` positions, in order within a chunk; a run spanning chunks adds its
+    chunks' sums by a fixed tree. The association is fixed by ``n`` and the runs, so it is
+    not ``index_add_``'s left-to-right order (it equals it for runs within one chunk).
+    """
+    n, d = src.shape
+    if n == 0 or d == 0:
+        return out
+    chunks = triton_cdiv(n, SEGMENT_CHUNK)
+    block_c = min(256, _pow2(d, 16))
+    grid = (chunks, triton_cdiv(d, block_c))
+    parts = torch.empty(2, chunks, d, dtype=out.dtype, device=out.device)
+    warps = max(1, min(4, block_c // 32))
+    k = _kernels()
+    k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
+                              out.stride(0), parts[0], parts[1], d, CHUNK=SEGMENT_CHUNK,
+                              BLOCK_C=block_c, num_warps=warps)
+    k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
+                            CHUNK=SEGMENT_CHUNK, PARTS=SEGMENT_PARTS, BLOCK_C=block_c,
+                            num_warps=warps)
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:

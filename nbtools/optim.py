@@ -90,6 +90,13 @@ class OffloadConfig:
     # GPU; read late, the next step writes nothing either, and its step() raises the error
     # (OffloadOptimizer.synchronize(), state_dict() and checkpoints read a pending check too).
     checks: str = "auto"
+    # On CUDA, sum each id's gradient rows (an id looked up many times in a step) in a fixed
+    # order, so that identical runs, a resumed run and one whose bad step was skipped end
+    # bit-identical to their references (docs/step.md, "Reproducibility"). False: torch's
+    # atomic additions (index_add_), whose order, and so the last bits, change from run to
+    # run; kept as the fast path to compare with (benchmarks/bench_step.py --deterministic
+    # both). The CPU adds in a fixed order either way.
+    deterministic: bool = True
 
 
 def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -408,6 +415,9 @@ class _TableSlot:
             "group": copy.deepcopy(self.hyper()),
             "scalar_state": copy.deepcopy(self.scalar_state),
             "row_state": self.row_state(keep_cache=True),
+            # the generic path's stochastic rounding seeds follow it: a resumed run must
+            # draw the noise the uninterrupted one would have
+            "rounds": self._rounds,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -421,6 +431,7 @@ class _TableSlot:
                                  f" expected {tuple(dst.shape)}")
             copy_unless_same(dst, src)
         self.group.update(copy.deepcopy(sd["group"]))
+        self._rounds = int(sd.get("rounds", 0))     # (absent from checkpoints before it)
         scalar = sd["scalar_state"]
         self.scalar_state = None if scalar is None else {
             k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalar.items()}
@@ -554,6 +565,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.config.checks not in ("auto", "every_step"):
             raise ValueError(f"OffloadConfig.checks must be 'auto' or 'every_step', "
                              f"got {self.config.checks!r}")
+        if not isinstance(self.config.deterministic, bool):
+            raise TypeError(f"OffloadConfig.deterministic must be True or False, "
+                            f"got {self.config.deterministic!r}")
         self.optimizer_class = optimizer_class
         tables, dense_groups = _split_groups(model_or_params)
         if not tables and not dense_groups:
@@ -583,6 +597,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             slots.append(_TableSlot(name, table, optimizer_class,
                                     {**optimizer_kwargs, **overrides}, self.config, True,
                                     len(slots)))
+            table.deterministic = self.config.deterministic    # its lookups' backward
         defaults = dict(dense.defaults) if dense else \
             {k: v for k, v in slots[0].group.items() if k != "params"}
         # torch.optim.Optimizer.__init__ sets up hooks and the step wrapper schedulers rely on;
@@ -998,7 +1013,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     gpu_per_step = 3 * rows + 2 * unique * (layout.width - layout.weight_cols) * unit
     available = host_memory_bytes()["available"]
     try:
-        placement, why = auto_placement(host, resolve_device(device), gpu_fraction, disk_dir)
+        placement, why = auto_placement(host, resolve_device(device), gpu_fraction, disk_dir,
+                                        num_rows)
     except NoRoomError as e:
         placement, why = "none", str(e)
     from . import disk

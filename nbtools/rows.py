@@ -130,12 +130,20 @@ class RowBatch:
             range; how many slots are in use; whether the last used slot is the sentinel
             (some id was replaced by it). What the optimizer's one synchronisation reads.
         num_rows: the table's row count (= the sentinel value).
+        order, slot: [n] int64: the lookup's positions sorted by id (stable), and the slot of
+            each sorted position (nondecreasing): what sums a lookup's gradient per id in a
+            fixed order (:func:`sum_by_slot`). None where the batch was made without them
+            (the sum then sorts ``inverse`` itself). :func:`unique_ids` keeps them in the
+            memory of ``inverse`` (one allocation: a stream that ``inverse`` is recorded on
+            covers them too).
     """
 
     ids: torch.Tensor
     inverse: torch.Tensor
     meta: torch.Tensor
     num_rows: int
+    order: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -166,26 +174,33 @@ def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
     device = flat.device
     if n == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return RowBatch(empty, empty, torch.zeros(3, dtype=torch.long, device=device), num_rows)
+        return RowBatch(empty, empty, torch.zeros(3, dtype=torch.long, device=device), num_rows,
+                        empty, empty)
     valid = (flat >= 0) & (flat < num_rows)
     bad = (~valid).any().reshape(1)
     if padding_idx is not None:
         valid &= flat != padding_idx
     safe = torch.where(valid, flat, num_rows)
+    # inverse, order and slot in one allocation (RowBatch: a prefetch made on a side stream
+    # records `inverse` on the main one, and with it the other two)
+    maps = torch.empty(3, n, dtype=torch.long, device=device)
+    inverse, order, slot = maps[0], maps[1], maps[2]
+    # stable: equal ids keep their positions' order, so each id's gradient rows are summed in
+    # the order of the lookup (sum_by_slot), the same on every run
     if num_rows < 2 ** 31 - 1:        # int32 keys: a radix sort of half the passes
-        ordered, order = torch.sort(safe.int())
-        ordered = ordered.long()
+        ordered = torch.sort(safe.int(), stable=True, out=(torch.empty_like(safe, dtype=torch.int32),
+                                                            order))[0].long()
     else:
-        ordered, order = torch.sort(safe)
+        ordered = torch.sort(safe, stable=True, out=(torch.empty_like(safe), order))[0]
     new = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ordered[1:], ordered[:-1], out=new[1:])
-    slot = torch.cumsum(new, 0) - 1                 # slot of each sorted id
-    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    torch.cumsum(new, 0, out=slot).sub_(1)          # slot of each sorted id
+    inverse.scatter_(0, order, slot)
     ids = torch.full((min(n, num_rows + 1),), num_rows, dtype=torch.long, device=device)
     ids.scatter_(0, slot, ordered)                 # equal values to a slot: any writer wins
     # the sentinel is the largest value: present iff the last sorted id is it
     meta = torch.cat((bad.long(), slot[-1:] + 1, ordered[-1:].eq(num_rows).long()))
-    return RowBatch(ids, inverse, meta, num_rows)
+    return RowBatch(ids, inverse, meta, num_rows, order, slot)
 
 
 def merge(batches: list, grads: list):
@@ -199,12 +214,65 @@ def merge(batches: list, grads: list):
     merged = unique_ids(all_ids, num_rows)          # sentinel slots merge into one sentinel
     bad = torch.stack([b.meta[0] for b in batches]).amax().reshape(1)
     merged.meta = torch.cat((bad, merged.meta[1:]))  # sentinels are not bad ids
-    grad = torch.zeros(merged.capacity, grads[0].shape[1], dtype=grads[0].dtype,
-                       device=grads[0].device)
-    grad.index_add_(0, merged.inverse, torch.cat(grads))
+    grad = sum_by_slot(torch.cat(grads), merged)
     pick = torch.zeros(merged.capacity, dtype=torch.long, device=all_ids.device)
     pick.scatter_(0, merged.inverse, torch.arange(all_ids.numel(), device=all_ids.device))
     return merged, grad, pick
+
+
+def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True) -> torch.Tensor:
+    """``[capacity, d]``: the rows of ``grad`` [n, d] (one per position of the lookup) summed per
+    unique id, ``out[batch.inverse[j]] += grad[j]``: the gradient of a lookup's unique rows.
+
+    On the CPU this is ``index_add_``, which adds in position order. On CUDA ``index_add_``
+    adds with atomics, in an order that changes from run to run (the last bits of a row
+    whose id repeats differ between two identical runs); here each id's rows are summed in a
+    fixed order instead, by :func:`nbtools.kernels.segment_sum` over the lookup's sorted
+    positions (the sort its deduplication made already), or, without Triton, by torch's
+    embedding backward (sort-based, deterministic). ``deterministic=False`` (CUDA): the
+    atomics, kept as a fast path to compare with (``OffloadConfig(deterministic=False)``).
+    Where the sum must stay differentiable (a backward with ``create_graph=True``) it is
+    ``index_add``, atomics included.
+    """
+    cap = batch.capacity
+    differentiable = torch.is_grad_enabled() and grad.requires_grad
+    if grad.device.type != "cuda" or not deterministic or differentiable:
+        out = grad.new_zeros(cap, grad.shape[1])
+        return out.index_add(0, batch.inverse, grad) if differentiable else \
+            out.index_add_(0, batch.inverse, grad)
+    if not kernels.usable_on(grad.device):
+        return torch.ops.aten.embedding_dense_backward(grad, batch.inverse, cap, -1, False)
+    order, slot = batch.order, batch.slot
+    if order is None:                   # a batch made elsewhere (a disk table's): sort here
+        slot, order = torch.sort(batch.inverse, stable=True)
+    out = grad.new_zeros(cap, grad.shape[1])
+    return kernels.segment_sum(grad, order, slot, out)
+
+
+class _Expand(torch.autograd.Function):
+    """``rows.index_select(0, batch.inverse)`` whose backward sums per id in a fixed order
+    (:func:`sum_by_slot`) instead of ``index_select``'s ``index_add_`` (atomics on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, rows, batch, deterministic):
+        ctx.batch, ctx.deterministic = batch, deterministic
+        return rows.index_select(0, batch.inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.reshape(-1, grad.shape[-1])
+        return sum_by_slot(grad, ctx.batch, ctx.deterministic), None, None
+
+
+def expand(rows: torch.Tensor, batch: RowBatch, deterministic: bool = True) -> torch.Tensor:
+    """A lookup's rows in the order of its ids (``rows[batch.inverse]``, [n, d]), from its unique
+    ``rows`` [capacity, d]: differentiable, the backward summing each id's gradient rows in a
+    fixed order on CUDA (:func:`sum_by_slot`), so identical runs end bit-identical.
+    ``deterministic=False`` or a CPU tensor: plain ``index_select`` (its backward is
+    ``index_add_``: atomics on CUDA, position order on the CPU)."""
+    if rows.device.type != "cuda" or not deterministic or not rows.requires_grad:
+        return rows.index_select(0, batch.inverse)
+    return _Expand.apply(rows, batch, deterministic)
 
 
 @dataclasses.dataclass

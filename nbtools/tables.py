@@ -33,7 +33,7 @@ from .units import human_bytes
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_rows,
                         copy_unless_same, release_pages)
-from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge,
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, expand, merge,
                    unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -282,7 +282,7 @@ class OffloadedEmbedding(nn.Module):
         if self.requested_placement != "auto":
             return self.requested_placement, "asked for"
         where, why = auto_placement(nbytes, self.device, self.config.gpu_fraction,
-                                    self.config.disk_dir)
+                                    self.config.disk_dir, self.num_embeddings)
         return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
 
     def _store(self) -> RowStore:
@@ -840,13 +840,24 @@ class OffloadedEmbedding(nn.Module):
         taken = self._prefetch.device_ids(ids)
         return self._prepare_ids(ids) if taken is None else taken
 
+    # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
+    # on CUDA a training lookup's backward sums each id's gradient rows in a fixed order.
+    deterministic = True
+
+    def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """``rows[inv]``: a lookup's unique rows in the order of its ids. The gradient of each
+        unique row is the sum over its ids, with no second sort (the deduplication's is
+        reused): in a fixed order on CUDA (nbtools.rows.expand), where index_select's own
+        backward (index_add_) adds with atomics, whose order changes from run to run."""
+        rec = self._pending[-1] if self._pending else None
+        if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
+            return rows.index_select(0, inv)
+        return expand(rows, rec[0], self.deterministic)
+
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)
         rows, inv = self._lookup(ids)
-        # index_select's own backward is what a lookup needs: the gradient of each unique
-        # row is one index_add_ over the ids (F.embedding's backward would sort the ids
-        # again; they are deduplicated already), and it runs in C++ with no Python in it
-        return rows.index_select(0, inv).view(*ids.shape, self.embedding_dim)
+        return self._rows_of_ids(rows, inv).view(*ids.shape, self.embedding_dim)
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -943,6 +954,11 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
             per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
         flat = ids.reshape(-1)
         rows, inv = self._lookup(flat)
+        if self.mode == "max" and rows.is_cuda and rows.requires_grad and self.deterministic:
+            # max's backward adds each bag's gradient into its winning rows with atomics (bags
+            # may share a row): one row per id instead, summed per unique row in a fixed order
+            rows, inv = self._rows_of_ids(rows, inv), torch.arange(flat.numel(),
+                                                                   device=flat.device)
         padding = None
         if self.padding_idx is not None:
             # Padding maps to one extra all-zero row that embedding_bag leaves out of each bag.

@@ -316,9 +316,10 @@ def full_ranking_metrics(top_items, relevant: Interactions, users, k: int = 10) 
     if users.numel() == 0:
         return {f"recall@{k}": math.nan, f"hr@{k}": math.nan, f"ndcg@{k}": math.nan}
     hit = relevant.contains(users[:, None], top.clamp_min(0)) & (top >= 0)
-    discount = 1.0 / torch.log2(torch.arange(k, device=top.device, dtype=torch.float64) + 2)
-    dcg = (hit * discount[: top.shape[1]]).sum(1)
-    ideal = torch.cumsum(discount, 0)[(n_rel.clamp(max=k) - 1).long()]
+    discount = 1.0 / torch.log2(torch.arange(k, dtype=torch.float64) + 2)
+    # the cumsum on the CPU: a float cumsum on CUDA may add in another order each run
+    ideal = torch.cumsum(discount, 0).to(top.device)[(n_rel.clamp(max=k) - 1).long()]
+    dcg = (hit * discount[: top.shape[1]].to(top.device)).sum(1)
     hits = hit.sum(1).double()
     return {f"recall@{k}": float((hits / n_rel).mean()), f"hr@{k}": float((hits > 0).double().mean()),
             f"ndcg@{k}": float((dcg / ideal).mean())}

@@ -195,10 +195,12 @@ class MatrixFactorization(nn.Module):
         self.seen = Interactions(users, items, self.num_users, self.num_items, self.device)
         counts = torch.bincount(torch.as_tensor(items).long().reshape(-1).to(self.device),
                                 minlength=self.num_items).double()
-        noise = counts.pow(self.config.popularity_power)
+        noise = counts.pow(self.config.popularity_power).cpu()
         if noise.sum() <= 0:
             noise = torch.ones_like(noise)
-        self._item_cdf = torch.cumsum(noise / noise.sum(), 0)
+        # on the CPU: a float cumsum on CUDA adds in an order that changes from run to run
+        # (its scan looks back at whichever blocks are done), so the draws would too
+        self._item_cdf = torch.cumsum(noise / noise.sum(), 0).to(self.device)
 
     def sample_negatives(self, users: torch.Tensor, k: int) -> torch.Tensor:
         """``k`` item ids per user [len(users), k], drawn on the compute device from the model's

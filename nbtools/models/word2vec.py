@@ -296,6 +296,19 @@ class SkipGramConfig:
     cache_share: float | None = None
 
 
+@torch.no_grad()
+def _uniform_rows(table: OffloadedEmbedding, bound: float, generator: torch.Generator,
+                  chunk_rows: int = 1 << 18) -> None:
+    """Rows uniform in ``±bound``, drawn in float32 on the CPU from ``generator``, ``chunk_rows``
+    rows at a time: the same values whatever the table's placement, device and dtype."""
+    w = table.weight
+    block = torch.empty(min(chunk_rows, w.shape[0]), w.shape[1])
+    for start in range(0, w.shape[0], chunk_rows):
+        rows = block[: min(chunk_rows, w.shape[0] - start)]
+        rows.uniform_(-bound, bound, generator=generator)
+        w[start:start + rows.shape[0]].copy_(rows)
+
+
 class SkipGram(nn.Module):
     """word2vec skip-gram with negative sampling, with both tables in host memory.
 
@@ -311,7 +324,8 @@ class SkipGram(nn.Module):
     ``loss(centers, contexts)`` is the mean over pairs of
     ``-log σ(u_ctx·v_c) - Σ_k log σ(-u_neg_k·v_c)``, with ``v`` from the input table and ``u``
     from the output table. Input vectors start uniform in ±0.5/dim, output vectors at zero, as
-    in word2vec. The word vectors are ``model.input.weight`` (host memory).
+    in word2vec, drawn from ``config.seed`` (as the negatives are). The word vectors are
+    ``model.input.weight`` (host memory).
     """
 
     def __init__(self, vocab_size: int, dim: int, *, counts=None, words=None,
@@ -329,14 +343,20 @@ class SkipGram(nn.Module):
             if not 0 < cfg.cache_share <= 1:
                 raise ValueError(f"cache_share must be in (0, 1], got {cfg.cache_share!r}")
             kw["cache_rows"] = max(1, int(cfg.cache_share * vocab_size))
-        self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
-        self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
+        # initial vectors from the config's seed, not torch's global stream: the same seed makes
+        # the same model on every placement and device, and building one leaves the caller's
+        # stream as it was (the tables' own N(0, 1) rows, drawn from it, are overwritten)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
+            self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
+        _uniform_rows(self.input, 0.5 / dim, torch.Generator().manual_seed(cfg.seed))
         with torch.no_grad():
-            self.input.weight.uniform_(-0.5 / dim, 0.5 / dim)
             self.output.weight.zero_()
         if counts is None:
             counts = torch.ones(vocab_size)
-        counts = torch.as_tensor(counts, dtype=torch.float64).reshape(-1)
+        # on the CPU: the noise CDF below is a float cumsum, which on CUDA adds in an order
+        # that changes from run to run
+        counts = torch.as_tensor(counts, dtype=torch.float64).reshape(-1).cpu()
         if counts.numel() != vocab_size or (counts < 0).any() or counts.sum() <= 0:
             raise ValueError(f"counts must hold {vocab_size:,} non-negative numbers, not all "
                              f"zero; got shape {tuple(counts.shape)}")

@@ -1,0 +1,320 @@
+"""Bit-for-bit reproducibility (issue 24): two identical runs, a run saved and resumed into a fresh
+model, and a run with one inf/nan step skipped all end equal (``torch.equal``, no tolerance) to
+their references, for every placement and option.
+
+The model: two tables, one of them looked up twice per step, a Linear head, Adam through
+:class:`~nbtools.OffloadOptimizer`; its ids alternate between uniform and Zipf(1.1) draws, so
+many ids repeat within a lookup (on CUDA the hottest id of a Zipf batch repeats hundreds of
+times: its gradient rows span many of :func:`nbtools.kernels.segment_sum`'s chunks). Those
+repeats are what an atomic ``index_add_`` would sum in a different order on every run: the
+CUDA versions of these tests (``gpu``-marked parameters) fail without the fixed-order sums
+(6e-8 apart after 60 steps, issue 24). On the CPU every sum already runs in a fixed order, so
+there they guard the rest: the checkpoint carrying everything a step depends on (stochastic
+rounding's seeds included), a skipped step leaving no trace (a cache's admissions, a
+prefetch), and the same ids taking the same path.
+"""
+import os
+
+# cuBLAS needs a fixed workspace under torch.use_deterministic_algorithms (torch refuses the
+# Linear head otherwise); read when cuBLAS first runs, so set before any test does.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest
+import torch
+from torch import nn
+
+from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
+from nbtools.checkpoint import CheckpointConfig, CheckpointManager
+from nbtools.devices import cuda_ok
+from nbtools.optim import OffloadConfig
+from nbtools.rows import expand, sum_by_slot, unique_ids
+
+GPU = pytest.mark.gpu
+CUDA = [pytest.param("cuda", marks=GPU)]
+
+# (table options, OffloadConfig options, prefetch) per placement. The CPU runs fused kernels
+# in Triton's interpreter only where an option needs them (write-behind).
+KINDS = {
+    "host": (dict(placement="host"), {}, False),
+    "gpu": (dict(placement="gpu"), {}, False),
+    "cache": (dict(placement="host", cache_rows=64), {}, False),
+    "write_behind": (dict(placement="host", write_behind=True), dict(fused=True), False),
+    "prefetch": (dict(placement="host"), {}, True),
+    "bf16": (dict(placement="host", dtype=torch.bfloat16, state_dtype=torch.bfloat16,
+                  rounding="stochastic"), {}, False),
+}
+CPU_KINDS = ["host", "cache", "write_behind", "prefetch", "bf16"]
+# every kind on CUDA, with the lookups' and steps' CUDA graphs on and off
+CASES = [pytest.param("cpu", k, True, id=f"cpu-{k}") for k in CPU_KINDS] + \
+    [pytest.param("cuda", k, g, id=f"cuda-{k}-{'graphs' if g else 'eager'}", marks=GPU)
+     for k in KINDS for g in (True, False)]
+
+ROWS_A, ROWS_B, DIM = 300, 200, 8
+
+
+def sizes(device: str) -> tuple[int, int]:
+    """(ids per lookup, steps): small on the CPU; on CUDA the issue's 60 steps, with batches
+    whose hottest Zipf ids repeat across many segment_sum chunks."""
+    return (4096, 60) if device == "cuda" else (256, 24)
+
+
+def draw(n: int, rows: int, zipf: bool, gen: torch.Generator) -> torch.Tensor:
+    if not zipf:
+        return torch.randint(0, rows, (n,), generator=gen)
+    p = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
+    return torch.multinomial(p, n, replacement=True, generator=gen)
+
+
+def make_batches(device: str, steps: int | None = None, seed: int = 5) -> list:
+    """Per step: ids of table a, two lookups of table b, targets; even steps uniform, odd Zipf."""
+    n, default_steps = sizes(device)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(steps or default_steps):
+        z = t % 2 == 1
+        out.append(tuple(x.to(device) for x in (
+            draw(n, ROWS_A, z, gen), draw(n, ROWS_B, z, gen), draw(n // 2, ROWS_B, z, gen),
+            torch.randn(n, generator=gen))))
+    return out
+
+
+class TwoTables(nn.Module):
+    """Table ``a``, table ``b`` looked up twice (the second lookup's rows pooled in pairs), and
+    a Linear head on the three."""
+
+    def __init__(self, device, init_seed=0, **table_kw):
+        super().__init__()
+        self.a = OffloadedEmbedding(ROWS_A, DIM, device=device, name="a", **table_kw)
+        self.b = OffloadedEmbedding(ROWS_B, DIM, device=device, name="b", **table_kw)
+        self.head = nn.Linear(3 * DIM, 1)
+        gen = torch.Generator().manual_seed(init_seed)
+        with torch.no_grad():
+            self.a.weight.copy_(torch.randn(ROWS_A, DIM, generator=gen))
+            self.b.weight.copy_(torch.randn(ROWS_B, DIM, generator=gen))
+            self.head.weight.copy_(torch.randn(1, 3 * DIM, generator=gen) * 0.3)
+            self.head.bias.zero_()
+        self.head.to(device)
+
+
+def build(device, kind, graphs=True, init_seed=0, **config):
+    table_kw, opt_kw, prefetch = KINDS[kind]
+    model = TwoTables(device, init_seed, cuda_graphs=graphs, **table_kw)
+    opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.02,
+                           config=OffloadConfig(**{"nonfinite": "skip", **opt_kw, **config}))
+    if torch.device(device).type == "cpu":
+        for table in (model.a, model.b):   # the cache's torch code (the same decisions as its
+            if table.cache is not None:    # kernels, which Triton's interpreter runs slowly)
+                table.cache.use_kernels = False
+    return model, opt, prefetch
+
+
+def step(model, opt, batch, after=None, poison=False):
+    """One training step; ``after``: the next step's batch (its ids are prefetched);
+    ``poison``: table a's gradient turns nan (the step must be skipped)."""
+    ia, ib, ib2, y = batch
+    xa, xb, xb2 = model.a(ia), model.b(ib), model.b(ib2)
+    if after is not None:
+        model.a.prefetch(after[0])
+        model.b.prefetch(after[1])
+    if poison:
+        xa.register_hook(lambda g: g * float("nan"))
+    pooled = xb2.repeat_interleave(2, 0)
+    pred = model.head(torch.cat((xa, xb, pooled), 1)).squeeze(1)
+    ((pred - y).square().mean()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def train(model, opt, prefetch, batches, start=0, stop=None, poison_at=None):
+    stop = len(batches) if stop is None else stop
+    for t in range(start, stop):
+        after = batches[t + 1] if prefetch and t + 1 < stop else None
+        step(model, opt, batches[t], after, poison=t == poison_at)
+
+
+def final(model, opt) -> dict:
+    """Everything the run ends with, on the CPU: both tables, their Adam state, the head."""
+    opt.synchronize()
+    out = {f"{name}.weight": t.weight.detach().cpu().clone()
+           for name, t in (("a", model.a), ("b", model.b))}
+    for name in ("a", "b"):
+        for key, value in opt.table_state(name).items():
+            out[f"{name}.{key}"] = value.detach().cpu().clone()
+    for key, value in model.head.state_dict().items():
+        out[f"head.{key}"] = value.cpu().clone()
+    return out
+
+
+def assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        same = torch.equal(got[key], want[key])
+        diff = (got[key].float() - want[key].float()).abs().max().item() if not same else 0
+        assert same, f"{key} differs by up to {diff:.3g}"
+
+
+def run(device, kind, graphs, batches, **config):
+    model, opt, prefetch = build(device, kind, graphs, **config)
+    train(model, opt, prefetch, batches)
+    return final(model, opt)
+
+
+# --- the three guarantees, for every placement and option --------------------------------------
+@pytest.mark.parametrize("device,kind,graphs", CASES)
+def test_identical_runs_end_bit_identical(device, kind, graphs):
+    batches = make_batches(device)
+    assert_equal(run(device, kind, graphs, batches), run(device, kind, graphs, batches))
+
+
+@pytest.mark.parametrize("device,kind,graphs", CASES)
+def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(device, kind, graphs, tmp_path):
+    batches = make_batches(device)
+    k = len(batches) // 2
+    want = run(device, kind, graphs, batches)
+    model, opt, prefetch = build(device, kind, graphs)
+    train(model, opt, prefetch, batches, stop=k)
+    ck = CheckpointManager(tmp_path, config=CheckpointConfig(verbose=False, progress=False))
+    ck.save(k, model=model, opt=opt)
+    del model, opt
+    # a fresh model from other initial values: the checkpoint must restore every bit that counts
+    model, opt, prefetch = build(device, kind, graphs, init_seed=99)
+    assert ck.restore(model=model, opt=opt) == k
+    train(model, opt, prefetch, batches, start=k)
+    assert_equal(final(model, opt), want)
+
+
+@pytest.mark.parametrize("device,kind,graphs", CASES)
+def test_skipped_nonfinite_step_leaves_no_trace(device, kind, graphs):
+    """A run whose step ``k`` had a nan gradient (skipped whole, OffloadConfig(nonfinite=
+    "skip")) ends as a run that never had that step, though the skipped step's lookups were
+    deduplicated, admitted to the cache and prefetched."""
+    batches = make_batches(device)
+    k = len(batches) // 3
+    want = run(device, kind, graphs, batches[:k] + batches[k + 1:])
+    model, opt, prefetch = build(device, kind, graphs)
+    with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
+        train(model, opt, prefetch, batches, poison_at=k)
+    assert opt.skipped_steps() == 1
+    assert_equal(final(model, opt), want)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+@pytest.mark.parametrize("kind", ["host", "gpu"])
+def test_identical_runs_under_torch_deterministic_algorithms(device, kind):
+    """Nothing in a step is refused by torch's deterministic mode (which also fills new
+    memory with nan, so a buffer read before it is written would show), and runs under it
+    end as runs without it: nbtools' sums are fixed-order by construction, not because of
+    the mode."""
+    if kind == "gpu" and device == "cpu":
+        pytest.skip("placement='gpu' needs CUDA")
+    batches = make_batches(device)
+    plain = run(device, kind, True, batches)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        strict = [run(device, kind, True, batches) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert_equal(strict[0], strict[1])
+    assert_equal(strict[0], plain)
+
+
+# --- the fixed-order sum itself ------------------------------------------------------------------
+def _integer_rows(n: int, d: int, gen) -> torch.Tensor:
+    """Small whole numbers: every order of summing them gives the same exact float."""
+    return torch.randint(-8, 9, (n, d), generator=gen).float()
+
+
+@pytest.mark.skipif(not kernels.usable_on(torch.device("cpu")) and not cuda_ok(),
+                    reason="Triton is not installed")
+@pytest.mark.parametrize("ids", [
+    "uniform", "one-run", "runs-at-chunk-edges", "run-of-two-rounds", "strided"])
+def test_segment_sum_matches_index_add(ids):
+    """kernels.segment_sum against index_add_ (exact on whole numbers), with runs inside a
+    chunk, runs ending at and crossing chunk edges, one run over every chunk, a run long
+    enough for two rounds of the second pass, and a column-major source."""
+    device = torch.device("cuda" if cuda_ok() else "cpu")
+    gen = torch.Generator().manual_seed(7)
+    c = kernels.SEGMENT_CHUNK
+    flat = {"uniform": lambda: torch.randint(0, 40, (150,), generator=gen),
+            "one-run": lambda: torch.full((3 * c + 5,), 3),
+            "runs-at-chunk-edges": lambda: torch.repeat_interleave(
+                torch.arange(6), torch.tensor([c, 1, c - 1, 2 * c, 3, c + 1])),
+            "run-of-two-rounds": lambda: torch.cat((
+                torch.full((c * kernels.SEGMENT_PARTS + 2 * c,), 1), torch.tensor([0, 2, 2]))),
+            "strided": lambda: torch.randint(0, 9, (100,), generator=gen)}[ids]()
+    flat = flat[torch.randperm(flat.numel(), generator=gen)].to(device)
+    batch = unique_ids(flat, 50)
+    d = 5
+    src = _integer_rows(flat.numel(), d, gen).to(device)
+    if ids == "strided":
+        src = src.t().contiguous().t()
+    want = torch.zeros(batch.capacity, d, device=device).index_add_(0, batch.inverse, src)
+    got = kernels.segment_sum(src, batch.order, batch.slot,
+                              torch.zeros(batch.capacity, d, device=device))
+    assert torch.equal(got, want)
+
+
+@GPU
+def test_cuda_lookup_gradient_is_summed_in_a_fixed_order():
+    """On CUDA a lookup's backward gives the same bits every time, and the right sums (against
+    index_add_ in float64); `expand` keeps autograd's answer for the rows."""
+    gen = torch.Generator().manual_seed(3)
+    flat = draw(1 << 16, 5000, True, gen).cuda()
+    batch = unique_ids(flat, 5000)
+    rows = torch.randn(batch.capacity, 16, device="cuda", requires_grad=True)
+    up = torch.randn(flat.numel(), 16, device="cuda")
+    grads = []
+    for _ in range(5):
+        rows.grad = None
+        (expand(rows, batch) * up).sum().backward()
+        grads.append(rows.grad.clone())
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    want = torch.zeros(batch.capacity, 16, dtype=torch.float64, device="cuda")
+    want.index_add_(0, batch.inverse, up.double())
+    torch.testing.assert_close(grads[0].double(), want, rtol=1e-5, atol=1e-4)
+    # without the sort the deduplication made (a batch made elsewhere): the same sums
+    bare = type(batch)(batch.ids, batch.inverse, batch.meta, batch.num_rows)
+    assert torch.equal(sum_by_slot(up, bare), grads[0])
+
+
+# --- the models' own training loops ----------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+def test_word2vec_identical_runs(device):
+    from nbtools.models import CorpusLoader, SkipGram, SkipGramConfig
+    from nbtools.models import train as train_loop
+
+    gen = torch.Generator().manual_seed(11)
+    tokens = draw(6000, 400, True, gen)
+    counts = torch.bincount(tokens, minlength=400)
+
+    def once():
+        model = SkipGram(400, 16, counts=counts, device=device,
+                         config=SkipGramConfig(seed=2, placement="host"))
+        loader = CorpusLoader(tokens, batch_size=1024, window=3, seed=1, device=device)
+        opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.02)
+        train_loop(model, loader, opt, epochs=1, progress=False)
+        opt.synchronize()
+        return {k: v.cpu().clone() for k, v in
+                (("input", model.input.weight), ("output", model.output.weight))}
+
+    assert_equal(once(), once())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+def test_recommender_identical_runs(device):
+    from nbtools.models import MatrixFactorization, MFConfig, SyntheticConfig, fit, make_synthetic
+
+    data = make_synthetic(SyntheticConfig(num_users=80, num_items=60, per_user=12, rank=4))
+
+    def once():
+        model = MatrixFactorization(80, 60, 8, device=device, config=MFConfig(
+            loss="bce", negatives=4, mlp_hidden=(8,), sampling="popularity"))
+        fit(model, data.ratings, epochs=2, batch_size=128)
+        out = {k: v.cpu().clone() for k, v in model.state_dict().items()
+               if isinstance(v, torch.Tensor)}
+        out.update({"users": model.users.weight.cpu().clone(),
+                    "items": model.items.weight.cpu().clone()})
+        return out
+
+    assert_equal(once(), once())
