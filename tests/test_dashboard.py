@@ -111,7 +111,9 @@ widgets = pytest.importorskip("ipywidgets")
 
 
 def test_widget_updates_throttled_with_badges_bars_and_plot():
-    dash = make(mode="widget", display=False, plot_every_s=2.0)
+    # max_overhead=1: the refreshes follow refresh_s alone; at the default 1% a refresh that
+    # took over 10 ms of real time (a busy CI machine) put the next one off by its cost / 1%
+    dash = make(mode="widget", display=False, plot_every_s=2.0, max_overhead=1.0)
     values = []
     dash._html.observe(lambda ch: values.append(ch["new"]), "value")
     run(dash, steps=100, dt=0.05)       # 5 s of fake time: 5-6 refreshes
