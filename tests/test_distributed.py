@@ -6,8 +6,9 @@ reference itself (the batches are drawn from seeds every rank knows) and compare
 gathered sharded table and per-row optimizer state. Every multi-process test runs under a
 timeout: a hang fails the test and kills the processes it started.
 
-Starting the processes is most of the cost (each imports torch), so on the CPU the checks of
-each world size share one group of processes (``on_ranks``): every check's traceback comes back
+Starting the processes is most of the cost (each imports torch), so on the CPU every check
+runs in one start of 3 processes (``on_ranks``): those of 2 processes on two of them in a
+default group of 2, then those of 3 in a default group of 3. Every check's traceback comes back
 to its own test.
 """
 import traceback
@@ -101,8 +102,8 @@ def _train_worker(rank, world, device):
                                        msg=lambda m: f"{what}: state {name} differs: {m}")
 
 
-def _checks_worker(rank, world, directory):
-    """Every CPU check of this file for ``world`` processes, in order, on one process group:
+def _checks(rank, world, directory):
+    """Every CPU check of this file for ``world`` processes, in order, on the default group:
     ``{check: (its return value, None) or (None, the traceback of its failure)}``."""
     out = {}
     for name, check in CHECKS[world]:
@@ -113,6 +114,34 @@ def _checks_worker(rank, world, directory):
     return out
 
 
+def _checks_worker(rank, world, directory):
+    """On 3 processes: the checks of 2 processes on ranks 0 and 1 in a default group of their
+    own (rank 2 waits), then those of 3 in a new default group of all three; one start of
+    the processes (each imports torch: most of the cost) for both. ``{2: _checks(...) (ranks
+    0 and 1), 3: _checks(...)}``."""
+    import datetime
+    import socket
+
+    assert world == 3
+    ports = [None, None]
+    if rank == 0:                        # two ports free at once, for the groups of 2 and 3
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            b.bind(("127.0.0.1", 0))
+            ports = [a.getsockname()[1], b.getsockname()[1]]
+    dist.broadcast_object_list(ports, src=0)
+    dist.destroy_process_group()
+    out = {}
+    for size, port in zip((2, 3), ports):
+        if rank < size:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=size, timeout=datetime.timedelta(seconds=90))
+            out[size] = _checks(rank, size, directory)
+            if size < 3:
+                dist.destroy_process_group()
+    return out                           # the group of 3 is left to spawn, which ends it
+
+
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("sharded"))
@@ -120,10 +149,10 @@ def sharded_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def on_ranks(sharded_dir):
-    """``{world: [each rank's _checks_worker result]}``: the checks of 2 processes (the
-    checkpoint among them is saved there), then those of 3."""
-    return {world: _run(_checks_worker, world, args=(sharded_dir,), timeout=90.0)
-            for world in (2, 3)}
+    """``{world: [each rank's _checks result]}``: the checks of 2 processes (the checkpoint
+    among them is saved there), then those of 3, by one group of 3 processes."""
+    done = _run(_checks_worker, 3, args=(sharded_dir,), timeout=150.0)
+    return {world: [d[world] for d in done[:world]] for world in (2, 3)}
 
 
 def _passed(on_ranks, world, check) -> list:
