@@ -501,6 +501,7 @@ def _kernels():
         c = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < d
+        pc = c.to(tl.int64) * d                         # this chunk's row of the parts
         base = c * CHUNK + tl.zeros([BLOCK_C], dtype=tl.int32)
         first = tl.load(slot + base)
         before = tl.load(slot + base - 1, mask=base > 0, other=-1)
@@ -525,10 +526,10 @@ def _kernels():
             through = in_first & cont_in
             tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=cm & tail & ~through)
             if i == CHUNK - 1:
-                tl.store(part_first + c * d + cols, acc, mask=cm & live & through)
-                tl.store(part_last + c * d + cols, acc, mask=cm & live & ~tail & ~through)
+                tl.store(part_first + pc + cols, acc, mask=cm & live & through)
+                tl.store(part_last + pc + cols, acc, mask=cm & live & ~tail & ~through)
             else:
-                tl.store(part_first + c * d + cols, acc, mask=cm & tail & through)
+                tl.store(part_first + pc + cols, acc, mask=cm & tail & through)
             prev = s
 
     @triton.jit
@@ -549,14 +550,14 @@ def _kernels():
         through = (base > 0) & (before == first) & (first == s)   # one run from before
         start = (last + 1 < n) & (nxt == s) & ~through
         mask = tl.where(start, cm, False)
-        acc = tl.load(part_last + c * d + cols, mask=mask, other=0.0)
+        acc = tl.load(part_last + c.to(tl.int64) * d + cols, mask=mask, other=0.0)
         k = c + 1
         go = start
         while go:
             ks = k + tl.arange(0, PARTS)
             inside = ks < chunks
             mine = inside & (tl.load(slot + ks * CHUNK, mask=inside, other=-1) == s)
-            piece = tl.load(part_first + ks[:, None] * d + cols[None, :],
+            piece = tl.load(part_first + ks.to(tl.int64)[:, None] * d + cols[None, :],
                             mask=mine[:, None] & cm[None, :], other=0.0)
             acc = acc + tl.sum(piece, 0)
             k = k + PARTS

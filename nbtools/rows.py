@@ -215,8 +215,11 @@ def merge(batches: list, grads: list):
     bad = torch.stack([b.meta[0] for b in batches]).amax().reshape(1)
     merged.meta = torch.cat((bad, merged.meta[1:]))  # sentinels are not bad ids
     grad = sum_by_slot(torch.cat(grads), merged)
+    # the first place each id was looked up (its rows are equal in every lookup of the step;
+    # the first one is taken so that the choice, too, is the same on every run)
     pick = torch.zeros(merged.capacity, dtype=torch.long, device=all_ids.device)
-    pick.scatter_(0, merged.inverse, torch.arange(all_ids.numel(), device=all_ids.device))
+    pick.scatter_reduce_(0, merged.inverse, torch.arange(all_ids.numel(), device=all_ids.device),
+                         "amin", include_self=False)
     return merged, grad, pick
 
 

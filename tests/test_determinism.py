@@ -198,6 +198,16 @@ def test_skipped_nonfinite_step_leaves_no_trace(device, kind, graphs):
     assert_equal(final(model, opt), want)
 
 
+@pytest.mark.parametrize("device,kind", [("cpu", "cache"), ("cpu", "prefetch")] + [
+    pytest.param("cuda", k, marks=GPU) for k in ("gpu", "cache", "write_behind", "prefetch")])
+def test_placements_end_bit_identical_to_the_host_placement(device, kind):
+    """Where rows live and how they travel changes no bit: the same kernels on the same
+    values (on the CPU, write-behind takes the fused kernels and host tables the stock
+    optimizer, which round differently; on CUDA both are fused)."""
+    batches = make_batches(device)
+    assert_equal(run(device, kind, True, batches), run(device, "host", True, batches))
+
+
 @pytest.mark.parametrize("device", ["cpu"] + CUDA)
 @pytest.mark.parametrize("kind", ["host", "gpu"])
 def test_identical_runs_under_torch_deterministic_algorithms(device, kind):
