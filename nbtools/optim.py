@@ -866,7 +866,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         :func:`nbtools.pretrained.load_row_state`."""
         from .pretrained import load_row_state
         self.synchronize()
-        load_row_state(self._slot(table), name, source, step=step, **options)
+        slot = self._slot(table)
+        load_row_state(slot, name, source, step=step, **options,
+                       initial=_initial_row_state(slot.cls, slot.group, [name])[name])
 
     def skipped_steps(self, table=None) -> int:
         """How many steps were skipped for non-finite gradients (a skip skips every table

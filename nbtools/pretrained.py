@@ -51,7 +51,9 @@ CuPy is optional and only ever imported here, when a CuPy array is read or asked
 (``pip install "nbtools-offload[cupy]"``).
 
 >>> import numpy as np
->>> table = from_pretrained(None, np.arange(6, dtype=np.float32).reshape(3, 2), device="cpu")
+>>> from nbtools import OffloadedEmbedding
+>>> table = OffloadedEmbedding.from_pretrained(np.arange(6, dtype=np.float32).reshape(3, 2),
+...                                            device="cpu")
 >>> table(torch.tensor([2, 0])).tolist(), table.trainable
 ([[4.0, 5.0], [0.0, 1.0]], False)
 """
@@ -559,7 +561,7 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
     """A table whose rows are ``source``, streamed into it in chunks.
 
     ``OffloadedEmbedding.from_pretrained(source, ...)`` calls this (``cls`` is the table
-    class; None means :class:`~nbtools.OffloadedEmbedding`).
+    class: this module imports neither nbtools.tables nor nbtools.optim, which call it).
 
     Args:
         source: a ``[rows, dim]`` float array: a torch tensor (CPU or CUDA), a NumPy array, a
@@ -596,8 +598,6 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
             hold), named in the message; nothing is left behind (no table, no file).
         ImportError: a CuPy array, and CuPy cannot be imported.
     """
-    if cls is None:
-        from .tables import OffloadedEmbedding as cls
     torch_only = sorted(set(options) & set(_TORCH_ONLY))
     if torch_only:
         raise TypeError(f"from_pretrained got {torch_only}, which offloaded tables do not take: "
@@ -658,14 +658,14 @@ def _warn_padding(src: _Source, p: int) -> None:
                       stacklevel=4)
 
 
-def load_row_state(slot, name: str, source, *, step=None, scalar=None,
+def load_row_state(slot, name: str, source, *, initial: float = 0.0, step=None, scalar=None,
                    allow_nonfinite: bool = False, progress=None) -> None:
     """Stream one per-row optimizer state of a table from ``source`` (any ``from_pretrained``
     source), chunk by chunk, as ``from_pretrained`` streams rows.
 
     Called as ``optimizer.load_row_state(table, name, source, step=...)``
     (:meth:`nbtools.OffloadOptimizer.load_row_state`); ``slot`` is the optimizer's share for
-    that table.
+    that table, ``initial`` the value its state ``name`` starts at in every row.
 
     Args:
         name: the state, e.g. ``"exp_avg"`` / ``"exp_avg_sq"`` (Adam), ``"sum"`` (Adagrad),
@@ -703,8 +703,7 @@ def load_row_state(slot, name: str, source, *, step=None, scalar=None,
               desc=f"loading {name} of {slot.name!r}")
     except BaseException:
         if fresh:                           # as it was: the initial state in every row
-            from .optim import _initial_row_state
-            _fill(target, _initial_row_state(slot.cls, slot.group, [name])[name])
+            _fill(target, initial)
         raise
     slot.scalar_state = new_scalar
 

@@ -371,8 +371,8 @@ def test_cupy_missing_says_what_to_install(monkeypatch):
 
 
 def test_importing_pretrained_imports_no_cupy():
-    code = ("import sys, numpy as np, nbtools.pretrained as p\n"
-            "p.from_pretrained(None, np.ones((3, 2), np.float32), device='cpu')\n"
+    code = ("import sys, numpy as np, nbtools\n"
+            "nbtools.OffloadedEmbedding.from_pretrained(np.ones((3, 2), np.float32), device='cpu')\n"
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
