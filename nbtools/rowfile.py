@@ -2,7 +2,9 @@
 
 The disk tier's storage (:mod:`nbtools.disk`): one preallocated file per table, a 4 KiB header
 (magic ``NBTROWS\\0``, format version, JSON: rows, row bytes, stride, data offset, what the rows
-are), then row ``i`` at ``data_offset + i * stride``.
+are, and ``clean``: whether its writer closed it, with who that is), then row ``i`` at
+``data_offset + i * stride``. A file whose writer died with it open is refused by
+:meth:`RowFile.open` (its rows may be torn) and listed by :func:`leftovers`.
 
 Why it reads the way it does:
 
@@ -314,7 +316,10 @@ class RowFile:
             fd, self._fd = self._fd, None
             self._spare = []
         if pool is not None:
-            pool.shutdown()
+            # no call is in flight (each waits for its requests), so nothing to wait for; and
+            # joining threads from a finalizer run by the garbage collector can deadlock (a
+            # collection inside Thread.start holds the lock that join needs)
+            pool.shutdown(wait=False)
         if fd is not None:
             if self.writable and self.meta.get("clean") is False:
                 self.meta = {**self.meta, "clean": True}

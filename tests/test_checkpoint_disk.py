@@ -233,3 +233,300 @@ def test_disk_full_mid_save_clear_error_last_checkpoint_intact(tmp_path, tiny_fs
     assert ck.save(3, model=disk, opt=dopt)["disk_tables"]["emb"]["kind"] == "delta"
     assert ck.restore(model=fresh, opt=fopt) == 3
     _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
+
+
+def test_mirror_copies_what_a_checkpoint_needs_and_restores_alone(tmp_path):
+    """Drive: each checkpoint arrives with the base and deltas it needs; a fresh machine (no
+    local checkpoints) restores from the mirror alone, and its next local save is a delta
+    on the mirror's chain, restorable too. Pruning keeps every link a kept checkpoint needs."""
+    host, hopt = _pair_member("host", tmp_path)
+    disk, dopt = _pair_member("disk", tmp_path)
+    local, drive = tmp_path / "local", tmp_path / "drive"
+    ck = CheckpointManager(local, keep=1, mirror=drive, config=_cfg(base_every=10))
+    for s in range(1, 5):
+        _train(host, hopt, [s])
+        _train(disk, dopt, [s])
+        ck.save(s, model=disk, opt=dopt)
+        ck.sync.wait()
+    rows = {r["step"]: r for r in ck.checkpoints() if r["where"] == "local"}
+    assert sorted(rows) == [1, 2, 3, 4]           # keep=1, and step 4 needs the other three
+    assert rows[4]["needs"] == ["step-000000001", "step-000000002", "step-000000003"]
+    assert sorted(p.name for p in drive.iterdir()) == [f"step-00000000{i}" for i in (1, 2, 3, 4)]
+    import shutil
+    shutil.rmtree(local)                          # a new runtime: only Drive is left
+    fresh, fopt = _pair_member("disk", tmp_path, seed=2)
+    ck2 = CheckpointManager(local, keep=1, mirror=drive, config=_cfg(base_every=10))
+    assert ck2.restore(model=fresh, opt=fopt) == 4
+    _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
+    _train(host, hopt, [5])
+    _train(fresh, fopt, [5])
+    assert ck2.save(5, model=fresh, opt=fopt)["disk_tables"]["emb"]["kind"] == "delta"
+    assert sorted(p.name for p in local.iterdir()) == ["step-000000005"]   # the rest is on Drive
+    ck2.sync.wait()
+    fresh2, fopt2 = _pair_member("disk", tmp_path, seed=3)
+    ck3 = CheckpointManager(local, keep=1, mirror=drive, config=_cfg())
+    assert ck3.restore(model=fresh2, opt=fopt2) == 5
+    _assert_rows(_rows(fresh2, fopt2), _rows(host, hopt))
+    assert all(r["status"] == "verified" for r in ck3.checkpoints(verify=True))
+    # without the mirror, the local step 5 lacks its base: damaged, said so, none restored
+    alone = CheckpointManager(local, config=_cfg())
+    assert alone.checkpoints()[0]["status"].startswith("damaged: it needs step-000000001")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(CheckpointError, match="every one is damaged"):
+            alone.restore(model=fresh2, opt=fopt2)
+
+
+def test_damaged_base_falls_back_to_an_older_chain(tmp_path):
+    host, hopt = _pair_member("host", tmp_path)
+    disk, dopt = _pair_member("disk", tmp_path)
+    ck = CheckpointManager(tmp_path / "ck", keep=3, config=_cfg(base_every=2))
+    for s in (1, 2, 3, 4):                        # bases at 1 and 3, deltas at 2 and 4
+        _train(host, hopt, [s])
+        _train(disk, dopt, [s])
+        ck.save(s, model=disk, opt=dopt)
+        if s == 2:
+            want = _rows(host, hopt)
+    base = tmp_path / "ck" / "step-000000003"
+    m = ckformat._read_manifest(base)
+    name, offset, nbytes, _ = next(e for e in m["tensors"] if e["path"].endswith("/base"))[
+        "segments"][1]
+    with open(base / name, "r+b") as f:           # flip a byte in the middle of the base
+        f.seek(offset + nbytes // 2)
+        b = f.read(1)
+        f.seek(offset + nbytes // 2)
+        f.write(bytes([b[0] ^ 1]))
+    fresh, fopt = _pair_member("disk", tmp_path, seed=6)
+    with pytest.warns(CheckpointWarning) as caught:
+        assert ck.restore(model=fresh, opt=fopt) == 2     # 4 and 3 share the damaged base
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and all("step-000000003: base of disk table 'emb': checksum mismatch"
+                                  in m for m in said), said
+    _assert_rows(_rows(fresh, fopt), want)
+
+
+def test_restore_rewrites_a_torn_table_file(tmp_path):
+    """Whatever the table file and its RAM cache hold (garbage rows, dirty rows not written
+    back, evicted rows waiting to be written), a restore leaves exactly the checkpoint."""
+    host, hopt = _pair_member("host", tmp_path)
+    disk, dopt = _pair_member("disk", tmp_path)
+    ck = CheckpointManager(tmp_path / "ck", config=_cfg())
+    _train(host, hopt, [1, 2])
+    _train(disk, dopt, [1, 2])
+    ck.save(2, model=disk, opt=dopt)
+    want = _rows(host, hopt)
+    _train(disk, dopt, [3, 4])                    # dirty rows in RAM, others written back
+    f = disk.disk.file
+    junk = np.random.default_rng(0).integers(0, 256, (N // 2, f.row_bytes), dtype=np.uint8)
+    f.write(np.arange(0, N, 2), junk)             # torn: half the rows are garbage
+    assert disk.disk.dirty.any()
+    assert ck.restore(model=disk, opt=dopt) == 2
+    _assert_rows(_rows(disk, dopt), want)
+    _train(host, hopt, [3])
+    _train(disk, dopt, [3])
+    _assert_rows(_rows(disk, dopt), _rows(host, hopt))
+
+
+def test_restore_into_a_different_table_says_what_differs(tmp_path):
+    disk, dopt = _pair_member("disk", tmp_path)
+    ck = CheckpointManager(tmp_path / "ck", config=_cfg())
+    ck.save(1, model=disk, opt=dopt)
+    bare = OffloadedEmbedding(N, D, name="emb", device=DEVICE, placement="disk",
+                              disk_dir=str(tmp_path / "tables"))      # no optimizer state
+    with pytest.raises(CheckpointError, match=r"2,000 rows of 24 float32 \(96 bytes.*the live "
+                       r"table 'emb' has 2,000 rows of 8 float32 \(32 bytes\).*optimizer"):
+        ck.restore(model=bare)
+    host = OffloadedEmbedding(N, D, name="emb", device=DEVICE, placement="host")
+    with pytest.raises(CheckpointError, match="none of the objects restored here holds a disk "
+                       "table there.*placement='disk'"):
+        ck.restore(model=host)
+
+
+def test_row_file_left_open_by_a_killed_process_is_detected(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "t.nbrows"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from nbtools.rowfile import RowFile; "
+         f"RowFile.create({str(path)!r}, 100, 64, {{'dtype': 'uint8'}}); print('open', "
+         "flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        assert leftovers(tmp_path) == []         # its writer is alive: in use, not left over
+        RowFile.open(path, writable=False).close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    [left] = leftovers(tmp_path)
+    assert left["path"] == str(path) and left["writer"]["pid"] == proc.pid
+    with pytest.raises(RowFileError, match=r"not closed cleanly: its writer \(process "
+                       rf"{proc.pid} .*killed.*CheckpointManager.restore.*unclean_ok=True"):
+        RowFile.open(path)
+    with RowFile.open(path, unclean_ok=True) as f:           # rewrite it: ours until closed
+        f.write_range(0, np.full((100, 64), 3, dtype=np.uint8))
+        assert leftovers(tmp_path) == []
+    with RowFile.open(path) as f:                            # closed cleanly now
+        back = np.zeros((100, 64), dtype=np.uint8)
+        f.read_range(0, back)
+        assert (back == 3).all()
+    RowFile.create(tmp_path / "u.nbrows", 10, 8).close()
+    assert leftovers(tmp_path) == [] and remove_leftovers(tmp_path) == 0
+
+
+# --- SIGKILL at random points of steps, write-backs and saves ------------------------------------
+
+KILLS = int(os.environ.get("NBTOOLS_DISK_KILLS", "21"))
+KN, KD, KBATCH, KSAVE = 20_000, 16, 512, 3          # rows, dim, ids per step, steps per save
+KCFG = CheckpointConfig(chunk_bytes=1 << 20, file_bytes=1 << 20, base_every=4, **QUIET)
+STEP, WRITEBACK, SAVE = 1, 2, 3
+PHASES = {STEP: "step", WRITEBACK: "write-back", SAVE: "save"}
+
+
+def _kill_table(disk_dir):
+    """The kill test's model: a disk table whose RAM cache (1,500 rows) is far smaller than
+    the rows a few steps touch, so rows are evicted and written back every step."""
+    place = dict(placement="disk", disk_dir=disk_dir, host_cache_bytes=1500 * 3 * KD * 4) \
+        if disk_dir else dict(placement="host")
+    t = OffloadedEmbedding(KN, KD, name="emb", device=DEVICE, **place)
+    return t, OffloadOptimizer(torch.optim.Adam, t, lr=0.02)
+
+
+def _kill_init(t):
+    with torch.no_grad():
+        t.weight.copy_(torch.randn(KN, KD, generator=torch.Generator().manual_seed(7)))
+
+
+def _kill_step(t, opt, s):
+    ids = torch.randint(0, KN, (KBATCH,), generator=torch.Generator().manual_seed(5000 + s))
+    (t(ids) * torch.linspace(-1, 1, KD, device=DEVICE)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _trainer(directory, disk_dir, phase, conn) -> None:
+    """Child: restore the newest checkpoint, report its rows, then train and save until killed,
+    saying in ``phase`` what it is doing (a step, a write-back of evicted rows, a save)."""
+    import nbtools.disk as nbdisk
+    torch.set_num_threads(1)
+    write = nbdisk.DiskRows._write
+
+    def traced(self, *args, **kwargs):              # write-backs: evictions and flushes
+        was, phase.value = phase.value, WRITEBACK
+        try:
+            return write(self, *args, **kwargs)
+        finally:
+            phase.value = was
+    nbdisk.DiskRows._write = traced
+    t, opt = _kill_table(disk_dir)
+    ck = CheckpointManager(directory, keep=2, config=KCFG)
+    step = ck.restore(model=t, opt=opt)
+    if step is None:
+        _kill_init(t)
+        step = 0
+    conn.send(("ready", step, _rows(t, opt), t.disk.file.path))
+    while True:
+        phase.value = STEP
+        step += 1
+        _kill_step(t, opt, step)
+        if step % KSAVE == 0:
+            phase.value = SAVE
+            info = ck.save(step, model=t, opt=opt)
+            conn.send(("saved", step, info["disk_tables"]["emb"]["kind"]))
+
+
+def _forkserver(modules):
+    """The forkserver context, its server started with ``modules`` imported. Python 3.11's
+    forkserver ignores sys.path when preloading, so this test module itself is imported again
+    in each child: preloading what it imports keeps that cheap. torch._dynamo is what the first
+    optimizer of a process imports (~2 s a child without it). A server another test started
+    with other modules is stopped first (the next user starts it again)."""
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None and \
+            list(getattr(server, "_preload_modules", ())) != modules:
+        server._stop()
+    ctx.set_forkserver_preload(modules)
+    return ctx
+
+
+def _complete_steps(directory):
+    return sorted(int(n.split("-")[1]) for n in os.listdir(directory) if n.startswith("step-")
+                  and os.path.exists(os.path.join(directory, n, "MANIFEST")))
+
+
+@pytest.mark.slow
+def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path):
+    ctx = _forkserver(["torch", "torch._dynamo", "pytest", "nbtools.checkpoint",
+                       "nbtools.tables", "nbtools.optim", "nbtools.disk", _trainer.__module__])
+    rnd = random.Random(int(os.environ.get("NBTOOLS_CKPT_SEED", "4321")))
+    directory, disk_dir = str(tmp_path / "ck"), str(tmp_path / "tables")
+    twin, twin_opt = _kill_table(None)          # the reference: a host table, replayed
+    _kill_init(twin)
+    twin_step, last_reported = 0, 0
+    killed_in = {p: 0 for p in PHASES}
+    kinds, deltas_after_restore, files = [], 0, []
+    threads = torch.get_num_threads()
+    for trial in range(KILLS + 1):
+        phase = ctx.Value("i", 0, lock=False)
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_trainer, args=(directory, disk_dir, phase, child),
+                           daemon=True)
+        proc.start()
+        child.close()
+        assert parent.poll(60), "trainer child did not start"
+        kind, step, got, path = parent.recv()
+        # the newest complete checkpoint was restored, in a fresh process: its rows are the
+        # replay's of exactly that many steps (zero lost or torn rows)
+        complete = _complete_steps(directory)
+        assert step == (complete[-1] if complete else 0), (trial, step, complete)
+        assert last_reported <= step <= last_reported + KSAVE, (trial, step, last_reported)
+        assert step >= twin_step, (trial, step, twin_step)
+        torch.set_num_threads(1)                # as the child: the same float sums
+        try:
+            for s in range(twin_step + 1, step + 1):
+                _kill_step(twin, twin_opt, s)
+        finally:
+            torch.set_num_threads(threads)
+        twin_step = last_reported = step
+        _assert_rows(got, _rows(twin, twin_opt))
+        # the table files of killed children: marked as not closed cleanly
+        left = [f["path"] for f in leftovers(disk_dir)]
+        assert sorted(left) == sorted(files), (trial, left, files)
+        for p in left:
+            with pytest.raises(RowFileError, match="not closed cleanly.*restore"):
+                RowFile.open(p)
+        remove_leftovers(disk_dir)
+        files = [path]
+        if trial == KILLS:
+            proc.kill()
+            proc.join(10)
+            break
+        # kill it in the phase this trial aims at, at a random moment of it
+        target = (STEP, WRITEBACK, SAVE)[trial % 3]
+        time.sleep(rnd.uniform(0.0, 0.15))
+        deadline = time.monotonic() + 10
+        while phase.value != target and time.monotonic() < deadline and proc.is_alive():
+            pass
+        time.sleep(rnd.uniform(0.0, 0.002))
+        now = phase.value
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        killed_in[now] = killed_in.get(now, 0) + 1
+        first = True
+        try:
+            while parent.poll():
+                msg = parent.recv()
+                if msg[0] == "saved":
+                    last_reported = msg[1]
+                    kinds.append(msg[2])
+                    deltas_after_restore += first and msg[2] == "delta"
+                    first = False
+        except EOFError:
+            pass
+        parent.close()
+    counts = {PHASES.get(p, p): n for p, n in killed_in.items()}
+    print(f"killed in {counts}; saves: {kinds.count('base')} bases, {kinds.count('delta')} deltas")
+    assert all(killed_in[p] >= KILLS // 6 for p in PHASES), counts
+    assert "base" in kinds and "delta" in kinds and deltas_after_restore, (kinds, counts)
+    assert twin_step >= KILLS, twin_step       # the runs made progress between kills

@@ -11,6 +11,10 @@ Tensors are streamed in chunks (64 MiB by default), never copied whole: a 10 GB 
 is written straight from its host memory, and read back straight into it. CUDA tensors pass
 through one reusable staging buffer.
 
+Disk tables (``placement="disk"``) are saved file to file, never through RAM: a full copy of
+their rows (a base) now and then, and otherwise only the rows changed since the previous save
+(a delta); each manifest names the base and deltas it needs (:mod:`~nbtools.checkpoint.rows`).
+
 Everything needed to continue exactly is saved: each object's ``state_dict()`` (modules with
 offloaded tables, optimizers incl. :class:`~nbtools.OffloadOptimizer`, LR schedulers,
 :class:`~nbtools.PinnedLoader`, metric histories), plain dicts, the step, and the RNG states of
@@ -19,7 +23,8 @@ python, numpy, torch CPU and CUDA.
 The package, one file per part: :mod:`~nbtools.checkpoint.format` (data files, reader,
 writer, manifest), :mod:`~nbtools.checkpoint.tree` (state trees <-> JSON),
 :mod:`~nbtools.checkpoint.layout` (checkpoint directories: scan, prune, clean up),
-:mod:`~nbtools.checkpoint.mirror` (copies to a second folder such as Google Drive) and
+:mod:`~nbtools.checkpoint.mirror` (copies to a second folder such as Google Drive),
+:mod:`~nbtools.checkpoint.rows` (disk tables: bases, deltas and their chains) and
 :mod:`~nbtools.checkpoint.manager` (:class:`CheckpointManager`).
 
 >>> import tempfile
