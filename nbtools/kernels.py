@@ -490,7 +490,7 @@ def _kernels():
     # (order: positions sorted by slot; slot: nondecreasing) and cut into chunks of CHUNK
     # positions, whatever the runs of equal slots are.
     @triton.jit
-    def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride,
+    def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride, cap,
                        part_first, part_last, d, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
         # Pass 1, one program per chunk (and block of columns): the chunk's rows in order,
         # one run of equal slots after another. A run that begins and ends in the chunk is
@@ -498,9 +498,15 @@ def _kernels():
         # part_first[chunk], the start of a run that goes on past the chunk to
         # part_last[chunk] (segment_join adds them up). Per-position values are loaded into
         # every lane (the same address: one broadcast load), so every mask is a vector.
+        # The program also zeroes its share of the rows of out that no position maps to (the
+        # slots from the last one in use, slot[n - 1], up to cap), so out needs no memset.
         c = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < d
+        unused = tl.load(slot + n - 1) + 1 + c * CHUNK + tl.arange(0, CHUNK)
+        tl.store(out + unused[:, None] * out_stride + cols[None, :],
+                 tl.zeros([CHUNK, BLOCK_C], dtype=out.dtype.element_ty),
+                 mask=(unused < cap)[:, None] & cm[None, :])
         pc = c.to(tl.int64) * d                         # this chunk's row of the parts
         base = c * CHUNK + tl.zeros([BLOCK_C], dtype=tl.int32)
         first = tl.load(slot + base)
@@ -724,8 +730,9 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
 
     ``src`` [n, d] (any strides); ``order`` [n]: positions of ``src`` sorted by their slot
     (stable: ascending within a slot); ``slot`` [n]: the slot of each sorted position,
-    nondecreasing (a RowBatch's ``order`` and ``slot``). ``out`` [cap, d] with a unit column
-    stride, zeros where no position maps. Runs are summed in chunks of
+    nondecreasing, every slot below the last one present (a RowBatch's ``order`` and
+    ``slot``). ``out`` [cap, d] with a unit column stride, any contents: every row is written,
+    the rows of slots past the last one with zeros. Runs are summed in chunks of
     :data:`SEGMENT_CHUNK` positions, in order within a chunk; a run spanning chunks adds its
     chunks' sums by a fixed tree. The association is fixed by ``n`` and the runs, so it is
     not ``index_add_``'s left-to-right order (it equals it for runs within one chunk).
@@ -740,7 +747,8 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
     warps = max(1, min(4, block_c // 32))
     k = _kernels()
     k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
-                              out.stride(0), parts[0], parts[1], d, CHUNK=SEGMENT_CHUNK,
+                              out.stride(0), out.shape[0], parts[0], parts[1], d,
+                              CHUNK=SEGMENT_CHUNK,
                               BLOCK_C=block_c, num_warps=warps)
     k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
                             CHUNK=SEGMENT_CHUNK, PARTS=SEGMENT_PARTS, BLOCK_C=block_c,

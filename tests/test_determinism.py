@@ -260,8 +260,8 @@ def test_segment_sum_matches_index_add(ids):
     if ids == "strided":
         src = src.t().contiguous().t()
     want = torch.zeros(batch.capacity, d, device=device).index_add_(0, batch.inverse, src)
-    got = kernels.segment_sum(src, batch.order, batch.slot,
-                              torch.zeros(batch.capacity, d, device=device))
+    got = kernels.segment_sum(src, batch.order, batch.slot,       # any contents: all written
+                              torch.full((batch.capacity, d), float("nan"), device=device))
     assert torch.equal(got, want)
 
 
