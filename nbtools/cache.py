@@ -33,6 +33,9 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .devices import gpu_free_bytes
+from .hostmem import count_cache
+from .units import human_bytes
 from .kernels import CACHE_HASH as _HASH  # the admission kernel hashes ids the same way
 
 
@@ -204,3 +207,69 @@ class RowCache:
     def cached_rows(self) -> int:
         """Rows in the cache now (a host sync)."""
         return int((self.tags[: self.capacity] >= 0).sum())
+
+
+def cache_budget(table) -> tuple[int | None, str]:
+    """GPU bytes for ``table``'s cache of hot rows, and why (its config's cache_bytes,
+    cache_fraction or cache_rows; under placement="auto", gpu_fraction): (None, "") for none."""
+    cfg = table.config
+    given = [k for k in ("cache_bytes", "cache_fraction", "cache_rows")
+             if getattr(cfg, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"table {table.name!r}: give one of cache_bytes, cache_fraction and "
+                         f"cache_rows, not {' and '.join(given)}")
+    if table.placement != "host" or table.device.type != "cuda" and not (
+            cfg.cache_bytes or cfg.cache_rows):
+        return None, ""
+    if cfg.cache_bytes is not None:
+        return int(cfg.cache_bytes), "cache_bytes"
+    if cfg.cache_rows is not None:
+        return (RowCache.overhead_bytes(table.num_embeddings) + int(cfg.cache_rows)
+                * RowCache.slot_bytes(table._rows.row_bytes)), "cache_rows"
+    fraction = cfg.cache_fraction
+    why = "cache_fraction"
+    if fraction is None and table.requested_placement == "auto":
+        fraction, why = cfg.gpu_fraction, "auto: gpu_fraction"
+    if fraction is None:
+        return None, ""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"table {table.name!r}: cache_fraction must be in (0, 1], got "
+                         f"{fraction!r}")
+    free = gpu_free_bytes(table.device)
+    return int(fraction * free), f"{why} {fraction:.0%} of {human_bytes(free)} free"
+
+
+class CacheCounts:
+    """A table's cache readings as optimizer steps take them: the cumulative ``[lookups, hits,
+    admitted, evicted]`` of its last reading, and the PCIe bytes each reading accounts for."""
+
+    def __init__(self):
+        self.seen = [0, 0, 0, 0]
+
+    @staticmethod
+    def saved_bytes(row_bytes: int, hits: int, admitted: int, evicted: int) -> int:
+        """PCIe bytes the cache saved: a hit reads and writes nothing over PCIe, an admission
+        reads its row once and an eviction writes it once."""
+        return (2 * hits - admitted - evicted) * row_bytes
+
+    def record(self, stats, rows) -> None:
+        """Take a reading ``stats`` of the cache over row store ``rows``: count the rows that
+        crossed PCIe since the last one (the store's byte counters and the meters')."""
+        lookups, hits, admitted, evicted = (int(v) - s for v, s in zip(stats, self.seen))
+        self.seen = [int(v) for v in stats]
+        row = rows.row_bytes
+        rows.count_bytes((lookups - hits) * row, h2d=True)
+        rows.count_bytes((lookups - hits - admitted + evicted) * row, h2d=False)
+        count_cache(lookups, hits, self.saved_bytes(row, hits, admitted, evicted))
+
+    def summary(self, rows) -> dict:
+        """What ``table.cache_stats()`` returns (empty when ``rows`` has no cache)."""
+        cache = rows.cache
+        if cache is None:
+            return {}
+        lookups, hits, admitted, evicted = self.seen
+        return {"lookups": lookups, "hits": hits,
+                "hit_rate": hits / lookups if lookups else float("nan"),
+                "admitted": admitted, "evicted": evicted,
+                "bytes_saved": self.saved_bytes(rows.row_bytes, hits, admitted, evicted),
+                "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}

@@ -11,6 +11,7 @@ import torch
 
 from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes
+from .hostmem import HostTensor, pin_tensor
 from .rows import RowLayout
 from .units import human_bytes
 
@@ -136,5 +137,35 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
         "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
 
 
+
+def grow_host(old, shape, init, layout: RowLayout, pin: bool, name: str, device=None):
+    """Copy ``old`` [n, d] host rows into new [n, width] host rows (``layout``, state columns at
+    ``init``), chunk by chunk, handing each chunk of ``old`` back to the OS once copied, so
+    RAM peaks at the new rows plus one chunk; the result registered when ``pin``. ``device``:
+    a CUDA device for the small path's zero-copy view."""
+    n, width = shape
+    d = old.tensor.shape[1]
+    dtype = layout.unit
+    itemsize = old.tensor.element_size()
+    if n * width * dtype.itemsize < (256 << 20):       # small: the simple way
+        new = HostTensor(shape, dtype, pin=pin, name=name, device=device)
+        copy_rows(new.tensor, old.tensor, init, layout)
+        old.close()
+        return new
+    old.close()                                  # unregister: its pages may be released now
+    src = old.tensor
+    # Untouched until written: the new rows take physical memory chunk by chunk.
+    dst = torch.empty(shape, dtype=dtype)
+    released = 0                                 # bytes of src handed back so far
+    base = src.data_ptr()
+
+    def release(stop):
+        nonlocal released
+        released = release_pages(base, released, stop * d * itemsize)
+    copy_rows(dst, src, init, layout, after_chunk=release)
+    del src
+    return pin_tensor(dst, name=name)
+
+
 __all__ = ["HostMemoryError", "NoRoomError", "auto_placement", "check_fits", "copy_rows",
-           "copy_unless_same", "release_pages"]
+           "copy_unless_same", "disk_bytes", "grow_host", "release_pages"]

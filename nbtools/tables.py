@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .devices import gpu_free_bytes, resolve_device, synchronize
-from .hostmem import HostTensor, count_cache, pin_tensor
+from .devices import resolve_device, synchronize
+from .hostmem import HostTensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes
+from .cache import CacheCounts, RowCache, cache_budget
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_rows,
-                        copy_unless_same, release_pages)
+                        copy_unless_same, grow_host)
 from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, expand, merge,
                    unique_ids)
 
@@ -90,6 +91,44 @@ class TableConfig:
     # holds every row with its optimizer state; RAM holds only the cached rows.
     disk_dir: str | None = None
     host_cache_bytes: int | None = None
+
+    @property
+    def storage_state_dtype(self) -> torch.dtype:
+        """What the optimizer state is stored in (``state_dtype``, or its default)."""
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
+
+    def check(self, placement: str) -> None:
+        """Raise TypeError / ValueError naming the first field (or ``placement``) that is wrong."""
+        dtype = self.dtype
+        for what, value in (("dtype", dtype), ("state_dtype", self.state_dtype or dtype)):
+            if not (value.is_floating_point if isinstance(value, torch.dtype) else False):
+                raise TypeError(f"{what} must be a floating torch.dtype, got {value!r}")
+        if dtype not in (torch.float32, torch.float64) + LOW_PRECISION:
+            raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+        state_dtype = self.storage_state_dtype
+        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
+                and state_dtype != dtype:
+            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
+                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
+        for value in (dtype, state_dtype):
+            check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
+        if placement not in ("auto", "gpu", "host", "disk"):
+            raise ValueError(f"placement must be 'auto', 'gpu', 'host' or 'disk', got "
+                             f"{placement!r}")
+        ram = self.host_cache_bytes
+        if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or ram <= 0):
+            raise ValueError(f"host_cache_bytes must be a positive int (bytes of RAM for a disk "
+                             f"table's cached rows), got {ram!r}")
+        if placement == "disk" and any(getattr(self, k) is not None for k in
+                                       ("cache_bytes", "cache_fraction", "cache_rows")):
+            raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
+                             "a GPU cache above a disk table is not supported: leave "
+                             "cache_bytes, cache_fraction and cache_rows unset")
+        if self.write_behind not in (None, True, False):
+            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
+                             f"memory), True or False, got {self.write_behind!r}")
 
 
 @dataclasses.dataclass
@@ -175,35 +214,8 @@ class OffloadedEmbedding(nn.Module):
                             f"padding_idx, name, device, placement, config, and the TableConfig "
                             f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
         self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
+        cfg.check(placement)
         dtype = cfg.dtype
-        for what, value in (("dtype", dtype), ("state_dtype", cfg.state_dtype or dtype)):
-            if not (value.is_floating_point if isinstance(value, torch.dtype) else False):
-                raise TypeError(f"{what} must be a floating torch.dtype, got {value!r}")
-        if dtype not in (torch.float32, torch.float64) + LOW_PRECISION:
-            raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
-        state_dtype = self._state_dtype(cfg)
-        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
-                and state_dtype != dtype:
-            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
-                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
-        for value in (dtype, state_dtype):
-            check_rounding(cfg.rounding, value if value in LOW_PRECISION else torch.bfloat16)
-        if placement not in ("auto", "gpu", "host", "disk"):
-            raise ValueError(f"placement must be 'auto', 'gpu', 'host' or 'disk', got "
-                             f"{placement!r}")
-        if cfg.host_cache_bytes is not None and (isinstance(cfg.host_cache_bytes, bool) or
-                                                 not isinstance(cfg.host_cache_bytes, int)
-                                                 or cfg.host_cache_bytes <= 0):
-            raise ValueError(f"host_cache_bytes must be a positive int (bytes of RAM for a disk "
-                             f"table's cached rows), got {cfg.host_cache_bytes!r}")
-        if placement == "disk" and any(getattr(cfg, k) is not None for k in
-                                       ("cache_bytes", "cache_fraction", "cache_rows")):
-            raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
-                             "a GPU cache above a disk table is not supported: leave "
-                             "cache_bytes, cache_fraction and cache_rows unset")
-        if cfg.write_behind not in (None, True, False):
-            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
-                             f"memory), True or False, got {cfg.write_behind!r}")
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:
@@ -241,7 +253,7 @@ class OffloadedEmbedding(nn.Module):
         self._owned = False          # an OffloadOptimizer steps this table
         self._warm_counts = None     # warm_cache() before the cache exists
         self._prefetch = Prefetcher(self)   # a training lookup started ahead (prefetch)
-        self._cache_seen = [0, 0, 0, 0]
+        self._cache_counts = CacheCounts()   # its readings, as optimizer steps take them
         self._cache_why = ""
         self.trainable = True
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
@@ -257,12 +269,6 @@ class OffloadedEmbedding(nn.Module):
                 rows[padding_idx].zero_()
             if rows.is_cuda and self.placement == "host":
                 torch.cuda.synchronize(rows.device)   # the host copy is read from now on
-
-    @staticmethod
-    def _state_dtype(cfg: TableConfig) -> torch.dtype:
-        if cfg.state_dtype is not None:
-            return cfg.state_dtype
-        return torch.float32 if cfg.dtype in LOW_PRECISION else cfg.dtype
 
     @property
     def layout(self) -> RowLayout:
@@ -375,7 +381,7 @@ class OffloadedEmbedding(nn.Module):
             self._make_cache()
             return
         old = self._host
-        state_dtype = self._state_dtype(self.config)
+        state_dtype = self.config.storage_state_dtype
         d, n = self.embedding_dim, self.num_embeddings
         layout = RowLayout(d, self.config.dtype, state_dtype, len(names),
                            tuple((dims or {}).get(k, d) for k in names))
@@ -402,7 +408,10 @@ class OffloadedEmbedding(nn.Module):
             self._disk = disk.regrow(self, self._disk or old, layout, init, copy_rows)
             new = self._disk.slab
         else:
-            new = self._grow_host(old, (n, width), init, layout)
+            pin = old.pinned if isinstance(old, HostTensor) else \
+                (self.config.pin and self.device.type == "cuda")
+            new = grow_host(old, (n, width), init, layout, pin, self.name,
+                            self.device if self.device.type == "cuda" else None)
         self._host, self._state_names = new, names
         self._rows = self._store()
         self._layout = layout
@@ -411,38 +420,10 @@ class OffloadedEmbedding(nn.Module):
         self._make_cache()
 
     # --- the cache of hot rows --------------------------------------------------------------
-    def _cache_budget(self) -> tuple[int | None, str]:
-        cfg = self.config
-        given = [k for k in ("cache_bytes", "cache_fraction", "cache_rows")
-                 if getattr(cfg, k) is not None]
-        if len(given) > 1:
-            raise ValueError(f"table {self.name!r}: give one of cache_bytes, cache_fraction and "
-                             f"cache_rows, not {' and '.join(given)}")
-        if self.placement != "host" or self.device.type != "cuda" and not (
-                cfg.cache_bytes or cfg.cache_rows):
-            return None, ""
-        if cfg.cache_bytes is not None:
-            return int(cfg.cache_bytes), "cache_bytes"
-        if cfg.cache_rows is not None:
-            from .cache import RowCache
-            return (RowCache.overhead_bytes(self.num_embeddings) + int(cfg.cache_rows)
-                    * RowCache.slot_bytes(self._rows.row_bytes)), "cache_rows"
-        fraction = cfg.cache_fraction
-        why = "cache_fraction"
-        if fraction is None and self.requested_placement == "auto":
-            fraction, why = cfg.gpu_fraction, "auto: gpu_fraction"
-        if fraction is None:
-            return None, ""
-        if not 0 < fraction <= 1:
-            raise ValueError(f"table {self.name!r}: cache_fraction must be in (0, 1], got "
-                             f"{fraction!r}")
-        free = gpu_free_bytes(self.device)
-        return int(fraction * free), f"{why} {fraction:.0%} of {human_bytes(free)} free"
-
     def _make_cache(self) -> None:
         """Create the GPU cache of hot rows the config asks for (when the optimizer attaches:
         the rows' width, with their state, is known only then)."""
-        budget, why = self._cache_budget()
+        budget, why = cache_budget(self)
         self._cache_why = why
         if budget is None:
             return
@@ -451,7 +432,6 @@ class OffloadedEmbedding(nn.Module):
                           "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
                           stacklevel=4)
             return
-        from .cache import RowCache
         n = self.num_embeddings
         capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(
             self._rows.row_bytes)
@@ -463,7 +443,7 @@ class OffloadedEmbedding(nn.Module):
                 "cache_bytes more room or leave the cache off")
         self._rows.attach_cache(min(capacity, n))
         self._graphs.invalidate()
-        self._cache_seen = [0, 0, 0, 0]
+        self._cache_counts = CacheCounts()
         if self._warm_counts is not None:
             self._rows.cache.warm(self._warm_counts, self._rows.view())
             self._warm_counts = None
@@ -500,59 +480,13 @@ class OffloadedEmbedding(nn.Module):
     def record_cache_stats(self, stats) -> None:
         """Take the cache's cumulative ``[lookups, hits, admitted, evicted]`` as read by the
         optimizer's step, and count the bytes that crossed PCIe since the last reading."""
-        lookups, hits, admitted, evicted = (int(v) - s for v, s in zip(stats, self._cache_seen))
-        self._cache_seen = [int(v) for v in stats]
-        row = self._rows.row_bytes
-        self._rows.count_bytes((lookups - hits) * row, h2d=True)
-        self._rows.count_bytes((lookups - hits - admitted + evicted) * row, h2d=False)
-        count_cache(lookups, hits, self._saved_bytes(hits, admitted, evicted))  # for the meters
-
-    def _saved_bytes(self, hits: int, admitted: int, evicted: int) -> int:
-        """PCIe bytes the cache saved: a hit reads and writes nothing over PCIe, an admission
-        reads its row once and an eviction writes it once."""
-        return (2 * hits - admitted - evicted) * self._rows.row_bytes
+        self._cache_counts.record(stats, self._rows)
 
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
         saved (a hit reads and writes nothing over PCIe), capacity. Empty without a cache."""
-        cache = self._rows.cache
-        if cache is None:
-            return {}
-        lookups, hits, admitted, evicted = self._cache_seen
-        return {"lookups": lookups, "hits": hits,
-                "hit_rate": hits / lookups if lookups else float("nan"),
-                "admitted": admitted, "evicted": evicted,
-                "bytes_saved": self._saved_bytes(hits, admitted, evicted),
-                "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
-
-    def _grow_host(self, old, shape, init, layout):
-        """Copy ``old`` [n, d] host rows into new [n, width] host rows, chunk by chunk, handing
-        each chunk of ``old`` back to the OS once copied; register the result when pinned."""
-        n, width = shape
-        d = self.embedding_dim
-        dtype = layout.unit
-        pin = old.pinned if isinstance(old, HostTensor) else \
-            (self.config.pin and self.device.type == "cuda")
-        itemsize = old.tensor.element_size()
-        if n * width * dtype.itemsize < (256 << 20):       # small: the simple way
-            new = self._new_host(shape, dtype, pin, self.name)
-            copy_rows(new.tensor, old.tensor, init, layout)
-            old.close()
-            return new
-        old.close()                                  # unregister: its pages may be released now
-        src = old.tensor
-        # Untouched until written: the new rows take physical memory chunk by chunk.
-        dst = torch.empty(shape, dtype=dtype)
-        released = 0                                 # bytes of src handed back so far
-        base = src.data_ptr()
-
-        def release(stop):
-            nonlocal released
-            released = release_pages(base, released, stop * d * itemsize)
-        copy_rows(dst, src, init, layout, after_chunk=release)
-        del src
-        return pin_tensor(dst, name=self.name)
+        return self._cache_counts.summary(self._rows)
 
     @property
     def pinned(self) -> bool:
@@ -796,37 +730,6 @@ class OffloadedEmbedding(nn.Module):
         cache = self._rows.cache
         return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
                         None if cache is None else cache.stats)
-
-    def take_grad(self):
-        """The rows looked up since the last call, exactly sized (this reads the unique count:
-        a host sync; the optimizer uses :meth:`collect` instead).
-
-        Returns ``(ids, grad, rows, state)``: unique ids (padding row excluded), their gradients
-        summed over every occurrence in every lookup (per-row scale applied), the weight rows
-        and the state columns as gathered (``state`` is None when no state is attached or the
-        lookups predate it). All None when no row has a gradient. Clears the pending lookups.
-        """
-        got = self.collect()
-        if got is None:
-            return None, None, None, None
-        got.release()          # what is returned below is copied out of the capture first
-        got.rows = got.rows.clone()
-        bad, count, sentinel = got.batch.meta.tolist()
-        if bad:
-            for flat, shape in got.lookups:
-                if bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
-                    self.raise_bad_ids(flat, shape)
-        m = count - sentinel
-        if m == 0:
-            return None, None, None, None
-        lay = self._layout
-        if got.has_state and self._state_names:
-            state = torch.cat([lay.state(got.rows[:m], i).to(self.compute_dtype)
-                               for i in range(len(self._state_names))], dim=1)
-            weight = lay.weight(got.rows[:m]).to(self.compute_dtype)
-        else:
-            state, weight = None, got.rows[:m]
-        return got.batch.ids[:m], got.grad[:m], weight, state
 
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)

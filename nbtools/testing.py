@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 
+import torch
+
 from .meters.backends import (_PCIE_LANE_BYTES_PER_S, DISK_COUNTERS, DISK_KEYS, GPU_KEYS, HOST_KEYS,
                               LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
 
@@ -175,3 +177,34 @@ class FakeEvent:
     def elapsed_time(self, end) -> float:
         return (end.t - self.t) * 1e3
 
+
+def take_grad(table):
+    """The rows ``table`` looked up since the last call, exactly sized, for tests (this reads
+    the unique count: a host sync; the optimizer uses ``table.collect()`` instead).
+
+    Returns ``(ids, grad, rows, state)``: unique ids (padding row excluded), their gradients
+    summed over every occurrence in every lookup (per-row scale applied), the weight rows
+    and the state columns as gathered (``state`` is None when no state is attached or the
+    lookups predate it). All None when no row has a gradient. Clears the pending lookups.
+    """
+    got = table.collect()
+    if got is None:
+        return None, None, None, None
+    got.release()          # what is returned below is copied out of the capture first
+    got.rows = got.rows.clone()
+    bad, count, sentinel = got.batch.meta.tolist()
+    if bad:
+        for flat, shape in got.lookups:
+            if bool(((flat < 0) | (flat >= table.num_embeddings)).any()):
+                table.raise_bad_ids(flat, shape)
+    m = count - sentinel
+    if m == 0:
+        return None, None, None, None
+    lay = table._layout
+    if got.has_state and table._state_names:
+        state = torch.cat([lay.state(got.rows[:m], i).to(table.compute_dtype)
+                           for i in range(len(table._state_names))], dim=1)
+        weight = lay.weight(got.rows[:m]).to(table.compute_dtype)
+    else:
+        state, weight = None, got.rows[:m]
+    return got.batch.ids[:m], got.grad[:m], weight, state
