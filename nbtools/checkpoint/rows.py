@@ -397,7 +397,9 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
     base = _Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table {d.name!r}")
     laid = [_Delta(_Stream(root, e, f"{root.name}: delta of disk table {d.name!r}"),
                    link["count"], rb, n) for root, link, e in deltas]
-    per = max(1, (chunk_bytes // 4) // max(rb, d.file.stride))
+    # blocks of chunk_bytes / 8: with the base's pieces (chunk_bytes / 4 as saved), RowFile's
+    # bounce buffer and a piece of each delta, a restore stays under chunk_bytes of RAM
+    per = max(1, (chunk_bytes // 8) // max(rb, d.file.stride))
     bufs = [_aligned(per * rb).reshape(per, rb) for _ in range(2)]
     pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-ckpt-write")
     try:
