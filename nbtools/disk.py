@@ -624,6 +624,7 @@ class DiskRows:
         with self._lock:
             ids = np.flatnonzero(self.changed)
             self.changed[:] = False
+            self._checkpoint = None       # a checkpoint's next save cannot be a delta now
             return ids
 
     def close(self) -> None:

@@ -128,6 +128,26 @@ def test_older_checkpoint_of_a_chain_restores_exactly(tmp_path):
     _assert_rows(_rows(fresh, fopt), snaps[5])
 
 
+def test_what_resets_the_change_count_makes_the_next_save_a_base(tmp_path):
+    """Changes are counted from the checkpoint that last took every row; anything else that
+    consumes or hides them (take_changed, a write through table.weight, another manager)
+    makes the next save a full base rather than a delta that would miss rows."""
+    disk, dopt = _pair_member("disk", tmp_path)
+    ck = CheckpointManager(tmp_path / "ck", keep=2, config=_cfg())
+    kind = lambda s, m=ck: m.save(s, model=disk, opt=dopt)["disk_tables"]["emb"]["kind"]  # noqa
+    assert kind(1) == "base"
+    assert kind(2) == "same"                  # nothing changed: no rows written at all
+    _train(disk, dopt, [1])
+    assert kind(3) == "delta"
+    _train(disk, dopt, [2])
+    disk.disk.take_changed()
+    assert kind(4) == "base"
+    _ = disk.weight                           # a writable map: what was written is unknown
+    assert kind(5) == "base"
+    other = CheckpointManager(tmp_path / "ck2", config=_cfg())
+    assert kind(6, other) == "base" and kind(7) == "base"
+
+
 def test_save_moves_rows_file_to_file_not_through_ram(tmp_path):
     """The peak RSS of a save (and of a restore) stays far below the table's size: no
     state_dict tensor of the table is ever read, and rows pass through bounded buffers."""
