@@ -28,6 +28,7 @@ from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.devices import cuda_ok
 from nbtools.optim import OffloadConfig
 from nbtools.rows import expand, sum_by_slot, unique_ids
+from nbtools.testing import take_grad
 
 GPU = pytest.mark.gpu
 CUDA = [pytest.param("cuda", marks=GPU)]
@@ -286,6 +287,33 @@ def test_cuda_lookup_gradient_is_summed_in_a_fixed_order():
     # without the sort the deduplication made (a batch made elsewhere): the same sums
     bare = type(batch)(batch.ids, batch.inverse, batch.meta, batch.num_rows)
     assert torch.equal(sum_by_slot(up, bare), grads[0])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_gradients_are_fixed_order_and_right(mode, device):
+    """OffloadedEmbeddingBag's per-id gradients: the same bits on every backward (torch's max
+    backward adds with atomics on CUDA; here each id's row is summed in a fixed order), and
+    equal to nn.EmbeddingBag's in float64."""
+    from nbtools import OffloadedEmbeddingBag
+
+    gen = torch.Generator().manual_seed(4)
+    bag = OffloadedEmbeddingBag(500, 16, mode=mode, padding_idx=0, device=device, name="bag")
+    with torch.no_grad():
+        bag.weight.copy_(torch.randn(500, 16, generator=gen))
+    ids = draw(2048 * 8, 500, True, gen).view(2048, 8)
+    w = torch.randn(2048, 16, generator=gen)
+    got = []
+    for _ in range(3):
+        (bag(ids.to(device)) * w.to(device)).sum().backward()
+        uniq, grad, _, _ = take_grad(bag)
+        got.append((uniq.cpu(), grad.cpu()))
+    assert all(torch.equal(g[0], got[0][0]) and torch.equal(g[1], got[0][1]) for g in got)
+    ref = nn.EmbeddingBag.from_pretrained(bag.weight.detach().cpu().double(), freeze=False,
+                                          mode=mode, padding_idx=0)
+    (ref(ids) * w.double()).sum().backward()
+    torch.testing.assert_close(got[0][1].double(), ref.weight.grad[got[0][0]],
+                               rtol=1e-5, atol=1e-5)
 
 
 # --- the models' own training loops ----------------------------------------------------------------
