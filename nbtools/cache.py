@@ -30,6 +30,8 @@ values), so the tables and states after N steps are identical.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import kernels
@@ -273,3 +275,32 @@ class CacheCounts:
                 "admitted": admitted, "evicted": evicted,
                 "bytes_saved": self.saved_bytes(rows.row_bytes, hits, admitted, evicted),
                 "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
+
+
+def make_table_cache(table) -> None:
+    """Give ``table`` the GPU cache of hot rows its config asks for (when its optimizer
+    attaches: the rows' width, with their state, is known only then)."""
+    budget, why = cache_budget(table)
+    table._cache_why = why
+    if budget is None:
+        return
+    if table._rows.mode not in ("zero-copy", "host"):
+        warnings.warn(f"table {table.name!r}: no cache of hot rows for {table._rows.mode!r} "
+                      "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
+                      stacklevel=5)
+        return
+    n = table.num_embeddings
+    capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(
+        table._rows.row_bytes)
+    if capacity < 1:
+        raise ValueError(
+            f"table {table.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
+            f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
+            f"row {human_bytes(RowCache.slot_bytes(table._rows.row_bytes))}; give "
+            "cache_bytes more room or leave the cache off")
+    table._rows.attach_cache(min(capacity, n))
+    table._graphs.invalidate()
+    table._cache_counts = CacheCounts()
+    if table._warm_counts is not None:
+        table._rows.cache.warm(table._warm_counts, table._rows.view())
+        table._warm_counts = None

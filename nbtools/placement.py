@@ -10,9 +10,9 @@ import mmap
 import torch
 
 from . import NbtoolsError
-from .devices import gpu_free_bytes, host_memory_bytes
+from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import RowLayout
+from .rows import DeviceRows, RowLayout
 from .units import human_bytes
 
 
@@ -167,5 +167,58 @@ def grow_host(old, shape, init, layout: RowLayout, pin: bool, name: str, device=
     return pin_tensor(dst, name=name)
 
 
+
+def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> None:
+    """``table.attach_state``: its rows reallocated as ``[weight | state...]`` where its
+    placement is decided for good (``"auto"``), state columns at ``initial``; then the GPU
+    cache of hot rows its config asks for."""
+    from .cache import make_table_cache
+    if table._state_names:
+        raise ValueError(f"table {table.name!r} already carries optimizer state "
+                         f"{table._state_names}; use one OffloadOptimizer per table")
+    table._owned = owned
+    if not names:
+        make_table_cache(table)
+        return
+    old = table._host
+    state_dtype = table.config.storage_state_dtype
+    d, n = table.embedding_dim, table.num_embeddings
+    layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
+                       tuple((dims or {}).get(k, d) for k in names))
+    width = layout.width
+    nbytes = n * width * state_dtype.itemsize
+    was = table.placement
+    if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
+        table.placement, table.placement_reason = table._choose_placement(nbytes)
+    if table.placement == "host":
+        check_fits(nbytes, f"table {table.name!r} with optimizer state ({', '.join(names)})",
+                   "Use nbtools.plan(...) to size it, or an optimizer with less state "
+                   "(SGD, nbtools.RowWiseAdagrad: one value per row).",
+                   reclaim=old.nbytes if was == "host" else 0)
+    if was == "host":
+        synchronize(table.device)
+    init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
+             float(initial.get(k, 0.0))) for i, k in enumerate(names)]
+    if table.placement == "gpu":
+        new = DeviceRows((n, width), state_dtype, table.device, table.name)
+        copy_rows(new.tensor, old.tensor, init, layout)
+        old.close()
+    elif table.placement == "disk":     # a file of the new rows; from host RAM under "auto"
+        from . import disk
+        table._disk = disk.regrow(table, table._disk or old, layout, init, copy_rows)
+        new = table._disk.slab
+    else:
+        pin = old.pinned if isinstance(old, HostTensor) else \
+            (table.config.pin and table.device.type == "cuda")
+        new = grow_host(old, (n, width), init, layout, pin, table.name,
+                        table.device if table.device.type == "cuda" else None)
+    table._host, table._state_names = new, names
+    table._rows = table._store()
+    table._layout = layout
+    table.clear_pending()
+    table._graphs.invalidate()
+    make_table_cache(table)
+
+
 __all__ = ["HostMemoryError", "NoRoomError", "auto_placement", "check_fits", "copy_rows",
-           "copy_unless_same", "disk_bytes", "grow_host", "release_pages"]
+           "copy_unless_same", "disk_bytes", "grow_host", "regrow_for_state", "release_pages"]

@@ -30,10 +30,10 @@ from .hostmem import HostTensor
 from . import kernels
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes
-from .cache import CacheCounts, RowCache, cache_budget
+from .cache import CacheCounts
 from .prefetch import Prefetcher
-from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_rows,
-                        copy_unless_same, grow_host)
+from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
+                        copy_unless_same, regrow_for_state)
 from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, expand, merge,
                    unique_ids)
 
@@ -372,82 +372,9 @@ class OffloadedEmbedding(nn.Module):
         ``table.weight`` taken before this point see the old memory: create the optimizer
         first.
         """
-        names = list(names)
-        if self._state_names:
-            raise ValueError(f"table {self.name!r} already carries optimizer state "
-                             f"{self._state_names}; use one OffloadOptimizer per table")
-        self._owned = owned
-        if not names:
-            self._make_cache()
-            return
-        old = self._host
-        state_dtype = self.config.storage_state_dtype
-        d, n = self.embedding_dim, self.num_embeddings
-        layout = RowLayout(d, self.config.dtype, state_dtype, len(names),
-                           tuple((dims or {}).get(k, d) for k in names))
-        width = layout.width
-        nbytes = n * width * state_dtype.itemsize
-        was = self.placement
-        if self.requested_placement == "auto" and was != "disk":   # (a file stays a file)
-            self.placement, self.placement_reason = self._choose_placement(nbytes)
-        if self.placement == "host":
-            check_fits(nbytes, f"table {self.name!r} with optimizer state ({', '.join(names)})",
-                       "Use nbtools.plan(...) to size it, or an optimizer with less state "
-                       "(SGD, nbtools.RowWiseAdagrad: one value per row).",
-                       reclaim=old.nbytes if was == "host" else 0)
-        if was == "host":
-            synchronize(self.device)
-        init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
-                 float(initial.get(k, 0.0))) for i, k in enumerate(names)]
-        if self.placement == "gpu":
-            new = DeviceRows((n, width), state_dtype, self.device, self.name)
-            copy_rows(new.tensor, old.tensor, init, layout)
-            old.close()
-        elif self.placement == "disk":     # a file of the new rows; from host RAM under "auto"
-            from . import disk
-            self._disk = disk.regrow(self, self._disk or old, layout, init, copy_rows)
-            new = self._disk.slab
-        else:
-            pin = old.pinned if isinstance(old, HostTensor) else \
-                (self.config.pin and self.device.type == "cuda")
-            new = grow_host(old, (n, width), init, layout, pin, self.name,
-                            self.device if self.device.type == "cuda" else None)
-        self._host, self._state_names = new, names
-        self._rows = self._store()
-        self._layout = layout
-        self.clear_pending()
-        self._graphs.invalidate()
-        self._make_cache()
+        regrow_for_state(self, list(names), initial, owned, dims)
 
     # --- the cache of hot rows --------------------------------------------------------------
-    def _make_cache(self) -> None:
-        """Create the GPU cache of hot rows the config asks for (when the optimizer attaches:
-        the rows' width, with their state, is known only then)."""
-        budget, why = cache_budget(self)
-        self._cache_why = why
-        if budget is None:
-            return
-        if self._rows.mode not in ("zero-copy", "host"):
-            warnings.warn(f"table {self.name!r}: no cache of hot rows for {self._rows.mode!r} "
-                          "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
-                          stacklevel=4)
-            return
-        n = self.num_embeddings
-        capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(
-            self._rows.row_bytes)
-        if capacity < 1:
-            raise ValueError(
-                f"table {self.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
-                f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
-                f"row {human_bytes(RowCache.slot_bytes(self._rows.row_bytes))}; give "
-                "cache_bytes more room or leave the cache off")
-        self._rows.attach_cache(min(capacity, n))
-        self._graphs.invalidate()
-        self._cache_counts = CacheCounts()
-        if self._warm_counts is not None:
-            self._rows.cache.warm(self._warm_counts, self._rows.view())
-            self._warm_counts = None
-
     @property
     def cache(self):
         """The GPU cache of hot rows (:class:`nbtools.cache.RowCache`), or None."""
