@@ -23,7 +23,8 @@ runs end (0 where the sums are fixed-order). ``--deterministic off`` runs every 
 with atomics.
 
     python benchmarks/bench_step.py --out DIR          # GPU machine
-    python benchmarks/bench_step.py --deterministic both --only "nbtools host,nbtools gpu,small nbtools gpu,repeat diff"
+    python benchmarks/bench_step.py --deterministic both \
+        --only "nbtools host,nbtools gpu,small nbtools host,small nbtools gpu,repeat diff"
     python benchmarks/bench_step.py --quick            # small, runs on a CPU
 """
 from __future__ import annotations
@@ -91,7 +92,8 @@ def cache_bytes_for(n, dim, share, states=2):
 
 
 def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
-                 prefetch=False, zero_copy_programs=None, deterministic=True, **table_kw):
+                 prefetch=False, zero_copy_programs=None, deterministic=True, optimizer="adam",
+                 **table_kw):
     if zero_copy_programs is not None:
         from nbtools import kernels
         kernels.ZERO_COPY_PROGRAMS = zero_copy_programs
@@ -99,7 +101,9 @@ def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=Non
         table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
     table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
                                        **table_kw)
-    opt = nbtools.OffloadOptimizer(torch.optim.Adam, [table], lr=1e-3,
+    opt_cls = {"adam": torch.optim.Adam, "rowwise_adagrad": nbtools.RowWiseAdagrad,
+               "partial_rowwise_adam": nbtools.PartialRowWiseAdam}[optimizer]
+    opt = nbtools.OffloadOptimizer(opt_cls, [table], lr=1e-3,
                                    config=OffloadConfig(fused=fused, deterministic=deterministic))
 
     nxt = {}             # id(batch) -> the batch after it (run_system fills it)
@@ -228,6 +232,13 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host uncapped": dict(placement="host", zero_copy_programs=0),
     # the update writes host memory itself, in series, instead of writing behind the next step
     "nbtools host write-through": dict(placement="host", write_behind=False),
+    # issue 23: row-wise optimizers (one fp32 accumulator per row; Adam's first moment per
+    # value and its second per row); bf16 weights with RowWiseAdagrad: 260 B a row at dim 128
+    "nbtools host rowwise": dict(placement="host", optimizer="rowwise_adagrad"),
+    "nbtools host bf16 rowwise": dict(placement="host", dtype=torch.bfloat16,
+                                      optimizer="rowwise_adagrad"),
+    "nbtools host bf16 partial-rowwise": dict(placement="host", dtype=torch.bfloat16,
+                                              optimizer="partial_rowwise_adam"),
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
@@ -296,6 +307,10 @@ def run_system(name, args, device) -> dict:
         # bf16 weights + bf16 state: rows of half the bytes (768 B at dim 128)
         out["65,536 uniform, bf16 rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device, width_factor=1.5)
+        # bf16 weights + RowWiseAdagrad's one fp32 accumulator: 2 * dim + 4 bytes a row
+        out["65,536 uniform, bf16 rowwise rows"] = traffic_floor_ms(
+            args.rows, args.dim, cases["65,536 uniform"], device,
+            width_factor=(2 * args.dim + 4) / (4 * args.dim))
         return {"floor_ms": out}
     if name.startswith("small "):
         prof = os.path.join(args.out or ".", "step_profile.txt") \
@@ -381,8 +396,9 @@ def main():
         [n for n in EXTRA if device.type == "cuda" or "torch" not in n and n != "floor"] + \
         ([f"{n} atomics" for n in DETERMINISM if n.startswith("small ")] + ["repeat diff"]
          if both else [])
-    if args.only:
-        names = [n for n in args.only.split(",") if n in names]
+    if args.only:      # with --deterministic both, each named system's atomics twin too
+        only = [n for n in args.only.split(",") for n in ([n, f"{n} atomics"] if both else [n])]
+        names = [n for n in only if n in names]
     for name in names:
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
                str(args.dim), "--steps", str(args.steps),
@@ -423,6 +439,18 @@ def main():
               get(f"nbtools host write-through | {case}"), res["floor_ms"].get(case))
         ratio(f"host prefetch host-ids / traffic floor, {case}",
               get(f"nbtools host prefetch host-ids | {case}"), res["floor_ms"].get(case))
+    # issue 23: RowWiseAdagrad with bf16 weights moves 260 of fp32 Adam's 1,536 bytes a row
+    for case in ("65,536 uniform", "65,536 zipf1.1"):
+        ratio(f"host bf16 rowwise / host (fp32 Adam), {case} (target <= 0.3)",
+              get(f"nbtools host bf16 rowwise | {case}"), get(f"nbtools host | {case}"))
+        ratio(f"host bf16 partial-rowwise / host (fp32 Adam), {case}",
+              get(f"nbtools host bf16 partial-rowwise | {case}"), get(f"nbtools host | {case}"))
+    ratio("host bf16 rowwise / its traffic floor, 65,536 uniform (target <= 1.1)",
+          get("nbtools host bf16 rowwise | 65,536 uniform"),
+          res["floor_ms"].get("65,536 uniform, bf16 rowwise rows"))
+    ratio("host bf16+bf16 state / its traffic floor, 65,536 uniform (target <= 1.1)",
+          get("nbtools host bf16+bf16 state | 65,536 uniform"),
+          res["floor_ms"].get("65,536 uniform, bf16 rows"))
     for case in ("4,096 uniform", "65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host / torch sparse, {case}", get(f"nbtools host | {case}"), get(f"torch sparse | {case}"))
         ratio(f"gpu placement / torch sparse, {case} (target <= 1.1)", get(f"nbtools gpu | {case}"),
