@@ -188,8 +188,8 @@ def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
     # stable: equal ids keep their positions' order, so each id's gradient rows are summed in
     # the order of the lookup (sum_by_slot), the same on every run
     if num_rows < 2 ** 31 - 1:        # int32 keys: a radix sort of half the passes
-        ordered = torch.sort(safe.int(), stable=True, out=(torch.empty_like(safe, dtype=torch.int32),
-                                                            order))[0].long()
+        keys = torch.empty_like(safe, dtype=torch.int32)
+        ordered = torch.sort(safe.int(), stable=True, out=(keys, order))[0].long()
     else:
         ordered = torch.sort(safe, stable=True, out=(torch.empty_like(safe), order))[0]
     new = torch.ones(n, dtype=torch.bool, device=device)

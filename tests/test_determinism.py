@@ -316,7 +316,7 @@ def test_embedding_bag_gradients_are_fixed_order_and_right(mode, device):
                                rtol=1e-5, atol=1e-5)
 
 
-# --- the models' own training loops ----------------------------------------------------------------
+# --- the models' own training loops -----------------------------------------------------------
 @pytest.mark.parametrize("device", ["cpu"] + CUDA)
 def test_word2vec_identical_runs(device):
     from nbtools.models import CorpusLoader, SkipGram, SkipGramConfig
