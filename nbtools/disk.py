@@ -131,7 +131,7 @@ class DiskRows:
         self._writer = self._loader = None
         maps = self.num_rows * 9            # the two arrays below: counted in the host budget
         hold_host(maps, f"table {name!r}'s row maps")
-        weakref.finalize(self, release_host, maps)
+        self._release_maps = weakref.finalize(self, release_host, maps)
         self.slot_of = np.full(self.num_rows, -1, dtype=np.int64)  # row -> slot, -1: on disk
         # rows written to the file since the last checkpoint took them (incremental saves)
         self.changed = np.ones(self.num_rows, dtype=bool)
@@ -196,6 +196,8 @@ class DiskRows:
     @property
     def ram_bytes(self) -> int:
         """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
+        if self.slot_of is None:                # closed
+            return 0
         return self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes + self.slots * 27
 
     @property
@@ -637,6 +639,9 @@ class DiskRows:
         self.slab.close()
         self._map = None
         self._remove()
+        # the row maps leave the host budget now (the slab's pages when the table goes)
+        self._release_maps()
+        self.slot_of = self.changed = None
 
     def __reduce__(self):
         raise TypeError(f"table {self.name!r} lives on disk and cannot be copied or pickled; "
