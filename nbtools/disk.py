@@ -867,4 +867,5 @@ def describe(disk: DiskRows) -> str:
     s = disk.stats
     rate = f"{s['hits'] / s['lookups']:.0%}" if s["lookups"] else "n/a"
     return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}), RAM cache "
-            f"{disk.slots:,} rows ({human_bytes(disk.slab.nbytes)}, hit rate {rate})")
+            f"{disk.capacity_rows:,} rows ({human_bytes(disk.capacity_rows * disk.row_bytes)}, "
+            f"hit rate {rate})")

@@ -713,11 +713,13 @@ class OffloadedEmbedding(nn.Module):
         placement = self.placement
         if self.requested_placement == "auto" and self.device.type == "cuda":
             placement = f"auto -> {placement} ({self.placement_reason})"
+        mode = self.transfer_mode      # how the GPU reaches host rows (zero-copy, staged)
         s = (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
-             f"dtype={self._host.tensor.dtype}, device={self.device}, placement={placement}, "
-             f"{self.transfer_mode}, "
-             f"{self.placement if self.placement in ('gpu', 'disk') else 'host'}="
+             f"dtype={self.config.dtype}, device={self.device}, placement={placement}"
+             f"{'' if mode == self.placement else ', ' + mode}, rows="
              f"{human_bytes(self.nbytes)}")
+        if self._state_names:
+            s += f" with state {'+'.join(self._state_names)} in {self._layout.unit}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         if self._disk is not None:
