@@ -11,6 +11,48 @@ if not cuda_ok():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _skip_repeated_interpreter_patches():
+    """Triton's interpreter patches triton.language for each kernel launch, and again at every
+    call of a device function (a @triton.jit helper such as kernels._tile) inside it, though
+    the launch has patched the same modules already: those repeats were ~20% of the CPU time of
+    the tests that run the fused kernels (tests/test_cache.py, test_step.py). Skip the repeats
+    only; each launch still patches and restores, and the kernels compute the same. Changes
+    nothing where Triton's interpreter is not as described (checked on Triton 3.9)."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:                   # no triton: the fused kernels are not tested here
+        return
+    if not all(hasattr(ti, n) for n in ("_patch_lang", "GridExecutor", "InterpretedFunction",
+                                         "_LangPatchScope", "tl")):
+        return
+    real_patch, real_launch = ti._patch_lang, ti.GridExecutor.__call__
+    patched = [None]                     # the language modules this launch has patched
+
+    def langs(fn):
+        return {id(v) for v in fn.__globals__.values() if v is ti.tl or v is ti.tl.core}
+
+    def patch_lang(fn):
+        if patched[0] is not None and langs(fn) <= patched[0]:
+            return ti._LangPatchScope()  # already patched by the launch around this call
+        scope = real_patch(fn)
+        if patched[0] is not None:
+            patched[0] |= langs(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        outer, patched[0] = patched[0], set()
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            patched[0] = outer
+
+    ti._patch_lang, ti.GridExecutor.__call__ = patch_lang, launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _skip_repeated_interpreter_patches()
+
+
 def devices():
     """Devices every behaviour test runs on: the CPU always, CUDA where there is one."""
     return ["cpu", "cuda"] if cuda_ok() else ["cpu"]
