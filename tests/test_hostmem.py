@@ -14,9 +14,20 @@ from nbtools.hostmem import HostTensor, page_aligned, pin_tensor, pinned_bytes, 
 def fake_cuda(monkeypatch):
     """cudaHostRegister / Unregister recorded instead of done; nothing reads as pinned."""
     calls = {"register": [], "unregister": []}
+    real_unregister = hostmem._unregister
+    # Memory earlier tests really registered may be let go while the fakes are in place: it
+    # must really be unregistered, or CUDA keeps the range registered after numpy frees it and
+    # a later registration of reused addresses fails (cudaErrorHostMemoryAlreadyRegistered)
+    gc.collect()
+
+    def unregister(ptr):
+        if ptr in {p for p, _ in calls["register"]}:
+            calls["unregister"].append(ptr)
+        else:
+            real_unregister(ptr)
     monkeypatch.setattr(hostmem, "cuda_ok", lambda: True)
     monkeypatch.setattr(hostmem, "_register", lambda ptr, n: calls["register"].append((ptr, n)))
-    monkeypatch.setattr(hostmem, "_unregister", lambda ptr: calls["unregister"].append(ptr))
+    monkeypatch.setattr(hostmem, "_unregister", unregister)
     monkeypatch.setattr(hostmem, "whole_range_pinned", lambda t: False)
     before = pinned_bytes()
     yield calls
