@@ -193,25 +193,33 @@ ADMISSION = [False] + ([True] if kernels.usable_on(torch.device("cpu")) else [])
 
 
 @pytest.mark.parametrize("use_kernels", ADMISSION, ids=lambda k: "triton" if k else "torch")
-@pytest.mark.parametrize("capacity", [8, 40, 64 * 3, 64 * 21])
-def test_admission_follows_the_reference_policy(capacity, use_kernels):
+@pytest.mark.parametrize("capacity,n,draws", [(8, 500, 32), (40, 500, 160), (64 * 3, 500, 768),
+                                              (64 * 5, 3000, 3000)],
+                         ids=["8", "40", "192", "320"])
+def test_admission_follows_the_reference_policy(capacity, n, draws, use_kernels):
     """Every lookup's admissions and evictions, the slots it returns and the statistics equal
     the policy spelled out row by row (ReferenceLFU), on Zipf-like and uniform ids, for the
-    torch code and the Triton kernels (21 ways: not a power of two)."""
-    n, w = 500 if capacity < 1000 else 3000, 3
+    torch code and the Triton kernels: one-way sets (8 and 40 of them), then 64 sets of 3 and
+    of 5 ways (not powers of two), the last with lookups of over 1,024 distinct ids (more than
+    one program of the kernels' first pass). 14 steps: every case evicts in most of them (the
+    Triton interpreter runs one program per set and step, so each step costs)."""
     gen = torch.Generator().manual_seed(capacity)
-    host = torch.randn(n, w, generator=gen)
+    host = torch.randn(n, 3, generator=gen)
     truth = host.clone()
     cache = RowCache(host, capacity)
     cache.use_kernels = use_kernels
     ref = ReferenceLFU(n, cache.sets, cache.ways)
-    for step in range(30):
-        draw = ((torch.rand(4 * capacity, generator=gen) ** 3 * n).long() if step % 2
+    evicting, widest = 0, 0
+    for step in range(14):
+        draw = ((torch.rand(draws, generator=gen) ** 3 * n).long() if step % 2
                 else torch.randint(0, n, (60,), generator=gen))
         ids = torch.unique(draw)
+        widest = max(widest, ids.numel())
         padded = torch.cat([ids, torch.full((7,), n)])        # sentinel padding past count
         slots = cache.admit(padded, torch.tensor([ids.numel()]), host)
+        evicted = ref.stats[3]
         ref.admit(ids.tolist())
+        evicting += ref.stats[3] > evicted
         assert cache.tags[: cache.capacity].tolist() == ref.tags, step
         want = {t: k for k, t in enumerate(ref.tags) if t >= 0}
         assert slots[: ids.numel()].tolist() == [want.get(i, -1) for i in ids.tolist()]
@@ -226,6 +234,7 @@ def test_admission_follows_the_reference_policy(capacity, use_kernels):
         assert cache.stats.tolist() == ref.stats
         cache.rows[held >= 0] += 1                 # an update of the cached rows
         truth[held[held >= 0]] += 1
+    assert evicting >= 8 and (widest > 1024) == (n == 3000), (evicting, widest)  # all was tested
 
 
 def test_warm_cache_loads_the_most_frequent_rows_and_stays_exact(device):
