@@ -183,3 +183,19 @@ def gpu_free_bytes(device) -> int:
         free = min(free, max(cap, 0))
     return free
 
+
+def after_failed_capture(device=None) -> None:
+    """Call when a CUDA graph capture has failed: torch marks the device's default random
+    generator as capturing at ``capture_begin`` and unmarks it only when ``capture_end``
+    succeeds, so after a failed one every random op raises "Offset increment outside graph
+    capture encountered unexpectedly". The generator gets a fresh copy of its own state (same
+    seed and offset, not capturing)."""
+    if not cuda_ok():
+        return
+    index = torch.cuda.current_device() if device is None or torch.device(device).index is None \
+        else torch.device(device).index
+    gen = torch.cuda.default_generators[index]
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except (AttributeError, RuntimeError):      # an older torch: nothing to reset
+        pass

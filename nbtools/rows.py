@@ -36,7 +36,7 @@ import torch
 from . import kernels
 from .cache import RowCache
 from .precision import round_to
-from .devices import synchronize
+from .devices import after_failed_capture, synchronize
 from .hostmem import count_transfer, gather_rows, scatter_rows
 
 
@@ -660,6 +660,7 @@ class _Captured:
             try:
                 got = self.graphs[key] = _capture_work(fn)
             except RuntimeError:
+                after_failed_capture()
                 self.graphs[key] = "eager"
                 fn()
                 return
@@ -736,7 +737,14 @@ class LookupGraphs:
         if cap is None or (len(caps) < copies and not all(e.query() for e in cap.free)):
             if len(caps) >= copies:
                 return None
-            cap = self._capture(store, flat, padding_idx, width)
+            try:
+                cap = self._capture(store, flat, padding_idx, width)
+            except RuntimeError:        # this batch size runs eagerly (slower, not wrong)
+                after_failed_capture()
+                if not caps:
+                    del self._graphs[key]
+                    self._seen[key] = -(1 << 62)    # never counted as seen enough again
+                return None
             caps.append(cap)
         patch = width is not None and store.before_gather(overwrites=(cap,))
         for event in cap.free:

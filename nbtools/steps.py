@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from .devices import after_failed_capture
 from .hostmem import HostTensor
 from .kernels import HYPER
 
@@ -166,6 +167,7 @@ class StepGraphs:
                 entry = self._capture(checks, updates, turn, keep)
             except RuntimeError as e:
                 # this kind of step runs eagerly from now on (slower, not wrong); say why once
+                after_failed_capture()
                 self._failed.add(key)
                 if not self.errors:
                     warnings.warn(f"nbtools: an optimizer step could not be captured as a CUDA "

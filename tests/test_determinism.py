@@ -356,3 +356,27 @@ def test_recommender_identical_runs(device):
         return out
 
     assert_equal(once(), once())
+
+
+@GPU
+@pytest.mark.skipif(not cuda_ok(), reason="needs CUDA")
+def test_random_ops_work_after_a_failed_capture():
+    """A capture that fails (here: a host sync inside it) leaves torch's CUDA generator marked
+    as capturing; nbtools' capture fallbacks call after_failed_capture, after which random ops
+    work and draw what they would have drawn (seed and offset kept)."""
+    from nbtools.devices import after_failed_capture
+    torch.manual_seed(7)
+    expected = torch.randn(4, device="cuda")
+    torch.manual_seed(7)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            with pytest.raises(RuntimeError):
+                torch.ones(2, device="cuda").sum().item()      # a sync: invalidates the capture
+        finally:
+            with pytest.raises(RuntimeError):
+                graph.capture_end()
+    after_failed_capture()
+    torch.cuda.synchronize()
+    assert torch.equal(torch.randn(4, device="cuda"), expected)
