@@ -37,6 +37,7 @@ _CUDA_HOST_REGISTER_PORTABLE = 1   # usable from every CUDA context
 _CUDA_HOST_REGISTER_MAPPED = 2     # map into the device address space (zero-copy)
 
 _PAGE = mmap.PAGESIZE
+_deferred = []             # ranges let go inside a CUDA graph capture, unregistered later
 _lock = threading.RLock()   # re-entrant: a finalizer (release) may run in a GC pass while held
 # (address, bytes) -> its registration, for every range nbtools has registered and still holds:
 # the one place pinned memory is counted
@@ -150,10 +151,34 @@ class _Registration:
             if self.holders > 0:
                 return
             _regions.pop((self.ptr, self.nbytes), None)
-        try:
-            _unregister(self.ptr)
-        except Exception:     # interpreter shutdown: the CUDA context may already be gone
-            pass
+            if _capturing():
+                # a garbage collection inside a CUDA graph capture: synchronising or
+                # unregistering now would invalidate the capture and, failing, leave the range
+                # registered after its memory is freed (the next registration of those
+                # addresses then fails). Done before the next registration instead.
+                _deferred.append(self.ptr)
+                return
+        _unregister_quietly(self.ptr)
+
+
+def _capturing() -> bool:
+    try:
+        return cuda_ok() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _unregister_quietly(ptr: int) -> None:
+    try:
+        _unregister(ptr)
+    except Exception:     # interpreter shutdown: the CUDA context may already be gone
+        pass
+
+
+def _flush_deferred() -> None:
+    """Unregister the ranges let go during a capture (called with ``_lock`` held)."""
+    while _deferred:
+        _unregister_quietly(_deferred.pop())
 
 
 def _unregister(ptr: int) -> None:
@@ -166,6 +191,8 @@ def _hold(owner, ptr: int, nbytes: int, name: str) -> weakref.finalize:
     share the registration nbtools already holds for exactly this range (a second
     cudaHostRegister of it would fail). Returns the finalizer that lets go early (idempotent)."""
     with _lock:   # held while registering: two holders of one range must not both register it
+        if _deferred and not _capturing():
+            _flush_deferred()
         reg = _regions.get((ptr, nbytes))
         if reg is None:
             _register(ptr, nbytes)

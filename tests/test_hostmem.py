@@ -57,6 +57,24 @@ def test_two_holders_of_one_range_share_one_registration(fake_cuda):
     assert fake_cuda["unregister"] == [t.data_ptr()] and pinned_bytes() == base
 
 
+def test_a_range_let_go_during_a_capture_is_unregistered_before_the_next_registration(
+        fake_cuda, monkeypatch):
+    """A garbage collection inside a CUDA graph capture must not synchronise or unregister
+    (that would invalidate the capture, and a failed unregister left freed memory registered:
+    the next registration of those addresses failed with 'already registered'). The range is
+    unregistered before the next registration instead."""
+    capturing = [True]
+    monkeypatch.setattr(hostmem, "_capturing", lambda: capturing[0])
+    a = pin_tensor(torch.zeros(1000), name="a")
+    ptr = fake_cuda["register"][0][0]
+    a.close()                                           # let go while "capturing"
+    assert fake_cuda["unregister"] == [] and ("a", 4000) not in pinned_regions()
+    capturing[0] = False
+    b = pin_tensor(torch.zeros(2000), name="b")         # the next registration
+    assert fake_cuda["unregister"] == [ptr] and len(fake_cuda["register"]) == 2
+    b.close()
+
+
 def test_host_tensor_registers_its_pages_and_close_undoes_it(fake_cuda):
     base = pinned_bytes()
     h = HostTensor((10, 3), torch.float32, name="table")
