@@ -8,11 +8,14 @@
 #   artifacts/dashboard_widget.png  a dashboard kept as a live widget
 #
 #   bash scripts/browser_test.sh [--docs]     # --docs also copies the shot to docs/dashboard.png
+#   bash scripts/browser_test.sh --prepare    # only the apt installs (chromium, npm), no test
 #
 # Installs what it needs: Debian's chromium (apt), the Python packages (pip, into the current
 # python), and two npm packages (@jupyter-widgets/html-manager, requirejs) into a cache folder.
+# scripts/test.sh runs --prepare in the background while pip sets up Python; a run waits for a
+# preparation under way (a lock in the cache folder) rather than starting a second apt-get.
 # Needs no internet at test time: Chromium resolves no name but localhost.
-# Exit status: 0 passed, 1 failed, 77 skipped (chromium could not be installed).
+# Exit status: 0 passed (or prepared), 1 failed, 77 skipped (chromium could not be installed).
 # Environment: PYTHON (default: python3), ARTIFACTS (default: artifacts), NBTOOLS_BROWSER_CACHE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +24,15 @@ py=${PYTHON:-python3}
 art=${ARTIFACTS:-$root/artifacts}
 cache=${NBTOOLS_BROWSER_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/nbtools-browser}
 docs_arg=()
+prepare=
 [ "${1:-}" = --docs ] && docs_arg=(--docs "$root/docs/dashboard.png")
+[ "${1:-}" = --prepare ] && prepare=1
 start=$(date +%s)
+mkdir -p "$cache"
+if command -v flock >/dev/null; then     # one installer at a time; released before the test
+  exec 9>"$cache/.lock"
+  flock 9
+fi
 
 as_root() {   # run as root: directly, or through passwordless sudo
   if [ "$(id -u)" = 0 ]; then "$@"; elif sudo -n true 2>/dev/null; then sudo "$@"; else return 1; fi
@@ -42,6 +52,16 @@ fi
 if [ -z "$chromium" ]; then
   echo "browser_test: SKIP: chromium is not installed and could not be installed with apt-get (needs root or passwordless sudo)"
   exit 77
+fi
+
+# (the widget renderer's version follows the ipywidgets that pip is still installing: npm only)
+if [ -n "$prepare" ]; then
+  if ! ls "$cache"/html-manager-*/embed-amd.js >/dev/null 2>&1 && ! command -v npm >/dev/null; then
+    echo "browser_test: installing npm (apt)"
+    apt_install npm || echo "browser_test: npm could not be installed"
+  fi
+  echo "browser_test: prepared in $(( $(date +%s) - start )) s"
+  exit 0
 fi
 
 # 2. Python packages for executing and exporting the notebooks
@@ -70,6 +90,8 @@ if [ ! -s "$static/embed-amd.js" ] || [ ! -s "$static/require.js" ]; then
   cp "$tmp/package/require.js" "$static/"
   rm -rf "$tmp"
 fi
+
+exec 9>&-                                 # the lock (other runs may install now)
 
 # 4. Execute, render, check, screenshot
 mkdir -p "$art"

@@ -4,21 +4,52 @@
 # GPU machines: use benchmarks/gpu_suite.sh instead (it keeps the machine's own torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+
+# The whole suite (no arguments: what CI runs) includes the headless-Chromium test of the
+# dashboard (tests/test_dashboard_browser.py, through scripts/browser_test.sh), which may have
+# to apt-install chromium and fetch the widget renderer: start that now, beside pip's set-up;
+# the test waits for it. Its log: artifacts/browser_prepare.log.
+prepare=
+if [ $# -eq 0 ]; then
+  mkdir -p artifacts
+  bash scripts/browser_test.sh --prepare >artifacts/browser_prepare.log 2>&1 &
+  prepare=$!
+fi
+
+# PYTHONDONTWRITEBYTECODE (set on these machines) would have every process (each xdist worker,
+# notebook kernel and spawned rank) compile torch again, several times slower: Python compiles
+# the modules the tests import once, and keeps them.
+unset PYTHONDONTWRITEBYTECODE
+# The set-up is skipped when this pyproject.toml was installed already (.venv/.nbtools-setup
+# holds its hash; remove the file to force a new install).
+setup="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.nbtools-setup 2>/dev/null)" != "$setup" ] ||
+   ! .venv/bin/python -c "import nbtools, pytest, xdist" 2>/dev/null; then
+  # A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
+  # unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
+  torch=(torch==2.13.0)
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then torch=(); fi
+
+  # --no-compile: pip would byte-compile every file of torch, triton and the rest (about 40 s
+  # on two cores); Python compiles what the tests import instead.
+  packages=("${torch[@]}" -e ".[dev]")
+  if [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    pip=(.venv/bin/python -m pip)
+  elif python3 -m pip --python "$(command -v python3)" --version >/dev/null 2>&1; then
+    # A venv without ensurepip's own install of pip (~4 s of CPU: it byte-compiles pip); this
+    # python's pip (22.3 or later: --python) installs pip into it with the rest.
+    [ -x .venv/bin/python ] || python3 -m venv --without-pip .venv
+    pip=(python3 -m pip --python .venv/bin/python)
+    packages=(pip "${packages[@]}")
+  else
+    python3 -m venv .venv
+    pip=(.venv/bin/python -m pip)
+  fi
+  "${pip[@]}" install -q --no-compile "${packages[@]}"
+  echo "$setup" >.venv/.nbtools-setup
 fi
 . .venv/bin/activate
-# A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
-# unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
-# --no-compile: pip would byte-compile every file of torch, triton and the rest (about 40 s of
-# the set-up on two cores); Python compiles the modules the tests import instead, once, and
-# keeps them: PYTHONDONTWRITEBYTECODE (set on these machines) would have every process (each
-# xdist worker, notebook kernel and spawned rank) compile torch again, several times slower.
-unset PYTHONDONTWRITEBYTECODE
-if python -c "import torch" 2>/dev/null; then torch=(); else torch=(torch==2.13.0); fi
-pip install -q --no-compile "${torch[@]}" -e ".[dev]"
-# Includes the headless-Chromium test of the dashboard (tests/test_dashboard_browser.py runs
-# scripts/browser_test.sh, which apt-installs chromium); screenshots land in artifacts/.
+
 # One torch thread unless told otherwise: the tests' tensors are small, and on a machine of two
 # shared cores several threads per process (and per notebook kernel) made them many times slower.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -26,5 +57,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # that share something (tests/conftest.py: xdist_group) on one worker; the slowest start first.
 # Only the fast tests: bash scripts/test.sh -m "not slow"
 # (nproc would answer OMP_NUM_THREADS, 1, not the cores.)
+status=0
 python -m pytest -q -n "${NBTOOLS_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}" \
-  --dist loadgroup "$@"
+  --dist loadgroup "$@" || status=$?
+if [ -n "$prepare" ]; then wait "$prepare" || true; fi
+exit "$status"

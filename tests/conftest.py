@@ -67,6 +67,7 @@ FIRST = {"test_dashboard_browser.py": 0, "test_notebooks.py": 1, "test_distribut
 GROUPS = {"test_distributed.py": "processes"}
 
 
+@pytest.hookimpl(tryfirst=True)     # before xdist's (a worker's), which reads xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = GROUPS.get(item.path.name)
