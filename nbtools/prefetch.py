@@ -149,5 +149,5 @@ class Prefetcher:
         if not t._state_names:
             full = None
         rows.requires_grad_(True)
-        t._pending.append((batch, rows, full, flat, shape, pre.capture))
+        t._pending.append((batch, rows, full, flat, shape, pre.capture, None))
         return rows, batch.inverse

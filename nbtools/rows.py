@@ -252,32 +252,6 @@ def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True)
     return kernels.segment_sum(grad, order, slot, out)
 
 
-class _Expand(torch.autograd.Function):
-    """``rows.index_select(0, batch.inverse)`` whose backward sums per id in a fixed order
-    (:func:`sum_by_slot`) instead of ``index_select``'s ``index_add_`` (atomics on CUDA)."""
-
-    @staticmethod
-    def forward(ctx, rows, batch, deterministic):
-        ctx.batch, ctx.deterministic = batch, deterministic
-        return rows.index_select(0, batch.inverse)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.reshape(-1, grad.shape[-1])
-        return sum_by_slot(grad, ctx.batch, ctx.deterministic), None, None
-
-
-def expand(rows: torch.Tensor, batch: RowBatch, deterministic: bool = True) -> torch.Tensor:
-    """A lookup's rows in the order of its ids (``rows[batch.inverse]``, [n, d]), from its unique
-    ``rows`` [capacity, d]: differentiable, the backward summing each id's gradient rows in a
-    fixed order on CUDA (:func:`sum_by_slot`), so identical runs end bit-identical.
-    ``deterministic=False`` or a CPU tensor: plain ``index_select`` (its backward is
-    ``index_add_``: atomics on CUDA, position order on the CPU)."""
-    if rows.device.type != "cuda" or not deterministic or not rows.requires_grad:
-        return rows.index_select(0, batch.inverse)
-    return _Expand.apply(rows, batch, deterministic)
-
-
 @dataclasses.dataclass
 class _WriteBack:
     """A step's rows on their way back to host memory (:meth:`RowStore.write_behind`): its

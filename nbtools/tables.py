@@ -34,7 +34,7 @@ from .cache import CacheCounts
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
                         copy_unless_same, regrow_for_state)
-from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, expand, merge,
+from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge, sum_by_slot,
                    unique_ids)
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -247,7 +247,8 @@ class OffloadedEmbedding(nn.Module):
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
         self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape,
-        #                              the CUDA graph capture whose outputs these are, or None)
+        #                              the CUDA graph capture whose outputs these are, or None,
+        #                              the rows in id order where they are the gradient's leaf)
         self._graphs = LookupGraphs()
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
@@ -540,7 +541,7 @@ class OffloadedEmbedding(nn.Module):
             full = None
         if recording:
             rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, flat, ids.shape, capture))
+            self._pending.append((batch, rows, full, flat, ids.shape, capture, None))
             if len(self._pending) > _PENDING_WARN and not self._warned_pending:
                 self._warned_pending = True
                 warnings.warn(
@@ -573,7 +574,7 @@ class OffloadedEmbedding(nn.Module):
             full = None
         if recording:
             rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, ids.reshape(-1), ids.shape, None))
+            self._pending.append((batch, rows, full, ids.reshape(-1), ids.shape, None, None))
         return rows, batch.inverse
 
     # --- prefetch ---------------------------------------------------------------------------
@@ -631,8 +632,10 @@ class OffloadedEmbedding(nn.Module):
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
         self._prefetch.wait()        # the update must not race the prefetch's admission
-        records = [rec for rec in self._pending if rec[1].grad is not None]
-        LookupGraphs.release(rec[5] for rec in self._pending if rec[1].grad is None)
+        grads = [self._grad_of(rec) for rec in self._pending]
+        records = [rec for rec, g in zip(self._pending, grads) if g is not None]
+        grads = [g for g in grads if g is not None]
+        LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
         self._pending.clear()
         if self._disk is not None:   # the step's update of their slots is queued next
             self._disk.step_queued()
@@ -642,10 +645,10 @@ class OffloadedEmbedding(nn.Module):
         has_state = all(r[2] is not None for r in records)
         if len(records) == 1:
             batch, leaf, full = records[0][:3]
-            grad = leaf.grad
+            grad = grads[0]
             rows = full if has_state else leaf.detach()
         else:                        # several lookups this step: one more dedup across them
-            batch, grad, pick = merge([r[0] for r in records], [r[1].grad for r in records])
+            batch, grad, pick = merge([r[0] for r in records], grads)
             parts = [r[2] if has_state else r[1].detach() for r in records]
             rows = torch.cat(parts).index_select(0, pick)
         if self.padding_idx is not None:
@@ -657,6 +660,21 @@ class OffloadedEmbedding(nn.Module):
         cache = self._rows.cache
         return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
                         None if cache is None else cache.stats)
+
+    @staticmethod
+    def _leaf_of(rec) -> torch.Tensor:
+        """The tensor a pending lookup's gradient lands on: its rows in id order where
+        :meth:`_rows_of_ids` made them the leaf, else its unique rows."""
+        return rec[1] if rec[6] is None else rec[6]
+
+    def _grad_of(self, rec) -> torch.Tensor | None:
+        """A pending lookup's gradient per unique row [capacity, d], or None: the gradient of
+        its rows in id order summed per id (:func:`nbtools.rows.sum_by_slot`: in a fixed order
+        on CUDA unless OffloadConfig(deterministic=False))."""
+        grad = self._leaf_of(rec).grad
+        if grad is None or rec[6] is None:
+            return grad
+        return sum_by_slot(grad, rec[0], self.deterministic)
 
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)
@@ -671,18 +689,24 @@ class OffloadedEmbedding(nn.Module):
         return self._prepare_ids(ids) if taken is None else taken
 
     # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
-    # on CUDA a training lookup's backward sums each id's gradient rows in a fixed order.
+    # on CUDA the gradient of a training lookup is summed per id in a fixed order.
     deterministic = True
 
     def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        """``rows[inv]``: a lookup's unique rows in the order of its ids. The gradient of each
-        unique row is the sum over its ids, with no second sort (the deduplication's is
-        reused): in a fixed order on CUDA (nbtools.rows.expand), where index_select's own
-        backward (index_add_) adds with atomics, whose order changes from run to run."""
+        """``rows[inv]``: a lookup's unique rows in the order of its ids. For a training
+        lookup these are the leaf its gradient lands on ([n, d], one row per id); the
+        optimizer's :meth:`collect` sums them per unique row with no second sort (the
+        deduplication's is reused): in a fixed order on CUDA, where index_select's own
+        backward (index_add_) adds with atomics, whose order changes from run to run. The sum
+        runs there, on the optimizer's thread, not in autograd's backward: a Python backward
+        (an autograd.Function) runs on autograd's device thread and cost ~0.2 ms of host time
+        a lookup on the H100 machine (benchmarks/experiments/determinism_cost.py)."""
         rec = self._pending[-1] if self._pending else None
         if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
             return rows.index_select(0, inv)
-        return expand(rows, rec[0], self.deterministic)
+        out = rows.detach().index_select(0, inv).requires_grad_(True)
+        self._pending[-1] = rec[:6] + (out,)
+        return out
 
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)

@@ -27,7 +27,7 @@ from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.devices import cuda_ok
 from nbtools.optim import OffloadConfig
-from nbtools.rows import expand, sum_by_slot, unique_ids
+from nbtools.rows import sum_by_slot, unique_ids
 from nbtools.testing import take_grad
 
 GPU = pytest.mark.gpu
@@ -268,18 +268,13 @@ def test_segment_sum_matches_index_add(ids):
 
 @GPU
 def test_cuda_lookup_gradient_is_summed_in_a_fixed_order():
-    """On CUDA a lookup's backward gives the same bits every time, and the right sums (against
-    index_add_ in float64); `expand` keeps autograd's answer for the rows."""
+    """On CUDA the sum of a lookup's gradient rows per id gives the same bits every time, and
+    the right sums (against index_add_ in float64); so does a training lookup's gradient."""
     gen = torch.Generator().manual_seed(3)
     flat = draw(1 << 16, 5000, True, gen).cuda()
     batch = unique_ids(flat, 5000)
-    rows = torch.randn(batch.capacity, 16, device="cuda", requires_grad=True)
     up = torch.randn(flat.numel(), 16, device="cuda")
-    grads = []
-    for _ in range(5):
-        rows.grad = None
-        (expand(rows, batch) * up).sum().backward()
-        grads.append(rows.grad.clone())
+    grads = [sum_by_slot(up, batch) for _ in range(5)]
     assert all(torch.equal(g, grads[0]) for g in grads)
     want = torch.zeros(batch.capacity, 16, dtype=torch.float64, device="cuda")
     want.index_add_(0, batch.inverse, up.double())
@@ -287,6 +282,31 @@ def test_cuda_lookup_gradient_is_summed_in_a_fixed_order():
     # without the sort the deduplication made (a batch made elsewhere): the same sums
     bare = type(batch)(batch.ids, batch.inverse, batch.meta, batch.num_rows)
     assert torch.equal(sum_by_slot(up, bare), grads[0])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+def test_lookup_gradient_is_its_rows_summed_per_id(device):
+    """A training lookup's gradient reaches the optimizer summed per unique id: each id's
+    gradient rows added up (fixed order on CUDA), equal to index_add_ in float64 and the same
+    bits on every backward; a lookup used twice in the loss gets both uses' gradients."""
+    gen = torch.Generator().manual_seed(5)
+    flat = draw(4096, 300, True, gen).to(device)
+    up = torch.randn(flat.numel(), 8, generator=gen).to(device)
+    table = OffloadedEmbedding(300, 8, placement="host" if device == "cpu" else "gpu",
+                               device=device)
+    opt = OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    got = []
+    for _ in range(3):
+        out = table(flat)
+        ((out * up).sum() + out.sum()).backward()
+        got.append(take_grad(table)[:2])
+        opt.zero_grad()
+    ids, grad = got[0]
+    assert all(torch.equal(g, grad) and torch.equal(i, ids) for i, g in got)
+    want = torch.zeros(300, 8, dtype=torch.float64, device=device)
+    want.index_add_(0, flat, up.double() + 1)
+    assert torch.equal(ids, torch.unique(flat))
+    torch.testing.assert_close(grad.double(), want[ids], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + CUDA)
