@@ -339,9 +339,14 @@ class _TableSlot:
             looked = id(caps[0])        # a captured lookup: its outputs never move
         else:
             looked = (sig(got.rows), sig(got.batch.ids), sig(got.batch.meta))
+        summing = None
+        if got.summing is not None:      # the per-id sum of the gradient, graphed with it
+            grad, batch = got.summing
+            summing = (sig(grad), self.table.deterministic) + (
+                () if isinstance(looked, int) else (sig(batch.order), sig(batch.slot)))
         key = (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
                self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
-               looked, sig(got.grad), id(store.host), id(store.cache), in_place)
+               looked, sig(got.grad), summing, id(store.host), id(store.cache), in_place)
         return key, [caps[0] if caps else None, store.host, store.cache]
 
     def _seed(self, t: int) -> int:
@@ -719,6 +724,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not devices:
             return _Verdict([], None, None, None, None), {}
         if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
+            for got in gots:
+                got.sum_now()
             return self._verdict_per_device(gots, grads, devices), {}
         (device,) = devices
         ring = self._rings.get(device)
@@ -737,7 +744,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         flags = [got.batch.meta for got in gots] + \
             [got.cache_stats for got in gots if got.cache_stats is not None]
 
-        def checks():
+        def checks():     # first the tables' per-id gradient sums (StepRows.summing)
+            for got in gots:
+                got.queue_sum()
             return steps.queue_checks(turn, grads, flags, len(gots), before if linked else None)
 
         def updates():
@@ -758,6 +767,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if turn.checked is not None:
                 turn.checked.record()
             updates()
+        for got in gots:           # queued (or replayed) with the checks
+            got.summing = None
         for (slot, got), back in zip(collected, behind):
             if back:     # (a lookup capture's outputs, unless several lookups were merged)
                 caps = got.captures if len(got.captures) == 1 else []

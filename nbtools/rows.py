@@ -223,7 +223,8 @@ def merge(batches: list, grads: list):
     return merged, grad, pick
 
 
-def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True) -> torch.Tensor:
+def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``[capacity, d]``: the rows of ``grad`` [n, d] (one per position of the lookup) summed per
     unique id, ``out[batch.inverse[j]] += grad[j]``: the gradient of a lookup's unique rows.
 
@@ -235,20 +236,24 @@ def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True)
     embedding backward (sort-based, deterministic). ``deterministic=False`` (CUDA): the
     atomics, kept as a fast path to compare with (``OffloadConfig(deterministic=False)``).
     Where the sum must stay differentiable (a backward with ``create_graph=True``) it is
-    ``index_add``, atomics included.
+    ``index_add``, atomics included. ``out``: a [capacity, d] tensor to write (any contents)
+    instead of a new one; not with a differentiable sum.
     """
     cap = batch.capacity
     differentiable = torch.is_grad_enabled() and grad.requires_grad
     if grad.device.type != "cuda" or not deterministic or differentiable:
-        out = grad.new_zeros(cap, grad.shape[1])
-        return out.index_add(0, batch.inverse, grad) if differentiable else \
-            out.index_add_(0, batch.inverse, grad)
+        if differentiable:
+            return grad.new_zeros(cap, grad.shape[1]).index_add(0, batch.inverse, grad)
+        out = grad.new_zeros(cap, grad.shape[1]) if out is None else out.zero_()
+        return out.index_add_(0, batch.inverse, grad)
     if not kernels.usable_on(grad.device):
-        return torch.ops.aten.embedding_dense_backward(grad, batch.inverse, cap, -1, False)
+        got = torch.ops.aten.embedding_dense_backward(grad, batch.inverse, cap, -1, False)
+        return got if out is None else out.copy_(got)
     order, slot = batch.order, batch.slot
     if order is None:                   # a batch made elsewhere (a disk table's): sort here
         slot, order = torch.sort(batch.inverse, stable=True)
-    out = grad.new_empty(cap, grad.shape[1])     # every row written (no memset)
+    if out is None:
+        out = grad.new_empty(cap, grad.shape[1])     # every row written (no memset)
     return kernels.segment_sum(grad, order, slot, out)
 
 

@@ -147,6 +147,11 @@ class StepRows:
             once the step has used the rows.
         table, cache_stats: the table, and its cache's ``[lookups, hits, admitted, evicted]``
             (read with the step's flags), when it has a cache of hot rows.
+        summing: where ``grad`` is not written yet, the per-id sum that writes it: ``(the
+            lookup's gradient in id order [n, dim], the lookup's RowBatch)``. The optimizer
+            queues it with the step's checks (:meth:`queue_sum`), so that a step replayed as
+            a CUDA graph replays the sum too (no launches of its own); anything else reading
+            ``grad`` calls :meth:`sum_now` first.
     """
 
     batch: RowBatch
@@ -157,6 +162,19 @@ class StepRows:
     captures: list = dataclasses.field(default_factory=list)
     table: object = None            # the table (for its cache statistics)
     cache_stats: torch.Tensor | None = None   # [4] on the device, when the table has a cache
+    summing: tuple | None = None
+
+    def queue_sum(self) -> None:
+        """Queue the per-id sum into ``grad`` (on the current stream; inside a CUDA graph
+        capture it becomes part of the graph). Does nothing where ``grad`` is written."""
+        if self.summing is not None:
+            grad, batch = self.summing
+            sum_by_slot(grad, batch, self.table.deterministic, out=self.grad)
+
+    def sum_now(self) -> None:
+        """Write ``grad`` now (for readers outside the optimizer's step)."""
+        self.queue_sum()
+        self.summing = None
 
     def release(self) -> None:
         LookupGraphs.release(self.captures)
@@ -632,9 +650,7 @@ class OffloadedEmbedding(nn.Module):
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
         self._prefetch.wait()        # the update must not race the prefetch's admission
-        grads = [self._grad_of(rec) for rec in self._pending]
-        records = [rec for rec, g in zip(self._pending, grads) if g is not None]
-        grads = [g for g in grads if g is not None]
+        records = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
         LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
         self._pending.clear()
         if self._disk is not None:   # the step's update of their slots is queued next
@@ -643,12 +659,17 @@ class OffloadedEmbedding(nn.Module):
             return None
         lookups = [(r[3], r[4]) for r in records]
         has_state = all(r[2] is not None for r in records)
+        summing = None
         if len(records) == 1:
             batch, leaf, full = records[0][:3]
-            grad = grads[0]
+            if self.padding_idx is None and self._grad_scale is None:
+                grad, summing = self._deferred_grad(records[0])
+            else:
+                grad = self._grad_of(records[0])
             rows = full if has_state else leaf.detach()
         else:                        # several lookups this step: one more dedup across them
-            batch, grad, pick = merge([r[0] for r in records], grads)
+            batch, grad, pick = merge([r[0] for r in records],
+                                      [self._grad_of(r) for r in records])
             parts = [r[2] if has_state else r[1].detach() for r in records]
             rows = torch.cat(parts).index_select(0, pick)
         if self.padding_idx is not None:
@@ -659,7 +680,7 @@ class OffloadedEmbedding(nn.Module):
         self._prefetch.written(batch.ids)   # a prefetch reads these rows again
         cache = self._rows.cache
         return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
-                        None if cache is None else cache.stats)
+                        None if cache is None else cache.stats, summing)
 
     @staticmethod
     def _leaf_of(rec) -> torch.Tensor:
@@ -675,6 +696,15 @@ class OffloadedEmbedding(nn.Module):
         if grad is None or rec[6] is None:
             return grad
         return sum_by_slot(grad, rec[0], self.deterministic)
+
+    def _deferred_grad(self, rec) -> tuple:
+        """``(grad, summing)`` of a step's only lookup: where its gradient is in id order,
+        an unwritten [capacity, d] buffer and what :meth:`StepRows.queue_sum` writes into it
+        (the optimizer queues that with the step's checks); else its gradient, None."""
+        grad = self._leaf_of(rec).grad
+        if rec[6] is None or grad is None or grad.requires_grad:
+            return self._grad_of(rec), None
+        return grad.new_empty(rec[0].capacity, grad.shape[-1]), (grad, rec[0])
 
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)

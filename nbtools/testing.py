@@ -189,6 +189,7 @@ def take_grad(table):
     got = table.collect()
     if got is None:
         return None, None, None, None
+    got.sum_now()
     got.release()          # what is returned below is copied out of the capture first
     got.rows = got.rows.clone()
     bad, count, sentinel = got.batch.meta.tolist()

@@ -41,7 +41,7 @@ def big_model(placement, device):
         table(ids).float().pow(2).sum().mul(1e-3).backward()
         opt.step()
         opt.zero_grad()
-    return step, [table]
+    return step, [table], opt
 
 
 def small_model(placement, device, vocab=59_754, dim=100):
@@ -58,7 +58,7 @@ def small_model(placement, device, vocab=59_754, dim=100):
         sign[:, 1:] = -1
         (-F.logsigmoid(sign * scores).sum(1).mean()).backward()
         opt.step()
-    return step, [a, b]
+    return step, [a, b], opt
 
 
 def batches_of(case, device, steps, gen):
@@ -74,9 +74,11 @@ def batches_of(case, device, steps, gen):
     return [torch.multinomial(p, n, True, generator=gen).to(device) for _ in range(steps)]
 
 
-def measure(step, tables, batches, rounds, device):
-    """Median ms per step over ``rounds`` rounds per mode, the modes alternating."""
+def measure(step, tables, opt, batches, rounds, device):
+    """Median ms per step over ``rounds`` rounds per mode, the modes alternating, and the
+    share of each mode's steps that replayed a CUDA graph."""
     times = {True: [], False: []}
+    replays = {True: 0, False: 0}
     for mode in (True, False):                   # warm-up (graph captures, compiles)
         for t in tables:
             t.deterministic = mode
@@ -88,12 +90,30 @@ def measure(step, tables, batches, rounds, device):
             for t in tables:
                 t.deterministic = mode
             torch.cuda.synchronize(device)
+            before = opt._graphs.replays
             t0 = time.perf_counter()
             for b in batches:
                 step(b)
             torch.cuda.synchronize(device)
             times[mode].append((time.perf_counter() - t0) / len(batches) * 1e3)
-    return statistics.median(times[True]), statistics.median(times[False])
+            replays[mode] += opt._graphs.replays - before
+    share = {m: replays[m] / (rounds * len(batches)) for m in replays}
+    return statistics.median(times[True]), statistics.median(times[False]), share
+
+
+def profile(step, tables, batches):
+    from torch.profiler import ProfilerActivity, profile as prof
+    for mode in (True, False):
+        for t in tables:
+            t.deterministic = mode
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for b in batches[:10]:
+                step(b)
+            torch.cuda.synchronize()
+        print(f"--- deterministic={mode}, 10 steps")
+        avg = p.key_averages()
+        print(avg.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+        print(avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
 
 
 def main():
@@ -101,6 +121,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="a case's name: torch.profiler tables of "
+                    "its steps in each mode")
     args = ap.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -109,15 +131,20 @@ def main():
              ((65536, "zipf"), "big")]
     for placement in ("host", "gpu"):
         for case, kind in cases:
-            step, tables = (small_model if kind == "small" else big_model)(placement, device)
+            step, tables, opt = (small_model if kind == "small" else big_model)(placement, device)
             batches = batches_of(case, device, args.steps, gen)
-            det, atom = measure(step, tables, batches, args.rounds, device)
+            det, atom, graphed = measure(step, tables, opt, batches, args.rounds, device)
             name = (f"{placement}, word2vec-sized" if kind == "small"
                     else f"{placement}, 4M x 128, {case[0]:,} {case[1]}")
-            results[name] = {"deterministic_ms": det, "atomics_ms": atom, "ratio": det / atom}
+            results[name] = {"deterministic_ms": det, "atomics_ms": atom, "ratio": det / atom,
+                             "graphed_steps": {"deterministic": graphed[True],
+                                               "atomics": graphed[False]}}
             print(f"{name:38s} deterministic {det:7.3f} ms  atomics {atom:7.3f} ms  "
-                  f"ratio {det / atom:5.3f}x (target <= 1.03)", flush=True)
-            del step, tables, batches
+                  f"ratio {det / atom:5.3f}x (target <= 1.03)  step graphs replayed "
+                  f"{graphed[True]:.0%} / {graphed[False]:.0%}", flush=True)
+            if args.profile and name == args.profile:
+                profile(step, tables, batches)
+            del step, tables, opt, batches
             torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
