@@ -87,6 +87,34 @@ def test_gather_kernel_capped_grid_and_keep(programs, keep):
     assert torch.equal(out, expect)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,width,cols", [(torch.bfloat16, 12, None), (torch.bfloat16, 7, None),
+                                              (torch.bfloat16, 12, (2, 10)),
+                                              (torch.float32, 6, None)])
+@pytest.mark.parametrize("programs", [None, 2])
+def test_put_kernel_writes_live_rows_bit_exact(dtype, width, cols, programs):
+    """put_rows writes row r to dst[ids[r]] for r < count and ids in range, bit for bit (2-byte
+    rows go as 4-byte words where they can: even widths; an odd width or a column slice of
+    odd offset stays 2-byte), and nothing else."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(1)
+    dst_full = torch.randn(60, width, generator=gen).to(dtype).to(device)
+    dst = dst_full if cols is None else dst_full[:, cols[0]:cols[1]]
+    src = torch.randn(25, dst.shape[1], generator=gen).to(dtype).to(device)
+    src.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[0, 0] = -1  # a NaN pattern
+    ids = torch.randperm(60, generator=gen)[:25].to(device)
+    ids[3] = 60                                      # the sentinel: not written
+    count = torch.tensor([20], device=device)
+    want = dst_full.clone()
+    wview = want if cols is None else want[:, cols[0]:cols[1]]
+    live = torch.arange(25, device=device)[:20]
+    live = live[ids[:20] < 60]
+    wview[ids[live]] = src[live]
+    kernels.put_rows(dst, ids, count, src, programs=programs)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(dst_full.view(bits), want.view(bits))
+
+
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
     _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,
