@@ -724,13 +724,12 @@ class OffloadedEmbedding(nn.Module):
 
     def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """``rows[inv]``: a lookup's unique rows in the order of its ids. For a training
-        lookup these are the leaf its gradient lands on ([n, d], one row per id); the
-        optimizer's :meth:`collect` sums them per unique row with no second sort (the
-        deduplication's is reused): in a fixed order on CUDA, where index_select's own
-        backward (index_add_) adds with atomics, whose order changes from run to run. The sum
-        runs there, on the optimizer's thread, not in autograd's backward: a Python backward
-        (an autograd.Function) runs on autograd's device thread and cost ~0.2 ms of host time
-        a lookup on the H100 machine (benchmarks/experiments/determinism_cost.py)."""
+        lookup these are the leaf its gradient lands on ([n, d], one row per id), summed per
+        unique row by the optimizer's step (:attr:`StepRows.summing`, queued with its checks,
+        inside its CUDA graph) with no second sort: in a fixed order on CUDA, where
+        index_select's own backward (index_add_) adds with atomics, whose order changes from
+        run to run. Not in autograd's backward: a Python backward runs on autograd's device
+        thread and cost ~0.2 ms of host time a lookup (docs/reproducibility.md)."""
         rec = self._pending[-1] if self._pending else None
         if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
             return rows.index_select(0, inv)

@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from nbtools import rowfile  # noqa: E402
+from nbtools.meters.memory import file_cache_bytes  # noqa: E402
 from nbtools.rowfile import RowFile  # noqa: E402
 
 SIZES = (512, 1536, 4096, 16384)
@@ -101,40 +102,6 @@ def cgroup_current() -> int | None:
     return None
 
 
-_libc = None
-
-
-def resident_bytes(path: str) -> int | None:
-    """Bytes of ``path`` in the page cache now (mmap + mincore); None where unavailable."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mmap.restype = ctypes.c_void_p
-            _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_long]
-            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        size = os.path.getsize(path)
-        page = os.sysconf("SC_PAGE_SIZE")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, 1, 1, fd, 0)          # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return None
-            try:
-                vec = np.zeros((size + page - 1) // page, dtype=np.uint8)
-                if _libc.mincore(ctypes.c_void_p(addr), size, vec.ctypes.data) != 0:
-                    return None
-                return int((vec & 1).sum()) * page
-            finally:
-                _libc.munmap(ctypes.c_void_p(addr), size)
-        finally:
-            os.close(fd)
-    except Exception:
-        return None
-
-
 def drop_file_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -155,7 +122,7 @@ class CacheProbe:
     def result(self) -> dict:
         def delta(now, then):
             return None if now is None or then is None else now - then
-        return {"file_resident (MiB)": _mib(resident_bytes(self.path)),
+        return {"file_resident (MiB)": _mib(file_cache_bytes(self.path)),
                 "meminfo_cached_delta (MiB)": _mib(delta(meminfo_cached(), self.meminfo)),
                 "cgroup_file_delta (MiB)": _mib(delta(cgroup_file_bytes(), self.cgroup))}
 
@@ -419,7 +386,7 @@ def random_reads(path, args, rng) -> tuple[list, list]:
         if r is not None and "f" in holder:
             f = holder.pop("f")
             f.drop_cache()
-            r["file_resident after drop_cache (MiB)"] = _mib(resident_bytes(path))
+            r["file_resident after drop_cache (MiB)"] = _mib(file_cache_bytes(path))
             f.close()
 
         if kv is not None:
@@ -472,7 +439,7 @@ def random_writes(path, args, rng) -> list:
             f.drop_cache() if not direct else f.flush()
             r["final sync ms"] = round((time.perf_counter() - t0) * 1e3, 1)
             if policy == "none":
-                r["file_resident after drop_cache (MiB)"] = _mib(resident_bytes(path))
+                r["file_resident after drop_cache (MiB)"] = _mib(file_cache_bytes(path))
             f.close()
             r = {"engine": "write " + name, "size": size, **r}
             cells.append(r)
