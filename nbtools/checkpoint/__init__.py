@@ -24,8 +24,11 @@ The package, one file per part: :mod:`~nbtools.checkpoint.format` (data files, r
 writer, manifest), :mod:`~nbtools.checkpoint.tree` (state trees <-> JSON),
 :mod:`~nbtools.checkpoint.layout` (checkpoint directories: scan, prune, clean up),
 :mod:`~nbtools.checkpoint.mirror` (copies to a second folder such as Google Drive),
-:mod:`~nbtools.checkpoint.rows` (disk tables: bases, deltas and their chains) and
-:mod:`~nbtools.checkpoint.manager` (:class:`CheckpointManager`).
+:mod:`~nbtools.checkpoint.rows` (disk tables: bases, deltas and their chains),
+:mod:`~nbtools.checkpoint.rng` (the random generators' states),
+:mod:`~nbtools.checkpoint.save` (writing one checkpoint), :mod:`~nbtools.checkpoint.restore`
+(reading one back) and :mod:`~nbtools.checkpoint.manager` (:class:`CheckpointManager`: where,
+which, how many, the mirror).
 
 >>> import tempfile
 >>> import torch
