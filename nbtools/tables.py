@@ -4,7 +4,9 @@ Each lookup deduplicates the ids on the compute device, gathers only those rows 
 (on CUDA: GPU kernels read the pinned rows over PCIe, zero-copy) and returns differentiable rows.
 The gathered rows are the leaves autograd sees; :class:`nbtools.OffloadOptimizer` later takes
 their gradients, sums them per id and writes updated rows (and optimizer state) back. Step cost
-grows with the batch, never with the table.
+grows with the batch, never with the table. The lookups and the step input they hand the
+optimizer are in :mod:`nbtools.lookups`; this module holds the table itself: its options, where
+its rows live, its cache of hot rows, its state dict and repr.
 
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
 ``model.to("cuda")`` leaves it where it is.
@@ -18,7 +20,6 @@ writes one long row per id instead of k + 1 short ones: on an H100, zero-copy ga
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import numpy as np
 import torch
@@ -27,26 +28,15 @@ from torch import nn
 
 from .devices import resolve_device, synchronize
 from .hostmem import HostTensor
-from . import kernels
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes
 from .cache import CacheCounts
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
                         copy_unless_same, regrow_for_state)
-from .rows import (DeviceRows, LookupGraphs, RowBatch, RowLayout, RowStore, merge, sum_by_slot,
-                   unique_ids)
-
-# A table warns once when this many lookups wait for an optimizer step: a loop that runs the
-# table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
-_PENDING_WARN = 256
-
-
-def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
-    pos = int(flat_bad.nonzero()[0, 0])
-    if len(shape) <= 1:
-        return f"position {pos}"
-    return f"position {tuple(int(i) for i in np.unravel_index(pos, tuple(shape)))}"
+from .rows import DeviceRows, LookupGraphs, RowLayout, RowStore
+# lookups and the step input they make; StepRows and the rest importable from here as before
+from .lookups import _PENDING_WARN, StepRows, TableLookups, _ids_error_position  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -131,61 +121,7 @@ class TableConfig:
                              f"memory), True or False, got {self.write_behind!r}")
 
 
-@dataclasses.dataclass
-class StepRows:
-    """What an optimizer step needs from one table: the rows touched since the last step.
-
-    Everything is on the compute device and nothing here needed a host synchronisation.
-    Attributes:
-        batch: the unique ids (:class:`nbtools.rows.RowBatch`).
-        grad: [capacity, dim] gradients summed per unique id (per-row scale applied).
-        rows: [capacity, width]: the rows as gathered, ``[weight | state...]`` when
-            ``has_state`` (else only the weight).
-        has_state: ``rows`` carries the optimizer state too.
-        lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
-        captures: the CUDA graph captures whose outputs ``rows`` may be: :meth:`release` them
-            once the step has used the rows.
-        table, cache_stats: the table, and its cache's ``[lookups, hits, admitted, evicted]``
-            (read with the step's flags), when it has a cache of hot rows.
-        summing: where ``grad`` is not written yet, the per-id sum that writes it: ``(the
-            lookup's gradient in id order [n, dim], the lookup's RowBatch)``. The optimizer
-            queues it with the step's checks (:meth:`queue_sum`), so that a step replayed as
-            a CUDA graph replays the sum too (no launches of its own); anything else reading
-            ``grad`` calls :meth:`sum_now` first.
-    """
-
-    batch: RowBatch
-    grad: torch.Tensor
-    rows: torch.Tensor
-    has_state: bool
-    lookups: list
-    captures: list = dataclasses.field(default_factory=list)
-    table: object = None            # the table (for its cache statistics)
-    cache_stats: torch.Tensor | None = None   # [4] on the device, when the table has a cache
-    summing: tuple | None = None
-
-    def queue_sum(self) -> None:
-        """Queue the per-id sum into ``grad`` (on the current stream; inside a CUDA graph
-        capture it becomes part of the graph). Does nothing where ``grad`` is written."""
-        if self.summing is not None:
-            grad, batch = self.summing
-            sum_by_slot(grad, batch, self.table.deterministic, out=self.grad)
-
-    def sum_now(self) -> None:
-        """Write ``grad`` now (for readers outside the optimizer's step)."""
-        self.queue_sum()
-        self.summing = None
-
-    def release(self) -> None:
-        LookupGraphs.release(self.captures)
-        self.captures = []
-
-    def nonfinite(self) -> bool:
-        """Whether the gradient holds inf/nan (a host sync: for error messages)."""
-        return not bool(torch.isfinite(self.grad).all())
-
-
-class OffloadedEmbedding(nn.Module):
+class OffloadedEmbedding(TableLookups, nn.Module):
     """``nn.Embedding`` whose table lives in (pinned) host memory.
 
     Args:
@@ -264,9 +200,7 @@ class OffloadedEmbedding(nn.Module):
         self._rows = self._store()
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
-        self._pending = []           # (RowBatch, rows leaf, full rows or None, flat ids, shape,
-        #                              the CUDA graph capture whose outputs these are, or None,
-        #                              the rows in id order where they are the gradient's leaf)
+        self._pending = []           # training lookups the next step takes (TableLookups)
         self._graphs = LookupGraphs()
         self._warned_pending = False
         self._owned = False          # an OffloadOptimizer steps this table
@@ -497,138 +431,11 @@ class OffloadedEmbedding(nn.Module):
         self._host.close()
         self._rows = self._store()
 
-    # --- lookups ----------------------------------------------------------------------------
-    def _prepare_ids(self, ids) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            try:
-                ids = torch.as_tensor(ids)
-            except (TypeError, ValueError, RuntimeError) as e:
-                raise TypeError(f"table {self.name!r}: ids must be an integer tensor, "
-                                f"got {type(ids).__name__}") from e
-        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"table {self.name!r}: ids must be integers, got dtype {ids.dtype}; "
-                            "convert with ids.long() if they are whole numbers")
-        if self._disk is not None:      # deduplicated on the CPU: host ids stay there
-            return ids
-        return ids.to(self.device, non_blocking=True)
-
-    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
-        """Raise the IndexError that names the first out-of-range id of ``flat`` (a lookup of
-        ``shape``) and its position. A host sync: called once a check has found one."""
-        bad = (flat < 0) | (flat >= self.num_embeddings)
-        value = int(flat[bad.nonzero()[0, 0]])
-        raise IndexError(
-            f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
-            f"(first at {_ids_error_position(bad, shape)}); valid ids are 0 to "
-            f"{self.num_embeddings - 1:,}")
-
-    def _lookup(self, ids: torch.Tensor):
-        """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
-
-        Returns (rows [capacity, dim], inverse [ids.numel()]). Ids are checked here when the
-        lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
-        is, the check runs on the device and the optimizer's step reads its verdict, with
-        every other flag of the step, in one synchronisation, before anything is written.
-        """
-        flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
-        recording = torch.is_grad_enabled() and self.trainable
-        width = self._rows.width if (recording and self._state_names) else \
-            self._layout.weight_cols
-        if self._disk is not None:
-            return self._disk_lookup(ids, recording, width)
-        self._prefetch.wait()           # its cache admission comes before this lookup's
-        if recording and self._owned and self._prefetch.matches(ids, width):
-            return self._prefetch.take(flat, ids.shape)
-        captured = None
-        if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
-                and self.device.type == "cuda" and kernels.usable_on(self.device):
-            captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
-        if captured is not None:
-            batch, full, capture = captured
-        else:
-            capture = None
-            batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-            if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
-                self.raise_bad_ids(flat, ids.shape)
-            with torch.no_grad():
-                # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather_batch(batch, 0, width,
-                                               admit=recording and self._owned)
-        rows = self._leaf(full)
-        if not (recording and self._state_names):
-            full = None
-        if recording:
-            rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, flat, ids.shape, capture, None))
-            if len(self._pending) > _PENDING_WARN and not self._warned_pending:
-                self._warned_pending = True
-                warnings.warn(
-                    f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
-                    "optimizer step: run evaluation under torch.no_grad(), or call "
-                    "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
-        return rows, batch.inverse
-
     def _sync_slab(self) -> None:
         """A disk table's RAM cache was pinned or grew: its row store follows."""
         if self._host is not self._disk.slab:
             self._host = self._disk.slab
             self._rows = self._store()
-
-    def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int):
-        """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
-        gathered from there like a host table's (nbtools.disk)."""
-        from . import disk
-        training = recording and self._owned
-        batch, slots = disk.lookup(self, ids, training)
-        self._sync_slab()
-        if not training and bool(batch.bad):                # note: a sync point
-            self.raise_bad_ids(ids.reshape(-1), ids.shape)
-        with torch.no_grad():
-            full = self._rows.gather_batch(batch, 0, width)
-        if not training:             # its slots may be reused once the gather has run
-            self._disk.mark_used(slots)
-        rows = self._leaf(full)
-        if not (recording and self._state_names):
-            full = None
-        if recording:
-            rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, ids.reshape(-1), ids.shape, None, None))
-        return rows, batch.inverse
-
-    # --- prefetch ---------------------------------------------------------------------------
-
-    def prefetch(self, ids) -> None:
-        """Start the next training lookup of ``ids`` now, while the current step computes.
-
-        Call it right after this step's lookups, with the ids tensor the next step will look up
-        (the very same tensor object)::
-
-            rows = table(ids)
-            table.prefetch(next_ids)        # dedup, cache admission, row gather: side stream
-            loss(rows).backward(); opt.step(); opt.zero_grad()
-            rows = table(next_ids)          # takes the prefetched rows
-
-        The next step's ids are deduplicated, admitted to the cache of hot rows (if any) and
-        their rows gathered on a CUDA side stream, overlapping this step's forward and
-        backward. The optimizer step waits for that work before it writes, and the rows it
-        writes that the next lookup also needs are read again when the next lookup takes them,
-        so the result is bit-identical to not prefetching. A lookup of other ids ignores the
-        prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
-        drops it. On the CPU the same work runs at once (no overlap, same results).
-
-        Ids on the GPU are ready only once the work queued before this call is done, which
-        includes the last step's update. Ids given as a host tensor are copied and
-        deduplicated on the side stream at once, beside that update; only the gather waits
-        for it. So where the ids come from the host, pass them as they are.
-        """
-        if not (self._owned and self.trainable):
-            raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
-                             "the OffloadOptimizer that steps this table first")
-        if self._disk is not None:   # the rows the next step misses, read from the file now
-            self._disk.read_ahead(self._prepare_ids(ids), self.padding_idx)
-            self._sync_slab()
-            return
-        self._prefetch.start(ids)
 
     def __getstate__(self) -> dict:
         # A pending prefetch and its side stream are left behind (Prefetcher.__getstate__).
@@ -639,104 +446,7 @@ class OffloadedEmbedding(nn.Module):
             synchronize(self.device)
         return dict(self.__dict__)
 
-    def _leaf(self, full: torch.Tensor) -> torch.Tensor:
-        """The weights of gathered rows as the leaf autograd sees: a fresh tensor (never a
-        capture's or a prefetch's buffer), in the compute dtype (upcast from bf16 storage)."""
-        rows = self._layout.weight(full)
-        return rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
-
-    def collect(self) -> StepRows | None:
-        """The row protocol's step input: the rows looked up since the last call, their unique
-        ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
-        Clears the pending lookups. No host synchronisation. Called by the optimizer."""
-        self._prefetch.wait()        # the update must not race the prefetch's admission
-        records = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
-        LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
-        self._pending.clear()
-        if self._disk is not None:   # the step's update of their slots is queued next
-            self._disk.step_queued()
-        if not records:
-            return None
-        lookups = [(r[3], r[4]) for r in records]
-        has_state = all(r[2] is not None for r in records)
-        summing = None
-        if len(records) == 1:
-            batch, leaf, full = records[0][:3]
-            if self.padding_idx is None and self._grad_scale is None:
-                grad, summing = self._deferred_grad(records[0])
-            else:
-                grad = self._grad_of(records[0])
-            rows = full if has_state else leaf.detach()
-        else:                        # several lookups this step: one more dedup across them
-            batch, grad, pick = merge([r[0] for r in records],
-                                      [self._grad_of(r) for r in records])
-            parts = [r[2] if has_state else r[1].detach() for r in records]
-            rows = torch.cat(parts).index_select(0, pick)
-        if self.padding_idx is not None:
-            # padding ids became the sentinel slot: its gradient is never applied, nor checked
-            grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
-        if self._grad_scale is not None:
-            grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        self._prefetch.written(batch.ids)   # a prefetch reads these rows again
-        cache = self._rows.cache
-        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
-                        None if cache is None else cache.stats, summing)
-
-    @staticmethod
-    def _leaf_of(rec) -> torch.Tensor:
-        """The tensor a pending lookup's gradient lands on: its rows in id order where
-        :meth:`_rows_of_ids` made them the leaf, else its unique rows."""
-        return rec[1] if rec[6] is None else rec[6]
-
-    def _grad_of(self, rec) -> torch.Tensor | None:
-        """A pending lookup's gradient per unique row [capacity, d], or None: the gradient of
-        its rows in id order summed per id (:func:`nbtools.rows.sum_by_slot`: in a fixed order
-        on CUDA unless OffloadConfig(deterministic=False))."""
-        grad = self._leaf_of(rec).grad
-        if grad is None or rec[6] is None:
-            return grad
-        return sum_by_slot(grad, rec[0], self.deterministic)
-
-    def _deferred_grad(self, rec) -> tuple:
-        """``(grad, summing)`` of a step's only lookup: where its gradient is in id order,
-        an unwritten [capacity, d] buffer and what :meth:`StepRows.queue_sum` writes into it
-        (the optimizer queues that with the step's checks); else its gradient, None."""
-        grad = self._leaf_of(rec).grad
-        if rec[6] is None or grad is None or grad.requires_grad:
-            return self._grad_of(rec), None
-        return grad.new_empty(rec[0].capacity, grad.shape[-1]), (grad, rec[0])
-
-    def clear_pending(self) -> None:
-        LookupGraphs.release(rec[5] for rec in self._pending)
-        self._pending.clear()
-        if self._disk is not None:
-            self._disk.step_queued()
-
-    def _device_ids(self, ids) -> torch.Tensor:
-        """``ids`` on the compute device; for the very ids a prefetch was started with, the
-        copy the prefetch made."""
-        taken = self._prefetch.device_ids(ids)
-        return self._prepare_ids(ids) if taken is None else taken
-
-    # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
-    # on CUDA the gradient of a training lookup is summed per id in a fixed order.
-    deterministic = True
-
-    def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        """``rows[inv]``: a lookup's unique rows in the order of its ids. For a training
-        lookup these are the leaf its gradient lands on ([n, d], one row per id), summed per
-        unique row by the optimizer's step (:attr:`StepRows.summing`, queued with its checks,
-        inside its CUDA graph) with no second sort: in a fixed order on CUDA, where
-        index_select's own backward (index_add_) adds with atomics, whose order changes from
-        run to run. Not in autograd's backward: a Python backward runs on autograd's device
-        thread and cost ~0.2 ms of host time a lookup (docs/reproducibility.md)."""
-        rec = self._pending[-1] if self._pending else None
-        if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
-            return rows.index_select(0, inv)
-        out = rows.detach().index_select(0, inv).requires_grad_(True)
-        self._pending[-1] = rec[:6] + (out,)
-        return out
-
+    # --- lookups: nbtools.lookups.TableLookups (ids, pending lookups, the step's input) -----
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)
         rows, inv = self._lookup(ids)
