@@ -490,53 +490,55 @@ def _kernels():
     # (order: positions sorted by slot; slot: nondecreasing) and cut into chunks of CHUNK
     # positions, whatever the runs of equal slots are.
     @triton.jit
+    def _run_sum(a_new, a_val, b_new, b_val):
+        # a segmented sum's step: a run that starts at b forgets what came before it
+        return a_new | b_new, tl.where(b_new != 0, b_val, a_val + b_val)
+
+    globals()["_run_sum"] = _run_sum
+
+    @triton.jit
     def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride, cap,
                        part_first, part_last, d, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Pass 1, one program per chunk (and block of columns): the chunk's rows in order,
-        # one run of equal slots after another. A run that begins and ends in the chunk is
+        # Pass 1, one program per chunk (and block of columns): the chunk's rows, loaded as one
+        # tile (every load in flight at once), summed run by run by a segmented scan down the
+        # tile (a fixed tree for the chunk's size). A run that begins and ends in the chunk is
         # written to out[slot]; the piece of a run that began in an earlier chunk goes to
         # part_first[chunk], the start of a run that goes on past the chunk to
-        # part_last[chunk] (segment_join adds them up). Per-position values are loaded into
-        # every lane (the same address: one broadcast load), so every mask is a vector.
+        # part_last[chunk] (segment_join adds them up).
         # The program also zeroes its share of the rows of out that no position maps to (the
         # slots from the last one in use, slot[n - 1], up to cap), so out needs no memset.
         c = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < d
-        unused = tl.load(slot + n - 1) + 1 + c * CHUNK + tl.arange(0, CHUNK)
+        r = tl.arange(0, CHUNK)
+        unused = tl.load(slot + n - 1) + 1 + c * CHUNK + r
         tl.store(out + unused[:, None] * out_stride + cols[None, :],
                  tl.zeros([CHUNK, BLOCK_C], dtype=out.dtype.element_ty),
                  mask=(unused < cap)[:, None] & cm[None, :])
         pc = c.to(tl.int64) * d                         # this chunk's row of the parts
-        base = c * CHUNK + tl.zeros([BLOCK_C], dtype=tl.int32)
+        base = c * CHUNK + tl.zeros([CHUNK], dtype=tl.int32)  # (vectors: every mask is one)
+        p = base + r
+        live = p < n
+        s = tl.load(slot + p, mask=live, other=-1)
+        prev = tl.load(slot + p - 1, mask=live & (p > 0), other=-1)
+        nxt = tl.load(slot + p + 1, mask=p + 1 < n, other=-2)
+        row = tl.load(order + p, mask=live, other=0).to(tl.int64)
+        m2 = live[:, None] & cm[None, :]
+        v = tl.load(src + row[:, None] * src_stride + cols[None, :] * src_cstride, mask=m2,
+                    other=0.0).to(out.dtype.element_ty)
+        new = (r == 0) | (s != prev)                    # a run starts at this position
+        starts = (new[:, None] | ~m2).to(tl.int32)
+        _, acc = tl.associative_scan((starts, v), 0, _run_sum)
         first = tl.load(slot + base)
         before = tl.load(slot + base - 1, mask=base > 0, other=-1)
-        cont_in = (base > 0) & (before == first)       # the first run began earlier
-        in_first = cm | ~cm                             # still in the chunk's first run
-        prev = first
-        acc = tl.zeros([BLOCK_C], dtype=out.dtype.element_ty)
-        for i in tl.static_range(CHUNK):
-            p = base + i
-            live = p < n
-            s = tl.load(slot + p, mask=live, other=-1)
-            nxt = tl.load(slot + p + 1, mask=p + 1 < n, other=-2)
-            row = tl.load(order + p, mask=live, other=0).to(tl.int64)
-            v = tl.load(src + row * src_stride + cols * src_cstride, mask=cm & live,
-                        other=0.0).to(out.dtype.element_ty)
-            if i == 0:
-                acc = v
-            else:
-                acc = tl.where(s != prev, v, acc + v)
-                in_first = in_first & (s == prev)
-            tail = live & (nxt != s)                    # the run ends here
-            through = in_first & cont_in
-            tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=cm & tail & ~through)
-            if i == CHUNK - 1:
-                tl.store(part_first + pc + cols, acc, mask=cm & live & through)
-                tl.store(part_last + pc + cols, acc, mask=cm & live & ~tail & ~through)
-            else:
-                tl.store(part_first + pc + cols, acc, mask=cm & tail & through)
-            prev = s
+        through = (base > 0) & (before == first) & (s == first)   # the run began earlier
+        tail = live & (nxt != s)                        # the run ends here
+        orow = s.to(tl.int64)[:, None] * out_stride + cols[None, :]
+        tl.store(out + orow, acc, mask=m2 & (tail & ~through)[:, None])
+        at_end = r == CHUNK - 1
+        here = tl.zeros([CHUNK, BLOCK_C], dtype=tl.int64) + pc + cols[None, :]
+        tl.store(part_first + here, acc, mask=m2 & (through & (tail | at_end))[:, None])
+        tl.store(part_last + here, acc, mask=m2 & (at_end & ~tail & ~through)[:, None])
 
     @triton.jit
     def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d,
