@@ -22,8 +22,8 @@ Why it reads the way it does:
   of thousands per second only with many in flight. Rows are sorted by offset, neighbours
   merged into one request (up to 1 MiB), and the requests handed out in small chunks to a
   thread pool that lives as long as the file (``os.preadv`` releases the GIL); the calling
-  thread works too. Sorting and merging are numpy; per request the Python cost is one slice
-  and one system call.
+  thread works too (:class:`nbtools.fileio.RequestPool`). Sorting and merging are numpy; per
+  request the Python cost is one slice and one system call.
 * **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
   between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
   pay for fresh pages. The padding of a row inside the bounce buffer is only ever filled from
@@ -59,19 +59,18 @@ Why it reads the way it does:
 from __future__ import annotations
 
 import errno
-import itertools
 import json
-import mmap
 import os
 import shutil
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from . import NbtoolsError
+from .fileio import RequestPool, _aligned, _pwrite_all, fadvise
+from .fileio import _pread_all  # noqa: F401  (nbtools.pretrained imports it from here)
 from .units import human_bytes
 
 MAGIC = b"NBTROWS\x00"
@@ -123,9 +122,8 @@ class RowFile:
         self.writable = writable
         self.threads = max(1, int(threads))
         self.auto_drop = True
-        self._pool = None
         self._lock = threading.Lock()
-        self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
+        self._pool = RequestPool(self.threads, KEEP, "nbtools-rowfile")
         self._unsynced = 0                       # buffered bytes written since the last fdatasync
         self.counters = {"read_bytes": 0, "write_bytes": 0, "read_calls": 0, "write_calls": 0,
                          "read_s": 0.0, "write_s": 0.0}
@@ -305,21 +303,15 @@ class RowFile:
     @property
     def ram_bytes(self) -> int:
         """Bytes of bounce buffers held between calls."""
-        return sum(b.nbytes for b in self._spare)
+        return self._pool.kept_bytes
 
     def close(self) -> None:
         """Stop the threads and close the file (idempotent), its header marked clean (closed
         by its writer). Buffered mode drops its clean cached pages; nothing is fsynced (call
         :meth:`flush` for durability)."""
         with self._lock:
-            pool, self._pool = self._pool, None
             fd, self._fd = self._fd, None
-            self._spare = []
-        if pool is not None:
-            # no call is in flight (each waits for its requests), so nothing to wait for; and
-            # joining threads from a finalizer run by the garbage collector can deadlock (a
-            # collection inside Thread.start holds the lock that join needs)
-            pool.shutdown(wait=False)
+        self._pool.close()
         if fd is not None:
             if self.writable and self.meta.get("clean") is False:
                 self.meta = {**self.meta, "clean": True}
@@ -341,8 +333,7 @@ class RowFile:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             try:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False)
+                self._pool.close()
                 os.close(fd)
             except Exception:
                 pass
@@ -398,7 +389,7 @@ class RowFile:
             dst = order if at is None else at[order]
             stride, rb = self.stride, self.row_bytes
             per = max(1, BOUNCE // stride)                  # rows per bounce buffer
-            buf = self._take(min(k, per) * stride)
+            buf = self._pool.take(min(k, per) * stride)
             try:
                 for a in range(0, k, per):
                     part, where = ids[a:a + per], dst[a:a + per]
@@ -410,11 +401,11 @@ class RowFile:
                         else:
                             view[:, :rb] = rows[where]
                     boff, blen, foff = _requests(part, stride, self.data_offset)
-                    self._parallel(buf, boff, blen, foff, write)
+                    self._pool.run(self._live(), buf, boff, blen, foff, write)
                     if not write:
                         rows[where] = view[:, :rb]
             finally:
-                self._give(buf)
+                self._pool.give(buf)
         self._account(write, k * self.stride, t0)
 
     def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
@@ -436,7 +427,7 @@ class RowFile:
         own = stride == rb and rows.flags.c_contiguous and (
             not self.direct or rows.ctypes.data % self.block == 0)
         per = max(1, BOUNCE // stride)
-        buf = None if own or n == 0 else self._take(min(n, per) * stride)
+        buf = None if own or n == 0 else self._pool.take(min(n, per) * stride)
         try:
             for a in range(0, n, per):
                 m = min(per, n - a)
@@ -451,12 +442,13 @@ class RowFile:
                 boff = list(range(0, m * stride, step))
                 blen = [min(step, m * stride - b) for b in boff]
                 base = self.data_offset + (start + a) * stride
-                self._parallel(flat, boff, blen, [base + b for b in boff], write, chunk=1)
+                self._pool.run(self._live(), flat, boff, blen, [base + b for b in boff],
+                                   write, chunk=1)
                 if not own and not write:
                     rows[a:a + m] = flat.reshape(m, stride)[:, :rb]
         finally:
             if buf is not None:
-                self._give(buf)
+                self._pool.give(buf)
         self._account(write, n * stride, t0)
 
     def _account(self, write: bool, nbytes: int, t0: float) -> None:
@@ -476,70 +468,6 @@ class RowFile:
             c[f"{key}_bytes"] += nbytes
             c[f"{key}_calls"] += 1
             c[f"{key}_s"] += time.perf_counter() - t0
-
-    def _parallel(self, buf: np.ndarray, boff, blen, foff, write: bool, chunk: int = 0) -> None:
-        """Requests ``j``: ``blen[j]`` bytes at ``buf[boff[j]:]`` <-> file offset ``foff[j]``.
-
-        Handed out in chunks of requests to the pool's threads and the calling thread, each
-        taking the next chunk when done (a slow request delays only its own thread)."""
-        fd = self._live()
-        flat = memoryview(buf.reshape(-1))
-        op = _pwrite_all if write else _pread_all
-        jobs = len(boff)
-        workers = min(self.threads, jobs)
-        if workers <= 1:
-            for j in range(jobs):
-                op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
-            return
-        chunk = chunk or max(1, min(32, jobs // (workers * 4)))
-        nchunks = -(-jobs // chunk)
-        counter = itertools.count()          # next() is atomic under the GIL
-        failed: list[BaseException] = []
-
-        def work():
-            try:
-                while not failed:
-                    c = next(counter)
-                    if c >= nchunks:
-                        return
-                    for j in range(c * chunk, min(jobs, c * chunk + chunk)):
-                        op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
-            except BaseException as e:       # re-raised by the caller
-                failed.append(e)
-
-        futures = [self._executor().submit(work) for _ in range(workers - 1)]
-        work()
-        for f in futures:
-            f.result()
-        if failed:
-            raise failed[0]
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1 or 1,
-                                                thread_name_prefix="nbtools-rowfile")
-            return self._pool
-
-    def _take(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of at least ``nbytes`` (a kept one when one is large enough)."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._spare) if b.nbytes >= nbytes]
-            if fits:
-                return self._spare.pop(min(fits, key=lambda i: self._spare[i].nbytes))
-        # powers of two from 64 KiB: calls of similar sizes reuse one buffer
-        return _aligned(max(1 << 16, 1 << (nbytes - 1).bit_length()))
-
-    def _give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self._fd is None:
-                return
-            self._spare.append(buf)
-            self._spare.sort(key=lambda b: -b.nbytes)
-            while sum(b.nbytes for b in self._spare) > KEEP:
-                self._spare.pop()            # the smallest go first
-                if not self._spare:
-                    break
 
 
 def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST):
@@ -657,11 +585,6 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer of ``nbytes`` (anonymous memory, never in the page cache)."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
-
-
 def _header(info: dict) -> bytes:
     body = json.dumps(info).encode()
     head = MAGIC + VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body
@@ -742,30 +665,3 @@ def _probe_ok(path: str) -> bool:
         return _probe_block(fd) > 0
     finally:
         os.close(fd)
-
-
-def _pread_all(fd: int, mv: memoryview, offset: int) -> None:
-    n = os.preadv(fd, [mv], offset)
-    while n < len(mv):                       # short reads: rare, but allowed
-        if n <= 0:
-            raise OSError(errno.EIO, f"short read at offset {offset:,}: the file is shorter "
-                          "than its header says (truncated while open?)")
-        mv, offset = mv[n:], offset + n
-        n = os.preadv(fd, [mv], offset)
-
-
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    n = os.pwritev(fd, [mv], offset)
-    while n < len(mv):
-        mv, offset = mv[n:], offset + n
-        n = os.pwritev(fd, [mv], offset)
-
-
-def fadvise(fd: int, advice: str) -> None:
-    """``posix_fadvise`` over the whole file, where the platform has it (best effort)."""
-    value = getattr(os, advice, None)
-    if value is not None and hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, value)
-        except OSError:
-            pass

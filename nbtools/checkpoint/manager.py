@@ -27,6 +27,7 @@ from .format import (CheckpointConfig, CheckpointError, CheckpointSpaceError, Ch
 from .layout import _Entry, _scan, needs, prune
 from .mirror import DriveSync
 from .rng import set_rng_state
+from .save import progress_bar as _progress_bar  # noqa: F401  (nbtools.pretrained uses it)
 from .save import state_of
 
 
