@@ -35,6 +35,7 @@ import nbtools  # noqa: E402
 from nbtools import hostmem  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
+READ_AHEAD = 2                   # steps read ahead (--ahead)
 ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
 
 
@@ -160,15 +161,18 @@ def make_table(args, device, placement, **extra):
     return table, opt
 
 
-def run_steps(table, opt, batches, device, prefetch: bool) -> float:
-    """ms per step over ``batches`` (a loop: one synchronisation at the end)."""
+def run_steps(table, opt, batches, device, prefetch: int) -> float:
+    """ms per step over ``batches`` (a loop: one synchronisation at the end), reading ahead
+    ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once)."""
     head = torch.linspace(-1, 1, table.embedding_dim, device=device)
     synchronize(device)
     t0 = time.perf_counter()
+    for ids in batches[1:prefetch]:
+        table.prefetch(ids)
     for i, ids in enumerate(batches):
         rows = table(ids)
-        if prefetch and i + 1 < len(batches):
-            table.prefetch(batches[i + 1])
+        if prefetch and i + prefetch < len(batches):
+            table.prefetch(batches[i + prefetch])
         (rows * head).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -176,7 +180,7 @@ def run_steps(table, opt, batches, device, prefetch: bool) -> float:
     return (time.perf_counter() - t0) / len(batches) * 1e3
 
 
-def measure(table, opt, batches, device, prefetch: bool) -> dict:
+def measure(table, opt, batches, device, prefetch: int) -> dict:
     """ms/step and, per step, the RAM cache's misses and hit rate and the seconds spent in
     disk reads, writes and waiting for the disk on the loop's thread."""
     from nbtools.disk import disk_counters
@@ -203,7 +207,7 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run_steps(table, opt, batches, device, prefetch=True)
+            run_steps(table, opt, batches, device, prefetch=READ_AHEAD)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     return sum("synchroniz" in str(w.message) for w in caught) / len(batches)
@@ -226,6 +230,7 @@ def probe(table, n: int, threads: int, gen) -> float:
 
 
 def main():
+    global READ_AHEAD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=100_000_000)
     ap.add_argument("--dim", type=int, default=128)
@@ -241,9 +246,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="RowFile threads (default: "
                     "nbtools' own)")
+    ap.add_argument("--ahead", type=int, default=READ_AHEAD,
+                    help="steps read ahead (table.prefetch of the next N batches); rounds "
+                         "also time 1 step ahead when this is more")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    READ_AHEAD = args.ahead
     if args.quick:
         args.rows, args.dim, args.ids, args.steps = 200_000, 32, 4096, 6
         args.cache_gib, args.uniform_steps, args.rounds = 0.002, 2, 2
@@ -295,14 +304,17 @@ def main():
         out = [torch.from_numpy(zipf_ids(gen, args.rows, args.ids)) for _ in range(k)]
         return [b.pin_memory() if pin else b for b in out]
     batches = zipf_batches(args.steps)        # (kept for the host-RAM comparison)
-    run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=False)
+    run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
     # A cloud disk's rate drifts by tens of percent within minutes: rounds alternate the two
     # loops and a probe of the disk at that moment, and each round's ratio uses its own probe.
     rounds = []
     for r in range(args.rounds):
         rate = probe(table, 8192, 32, gen)
         rnd = {"probe_rows_per_s": rate}
-        for prefetch, key in ((False, "zipf"), (True, "zipf_read_ahead")):
+        loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
+        if args.ahead > 1:
+            loops.append((1, "zipf_read_ahead_1"))
+        for prefetch, key in loops:
             rnd[key] = measure(table, opt, zipf_batches(args.steps), device, prefetch)
         rnd["floor_b_ms"] = rnd["zipf_read_ahead"]["misses_per_step"] / rate * 1e3
         rnd["floor_b_ms_no_read_ahead"] = rnd["zipf"]["misses_per_step"] / rate * 1e3
@@ -310,11 +322,16 @@ def main():
         mem.mark(f"round {r}")
         print(f"round {r}: probe {rate:,.0f} rows/s, ms/step "
               f"{rnd['zipf']['ms_per_step']:.1f} / read-ahead "
-              f"{rnd['zipf_read_ahead']['ms_per_step']:.1f}, floor (b) {rnd['floor_b_ms']:.1f}, "
+              f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
+              + (f", 1 ahead {rnd['zipf_read_ahead_1']['ms_per_step']:.1f}"
+                 if "zipf_read_ahead_1" in rnd else "") +
+              f", floor (b) {rnd['floor_b_ms']:.1f}, "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}", flush=True)
     res["rounds"] = rounds
     med = lambda xs: float(np.median(xs))       # noqa: E731
-    for key in ("zipf", "zipf_read_ahead"):
+    for key in rounds[0]:
+        if not key.startswith("zipf"):
+            continue
         res[key] = {k: med([rnd[key][k] for rnd in rounds]) for k in rounds[0][key]
                     if rounds[0][key][k] is not None}
     res["syncs_per_step"] = syncs_per_step(table, opt, zipf_batches(4), device)
@@ -324,7 +341,7 @@ def main():
 
     uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(args.uniform_steps)]
     uni = [b.pin_memory() if pin else b for b in uni]
-    res["uniform"] = u = measure(table, opt, uni, device, prefetch=True)
+    res["uniform"] = u = measure(table, opt, uni, device, prefetch=args.ahead)
     u["rows_per_s"] = u["misses_per_step"] / u["ms_per_step"] * 1e3
     u["x_probe"] = u["rows_per_s"] / probed
     mem.mark("uniform")
@@ -343,8 +360,8 @@ def main():
         avail = nbtools.devices.host_memory_bytes()["available"] or 0
         if need < 0.6 * avail:
             host, hopt = make_table(args, device, "host")
-            run_steps(host, hopt, batches[:3], device, prefetch=False)
-            res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=False)
+            run_steps(host, hopt, batches[:3], device, prefetch=0)
+            res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=0)
             res["host_syncs_per_step"] = syncs_per_step(host, hopt, batches[:4], device)
             host.close()
         else:
@@ -355,6 +372,10 @@ def main():
     res["zipf_x_bound_rounds"] = [rnd["zipf_read_ahead"]["ms_per_step"] /
                                   max(host_ms, rnd["floor_b_ms"]) for rnd in rounds]
     res["zipf_x_bound"] = med(res["zipf_x_bound_rounds"])
+    if "zipf_read_ahead_1" in rounds[0]:
+        res["zipf_ahead_1_x_bound_rounds"] = [
+            rnd["zipf_read_ahead_1"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms"])
+            for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -369,7 +390,7 @@ def main():
             f"{res[f'probe_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))),
         ("probe of 2,048 rows, rows/s, 16 / 32 / 64", " / ".join(
             f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))),
-        (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / read-ahead)",
+        (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / {args.ahead} ahead)",
          f"{res['zipf']['ms_per_step']:.1f} / {res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("zipf read / write / wait ms per step (read-ahead)",
          f"{res['zipf_read_ahead']['read_s_ms_per_step']:.1f} / "
@@ -384,6 +405,8 @@ def main():
          f"{res['zipf_x_bound']:.2f} ({', '.join(f'{x:.2f}' for x in res['zipf_x_bound_rounds'])})"),
         ("zipf without read-ahead / max(a, b): rounds", ", ".join(
             f"{x:.2f}" for x in res["zipf_no_read_ahead_x_bound_rounds"])),
+        ("zipf 1 step ahead / max(a, b): rounds", ", ".join(
+            f"{x:.2f}" for x in res.get("zipf_ahead_1_x_bound_rounds", []))),
         ("zipf steps/s (read-ahead)", f"{1e3 / res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("host syncs/step: disk / host table", f"{res['syncs_per_step']} / "
                                                 f"{res.get('host_syncs_per_step')}"),

@@ -19,8 +19,8 @@ Rules that keep it exact:
   queued, and *busy* until the GPU work queued after that (recorded as a CUDA event at the next
   host access) has run. Only slots neither locked nor busy are evicted; dirty ones are written
   to the file before their slot is reused, so a row not in RAM is always current on disk.
-* A read-ahead (:meth:`DiskRows.read_ahead`, from ``table.prefetch(next_ids)``) loads the next
-  step's missing rows on a background thread by the same rules, under the same lock; it only
+* A read-ahead (:meth:`DiskRows.read_ahead`, from ``table.prefetch(next_ids)``) loads coming
+  steps' missing rows in the background by the same rules (:mod:`nbtools.readahead`); it only
   moves rows between file and RAM, never changes a value, so results are bit-identical with and
   without it.
 * Anything that reads the file from outside a step (``table.weight``, ``state_dict``,
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import os
 import tempfile
 import threading
@@ -50,6 +49,7 @@ import torch
 
 from .devices import hold_host, host_memory_bytes, release_host
 from .hostmem import HostTensor
+from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
 from .units import human_bytes
 
@@ -124,11 +124,9 @@ class DiskRows:
         self._remove = weakref.finalize(self, _remove_file, self.file, path)
         self._pin = pin and self.device.type == "cuda"
         self._lock = threading.RLock()
-        self._ahead_pool = None
-        self._ahead = None
-        self._prepared = None                   # the read-ahead's dedup of the next ids
+        self._readahead = None                  # ReadAhead, from the first read_ahead
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
-        self._writer = self._loader = None
+        self._writer = None
         maps = self.num_rows * 9            # the two arrays below: counted in the host budget
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
@@ -168,14 +166,14 @@ class DiskRows:
         if old is None:
             self.id_of = np.full(slots, -1, dtype=np.int64)
             self.busy = np.zeros(slots, dtype=np.int64)
-            for name in ("dirty", "ref", "locked", "ahead"):
+            for name in _SLOT_FLAGS:
                 setattr(self, name, np.zeros(slots, dtype=bool))
             self._hand = 0
         else:
             grow = slots - keep
             self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=np.int64)))
             self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
-            for name in ("dirty", "ref", "locked", "ahead"):
+            for name in _SLOT_FLAGS:
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
         if old is None:
@@ -265,11 +263,12 @@ class DiskRows:
         from the file. ``training``: the slots stay locked until the optimizer's step (their
         rows are written by it)."""
         t0 = time.perf_counter()
-        self.wait_read_ahead()
         self.sync_mapped()
         self._ensure_init()
         self.ensure_slab()
         with self._lock:
+            if self._readahead is not None:     # loads of these rows in flight: wait for them
+                self._readahead.settle_for(ids)
             self._close_step()
             slots = self.slot_of[ids]
             miss = slots < 0
@@ -386,11 +385,19 @@ class DiskRows:
         _counters["write_bytes"] += len(ids) * self.row_bytes
         self.stats["written_back"] += len(ids)
 
-    def _drain(self) -> None:
-        """Write the rows evicted so far (the stash)."""
-        stash, self._stash = self._stash, []
+    def _drain(self, stash) -> None:
+        """Write evicted rows: a stash's ``(ids, rows)`` pairs."""
         for ids, rows in stash:
             self._write(ids, rows)
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
+        return self._writer
+
+    def _count_read(self, ids: np.ndarray, seconds: float) -> None:
+        _counters["read_s"] += seconds
+        _counters["read_bytes"] += len(ids) * self.row_bytes
 
     def _load(self, ids: np.ndarray, slots: np.ndarray, ahead: bool = False) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
@@ -398,17 +405,15 @@ class DiskRows:
         ``ahead``: a read-ahead's (its rows do not count as RAM hits when looked up)."""
         writing = None
         if self._stash:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
-            writing = self._writer.submit(self._drain)
+            stash, self._stash = self._stash, []
+            writing = self._writer_pool().submit(self._drain, stash)
         t0 = time.perf_counter()
         try:
             self.file.read(ids, self._bytes, at=slots)
         finally:
             if writing is not None:
                 writing.result()
-        _counters["read_s"] += time.perf_counter() - t0
-        _counters["read_bytes"] += len(ids) * self.row_bytes
+        self._count_read(ids, time.perf_counter() - t0)
         self._placed(ids, slots)
         if ahead:
             self.ahead[slots] = True
@@ -429,6 +434,8 @@ class DiskRows:
                 self._resize(self._want)
 
     def _resize(self, slots: int) -> None:
+        if self._readahead is not None:         # reads in flight write into the old slab
+            self._readahead.wait_io()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)     # queued kernels read the old slab
         old = self.slab
@@ -450,57 +457,36 @@ class DiskRows:
     # --- read-ahead -----------------------------------------------------------------------
     def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
         """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
-        are not in RAM, on a background thread, and deduplicating them for their lookup.
-        Changes no value: only where rows are."""
-        self.wait_read_ahead()
+        are not in RAM, in the background, and deduplicating them for their lookup. Calls for
+        several coming steps, in order, keep that many in flight (up to
+        :data:`nbtools.readahead.DEPTH`). Changes no value: only where rows are."""
         self._ensure_init()
         self.ensure_slab()
-        self._prepared = None
-        if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
-        self._ahead = self._ahead_pool.submit(self._read_ahead, ids, padding_idx)
-
-    def _read_ahead(self, ids: torch.Tensor, padding_idx) -> None:
-        # The misses first (a sort of the ids, no inverse), so the reads start early; the
-        # lookup's full deduplication runs on this thread while they are in flight.
-        flat = ids.reshape(-1).to("cpu").numpy()
-        want = np.unique(flat[(flat >= 0) & (flat < self.num_rows)]).astype(np.int64)
-        with self._lock:
-            miss = want[self.slot_of[want] < 0]
-            loading = None
-            if len(miss):
-                self._advance()
-                free = self._take(len(miss), wait=False)
-                if len(free):
-                    if self._loader is None:
-                        self._loader = ThreadPoolExecutor(1, thread_name_prefix="nbtools-load")
-                    # (this thread holds the lock until the load is done: it is the load's)
-                    loading = self._loader.submit(self._load, miss[: len(free)], free, True)
-                    self.stats["read_ahead"] += len(free)
-            try:
-                self._prepared = prepare(ids, self.num_rows, padding_idx)
-            finally:
-                if loading is not None:
-                    loading.result()
+        if self._readahead is None:
+            self._readahead = ReadAhead(self)
+        self._readahead.submit(ids, padding_idx)
 
     def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
         """The read-ahead's deduplication of these very ids (the same tensor object), once."""
+        if self._readahead is None:
+            return None
         t0 = time.perf_counter()
-        self.wait_read_ahead()
+        p = self._readahead.take(ids)
         _counters["wait_s"] += time.perf_counter() - t0
-        p, self._prepared = self._prepared, None
-        return p if p is not None and p.ids is ids else None
+        return p
 
     def wait_read_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.result()
+        """Wait for every read-ahead in flight (before the file or the slab is used from
+        outside a step)."""
+        if self._readahead is not None:
+            self._readahead.wait()
 
     def warm(self, ids) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
         nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
         file (one in 16 or more) the stretch is read whole, sequentially, which beats random
         reads of them."""
+        self.wait_read_ahead()
         self._ensure_init()
         self.ensure_slab()
         with self._lock:
@@ -552,6 +538,7 @@ class DiskRows:
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
+        self.wait_read_ahead()
         self._ensure_init()
         rows = rows.detach().to("cpu", self.dtype).contiguous()
         raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
@@ -567,6 +554,7 @@ class DiskRows:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
         rows must not be cached in RAM, as at creation)."""
         rows = rows.detach().to("cpu", self.dtype).contiguous()
+        self.wait_read_ahead()
         with self._lock:
             self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
                 rows.shape[0], self.row_bytes))
@@ -574,6 +562,7 @@ class DiskRows:
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
+        self.wait_read_ahead()
         self._ensure_init()
         with self._lock:
             out = torch.empty((stop - start, self.width), dtype=self.dtype)
@@ -610,6 +599,7 @@ class DiskRows:
         """Writes made through :meth:`mapped` reach the file before rows are read again."""
         m = getattr(self, "_map", None)
         if m is not None:
+            self.wait_read_ahead()      # rows read before the writes reach the file go below
             m.flush()
             self._map = None
             with self._lock:     # rows cached in RAM may be older than what was written
@@ -631,11 +621,13 @@ class DiskRows:
 
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
-        self.wait_read_ahead()
-        for pool in (self._ahead_pool, self._writer, self._loader):
-            if pool is not None:
-                pool.shutdown()
-        self._ahead_pool = self._writer = self._loader = None
+        try:
+            if self._readahead is not None:
+                self._readahead.close()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+            self._readahead = self._writer = None
         self.slab.close()
         self._map = None
         self._remove()
@@ -679,6 +671,7 @@ class DiskRows:
     def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
         the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
+        self.wait_read_ahead()
         with self._lock:
             slots = self.slot_of[ids]
             hot = slots >= 0
@@ -715,15 +708,22 @@ class DiskRows:
             self._step = []
             self._advance(wait_for=self._event_index)
             self._stash = []
-            self._prepared = None
+            if self._readahead is not None:
+                self._readahead.queue.clear()
             self.initial = None
             self.slot_of[:] = -1
             self.id_of[:] = -1
-            for name in ("dirty", "ref", "locked", "ahead"):
+            for name in _SLOT_FLAGS:
                 getattr(self, name)[:] = False
             self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
             self.changed[:] = True
             self._checkpoint = None
+
+
+# Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a lookup's
+# until its step is queued, or a read-ahead's while loading), ahead (brought in by a read-ahead,
+# not looked up since), loading (a read-ahead's read in flight).
+_SLOT_FLAGS = ("dirty", "ref", "locked", "ahead", "loading")
 
 
 def _safe(name: str) -> str:
@@ -811,33 +811,6 @@ def free_bytes(folder) -> int:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return shutil.disk_usage(path).free
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A lookup's ids deduplicated on the CPU: ``uniq`` the sorted unique ids in range (and
-    not padding), ``inverse`` [n] the slot of each id (the sentinel's slot ``len(uniq)`` where
-    ``sentinel``), ``bad`` whether some id was out of range."""
-
-    ids: torch.Tensor
-    uniq: np.ndarray
-    inverse: torch.Tensor
-    bad: bool
-    sentinel: bool
-
-
-def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
-    """Deduplicate ``ids`` (any shape, any device: GPU ids are a sync) on the CPU."""
-    flat = ids.reshape(-1).to("cpu").long()         # note: a sync point for GPU ids
-    valid = (flat >= 0) & (flat < num_rows)
-    bad = not bool(valid.all())
-    if padding_idx is not None:
-        valid &= flat != padding_idx
-    uniq, inverse = torch.unique(torch.where(valid, flat, num_rows), sorted=True,
-                                 return_inverse=True)
-    sentinel = bool(uniq.numel()) and int(uniq[-1]) == num_rows
-    uniq = uniq.numpy()
-    return Prepared(ids, uniq[: len(uniq) - int(sentinel)], inverse, bad, sentinel)
 
 
 def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarray]:

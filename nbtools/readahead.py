@@ -1,0 +1,211 @@
+"""Reading a disk table's coming rows while the current steps compute.
+
+The training loop knows its next batches: ``table.prefetch(ids)`` hands a coming step's ids to
+its disk rows (:meth:`nbtools.disk.DiskRows.read_ahead`), one call per step, up to
+:data:`DEPTH` steps ahead. For each, in the order given, one background thread finds the ids'
+misses, takes RAM slots for them (CLOCK: idle rows are evicted, dirty ones to be written back)
+and assigns the rows to their slots at once, marked *loading*; the reads (and the evicted rows'
+writes) then run on a loader thread, outside the table's lock. So the next read-ahead's misses
+are found and issued while this one's reads are in flight: the disk's queue stays full across
+steps instead of draining at the end of each step's reads. The lookup's own deduplication of the
+ids (:func:`prepare`) runs on the background thread beside the reads.
+
+A read-ahead changes no value, only where rows are, so training is bit-identical with and
+without it, at any depth. What keeps it so:
+
+* A loading slot is locked (never evicted); a lookup that needs its row waits for its load.
+* A row that a read-ahead evicted is written back by that read-ahead's load. Until that write is
+  done no read of the row starts: a lookup that misses it waits for the load, and a later
+  read-ahead leaves it to its lookup.
+* Whatever reads or writes the file or the slab from outside a step (``.weight``, checkpoints,
+  a slab that grows) waits for every read-ahead first.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+# Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
+DEPTH = 3
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A lookup's ids deduplicated on the CPU: ``uniq`` the sorted unique ids in range (and
+    not padding), ``inverse`` [n] the slot of each id (the sentinel's slot ``len(uniq)`` where
+    ``sentinel``), ``bad`` whether some id was out of range."""
+
+    ids: torch.Tensor
+    uniq: np.ndarray
+    inverse: torch.Tensor
+    bad: bool
+    sentinel: bool
+
+
+def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
+    """Deduplicate ``ids`` (any shape, any device: GPU ids are a sync) on the CPU."""
+    flat = ids.reshape(-1).to("cpu").long()         # note: a sync point for GPU ids
+    valid = (flat >= 0) & (flat < num_rows)
+    bad = not bool(valid.all())
+    if padding_idx is not None:
+        valid &= flat != padding_idx
+    uniq, inverse = torch.unique(torch.where(valid, flat, num_rows), sorted=True,
+                                 return_inverse=True)
+    sentinel = bool(uniq.numel()) and int(uniq[-1]) == num_rows
+    uniq = uniq.numpy()
+    return Prepared(ids, uniq[: len(uniq) - int(sentinel)], inverse, bad, sentinel)
+
+
+class _Ahead:
+    """One read-ahead: the ids it was given, its background task, the lookup's deduplication,
+    and its load (rows -> slots, the evicted rows it writes back, the loader's future)."""
+
+    __slots__ = ("ids", "task", "prepared", "rows", "slots", "stash", "evicted", "io")
+
+    def __init__(self, ids):
+        self.ids = ids
+        self.task = self.prepared = self.io = None
+        self.rows = self.slots = self.evicted = np.zeros(0, dtype=np.int64)
+        self.stash = []
+
+
+class ReadAhead:
+    """The read-aheads of one :class:`~nbtools.disk.DiskRows`: a queue of coming steps'
+    (oldest first, until looked up) and the loads in flight (until settled under the table's
+    lock). Everything that touches the table's maps runs under ``disk._lock``; the loads'
+    file I/O does not."""
+
+    def __init__(self, disk):
+        self.disk = disk
+        self.queue: collections.deque[_Ahead] = collections.deque()
+        self.loads: list[_Ahead] = []
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
+        self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
+
+    def submit(self, ids: torch.Tensor, padding_idx) -> None:
+        """Start reading ahead for ``ids`` (waiting first for the oldest queued read-ahead's
+        misses to be found when :data:`DEPTH` are queued)."""
+        while len(self.queue) >= DEPTH:
+            self.queue.popleft().task.result()
+        item = _Ahead(ids)
+        item.task = self._thread.submit(self._find, item, padding_idx)
+        self.queue.append(item)
+
+    def _find(self, item: _Ahead, padding_idx) -> None:
+        # The misses first (a sort of the ids, no inverse), so the reads start early; the
+        # lookup's full deduplication runs here while they are in flight.
+        d = self.disk
+        flat = item.ids.reshape(-1).to("cpu").numpy()
+        want = np.unique(flat[(flat >= 0) & (flat < d.num_rows)]).astype(np.int64)
+        with d._lock:
+            self.settle_done()
+            miss = want[d.slot_of[want] < 0]
+            pending = [a.evicted for a in self.loads if len(a.evicted)]
+            if pending and len(miss):       # still being written back: left to the lookup
+                miss = miss[~np.isin(miss, np.concatenate(pending))]
+            if len(miss):
+                d._advance()
+                free = d._take(len(miss), wait=False)
+                if len(free):
+                    item.rows, item.slots = miss[: len(free)], free
+                    d._placed(item.rows, free)
+                    d.loading[free] = True
+                    d.locked[free] = True
+                    item.stash, d._stash = d._stash, []
+                    if item.stash:
+                        item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
+                    self.loads.append(item)
+                    item.io = self._io.submit(self._load, item)
+                    d.stats["read_ahead"] += len(free)
+        item.prepared = prepare(item.ids, d.num_rows, padding_idx)
+
+    def _load(self, item: _Ahead) -> None:
+        """The load's file I/O (no lock): the evicted rows written back beside the reads."""
+        d = self.disk
+        writing = d._writer_pool().submit(d._drain, item.stash) if item.stash else None
+        t0 = time.perf_counter()
+        try:
+            d.file.read(item.rows, d._bytes, at=item.slots)
+        finally:
+            if writing is not None:
+                writing.result()
+        d._count_read(item.rows, time.perf_counter() - t0)
+
+    def _settle(self, item: _Ahead) -> None:
+        """Under the lock: wait for ``item``'s load and make its rows ordinary RAM rows (on a
+        failed load, the slots are freed again and the error raised)."""
+        d = self.disk
+        self.loads.remove(item)
+        try:
+            item.io.result()
+        except BaseException:
+            d.slot_of[item.rows] = -1
+            d.id_of[item.slots] = -1
+            d.loading[item.slots] = False
+            d.locked[item.slots] = False
+            d._free.append(item.slots)
+            raise
+        d.loading[item.slots] = False
+        d.locked[item.slots] = False
+        d.ahead[item.slots] = True
+
+    def settle_done(self) -> None:
+        """Under the lock: settle the loads that have finished."""
+        for item in [a for a in self.loads if a.io.done()]:
+            self._settle(item)
+
+    def settle_for(self, ids: np.ndarray) -> None:
+        """Under the lock, before a lookup of ``ids`` (sorted, unique): wait for the loads
+        that bring in one of them or still write one of them back."""
+        self.settle_done()
+        if not self.loads:
+            return
+        d = self.disk
+        slots = d.slot_of[ids]
+        loading = d.loading[slots[slots >= 0]].any()
+        missing = ids[slots < 0]
+        for item in list(self.loads):
+            if loading and np.isin(item.slots, slots).any() or \
+                    len(item.evicted) and np.isin(missing, item.evicted).any():
+                self._settle(item)
+
+    def wait_io(self) -> None:
+        """Wait for every load's I/O (the slab may then be copied or freed)."""
+        for item in list(self.loads):
+            try:
+                item.io.result()
+            except BaseException:
+                pass                       # raised where the load is settled
+
+    def take(self, ids: torch.Tensor) -> Prepared | None:
+        """The deduplication of these very ids (the same tensor object) from their read-ahead,
+        once; read-aheads queued before it are dropped (their loads go on)."""
+        for k, item in enumerate(self.queue):
+            if item.ids is ids:
+                item.task.result()
+                for _ in range(k + 1):
+                    self.queue.popleft()
+                return item.prepared
+        return None
+
+    def wait(self) -> None:
+        """Wait for every read-ahead and settle every load (the queue's deduplications stay
+        for their lookups)."""
+        for item in list(self.queue):
+            item.task.result()
+        with self.disk._lock:
+            for item in list(self.loads):
+                self._settle(item)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.queue.clear()
+            self._thread.shutdown()
+            self._io.shutdown()

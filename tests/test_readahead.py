@@ -1,0 +1,106 @@
+"""Read-ahead of disk tables several steps deep (nbtools.readahead): training stays
+bit-identical to the same table in host RAM (itself tested against torch's optimizers), and a
+row a read-ahead evicts is never read back before its write-back is done."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nbtools import OffloadedEmbedding, OffloadOptimizer, readahead
+from nbtools.devices import resolve_device
+from nbtools.disk import DiskRows
+
+DEVICE = resolve_device()
+N, D = 400, 8
+
+
+def _zipf_batches(steps, batch, gen):
+    """Skewed ids: rows come back often, so read-aheads evict rows the next lookups need."""
+    ranks = torch.arange(1, N + 1, dtype=torch.float64)
+    p = ranks ** -1.1
+    return [torch.multinomial(p / p.sum(), batch, replacement=True, generator=gen)
+            for _ in range(steps)]
+
+
+def _train(placement, batches, depth, tmp_path, stray=None, **extra):
+    torch.manual_seed(0)
+    init = torch.randn(N, D)
+    t = OffloadedEmbedding(N, D, name=f"ra-{placement}", device=DEVICE, placement=placement,
+                           **extra)
+    with torch.no_grad():
+        t.weight.copy_(init)
+    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
+    head = torch.linspace(-1, 1, D, device=DEVICE)
+    ahead = placement == "disk" and depth > 0
+    if ahead:
+        for ids in batches[1:depth]:
+            t.prefetch(ids)
+    for i, ids in enumerate(batches):
+        (t(ids) * head).sum().backward()
+        if ahead and i + depth < len(batches):
+            t.prefetch(batches[i + depth])
+        if ahead and stray is not None and i % 3 == 1:
+            t.prefetch(stray)               # ids no lookup asks for: only moves rows
+        opt.step()
+        opt.zero_grad()
+    return t
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("cache_rows", [70, 200])
+def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
+    gen = torch.Generator().manual_seed(depth)
+    batches = _zipf_batches(9, 48, gen)
+    stray = torch.randint(0, N, (40,), generator=gen)
+    host = _train("host", batches, depth, tmp_path)
+    disk = _train("disk", batches, depth, tmp_path, stray=stray, disk_dir=str(tmp_path),
+                  host_cache_bytes=cache_rows * 3 * D * 4)
+    assert torch.equal(host.weight, disk.weight)
+    for name in host.state_names:
+        assert torch.equal(host.state_columns(name), disk.state_columns(name)), name
+    s = disk.disk.stats
+    assert s["read_ahead"] > 0 and s["ahead_hits"] > 0
+    if cache_rows == 70:                 # read-aheads evicted dirty rows and wrote them back
+        assert s["written_back"] > 0
+
+
+def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
+    """A read-ahead evicts dirty rows and writes them back on its loader thread, slowly here;
+    a lookup of one of them meanwhile waits for that write and sees the new value."""
+    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    slots = d.resolve(np.arange(4), training=True)
+    d.slab.tensor[torch.as_tensor(slots)] += 100.0     # the step's update of rows 0-3
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)   # a host access: step released
+    started = threading.Event()
+    write = d.file.write
+
+    def slow_write(*args, **kwargs):
+        started.set()
+        time.sleep(0.3)
+        return write(*args, **kwargs)
+    d.file.write = slow_write
+    d.read_ahead(torch.arange(4, 8))        # evicts rows 0-3 (dirty) for rows 4-7
+    assert started.wait(5)
+    got = d.resolve(np.array([1]), training=False)
+    assert d.slab.tensor[int(got[0])].tolist() == [102.0, 103.0]
+    d.file.write = write
+    d.flush()
+    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0]
+    d.close()
+
+
+def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
+    d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
+    d.write_rows(np.arange(64), torch.zeros(64, 2))
+    batches = [torch.arange(8 * k, 8 * k + 8) for k in range(readahead.DEPTH + 3)]
+    for ids in batches:
+        d.read_ahead(ids)
+        assert len(d._readahead.queue) <= readahead.DEPTH
+    p = d.take_prepared(batches[-1])         # the last one: the ones before it are dropped
+    assert p is not None and p.uniq.tolist() == list(range(8 * (len(batches) - 1), 8 * len(batches)))
+    assert d.take_prepared(batches[-2]) is None
+    d.close()
