@@ -34,7 +34,6 @@ the batch).
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import tempfile
 import threading
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 
 from .devices import hold_host, host_memory_bytes, release_host
+from .diskaccess import WholeTable
 from .hostmem import HostTensor
 from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
@@ -84,11 +84,7 @@ def default_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
 
 
-def _numpy_dtype(dtype: torch.dtype):
-    return torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
-
-
-class DiskRows:
+class DiskRows(WholeTable):
     """The rows of one table in a file, and the RAM slots that cache them.
 
     Args:
@@ -107,6 +103,11 @@ class DiskRows:
     [[6.0, 7.0], [14.0, 15.0]]
     >>> d.close()
     """
+
+    # Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a
+    # lookup's until its step is queued, or a read-ahead's while loading), ahead (brought in by
+    # a read-ahead, not looked up since), loading (a read-ahead's read in flight).
+    SLOT_FLAGS = ("dirty", "ref", "locked", "ahead", "loading")
 
     def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
                  cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
@@ -166,14 +167,14 @@ class DiskRows:
         if old is None:
             self.id_of = np.full(slots, -1, dtype=np.int64)
             self.busy = np.zeros(slots, dtype=np.int64)
-            for name in _SLOT_FLAGS:
+            for name in self.SLOT_FLAGS:
                 setattr(self, name, np.zeros(slots, dtype=bool))
             self._hand = 0
         else:
             grow = slots - keep
             self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=np.int64)))
             self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
-            for name in _SLOT_FLAGS:
+            for name in self.SLOT_FLAGS:
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
         if old is None:
@@ -516,109 +517,6 @@ class DiskRows:
                 loaded += len(part)
         return loaded
 
-    # --- whole-table access ---------------------------------------------------------------
-    def flush(self, drop: bool = False) -> None:
-        """Write every dirty row to the file (after the GPU work that writes them); with
-        ``drop``, also empty RAM of every row no pending lookup holds."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        with self._lock:
-            self._close_step()
-            self._advance(wait_for=self._event_index)
-            dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
-            if len(dirty):
-                self._write_slots(dirty)
-            if drop:
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                self.ref[out] = False
-                free = np.flatnonzero(self.id_of < 0)
-                self._free = collections.deque([free]) if len(free) else collections.deque()
-
-    def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
-        """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        rows = rows.detach().to("cpu", self.dtype).contiguous()
-        raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
-        with self._lock:
-            self.file.write(np.asarray(ids, dtype=np.int64), raw)
-            self.changed[ids] = True
-            slots = self.slot_of[ids]
-            hot = slots >= 0
-            if hot.any():
-                self._bytes[slots[hot]] = raw[hot]
-
-    def write_range(self, start: int, rows: torch.Tensor) -> None:
-        """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
-        rows must not be cached in RAM, as at creation)."""
-        rows = rows.detach().to("cpu", self.dtype).contiguous()
-        self.wait_read_ahead()
-        with self._lock:
-            self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
-                rows.shape[0], self.row_bytes))
-            self.changed[start:start + rows.shape[0]] = True
-
-    def read_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        with self._lock:
-            out = torch.empty((stop - start, self.width), dtype=self.dtype)
-            raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
-            self.file.read_range(start, raw)
-            slots = self.slot_of[start:stop]
-            hot = np.flatnonzero(slots >= 0)
-            if len(hot):
-                raw[hot] = self._bytes[slots[hot]]
-            return out
-
-    def mapped(self, writable: bool = True) -> torch.Tensor:
-        """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first). Reads
-        and writes go through the page cache: for whole-table access, not steps. Without
-        ``writable``, writes stay in this process's copy (copy-on-write), never the file.
-        While a checkpoint holds a mapping (:meth:`hold_mapping`), that one is returned."""
-        held = getattr(self, "_held", None)
-        if held is not None:
-            return held
-        self.file.flush()
-        unit = self.file.stride // self.dtype.itemsize
-        arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),
-                        mode="r+" if writable else "c",
-                        offset=self.file.data_offset, shape=(self.num_rows, unit))
-        if writable:
-            self._map = arr
-            self.changed[:] = True        # whatever is written through it is not tracked
-        t = torch.from_numpy(arr)
-        if self.dtype == torch.bfloat16:
-            t = t.view(torch.bfloat16)
-        return t[:, : self.width]
-
-    def sync_mapped(self) -> None:
-        """Writes made through :meth:`mapped` reach the file before rows are read again."""
-        m = getattr(self, "_map", None)
-        if m is not None:
-            self.wait_read_ahead()      # rows read before the writes reach the file go below
-            m.flush()
-            self._map = None
-            with self._lock:     # rows cached in RAM may be older than what was written
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked & ~self.dirty)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                free = np.flatnonzero(self.id_of < 0)
-                self._free = collections.deque([free]) if len(free) else collections.deque()
-
-    def take_changed(self) -> np.ndarray:
-        """Sorted ids of the rows written to the file since the last call (every row the first
-        time), after writing every dirty row back: what an incremental checkpoint saves."""
-        self.flush()
-        with self._lock:
-            ids = np.flatnonzero(self.changed)
-            self.changed[:] = False
-            self._checkpoint = None       # a checkpoint's next save cannot be a delta now
-            return ids
-
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
@@ -643,88 +541,6 @@ class DiskRows:
         return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
                 f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
-
-    # --- checkpoints (nbtools.checkpoint.rows: saved by reference, restored in place) ------
-    def changed_since(self, token) -> int | None:
-        """Rows written since the checkpoint ``token`` took every row (:meth:`mark_checkpointed`),
-        after writing every dirty row back; None when changes were not counted from that
-        checkpoint (another one came since, or none): the next save must copy every row."""
-        self.flush()
-        self.sync_mapped()
-        with self._lock:
-            if token is None or getattr(self, "_checkpoint", None) != token:
-                return None
-            return int(np.count_nonzero(self.changed))
-
-    def changed_ids(self, start: int, stop: int) -> np.ndarray:
-        """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
-        with self._lock:
-            return np.flatnonzero(self.changed[start:stop]) + start
-
-    def mark_checkpointed(self, token) -> None:
-        """The checkpoint ``token`` now holds every row as it is: count changes from here.
-        (Called after the checkpoint is committed, so a failed save loses no change.)"""
-        with self._lock:
-            self.changed[:] = False
-            self._checkpoint = token
-
-    def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
-        the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
-        self.wait_read_ahead()
-        with self._lock:
-            slots = self.slot_of[ids]
-            hot = slots >= 0
-            if hot.any():
-                out[hot] = self._bytes[slots[hot]]
-            if not hot.all():
-                cold = np.flatnonzero(~hot)
-                self.file.read(ids[cold], out, at=cold)
-
-    @contextlib.contextmanager
-    def hold_mapping(self, writable: bool = False):
-        """Within the block, :meth:`mapped` returns one and the same mapping of the file, so a
-        checkpoint recognises the views a state dict hands out (it saves them by reference,
-        never reading them) and can hand the same views back to ``load_state_dict`` (which then
-        copies nothing)."""
-        if getattr(self, "_held", None) is not None:
-            raise RuntimeError(f"table {self.name!r}: its mapping is held already")
-        self._held = self.mapped(writable)
-        try:
-            yield self._held
-        finally:
-            self._held = None
-            if writable:
-                self.sync_mapped()
-
-    def discard_cache(self) -> None:
-        """Forget every row in RAM without writing it back, and rows not written yet (initial
-        rows, evicted rows waiting to be written): a restore rewrites the whole file next.
-        Waits for the read-ahead and for GPU work on the slots first."""
-        self.wait_read_ahead()
-        self.sync_mapped()
-        with self._lock:
-            self._close_step()
-            self._step = []
-            self._advance(wait_for=self._event_index)
-            self._stash = []
-            if self._readahead is not None:
-                self._readahead.queue.clear()
-            self.initial = None
-            self.slot_of[:] = -1
-            self.id_of[:] = -1
-            for name in _SLOT_FLAGS:
-                getattr(self, name)[:] = False
-            self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
-            self.changed[:] = True
-            self._checkpoint = None
-
-
-# Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a lookup's
-# until its step is queued, or a read-ahead's while loading), ahead (brought in by a read-ahead,
-# not looked up since), loading (a read-ahead's read in flight).
-_SLOT_FLAGS = ("dirty", "ref", "locked", "ahead", "loading")
-
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
