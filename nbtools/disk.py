@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .devices import hold_host, host_memory_bytes, release_host
-from .diskaccess import WholeTable
+from .diskaccess import WholeTable, _chunk_rows
 from .hostmem import HostTensor
 from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
@@ -209,16 +209,6 @@ class DiskRows(WholeTable):
         """Bytes the rows take on disk: each row rounded up to the file's O_DIRECT block (a
         260-byte row takes 512)."""
         return self.num_rows * self.file.stride
-
-    def _ensure_init(self) -> None:
-        """Write the initial rows to the file the first time any row is needed."""
-        initial, self.initial = self.initial, None
-        if initial is None:
-            return
-        step = _chunk_rows(self)
-        for start in range(0, self.num_rows, step):
-            stop = min(self.num_rows, start + step)
-            self.write_range(start, initial(start, stop))
 
     # --- GPU uses of slots ----------------------------------------------------------------
     def mark_used(self, slots: np.ndarray) -> None:
@@ -482,41 +472,6 @@ class DiskRows(WholeTable):
         if self._readahead is not None:
             self._readahead.wait()
 
-    def warm(self, ids) -> int:
-        """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
-        nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
-        file (one in 16 or more) the stretch is read whole, sequentially, which beats random
-        reads of them."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        self.ensure_slab()
-        with self._lock:
-            ids = np.asarray(ids, dtype=np.int64)
-            ids = ids[self.slot_of[ids] < 0][: sum(len(f) for f in self._free)]
-            ids = np.unique(ids)
-            span = max(1, (64 << 20) // self.file.stride)       # rows per sequential stretch
-            loaded = 0
-            cuts = np.searchsorted(ids, np.arange(0, self.num_rows + span, span))
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                part = ids[a:b]
-                if not len(part):
-                    continue
-                free = self._take_free(len(part))
-                part = part[: len(free)]
-                if not len(part):
-                    break
-                if len(part) * 16 >= span:
-                    start = int(part[0]) // span * span
-                    stop = min(self.num_rows, start + span)
-                    buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
-                    self.file.read_range(start, buf)
-                    self._bytes[free] = buf[part - start]
-                    self._placed(part, free)
-                else:
-                    self._load(part, free)
-                loaded += len(part)
-        return loaded
-
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
@@ -574,10 +529,6 @@ def new_rows(table, width: int, dtype: torch.dtype) -> DiskRows:
     return DiskRows(cfg.disk_dir or default_dir(), table.num_embeddings, width, dtype,
                     cache_rows=cache_rows_for(cfg, width * dtype.itemsize),
                     device=table.device, pin=cfg.pin, name=table.name)
-
-
-def _chunk_rows(disk: DiskRows) -> int:
-    return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
 
 def init_normal(disk: DiskRows, padding_idx, device: torch.device) -> None:

@@ -5,8 +5,9 @@ row by row as steps need them. Everything else sees the table whole: ``table.wei
 ``state_dict`` (a mapping of the file, after every dirty row is written back), the initial
 rows and pretrained sources (written 64 MiB at a time), and checkpoints (which save the rows
 changed since the last one, by reference to the file, and restore in place). Those paths live
-here, as a base class of :class:`~nbtools.disk.DiskRows`; each first waits for the read-ahead,
-so no read of the file overlaps a write of it.
+here, as a base class of :class:`~nbtools.disk.DiskRows`, with the two loads of many rows at
+once: the initial rows' first write and the warming of the RAM cache with the hottest rows.
+Each first waits for the read-ahead, so no read of the file overlaps a write of it.
 """
 from __future__ import annotations
 
@@ -21,9 +22,58 @@ def _numpy_dtype(dtype: torch.dtype):
     return torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
 
 
+def _chunk_rows(disk) -> int:
+    return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
+
+
 class WholeTable:
     """Whole-table access to a :class:`~nbtools.disk.DiskRows` (its base class: the methods
     use its file, slots and lock)."""
+
+    def _ensure_init(self) -> None:
+        """Write the initial rows to the file the first time any row is needed."""
+        initial, self.initial = self.initial, None
+        if initial is None:
+            return
+        step = _chunk_rows(self)
+        for start in range(0, self.num_rows, step):
+            stop = min(self.num_rows, start + step)
+            self.write_range(start, initial(start, stop))
+
+    def warm(self, ids) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
+        nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
+        file (one in 16 or more) the stretch is read whole, sequentially, which beats random
+        reads of them."""
+        self.wait_read_ahead()
+        self._ensure_init()
+        self.ensure_slab()
+        with self._lock:
+            ids = np.asarray(ids, dtype=np.int64)
+            ids = ids[self.slot_of[ids] < 0][: sum(len(f) for f in self._free)]
+            ids = np.unique(ids)
+            span = max(1, (64 << 20) // self.file.stride)       # rows per sequential stretch
+            loaded = 0
+            cuts = np.searchsorted(ids, np.arange(0, self.num_rows + span, span))
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                part = ids[a:b]
+                if not len(part):
+                    continue
+                free = self._take_free(len(part))
+                part = part[: len(free)]
+                if not len(part):
+                    break
+                if len(part) * 16 >= span:
+                    start = int(part[0]) // span * span
+                    stop = min(self.num_rows, start + span)
+                    buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
+                    self.file.read_range(start, buf)
+                    self._bytes[free] = buf[part - start]
+                    self._placed(part, free)
+                else:
+                    self._load(part, free)
+                loaded += len(part)
+        return loaded
 
     # --- whole-table access ---------------------------------------------------------------
     def flush(self, drop: bool = False) -> None:
