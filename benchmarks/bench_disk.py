@@ -249,10 +249,15 @@ def main():
     ap.add_argument("--ahead", type=int, default=READ_AHEAD,
                     help="steps read ahead (table.prefetch of the next N batches); rounds "
                          "also time 1 step ahead when this is more")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
+                         "how long a reader thread may wait for the GIL")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     READ_AHEAD = args.ahead
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.rows, args.dim, args.ids, args.steps = 200_000, 32, 4096, 6
         args.cache_gib, args.uniform_steps, args.rounds = 0.002, 2, 2
