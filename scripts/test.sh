@@ -58,7 +58,7 @@ if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.nbtools-setup 2>/dev/null)" != "
     # python's pip (22.3 or later: --python) installs pip into it with the rest.
     pip=(python3 -m pip --python .venv/bin/python)
   else
-    rm -rf .venv && python3 -m venv .venv
+    python3 -m venv .venv          # (over the venv made above: adds ensurepip's pip)
     pip=(.venv/bin/python -m pip)
   fi
   # uv installs the same packages as pip at the same versions, several times faster: pip took
