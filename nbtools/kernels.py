@@ -15,37 +15,25 @@ Why kernels of our own (measured on an H100, benchmarks/RESULTS.md):
 Triton is imported on first use, so ``import nbtools`` stays light; without Triton (or on the
 CPU) callers use the equivalent torch code. With ``TRITON_INTERPRET=1`` the same kernels run on
 CPU tensors, which is how CPU CI checks them against ``torch.optim``.
+
+Two other kernel modules hold what shares nothing with a table's rows on the device, and this
+one re-exports their names: :mod:`nbtools.admission` (the GPU cache's admission, :func:`admit`,
+:data:`CACHE_HASH`) and :mod:`nbtools.segsum` (the fixed-order gradient sum,
+:func:`segment_sum`). :mod:`nbtools.kernelbase` holds what all three share (:func:`usable_on`,
+:func:`triton_ok`, the grid arithmetic).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 
-# Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
-# ratio); nbtools.cache's torch code and the admission kernel below must agree on it.
-CACHE_HASH = 2654435761
-
-
-@functools.lru_cache(maxsize=None)
-def triton_ok() -> bool:
-    """True when Triton can be imported (kernels then run on CUDA, or on the CPU when
-    ``TRITON_INTERPRET=1`` is set)."""
-    try:
-        import triton  # noqa: F401  (only whether it imports)
-    except Exception:          # missing, or a broken install: the torch path still works
-        return False
-    return True
-
-
-def usable_on(device: torch.device) -> bool:
-    """Whether the kernels run for tensors on ``device``."""
-    if not triton_ok():
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+from . import admission, segsum
+from .admission import CACHE_HASH, admit  # noqa: F401  (re-exported: nbtools.cache uses both)
+from .kernelbase import _pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (re-exported)
+from .segsum import SEGMENT_CHUNK, SEGMENT_PARTS, segment_sum  # noqa: F401  (re-exported)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,73 +223,6 @@ def _kernels():
         if HAS_CACHE:
             tl.store(cout + off, val, mask=cmask)
 
-    @triton.jit
-    def admit_count(ids, count_ptr, cap, n_rows, freq, slot_of, stamp, tick_ptr, best, sets,
-                    stats, HASH: tl.constexpr, BLOCK: tl.constexpr):
-        # The cache's admission, pass 1, over a lookup's unique ids (each at most once, so no
-        # two programs touch the same id): count each live id, stamp the slots of the hits
-        # (this lookup's rows are not evicted by it), and offer each miss to its set: the
-        # set's best[] keeps the largest (count << 32 | id), its most frequent miss.
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        count = tl.load(count_ptr)
-        idx = tl.load(ids + r, mask=r < cap, other=n_rows)
-        live = (r < count) & (idx >= 0) & (idx < n_rows)
-        f = tl.load(freq + idx, mask=live, other=0) + 1
-        tl.store(freq + idx, f, mask=live)
-        slot = tl.load(slot_of + idx, mask=live, other=-1)
-        hit = live & (slot >= 0)
-        tick = tl.load(tick_ptr)
-        tl.store(stamp + slot, tl.zeros_like(slot).to(tl.int64) + tick, mask=hit)
-        miss = live & (slot < 0)
-        key = (f.to(tl.int64) << 32) | idx.to(tl.int64)
-        s = (idx.to(tl.int64) * HASH) % sets
-        tl.atomic_max(best + s, key, mask=miss)
-        tl.atomic_add(stats + 0, tl.sum(live.to(tl.int64), 0))
-        tl.atomic_add(stats + 1, tl.sum(hit.to(tl.int64), 0))
-
-    @triton.jit
-    def admit_sets(best, tags, stamp, freq, slot_of, tick_ptr, rows, rows_stride, host,
-                   host_stride, width, stats, WAYS: tl.constexpr, WAYS_P2: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-        # Pass 2, one program per set: its candidate (best[s], then reset to -1 for the next
-        # lookup) takes the set's least frequent way (the first one, on ties; empty ways
-        # count -1, this lookup's rows never lose theirs) when its count is higher; the
-        # evicted row is written back to host memory, the admitted one copied in.
-        s = tl.program_id(0)
-        key = tl.load(best + s)
-        tl.store(best + s, -1)
-        if key >= 0:
-            cand = key & 0xFFFFFFFF
-            f = key >> 32
-            w = tl.arange(0, WAYS_P2)
-            real = w < WAYS
-            tag = tl.load(tags + s * WAYS + w, mask=real, other=-1)
-            score = tl.where(tag >= 0, tl.load(freq + tag, mask=tag >= 0, other=0).to(tl.int64),
-                             -1)
-            tick = tl.load(tick_ptr)
-            taken = tl.load(stamp + s * WAYS + w, mask=real, other=0) == tick
-            score = tl.where(taken | ~real, 0x7FFFFFFFFFFFFFFF, score)
-            low = tl.min(score, 0)
-            way = tl.min(tl.where(score == low, w, WAYS), 0)
-            if f > low:
-                slot = s * WAYS + way
-                victim = tl.load(tags + slot)
-                for c0 in range(0, width, BLOCK_C):
-                    c = c0 + tl.arange(0, BLOCK_C)
-                    cm = c < width
-                    if victim >= 0:
-                        v = tl.load(rows + slot * rows_stride + c, mask=cm)
-                        tl.store(host + victim * host_stride + c, v, mask=cm)
-                    v = tl.load(host + cand * host_stride + c, mask=cm)
-                    tl.store(rows + slot * rows_stride + c, v, mask=cm)
-                if victim >= 0:
-                    tl.store(slot_of + victim, -1)
-                    tl.atomic_add(stats + 3, 1)
-                tl.store(slot_of + cand, slot.to(tl.int32))
-                tl.store(tags + slot, cand)
-                tl.store(stamp + slot, tick)
-                tl.atomic_add(stats + 2, 1)
-
     # Triton resolves a kernel's callees among the module's globals (not this closure), and
     # the kernels are made here so that Triton is imported only when first used.
     globals()["_tile"] = _tile
@@ -485,108 +406,15 @@ def _kernels():
         _put(out, cout, hmask & first, cmask & first, s0 + d, v[:, None] + tl.zeros_like(p),
              seed, 2, elem, ROUND_S, HAS_CACHE)
 
-    # The sum of each unique id's gradient rows, in a fixed order (segment_sum): no atomics,
-    # so the same inputs give the same bits on every run. The rows are taken in sorted order
-    # (order: positions sorted by slot; slot: nondecreasing) and cut into chunks of CHUNK
-    # positions, whatever the runs of equal slots are.
-    @triton.jit
-    def _run_sum(a_new, a_val, b_new, b_val):
-        # a segmented sum's step: a run that starts at b forgets what came before it
-        return a_new | b_new, tl.where(b_new != 0, b_val, a_val + b_val)
-
-    globals()["_run_sum"] = _run_sum
-
-    @triton.jit
-    def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride, cap,
-                       part_first, part_last, d, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Pass 1, one program per chunk (and block of columns): the chunk's rows, loaded as one
-        # tile (every load in flight at once), summed run by run by a segmented scan down the
-        # tile (a fixed tree for the chunk's size). A run that begins and ends in the chunk is
-        # written to out[slot]; the piece of a run that began in an earlier chunk goes to
-        # part_first[chunk], the start of a run that goes on past the chunk to
-        # part_last[chunk] (segment_join adds them up).
-        # The program also zeroes its share of the rows of out that no position maps to (the
-        # slots from the last one in use, slot[n - 1], up to cap), so out needs no memset.
-        c = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cm = cols < d
-        r = tl.arange(0, CHUNK)
-        unused = tl.load(slot + n - 1) + 1 + c * CHUNK + r
-        tl.store(out + unused[:, None] * out_stride + cols[None, :],
-                 tl.zeros([CHUNK, BLOCK_C], dtype=out.dtype.element_ty),
-                 mask=(unused < cap)[:, None] & cm[None, :])
-        pc = c.to(tl.int64) * d                         # this chunk's row of the parts
-        base = c * CHUNK + tl.zeros([CHUNK], dtype=tl.int32)  # (vectors: every mask is one)
-        p = base + r
-        live = p < n
-        s = tl.load(slot + p, mask=live, other=-1)
-        prev = tl.load(slot + p - 1, mask=live & (p > 0), other=-1)
-        nxt = tl.load(slot + p + 1, mask=p + 1 < n, other=-2)
-        row = tl.load(order + p, mask=live, other=0).to(tl.int64)
-        m2 = live[:, None] & cm[None, :]
-        v = tl.load(src + row[:, None] * src_stride + cols[None, :] * src_cstride, mask=m2,
-                    other=0.0).to(out.dtype.element_ty)
-        new = (r == 0) | (s != prev)                    # a run starts at this position
-        starts = (new[:, None] | ~m2).to(tl.int32)
-        _, acc = tl.associative_scan((starts, v), 0, _run_sum)
-        first = tl.load(slot + base)
-        before = tl.load(slot + base - 1, mask=base > 0, other=-1)
-        through = (base > 0) & (before == first) & (s == first)   # the run began earlier
-        tail = live & (nxt != s)                        # the run ends here
-        orow = s.to(tl.int64)[:, None] * out_stride + cols[None, :]
-        tl.store(out + orow, acc, mask=m2 & (tail & ~through)[:, None])
-        at_end = r == CHUNK - 1
-        here = tl.zeros([CHUNK, BLOCK_C], dtype=tl.int64) + pc + cols[None, :]
-        tl.store(part_first + here, acc, mask=m2 & (through & (tail | at_end))[:, None])
-        tl.store(part_last + here, acc, mask=m2 & (at_end & ~tail & ~through)[:, None])
-
-    @triton.jit
-    def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d,
-                     CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Pass 2, one program per chunk: where a run begins in this chunk and goes on past it,
-        # its start (part_last) plus its pieces in the chunks after (part_first), PARTS
-        # chunks at a time, each block summed by one fixed reduction tree.
-        c = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cm = cols < d
-        base = c * CHUNK
-        last = base + CHUNK - 1
-        s = tl.load(slot + last, mask=last < n, other=-1)
-        nxt = tl.load(slot + last + 1, mask=last + 1 < n, other=-2)
-        first = tl.load(slot + base)
-        before = tl.load(slot + base - 1, mask=base > 0, other=-1)
-        through = (base > 0) & (before == first) & (first == s)   # one run from before
-        start = (last + 1 < n) & (nxt == s) & ~through
-        mask = tl.where(start, cm, False)
-        acc = tl.load(part_last + c.to(tl.int64) * d + cols, mask=mask, other=0.0)
-        k = c + 1
-        go = start
-        while go:
-            ks = k + tl.arange(0, PARTS)
-            inside = ks < chunks
-            mine = inside & (tl.load(slot + ks * CHUNK, mask=inside, other=-1) == s)
-            piece = tl.load(part_first + ks.to(tl.int64)[:, None] * d + cols[None, :],
-                            mask=mine[:, None] & cm[None, :], other=0.0)
-            acc = acc + tl.sum(piece, 0)
-            k = k + PARTS
-            go = tl.sum(mine.to(tl.int32), 0) == PARTS
-        tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=mask)
-
     return {"gather": gather, "put": put, "patch": patch, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
             "rowwise_adagrad": rowwise_adagrad, "partial_rowwise_adam": partial_rowwise_adam,
-            "admit_count": admit_count, "admit_sets": admit_sets,
-            "segment_chunks": segment_chunks, "segment_join": segment_join}
+            **admission._kernels(), **segsum._kernels()}     # every kernel, by name
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
 # "copy", "update"); a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the
 # choices.
 TILES: dict = {}
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    """The smallest power of two >= ``n`` (and >= ``least``)."""
-    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
@@ -716,67 +544,6 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-
-
-def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> None:
-    """A :class:`~nbtools.cache.RowCache`'s admission for one lookup's unique ``ids`` in two
-    kernels (one pass over the ids, one over the sets), the same decisions as its torch
-    code; ``cache.tick`` has been advanced already."""
-    cap = ids.numel()
-    k = _kernels()
-    block = 1024
-    k["admit_count"][(triton_cdiv(cap, block),)](
-        ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
-        cache._best, cache.sets, cache.stats, HASH=CACHE_HASH, BLOCK=block)
-    width = cache.rows.shape[1]
-    k["admit_sets"][(cache.sets,)](
-        cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
-        cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
-        WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
-
-
-# segment_sum: positions per program of its first pass, and chunks summed per reduction of its
-# second (a run of r equal ids takes r / SEGMENT_CHUNK pieces, r / (SEGMENT_CHUNK *
-# SEGMENT_PARTS) rounds of the second pass: 4 for the hottest id of 65,536 Zipf(1.1) ids).
-SEGMENT_CHUNK = 32
-SEGMENT_PARTS = 64
-
-
-def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
-    """``out[slot[j]] = sum of src[order[j]]`` over each run of equal ``slot[j]``, in a fixed
-    order: the same bits on every run, whatever the GPU's scheduling (no atomics).
-
-    ``src`` [n, d] (any strides); ``order`` [n]: positions of ``src`` sorted by their slot
-    (stable: ascending within a slot); ``slot`` [n]: the slot of each sorted position,
-    nondecreasing, every slot below the last one present (a RowBatch's ``order`` and
-    ``slot``). ``out`` [cap, d] with a unit column stride, any contents: every row is written,
-    the rows of slots past the last one with zeros. Runs are summed in chunks of
-    :data:`SEGMENT_CHUNK` positions, in order within a chunk; a run spanning chunks adds its
-    chunks' sums by a fixed tree. The association is fixed by ``n`` and the runs, so it is
-    not ``index_add_``'s left-to-right order (it equals it for runs within one chunk).
-    """
-    n, d = src.shape
-    if n == 0 or d == 0:
-        return out
-    chunks = triton_cdiv(n, SEGMENT_CHUNK)
-    block_c = min(256, _pow2(d, 16))
-    grid = (chunks, triton_cdiv(d, block_c))
-    parts = torch.empty(2, chunks, d, dtype=out.dtype, device=out.device)
-    warps = max(1, min(4, block_c // 32))
-    k = _kernels()
-    k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
-                              out.stride(0), out.shape[0], parts[0], parts[1], d,
-                              CHUNK=SEGMENT_CHUNK,
-                              BLOCK_C=block_c, num_warps=warps)
-    k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
-                            CHUNK=SEGMENT_CHUNK, PARTS=SEGMENT_PARTS, BLOCK_C=block_c,
-                            num_warps=warps)
-    return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass
