@@ -106,17 +106,46 @@ def devices():
 # left with one of them at the end; lower runs earlier, files not named here keep their place.
 FIRST = {"test_dashboard_browser.py": 0, "test_notebooks.py": 1, "test_distributed.py": 2,
          "test_cache.py": 3, "test_step.py": 4}
-# Tests that must share a worker: the multi-process tests each pick a free port and start
-# several processes, so they run one after another rather than beside each other.
-GROUPS = {"test_distributed.py": "processes"}
 
 
-@pytest.hookimpl(tryfirst=True)     # before xdist's (a worker's), which reads xdist_group marks
+def _same_params(nodeid: str) -> str:
+    """The tests of a file with the same parameters (test_determinism: a case's tests share its
+    uninterrupted run, trained once per process)."""
+    path, _, name = nodeid.partition("::")
+    return path + (name[name.index("["):] if "[" in name else "")
+
+
+# Tests that share a pytest-xdist worker, by file: a group's tests run on one worker, one after
+# another. The multi-process tests each pick a free port and start several processes, so they
+# run one after another rather than beside each other.
+GROUPS = {"test_distributed.py": lambda nodeid: "processes",
+          "test_determinism.py": _same_params}
+
+
+def group_of(nodeid: str) -> str:
+    """The unit of work of a test under --dist loadgroup: its group (GROUPS), or itself."""
+    group = GROUPS.get(nodeid.partition("::")[0].rsplit("/", 1)[-1])
+    return nodeid if group is None else group(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by GROUPS. pytest-xdist's own loadgroup reads xdist_group marks in
+    each worker and renames the test (a suffix), which pytest 9 ignores (a test's id is no
+    longer its _nodeid): every test ran as its own unit. The scheduler, in the controlling
+    process, sees only the tests' ids: these groups are rules on ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group_of(nodeid)
+    return Groups(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = GROUPS.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: FIRST.get(item.path.name, len(FIRST)))     # stable
     if cuda_ok():
         return
