@@ -170,6 +170,7 @@ def main():
     device = resolve_device(args.device)
     placements = args.placements.split(",")
     root = args.dir or tempfile.gettempdir()
+    os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix="nbtools-pretrained-", dir=root)
     need = rows * args.dim * 4 * (1 + ("disk" in placements))
     free = shutil.disk_usage(work).free
