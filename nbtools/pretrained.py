@@ -615,8 +615,7 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
         options["dtype"] = dtype
     if isinstance(padding_idx, (int, np.integer)) and -n <= padding_idx < n:
         _warn_padding(src, int(padding_idx) % n)
-    # the table draws N(0, 1) rows when built: from the forked stream, so the caller's is untouched
-    with torch.random.fork_rng(devices=_cuda_indices(device), device_type="cuda"):
+    with cls._rows_written_next():  # no N(0, 1) draw (every row is written below): no RNG used
         table = cls(n, d, padding_idx=padding_idx, name=name, device=device,
                     placement=placement, config=config, **options)
     try:
@@ -639,15 +638,6 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
         raise
     table.trainable = not freeze
     return table
-
-
-def _cuda_indices(device) -> list:
-    """The CUDA device indices whose random streams building a table on ``device`` may use."""
-    if not cuda_ok():
-        return []
-    from .devices import resolve_device
-    dev = resolve_device(device)
-    return [dev.index] if dev.type == "cuda" else []
 
 
 def _warn_padding(src: _Source, p: int) -> None:

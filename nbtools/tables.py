@@ -19,7 +19,9 @@ writes one long row per id instead of k + 1 short ones: on an H100, zero-copy ga
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 import numpy as np
 import torch
@@ -121,6 +123,21 @@ class TableConfig:
                              f"memory), True or False, got {self.write_behind!r}")
 
 
+_BUILDING = threading.local()
+
+
+@contextlib.contextmanager
+def rows_written_next():
+    """Tables built in this block (on this thread) skip ``nn.Embedding``'s N(0, 1) draw: their
+    builder writes every row before anything reads one (:func:`nbtools.pretrained.from_pretrained`:
+    a 20 GB table's draw would take a second of GPU and RNG set-up for rows overwritten at once)."""
+    _BUILDING.rows_written_next = True
+    try:
+        yield
+    finally:
+        _BUILDING.rows_written_next = False
+
+
 class OffloadedEmbedding(TableLookups, nn.Module):
     """``nn.Embedding`` whose table lives in (pinned) host memory.
 
@@ -209,6 +226,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._cache_counts = CacheCounts()   # its readings, as optimizer steps take them
         self._cache_why = ""
         self.trainable = True
+        if getattr(_BUILDING, "rows_written_next", False):
+            return                   # its builder writes every row next (from_pretrained)
         with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
             if self._disk is not None:
                 from . import disk
@@ -492,6 +511,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
             s += (f", cache={self._rows.cache.capacity:,} rows "
                   f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")
         return s
+
+    _rows_written_next = staticmethod(rows_written_next)   # (what from_pretrained builds in)
 
     @classmethod
     def from_pretrained(cls, source, **kwargs) -> "OffloadedEmbedding":
