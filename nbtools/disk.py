@@ -64,17 +64,18 @@ DISK_THREADS = 32
 # Every disk table's traffic, for the meters and the dashboard (plain counters: the GIL keeps
 # each += whole; the read-ahead thread adds to them too).
 _counters = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0,
-             "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0}
+             "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0, "ahead_rows": 0}
 
 
 def disk_counters() -> dict:
     """Cumulative disk-table traffic: bytes read and written, seconds spent in reads and
     writes, unique rows looked up in training and evaluation and how many of them were in RAM
     (``hit_rows``), and ``wait_s``: seconds the training loop's thread spent waiting for the
-    disk (its own reads and write-backs, and waiting for a read-ahead to finish).
+    disk (its own reads and write-backs, and waiting for a read-ahead to finish);
+    ``ahead_rows``: rows read-aheads brought in (nonzero once ``table.prefetch`` is in use).
 
     >>> sorted(disk_counters())[:3]
-    ['hit_rows', 'lookup_rows', 'read_bytes']
+    ['ahead_rows', 'hit_rows', 'lookup_rows']
     """
     return dict(_counters)
 
@@ -385,6 +386,10 @@ class DiskRows(WholeTable):
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
         return self._writer
+
+    def _count_ahead(self, rows: int) -> None:
+        self.stats["read_ahead"] += rows
+        _counters["ahead_rows"] += rows
 
     def _count_read(self, ids: np.ndarray, seconds: float) -> None:
         _counters["read_s"] += seconds

@@ -121,7 +121,7 @@ class ReadAhead:
                         item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
                     self.loads.append(item)
                     item.io = self._io.submit(self._load, item)
-                    d.stats["read_ahead"] += len(free)
+                    d._count_ahead(len(free))
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
 
     def _load(self, item: _Ahead) -> None:

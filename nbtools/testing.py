@@ -93,7 +93,7 @@ class FakeBackend:
     def disk_io(self, **counts) -> None:
         """Pretend disk tables moved rows: adds to the :func:`nbtools.disk.disk_counters`
         names given (``read_bytes``, ``write_bytes``, ``read_s``, ``write_s``,
-        ``lookup_rows``, ``hit_rows``, ``wait_s``); the first call makes the disk readings
+        ``lookup_rows``, ``hit_rows``, ``wait_s``, ``ahead_rows``); the first call makes the disk readings
         0 instead of N/A, as importing ``nbtools.disk`` does.
 
         >>> b = FakeBackend()

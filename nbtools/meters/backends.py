@@ -22,7 +22,7 @@ NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes"
 LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
 # nbtools.disk.disk_counters(), every disk table's cumulative traffic, under these names
 DISK_COUNTERS = ("read_bytes", "write_bytes", "read_s", "write_s", "lookup_rows", "hit_rows",
-                 "wait_s")
+                 "wait_s", "ahead_rows")
 DISK_KEYS = tuple(f"nbtools_disk_{k}" for k in DISK_COUNTERS)
 _READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
             "nbtools": NBTOOLS_KEYS, "disk": DISK_KEYS, "link": LINK_KEYS}

@@ -154,6 +154,9 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     >>> diagnose({"disk_wait_s": 0.006, "step_s": 0.010, "host_cache_hit_percent": 91.0,
     ...           "nbtools_disk_read_bytes_per_s": 200e6, "gpu_util_percent": 40})[:86]
     'disk-bound: 60% of each step waits for the disk (reads 200.0 MB/s, RAM cache hits 91%)'
+    >>> diagnose({"disk_wait_s": 0.006, "step_s": 0.010, "nbtools_disk_ahead_rows_per_s": 9e4,
+    ...           "nbtools_disk_read_bytes_per_s": 200e6}).split("; ")[1]
+    'a larger host_cache_bytes or a faster disk helps (read-ahead is on)'
     """
     r = record
     link = link_bytes_per_s or r.get("link_bytes_per_s")
@@ -161,11 +164,13 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     disk = _disk_share(r)
     if disk is not None:
         hits = r.get("host_cache_hit_percent")
+        ahead = r.get("nbtools_disk_ahead_rows_per_s")
+        helps = ("a larger host_cache_bytes or a faster disk helps (read-ahead is on)"
+                 if ahead else "a larger host_cache_bytes, table.prefetch(next_ids) to read "
+                 "ahead while a step computes, or a faster disk helps")
         return (f"disk-bound: {disk:.0%} of each step waits for the disk (reads "
                 f"{fmt_rate(r.get('nbtools_disk_read_bytes_per_s'))}, RAM cache hits "
-                f"{'N/A' if hits is None else f'{hits:.0f}%'}); a larger host_cache_bytes, "
-                "table.prefetch(next_ids) to read ahead while a step computes, or a faster disk "
-                "helps")
+                f"{'N/A' if hits is None else f'{hits:.0f}%'}); {helps}")
     data_frac = _frac(r.get("data_wait_s"), step)
     if data_frac is not None and data_frac >= 0.3:
         return (f"data-bound: {data_frac:.0%} of each step waits for the next batch; "
@@ -272,7 +277,7 @@ RUN_MEAN_KEYS = ("gpu_util_percent", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s
                  "nbtools_h2d_bytes_per_s", "nbtools_d2h_bytes_per_s",
                  "nbtools_cache_saved_bytes_per_s", "cache_hit_percent",
                  "nbtools_disk_read_bytes_per_s", "nbtools_disk_write_bytes_per_s",
-                 "host_cache_hit_percent")
+                 "nbtools_disk_ahead_rows_per_s", "host_cache_hit_percent")
 
 
 class RunMeans:

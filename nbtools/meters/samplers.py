@@ -168,7 +168,8 @@ class Meters:
     nbtools' cumulative counters become rates over the interval since the previous
     :meth:`read`: ``nbtools_h2d_bytes_per_s``, ``cache_hit_percent`` (the GPU cache of hot
     rows), and for the disk tier ``nbtools_disk_read_bytes_per_s``,
-    ``nbtools_disk_write_bytes_per_s`` and ``host_cache_hit_percent`` (the share of the unique
+    ``nbtools_disk_write_bytes_per_s``, ``nbtools_disk_ahead_rows_per_s`` (rows read ahead by
+    ``table.prefetch``) and ``host_cache_hit_percent`` (the share of the unique
     rows disk tables looked up that were already in their RAM cache). The disk rates are N/A
     until disk tables have looked up rows or moved bytes since these meters were made
     (:attr:`disk_in_use`), so a run without them shows no disk tier, even in a process where
@@ -243,7 +244,8 @@ class Meters:
             self.disk_in_use = any(rec[k] is not None and rec[k] > (self._disk_start[k] or 0)
                                    for k in _DISK_USE)
         use = self.disk_in_use
-        for k in ("nbtools_disk_read_bytes", "nbtools_disk_write_bytes"):
+        for k in ("nbtools_disk_read_bytes", "nbtools_disk_write_bytes",
+                  "nbtools_disk_ahead_rows"):
             d = delta(k) if use else None
             rec[f"{k}_per_s"] = None if d is None else d / dt
         looked = delta("nbtools_disk_lookup_rows") if use else None
