@@ -13,6 +13,7 @@ table's lazy semantics. See docs/distributed.md.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 
@@ -193,7 +194,9 @@ class ShardedEmbedding(nn.Module):
         got = _RowsToRequesters.apply(rows, asked, served, self.group, self._comm_device)
         slot = torch.empty_like(order)
         slot[order] = torch.arange(order.numel(), device=order.device)
-        return got.index_select(0, slot[inverse]).view(*ids.shape, self.embedding_dim)
+        # F.embedding, not index_select: its backward sums each id's rows in a fixed order
+        # (sort-based) where index_select's adds with atomics on CUDA (issue 24)
+        return F.embedding(slot[inverse], got).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
