@@ -1,7 +1,10 @@
 """tests/conftest.py speeds up Triton's interpreter (the CPU runs of the fused kernels): these
 check that what it changes computes the same bits as the interpreter's own code and as a plain
 sequential loop."""
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -72,3 +75,47 @@ def test_scan_a_slice_at_a_time_matches_the_interpreters_own_scan(axis, reverse)
             ti.ScanOps.generic_scan = patched
         assert np.array_equal(out1.numpy(), want[0]), (generic_scan, out1, want[0])
         assert np.array_equal(out2.numpy(), want[1]), (generic_scan, out2, want[1])
+
+
+def test_remembered_numpy_dtypes_are_the_interpreters():
+    remembered = ti._get_np_dtype
+    if not hasattr(remembered, "real"):
+        pytest.skip("tests/conftest.py did not patch this Triton's interpreter")
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
+               tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64]
+    types = scalars + [tl.pointer_type(t) for t in scalars] + \
+        [tl.block_type(t, shape) for t in scalars + [tl.pointer_type(tl.float32)]
+         for shape in ([4], [8, 16])]
+    for _ in range(2):                  # remembered the first time, then read back
+        for t in types:
+            assert remembered(t) == remembered.real(t), t
+    # equal types made apart answer alike
+    assert remembered(tl.block_type(tl.bfloat16, [2])) == np.dtype(np.uint16)
+
+
+def test_remembered_builtins_are_the_ones_the_interpreter_patches():
+    """The builtins patched at a launch are those the interpreter's own function patches in a
+    fresh process, where nothing is patched yet (here kernels that ran before may have left
+    some patched: Triton 3.9 leaves most of triton.language.core patched after a cache's
+    kernels)."""
+    remembered = ti._patch_builtin
+    if not hasattr(remembered, "real"):
+        pytest.skip("tests/conftest.py did not patch this Triton's interpreter")
+    code = """if 1:
+        import json
+        from triton.runtime import interpreter as ti
+        tl, out = ti.tl, {}
+        for pkg in (tl, tl.core, tl.math, tl.core.tensor):
+            scope = ti._LangPatchScope()
+            ti._patch_builtin(pkg, ti.interpreter_builder, scope)
+            out[pkg.__name__] = sorted(name for _, name, _ in scope._changes)
+            scope.restore()
+        print(json.dumps(out))"""
+    fresh = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                      text=True, check=True).stdout)
+    for pkg in (tl, tl.core, tl.math, tl.core.tensor):
+        scope = ti._LangPatchScope()
+        remembered(pkg, ti.interpreter_builder, scope)
+        got = sorted(name for _, name, _ in scope._changes)
+        scope.restore()
+        assert got == fresh[pkg.__name__] and got, (pkg, set(got) ^ set(fresh[pkg.__name__]))
