@@ -119,11 +119,13 @@ def _remember_interpreter_lookups():
                 for pkg in (tl, tl.core, tl.math, tl.core.tensor)}
 
     def get_np_dtype(tt_dtype):
+        # a block's is its element's (block types are not hashable)
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
         try:
-            return dtypes[tt_dtype]
+            return dtypes[key]
         except KeyError:
-            dtypes[tt_dtype] = real_dtype(tt_dtype)
-            return dtypes[tt_dtype]
+            dtypes[key] = real_dtype(key)
+            return dtypes[key]
         except TypeError:               # not hashable
             return real_dtype(tt_dtype)
 
