@@ -1,14 +1,9 @@
 import os
 
 import pytest
-import torch
 
-from nbtools.devices import cuda_ok
-
-# Without a GPU, Triton's interpreter runs the fused kernels on CPU tensors (tests/test_step.py):
-# set before anything imports triton.
-if not cuda_ok():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch is imported where tests run: not in pytest-xdist's controlling process (scripts/test.sh),
+# which runs none, and so starts its workers ~2 s sooner (pytest_configure).
 
 
 def _skip_repeated_interpreter_patches():
@@ -139,15 +134,34 @@ def _remember_interpreter_lookups():
     ti._get_np_dtype, ti._patch_builtin = get_np_dtype, patch_builtin
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _skip_repeated_interpreter_patches()
-    _scan_a_slice_at_a_time()
-    _remember_interpreter_lookups()
+def cuda_ok() -> bool:
+    from nbtools.devices import cuda_ok
+    return cuda_ok()
 
 
 def devices():
     """Devices every behaviour test runs on: the CPU always, CUDA where there is one."""
     return ["cpu", "cuda"] if cuda_ok() else ["cpu"]
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return                  # pytest-xdist's controlling process: its workers run the tests
+    # Without a GPU, Triton's interpreter runs the fused kernels on CPU tensors
+    # (tests/test_step.py): set before anything imports triton (the tests' modules).
+    if not cuda_ok():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _skip_repeated_interpreter_patches()
+        _scan_a_slice_at_a_time()
+        _remember_interpreter_lookups()
+
+    class DeviceFixture:
+        @pytest.fixture(params=devices())
+        def device(self, request):
+            import torch
+            return torch.device(request.param)
+    config.pluginmanager.register(DeviceFixture(), "nbtools-device-fixture")
 
 
 # Under pytest-xdist (scripts/test.sh): the longest tests start first, so that no worker is
@@ -203,16 +217,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=devices())
-def device(request):
-    return torch.device(request.param)
-
-
 @pytest.fixture
 def slow_write_backs(monkeypatch):
     """Every write-back behind a step (RowStore.write_behind) held ~5 ms on its CUDA stream
     before it writes: work queued after it that read host rows without waiting or patching
     would read rows it has not written yet. (On the CPU write-backs run at once: no-op.)"""
+    import torch
+
     from nbtools import kernels
     put = kernels.put_rows
 
