@@ -166,6 +166,8 @@ def pytest_configure(config):
 
 # Under pytest-xdist (scripts/test.sh): the longest tests start first, so that no worker is
 # left with one of them at the end; lower runs earlier, files not named here keep their place.
+# (xdist hands out the groups of several tests (GROUPS) first, the largest first, then the
+# other tests in this order.)
 FIRST = {"test_dashboard_browser.py": 0, "test_notebooks.py": 1, "test_distributed.py": 2,
          "test_cache.py": 3, "test_step.py": 4}
 
