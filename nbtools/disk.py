@@ -395,10 +395,10 @@ class DiskRows(WholeTable):
         _counters["read_s"] += seconds
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
-    def _load(self, ids: np.ndarray, slots: np.ndarray, ahead: bool = False) -> None:
+    def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
         another thread meanwhile (the disk serves both at once; they touch different rows).
-        ``ahead``: a read-ahead's (its rows do not count as RAM hits when looked up)."""
+        (A read-ahead's loads are :mod:`nbtools.readahead`'s, outside the lock.)"""
         writing = None
         if self._stash:
             stash, self._stash = self._stash, []
@@ -411,8 +411,6 @@ class DiskRows(WholeTable):
                 writing.result()
         self._count_read(ids, time.perf_counter() - t0)
         self._placed(ids, slots)
-        if ahead:
-            self.ahead[slots] = True
 
     def _placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""
