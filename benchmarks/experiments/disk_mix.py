@@ -1,0 +1,175 @@
+"""What slows a disk table's step reads down: the write-backs beside them, or the GIL?
+
+A disk table's Zipf step reads ~2,000 missed rows and writes back about as many evicted dirty
+ones, on two threads at once (nbtools.disk). This times RowFile random reads of a step's size
+alone and beside each of the things that run with them in a training loop:
+
+  read            batches of --batch unique random rows, sorted (RowFile, O_DIRECT, --threads)
+  write           the same, written (a second RowFile on the same file)
+  read+write      both at once, each on its own thread and pool: the loop's disk traffic
+  read+append     reads beside writes of as many rows as were read, to *consecutive* slots at
+                  a moving head (what a log-structured layout would write instead)
+  read+python     reads beside a thread running pure Python (holds the GIL between switches)
+  read+numpy      reads beside a thread doing numpy work on ~2 MB arrays (sort, unique, take)
+
+Rows/s of the reads in each cell (and of the writes where there are some), cells interleaved
+over --rounds so that a cloud disk's drift shows as spread, not as a difference.
+
+    python3 benchmarks/experiments/disk_mix.py --dir /tmp/nbtools-mix --gib 8 --out mix.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from nbtools.rowfile import RowFile  # noqa: E402
+
+ROW = 512
+
+
+def batches_of(rng, n_rows: int, batch: int):
+    while True:
+        yield np.unique(rng.integers(0, n_rows, batch))
+
+
+def reader(f: RowFile, rng, n_rows, batch, stop, out_counts):
+    buf = np.empty((batch, ROW), dtype=np.uint8)
+    gen = batches_of(rng, n_rows, batch)
+    while not stop.is_set():
+        ids = next(gen)
+        f.read(ids, buf[: len(ids)])
+        out_counts[0] += len(ids)
+
+
+def writer(f: RowFile, rng, n_rows, batch, stop, out_counts, append: bool, pace=None):
+    """Random row writes, or (``append``) consecutive ones at a moving head; with ``pace``
+    (the reader's count), no more rows written than read: a loop writes back what it reads."""
+    buf = np.zeros((batch, ROW), dtype=np.uint8)
+    gen = batches_of(rng, n_rows, batch)
+    head = 0
+    while not stop.is_set():
+        if pace is not None and out_counts[0] > pace[0]:
+            time.sleep(0.0005)
+            continue
+        if append:
+            if head + batch > n_rows:
+                head = 0
+            f.write_range(head, buf)
+            head += batch
+            out_counts[0] += batch
+        else:
+            ids = next(gen)
+            f.write(ids, buf[: len(ids)])
+            out_counts[0] += len(ids)
+
+
+def python_busy(stop, counts):
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i * i % 7
+        counts[0] += 1000
+
+
+def numpy_busy(stop, counts):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 1 << 40, 262_144)
+    while not stop.is_set():
+        u = np.unique(a)
+        np.take(u, np.argsort(a[: len(u)], kind="stable"))
+        counts[0] += 1
+
+
+def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> dict:
+    stop = threading.Event()
+    reads, other = [0], [0]
+    rng_r, rng_w = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
+    threads = []
+    if kind != "write":
+        threads.append(threading.Thread(target=reader,
+                                        args=(rf, rng_r, n_rows, args.batch, stop, reads)))
+    if kind in ("write", "read+write", "read+append"):
+        threads.append(threading.Thread(target=writer, args=(
+            wf, rng_w, n_rows, args.batch, stop, other, kind == "read+append",
+            reads if kind == "read+append" else None)))
+    elif kind == "read+python":
+        threads.append(threading.Thread(target=python_busy, args=(stop, other)))
+    elif kind == "read+numpy":
+        threads.append(threading.Thread(target=numpy_busy, args=(stop, other)))
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(args.seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    out = {"read_rows_per_s": reads[0] / dt}
+    if kind in ("write", "read+write", "read+append"):
+        out["write_rows_per_s"] = other[0] / dt
+    elif kind != "read":
+        out["other_per_s"] = other[0] / dt
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/nbtools-mix")
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, "mix.rows")
+    n_rows = int(args.gib * (1 << 30)) // ROW
+    f = RowFile.create(path, n_rows, ROW, {"what": "disk_mix"}, threads=args.threads,
+                       overwrite=True)
+    t0 = time.perf_counter()
+    chunk = np.full((1 << 17, ROW), 7, dtype=np.uint8)      # 64 MiB: fill (written blocks)
+    for start in range(0, n_rows, len(chunk)):
+        f.write_range(start, chunk[: min(len(chunk), n_rows - start)])
+    f.flush()
+    fill = time.perf_counter() - t0
+    print(f"file {n_rows:,} rows of {ROW} B written in {fill:.1f} s "
+          f"({n_rows * ROW / fill / 1e9:.2f} GB/s), direct={f.direct}", flush=True)
+    wf = f
+    rf = RowFile.open(path, threads=args.threads, writable=False, unclean_ok=True) \
+        if "unclean_ok" in RowFile.open.__code__.co_varnames else \
+        RowFile.open(path, threads=args.threads, writable=False)
+    kinds = ["read", "write", "read+write", "read+append", "read+python", "read+numpy"]
+    res = {"args": vars(args), "fill_gb_s": n_rows * ROW / fill / 1e9, "cells": {k: [] for k in kinds}}
+    for r in range(args.rounds):
+        for i, kind in enumerate(kinds):
+            c = cell(kind, rf, wf, n_rows, args, seed=100 * r + i)
+            res["cells"][kind].append(c)
+            print(f"round {r} {kind:12s} " + ", ".join(f"{k} {v:,.0f}" for k, v in c.items()),
+                  flush=True)
+    rf.close()
+    f.close()
+    os.remove(path)
+    print(f"\n| cell | read rows/s (median of {args.rounds}) | x read alone | "
+          "write rows/s | other |\n|---|---:|---:|---:|---:|")
+    base = float(np.median([c["read_rows_per_s"] for c in res["cells"]["read"]]))
+    for kind in kinds:
+        cs = res["cells"][kind]
+        med = lambda key: float(np.median([c[key] for c in cs])) if key in cs[0] else None  # noqa
+        rd, wr, ot = med("read_rows_per_s"), med("write_rows_per_s"), med("other_per_s")
+        print(f"| {kind} | {rd:,.0f} | {rd / base:.2f} | "
+              f"{'' if wr is None else f'{wr:,.0f}'} | {'' if ot is None else f'{ot:,.0f}'} |")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
