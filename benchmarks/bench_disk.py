@@ -213,13 +213,23 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
     return sum("synchroniz" in str(w.message) for w in caught) / len(batches)
 
 
-def probe(table, n: int, threads: int, gen) -> float:
-    """Rows per second of RowFile random reads (unique, sorted) on the table's own file."""
+def engines() -> list:
+    """RowFile's I/O engines on this machine (nbtools.fileio.RequestPool)."""
+    from nbtools.fileio import _aio
+    return ["threads"] + (["aio"] if _aio.ready() else [])
+
+
+def probe(table, n: int, threads: int, gen, engine: str | None = None) -> float:
+    """Rows per second of RowFile random reads (unique, sorted) on the table's own file; the
+    best of the engines when ``engine`` is None."""
+    if engine is None:
+        return max(probe(table, n, threads, gen, e) for e in engines())
     from nbtools.rowfile import RowFile
     f = table.disk.file
     ids = np.unique(gen.integers(0, table.num_embeddings, n))
     out = np.empty((len(ids), f.row_bytes), dtype=np.uint8)
     rf = RowFile.open(f.path, threads=threads, writable=False)
+    rf.engine = engine
     try:
         rf.read(ids[: min(2048, len(ids))], out[: min(2048, len(ids))])       # warm the pool
         t0 = time.perf_counter()
@@ -229,13 +239,18 @@ def probe(table, n: int, threads: int, gen) -> float:
         rf.close()
 
 
-def probe_steps(table, batch: int, count: int, threads: int, gen) -> float:
+def probe_steps(table, batch: int, count: int, threads: int, gen,
+                engine: str | None = None) -> float:
     """Rows per second of ``count`` back-to-back reads of ``batch`` random unique rows each
     (a loop's reads without its compute): the rate the disk sustains at a step's read size
-    over a loop's length, where the short probe above may ride a cloud disk's burst."""
+    over a loop's length, where the short probe above may ride a cloud disk's burst. The best
+    of the engines when ``engine`` is None."""
+    if engine is None:
+        return max(probe_steps(table, batch, count, threads, gen, e) for e in engines())
     from nbtools.rowfile import RowFile
     f = table.disk.file
     rf = RowFile.open(f.path, threads=threads, writable=False)
+    rf.engine = engine
     out = np.empty((batch, f.row_bytes), dtype=np.uint8)
     try:
         batches = [np.unique(gen.integers(0, table.num_embeddings, batch)) for _ in range(count)]
@@ -308,8 +323,12 @@ def main():
     mem.mark("initialised")
     # after the rows are written: unwritten extents of a new file read as zeros, unread
     n_probe = min(args.ids * 2, args.rows)
+    res["engine"] = table.disk.file.engine
     for threads in (16, 32, 64):
-        res[f"probe_rows_per_s_{threads}"] = probe(table, n_probe, threads, gen)
+        for eng in engines():
+            res[f"probe_{eng}_rows_per_s_{threads}"] = probe(table, n_probe, threads, gen, eng)
+        res[f"probe_rows_per_s_{threads}"] = max(res[f"probe_{e}_rows_per_s_{threads}"]
+                                                 for e in engines())
         res[f"probe_small_rows_per_s_{threads}"] = probe(table, 2048, threads, gen)
     probed = max(res[f"probe_rows_per_s_{t}"] for t in (16, 32, 64))
     mem.mark("probed")
@@ -417,8 +436,9 @@ def main():
                   f"{res['row_bytes']} B/row, file {res['file_bytes'] / 2**30:.1f} GiB"),
         ("RAM cache", f"{res['cache_rows']:,} rows, warmed in {res['warm_s']:.1f} s"),
         ("init (write every row) s", f"{res['init_s']:.1f}"),
-        ("probe rows/s, 16 / 32 / 64 threads", " / ".join(
-            f"{res[f'probe_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))),
+        *[(f"probe rows/s, 16 / 32 / 64 in flight, {e} engine", " / ".join(
+            f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))) for e in engines()],
+        ("the table's engine", res["engine"]),
         ("probe of 2,048 rows, rows/s, 16 / 32 / 64", " / ".join(
             f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))),
         (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / {args.ahead} ahead)",

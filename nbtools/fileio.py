@@ -27,30 +27,49 @@ True
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import mmap
 import os
+import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+ENGINES = ("aio", "threads")
+AIO_BATCH = 4096                 # requests per lio_listio call at most
+
 
 class RequestPool:
     """Requests of one file, many in flight, and the bounce buffers kept between calls.
 
+    Two engines issue the requests (``engine``; default: ``NBTOOLS_DISK_ENGINE``, else
+    ``"aio"`` where it works):
+
+    * ``"aio"``: glibc's POSIX AIO. One ``lio_listio`` call hands every request of a call to
+      glibc's own C threads and waits for them, the GIL released throughout (a ctypes call):
+      no Python runs per request, so a training loop's Python does not slow the reads, nor
+      they it. glibc runs one request of a file descriptor at a time, so the requests are
+      spread over ``threads`` duplicates of the descriptor. Linux with glibc only; checked by
+      a self-test at first use (anything unexpected: ``"threads"`` from then on).
+    * ``"threads"``: Python threads in ``os.preadv`` / ``os.pwritev`` (which release the GIL
+      during the system call, but need it between two).
+
     Args:
-        threads: requests in flight at most (the pool has ``threads - 1`` threads: the calling
-            thread works too).
+        threads: requests in flight at most (``"threads"``: the pool has ``threads - 1``
+            threads, the calling thread working too; ``"aio"``: descriptors).
         keep_bytes: bytes of buffers kept between calls at most (the largest are kept).
         name: the pool threads' name prefix.
+        engine: ``"aio"``, ``"threads"`` or None (the default above).
     """
 
-    def __init__(self, threads: int, keep_bytes: int, name: str):
+    def __init__(self, threads: int, keep_bytes: int, name: str, engine: str | None = None):
         self.threads = max(1, int(threads))
         self.keep_bytes = keep_bytes
         self.name = name
+        self.engine = default_engine() if engine is None else _check_engine(engine)
         self._pool = None
         self._closed = False
         self._lock = threading.Lock()
@@ -63,10 +82,13 @@ class RequestPool:
         Handed out in chunks of requests (``chunk`` each; 0: a size that keeps every thread
         busy) to the pool's threads and the calling thread, each taking the next chunk when
         done (a slow request delays only its own thread)."""
-        flat = memoryview(buf.reshape(-1))
-        op = _pwrite_all if write else _pread_all
         jobs = len(boff)
         workers = min(self.threads, jobs)
+        if workers > 1 and self.engine == "aio" and _aio.ready():
+            _aio.run(fd, buf, boff, blen, foff, write, self.threads)
+            return
+        flat = memoryview(buf.reshape(-1))
+        op = _pwrite_all if write else _pread_all
         if workers <= 1:
             for j in range(jobs):
                 op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
@@ -139,6 +161,150 @@ class RequestPool:
             # joining threads from a finalizer run by the garbage collector can deadlock (a
             # collection inside Thread.start holds the lock that join needs)
             pool.shutdown(wait=False)
+
+
+def _check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"disk I/O engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    return engine
+
+
+def default_engine() -> str:
+    """``NBTOOLS_DISK_ENGINE`` if set, else ``"aio"`` where glibc's AIO works, else
+    ``"threads"``."""
+    env = os.environ.get("NBTOOLS_DISK_ENGINE")
+    if env:
+        return _check_engine(env)
+    return "aio" if _aio.ready() else "threads"
+
+
+# struct aiocb of glibc on 64-bit Linux (x86_64, aarch64): the fields used, by offset; 168 bytes
+_AIOCB = np.dtype({"names": ["fd", "op", "buf", "nbytes", "notify", "error", "ret", "offset"],
+                   "formats": ["<i4", "<i4", "<u8", "<u8", "<i4", "<i4", "<i8", "<i8"],
+                   "offsets": [0, 4, 16, 24, 44, 112, 120, 128], "itemsize": 168})
+_LIO_READ, _LIO_WRITE, _LIO_WAIT, _SIGEV_NONE = 0, 1, 0, 1
+
+
+class _AioInit(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("aio_threads", "aio_num", "aio_locks", "aio_usedba",
+                                            "aio_debug", "aio_numusers", "aio_idle_time",
+                                            "aio_reserved")]
+
+
+class _Aio:
+    """glibc's POSIX AIO through ctypes (see :class:`RequestPool`): loaded and self-tested
+    once per process; a forked child (whose copy of glibc's AIO state names threads it does
+    not have) falls back to threads."""
+
+    THREADS = 64                 # glibc's AIO threads at most (its default is 20)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pid = None         # the process that loaded it
+        self._ok = None          # None: not tried yet
+        self.why = None          # why it is not used, when it is not
+
+    def ready(self) -> bool:
+        if self._ok is None or self._pid != os.getpid():
+            with self._lock:
+                if self._ok is None:
+                    self._load()
+                elif self._pid != os.getpid():
+                    self._ok, self.why = False, "a forked process (glibc's AIO threads are " \
+                        "the parent's)"
+        return self._ok
+
+    def _load(self) -> None:
+        self._pid = os.getpid()
+        try:
+            if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or \
+                    platform.machine() not in ("x86_64", "aarch64") or \
+                    ctypes.sizeof(ctypes.c_void_p) != 8:
+                raise OSError("glibc's AIO on 64-bit Linux only")
+            libc = ctypes.CDLL(None, use_errno=True)
+            if not hasattr(libc, "lio_listio"):          # glibc < 2.34: in librt
+                libc = ctypes.CDLL("librt.so.1", use_errno=True)
+            self._lio, self._suspend = libc.lio_listio, libc.aio_suspend
+            self._lio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            self._suspend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            libc.aio_init(ctypes.byref(_AioInit(self.THREADS, 4 * AIO_BATCH, 0, 0, 0, 0, 1, 0)))
+            self._ok = True
+            self._selftest()
+        except Exception as e:                            # noqa: BLE001 (any failure: threads)
+            self._ok, self.why = False, f"{type(e).__name__}: {e}"
+
+    def _selftest(self) -> None:
+        """Write two blocks of a scratch file through AIO, read them back both ways."""
+        import tempfile
+        with tempfile.TemporaryFile() as f:
+            fd = f.fileno()
+            src = _aligned(8192)
+            src[:] = np.arange(8192) % 251
+            self.run(fd, src, [0, 4096], [4096, 4096], [4096, 0], True, 2)
+            back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
+            got = _aligned(8192)
+            self.run(fd, got, [0, 4096], [4096, 4096], [0, 4096], False, 2)
+            if not (np.array_equal(back[:4096], src[4096:]) and
+                    np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
+                raise OSError("glibc's AIO self-test read back other bytes")
+
+    def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool, fds: int) -> None:
+        """Every request in flight at once (over ``fds`` duplicates of ``fd``), waited for."""
+        base = buf.ctypes.data
+        boff = np.asarray(boff, dtype=np.int64)
+        blen = np.asarray(blen, dtype=np.int64)
+        foff = np.asarray(foff, dtype=np.int64)
+        if len(boff) and (boff.min() < 0 or (boff + blen).max() > buf.nbytes):
+            raise ValueError("a request falls outside its buffer")
+        dups = [os.dup(fd) for _ in range(max(1, min(fds, len(boff))))]
+        try:
+            for a in range(0, len(boff), AIO_BATCH):
+                self._batch(dups, base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
+                            foff[a:a + AIO_BATCH], write)
+        finally:
+            for d in dups:
+                os.close(d)
+
+    def _batch(self, fds: list, base: int, boff, blen, foff, write: bool) -> None:
+        k = len(boff)
+        cb = np.zeros(k, dtype=_AIOCB)
+        cb["fd"] = np.asarray(fds, dtype=np.int32)[np.arange(k) % len(fds)]
+        cb["op"] = _LIO_WRITE if write else _LIO_READ
+        cb["buf"] = base + boff
+        cb["nbytes"] = blen
+        cb["offset"] = foff
+        cb["notify"] = _SIGEV_NONE
+        cb["error"] = errno.EINPROGRESS
+        ptrs = cb.ctypes.data + np.arange(k, dtype=np.uint64) * np.uint64(_AIOCB.itemsize)
+        rc = self._lio(_LIO_WAIT, ptrs.ctypes.data, k, None)
+        if rc != 0:
+            err = ctypes.get_errno()
+            if err == errno.EAGAIN and (cb["error"] == errno.EINPROGRESS).all():
+                cb["error"] = -1               # none was queued: all done below, one by one
+            # interrupted (a signal), or some failed: wait for whatever is still in flight
+            # before the buffers can be touched or freed
+            while True:
+                busy = np.flatnonzero(cb["error"] == errno.EINPROGRESS)
+                if not len(busy):
+                    break
+                self._suspend(ptrs[busy].ctypes.data, len(busy), None)
+        # short transfers and failed requests are finished the plain way (rare)
+        redo = np.flatnonzero((cb["error"] != 0) | (cb["ret"] != blen))
+        if len(redo):
+            failed = [int(e) for e in cb["error"][redo] if e not in (0, -1)]
+            if failed and any(e not in (errno.EAGAIN, errno.EINTR) for e in failed):
+                e = next(e for e in failed if e not in (errno.EAGAIN, errno.EINTR))
+                raise OSError(e, f"disk {'write' if write else 'read'} failed: "
+                              f"{os.strerror(e)}")
+            mv = memoryview((ctypes.c_uint8 * int((boff + blen)[redo].max())).from_address(base))
+            mv = mv.cast("B")
+            op = _pwrite_all if write else _pread_all
+            for j in redo:
+                done = max(0, int(cb["ret"][j])) if cb["error"][j] == 0 else 0
+                op(fds[0], mv[int(boff[j]) + done:int(boff[j] + blen[j])], int(foff[j]) + done)
+
+
+_aio = _Aio()
 
 
 def _aligned(nbytes: int) -> np.ndarray:

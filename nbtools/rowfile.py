@@ -18,12 +18,16 @@ Why it reads the way it does:
   file, a 1,536-byte row 1,536. Packing rows into shared blocks would save file space below
   512 bytes only, and would turn every random write into a read plus a write on a disk whose
   random I/O rate is the bound; reads cost one block either way.
-* **Many requests in flight.** A cloud disk answers one random read in ~50 µs but serves tens
-  of thousands per second only with many in flight. Rows are sorted by offset, neighbours
-  merged into one request (up to 1 MiB), and the requests handed out in small chunks to a
-  thread pool that lives as long as the file (``os.preadv`` releases the GIL); the calling
-  thread works too (:class:`nbtools.fileio.RequestPool`). Sorting and merging are numpy; per
-  request the Python cost is one slice and one system call.
+* **Many requests in flight, without the GIL.** A cloud disk answers one random read in ~50 µs
+  but serves tens of thousands per second only with many in flight. Rows are sorted by offset,
+  neighbours merged into one request (up to 1 MiB), and the requests of a call handed to
+  glibc's POSIX AIO in one ``lio_listio`` call (C threads; the GIL is released for the whole
+  call, so the training loop's Python and the reads do not take turns), spread over
+  duplicates of the file's descriptor (glibc serialises one descriptor's requests). Where
+  that is unavailable (not glibc, a forked child) the requests go to a pool of Python
+  threads in ``os.preadv``, which need the GIL between two requests
+  (:class:`nbtools.fileio.RequestPool`; ``NBTOOLS_DISK_ENGINE=threads`` forces them).
+  Measured on the GPU machine's disk: see ``benchmarks/experiments/disk_mix.py``.
 * **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
   between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
   pay for fresh pages. The padding of a row inside the bounce buffer is only ever filled from
@@ -69,7 +73,7 @@ import time
 import numpy as np
 
 from . import NbtoolsError
-from .fileio import RequestPool, _aligned, _pwrite_all, fadvise
+from .fileio import RequestPool, _aligned, _check_engine, _pwrite_all, fadvise
 from .fileio import _pread_all  # noqa: F401  (nbtools.pretrained imports it from here)
 from .units import human_bytes
 
@@ -338,8 +342,19 @@ class RowFile:
             except Exception:
                 pass
 
+    @property
+    def engine(self) -> str:
+        """How requests are issued: ``"aio"`` (glibc's AIO, no GIL) or ``"threads"`` (Python
+        threads); see :class:`nbtools.fileio.RequestPool`. Settable."""
+        return self._pool.engine
+
+    @engine.setter
+    def engine(self, value: str) -> None:
+        self._pool.engine = _check_engine(value)
+
     def __repr__(self):
         mode = f"O_DIRECT, {self.block}-byte blocks" if self.direct else "buffered"
+        mode += f", {self.engine}"
         return (f"RowFile({self.path!r}, rows={self.num_rows:,}, row_bytes={self.row_bytes}, "
                 f"stride={self.stride}, {mode})")
 

@@ -12,6 +12,9 @@ alone and beside each of the things that run with them in a training loop:
   read+python     reads beside a thread running pure Python (holds the GIL between switches)
   read+numpy      reads beside a thread doing numpy work on ~2 MB arrays (sort, unique, take)
 
+Each cell runs with RowFile's two I/O engines (nbtools.fileio.RequestPool): "threads" (Python
+threads in os.preadv) and "aio" (glibc's lio_listio: one GIL-free call per batch).
+
 Rows/s of the reads in each cell (and of the writes where there are some), cells interleaved
 over --rounds so that a cloud disk's drift shows as spread, not as a difference.
 
@@ -88,6 +91,8 @@ def numpy_busy(stop, counts):
 
 
 def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> dict:
+    kind, engine = kind.split(" ")
+    rf._pool.engine = wf._pool.engine = engine
     stop = threading.Event()
     reads, other = [0], [0]
     rng_r, rng_w = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
@@ -146,20 +151,25 @@ def main():
     rf = RowFile.open(path, threads=args.threads, writable=False, unclean_ok=True) \
         if "unclean_ok" in RowFile.open.__code__.co_varnames else \
         RowFile.open(path, threads=args.threads, writable=False)
-    kinds = ["read", "write", "read+write", "read+append", "read+python", "read+numpy"]
+    from nbtools.fileio import _aio
+    engines = ["threads"] + (["aio"] if _aio.ready() else [])
+    if not _aio.ready():
+        print(f"aio engine unavailable: {_aio.why}")
+    kinds = [f"{k} {e}" for k in ("read", "write", "read+write", "read+append", "read+python",
+                                  "read+numpy") for e in engines]
     res = {"args": vars(args), "fill_gb_s": n_rows * ROW / fill / 1e9, "cells": {k: [] for k in kinds}}
     for r in range(args.rounds):
         for i, kind in enumerate(kinds):
             c = cell(kind, rf, wf, n_rows, args, seed=100 * r + i)
             res["cells"][kind].append(c)
-            print(f"round {r} {kind:12s} " + ", ".join(f"{k} {v:,.0f}" for k, v in c.items()),
+            print(f"round {r} {kind:20s} " + ", ".join(f"{k} {v:,.0f}" for k, v in c.items()),
                   flush=True)
     rf.close()
     f.close()
     os.remove(path)
-    print(f"\n| cell | read rows/s (median of {args.rounds}) | x read alone | "
+    print(f"\n| cell, engine | read rows/s (median of {args.rounds}) | x threads' read alone | "
           "write rows/s | other |\n|---|---:|---:|---:|---:|")
-    base = float(np.median([c["read_rows_per_s"] for c in res["cells"]["read"]]))
+    base = float(np.median([c["read_rows_per_s"] for c in res["cells"]["read threads"]]))
     for kind in kinds:
         cs = res["cells"][kind]
         med = lambda key: float(np.median([c[key] for c in cs])) if key in cs[0] else None  # noqa
