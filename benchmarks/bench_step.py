@@ -207,6 +207,7 @@ def profile(step, batches, device, path):
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = p.key_averages().table(sort_by=sort, row_limit=25)
     cpu = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(table + "\n\n" + cpu)
     print(table)

@@ -48,6 +48,7 @@ import torch
 
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
+from .fileio import default_engine
 from .hostmem import HostTensor
 from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
@@ -57,8 +58,11 @@ from .units import human_bytes
 # chosen: enough for the hot rows of most id streams, small next to Colab's 12.7 GB.
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 # Reads in flight: a step misses ~1,000-10,000 rows, and a cloud disk answers each in ~0.3 ms,
-# so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides).
+# so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides):
+# 32 Python threads, or 64 requests with glibc's AIO (its C threads; 64 read 1.2x the rows/s
+# of 32 on the GPU machine's disk, benchmarks/RESULTS.md "Session 11").
 DISK_THREADS = 32
+DISK_AIO_DEPTH = 64
 
 
 # Every disk table's traffic, for the meters and the dashboard (plain counters: the GIL keeps
@@ -121,7 +125,8 @@ class DiskRows(WholeTable):
         self.directory = os.path.abspath(os.fspath(directory))
         path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
-        threads = threads or int(os.environ.get("NBTOOLS_DISK_THREADS", DISK_THREADS))
+        threads = threads or int(os.environ.get(
+            "NBTOOLS_DISK_THREADS", DISK_AIO_DEPTH if default_engine() == "aio" else DISK_THREADS))
         self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta, threads=threads)
         self._remove = weakref.finalize(self, _remove_file, self.file, path)
         self._pin = pin and self.device.type == "cuda"

@@ -196,7 +196,7 @@ class _Aio:
     once per process; a forked child (whose copy of glibc's AIO state names threads it does
     not have) falls back to threads."""
 
-    THREADS = 64                 # glibc's AIO threads at most (its default is 20)
+    THREADS = 128                # glibc's AIO threads at most (its default is 20)
 
     def __init__(self):
         self._lock = threading.Lock()
