@@ -253,7 +253,9 @@ def test_warm_cache_loads_the_most_frequent_rows(tmp_path):
 def test_host_budget_holds(tmp_path):
     """Every host allocation counts against nbtools.set_host_budget; placement="auto" turns
     to disk when RAM is past it, and an allocation past it is refused before it happens."""
+    import gc
     from nbtools import devices
+    gc.collect()                # other tests' tables freed now, not between here and the check
     held = devices.held_host_bytes()
     try:
         devices.set_host_budget(held + 16 * 1024)
