@@ -308,10 +308,13 @@ def run_system(name, args, device) -> dict:
         # bf16 weights + bf16 state: rows of half the bytes (768 B at dim 128)
         out["65,536 uniform, bf16 rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device, width_factor=1.5)
-        # bf16 weights + RowWiseAdagrad's one fp32 accumulator: 2 * dim + 4 bytes a row
+        # bf16 weights + RowWiseAdagrad's one fp32 accumulator: 2 * dim + 4 bytes a row, as
+        # a host table stores it: padded to whole 32-byte sectors (nbtools.rows.row_padding)
+        from nbtools.rows import RowLayout, row_padding
+        lay = RowLayout(args.dim, torch.bfloat16, torch.float32, 1, (1,))
         out["65,536 uniform, bf16 rowwise rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device,
-            width_factor=(2 * args.dim + 4) / (4 * args.dim))
+            width_factor=(lay.used + row_padding(lay)) / args.dim)
         return {"floor_ms": out}
     if name.startswith("small "):
         prof = os.path.join(args.out or ".", "step_profile.txt") \

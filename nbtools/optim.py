@@ -36,7 +36,7 @@ from .devices import host_memory_bytes, human_bytes, resolve_device
 from . import steps
 from .placement import NoRoomError, auto_placement
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
-from .rows import RowLayout
+from .rows import RowLayout, row_padding
 from .tables import OffloadedEmbedding
 # each table's part in a step, and the probe of an optimizer's per-row state; the names below
 # are importable from here as before
@@ -604,6 +604,8 @@ class Plan:
     placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now:
     placement_reason: str = ""  # "gpu", "host", "disk", or "none" (it fits on no tier)
     disk_free_bytes: int | None = None   # free on the disk placement="disk" would use
+    disk_row_bytes: int | None = None    # a row as a disk table holds it (RAM rows are padded
+                                         # to 32-byte sectors: nbtools.rows.row_padding)
 
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
@@ -637,8 +639,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     >>> p.row_state, p.host_bytes == 3 * 10_000_000 * 128 * 4
     (['exp_avg', 'exp_avg_sq'], True)
     >>> p = plan(10_000_000, 128, "rowwise_adagrad", dtype=torch.bfloat16)
-    >>> p.row_state, p.host_bytes // 10_000_000      # bytes per row: 256 weight + 4 state
-    (['sum'], 260)
+    >>> p.row_state, p.host_bytes // 10_000_000      # 256 weight + 4 state, padded to 288
+    (['sum'], 288)
     """
     if isinstance(optimizer, str):
         lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
@@ -659,6 +661,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     # (float32 for bf16/fp16 weights), the weights packed into its columns.
     layout = RowLayout(dim, dtype, torch.float32 if low and row_state else dtype,
                        len(row_state), tuple(math.prod(s) for s in shapes.values()))
+    disk_row = layout.used * layout.unit.itemsize
+    if row_state:                          # rows with state are padded in RAM (not on disk)
+        layout = dataclasses.replace(layout, pad=row_padding(layout))
     unit = layout.unit.itemsize
     table_bytes = num_rows * layout.weight_cols * unit
     state_bytes = num_rows * (layout.width - layout.weight_cols) * unit
@@ -680,7 +685,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                 host_available_bytes=available,
                 fits=available is None or host <= 0.9 * available,
                 placement=placement, placement_reason=why,
-                disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()))
+                disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()),
+                disk_row_bytes=disk_row)
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",

@@ -5,6 +5,7 @@ chunked copies that move rows between them without doubling their memory.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import DeviceRows, RowLayout
+from .rows import DeviceRows, RowLayout, row_padding
 from .units import human_bytes
 
 
@@ -185,11 +186,16 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
                        tuple((dims or {}).get(k, d) for k in names))
-    width = layout.width
-    nbytes = n * width * state_dtype.itemsize
+    # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.rows.row_padding);
+    # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
+    padded = dataclasses.replace(layout, pad=row_padding(layout))
+    nbytes = n * padded.width * state_dtype.itemsize
     was = table.placement
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
         table.placement, table.placement_reason = table._choose_placement(nbytes)
+    if table.placement != "disk":
+        layout = padded
+    width = layout.width
     if table.placement == "host":
         check_fits(nbytes, f"table {table.name!r} with optimizer state ({', '.join(names)})",
                    "Use nbtools.plan(...) to size it, or an optimizer with less state "

@@ -1,8 +1,8 @@
 """How many rows make a table some number of times bigger than RAM, and whether the local
 disk holds it (:func:`rows_for`).
 
-A row's bytes are :func:`nbtools.plan`'s: its weights and its optimizer state, as a table in
-RAM would hold them. A disk table's file stores each row in whole ``O_DIRECT`` blocks (512
+A row's bytes are :func:`nbtools.plan`'s ``disk_row_bytes``: its weights and its optimizer
+state, as a disk table holds them (without the padding of rows in RAM). A disk table's file stores each row in whole ``O_DIRECT`` blocks (512
 bytes on most disks, probed on the folder itself), so its file can be larger than its rows:
 a 260-byte row takes 512 bytes. RAM keeps 9 bytes per row of a disk table whatever its size
 (its row -> slot map and change marks, :class:`nbtools.disk.DiskRows`).
@@ -124,7 +124,7 @@ def rows_for(times_ram: float, dim: int, optimizer, *, dtype=torch.float32, ram_
         raise ValueError(f"ram_bytes must be positive, got {ram_bytes!r}")
     folder = os.path.abspath(os.fspath(disk_dir or disk.default_dir()))
     p = plan(1, dim, optimizer, dtype, device="cpu", disk_dir=folder, **optimizer_kwargs)
-    row = p.host_bytes
+    row = p.disk_row_bytes
     stride = file_row_bytes(row, folder)
     free = disk.free_bytes(folder)
     wanted = int(times_ram * ram_bytes // row)

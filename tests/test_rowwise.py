@@ -451,13 +451,36 @@ def test_exports_and_plan():
     assert nbtools.PartialRowWiseAdam is PartialRowWiseAdam
     rows = 1000
     bf16 = nbtools.plan(rows, 128, "rowwise_adagrad", dtype=torch.bfloat16, device="cpu")
-    assert bf16.row_state == ["sum"] and bf16.host_bytes == rows * (256 + 4)
+    # 256 + 4 bytes of values, padded to 288 in RAM (whole 32-byte sectors: rows.row_padding)
+    assert bf16.row_state == ["sum"] and bf16.host_bytes == rows * 288
     adam = nbtools.plan(rows, 128, "adam", device="cpu")
     assert adam.host_bytes == rows * 1536
     assert bf16.host_bytes / adam.host_bytes < 0.2
     partial = nbtools.plan(rows, 128, "partial_rowwise_adam", device="cpu")
-    assert partial.host_bytes == rows * (128 + 128 + 1) * 4
+    assert partial.host_bytes == rows * 1056            # (128 + 128 + 1) x 4 = 1,028 -> 1,056
     # and the table allocates what plan() said
     t = OffloadedEmbedding(rows, 128, device="cpu", dtype=torch.bfloat16)
     OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
-    assert t.rows.row_bytes == 260
+    assert t.rows.row_bytes == 288
+
+
+def test_rows_in_ram_are_padded_to_sectors_and_the_padding_stays_zero():
+    """bf16 weights + one accumulator (260 B) sit in 288-byte rows in RAM (nbtools.rows
+    .row_padding: whole 32-byte sectors cross the link at ~1.3x the rate); the padding holds
+    zeros through steps and never reaches the weights, the state or a state_dict."""
+    from nbtools.rows import row_padding
+    t = OffloadedEmbedding(50, 128, device="cpu", dtype=torch.bfloat16)
+    opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
+    assert t._layout.used == 65 and t._layout.pad == 7 == row_padding(t._layout)
+    host = t._host.tensor
+    assert host.shape == (50, 72)
+    for _ in range(3):
+        t(torch.tensor([1, 7, 7, 49])).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert host[:, 65:].abs().sum() == 0
+    assert host[[1, 7, 49], 64].abs().sum() > 0          # the accumulators did move
+    (entry,) = opt.state_dict()["tables"].values()
+    assert entry["row_state"]["sum"].shape == (50, 1)
+    assert torch.equal(entry["row_state"]["sum"][:, 0], host[:, 64])
+    assert t.weight.shape == (50, 128)
