@@ -119,6 +119,25 @@ def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=Non
     return step, (table, opt)
 
 
+def system_step(name, device, n=4_000_000, dim=128):
+    """``(step, keep)`` of one of SYSTEMS (or "torch sparse") on an n x dim table."""
+    if name == "torch sparse":
+        return torch_sparse_step(n, dim, device)
+    return nbtools_step(n, dim, device, **dict(SYSTEMS[name]))
+
+
+def add_systems_arg(ap, default: str) -> None:
+    """An experiment's ``--systems``: comma-separated names of SYSTEMS (or "torch sparse")."""
+    ap.add_argument("--systems", default=default,
+                    help=f"comma-separated names from bench_step.SYSTEMS (default {default!r})")
+
+
+def uniform_batches(ids, device, count=20, n=4_000_000, seed=0):
+    """``count`` batches of ``ids`` uniform ids below ``n`` on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, n, (ids,), generator=gen).to(device) for _ in range(count)]
+
+
 def torch_sparse_step(n, dim, device):
     emb = nn.Embedding(n, dim, sparse=True).to(device)
     opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
@@ -238,6 +257,13 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host rowwise": dict(placement="host", optimizer="rowwise_adagrad"),
     "nbtools host bf16 rowwise": dict(placement="host", dtype=torch.bfloat16,
                                       optimizer="rowwise_adagrad"),
+    "nbtools host bf16 rowwise write-through": dict(placement="host", dtype=torch.bfloat16,
+                                                    optimizer="rowwise_adagrad",
+                                                    write_behind=False),
+    "nbtools gpu bf16 rowwise": dict(placement="gpu", dtype=torch.bfloat16,
+                                     optimizer="rowwise_adagrad"),
+    "nbtools host bf16 rowwise prefetch": dict(placement="host", dtype=torch.bfloat16,
+                                               optimizer="rowwise_adagrad", prefetch=True),
     "nbtools host bf16 partial-rowwise": dict(placement="host", dtype=torch.bfloat16,
                                               optimizer="partial_rowwise_adam"),
 }

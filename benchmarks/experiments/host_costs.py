@@ -1,6 +1,7 @@
 """Where a small step's host (CPU) time goes: bench_step.py's 4,000,000 x 128 Adam step with
-4,096 uniform ids, nbtools GPU-placed and offloaded (writing behind the next step, and
-writing through) against nn.Embedding(sparse=True) + SparseAdam.
+4,096 uniform ids (``--ids``), nbtools GPU-placed and offloaded (writing behind the next step,
+and writing through) against nn.Embedding(sparse=True) + SparseAdam, or the systems named by
+``--systems`` (bench_step.SYSTEMS); ``--cprofile`` adds cProfile's tables.
 
 At this size the GPU finishes each step long before the host has queued the next, so the
 step's wall time is the host's time. Every piece of the step is wrapped with a timer (a few
@@ -48,11 +49,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ids", type=int, default=4096)
+    bs.add_systems_arg(ap, "torch sparse,nbtools gpu,nbtools host,nbtools host write-through")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also profile each system's loop with cProfile (the functions with "
+                    "the most own time, and the most time inside them)")
     args = ap.parse_args()
     device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 4_000_000, (args.ids,), generator=gen).to(device)
-               for _ in range(20)]
+    batches = bs.uniform_batches(args.ids, device)
     wraps = [(optim.OffloadOptimizer, "step", "opt.step"),
              (optim.OffloadOptimizer, "_queue", "  _queue (checks + updates)"),
              (optim.OffloadOptimizer, "_settle", "  _settle"),
@@ -68,13 +71,8 @@ def main():
     for owner, name, label in wraps:
         timed(owner, name, label)
     results = {}
-    for system, make in (("torch sparse", lambda: bs.torch_sparse_step(4_000_000, 128, device)),
-                         ("nbtools gpu", lambda: bs.nbtools_step(4_000_000, 128, device,
-                                                                 placement="gpu")),
-                         ("nbtools host", lambda: bs.nbtools_step(4_000_000, 128, device)),
-                         ("nbtools host write-through",
-                          lambda: bs.nbtools_step(4_000_000, 128, device, write_behind=False))):
-        step, keep = make()
+    for system in args.systems.split(","):
+        step, keep = bs.system_step(system, device)
         if system == "torch sparse":
             emb, opt = keep
             timed(opt, "step", "opt.step")
@@ -90,8 +88,24 @@ def main():
             step(batches[i % len(batches)])
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
+        spent = dict(SPENT)
+        if args.cprofile:
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(args.steps):
+                step(batches[i % len(batches)])
+            torch.cuda.synchronize()
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+                print(f"\n--- {system}: cProfile by {key}, {args.steps} steps")
+                print("\n".join(buf.getvalue().splitlines()[6:]))
         torch.Tensor.backward = orig_backward
-        parts = {k: v / args.steps * 1e6 for k, v in SPENT.items()}
+        parts = {k: v / args.steps * 1e6 for k, v in spent.items()}
         if system.startswith("nbtools"):      # steps replayed as graphs, of those timed
             graphs = keep[1]._graphs
             parts["(step graphs: replays, captures)"] = (graphs.replays, len(graphs._graphs))

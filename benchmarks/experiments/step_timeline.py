@@ -1,8 +1,8 @@
 """A GPU timeline of bench_step.py's 65,536-uniform-id step: where the time between the
 traffic floor and the step goes.
 
-For each system (nbtools host; its update writing host memory itself instead of writing
-behind the next step; with prefetch): 6 profiled steps after a warm-up;
+For each system (``--systems``, names from bench_step.SYSTEMS; default nbtools host, its update
+writing host memory itself instead of writing behind the next step, and with prefetch): 6 profiled steps after a warm-up;
 from the profiler's trace, per CUDA stream: busy time, and the wall span of the steps; the
 kernels by total time; the largest idle gaps of the main stream and what came before them.
 
@@ -54,20 +54,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=".")
     ap.add_argument("--steps", type=int, default=6)
+    bs.add_systems_arg(ap, "nbtools host,nbtools host write-through,nbtools host prefetch")
+    ap.add_argument("--cuda-only", action="store_true",
+                    help="record GPU activity only: the host runs nearly as fast as unprofiled "
+                    "(where the step is bound by the host, the CPU trace changes the timeline)")
     args = ap.parse_args()
     device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 4_000_000, (65_536,), generator=gen).to(device)
-               for _ in range(20)]
+    batches = bs.uniform_batches(65_536, device)
     from torch.profiler import ProfilerActivity, profile
-    for name, kw in (("host", {}), ("host write-through", {"write_behind": False}),
-                     ("host prefetch", {"prefetch": True})):
-        step, keep = bs.nbtools_step(4_000_000, 128, device, **kw)
+    for name in args.systems.split(","):
+        step, keep = bs.system_step(name, device)
         step.next.update({id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
         for b in batches[:8]:
             step(b)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        acts = [ProfilerActivity.CUDA] + ([] if args.cuda_only else [ProfilerActivity.CPU])
+        with profile(activities=acts) as p:
             for b in batches[8:8 + args.steps]:
                 step(b)
             torch.cuda.synchronize()
