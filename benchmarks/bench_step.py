@@ -26,6 +26,9 @@ with atomics.
     python benchmarks/bench_step.py --deterministic both \
         --only "nbtools host,nbtools gpu,small nbtools host,small nbtools gpu,repeat diff"
     python benchmarks/bench_step.py --quick            # small, runs on a CPU
+    python benchmarks/bench_step.py --own-floors --only "nbtools host,nbtools host rowwise,\
+nbtools host bf16,nbtools host bf16 rowwise,nbtools host bf16+bf16 state,\
+nbtools host bf16 rowwise+bf16 state"     # issue 23: every storage combination vs its floor
 """
 from __future__ import annotations
 
@@ -260,12 +263,25 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16 rowwise write-through": dict(placement="host", dtype=torch.bfloat16,
                                                     optimizer="rowwise_adagrad",
                                                     write_behind=False),
+    "nbtools host bf16 rowwise+bf16 state": dict(placement="host", dtype=torch.bfloat16,
+                                                 state_dtype=torch.bfloat16,
+                                                 optimizer="rowwise_adagrad"),
     "nbtools gpu bf16 rowwise": dict(placement="gpu", dtype=torch.bfloat16,
                                      optimizer="rowwise_adagrad"),
     "nbtools host bf16 rowwise prefetch": dict(placement="host", dtype=torch.bfloat16,
                                                optimizer="rowwise_adagrad", prefetch=True),
     "nbtools host bf16 partial-rowwise": dict(placement="host", dtype=torch.bfloat16,
                                               optimizer="partial_rowwise_adam"),
+}
+# issue 23, item 3: every storage combination (fp32 weights take fp32 state only) and its own
+# traffic floor (--own-floors): weights, state, optimizer -> system
+COMBINATIONS = {
+    ("fp32", "fp32", "Adam"): "nbtools host",
+    ("fp32", "fp32", "RowWiseAdagrad"): "nbtools host rowwise",
+    ("bf16", "fp32", "Adam"): "nbtools host bf16",
+    ("bf16", "fp32", "RowWiseAdagrad"): "nbtools host bf16 rowwise",
+    ("bf16", "bf16", "Adam"): "nbtools host bf16+bf16 state",
+    ("bf16", "bf16", "RowWiseAdagrad"): "nbtools host bf16 rowwise+bf16 state",
 }
 EXTRA = ["floor", "small torch sparse", "small nbtools host", "small nbtools gpu",
          "small nbtools host cache"]
@@ -364,6 +380,15 @@ def run_system(name, args, device) -> dict:
     for case, batches in cases.items():
         out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
+    if args.own_floors and kw is not None and kw.get("placement") == "host":
+        # this table's rows as it stores them (optimizer state and padding included), moved
+        # by the floor's gather + scatter over the same ids
+        table = keep[0]
+        row_bytes = table._layout.width * table._layout.unit.itemsize
+        del step, keep
+        out["own_floor"] = {name: {"row_bytes": row_bytes, "ms": traffic_floor_ms(
+            args.rows, args.dim, cases["65,536 uniform"], device,
+            width_factor=row_bytes / 4 / args.dim)}}
     if args.profile and name == (args.only or "nbtools host").split(",")[0]:
         profile(step, cases[args.profile_case], device,
                 os.path.join(args.out or ".", "step_profile.txt"))
@@ -403,6 +428,9 @@ def main():
     ap.add_argument("--only", default=None, help="run these systems only (comma-separated names, "
                     "e.g. 'small nbtools gpu'); with --profile, profile the first")
     ap.add_argument("--out", default=None, help="write DIR/step.json")
+    ap.add_argument("--own-floors", action="store_true",
+                    help="each host system also times the traffic floor of its own rows (its "
+                    "row bytes, state and padding included) over the 65,536 uniform ids")
     ap.add_argument("--deterministic", choices=("on", "off", "both"), default="on",
                     help="OffloadConfig.deterministic of the nbtools systems: on (the default), "
                     "off (atomics), both (the host, GPU and small-model systems in each mode, "
@@ -416,7 +444,7 @@ def main():
         return
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
-           "floor_ms": {}, "small_model": {}, "repeat_diff": {},
+           "floor_ms": {}, "small_model": {}, "repeat_diff": {}, "own_floor": {},
            "deterministic": args.deterministic}
     print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam; each system in a "
           "process of its own", flush=True)
@@ -433,6 +461,7 @@ def main():
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
                str(args.dim), "--steps", str(args.steps),
                "--deterministic", args.deterministic] + (["--quick"] if args.quick else []) + \
+            (["--own-floors"] if args.own_floors else []) + \
             (["--profile", "--profile-case", args.profile_case, "--out", args.out]
              if args.profile and args.out else []) + \
             (["--only", args.only] if args.only else [])
@@ -509,6 +538,10 @@ def main():
         for case in ("65,536 uniform", "65,536 zipf1.1"):
             ratio(f"{name[8:]} / torch sparse, {case}", get(f"{name} | {case}"),
                   get(f"torch sparse | {case}"))
+    for name, own in res["own_floor"].items():
+        ratio(f"{name[8:]} / its own traffic floor ({own['row_bytes']} B rows), 65,536 uniform"
+              + (" (target <= 1.1)" if name in COMBINATIONS.values() else ""),
+              get(f"{name} | 65,536 uniform"), own["ms"])
     res["ratios"] = ratios
     for k, v in ratios.items():
         print(f"{k:<62}{v:8.2f}x")
@@ -519,6 +552,17 @@ def main():
           res["floor_ms"].get("65,536 uniform, bf16 rows"), get("torch sparse | 65,536 uniform"))
     for k, v in res["floor_ms"].items():
         print(f"traffic floor {k:<30}{v:9.3f} ms")
+    if res["own_floor"]:
+        print("\n## storage combinations, 65,536 uniform ids (issue 23, item 3)")
+        print(f"{'weights':<8}{'state':<7}{'optimizer':<16}{'row B':>6}{'step ms':>9}"
+              f"{'floor ms':>10}{'ratio':>7}{'x fp32 Adam':>13}")
+        base = get("nbtools host | 65,536 uniform")
+        for (w, st, opt), name in COMBINATIONS.items():
+            own, t = res["own_floor"].get(name), get(f"{name} | 65,536 uniform")
+            if own is None or t is None:
+                continue
+            print(f"{w:<8}{st:<7}{opt:<16}{own['row_bytes']:>6}{t:>9.3f}{own['ms']:>10.3f}"
+                  f"{t / own['ms']:>7.2f}" + (f"{t / base:>13.2f}" if base else ""))
     for k, v in res["syncs"].items():
         print(f"host syncs per step, {k:<24}{v if v is None else f'{v:.1f}'}")
     for k, v in sm.items():
