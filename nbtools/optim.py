@@ -606,6 +606,7 @@ class Plan:
     disk_free_bytes: int | None = None   # free on the disk placement="disk" would use
     disk_row_bytes: int | None = None    # a row as a disk table holds it (RAM rows are padded
                                          # to 32-byte sectors: nbtools.rows.row_padding)
+    pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
 
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
@@ -613,6 +614,7 @@ class Plan:
         return (f"{self.num_rows:,} x {self.dim} {self.dtype} with {self.optimizer} "
                 f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
                 f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
+                + (f" + sector padding {human_bytes(self.pad_bytes)}" if self.pad_bytes else "") +
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
                 f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
                 f"  disk: {human_bytes(self.disk_free_bytes)} free for placement='disk'\n"
@@ -666,8 +668,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         layout = dataclasses.replace(layout, pad=row_padding(layout))
     unit = layout.unit.itemsize
     table_bytes = num_rows * layout.weight_cols * unit
-    state_bytes = num_rows * (layout.width - layout.weight_cols) * unit
-    host = table_bytes + state_bytes
+    state_bytes = num_rows * (layout.used - layout.weight_cols) * unit
+    pad_bytes = num_rows * layout.pad * unit
+    host = table_bytes + state_bytes + pad_bytes
     unique = min(unique_ids_per_step, num_rows)
     # gathered rows, the lookup's output and its gradient, and the optimizer's temporaries
     rows = unique * dim * torch.empty((), dtype=dtype).element_size()
@@ -686,7 +689,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                 fits=available is None or host <= 0.9 * available,
                 placement=placement, placement_reason=why,
                 disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()),
-                disk_row_bytes=disk_row)
+                disk_row_bytes=disk_row, pad_bytes=pad_bytes)
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",
