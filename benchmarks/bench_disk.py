@@ -6,7 +6,9 @@ a file under ``--dir`` with a RAM cache of ``--cache-gib``; the GPU is capped at
 Sections:
   probe         the disk's random-read rate at the layout's read size: RowFile reads of random
                 unique rows of the table's own file (O_DIRECT where allowed), 16 and 64 threads
-  warm          the RAM cache loaded with the hottest rows of the Zipf stream (table.warm_cache)
+  warm          the RAM cache loaded with the hottest rows of the Zipf stream (table.warm_cache);
+                with ``--dirty`` each of them then trained once (a long run's steady state:
+                every miss evicts a dirty row, written back)
   zipf          Zipf(1.1) ids, ``--ids`` per step, with and without read-ahead (table.prefetch):
                 ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
                 table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
@@ -285,6 +287,9 @@ def main():
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
+    ap.add_argument("--dirty", action="store_true",
+                    help="train every row of the warmed RAM cache once before the rounds: the "
+                    "steady state of a long run, where each miss evicts a dirty row")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -337,6 +342,19 @@ def main():
     res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
     res["warm_s"] = time.perf_counter() - t0
     mem.mark("warm")
+    if args.dirty:
+        # A long run's steady state: every row in the RAM cache has been trained since it was
+        # read, so each miss evicts a dirty row that must be written back (a fresh cache's
+        # victims are warmed rows, clean, and cost no write)
+        t0 = time.perf_counter()
+        cached = hottest(args.rows, table.disk.capacity_rows)
+        chunks = [torch.from_numpy(cached[i:i + args.ids])
+                  for i in range(0, len(cached), args.ids)]
+        run_steps(table, opt, chunks, device, prefetch=0)
+        res["dirty_steps"], res["dirty_s"] = len(chunks), time.perf_counter() - t0
+        mem.mark("dirty")
+        print(f"every cached row trained once: {len(chunks)} steps, {res['dirty_s']:.1f} s",
+              flush=True)
 
     # ids from the host, as a loader hands them over (pinned): a disk table deduplicates them
     # on the CPU, so its step needs no GPU synchronisation
@@ -372,7 +390,8 @@ def main():
                  if "zipf_read_ahead_1" in rnd else "") +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
-              f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}", flush=True)
+              f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}, written back "
+              f"{rnd['zipf_read_ahead']['written_back_per_step']:,.0f}", flush=True)
     res["rounds"] = rounds
     med = lambda xs: float(np.median(xs))       # noqa: E731
     for key in rounds[0]:

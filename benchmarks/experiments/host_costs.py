@@ -70,7 +70,7 @@ def main():
              (rows.RowStore, "write_behind", "  RowStore.write_behind")]
     for owner, name, label in wraps:
         timed(owner, name, label)
-    results = {}
+    results = []          # (system, wall, parts): a system may be named twice
     for system in args.systems.split(","):
         step, keep = bs.system_step(system, device)
         if system == "torch sparse":
@@ -109,10 +109,10 @@ def main():
         if system.startswith("nbtools"):      # steps replayed as graphs, of those timed
             graphs = keep[1]._graphs
             parts["(step graphs: replays, captures)"] = (graphs.replays, len(graphs._graphs))
-        results[system] = (wall, parts)
+        results.append((system, wall, parts))
         del step, keep
         torch.cuda.empty_cache()
-    for system, (wall, parts) in results.items():
+    for system, wall, parts in results:
         print(f"\n=== {system}: {wall:.1f} us/step wall (timers included)")
         for k, us in sorted(parts.items(), key=lambda kv: -kv[1] if isinstance(kv[1], float)
                             else 0):
