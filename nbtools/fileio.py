@@ -111,8 +111,17 @@ class RequestPool:
 
         futures = [self._executor().submit(work) for _ in range(workers - 1)]
         work()
-        for f in futures:
-            f.result()
+        interrupted = None
+        for f in futures:    # every thread done with the buffer, even when interrupted
+            while True:
+                try:
+                    f.result()
+                    break
+                except KeyboardInterrupt as e:
+                    interrupted = e
+                    failed.append(e)         # the others stop at their next chunk
+        if interrupted is not None:
+            raise interrupted
         if failed:
             raise failed[0]
 
@@ -183,6 +192,10 @@ _AIOCB = np.dtype({"names": ["fd", "op", "buf", "nbytes", "notify", "error", "re
                    "formats": ["<i4", "<i4", "<u8", "<u8", "<i4", "<i4", "<i8", "<i8"],
                    "offsets": [0, 4, 16, 24, 44, 112, 120, 128], "itemsize": 168})
 _LIO_READ, _LIO_WRITE, _LIO_WAIT, _SIGEV_NONE = 0, 1, 0, 1
+# An aiocb's error field before the call: glibc writes EINPROGRESS into it once the request is
+# queued, then the request's outcome; a request it could not queue (no memory for its entry)
+# keeps this value, so it is neither waited for nor mistaken for one in flight
+_UNQUEUED = -2
 
 
 class _AioInit(ctypes.Structure):
@@ -274,24 +287,22 @@ class _Aio:
         cb["nbytes"] = blen
         cb["offset"] = foff
         cb["notify"] = _SIGEV_NONE
-        cb["error"] = errno.EINPROGRESS
+        cb["error"] = _UNQUEUED
         ptrs = cb.ctypes.data + np.arange(k, dtype=np.uint64) * np.uint64(_AIOCB.itemsize)
-        rc = self._lio(_LIO_WAIT, ptrs.ctypes.data, k, None)
-        if rc != 0:
-            err = ctypes.get_errno()
-            if err == errno.EAGAIN and (cb["error"] == errno.EINPROGRESS).all():
-                cb["error"] = -1               # none was queued: all done below, one by one
-            # interrupted (a signal), or some failed: wait for whatever is still in flight
-            # before the buffers can be touched or freed
-            while True:
-                busy = np.flatnonzero(cb["error"] == errno.EINPROGRESS)
-                if not len(busy):
-                    break
-                self._suspend(ptrs[busy].ctypes.data, len(busy), None)
-        # short transfers and failed requests are finished the plain way (rare)
+        rc = None
+        try:
+            rc = self._lio(_LIO_WAIT, ptrs.ctypes.data, k, None)
+        finally:
+            if rc != 0:
+                # interrupted (a signal: a KeyboardInterrupt is raised as the call returns),
+                # some not queued (EAGAIN), or some failed: glibc's threads may still be
+                # writing into the buffer and these control blocks
+                self._drain(cb, ptrs)
+        # requests not queued, short transfers and failed requests are finished the plain
+        # way (rare)
         redo = np.flatnonzero((cb["error"] != 0) | (cb["ret"] != blen))
         if len(redo):
-            failed = [int(e) for e in cb["error"][redo] if e not in (0, -1)]
+            failed = [int(e) for e in cb["error"][redo] if e not in (0, _UNQUEUED)]
             if failed and any(e not in (errno.EAGAIN, errno.EINTR) for e in failed):
                 e = next(e for e in failed if e not in (errno.EAGAIN, errno.EINTR))
                 raise OSError(e, f"disk {'write' if write else 'read'} failed: "
@@ -302,6 +313,23 @@ class _Aio:
             for j in redo:
                 done = max(0, int(cb["ret"][j])) if cb["error"][j] == 0 else 0
                 op(fds[0], mv[int(boff[j]) + done:int(boff[j] + blen[j])], int(foff[j]) + done)
+
+
+    def _drain(self, cb: np.ndarray, ptrs: np.ndarray) -> None:
+        """Wait until no request of ``cb`` is in flight, whatever interrupts the wait: the
+        buffer and the control blocks must outlive glibc's use of them. A KeyboardInterrupt
+        that arrives meanwhile is raised once they are done."""
+        interrupted = None
+        while True:
+            try:
+                busy = np.flatnonzero(cb["error"] == errno.EINPROGRESS)
+                if not len(busy):
+                    break
+                self._suspend(ptrs[busy].ctypes.data, len(busy), None)
+            except KeyboardInterrupt as e:
+                interrupted = e
+        if interrupted is not None:
+            raise interrupted
 
 
 _aio = _Aio()

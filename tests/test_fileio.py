@@ -119,3 +119,116 @@ def test_aio_is_used_where_it_should_work():
     assert _aio.ready(), _aio.why
     assert fileio.default_engine() == ("threads" if os.environ.get("NBTOOLS_DISK_ENGINE") ==
                                        "threads" else "aio")
+
+
+class _PartialLio:
+    """Stands in for glibc's lio_listio: does the I/O of every other request itself (as glibc's
+    threads would, writing the outcome into the aiocb), leaves the rest unqueued (their error
+    field untouched) and fails with EAGAIN, as glibc does when it cannot queue them all."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, mode, ptrs_addr, k, sig):
+        import ctypes
+        import errno
+        self.calls += 1
+        ptrs = np.frombuffer((ctypes.c_uint64 * k).from_address(ptrs_addr), dtype=np.uint64)
+        size = fileio._AIOCB.itemsize
+        cbs = np.frombuffer((ctypes.c_char * (k * size)).from_address(int(ptrs[0])),
+                            dtype=fileio._AIOCB)
+        for j in range(0, k, 2):
+            cb = cbs[j]
+            mv = memoryview((ctypes.c_char * int(cb["nbytes"])).from_address(int(cb["buf"])))
+            if cb["op"] == fileio._LIO_WRITE:
+                n = os.pwrite(int(cb["fd"]), mv, int(cb["offset"]))
+            else:
+                n = os.preadv(int(cb["fd"]), [mv], int(cb["offset"]))
+            cbs["ret"][j], cbs["error"][j] = n, 0
+        ctypes.set_errno(errno.EAGAIN)
+        return -1
+
+
+@needs_aio
+def test_aio_finishes_requests_glibc_could_not_queue(tmp_path, monkeypatch):
+    """A batch glibc queued only in part (lio_listio: -1, EAGAIN) is finished the plain way,
+    neither waited for forever nor left unread."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "f"
+    n, k = 400, 37
+    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fake = _PartialLio()
+    monkeypatch.setattr(_aio, "_lio", fake)
+    suspended = []
+
+    def suspend(*args):     # aio_suspend returns at once for a request glibc does not hold
+        suspended.append(args)
+        if len(suspended) > 100:
+            raise RuntimeError("waiting for a request that was never queued")
+        return 0
+    monkeypatch.setattr(_aio, "_suspend", suspend)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        boff, blen, foff = _requests(rng, n, k)
+        buf = np.zeros(k * 512, dtype=np.uint8)
+        RequestPool(8, 0, "test", engine="aio").run(fd, buf, boff, blen, foff, write=False)
+        assert fake.calls == 1 and not suspended
+        assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        new = rng.integers(0, 256, k * 512, dtype=np.uint8)
+        RequestPool(8, 0, "test", engine="aio").run(fd, new, boff, blen, foff, write=True)
+        now = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        assert np.array_equal(np.concatenate([now[o:o + 512] for o in foff]), new)
+    finally:
+        os.close(fd)
+
+
+@needs_aio
+def test_an_interrupted_aio_call_returns_only_once_its_requests_are_done(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (a notebook's "interrupt kernel") that arrives while glibc holds the
+    requests is raised only once they are done: the buffer and control blocks must not be
+    reused or freed while glibc's threads still write into them."""
+    import ctypes
+    import errno
+    import threading
+    import time
+    rng = np.random.default_rng(5)
+    path = tmp_path / "f"
+    n, k = 64, 9
+    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    workers = []
+
+    def lio(mode, ptrs_addr, count, sig):       # queues everything, then the call is interrupted
+        ptrs = np.frombuffer((ctypes.c_uint64 * count).from_address(ptrs_addr), dtype=np.uint64)
+        size = fileio._AIOCB.itemsize
+        cbs = np.frombuffer((ctypes.c_char * (count * size)).from_address(int(ptrs[0])),
+                            dtype=fileio._AIOCB)
+        cbs["error"] = errno.EINPROGRESS
+
+        def io():                               # glibc's threads, a little later
+            time.sleep(0.2)
+            for j in range(count):
+                mv = memoryview((ctypes.c_char * int(cbs["nbytes"][j])).from_address(
+                    int(cbs["buf"][j])))
+                cbs["ret"][j] = os.preadv(int(cbs["fd"][j]), [mv], int(cbs["offset"][j]))
+                cbs["error"][j] = 0
+        t = threading.Thread(target=io)
+        t.start()
+        workers.append(t)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_aio, "_lio", lio)
+    monkeypatch.setattr(_aio, "_suspend", lambda *a: time.sleep(0.005) or 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        boff, blen, foff = _requests(rng, n, k)
+        buf = np.zeros(k * 512, dtype=np.uint8)
+        with pytest.raises(KeyboardInterrupt):
+            RequestPool(8, 0, "test", engine="aio").run(fd, buf, boff, blen, foff, write=False)
+        assert not workers[0].is_alive()
+        assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+    finally:
+        for t in workers:
+            t.join()
+        os.close(fd)
