@@ -89,6 +89,20 @@ def default_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
 
 
+
+def _wait_uninterrupted(future) -> None:
+    """``future.result()``, waited out even through a KeyboardInterrupt (raised after): an
+    evicted row must be on disk before any reader of the file can look for it."""
+    interrupted = None
+    while True:
+        try:
+            future.result()
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
+
 class DiskRows(WholeTable):
     """The rows of one table in a file, and the RAM slots that cache them.
 
@@ -303,17 +317,21 @@ class DiskRows(WholeTable):
         return fewer."""
         got = [self._take_free(k)]
         need = k - len(got[0])
-        for waiting in (False, True):
-            if not need or waiting and not wait:
-                break
-            self._advance(wait_for=self._event_index if waiting else 0)  # (waiting: a sync)
-            victims = self._sweep(need)
-            self._evict(victims)
-            got.append(victims)
-            need -= len(victims)
-        if need and wait:
-            self._grow(need)
-            got.append(self._take(need, wait))
+        try:
+            for waiting in (False, True):
+                if not need or waiting and not wait:
+                    break
+                self._advance(wait_for=self._event_index if waiting else 0)  # (a sync)
+                victims = self._sweep(need)
+                self._evict(victims)
+                got.append(victims)
+                need -= len(victims)
+            if need and wait:
+                self._grow(need)
+                got.append(self._take(need, wait))
+        except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
+            self._free.append(np.concatenate(got))
+            raise
         return np.concatenate(got)
 
     def _take_free(self, k: int) -> np.ndarray:
@@ -411,9 +429,12 @@ class DiskRows(WholeTable):
         t0 = time.perf_counter()
         try:
             self.file.read(ids, self._bytes, at=slots)
+        except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
+            self._free.append(np.asarray(slots, dtype=np.int64))
+            raise
         finally:
             if writing is not None:
-                writing.result()
+                _wait_uninterrupted(writing)
         self._count_read(ids, time.perf_counter() - t0)
         self._placed(ids, slots)
 

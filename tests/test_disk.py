@@ -347,3 +347,48 @@ def test_close_gives_the_row_maps_back_to_the_host_budget(tmp_path):
     t.close()
     assert held_host_bytes() - before < 9 * 100_000
     assert t.ram_bytes == 0 and os.listdir(tmp_path) == []
+
+
+def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
+    """A KeyboardInterrupt (a notebook's "interrupt kernel") while a lookup reads its misses:
+    the lookup raises, nothing is half-placed, its slots are free again, and training the
+    step again ends bit-identical to a host table that never stopped."""
+    row_bytes = 3 * D * 4
+    torch.manual_seed(0)
+    init = torch.randn(N, D)
+    tables, opts = [], []
+    for placement, extra in (("host", {}), ("disk", dict(disk_dir=str(tmp_path),
+                                                         host_cache_bytes=200 * row_bytes))):
+        t = OffloadedEmbedding(N, D, name=f"t-{placement}", device=DEVICE, placement=placement,
+                               **extra)
+        with torch.no_grad():
+            t.weight.copy_(init)
+        tables.append(t)
+        opts.append(OffloadOptimizer(torch.optim.Adam, t, lr=0.05))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, N, (64,), generator=gen) for _ in range(8)]
+    disk = tables[1].disk
+    read = disk.file.read
+
+    def interrupted(*args, **kwargs):
+        disk.file.read = read
+        raise KeyboardInterrupt
+
+    def step(t, opt, ids):
+        (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i, ids in enumerate(batches):
+        step(tables[0], opts[0], ids)
+        if i in (3, 6):
+            disk.file.read = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                step(tables[1], opts[1], ids)
+            assert disk.file.read == read           # (the interruption was in a read)
+            opts[1].zero_grad()
+        step(tables[1], opts[1], ids)               # the cell run again
+    resident = int((disk.id_of >= 0).sum())          # (before .weight empties the cache)
+    free = sum(len(part) for part in disk._free)
+    assert resident + free == disk.slots, (resident, free, disk.slots)
+    _assert_same(tables)
