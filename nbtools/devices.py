@@ -6,9 +6,12 @@ resolved once per process. The printout of all of it, :func:`nbtools.describe`, 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
+import signal
+import threading
 
 import torch
 
@@ -199,3 +202,32 @@ def after_failed_capture(device=None) -> None:
         gen.graphsafe_set_state(gen.clone_state())
     except (AttributeError, RuntimeError):      # an older torch: nothing to reset
         pass
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold a Ctrl-C / "interrupt kernel" (SIGINT) back until the block ends, then raise it.
+
+    An optimizer step queues its updates before it records them (the scalar state, the
+    counts): interrupted in between, its rows would move on while its step count did not.
+    Inside this block SIGINT only is noted; at the end the handler that was installed before
+    runs (Python's default: KeyboardInterrupt). Outside the main thread nothing changes
+    (signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    except (ValueError, OSError, TypeError):      # not this interpreter's main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt

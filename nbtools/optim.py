@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import NbtoolsError
-from .devices import host_memory_bytes, human_bytes, resolve_device
+from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolve_device
 from . import steps
 from .placement import NoRoomError, auto_placement
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
@@ -285,60 +285,65 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        collected = [(slot, slot.table.collect()) for slot in self._slots]
-        collected = [(slot, got) for slot, got in collected if got is not None]
-        pending, self._pending = self._pending, None
-        try:
-            dense = self._dense_grads()
-            # Checks and fused updates are queued now, before the host has read the checks:
-            # each update reads the guard on the device and writes nothing when the step must
-            # not go ahead, so the GPU works on while the host waits for the flags.
-            verdict, fused = self._queue(collected, dense, pending)
-            if pending is not None:
-                self._settle(pending)      # the last step's checks: raises if it was bad
-            if self._may_read_late(collected, dense, fused, verdict):
-                self._pending = _Pending(verdict, collected,
-                                         {id(slot): slot.scalar_state for slot, _ in collected})
-                for slot, got in collected:  # as if it went ahead; _settle undoes it if not
-                    slot.scalar_state = fused[id(slot)]
-                    got.rows = None        # queued kernels hold them; nothing else needs them
-                return loss
-            tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
-            for (slot, got), (bad, _, _) in zip(collected, tables):
-                if bad:
-                    for flat, shape in got.lookups:
-                        if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                            slot.table.raise_bad_ids(flat, shape)
-            if nonfinite:
-                culprits = [f"table {slot.name!r}" for slot, got in collected if got.nonfinite()]
-                culprits += self._nonfinite_params(dense)
-                if self.config.nonfinite == "skip":
-                    self._skips += 1
-                    for slot in self._slots:
-                        slot.skipped_steps += 1
-                    if not self._warned_skip:
-                        self._warned_skip = True
-                        warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
-                                      f"{', '.join(culprits)}; later skips are counted in "
-                                      "optimizer.skipped_steps() without a warning",
-                                      RuntimeWarning, stacklevel=2)
+        # A Ctrl-C ("interrupt kernel") that lands while the step waits for the GPU is
+        # raised once the step is recorded: its updates are queued by then, and stopping
+        # before its scalar state and counts are kept would leave them behind its rows.
+        with deferred_interrupts():
+            collected = [(slot, slot.table.collect()) for slot in self._slots]
+            collected = [(slot, got) for slot, got in collected if got is not None]
+            pending, self._pending = self._pending, None
+            try:
+                dense = self._dense_grads()
+                # Checks and fused updates are queued now, before the host has read the
+                # checks: each update reads the guard on the device and writes nothing when
+                # the step must not go ahead, so the GPU works on while the host waits.
+                verdict, fused = self._queue(collected, dense, pending)
+                if pending is not None:
+                    self._settle(pending)      # the last step's checks: raises if it was bad
+                if self._may_read_late(collected, dense, fused, verdict):
+                    self._pending = _Pending(verdict, collected,
+                                             {id(slot): slot.scalar_state for slot, _ in collected})
+                    for slot, got in collected:  # as if it went ahead; _settle undoes it if not
+                        slot.scalar_state = fused[id(slot)]
+                        got.rows = None        # queued kernels hold them; nothing else needs them
                     return loss
-                raise NonFiniteGradientError(
-                    f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
-                    "parameter, table and optimizer state was left unchanged. Lower the "
-                    "learning rate, check the loss, or pass "
-                    "config=OffloadConfig(nonfinite='skip').")
-            if self._dense is not None:
-                self._dense.step()
-            for (slot, got), (_, count, sentinel) in zip(collected, tables):
-                if id(slot) in fused:
-                    slot.commit_fused(fused[id(slot)], count, bool(sentinel))
-                else:
-                    slot.apply(got, count, bool(sentinel))
-            return loss
-        finally:      # captured lookups' buffers may be reused from now on
-            for _, got in collected:
-                got.release()
+                tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
+                for (slot, got), (bad, _, _) in zip(collected, tables):
+                    if bad:
+                        for flat, shape in got.lookups:
+                            if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
+                                slot.table.raise_bad_ids(flat, shape)
+                if nonfinite:
+                    culprits = [f"table {slot.name!r}" for slot, got in collected
+                                if got.nonfinite()]
+                    culprits += self._nonfinite_params(dense)
+                    if self.config.nonfinite == "skip":
+                        self._skips += 1
+                        for slot in self._slots:
+                            slot.skipped_steps += 1
+                        if not self._warned_skip:
+                            self._warned_skip = True
+                            warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
+                                          f"{', '.join(culprits)}; later skips are counted in "
+                                          "optimizer.skipped_steps() without a warning",
+                                          RuntimeWarning, stacklevel=2)
+                        return loss
+                    raise NonFiniteGradientError(
+                        f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
+                        "parameter, table and optimizer state was left unchanged. Lower the "
+                        "learning rate, check the loss, or pass "
+                        "config=OffloadConfig(nonfinite='skip').")
+                if self._dense is not None:
+                    self._dense.step()
+                for (slot, got), (_, count, sentinel) in zip(collected, tables):
+                    if id(slot) in fused:
+                        slot.commit_fused(fused[id(slot)], count, bool(sentinel))
+                    else:
+                        slot.apply(got, count, bool(sentinel))
+                return loss
+            finally:      # captured lookups' buffers may be reused from now on
+                for _, got in collected:
+                    got.release()
 
     def _dense_grads(self) -> list:
         """(parameter, gradient values) of the ordinary parameters that have a gradient."""
