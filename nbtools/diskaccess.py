@@ -82,6 +82,7 @@ class WholeTable:
         self.wait_read_ahead()
         self._ensure_init()
         with self._lock:
+            self._write_stash()
             self._close_step()
             self._advance(wait_for=self._event_index)
             dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
@@ -95,6 +96,14 @@ class WholeTable:
                 free = np.flatnonzero(self.id_of < 0)
                 self._free = collections.deque([free]) if len(free) else collections.deque()
 
+    def _write_stash(self) -> None:
+        """Write evicted rows a lookup did not get to write (it was interrupted): before
+        anything reads the file, or writes rows the stash would then overwrite. Under the
+        lock."""
+        if self._stash:
+            stash, self._stash = self._stash, []
+            self._drain(stash)
+
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
         self.wait_read_ahead()
@@ -102,6 +111,7 @@ class WholeTable:
         rows = rows.detach().to("cpu", self.dtype).contiguous()
         raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
         with self._lock:
+            self._write_stash()
             self.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed[ids] = True
             slots = self.slot_of[ids]
@@ -115,6 +125,7 @@ class WholeTable:
         rows = rows.detach().to("cpu", self.dtype).contiguous()
         self.wait_read_ahead()
         with self._lock:
+            self._write_stash()
             self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
                 rows.shape[0], self.row_bytes))
             self.changed[start:start + rows.shape[0]] = True
@@ -124,6 +135,7 @@ class WholeTable:
         self.wait_read_ahead()
         self._ensure_init()
         with self._lock:
+            self._write_stash()
             out = torch.empty((stop - start, self.width), dtype=self.dtype)
             raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
             self.file.read_range(start, raw)

@@ -392,3 +392,24 @@ def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
     free = sum(len(part) for part in disk._free)
     assert resident + free == disk.slots, (resident, free, disk.slots)
     _assert_same(tables)
+
+
+def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
+    """A lookup interrupted after it evicted dirty rows and before it wrote them: whatever
+    reads the whole table next (``.weight``, a checkpoint) finds them written."""
+    tables, opts = _pair(tmp_path, host_cache_bytes=100 * 3 * D * 4, steps=4)
+    disk = tables[1].disk
+    load = disk._load
+
+    def interrupted(ids, slots):
+        disk._load = load
+        raise KeyboardInterrupt
+    disk._load = interrupted
+    gen = torch.Generator().manual_seed(7)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):          # until a lookup must evict
+            tables[1](torch.randint(0, N, (64,), generator=gen)).sum().backward()
+            opts[1].zero_grad()
+    assert disk._stash                 # (evicted, not written: the case under test)
+    opts[1].zero_grad()
+    _assert_same(tables)
