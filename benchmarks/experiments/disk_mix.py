@@ -9,6 +9,10 @@ alone and beside each of the things that run with them in a training loop:
   read+write      both at once, each on its own thread and pool: the loop's disk traffic
   read+append     reads beside writes of as many rows as were read, to *consecutive* slots at
                   a moving head (what a log-structured layout would write instead)
+  read+clean      read+append plus a log cleaner's work: per row appended, the rows of the
+                  emptiest segments read and their live ones written again at the head, both
+                  sequential; at --utilization u (live share of a cleaned segment) each appended
+                  row costs 1 / (1 - u) rows read and u / (1 - u) more rows written
   read+python     reads beside a thread running pure Python (holds the GIL between switches)
   read+numpy      reads beside a thread doing numpy work on ~2 MB arrays (sort, unique, take)
 
@@ -51,17 +55,31 @@ def reader(f: RowFile, rng, n_rows, batch, stop, out_counts):
         out_counts[0] += len(ids)
 
 
-def writer(f: RowFile, rng, n_rows, batch, stop, out_counts, append: bool, pace=None):
+def writer(f: RowFile, rng, n_rows, batch, stop, out_counts, append: bool, pace=None,
+           clean: float = 0.0):
     """Random row writes, or (``append``) consecutive ones at a moving head; with ``pace``
-    (the reader's count), no more rows written than read: a loop writes back what it reads."""
+    (the reader's count), no more rows written than read: a loop writes back what it reads.
+    ``clean``: the cleaned segments' live share u: each appended batch also reads
+    batch / (1 - u) rows at a second head and writes batch * u / (1 - u) more at the first."""
     buf = np.zeros((batch, ROW), dtype=np.uint8)
     gen = batches_of(rng, n_rows, batch)
-    head = 0
+    head, tail = 0, n_rows // 2
+    seg = np.zeros((int(batch / (1 - clean)) if clean else 0, ROW), dtype=np.uint8)
     while not stop.is_set():
         if pace is not None and out_counts[0] > pace[0]:
             time.sleep(0.0005)
             continue
         if append:
+            if clean:            # the cleaner: a segment read, its live rows written again
+                if tail + len(seg) > n_rows:
+                    tail = 0
+                f.read_range(tail, seg)
+                tail += len(seg)
+                live = seg[: len(seg) - batch]
+                if head + len(live) > n_rows:
+                    head = 0
+                f.write_range(head, live)
+                head += len(live)
             if head + batch > n_rows:
                 head = 0
             f.write_range(head, buf)
@@ -100,10 +118,11 @@ def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> d
     if kind != "write":
         threads.append(threading.Thread(target=reader,
                                         args=(rf, rng_r, n_rows, args.batch, stop, reads)))
-    if kind in ("write", "read+write", "read+append"):
+    if kind in ("write", "read+write", "read+append", "read+clean"):
+        log = kind in ("read+append", "read+clean")
         threads.append(threading.Thread(target=writer, args=(
-            wf, rng_w, n_rows, args.batch, stop, other, kind == "read+append",
-            reads if kind == "read+append" else None)))
+            wf, rng_w, n_rows, args.batch, stop, other, log, reads if log else None,
+            args.utilization if kind == "read+clean" else 0.0)))
     elif kind == "read+python":
         threads.append(threading.Thread(target=python_busy, args=(stop, other)))
     elif kind == "read+numpy":
@@ -117,7 +136,7 @@ def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> d
         t.join()
     dt = time.perf_counter() - t0
     out = {"read_rows_per_s": reads[0] / dt}
-    if kind in ("write", "read+write", "read+append"):
+    if kind in ("write", "read+write", "read+append", "read+clean"):
         out["write_rows_per_s"] = other[0] / dt
     elif kind != "read":
         out["other_per_s"] = other[0] / dt
@@ -132,6 +151,10 @@ def main():
     ap.add_argument("--threads", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--utilization", type=float, default=2 / 3,
+                    help="read+clean: the live share of the segments a cleaner empties")
+    ap.add_argument("--kinds", default=None,
+                    help="comma-separated cells to run (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -155,8 +178,9 @@ def main():
     engines = ["threads"] + (["aio"] if _aio.ready() else [])
     if not _aio.ready():
         print(f"aio engine unavailable: {_aio.why}")
-    kinds = [f"{k} {e}" for k in ("read", "write", "read+write", "read+append", "read+python",
-                                  "read+numpy") for e in engines]
+    names = args.kinds.split(",") if args.kinds else (
+        "read", "write", "read+write", "read+append", "read+clean", "read+python", "read+numpy")
+    kinds = [f"{k} {e}" for k in names for e in engines]
     res = {"args": vars(args), "fill_gb_s": n_rows * ROW / fill / 1e9, "cells": {k: [] for k in kinds}}
     for r in range(args.rounds):
         for i, kind in enumerate(kinds):
@@ -167,9 +191,10 @@ def main():
     rf.close()
     f.close()
     os.remove(path)
-    print(f"\n| cell, engine | read rows/s (median of {args.rounds}) | x threads' read alone | "
+    first = kinds[0]           # "read threads" unless --kinds says otherwise
+    print(f"\n| cell, engine | read rows/s (median of {args.rounds}) | x {first} | "
           "write rows/s | other |\n|---|---:|---:|---:|---:|")
-    base = float(np.median([c["read_rows_per_s"] for c in res["cells"]["read threads"]]))
+    base = float(np.median([c["read_rows_per_s"] for c in res["cells"][first]]))
     for kind in kinds:
         cs = res["cells"][kind]
         med = lambda key: float(np.median([c[key] for c in cs])) if key in cs[0] else None  # noqa
