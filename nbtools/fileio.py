@@ -269,10 +269,15 @@ class _Aio:
         foff = np.asarray(foff, dtype=np.int64)
         if len(boff) and (boff.min() < 0 or (boff + blen).max() > buf.nbytes):
             raise ValueError("a request falls outside its buffer")
-        dups = [os.dup(fd) for _ in range(max(1, min(fds, len(boff))))]
+        dups = []
+        try:
+            for _ in range(max(1, min(fds, len(boff)))):
+                dups.append(os.dup(fd))
+        except OSError:          # out of descriptors (EMFILE): fewer requests in flight
+            pass
         try:
             for a in range(0, len(boff), AIO_BATCH):
-                self._batch(dups, base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
+                self._batch(dups or [fd], base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
                             foff[a:a + AIO_BATCH], write)
         finally:
             for d in dups:

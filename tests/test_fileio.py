@@ -232,3 +232,35 @@ def test_an_interrupted_aio_call_returns_only_once_its_requests_are_done(tmp_pat
         for t in workers:
             t.join()
         os.close(fd)
+
+
+@needs_aio
+def test_aio_runs_with_the_descriptors_it_can_get(tmp_path, monkeypatch):
+    """Out of file descriptors (EMFILE) part-way, or from the start: fewer requests in flight,
+    the same bytes."""
+    import errno
+    rng = np.random.default_rng(11)
+    path = tmp_path / "f"
+    n, k = 300, 40
+    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    real_dup = os.dup
+    try:
+        for allowed in (3, 0):
+            left = [allowed]
+
+            def dup(f):
+                if left[0] <= 0:
+                    raise OSError(errno.EMFILE, "Too many open files")
+                left[0] -= 1
+                return real_dup(f)
+            monkeypatch.setattr(fileio.os, "dup", dup)
+            boff, blen, foff = _requests(rng, n, k)
+            buf = np.zeros(k * 512, dtype=np.uint8)
+            RequestPool(16, 0, "test", engine="aio").run(fd, buf, boff, blen, foff, write=False)
+            assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        monkeypatch.setattr(fileio.os, "dup", real_dup)
+        os.fstat(fd)                     # the caller's descriptor was not closed
+    finally:
+        os.close(fd)
