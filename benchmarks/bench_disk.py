@@ -7,8 +7,8 @@ Sections:
   probe         the disk's random-read rate at the layout's read size: RowFile reads of random
                 unique rows of the table's own file (O_DIRECT where allowed), 16 and 64 threads
   warm          the RAM cache loaded with the hottest rows of the Zipf stream (table.warm_cache);
-                with ``--dirty`` each of them then trained once (a long run's steady state:
-                every miss evicts a dirty row, written back)
+                then each of them trained once (a long run's steady state: every miss
+                evicts a dirty row, written back; ``--clean-cache`` skips it)
   zipf          Zipf(1.1) ids, ``--ids`` per step, with and without read-ahead (table.prefetch):
                 ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
                 table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
@@ -287,9 +287,11 @@ def main():
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
-    ap.add_argument("--dirty", action="store_true",
-                    help="train every row of the warmed RAM cache once before the rounds: the "
-                    "steady state of a long run, where each miss evicts a dirty row")
+    ap.add_argument("--clean-cache", dest="dirty", action="store_false",
+                    help="skip training every row of the warmed RAM cache once before the "
+                    "rounds (by default it is: a long run's steady state, where each miss "
+                    "evicts a dirty row; without it the rounds' evictions are clean)")
+    ap.add_argument("--dirty", action="store_true", default=True, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -453,7 +455,11 @@ def main():
     rows = [
         ("table", f"{args.rows:,} x {args.dim} bf16, {args.optimizer}, "
                   f"{res['row_bytes']} B/row, file {res['file_bytes'] / 2**30:.1f} GiB"),
-        ("RAM cache", f"{res['cache_rows']:,} rows, warmed in {res['warm_s']:.1f} s"),
+        ("RAM cache", f"{res['cache_rows']:,} rows, warmed in {res['warm_s']:.1f} s" + (
+            ", each row then trained once: every eviction writes a row back (steady state)"
+            if args.dirty else ", never trained before the rounds: evictions clean")),
+        ("rows written back per step (read-ahead run)",
+         f"{res['zipf_read_ahead']['written_back_per_step']:,.0f}"),
         ("init (write every row) s", f"{res['init_s']:.1f}"),
         *[(f"probe rows/s, 16 / 32 / 64 in flight, {e} engine", " / ".join(
             f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))) for e in engines()],
