@@ -351,8 +351,8 @@ def run_system(name, args, device) -> dict:
         out["65,536 uniform, bf16 rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device, width_factor=1.5)
         # bf16 weights + RowWiseAdagrad's one fp32 accumulator: 2 * dim + 4 bytes a row, as
-        # a host table stores it: padded to whole 32-byte sectors (nbtools.rows.row_padding)
-        from nbtools.rows import RowLayout, row_padding
+        # a host table stores it: padded to whole 32-byte sectors (nbtools.rowlayout.row_padding)
+        from nbtools.rowlayout import RowLayout, row_padding
         lay = RowLayout(args.dim, torch.bfloat16, torch.float32, 1, (1,))
         out["65,536 uniform, bf16 rowwise rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device,

@@ -36,7 +36,7 @@ from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolv
 from . import steps
 from .placement import NoRoomError, auto_placement
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
-from .rows import RowLayout, row_padding
+from .rowlayout import RowLayout, row_padding
 from .tables import OffloadedEmbedding
 # each table's part in a step, and the probe of an optimizer's per-row state; the names below
 # are importable from here as before
@@ -610,7 +610,7 @@ class Plan:
     placement_reason: str = ""  # "gpu", "host", "disk", or "none" (it fits on no tier)
     disk_free_bytes: int | None = None   # free on the disk placement="disk" would use
     disk_row_bytes: int | None = None    # a row as a disk table holds it (RAM rows are padded
-                                         # to 32-byte sectors: nbtools.rows.row_padding)
+                                         # to 32-byte sectors: nbtools.rowlayout.row_padding)
     pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
 
     def __str__(self) -> str:
@@ -664,7 +664,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                                                  torch.device("cpu"),
                                                  torch.float32 if low else dtype,
                                                  check_separable=False)
-    # Rows as a table stores them (nbtools.rows.RowLayout): state in the table's state dtype
+    # Rows as a table stores them (nbtools.rowlayout.RowLayout): state in the table's state dtype
     # (float32 for bf16/fp16 weights), the weights packed into its columns.
     layout = RowLayout(dim, dtype, torch.float32 if low and row_state else dtype,
                        len(row_state), tuple(math.prod(s) for s in shapes.values()))

@@ -13,7 +13,8 @@ import torch
 from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rows import DeviceRows, RowLayout, row_padding
+from .rowlayout import RowLayout, row_padding
+from .rows import DeviceRows
 from .units import human_bytes
 
 
@@ -186,7 +187,7 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
                        tuple((dims or {}).get(k, d) for k in names))
-    # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.rows.row_padding);
+    # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.rowlayout.row_padding);
     # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
     padded = dataclasses.replace(layout, pad=row_padding(layout))
     nbytes = n * padded.width * state_dtype.itemsize

@@ -244,7 +244,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
 
     @property
     def layout(self) -> RowLayout:
-        """How each row ``[weight | state...]`` is stored (:class:`nbtools.rows.RowLayout`)."""
+        """How each row ``[weight | state...]`` is stored (:class:`nbtools.rowlayout.RowLayout`)."""
         return self._layout
 
     @property

@@ -451,7 +451,7 @@ def test_exports_and_plan():
     assert nbtools.PartialRowWiseAdam is PartialRowWiseAdam
     rows = 1000
     bf16 = nbtools.plan(rows, 128, "rowwise_adagrad", dtype=torch.bfloat16, device="cpu")
-    # 256 + 4 bytes of values, padded to 288 in RAM (whole 32-byte sectors: rows.row_padding)
+    # 256 + 4 bytes of values, padded to 288 in RAM (whole 32-byte sectors: rowlayout.row_padding)
     assert bf16.row_state == ["sum"] and bf16.host_bytes == rows * 288
     adam = nbtools.plan(rows, 128, "adam", device="cpu")
     assert adam.host_bytes == rows * 1536
@@ -468,7 +468,7 @@ def test_rows_in_ram_are_padded_to_sectors_and_the_padding_stays_zero():
     """bf16 weights + one accumulator (260 B) sit in 288-byte rows in RAM (nbtools.rows
     .row_padding: whole 32-byte sectors cross the link at ~1.3x the rate); the padding holds
     zeros through steps and never reaches the weights, the state or a state_dict."""
-    from nbtools.rows import row_padding
+    from nbtools.rowlayout import row_padding
     t = OffloadedEmbedding(50, 128, device="cpu", dtype=torch.bfloat16)
     opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
     assert t._layout.used == 65 and t._layout.pad == 7 == row_padding(t._layout)
