@@ -217,8 +217,12 @@ def deferred_interrupts():
         yield
         return
     caught = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:          # a handler installed outside Python: left alone
+        yield
+        return
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     except (ValueError, OSError, TypeError):      # not this interpreter's main thread
         yield
         return

@@ -89,7 +89,6 @@ def default_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
 
 
-
 def _wait_uninterrupted(future) -> None:
     """``future.result()``, waited out even through a KeyboardInterrupt (raised after): an
     evicted row must be on disk before any reader of the file can look for it."""
@@ -102,6 +101,7 @@ def _wait_uninterrupted(future) -> None:
             interrupted = e
     if interrupted is not None:
         raise interrupted
+
 
 class DiskRows(WholeTable):
     """The rows of one table in a file, and the RAM slots that cache them.

@@ -458,3 +458,27 @@ def test_an_interrupt_during_the_step_lands_after_it(fused, device, monkeypatch)
         signal.signal(signal.SIGINT, before)
     assert torch.equal(w, w_ref)
     assert all(torch.equal(s[k], s_ref[k]) for k in s_ref)
+
+
+def test_deferred_interrupts_leave_other_handlers_alone():
+    """A SIGINT handler installed outside Python (getsignal: None) or ignored is left as it
+    is; a Python one runs once the block ends."""
+    import signal
+    import threading
+    from nbtools.devices import deferred_interrupts
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    before = signal.getsignal(signal.SIGINT)
+    seen = []
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            assert seen == []                    # held back inside the block
+        assert seen == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
