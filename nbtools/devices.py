@@ -211,18 +211,24 @@ def deferred_interrupts():
     An optimizer step queues its updates before it records them (the scalar state, the
     counts): interrupted in between, its rows would move on while its step count did not.
     Inside this block SIGINT only is noted; at the end the handler that was installed before
-    runs (Python's default: KeyboardInterrupt). Outside the main thread nothing changes
-    (signals reach the main thread only)."""
+    runs (Python's default: KeyboardInterrupt). A second SIGINT inside the block raises
+    KeyboardInterrupt at once (a step that hangs can still be stopped). Outside the main
+    thread nothing changes (signals reach the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
     previous = signal.getsignal(signal.SIGINT)
-    if previous is None:          # a handler installed outside Python: left alone
-        yield
+    if previous is None or previous == signal.SIG_IGN:   # installed outside Python, or
+        yield                                            # ignored: left as it is
         return
+
+    def note(signum, frame):
+        caught.append(frame)
+        if len(caught) > 1:           # pressed again: stop now
+            raise KeyboardInterrupt
     try:
-        signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+        signal.signal(signal.SIGINT, note)
     except (ValueError, OSError, TypeError):      # not this interpreter's main thread
         yield
         return
@@ -230,8 +236,8 @@ def deferred_interrupts():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if caught:
+        if len(caught) == 1:
             if callable(previous):
                 previous(signal.SIGINT, caught[0])
-            elif previous != signal.SIG_IGN:
+            else:                     # SIG_DFL (the process would end): as Python's default
                 raise KeyboardInterrupt

@@ -461,8 +461,8 @@ def test_an_interrupt_during_the_step_lands_after_it(fused, device, monkeypatch)
 
 
 def test_deferred_interrupts_leave_other_handlers_alone():
-    """A SIGINT handler installed outside Python (getsignal: None) or ignored is left as it
-    is; a Python one runs once the block ends."""
+    """A Python SIGINT handler runs once the block ends, or at once when SIGINT comes twice;
+    an ignored SIGINT stays ignored (and a handler installed outside Python is left alone)."""
     import signal
     import threading
     from nbtools.devices import deferred_interrupts
@@ -475,6 +475,12 @@ def test_deferred_interrupts_leave_other_handlers_alone():
         with deferred_interrupts():
             signal.raise_signal(signal.SIGINT)
             assert seen == []                    # held back inside the block
+        assert seen == [signal.SIGINT]
+        with pytest.raises(KeyboardInterrupt):   # pressed twice: at once
+            with deferred_interrupts():
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+                seen.append("not reached")
         assert seen == [signal.SIGINT]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with deferred_interrupts():
