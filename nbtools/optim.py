@@ -681,11 +681,20 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     rows = unique * dim * torch.empty((), dtype=dtype).element_size()
     gpu_per_step = 3 * rows + 2 * unique * (layout.width - layout.weight_cols) * unit
     available = host_memory_bytes()["available"]
-    try:
-        placement, why = auto_placement(host, resolve_device(device), gpu_fraction, disk_dir,
-                                        num_rows)
-    except NoRoomError as e:
-        placement, why = "none", str(e)
+
+    def place(nbytes):
+        try:
+            return auto_placement(nbytes, resolve_device(device), gpu_fraction, disk_dir,
+                                  num_rows)
+        except NoRoomError as e:
+            return "none", str(e)
+    placement, why = place(host)
+    if pad_bytes and placement in ("disk", "none"):
+        # the padding never sends rows that fit in RAM to disk (placement.regrow_for_state)
+        where, reason = place(host - pad_bytes)
+        if where not in ("disk", "none"):
+            placement, pad_bytes, host = where, 0, host - pad_bytes
+            why = f"{reason}; rows not padded to 32-byte sectors (padded, they would not fit)"
     from . import disk
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,

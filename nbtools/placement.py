@@ -38,6 +38,15 @@ def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None
             f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
 
 
+def fits_host(nbytes: int, reclaim: int = 0) -> bool:
+    """Whether :func:`check_fits` would let ``nbytes`` of host memory be allocated."""
+    try:
+        check_fits(nbytes, "", reclaim=reclaim)
+    except HostMemoryError:
+        return False
+    return True
+
+
 def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, skipped when ``src`` is the very same memory (a state dict of live
     host tensors handed back)."""
@@ -194,8 +203,19 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     was = table.placement
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
         table.placement, table.placement_reason = table._choose_placement(nbytes)
+        if table.placement == "disk" and padded.pad:
+            # the padding must never be what sends a table that fits in RAM to disk
+            where, why = table._choose_placement(n * layout.width * state_dtype.itemsize)
+            if where != "disk":
+                table.placement, padded = where, layout
+                table.placement_reason = f"{why}; rows not padded to 32-byte sectors (padded, " \
+                    "they would not fit)"
+    elif table.placement == "host" and padded.pad and not fits_host(
+            nbytes, reclaim=old.nbytes if was == "host" else 0):
+        padded = layout              # as above: unpadded rows where padded ones do not fit
     if table.placement != "disk":
         layout = padded
+    nbytes = n * layout.width * state_dtype.itemsize
     width = layout.width
     if table.placement == "host":
         check_fits(nbytes, f"table {table.name!r} with optimizer state ({', '.join(names)})",
@@ -228,4 +248,5 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
 
 
 __all__ = ["HostMemoryError", "NoRoomError", "auto_placement", "check_fits", "copy_rows",
-           "copy_unless_same", "disk_bytes", "grow_host", "regrow_for_state", "release_pages"]
+           "copy_unless_same", "disk_bytes", "fits_host", "grow_host", "regrow_for_state",
+           "release_pages"]

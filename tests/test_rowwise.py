@@ -484,3 +484,38 @@ def test_rows_in_ram_are_padded_to_sectors_and_the_padding_stays_zero():
     assert entry["row_state"]["sum"].shape == (50, 1)
     assert torch.equal(entry["row_state"]["sum"][:, 0], host[:, 64])
     assert t.weight.shape == (50, 128)
+
+
+@pytest.mark.parametrize("placement,available", [("auto", 300_000), ("host", 50_000)])
+def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, placement,
+                                                      available):
+    """Rows that fit in RAM unpadded but not padded stay in RAM, unpadded (the padding buys
+    ~1.3x on the link; a file on disk, or a refusal, would cost far more). "auto": 90% of the
+    300,000 bytes available holds the 260,000 bytes of rows but not 288,000 padded; "host":
+    the weights already there (256,000) are handed back as the rows grow, so 90% of 306,000."""
+    rows = 1000                       # 260 B of values a row: 260,000 B; padded 288,000 B
+    memory = {"total": 1 << 34, "available": 1 << 33}           # plenty, at creation
+    fake = lambda: dict(memory)
+    monkeypatch.setattr(nbtools.placement, "host_memory_bytes", fake)
+    monkeypatch.setattr(nbtools.optim, "host_memory_bytes", fake)
+    t = OffloadedEmbedding(rows, 128, device="cpu", dtype=torch.bfloat16, placement=placement,
+                           disk_dir=str(tmp_path))
+    assert t.placement == "host"
+    memory["available"] = available                             # then less, as it attaches
+    if placement == "auto":
+        p = nbtools.plan(rows, 128, "rowwise_adagrad", dtype=torch.bfloat16, device="cpu",
+                         disk_dir=str(tmp_path))
+        assert (p.placement, p.pad_bytes, p.host_bytes) == ("host", 0, rows * 260)
+        assert "not padded" in p.placement_reason
+    opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
+    assert t.placement == "host" and t._layout.pad == 0 and t.rows.row_bytes == 260
+    if placement == "auto":
+        assert "not padded" in t.placement_reason
+    t(torch.tensor([3, 5])).sum().backward()
+    opt.step()
+    # with room for the padding, the same table is padded
+    memory["available"] = 1 << 33
+    t2 = OffloadedEmbedding(rows, 128, device="cpu", dtype=torch.bfloat16, placement=placement,
+                            disk_dir=str(tmp_path))
+    OffloadOptimizer(RowWiseAdagrad, [t2], lr=0.1)
+    assert t2.placement == "host" and t2.rows.row_bytes == 288
