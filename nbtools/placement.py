@@ -38,6 +38,40 @@ def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None
             f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
 
 
+def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
+    """A disk table's rows read into new host rows of ``layout`` (state columns at
+    ``initial``), 64 MiB at a time; its file removed. The table is then a host table."""
+    n = table.num_embeddings
+    disk, dtype = table._disk, layout.unit
+    init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
+             float(initial.get(k, 0.0))) for i, k in enumerate(names)]
+    pin = table.config.pin and table.device.type == "cuda"
+    new = HostTensor((n, layout.width), dtype, pin=pin, name=table.name,
+                     device=table.device if table.device.type == "cuda" else None)
+    try:
+        chunk = max(1, (64 << 20) // (layout.width * dtype.itemsize))
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            copy_rows(new.tensor[a:b], disk.read_rows(a, b), init, layout)
+    except BaseException:
+        new.close()
+        raise
+    disk.close()
+    table._disk = None
+    table.placement = "host"
+    table.placement_reason = (f"auto: made on disk (Adam-sized state assumed), moved to host "
+                              f"RAM: {human_bytes(n * layout.width * dtype.itemsize)} of rows "
+                              f"with {', '.join(names)} fit")
+    if layout.pad == 0 and row_padding(layout):
+        table.placement_reason += "; rows not padded to 32-byte sectors (padded, they would " \
+            "not fit)"
+    table._host, table._state_names = new, names
+    table._rows = table._store()
+    table._layout = layout
+    table.clear_pending()
+    table._graphs.invalidate()
+
+
 def fits_host(nbytes: int, reclaim: int = 0) -> bool:
     """Whether :func:`check_fits` would let ``nbytes`` of host memory be allocated."""
     try:
@@ -213,6 +247,15 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     elif table.placement == "host" and padded.pad and not fits_host(
             nbytes, reclaim=old.nbytes if was == "host" else 0):
         padded = layout              # as above: unpadded rows where padded ones do not fit
+    elif table.requested_placement == "auto" and was == "disk" and table._disk is not None:
+        # Placed on disk when made, its optimizer unknown (Adam-sized state assumed): where
+        # this optimizer's rows fit in RAM, they move there (a file would make every step
+        # wait for the disk)
+        for lay in (padded, layout) if padded.pad else (padded,):
+            if fits_host(n * lay.width * state_dtype.itemsize):
+                _disk_to_host(table, lay, names, initial)
+                make_table_cache(table)
+                return
     if table.placement != "disk":
         layout = padded
     nbytes = n * layout.width * state_dtype.itemsize

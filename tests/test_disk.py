@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nbtools
-from nbtools import OffloadConfig, OffloadedEmbedding, OffloadOptimizer
+from nbtools import OffloadConfig, OffloadedEmbedding, OffloadOptimizer, RowWiseAdagrad
 from nbtools.devices import resolve_device
 
 DEVICE = resolve_device()
@@ -413,3 +413,42 @@ def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
     assert disk._stash                 # (evicted, not written: the case under test)
     opts[1].zero_grad()
     _assert_same(tables)
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_auto_table_made_on_disk_moves_to_ram_when_its_optimizer_fits(tmp_path, monkeypatch,
+                                                                      written):
+    """Made with placement="auto" where Adam-sized state would not fit in RAM, a table goes to
+    disk; an optimizer with less state (RowWiseAdagrad: one value a row) whose rows do fit
+    brings it into RAM as it attaches, its weights kept (drawn, or written through .weight),
+    its file removed; it then trains as a host table does."""
+    from nbtools import placement
+    dim = 64                      # 256 B of fp32 weights: Adam 768 B a row, row-wise 260
+    memory = {"total": 1 << 30, "available": int(N * 600 / 0.9)}   # 600 B a row usable
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: dict(memory))
+    t = OffloadedEmbedding(N, dim, device="cpu", placement="auto", disk_dir=str(tmp_path),
+                           name="moved")
+    assert t.placement == "disk"
+    path = t.disk.file.path
+    init = torch.randn(N, dim)
+    if written:
+        with torch.no_grad():
+            t.weight.copy_(init)
+    before = t.weight.detach().clone()
+    opt = OffloadOptimizer(RowWiseAdagrad, t, lr=0.1)
+    assert t.placement == "host" and t.disk is None and "moved to host" in t.placement_reason
+    assert not os.path.exists(path)
+    assert torch.equal(t.weight, before) and (not written or torch.equal(t.weight, init))
+    ref = OffloadedEmbedding(N, dim, device="cpu", placement="host", name="ref")
+    with torch.no_grad():
+        ref.weight.copy_(before)
+    ref_opt = OffloadOptimizer(RowWiseAdagrad, ref, lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(0, N, (40,), generator=gen)
+        for table, o in ((t, opt), (ref, ref_opt)):
+            (table(ids) * torch.linspace(-1, 1, dim)).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(t.weight, ref.weight)
+    assert torch.equal(t.state_columns("sum"), ref.state_columns("sum"))
