@@ -56,6 +56,7 @@ def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
     except BaseException:
         new.close()
         raise
+    synchronize(table.device)          # lookups queued before may still read its RAM slots
     disk.close()
     table._disk = None
     table.placement = "host"
