@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import nbtools
 import nbtools.checkpoint.format as ckformat
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointManager,
@@ -105,6 +106,42 @@ def test_restore_equals_host_twin_through_bases_and_deltas(tmp_path, opt_cls, kw
     _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
     info = ck.save(10, model=fresh, opt=fopt)["disk_tables"]["emb"]
     assert info["kind"] == "delta" and info["needs"] == 3 and 0 < info["rows"] < N
+
+
+@pytest.mark.parametrize("opt_cls,kwargs,dtype,d", [
+    (torch.optim.Adam, {"lr": 0.05}, torch.float32, D),
+    (torch.optim.Adagrad, {"lr": 0.1}, torch.bfloat16, D),      # bf16 weights packed in fp32 rows
+    (nbtools.RowWiseAdagrad, {"lr": 0.1}, torch.bfloat16, 128),  # 260-byte rows, 288 in RAM
+])
+def test_a_disk_tables_checkpoint_restores_into_another_placement(tmp_path, opt_cls, kwargs,
+                                                                  dtype, d):
+    """Saved from a disk table, restored into the same model whose table now lives in RAM (as
+    placement="auto" chooses on a machine with more of it, after a reconnect): the same rows,
+    through a base and deltas, and the same training after."""
+    host, hopt = _pair_member("host", tmp_path, d=d, opt_cls=opt_cls, dtype=dtype, **kwargs)
+    disk, dopt = _pair_member("disk", tmp_path, d=d, opt_cls=opt_cls, dtype=dtype, **kwargs)
+    ck = CheckpointManager(tmp_path / "ck", keep=3, config=_cfg(base_every=3))
+    for s in range(1, 6):
+        _train(host, hopt, [s])
+        _train(disk, dopt, [s])
+        ck.save(s, model=disk, opt=dopt)
+    assert disk.disk.stats["written_back"] > 0
+    fresh, fopt = _pair_member("host", tmp_path, d=d, opt_cls=opt_cls, dtype=dtype, seed=5,
+                               **kwargs)
+    fresh(torch.tensor([1, 2], device=DEVICE)).sum().backward()   # a step before: state moves
+    fopt.step()
+    fopt.zero_grad()
+    ck = CheckpointManager(tmp_path / "ck", keep=3, config=_cfg(base_every=3))
+    assert ck.restore(model=fresh, opt=fopt) == 5
+    _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
+    _train(host, hopt, [6, 7])
+    _train(fresh, fopt, [6, 7])
+    _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
+    ck.save(7, model=fresh, opt=fopt)              # saved as an ordinary table now
+    again, aopt = _pair_member("host", tmp_path, d=d, opt_cls=opt_cls, dtype=dtype, seed=6,
+                               **kwargs)
+    assert CheckpointManager(tmp_path / "ck", config=_cfg()).restore(model=again, opt=aopt) == 7
+    _assert_rows(_rows(again, aopt), _rows(host, hopt))
 
 
 def test_older_checkpoint_of_a_chain_restores_exactly(tmp_path):
@@ -357,9 +394,12 @@ def test_restore_into_a_different_table_says_what_differs(tmp_path):
                        r"table 'emb' has 2,000 rows of 8 float32 \(32 bytes\).*optimizer"):
         ck.restore(model=bare)
     host = OffloadedEmbedding(N, D, name="emb", device=DEVICE, placement="host")
-    with pytest.raises(CheckpointError, match="none of the objects restored here holds a disk "
-                       "table there.*placement='disk'"):
+    with pytest.raises(CheckpointError, match=r"the live table 'emb' has 2,000 rows of 8 "
+                       r"float32 \(32 bytes\)"):      # another placement, no optimizer state
         ck.restore(model=host)
+    with pytest.raises(CheckpointError, match="none of the objects restored here holds a "
+                       "table there.*any placement"):
+        ck.restore(model=torch.nn.Linear(2, 2))
 
 
 def test_row_file_left_open_by_a_killed_process_is_detected(tmp_path):

@@ -223,7 +223,7 @@ class CheckpointManager:
         # chains found, before anything is read.
         nodes = _tree.rows_nodes(*(m["objects"][name]["state"] for name in objects))
         matched = _rows.match(m.get("rows") or [], {n["$rows"] for n in nodes},
-                              _rows.find(objects), entry.path) if nodes else {}
+                              _rows.find(objects), entry.path, objects) if nodes else {}
         chains = {k: _restore.chain_of(self._roots(), entry, m["rows"][k]) for k in matched}
         # Destinations: the objects' live tensors where shape and dtype match (read in place,
         # no second copy), else fresh CPU tensors (restore.read_tensors).

@@ -25,7 +25,9 @@ A restore merges the chain in one pass: base blocks in row order, each overlaid 
 rows that the deltas, oldest first, hold for it, then written to the table file. Nothing is
 written before its checksum is checked; the table's RAM cache is emptied first (its rows are
 older than the checkpoint's). The state dicts are then loaded with the same mapping held, so
-their ``load_state_dict`` finds the very views it would write to and copies nothing.
+their ``load_state_dict`` finds the very views it would write to and copies nothing. Where
+the same model's table lives in RAM or on the GPU now (``placement="auto"`` on another
+machine), the chain is written into its rows instead (:class:`_InRam`).
 """
 from __future__ import annotations
 
@@ -81,6 +83,58 @@ class SaveRows:
         return {"name": d.name, "keys": self.table.keys, "num_rows": d.num_rows,
                 "row_bytes": d.row_bytes, "width": d.width, "dtype": _dtype_name(d.dtype),
                 "kind": self.kind, "count": self.count, "chain": self.links}
+
+
+class _InRam:
+    """A table in RAM or on the GPU standing where a checkpoint saved a disk table (the same
+    rows, dtype and optimizer; another placement now, as ``placement="auto"`` may choose on
+    another machine): the disk table's part of a restore writes into its rows instead of a
+    file. What :func:`restore`, :func:`view` and the manager use of a DiskRows."""
+
+    def __init__(self, table):
+        lay, self.table = table.layout, table
+        self.rows = table._host.tensor          # [num_rows, width] of the layout's unit
+        self.name, self.num_rows = table.name, table.num_embeddings
+        self.dtype, self.width = lay.unit, lay.used
+        self.row_bytes = lay.used * lay.unit.itemsize
+        self.file = self                        # (restore writes through d.file)
+        self.stride = self.rows.shape[1] * lay.unit.itemsize
+
+    def discard_cache(self) -> None:
+        store = self.table.rows                 # write-backs in flight, the GPU cache: done
+        store.settle()
+        store.flush(drop=True)
+
+    def write_range(self, start: int, block: np.ndarray) -> None:
+        raw = self.rows.view(torch.uint8)
+        src = torch.from_numpy(block)
+        raw[start:start + len(block), : self.row_bytes].copy_(src.to(raw.device))
+
+    @contextlib.contextmanager
+    def hold_mapping(self, writable: bool = False):
+        yield self.rows
+
+    def mark_checkpointed(self, token) -> None:
+        pass                                    # (its next save is of ordinary tensors)
+
+
+def _in_ram(objects: dict) -> dict:
+    """Tables of any placement but disk among ``objects``, by key ("model:emb", "opt:emb")."""
+    found = {}
+
+    def add(owner, key):
+        if getattr(owner, "disk", 0) is None and hasattr(owner, "layout") and \
+                getattr(getattr(owner, "_host", None), "tensor", None) is not None:
+            found[key] = owner
+
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for sub, m in obj.named_modules():
+                add(m, f"{name}:{sub}")
+        elif isinstance(getattr(obj, "tables", None), dict):
+            for sub, t in obj.tables.items():
+                add(t, f"{name}:{sub}")
+    return found
 
 
 def find(objects: dict) -> list[Table]:
@@ -160,8 +214,9 @@ def view(node: dict, t: Table) -> torch.Tensor:
         raise CheckpointError(f"disk table {d.name!r}: the checkpoint's view {shape} "
                               f"{node['dtype']} does not fit its {d.num_rows:,} rows")
     stride = [d.file.stride // item, *node["stride"]]
-    return torch.empty(0, dtype=dtype).set_(t.held.untyped_storage(), node["offset"] // item,
-                                            shape, stride)
+    return torch.empty(0, dtype=dtype, device=t.held.device).set_(
+        t.held.untyped_storage(), t.held.storage_offset() * t.held.element_size() // item
+        + node["offset"] // item, shape, stride)
 
 
 # --- saving -------------------------------------------------------------------------------------
@@ -255,19 +310,28 @@ def committed(saved: list[SaveRows], chains: dict, token: str) -> None:
 
 # --- restoring ----------------------------------------------------------------------------------
 
-def match(items: list[dict], wanted: set, tables: list[Table], where: str) -> dict[int, Table]:
-    """The live table for each saved table in ``wanted`` (indices into ``items``), checked."""
+def match(items: list[dict], wanted: set, tables: list[Table], where: str,
+          objects: dict | None = None) -> dict[int, Table]:
+    """The live table for each saved table in ``wanted`` (indices into ``items``), checked: a
+    disk table, else (``objects`` given) a table of another placement under the same names."""
     by_key = {key: t for t in tables for key in t.keys}
+    in_ram = _in_ram(objects) if objects else {}
     out = {}
     for k in sorted(wanted):
         item = items[k]
         live = [by_key[key] for key in item["keys"] if key in by_key]
         if not live:
+            others = {id(in_ram[key]): in_ram[key] for key in item["keys"] if key in in_ram}
+            if len(others) == 1:
+                (table,) = others.values()
+                shim = _InRam(table)
+                live = [Table(shim, [key for key in item["keys"] if key in in_ram])]
+        if not live:
             raise CheckpointError(
                 f"checkpoint {where} saved disk table {item['name']!r} (as "
                 f"{', '.join(item['keys'])}), and none of the objects restored here holds a "
-                "disk table there. Create the table with placement='disk' (and its optimizer) "
-                "before restore(), under the same names.")
+                "table there. Create the table (any placement: the same rows, dtype and "
+                "optimizer) and its optimizer before restore(), under the same names.")
         t = live[0]
         d = t.disk
         if any(x is not t for x in live[1:]):
