@@ -118,23 +118,23 @@ class _InRam:
         pass                                    # (its next save is of ordinary tensors)
 
 
-def _in_ram(objects: dict) -> dict:
-    """Tables of any placement but disk among ``objects``, by key ("model:emb", "opt:emb")."""
-    found = {}
-
-    def add(owner, key):
-        if getattr(owner, "disk", 0) is None and hasattr(owner, "layout") and \
-                getattr(getattr(owner, "_host", None), "tensor", None) is not None:
-            found[key] = owner
-
+def _members(objects: dict):
+    """``(object, key)`` for each module's submodules and each optimizer's tables: where a
+    table may be ("model:emb", "opt:emb")."""
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
             for sub, m in obj.named_modules():
-                add(m, f"{name}:{sub}")
+                yield m, f"{name}:{sub}"
         elif isinstance(getattr(obj, "tables", None), dict):
             for sub, t in obj.tables.items():
-                add(t, f"{name}:{sub}")
-    return found
+                yield t, f"{name}:{sub}"
+
+
+def _in_ram(objects: dict) -> dict:
+    """Tables of any placement but disk among ``objects``, by key ("model:emb", "opt:emb")."""
+    return {key: owner for owner, key in _members(objects)
+            if getattr(owner, "disk", 0) is None and hasattr(owner, "layout")
+            and getattr(getattr(owner, "_host", None), "tensor", None) is not None}
 
 
 def find(objects: dict) -> list[Table]:
@@ -144,19 +144,10 @@ def find(objects: dict) -> list[Table]:
     if mod is None:                       # nothing imported it: there is no disk table
         return []
     found: dict[int, Table] = {}
-
-    def add(owner, key):
+    for owner, key in _members(objects):
         d = getattr(owner, "disk", None)
         if isinstance(d, mod.DiskRows):
             found.setdefault(id(d), Table(d, [])).keys.append(key)
-
-    for name, obj in objects.items():
-        if isinstance(obj, torch.nn.Module):
-            for sub, m in obj.named_modules():
-                add(m, f"{name}:{sub}")
-        elif isinstance(getattr(obj, "tables", None), dict):
-            for sub, t in obj.tables.items():
-                add(t, f"{name}:{sub}")
     return list(found.values())
 
 
