@@ -144,6 +144,21 @@ def test_a_disk_tables_checkpoint_restores_into_another_placement(tmp_path, opt_
     _assert_rows(_rows(again, aopt), _rows(host, hopt))
 
 
+def test_a_host_tables_checkpoint_restores_into_a_disk_table(tmp_path):
+    """The other way: saved from a table in RAM, restored into the same model's disk table
+    (a machine with less memory after a reconnect), trained on exactly as before."""
+    host, hopt = _pair_member("host", tmp_path)
+    _train(host, hopt, range(1, 4))
+    ck = CheckpointManager(tmp_path / "ck", config=_cfg())
+    ck.save(3, model=host, opt=hopt)
+    disk, dopt = _pair_member("disk", tmp_path, seed=5)
+    assert CheckpointManager(tmp_path / "ck", config=_cfg()).restore(model=disk, opt=dopt) == 3
+    _assert_rows(_rows(disk, dopt), _rows(host, hopt))
+    _train(host, hopt, [4, 5])
+    _train(disk, dopt, [4, 5])
+    _assert_rows(_rows(disk, dopt), _rows(host, hopt))
+
+
 def test_older_checkpoint_of_a_chain_restores_exactly(tmp_path):
     """Restoring step 5 (a delta in the middle of a chain) gives the twin at step 5."""
     host, hopt = _pair_member("host", tmp_path)
