@@ -49,10 +49,14 @@ def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
     new = HostTensor((n, layout.width), dtype, pin=pin, name=table.name,
                      device=table.device if table.device.type == "cuda" else None)
     try:
-        chunk = max(1, (64 << 20) // (layout.width * dtype.itemsize))
+        # rows never written yet are drawn straight into RAM (the chunks the file's first
+        # write would use, so the same draws), never through the file
+        initial, disk.initial = disk.initial, None
+        chunk = max(1, (64 << 20) // disk.row_bytes)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            copy_rows(new.tensor[a:b], disk.read_rows(a, b), init, layout)
+            src = initial(a, b).cpu() if initial is not None else disk.read_rows(a, b)
+            copy_rows(new.tensor[a:b], src, init, layout)
     except BaseException:
         new.close()
         raise

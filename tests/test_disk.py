@@ -452,3 +452,24 @@ def test_auto_table_made_on_disk_moves_to_ram_when_its_optimizer_fits(tmp_path, 
             o.zero_grad()
     assert torch.equal(t.weight, ref.weight)
     assert torch.equal(t.state_columns("sum"), ref.state_columns("sum"))
+
+
+def test_auto_table_moved_to_ram_draws_the_weights_a_disk_table_would(tmp_path, monkeypatch):
+    """Never written before its optimizer attaches, the moved table draws its N(0, 1) weights
+    straight into RAM, the same draws as the same table kept on disk, without writing them to
+    the file first."""
+    from nbtools import placement
+    dim = 64
+    memory = {"total": 1 << 30, "available": int(N * 600 / 0.9)}
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: dict(memory))
+    torch.manual_seed(123)
+    t = OffloadedEmbedding(N, dim, device="cpu", placement="auto", disk_dir=str(tmp_path))
+    assert t.placement == "disk"
+    writes = []
+    monkeypatch.setattr(t.disk.file, "write_range", lambda *a: writes.append(a))
+    OffloadOptimizer(RowWiseAdagrad, t, lr=0.1)
+    assert t.placement == "host" and not writes
+    torch.manual_seed(123)
+    ref = OffloadedEmbedding(N, dim, device="cpu", placement="disk", disk_dir=str(tmp_path))
+    OffloadOptimizer(RowWiseAdagrad, ref, lr=0.1)
+    assert torch.equal(t.weight, ref.weight)
