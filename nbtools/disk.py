@@ -48,7 +48,7 @@ import torch
 
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
-from .fileio import default_engine
+from .fileio import default_engine, uninterrupted
 from .hostmem import HostTensor
 from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
@@ -87,20 +87,6 @@ def disk_counters() -> dict:
 def default_dir() -> str:
     """Where disk tables go unless ``disk_dir`` says otherwise: local disk, not Drive."""
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
-
-
-def _wait_uninterrupted(future) -> None:
-    """``future.result()``, waited out even through a KeyboardInterrupt (raised after): an
-    evicted row must be on disk before any reader of the file can look for it."""
-    interrupted = None
-    while True:
-        try:
-            future.result()
-            break
-        except KeyboardInterrupt as e:
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
 
 
 class DiskRows(WholeTable):
@@ -433,8 +419,8 @@ class DiskRows(WholeTable):
             self._free.append(np.asarray(slots, dtype=np.int64))
             raise
         finally:
-            if writing is not None:
-                _wait_uninterrupted(writing)
+            if writing is not None:     # evicted rows on disk before any reader looks
+                uninterrupted(writing.result)
         self._count_read(ids, time.perf_counter() - t0)
         self._placed(ids, slots)
 

@@ -111,17 +111,9 @@ class RequestPool:
 
         futures = [self._executor().submit(work) for _ in range(workers - 1)]
         work()
-        interrupted = None
-        for f in futures:    # every thread done with the buffer, even when interrupted
-            while True:
-                try:
-                    f.result()
-                    break
-                except KeyboardInterrupt as e:
-                    interrupted = e
-                    failed.append(e)         # the others stop at their next chunk
-        if interrupted is not None:
-            raise interrupted
+        # every thread done with the buffer, even when interrupted (the others then stop at
+        # their next chunk)
+        uninterrupted(lambda: [f.result() for f in futures], failed.append)
         if failed:
             raise failed[0]
 
@@ -322,22 +314,34 @@ class _Aio:
 
     def _drain(self, cb: np.ndarray, ptrs: np.ndarray) -> None:
         """Wait until no request of ``cb`` is in flight, whatever interrupts the wait: the
-        buffer and the control blocks must outlive glibc's use of them. A KeyboardInterrupt
-        that arrives meanwhile is raised once they are done."""
-        interrupted = None
-        while True:
-            try:
+        buffer and the control blocks must outlive glibc's use of them."""
+        def wait():
+            while True:
                 busy = np.flatnonzero(cb["error"] == errno.EINPROGRESS)
                 if not len(busy):
-                    break
+                    return
                 self._suspend(ptrs[busy].ctypes.data, len(busy), None)
-            except KeyboardInterrupt as e:
-                interrupted = e
-        if interrupted is not None:
-            raise interrupted
+        uninterrupted(wait)
 
 
 _aio = _Aio()
+
+
+def uninterrupted(wait, on_interrupt=None) -> None:
+    """``wait()`` to its end, called again after each KeyboardInterrupt (``on_interrupt(e)``
+    first), which is raised once it has returned: for waits that must end before memory that
+    other threads write into can be reused."""
+    interrupted = None
+    while True:
+        try:
+            wait()
+            break
+        except KeyboardInterrupt as e:
+            interrupted = e
+            if on_interrupt is not None:
+                on_interrupt(e)
+    if interrupted is not None:
+        raise interrupted
 
 
 def _aligned(nbytes: int) -> np.ndarray:

@@ -43,22 +43,22 @@ def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
     ``initial``), 64 MiB at a time; its file removed. The table is then a host table."""
     n = table.num_embeddings
     disk, dtype = table._disk, layout.unit
-    init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
-             float(initial.get(k, 0.0))) for i, k in enumerate(names)]
+    init = _init_columns(layout, names, initial)
     pin = table.config.pin and table.device.type == "cuda"
     new = HostTensor((n, layout.width), dtype, pin=pin, name=table.name,
                      device=table.device if table.device.type == "cuda" else None)
+    # rows never written yet are drawn straight into RAM (the chunks the file's first write
+    # would use, so the same draws), never through the file
+    draw, disk.initial = disk.initial, None
     try:
-        # rows never written yet are drawn straight into RAM (the chunks the file's first
-        # write would use, so the same draws), never through the file
-        initial, disk.initial = disk.initial, None
         chunk = max(1, (64 << 20) // disk.row_bytes)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            src = initial(a, b).cpu() if initial is not None else disk.read_rows(a, b)
+            src = draw(a, b).cpu() if draw is not None else disk.read_rows(a, b)
             copy_rows(new.tensor[a:b], src, init, layout)
     except BaseException:
         new.close()
+        disk.initial = draw            # (still a disk table, its rows still to be drawn)
         raise
     synchronize(table.device)          # lookups queued before may still read its RAM slots
     disk.close()
@@ -70,6 +70,17 @@ def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
     if layout.pad == 0 and row_padding(layout):
         table.placement_reason += "; rows not padded to 32-byte sectors (padded, they would " \
             "not fit)"
+    _install(table, new, names, layout)
+
+
+def _init_columns(layout: RowLayout, names: list, initial: dict) -> list:
+    """(first column, end column, value) of each state of ``layout`` at ``initial[name]``."""
+    return [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
+             float(initial.get(k, 0.0))) for i, k in enumerate(names)]
+
+
+def _install(table, new, names: list, layout: RowLayout) -> None:
+    """``new`` rows of ``layout`` (with state ``names``) become the table's rows."""
     table._host, table._state_names = new, names
     table._rows = table._store()
     table._layout = layout
@@ -272,8 +283,7 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
                    reclaim=old.nbytes if was == "host" else 0)
     if was == "host":
         synchronize(table.device)
-    init = [(layout.state_col(i), layout.state_col(i) + layout.state_widths[i],
-             float(initial.get(k, 0.0))) for i, k in enumerate(names)]
+    init = _init_columns(layout, names, initial)
     if table.placement == "gpu":
         new = DeviceRows((n, width), state_dtype, table.device, table.name)
         copy_rows(new.tensor, old.tensor, init, layout)
@@ -287,11 +297,7 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
             (table.config.pin and table.device.type == "cuda")
         new = grow_host(old, (n, width), init, layout, pin, table.name,
                         table.device if table.device.type == "cuda" else None)
-    table._host, table._state_names = new, names
-    table._rows = table._store()
-    table._layout = layout
-    table.clear_pending()
-    table._graphs.invalidate()
+    _install(table, new, names, layout)
     make_table_cache(table)
 
 
