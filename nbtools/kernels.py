@@ -338,7 +338,7 @@ def _kernels():
         _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
 
     # The row-wise updates (nbtools.rowwise). A program holds whole rows, the row in one
-    # column block (FusedUpdate.whole_row), so a row's mean(g^2) is one tl.sum over its tile,
+    # column block (FusedUpdate.whole_row), so a row's mean(g^2) is one sum over its tile,
     # with no second pass and no exchange between programs. The per-row state is one column
     # wide: read and written in the tile's first column only (FIRST).
     @triton.jit
@@ -347,6 +347,54 @@ def _kernels():
         return tl.sum(tl.load(src + off, mask=mask & first, other=0.0).to(tl.float32), 1)
 
     globals()["_row_value"] = _row_value
+
+    @triton.jit
+    def _halve(x, R: tl.constexpr, C: tl.constexpr):
+        # [R, C] -> [R, C // 2]: each pair of neighbouring columns added (one addition each,
+        # so the result does not depend on how Triton lays the tile out over threads)
+        a, b = tl.split(tl.reshape(x, [R, C // 2, 2]))
+        return a + b
+
+    globals()["_halve"] = _halve
+
+    @triton.jit
+    def _row_sum_sq(g, R: tl.constexpr, C: tl.constexpr):
+        # [R] float32: each row's sum of g^2 as a pairwise tree over neighbouring columns
+        # (16 <= C <= 65536, a power of two; masked columns are zeros). tl.sum's order
+        # follows the tile's layout, which Triton picks from the strides of everything the
+        # kernel loads: a 260-byte disk row and a 288-byte padded RAM row summed the same
+        # gradient differently. nbtools.rowwise._mean_sq adds in this same order.
+        x = _halve(g * g, R, C)
+        x = _halve(x, R, C // 2)
+        x = _halve(x, R, C // 4)
+        x = _halve(x, R, C // 8)
+        if C >= 32:
+            x = _halve(x, R, C // 16)
+        if C >= 64:
+            x = _halve(x, R, C // 32)
+        if C >= 128:
+            x = _halve(x, R, C // 64)
+        if C >= 256:
+            x = _halve(x, R, C // 128)
+        if C >= 512:
+            x = _halve(x, R, C // 256)
+        if C >= 1024:
+            x = _halve(x, R, C // 512)
+        if C >= 2048:
+            x = _halve(x, R, C // 1024)
+        if C >= 4096:
+            x = _halve(x, R, C // 2048)
+        if C >= 8192:
+            x = _halve(x, R, C // 4096)
+        if C >= 16384:
+            x = _halve(x, R, C // 8192)
+        if C >= 32768:
+            x = _halve(x, R, C // 16384)
+        if C >= 65536:
+            x = _halve(x, R, C // 32768)
+        return tl.reshape(x, [R])
+
+    globals()["_row_sum_sq"] = _row_sum_sq
 
     @triton.jit
     def rowwise_adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst,
@@ -367,7 +415,7 @@ def _kernels():
         first = (tl.arange(0, BLOCK_C) == 0)[None, :]
         if HAS_WD:
             g = g + wd * p
-        s = _row_value(src, s0, mask, first) + tl.sum(g * g, 1) / d
+        s = _row_value(src, s0, mask, first) + _row_sum_sq(g, BLOCK_R, BLOCK_C) / d
         p = p + (-lr) * (g / (tl.sqrt(s)[:, None] + eps))
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
         _put(out, cout, hmask & first, cmask & first, s0, s[:, None] + tl.zeros_like(p), seed,
@@ -398,7 +446,7 @@ def _kernels():
         if HAS_WD:
             p = p * decay                              # decay = 1 - lr * weight_decay
         ea = ea + one_minus_beta1 * (g - ea)          # torch.lerp for weights below 0.5
-        v = v * beta2 + one_minus_beta2 * (tl.sum(g * g, 1) / d)
+        v = v * beta2 + one_minus_beta2 * (_row_sum_sq(g, BLOCK_R, BLOCK_C) / d)
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p + (-step_size) * (ea / denom[:, None])
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)

@@ -40,9 +40,20 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mean_sq(g: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: each row's mean of g^2, as its sum divided by the row's length (the fused
-    kernels' order, on every device: torch's CUDA mean multiplies by 1/n instead)."""
-    return g.square().sum(1, keepdim=True).div_(g.shape[1])
+    """[rows, 1]: each row's mean of g^2, as its sum divided by the row's length. The sum is
+    a pairwise tree over neighbouring values (the row zero-padded to a power of two, at least
+    16): the fused kernels' order (nbtools.kernels ``_row_sum_sq``) whatever the rows' layout,
+    so a table trains to the same bits in RAM, on disk or behind a cache. (On CUDA the kernels
+    fuse the squares into the first additions (FMA), so this generic path can still differ from
+    them in the last bit; torch's own sum and mean reduce in an order of their own.)"""
+    n = g.shape[1]
+    x = g.square()
+    width = max(16, 1 << max(0, n - 1).bit_length())
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while x.shape[1] > 1:
+        x = x[:, 0::2] + x[:, 1::2]
+    return x.div_(n)
 
 
 def _row_state_shape(p: torch.Tensor) -> tuple:

@@ -519,3 +519,56 @@ def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, pla
                             disk_dir=str(tmp_path))
     OffloadOptimizer(RowWiseAdagrad, [t2], lr=0.1)
     assert t2.placement == "host" and t2.rows.row_bytes == 288
+
+
+@pytest.mark.parametrize("cls,kw", [CASES[0], CASES[3]], ids=["adagrad", "adam-wd-max"])
+@pytest.mark.parametrize("d", [128, 100])
+def test_a_rows_mean_square_does_not_depend_on_its_layout(device, tmp_path, cls, kw, d):
+    """A row's mean(g^2) is summed in one fixed order (a pairwise tree, nbtools.rowwise._mean_sq)
+    by the fused kernels and the generic path alike. On CUDA, Triton's own tl.sum ordered the
+    sum by the tile's layout, which follows the strides of the rows: a disk table (260-byte
+    rows) and the same table in RAM (padded to 288 bytes) trained apart by an ulp of the
+    state."""
+    n, gen = 300, torch.Generator().manual_seed(11)
+    init = torch.randn(n, d, generator=gen)
+    batches = [(torch.randint(0, n, (96,), generator=gen), torch.randn(96, d, generator=gen))
+               for _ in range(4)]
+
+    def run(placement, fused, steps):
+        extra = dict(disk_dir=str(tmp_path / "t"), host_cache_bytes=160 * 4 * (d + 1)) \
+            if placement == "disk" else {}
+        t = OffloadedEmbedding(n, d, device=device, placement=placement, name="t",
+                               dtype=torch.bfloat16, **extra)
+        opt = OffloadOptimizer(cls, [t], config=OffloadConfig(fused=fused), **kw)
+        with torch.no_grad():
+            t.weight.copy_(init)
+        for ids, coef in batches[:steps]:
+            (t(ids.to(device)) * coef.to(device)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        w = t.state_dict()["weight"].cpu()
+        return w, {k: v.cpu() for k, v in opt.table_state(t).items()}
+
+    # fused=True: on the CPU, the kernels in Triton's interpreter
+    host, disk = run("host", True, 4), run("disk", True, 4)
+    assert torch.equal(host[0], disk[0])
+    for k in host[1]:
+        assert torch.equal(host[1][k], disk[1][k]), k
+    if device.type == "cpu":
+        # one step: the per-row state of the generic path (torch ops) equals the fused
+        # kernels' (in Triton's interpreter; on CUDA the kernels fuse g*g into the first
+        # additions, an FMA, so the last bit may differ from the generic path there)
+        key = "sum" if cls is RowWiseAdagrad else "exp_avg_sq"
+        assert torch.equal(run("host", False, 1)[1][key], run("host", True, 1)[1][key])
+
+
+def test_mean_square_is_a_pairwise_tree():
+    """_mean_sq's order, spelled out: neighbours first, the row zero-padded to 16 values."""
+    from nbtools.rowwise import _mean_sq
+    g = torch.randn(5, 20, dtype=torch.float32)
+    x = torch.cat([g.square(), torch.zeros(5, 12)], 1)
+    for _ in range(5):
+        x = torch.stack([x[:, i] + x[:, i + 1] for i in range(0, x.shape[1], 2)], 1)
+    assert torch.equal(_mean_sq(g), x / 20)
+    assert torch.allclose(_mean_sq(g), g.double().square().mean(1, keepdim=True).float())
