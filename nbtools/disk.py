@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import disklog
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
 from .fileio import default_engine, uninterrupted
@@ -127,14 +128,21 @@ class DiskRows(WholeTable):
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
         threads = threads or int(os.environ.get(
             "NBTOOLS_DISK_THREADS", DISK_AIO_DEPTH if default_engine() == "aio" else DISK_THREADS))
-        self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta, threads=threads)
-        self._remove = weakref.finalize(self, _remove_file, self.file, path)
+        if disklog.wanted():            # rows written back are appended (nbtools.disklog)
+            raw = RowFile.create(path, disklog.slots_for(self.num_rows), self.row_bytes,
+                                 {**meta, "layout": "log"}, threads=threads)
+            self.file = disklog.LogFile(raw, self.num_rows)
+        else:
+            raw = self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta,
+                                             threads=threads)
+        self._remove = weakref.finalize(self, _remove_file, raw, path)
         self._pin = pin and self.device.type == "cuda"
         self._lock = threading.RLock()
         self._readahead = None                  # ReadAhead, from the first read_ahead
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
-        maps = self.num_rows * 9            # the two arrays below: counted in the host budget
+        # the two arrays below (and a log file's maps): counted in the host budget
+        maps = self.num_rows * 9 + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
         self.slot_of = np.full(self.num_rows, -1, dtype=np.int64)  # row -> slot, -1: on disk
@@ -203,7 +211,8 @@ class DiskRows(WholeTable):
         """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
         if self.slot_of is None:                # closed
             return 0
-        return self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes + self.slots * 27
+        return (self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes + self.slots * 27
+                + getattr(self.file, "map_bytes", 0))
 
     @property
     def nbytes(self) -> int:
@@ -214,7 +223,7 @@ class DiskRows(WholeTable):
     def file_bytes(self) -> int:
         """Bytes the rows take on disk: each row rounded up to the file's O_DIRECT block (a
         260-byte row takes 512)."""
-        return self.num_rows * self.file.stride
+        return getattr(self.file, "slots", self.num_rows) * self.file.stride
 
     # --- GPU uses of slots ----------------------------------------------------------------
     def mark_used(self, slots: np.ndarray) -> None:

@@ -153,6 +153,11 @@ class WholeTable:
         held = getattr(self, "_held", None)
         if held is not None:
             return held
+        if getattr(self.file, "away", 0):     # a log file: rows back in id order first
+            self.wait_read_ahead()
+            with self._lock:
+                self._write_stash()
+                self.file.identity()
         self.file.flush()
         unit = self.file.stride // self.dtype.itemsize
         arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),

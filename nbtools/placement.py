@@ -156,7 +156,8 @@ def disk_bytes(nbytes: int, num_rows: int | None) -> int:
     sector (``O_DIRECT``; the file is made with the disk's own block, checked again then)."""
     if not num_rows:
         return nbytes
-    return num_rows * -(-(nbytes // num_rows) // 512) * 512
+    from .disklog import file_rows        # the log layout's spare rows
+    return file_rows(num_rows) * -(-(nbytes // num_rows) // 512) * 512
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,

@@ -21,6 +21,7 @@ import uuid
 
 import torch
 
+from . import disklog
 from .units import human_bytes
 
 ROW_MAP_BYTES = 9      # RAM per row of a disk table: its int64 slot and its change mark
@@ -49,12 +50,13 @@ class Sizing:
 
     @property
     def file_bytes(self) -> int:
-        return self.rows * self.file_row_bytes
+        return disklog.file_rows(self.rows) * self.file_row_bytes
 
     @property
     def row_map_bytes(self) -> int:
-        """RAM a disk table of these rows keeps whatever its cache: 9 bytes per row."""
-        return self.rows * ROW_MAP_BYTES
+        """RAM a disk table of these rows keeps whatever its cache: 9 bytes per row (and the
+        log layout's maps)."""
+        return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows)
 
     @property
     def times_ram(self) -> float:
@@ -129,6 +131,8 @@ def rows_for(times_ram: float, dim: int, optimizer, *, dtype=torch.float32, ram_
     free = disk.free_bytes(folder)
     wanted = int(times_ram * ram_bytes // row)
     room = int(disk_share * free) // stride
+    while room > 0 and disklog.file_rows(room) * stride > disk_share * free:
+        room = int(room * 0.99)            # the log layout's spare rows take room too
     if room < 1:
         raise ValueError(f"{folder} has {human_bytes(free)} free: not room for one row of "
                          f"{stride} B. Pick a disk_dir on a disk with free space.")

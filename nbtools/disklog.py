@@ -1,0 +1,337 @@
+"""A log-structured row file: rows written back are appended, never written in place.
+
+On the GPU machine's cloud disk, random reads keep only 0.31x of their rate beside random
+in-place writes of the same rows, and 1.02x beside sequential appends
+(``benchmarks/experiments/disk_mix.py``, benchmarks/RESULTS.md "Session 12"). A disk table in
+its steady state writes back about as many rows as it reads, so :class:`LogFile` turns those
+writes into appends:
+
+* The file holds ``num_rows`` ids in ``slots`` places (``spare`` more than the ids), cut into
+  segments of ``segment_rows`` slots. ``where[id]`` is each id's slot, ``owner[slot]`` each
+  slot's id (or -1), ``live[segment]`` the ids living in a segment. A new file is the identity
+  layout: id ``i`` in slot ``i``, the spare segments free.
+* :meth:`write` appends the rows at the head segment (one sequential run; RowFile merges
+  neighbouring slots into 1 MiB requests), then points ``where`` at them. A segment whose last
+  live row moves out is free again.
+* While few segments are free, the **cleaner** copies the live rows of the segment with the
+  fewest to the head (a read and a write, both nearly sequential) and frees it.
+* Reads (:meth:`read`, :meth:`read_range`) go through ``where``. They run beside writes: a
+  row's new slot is written before ``where`` points at it, its old slot keeps the old bytes,
+  and a freed segment is reused only once every read that started before it was freed is done.
+* Whole-table views in id order (a memory map: ``table.weight``, a state dict) need the
+  identity layout back: :meth:`identity` moves every row home first.
+
+Nothing here is made durable: a killed run's table file is never reopened (a run resumes from
+its checkpoint, whose rows are read through ``where``).
+
+The interface is :class:`nbtools.rowfile.RowFile`'s (``read``, ``write``, ``read_range``,
+``write_range``...), by id; everything else (``path``, ``stride``, ``flush``, ``engine``...) is
+the underlying file's.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+SEGMENT_ROWS = 8192          # slots per segment (4 MiB at a 512-byte stride)
+SPARE = 0.25                 # spare slots, as a share of the ids
+RESERVE = 2                  # free segments the cleaner keeps beyond a write's own (one to
+                             # append a victim's rows into while cleaning)
+BATCH_ROWS = 1 << 16         # rows moved per round by identity()
+
+
+def wanted() -> bool:
+    """Whether new disk tables use the log layout (``NBTOOLS_DISK_LAYOUT=log``; in place by
+    default until it is measured as the better default)."""
+    return os.environ.get("NBTOOLS_DISK_LAYOUT", "inplace").strip().lower() == "log"
+
+
+def slots_for(num_rows: int, segment_rows: int | None = None, spare: float | None = None) -> int:
+    """Slots in a log file of ``num_rows`` ids: the ids, the spare share, at least
+    ``RESERVE + 2`` spare segments, in whole segments."""
+    seg = int(segment_rows or os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS))
+    spare = float(spare if spare is not None else os.environ.get("NBTOOLS_DISK_SPARE", SPARE))
+    extra = max(int(num_rows * spare), (RESERVE + 2) * seg)
+    return -(-(num_rows + extra) // seg) * seg
+
+
+def file_rows(num_rows: int) -> int:
+    """Rows of the row file a new disk table of ``num_rows`` rows makes (slots, in the log
+    layout)."""
+    return slots_for(num_rows) if wanted() and num_rows else num_rows
+
+
+def map_bytes(num_rows: int) -> int:
+    """RAM a new disk table's log maps take (``where`` and ``owner``; 0 in place)."""
+    if not (wanted() and num_rows):
+        return 0
+    slots = slots_for(num_rows)
+    item = 4 if slots < 2 ** 31 else 8
+    return (num_rows + slots) * item + slots // int(
+        os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS)) * 8
+
+
+class LogFile:
+    """``num_rows`` ids over a :class:`~nbtools.rowfile.RowFile` of more slots (see module)."""
+
+    def __init__(self, file, num_rows: int, segment_rows: int | None = None):
+        self.file = file
+        self.num_rows = int(num_rows)
+        self.seg = int(segment_rows or os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS))
+        self.slots = int(file.num_rows)
+        if self.slots % self.seg or self.slots < self.num_rows + (RESERVE + 2) * self.seg:
+            raise ValueError(f"a log file of {self.num_rows:,} ids needs whole segments of "
+                             f"{self.seg} slots and {RESERVE + 2} spare ones; the file has "
+                             f"{self.slots:,} slots")
+        small = self.slots < 2 ** 31
+        self.where = np.arange(self.num_rows, dtype=np.int32 if small else np.int64)
+        self.owner = np.full(self.slots, -1, dtype=self.where.dtype)
+        self.owner[: self.num_rows] = self.where
+        self._map = threading.Lock()          # where/owner/live and the free list
+        self._writes = threading.RLock()      # one writer (appends, cleaning, identity)
+        self._freed = threading.Condition(self._map)
+        self._reads = {}                       # read token -> generation it started at
+        self._token = 0
+        self._gen = 0
+        self.stats = {"appended": 0, "cleaned": 0, "cleaned_segments": 0, "moved_home": 0}
+        self.away = 0                          # ids not in their home slot
+        self._rebuild()
+
+    # --- the map ------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Live counts and free segments from ``owner``; no head (the next append takes a
+        free segment). Under the write lock, with no read in flight."""
+        self.live = (self.owner.reshape(-1, self.seg) >= 0).sum(1, dtype=np.int64)
+        self._free = [(int(s), 0) for s in np.flatnonzero(self.live == 0)]
+        self._head, self._pos = -1, self.seg
+
+    @property
+    def identity_layout(self) -> bool:
+        """Every id in its home slot."""
+        return self.away == 0
+
+    def _start_read(self, ids) -> tuple[int, np.ndarray]:
+        with self._map:
+            self._token += 1
+            self._reads[self._token] = self._gen
+            return self._token, self.where[ids].astype(np.int64)
+
+    def _end_read(self, token: int) -> None:
+        with self._map:
+            del self._reads[token]
+            self._freed.notify_all()
+
+    def _take_segment(self) -> int:
+        """A free segment no read in flight may still be reading (the highest such: spare
+        segments first, which are nobody's home). Under the map lock; waits for reads."""
+        while True:
+            oldest = min(self._reads.values(), default=None)
+            ok = [k for k, (s, gen) in enumerate(self._free) if oldest is None or gen <= oldest]
+            if ok:
+                k = max(ok, key=lambda k: self._free[k][0])
+                return self._free.pop(k)[0]
+            if not self._free:
+                raise RuntimeError("log file: no free segment (a bug: the cleaner keeps some)")
+            self._freed.wait()
+
+    def _allocate(self, k: int) -> np.ndarray:
+        """``k`` fresh slots at the head, in order. Under the write lock."""
+        out = []
+        with self._map:
+            while k:
+                if self._pos == self.seg:
+                    self._head, self._pos = self._take_segment(), 0
+                n = min(k, self.seg - self._pos)
+                base = self._head * self.seg + self._pos
+                out.append(np.arange(base, base + n, dtype=np.int64))
+                self._pos += n
+                k -= n
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def _point(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """``ids`` now live in ``slots`` (written already): the map follows, and segments left
+        with no live row are freed at a new generation."""
+        with self._map:
+            old = self.where[ids].astype(np.int64)
+            self.away += int(np.count_nonzero(slots != ids)) - int(np.count_nonzero(old != ids))
+            self.where[ids] = slots
+            self.owner[old] = -1
+            self.owner[slots] = ids
+            np.add.at(self.live, slots // self.seg, 1)
+            np.subtract.at(self.live, old // self.seg, 1)
+            if self._free:       # identity() writes homes into free segments: taken now
+                taken = set(np.unique(slots // self.seg).tolist())
+                self._free = [f for f in self._free if f[0] not in taken]
+            gone = np.unique(old // self.seg)
+            gone = gone[(self.live[gone] == 0) & (gone != self._head)]
+            if len(gone):
+                self._gen += 1
+                self._free.extend((int(s), self._gen) for s in gone)
+
+    def _room(self) -> int:
+        """Slots an append can take now: the head's rest and the free segments. Under the map
+        lock."""
+        return len(self._free) * self.seg + (self.seg - self._pos if self._head >= 0 else 0)
+
+    def _clean(self, need: int = 0) -> None:
+        """Until ``need`` slots and RESERVE more segments are free: move the live rows of the
+        segment with the fewest to the head. Under the write lock."""
+        while True:
+            with self._map:
+                if self._room() >= need + RESERVE * self.seg:
+                    return
+                live = self.live.copy()
+                live[[s for s, _ in self._free]] = self.seg + 1
+                if self._head >= 0:
+                    live[self._head] = self.seg + 1
+                victim = int(np.argmin(live))
+                if live[victim] >= self.seg:
+                    return                  # nothing to gain (cannot happen with spare segments)
+                lo = victim * self.seg
+                slots = np.flatnonzero(self.owner[lo:lo + self.seg] >= 0) + lo
+                ids = self.owner[slots].astype(np.int64)
+            rows = np.empty((len(slots), self.file.row_bytes), dtype=np.uint8)
+            if len(slots):
+                self.file.read(slots, rows)
+            new = self._allocate(len(slots))
+            if len(new):
+                self.file.write(new, rows)
+            self._point(ids, new)
+            with self._map:            # (a segment emptied by writes alone is freed already)
+                if self.live[victim] == 0 and all(s != victim for s, _ in self._free):
+                    self._gen += 1
+                    self._free.append((victim, self._gen))
+            self.stats["cleaned"] += len(slots)
+            self.stats["cleaned_segments"] += 1
+
+    # --- RowFile's interface, by id ---------------------------------------------------------
+    def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
+        ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        self._check_ids(ids)
+        token, slots = self._start_read(ids)
+        try:
+            self.file.read(slots, out, at=at)
+        finally:
+            self._end_read(token)
+
+    def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None) -> None:
+        """Append rows ``ids`` (unique) at the head; ``src[at[j]]`` (or ``src[j]``) is id
+        ``ids[j]``'s row."""
+        ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+        self._check_ids(ids)
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError("a log file's write takes each id once")
+        most = max(self.seg, (self.slots - self.num_rows) // 2 - RESERVE * self.seg)
+        with self._writes:
+            for a in range(0, len(ids), most):       # a write larger than half the spare: parts
+                part = ids[a:a + most]
+                where = (np.arange(a, a + len(part)) if at is None
+                         else np.asarray(at).reshape(-1)[a:a + len(part)])
+                self._clean(len(part))
+                slots = self._allocate(len(part))
+                self.file.write(slots, src, at=where)
+                self._point(part, slots)
+                self.stats["appended"] += len(part)
+
+    def read_range(self, start: int, out: np.ndarray) -> None:
+        ids = np.arange(start, start + len(out), dtype=np.int64)
+        self._check_ids(ids)
+        token, slots = self._start_read(ids)
+        try:
+            if len(slots) and slots[-1] - slots[0] == len(slots) - 1 \
+                    and np.array_equal(slots, ids - start + slots[0]):
+                self.file.read_range(int(slots[0]), out)     # one sequential stretch
+            else:
+                self.file.read(slots, out)
+        finally:
+            self._end_read(token)
+
+    def write_range(self, start: int, src: np.ndarray) -> None:
+        """Rows ``start : start + len(src)`` written where they live now (in place: whole-table
+        writes, as at creation or a restore, into the identity layout)."""
+        ids = np.arange(start, start + len(src), dtype=np.int64)
+        self._check_ids(ids)
+        with self._writes:
+            slots = self.where[ids].astype(np.int64)
+            if len(slots) and np.array_equal(slots, ids - start + slots[0]):
+                self.file.write_range(int(slots[0]), src)
+            else:
+                self.file.write(slots, src)
+
+    def identity(self, progress=None) -> int:
+        """Move every row home (id ``i`` to slot ``i``), BATCH_ROWS at a time; returns the rows
+        moved. Rows whose home is free go home; when none is (cycles), the rows sitting in the
+        homes of moved ids are appended elsewhere first. Call with no read in flight."""
+        moved_total = 0
+        with self._writes:
+            if not self.away:
+                return 0
+            with self._map:
+                self._head, self._pos = -1, self.seg   # its unused slots may be homes
+            while self.away:
+                ready, stuck = self._scan(BATCH_ROWS)
+                if len(ready):
+                    rows = np.empty((len(ready), self.file.row_bytes), dtype=np.uint8)
+                    self.file.read(self.where[ready].astype(np.int64), rows)
+                    self.file.write(ready, rows)
+                    self._point(ready, ready)
+                    moved_total += len(ready)
+                    if progress is not None:
+                        progress(len(ready))
+                    continue
+                # every moved id's home holds another moved row: move those out of the way
+                ids = self.owner[stuck].astype(np.int64)
+                rows = np.empty((len(stuck), self.file.row_bytes), dtype=np.uint8)
+                self.file.read(stuck, rows)
+                self._clean(len(ids))
+                new = self._allocate(len(ids))
+                self.file.write(new, rows)
+                self._point(ids, new)
+            self._rebuild()
+        self.stats["moved_home"] += moved_total
+        return moved_total
+
+    def _scan(self, limit: int, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
+        """Up to ``limit`` ids away from home whose home is free, and up to ``limit`` whose
+        home is taken (scanned ``chunk`` ids at a time: no table-sized temporaries)."""
+        ready, stuck, n_ready, n_stuck = [], [], 0, 0
+        for a in range(0, self.num_rows, chunk):
+            w = self.where[a:a + chunk]
+            ids = np.flatnonzero(w != np.arange(a, a + len(w), dtype=w.dtype)) + a
+            if not len(ids):
+                continue
+            free = self.owner[ids] < 0
+            ready.append(ids[free])
+            stuck.append(ids[~free])
+            n_ready += int(free.sum())
+            n_stuck += len(ids) - int(free.sum())
+            if n_ready >= limit or (n_stuck >= limit and n_ready):
+                break
+        cat = (lambda parts: np.concatenate(parts)[:limit].astype(np.int64) if parts
+               else np.empty(0, dtype=np.int64))
+        return cat(ready), cat(stuck)
+
+    # --- the rest is the file's ---------------------------------------------------------------
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= self.num_rows))[0])
+            raise IndexError(f"{self.file.path!r} holds {self.num_rows:,} rows but ids contain "
+                             f"{int(ids[bad]):,} (first at position {bad})")
+
+    @property
+    def map_bytes(self) -> int:
+        """RAM of the maps (``where`` and ``owner``)."""
+        return self.where.nbytes + self.owner.nbytes + self.live.nbytes
+
+    def __getattr__(self, name):
+        file = self.__dict__.get("file")
+        if file is None:
+            raise AttributeError(name)
+        return getattr(file, name)
+
+    def __repr__(self):
+        free = len(self._free)
+        return (f"LogFile({self.file!r}, ids={self.num_rows:,}, slots={self.slots:,}, "
+                f"segments of {self.seg}, {free} free)")

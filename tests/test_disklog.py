@@ -1,0 +1,197 @@
+"""The log-structured row file (nbtools.disklog): every read returns the newest row written,
+through appends, the cleaner, reads beside writes, and the move back to the identity layout.
+The reference is a plain numpy array of the rows as written."""
+import threading
+
+import numpy as np
+import pytest
+
+from nbtools.disklog import LogFile, slots_for
+from nbtools.rowfile import RowFile
+
+RB, SEG = 24, 8
+
+
+def _log(tmp_path, n, spare=0.3, direct=False):
+    f = RowFile.create(tmp_path / "t.nbrows", slots_for(n, SEG, spare), RB, direct=direct)
+    return LogFile(f, n, segment_rows=SEG)
+
+
+def _rows(gen, k):
+    return gen.integers(0, 256, (k, RB), dtype=np.uint8)
+
+
+def _check_all(log, ref):
+    got = np.empty_like(ref)
+    log.read_range(0, got)
+    assert np.array_equal(got, ref)
+    ids = np.random.default_rng(0).permutation(len(ref))[: len(ref) // 2]
+    part = np.empty((len(ids), RB), dtype=np.uint8)
+    log.read(ids, part)
+    assert np.array_equal(part, ref[ids])
+
+
+def test_appends_the_cleaner_and_identity_keep_every_row(tmp_path):
+    n, gen = 200, np.random.default_rng(1)
+    log = _log(tmp_path, n)
+    ref = _rows(gen, n)
+    log.write_range(0, ref)                       # in place: the identity layout
+    assert log.identity_layout and log.file.counters["write_calls"] == 1
+    for step in range(60):
+        ids = np.sort(gen.choice(n, gen.integers(1, 40), replace=False))
+        rows = _rows(gen, len(ids))
+        at = gen.permutation(len(ids))            # rows[at[j]] is ids[j]'s
+        src = np.empty_like(rows)
+        src[at] = rows
+        log.write(ids, src, at=at)
+        ref[ids] = rows
+        if step % 7 == 0:
+            _check_all(log, ref)
+        assert log.live.sum() == n and (log.owner >= 0).sum() == n
+    assert log.stats["cleaned_segments"] > 0 and not log.identity_layout
+    _check_all(log, ref)
+    moved = log.identity()
+    assert moved > 0 and log.identity_layout
+    raw = np.empty_like(ref)
+    log.file.read_range(0, raw)                   # the file itself, in id order now
+    assert np.array_equal(raw, ref)
+    log.write(np.array([5]), _rows(gen, 1))       # and it goes on appending after
+    _check_all(log, np.concatenate([ref[:5], log_row(log, 5), ref[6:]]))
+
+
+def log_row(log, i):
+    out = np.empty((1, RB), dtype=np.uint8)
+    log.read(np.array([i]), out)
+    return out
+
+
+def test_identity_breaks_cycles(tmp_path):
+    """Rows that swapped homes (every moved id's home held by another moved row)."""
+    n = 64
+    log = _log(tmp_path, n, spare=0.5)
+    gen = np.random.default_rng(2)
+    ref = _rows(gen, n)
+    log.write_range(0, ref)
+    for _ in range(30):                              # churn until homes are reused
+        ids = np.sort(gen.choice(n, 16, replace=False))
+        rows = _rows(gen, 16)
+        log.write(ids, rows)
+        ref[ids] = rows
+    log.identity()
+    raw = np.empty_like(ref)
+    log.file.read_range(0, raw)
+    assert np.array_equal(raw, ref) and log.identity_layout
+
+
+def test_write_range_after_moves_writes_where_rows_live(tmp_path):
+    n, gen = 50, np.random.default_rng(3)
+    log = _log(tmp_path, n)
+    ref = _rows(gen, n)
+    log.write_range(0, ref)
+    log.write(np.arange(10, 20), _rows(gen, 10))
+    ref[10:30] = _rows(gen, 20)
+    log.write_range(10, ref[10:30])
+    _check_all(log, ref)
+
+
+def test_reads_beside_writes_and_cleaning(tmp_path):
+    """A reader of rows nobody writes, while a writer appends other rows and the cleaner moves
+    the reader's rows around: every read is the row as written (freed segments are reused only
+    once reads that began before are done)."""
+    n, gen = 400, np.random.default_rng(4)
+    log = _log(tmp_path, n, spare=0.2)
+    ref = _rows(gen, n)
+    log.write_range(0, ref)
+    fixed = np.arange(0, n, 2)                    # read only
+    moving = np.arange(1, n, 2)                   # written only
+    errors, stop = [], threading.Event()
+
+    def reader():
+        r = np.random.default_rng(5)
+        while not stop.is_set():
+            ids = np.sort(r.choice(fixed, 50, replace=False))
+            out = np.empty((50, RB), dtype=np.uint8)
+            log.read(ids, out)
+            if not np.array_equal(out, ref[ids]):
+                errors.append(ids)
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(100):
+            ids = np.sort(gen.choice(moving, 30, replace=False))
+            log.write(ids, _rows(gen, 30))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors and log.stats["cleaned"] > 0
+
+
+def test_bad_input(tmp_path):
+    log = _log(tmp_path, 20)
+    with pytest.raises(IndexError, match="20 rows"):
+        log.read(np.array([20]), np.empty((1, RB), dtype=np.uint8))
+    with pytest.raises(ValueError, match="each id once"):
+        log.write(np.array([3, 3]), np.zeros((2, RB), dtype=np.uint8))
+    with pytest.raises(ValueError, match="spare"):
+        LogFile(RowFile.create(tmp_path / "small.nbrows", 24, RB), 20, segment_rows=SEG)
+
+
+# --- a disk table in the log layout trains exactly as in RAM ----------------------------------
+@pytest.fixture
+def log_layout(monkeypatch):
+    """New disk tables in the log layout, segments of 16 slots: the cleaner runs every few
+    steps."""
+    monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "log")
+    monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "16")
+
+
+@pytest.mark.parametrize("cache_rows,prefetch", [(10, False), (60, False), (120, True)])
+def test_a_log_table_trains_as_host(tmp_path, log_layout, cache_rows, prefetch):
+    import warnings
+
+    import torch
+    from test_disk import D, _assert_same, _pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the 10-row cache grows to hold the step
+        tables, _ = _pair(tmp_path, host_cache_bytes=cache_rows * 3 * D * 4, lookups=2,
+                          steps=12, prefetch=prefetch)
+    disk = tables[1].disk
+    assert type(disk.file).__name__ == "LogFile"
+    assert disk.file.stats["appended"] > 0 and disk.file.stats["cleaned_segments"] > 0
+    if prefetch:
+        assert disk.stats["read_ahead"] > 0
+    _assert_same(tables)                        # .weight: the rows moved back home first
+    assert disk.file.identity_layout
+    # and training goes on (appending again) after a whole-table read
+    ids = torch.arange(0, 300, 3)
+    for t, opt in zip(tables, _):
+        (t(ids) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    _assert_same(tables)
+
+
+def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypatch):
+    import torch
+    monkeypatch.setenv("NBTOOLS_DISK_SPARE", "0")            # the least: 4 segments
+    import test_checkpoint_disk as C
+    from nbtools.checkpoint import CheckpointManager
+    host, hopt = C._pair_member("host", tmp_path)
+    disk, dopt = C._pair_member("disk", tmp_path, cache_rows=100)
+    ck = CheckpointManager(tmp_path / "ck", keep=4, config=C._cfg(base_every=3))
+    for s in range(1, 7):
+        C._train(host, hopt, [s])
+        C._train(disk, dopt, [s])
+        ck.save(s, model=disk, opt=dopt)
+    assert disk.disk.file.stats["cleaned_segments"] > 0
+    fresh, fopt = C._pair_member("disk", tmp_path, seed=5, cache_rows=100)
+    C._train(fresh, fopt, [1, 2])                # rows moved: the restore resets the layout
+    assert CheckpointManager(tmp_path / "ck", config=C._cfg()).restore(model=fresh,
+                                                                       opt=fopt) == 6
+    C._assert_rows(C._rows(fresh, fopt), C._rows(host, hopt))
+    C._train(host, hopt, [7, 8])
+    C._train(fresh, fopt, [7, 8])
+    C._assert_rows(C._rows(fresh, fopt), C._rows(host, hopt))
+    assert torch.equal(fresh.weight, host.weight)
