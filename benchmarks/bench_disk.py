@@ -292,6 +292,10 @@ def main():
                     "rounds (by default it is: a long run's steady state, where each miss "
                     "evicts a dirty row; without it the rounds' evictions are clean)")
     ap.add_argument("--dirty", action="store_true", default=True, help=argparse.SUPPRESS)
+    ap.add_argument("--age-s", type=float, default=0.0,
+                    help="log layout (NBTOOLS_DISK_LAYOUT=log): train uniform steps for up to "
+                         "this long before the rounds, until the spare slots are used and the "
+                         "cleaner runs (its steady state)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -321,6 +325,8 @@ def main():
     res["file_bytes"] = table.disk.file_bytes          # rows rounded up to the O_DIRECT block
     res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
     res["cache_rows"] = table.disk.capacity_rows
+    log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disklog)
+    res["layout"] = "log (NBTOOLS_DISK_LAYOUT=log)" if log is not None else "in place"
     mem.mark("created")
     print(f"created {table!r} in {res['create_s']:.1f} s", flush=True)
 
@@ -367,12 +373,28 @@ def main():
         return [b.pin_memory() if pin else b for b in out]
     batches = zipf_batches(args.steps)        # (kept for the host-RAM comparison)
     run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
+    if log is not None and args.age_s:
+        # A log file's steady state: its spare slots used up and the cleaner at work, as after
+        # a long run (a fresh file only appends into its spare segments). Uniform steps fill
+        # the spare fastest (every id a miss, every eviction a dirty row), until the cleaner
+        # has cleaned 8 segments; it then runs in every round below (reported per round)
+        t0, aged = time.perf_counter(), 0
+        while time.perf_counter() - t0 < args.age_s and log["cleaned_segments"] < 8:
+            uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(4)]
+            run_steps(table, opt, [b.pin_memory() if pin else b for b in uni], device,
+                      prefetch=args.ahead)
+            aged += len(uni)
+        run_steps(table, opt, zipf_batches(args.steps), device, prefetch=args.ahead)
+        res["aged"] = {"steps": aged, "s": time.perf_counter() - t0, **log}
+        mem.mark("aged")
+        print(f"aged: {aged} steps in {res['aged']['s']:.0f} s, {log}", flush=True)
     # A cloud disk's rate drifts by tens of percent within minutes: rounds alternate the two
     # loops and a probe of the disk at that moment, and each round's ratio uses its own probe.
     rounds = []
     for r in range(args.rounds):
         rate = probe(table, 8192, 32, gen)
         rnd = {"probe_rows_per_s": rate}
+        before = dict(log) if log is not None else None
         loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
         if args.ahead > 1:
             loops.append((1, "zipf_read_ahead_1"))
@@ -383,6 +405,8 @@ def main():
         rnd["sustained_rows_per_s"] = probe_steps(table, per_step, args.steps, 32, gen)
         rnd["floor_b_sustained_ms"] = per_step / rnd["sustained_rows_per_s"] * 1e3
         rnd["floor_b_ms_no_read_ahead"] = rnd["zipf"]["misses_per_step"] / rate * 1e3
+        if log is not None:
+            rnd["log"] = {k: log[k] - before[k] for k in log}
         rounds.append(rnd)
         mem.mark(f"round {r}")
         print(f"round {r}: probe {rate:,.0f} rows/s, ms/step "
@@ -393,7 +417,8 @@ def main():
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}, written back "
-              f"{rnd['zipf_read_ahead']['written_back_per_step']:,.0f}", flush=True)
+              f"{rnd['zipf_read_ahead']['written_back_per_step']:,.0f}"
+              + (f", log: {rnd['log']}" if log is not None else ""), flush=True)
     res["rounds"] = rounds
     med = lambda xs: float(np.median(xs))       # noqa: E731
     for key in rounds[0]:
@@ -413,6 +438,8 @@ def main():
     u["x_probe"] = u["rows_per_s"] / probed
     mem.mark("uniform")
     print("uniform", res["uniform"], flush=True)
+    if log is not None:
+        res["log"] = dict(log)
     res["memory"] = mem.stop()
     res["memory"]["budget_bytes"] = int(args.budget_gib * (1 << 30))
     out_dir = args.out or "."
@@ -460,6 +487,15 @@ def main():
             if args.dirty else ", never trained before the rounds: evictions clean")),
         ("rows written back per step (read-ahead run)",
          f"{res['zipf_read_ahead']['written_back_per_step']:,.0f}"),
+        ("file layout", res["layout"] + (
+            f": {res['log']['appended']:,} rows appended, {res['log']['cleaned']:,} moved by "
+            f"the cleaner ({res['log']['cleaned'] / max(1, res['log']['appended']):.2f} a row)"
+            + (f"; aged {res['aged']['steps']} steps ({res['aged']['s']:.0f} s) first"
+               if "aged" in res else "")
+            + "; in the rounds: " + ", ".join(
+                f"{rnd['log']['cleaned'] / max(1, rnd['log']['appended']):.2f}"
+                for rnd in rounds) + " rows moved per row appended"
+            if "log" in res else "")),
         ("init (write every row) s", f"{res['init_s']:.1f}"),
         *[(f"probe rows/s, 16 / 32 / 64 in flight, {e} engine", " / ".join(
             f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))) for e in engines()],
