@@ -346,6 +346,22 @@ def main():
     probed = max(res[f"probe_rows_per_s_{t}"] for t in (16, 32, 64))
     mem.mark("probed")
 
+    pin = device.type == "cuda"
+    if log is not None and args.age_s:
+        # A log file's steady state: its spare slots used up and the cleaner at work, as after
+        # a long run (a fresh file only appends into its spare segments). Uniform steps fill
+        # the spare fastest (every id a miss, every eviction a dirty row), until the cleaner
+        # has cleaned 8 segments; it then runs in every round below (reported per round)
+        t0, aged = time.perf_counter(), 0
+        while time.perf_counter() - t0 < args.age_s and log["cleaned_segments"] < 8:
+            uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(4)]
+            run_steps(table, opt, [b.pin_memory() if pin else b for b in uni], device,
+                      prefetch=args.ahead)
+            aged += len(uni)
+        table.disk.flush(drop=True)           # the uniform rows out of RAM: warmed again below
+        res["aged"] = {"steps": aged, "s": time.perf_counter() - t0, **log}
+        mem.mark("aged")
+        print(f"aged: {aged} steps in {res['aged']['s']:.0f} s, {log}", flush=True)
     t0 = time.perf_counter()
     res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
     res["warm_s"] = time.perf_counter() - t0
@@ -366,28 +382,12 @@ def main():
 
     # ids from the host, as a loader hands them over (pinned): a disk table deduplicates them
     # on the CPU, so its step needs no GPU synchronisation
-    pin = device.type == "cuda"
 
     def zipf_batches(k):
         out = [torch.from_numpy(zipf_ids(gen, args.rows, args.ids)) for _ in range(k)]
         return [b.pin_memory() if pin else b for b in out]
     batches = zipf_batches(args.steps)        # (kept for the host-RAM comparison)
     run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
-    if log is not None and args.age_s:
-        # A log file's steady state: its spare slots used up and the cleaner at work, as after
-        # a long run (a fresh file only appends into its spare segments). Uniform steps fill
-        # the spare fastest (every id a miss, every eviction a dirty row), until the cleaner
-        # has cleaned 8 segments; it then runs in every round below (reported per round)
-        t0, aged = time.perf_counter(), 0
-        while time.perf_counter() - t0 < args.age_s and log["cleaned_segments"] < 8:
-            uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(4)]
-            run_steps(table, opt, [b.pin_memory() if pin else b for b in uni], device,
-                      prefetch=args.ahead)
-            aged += len(uni)
-        run_steps(table, opt, zipf_batches(args.steps), device, prefetch=args.ahead)
-        res["aged"] = {"steps": aged, "s": time.perf_counter() - t0, **log}
-        mem.mark("aged")
-        print(f"aged: {aged} steps in {res['aged']['s']:.0f} s, {log}", flush=True)
     # A cloud disk's rate drifts by tens of percent within minutes: rounds alternate the two
     # loops and a probe of the disk at that moment, and each round's ratio uses its own probe.
     rounds = []

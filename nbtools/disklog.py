@@ -13,8 +13,8 @@ writes into appends:
 * :meth:`write` appends the rows at the head segment (one sequential run; RowFile merges
   neighbouring slots into 1 MiB requests), then points ``where`` at them. A segment whose last
   live row moves out is free again.
-* While few segments are free, the **cleaner** copies the live rows of the segment with the
-  fewest to the head (a read and a write, both nearly sequential) and frees it.
+* While few segments are free, the **cleaner** reads the segment with the fewest live rows
+  whole (one sequential read) and appends its live rows at the head, which frees it.
 * Reads (:meth:`read`, :meth:`read_range`) go through ``where``. They run beside writes: a
   row's new slot is written before ``where`` points at it, its old slot keeps the old bytes,
   and a freed segment is reused only once every read that started before it was freed is done.
@@ -192,9 +192,12 @@ class LogFile:
                 lo = victim * self.seg
                 slots = np.flatnonzero(self.owner[lo:lo + self.seg] >= 0) + lo
                 ids = self.owner[slots].astype(np.int64)
-            rows = np.empty((len(slots), self.file.row_bytes), dtype=np.uint8)
-            if len(slots):
-                self.file.read(slots, rows)
+            if len(slots):        # the whole segment in one sequential read: its live rows
+                whole = np.empty((self.seg, self.file.row_bytes), dtype=np.uint8)
+                self.file.read_range(lo, whole)        # lie between dead ones
+                rows = whole[slots - lo]
+            else:
+                rows = np.empty((0, self.file.row_bytes), dtype=np.uint8)
             new = self._allocate(len(slots))
             if len(new):
                 self.file.write(new, rows)
