@@ -145,15 +145,18 @@ class WholeTable:
                 raw[hot] = self._bytes[slots[hot]]
             return out
 
-    def mapped(self, writable: bool = True) -> torch.Tensor:
+    def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
         """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first). Reads
         and writes go through the page cache: for whole-table access, not steps. Without
         ``writable``, writes stay in this process's copy (copy-on-write), never the file.
-        While a checkpoint holds a mapping (:meth:`hold_mapping`), that one is returned."""
+        While a checkpoint holds a mapping (:meth:`hold_mapping`), that one is returned.
+        A log-structured file (:mod:`nbtools.disklog`) first moves every row back home (id
+        order); without ``ordered`` it does not, and the mapping's bytes are not the rows':
+        for a caller that only needs its storage, never its values."""
         held = getattr(self, "_held", None)
         if held is not None:
             return held
-        if getattr(self.file, "away", 0):     # a log file: rows back in id order first
+        if ordered and getattr(self.file, "away", 0):     # a log file: rows home first
             self.wait_read_ahead()
             with self._lock:
                 self._write_stash()
@@ -240,7 +243,11 @@ class WholeTable:
         copies nothing)."""
         if getattr(self, "_held", None) is not None:
             raise RuntimeError(f"table {self.name!r}: its mapping is held already")
-        self._held = self.mapped(writable)
+        # a save reads rows through the file, by id (nbtools.checkpoint.rows: every view of
+        # the held mapping is saved by reference or refused, never read), so a log file's rows
+        # need not move home for it; a restore's writable mapping is handed to
+        # load_state_dict, and does
+        self._held = self.mapped(writable, ordered=writable)
         try:
             yield self._held
         finally:

@@ -19,7 +19,8 @@ writes into appends:
   row's new slot is written before ``where`` points at it, its old slot keeps the old bytes,
   and a freed segment is reused only once every read that started before it was freed is done.
 * Whole-table views in id order (a memory map: ``table.weight``, a state dict) need the
-  identity layout back: :meth:`identity` moves every row home first.
+  identity layout back: :meth:`identity` moves every row home first (random reads and writes
+  of the rows that moved). A checkpoint's save does not: it reads rows through ``where``.
 
 Nothing here is made durable: a killed run's table file is never reopened (a run resumes from
 its checkpoint, whose rows are read through ``where``).
@@ -43,15 +44,29 @@ BATCH_ROWS = 1 << 16         # rows moved per round by identity()
 
 
 def wanted() -> bool:
-    """Whether new disk tables use the log layout (``NBTOOLS_DISK_LAYOUT=log``; in place by
-    default until it is measured as the better default)."""
-    return os.environ.get("NBTOOLS_DISK_LAYOUT", "inplace").strip().lower() == "log"
+    """Whether new disk tables use the log layout: the default; ``NBTOOLS_DISK_LAYOUT=inplace``
+    writes rows back where they are instead (a file of exactly the table's rows, no maps)."""
+    layout = os.environ.get("NBTOOLS_DISK_LAYOUT", "log").strip().lower()
+    if layout not in ("log", "inplace"):
+        raise ValueError(f"NBTOOLS_DISK_LAYOUT must be 'log' or 'inplace', got {layout!r}")
+    return layout == "log"
+
+
+def segment_rows_for(num_rows: int) -> int:
+    """Slots per segment for a table of ``num_rows`` rows: SEGMENT_ROWS (or
+    ``NBTOOLS_DISK_SEGMENT_ROWS``), smaller for small tables (a power of two, at least 16, at
+    most a sixteenth of the rows), so that their spare share holds RESERVE + 2 segments."""
+    env = os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS")
+    if env:
+        return int(env)
+    small = 1 << max(4, (max(1, num_rows) // 16).bit_length() - 1)
+    return min(SEGMENT_ROWS, small)
 
 
 def slots_for(num_rows: int, segment_rows: int | None = None, spare: float | None = None) -> int:
     """Slots in a log file of ``num_rows`` ids: the ids, the spare share, at least
     ``RESERVE + 2`` spare segments, in whole segments."""
-    seg = int(segment_rows or os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS))
+    seg = int(segment_rows or segment_rows_for(num_rows))
     spare = float(spare if spare is not None else os.environ.get("NBTOOLS_DISK_SPARE", SPARE))
     extra = max(int(num_rows * spare), (RESERVE + 2) * seg)
     return -(-(num_rows + extra) // seg) * seg
@@ -69,8 +84,7 @@ def map_bytes(num_rows: int) -> int:
         return 0
     slots = slots_for(num_rows)
     item = 4 if slots < 2 ** 31 else 8
-    return (num_rows + slots) * item + slots // int(
-        os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS)) * 8
+    return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 8
 
 
 class LogFile:
@@ -79,7 +93,7 @@ class LogFile:
     def __init__(self, file, num_rows: int, segment_rows: int | None = None):
         self.file = file
         self.num_rows = int(num_rows)
-        self.seg = int(segment_rows or os.environ.get("NBTOOLS_DISK_SEGMENT_ROWS", SEGMENT_ROWS))
+        self.seg = int(segment_rows or segment_rows_for(num_rows))
         self.slots = int(file.num_rows)
         if self.slots % self.seg or self.slots < self.num_rows + (RESERVE + 2) * self.seg:
             raise ValueError(f"a log file of {self.num_rows:,} ids needs whole segments of "
