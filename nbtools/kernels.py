@@ -364,7 +364,12 @@ def _kernels():
         # follows the tile's layout, which Triton picks from the strides of everything the
         # kernel loads: a 260-byte disk row and a 288-byte padded RAM row summed the same
         # gradient differently. nbtools.rowwise._mean_sq adds in this same order.
-        x = _halve(g * g, R, C)
+        # the first level as an explicit FMA (a*a + b*b, a's square unrounded): left to the
+        # compiler, whether a square fuses into its addition depended on where Triton moved
+        # the tile between threads (a 100-wide row's state differed by an ulp between a disk
+        # table and the same table in RAM)
+        a, b = tl.split(tl.reshape(g, [R, C // 2, 2]))
+        x = tl.fma(a, a, b * b)
         x = _halve(x, R, C // 2)
         x = _halve(x, R, C // 4)
         x = _halve(x, R, C // 8)
@@ -446,7 +451,7 @@ def _kernels():
         if HAS_WD:
             p = p * decay                              # decay = 1 - lr * weight_decay
         ea = ea + one_minus_beta1 * (g - ea)          # torch.lerp for weights below 0.5
-        v = v * beta2 + one_minus_beta2 * (_row_sum_sq(g, BLOCK_R, BLOCK_C) / d)
+        v = tl.fma(v, beta2, one_minus_beta2 * (_row_sum_sq(g, BLOCK_R, BLOCK_C) / d))
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p + (-step_size) * (ea / denom[:, None])
         _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)

@@ -44,8 +44,8 @@ def _mean_sq(g: torch.Tensor) -> torch.Tensor:
     a pairwise tree over neighbouring values (the row zero-padded to a power of two, at least
     16): the fused kernels' order (nbtools.kernels ``_row_sum_sq``) whatever the rows' layout,
     so a table trains to the same bits in RAM, on disk or behind a cache. (On CUDA the kernels
-    fuse the squares into the first additions (FMA), so this generic path can still differ from
-    them in the last bit; torch's own sum and mean reduce in an order of their own.)"""
+    add each first pair as one FMA, ``fma(a, a, b * b)``, so this generic path can still differ
+    from them in the last bit; torch's own sum and mean reduce in an order of their own.)"""
     n = g.shape[1]
     x = g.square()
     width = max(16, 1 << max(0, n - 1).bit_length())

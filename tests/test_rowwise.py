@@ -522,7 +522,7 @@ def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, pla
 
 
 @pytest.mark.parametrize("cls,kw", [CASES[0], CASES[3]], ids=["adagrad", "adam-wd-max"])
-@pytest.mark.parametrize("d", [128, 100])
+@pytest.mark.parametrize("d", [128, 100, 40, 300])
 def test_a_rows_mean_square_does_not_depend_on_its_layout(device, tmp_path, cls, kw, d):
     """A row's mean(g^2) is summed in one fixed order (a pairwise tree, nbtools.rowwise._mean_sq)
     by the fused kernels and the generic path alike. On CUDA, Triton's own tl.sum ordered the
