@@ -160,7 +160,7 @@ class WholeTable:
             self.wait_read_ahead()
             with self._lock:
                 self._write_stash()
-                self.file.identity()
+                self._move_home()
         self.file.flush()
         unit = self.file.stride // self.dtype.itemsize
         arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),
@@ -173,6 +173,21 @@ class WholeTable:
         if self.dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)
         return t[:, : self.width]
+
+    def _move_home(self) -> None:
+        """A log file's rows back in id order (:meth:`nbtools.disklog.LogFile.identity`), with
+        a progress bar when many moved (random reads and writes of each: minutes for tens of
+        millions of rows)."""
+        from .checkpoint.save import progress_bar
+        away = self.file.away
+        bar = progress_bar(away * self.file.stride, f"table {self.name!r}: rows to id order",
+                           None if away >= (1 << 20) else False)
+        try:
+            self.file.identity(None if bar is None else
+                               (lambda n: bar.update(n * self.file.stride)))
+        finally:
+            if bar is not None:
+                bar.close()
 
     def sync_mapped(self) -> None:
         """Writes made through :meth:`mapped` reach the file before rows are read again."""

@@ -287,8 +287,9 @@ class LogFile:
                 return 0
             with self._map:
                 self._head, self._pos = -1, self.seg   # its unused slots may be homes
+            start = 0
             while self.away:
-                ready, stuck = self._scan(BATCH_ROWS)
+                ready, stuck, start = self._scan(BATCH_ROWS, start)
                 if len(ready):
                     rows = np.empty((len(ready), self.file.row_bytes), dtype=np.uint8)
                     self.file.read(self.where[ready].astype(np.int64), rows)
@@ -310,15 +311,19 @@ class LogFile:
         self.stats["moved_home"] += moved_total
         return moved_total
 
-    def _scan(self, limit: int, chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
-        """Up to ``limit`` ids away from home whose home is free, and up to ``limit`` whose
-        home is taken (scanned ``chunk`` ids at a time: no table-sized temporaries)."""
-        ready, stuck, n_ready, n_stuck = [], [], 0, 0
-        for a in range(0, self.num_rows, chunk):
+    def _scan(self, limit: int, start: int = 0,
+              chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray, int]:
+        """Up to ``limit`` ids away from home whose home is free, up to ``limit`` whose home is
+        taken, and where the next scan may start (every id before it is home): scanned from
+        ``start``, ``chunk`` ids at a time (no table-sized temporaries, and no rescans of the
+        ids already home)."""
+        ready, stuck, n_ready, n_stuck, first = [], [], 0, 0, None
+        for a in range(start, self.num_rows, chunk):
             w = self.where[a:a + chunk]
             ids = np.flatnonzero(w != np.arange(a, a + len(w), dtype=w.dtype)) + a
             if not len(ids):
                 continue
+            first = a if first is None else first
             free = self.owner[ids] < 0
             ready.append(ids[free])
             stuck.append(ids[~free])
@@ -328,7 +333,7 @@ class LogFile:
                 break
         cat = (lambda parts: np.concatenate(parts)[:limit].astype(np.int64) if parts
                else np.empty(0, dtype=np.int64))
-        return cat(ready), cat(stuck)
+        return cat(ready), cat(stuck), self.num_rows if first is None else first
 
     # --- the rest is the file's ---------------------------------------------------------------
     def _check_ids(self, ids: np.ndarray) -> None:

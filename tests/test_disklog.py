@@ -195,3 +195,28 @@ def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypa
     C._train(fresh, fopt, [7, 8])
     C._assert_rows(C._rows(fresh, fopt), C._rows(host, hopt))
     assert torch.equal(fresh.weight, host.weight)
+
+
+def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch):
+    """Many rounds of a few rows, each scan starting where the last found rows away (chunks of
+    8 ids): every row home, none skipped."""
+    import nbtools.disklog as disklog
+    orig = LogFile._scan
+    monkeypatch.setattr(LogFile, "_scan", lambda self, limit, start=0: orig(self, limit, start,
+                                                                           chunk=8))
+    monkeypatch.setattr(disklog, "BATCH_ROWS", 5)
+    n, gen = 120, np.random.default_rng(6)
+    log = _log(tmp_path, n, spare=0.4)
+    ref = _rows(gen, n)
+    log.write_range(0, ref)
+    for _ in range(40):
+        ids = np.sort(gen.choice(n, 12, replace=False))
+        rows = _rows(gen, 12)
+        log.write(ids, rows)
+        ref[ids] = rows
+    assert log.away > 10
+    seen = []
+    assert log.identity(seen.append) == sum(seen) and log.identity_layout
+    raw = np.empty_like(ref)
+    log.file.read_range(0, raw)
+    assert np.array_equal(raw, ref)
