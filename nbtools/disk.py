@@ -118,7 +118,7 @@ class DiskRows(WholeTable):
     def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
                  cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
                  threads: int | None = None):
-        from .rowfile import RowFile
+        from .rowfile import DiskFullError, RowFile
         self.name = name
         self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
         self.device = torch.device(device)
@@ -128,9 +128,18 @@ class DiskRows(WholeTable):
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
         threads = threads or int(os.environ.get(
             "NBTOOLS_DISK_THREADS", DISK_AIO_DEPTH if default_engine() == "aio" else DISK_THREADS))
-        if disklog.wanted():            # rows written back are appended (nbtools.disklog)
-            raw = RowFile.create(path, disklog.slots_for(self.num_rows), self.row_bytes,
-                                 {**meta, "layout": "log"}, threads=threads)
+        # rows written back are appended (nbtools.disklog) where the disk has room for the
+        # spare slots (sectors of 512 bytes assumed; a larger block is refused by create)
+        stride = -(-self.row_bytes // 512) * 512
+        slots = disklog.file_rows(self.num_rows, stride, free_bytes(self.directory))
+        raw = None
+        if slots != self.num_rows:
+            try:
+                raw = RowFile.create(path, slots, self.row_bytes, {**meta, "layout": "log"},
+                                     threads=threads)
+            except DiskFullError:        # the rows alone may still fit: in place
+                raw = None
+        if raw is not None:
             self.file = disklog.LogFile(raw, self.num_rows)
         else:
             raw = self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta,

@@ -72,17 +72,24 @@ def slots_for(num_rows: int, segment_rows: int | None = None, spare: float | Non
     return -(-(num_rows + extra) // seg) * seg
 
 
-def file_rows(num_rows: int) -> int:
-    """Rows of the row file a new disk table of ``num_rows`` rows makes (slots, in the log
-    layout)."""
-    return slots_for(num_rows) if wanted() and num_rows else num_rows
-
-
-def map_bytes(num_rows: int) -> int:
-    """RAM a new disk table's log maps take (``where`` and ``owner``; 0 in place)."""
+def file_rows(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
+    """Rows of the file a new disk table of ``num_rows`` rows makes: its log slots, or
+    ``num_rows`` (in place) where the layout is off or, given the file's ``stride`` and the
+    ``free`` bytes of its disk, the spare slots do not fit. The spare never costs a table its
+    place on disk: the least a disk table needs is its rows, in place."""
     if not (wanted() and num_rows):
-        return 0
+        return num_rows
     slots = slots_for(num_rows)
+    if free is not None and slots * stride > free:
+        return num_rows
+    return slots
+
+
+def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
+    """RAM a new disk table's log maps take (``where`` and ``owner``; 0 in place)."""
+    slots = file_rows(num_rows, stride, free)
+    if slots == num_rows:
+        return 0
     item = 4 if slots < 2 ** 31 else 8
     return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 8
 

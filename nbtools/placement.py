@@ -156,8 +156,9 @@ def disk_bytes(nbytes: int, num_rows: int | None) -> int:
     sector (``O_DIRECT``; the file is made with the disk's own block, checked again then)."""
     if not num_rows:
         return nbytes
-    from .disklog import file_rows        # the log layout's spare rows
-    return file_rows(num_rows) * -(-(nbytes // num_rows) // 512) * 512
+    # (the least a disk table needs: its rows in place; the log layout's spare slots are
+    # taken only where the disk has room for them, nbtools.disklog.file_rows)
+    return num_rows * -(-(nbytes // num_rows) // 512) * 512
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,

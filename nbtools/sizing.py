@@ -50,13 +50,15 @@ class Sizing:
 
     @property
     def file_bytes(self) -> int:
-        return disklog.file_rows(self.rows) * self.file_row_bytes
+        return disklog.file_rows(self.rows, self.file_row_bytes,
+                                 self.disk_free_bytes) * self.file_row_bytes
 
     @property
     def row_map_bytes(self) -> int:
         """RAM a disk table of these rows keeps whatever its cache: 9 bytes per row (and the
         log layout's maps)."""
-        return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows)
+        return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows, self.file_row_bytes,
+                                                             self.disk_free_bytes)
 
     @property
     def times_ram(self) -> float:
@@ -130,9 +132,7 @@ def rows_for(times_ram: float, dim: int, optimizer, *, dtype=torch.float32, ram_
     stride = file_row_bytes(row, folder)
     free = disk.free_bytes(folder)
     wanted = int(times_ram * ram_bytes // row)
-    room = int(disk_share * free) // stride
-    while room > 0 and disklog.file_rows(room) * stride > disk_share * free:
-        room = int(room * 0.99)            # the log layout's spare rows take room too
+    room = int(disk_share * free) // stride   # (in place: the log's spare only where it fits)
     if room < 1:
         raise ValueError(f"{folder} has {human_bytes(free)} free: not room for one row of "
                          f"{stride} B. Pick a disk_dir on a disk with free space.")

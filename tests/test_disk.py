@@ -219,14 +219,10 @@ def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
 def test_auto_counts_rows_rounded_up_to_sectors_on_disk(tmp_path, monkeypatch):
     """260-byte rows (bf16 x 128 and a row-wise accumulator) take 512 bytes each in the file:
     a disk with room for the rows but not for their sectors is refused, with both numbers."""
-    from nbtools import disk, disklog, placement
+    from nbtools import disk, placement
     monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
                                                                  "available": 1000})
     rows = 10_000
-    # the log layout (the default) counts its spare slots too
-    monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "log")
-    assert placement.disk_bytes(260 * rows, rows) == 512 * disklog.slots_for(rows) > 512 * rows
-    monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "inplace")
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 400 * rows)
     assert placement.disk_bytes(260 * rows, rows) == 512 * rows
     with pytest.raises(nbtools.NoRoomError, match="512-byte sectors"):

@@ -220,3 +220,26 @@ def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch):
     raw = np.empty_like(ref)
     log.file.read_range(0, raw)
     assert np.array_equal(raw, ref)
+
+
+def test_a_disk_without_room_for_the_spare_slots_holds_the_table_in_place(tmp_path, monkeypatch):
+    """The spare slots never cost a table its place: where the disk holds the rows but not
+    the log's spare, the file is written in place (and the table trains as ever)."""
+    import torch
+
+    import nbtools
+    from nbtools import disk, disklog
+    n, d = 5000, 8
+    stride = 512
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: n * stride + stride * 10)
+    assert disklog.file_rows(n, stride, n * stride + 10 * stride) == n
+    t = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
+                                   host_cache_bytes=1 << 16)
+    assert type(t.disk.file).__name__ == "RowFile" and t.disk.file.num_rows == n
+    opt = nbtools.OffloadOptimizer(torch.optim.SGD, t, lr=0.1)
+    (t(torch.arange(0, n, 7)) ** 2).sum().backward()
+    opt.step()
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 1 << 40)
+    t2 = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
+                                    host_cache_bytes=1 << 16)
+    assert type(t2.disk.file).__name__ == "LogFile"
