@@ -196,6 +196,11 @@ class LogFile:
         lock."""
         return len(self._free) * self.seg + (self.seg - self._pos if self._head >= 0 else 0)
 
+    def _most(self) -> int:
+        """Rows one append takes at most (more go in parts): what the spare slots hold beside
+        the cleaner's reserve."""
+        return max(self.seg, (self.slots - self.num_rows) // 2 - RESERVE * self.seg)
+
     def _clean(self, need: int = 0) -> None:
         """Until ``need`` slots and RESERVE more segments are free: move the live rows of the
         segment with the fewest to the head. Under the write lock."""
@@ -247,7 +252,7 @@ class LogFile:
         self._check_ids(ids)
         if len(np.unique(ids)) != len(ids):
             raise ValueError("a log file's write takes each id once")
-        most = max(self.seg, (self.slots - self.num_rows) // 2 - RESERVE * self.seg)
+        most = self._most()
         with self._writes:
             for a in range(0, len(ids), most):       # a write larger than half the spare: parts
                 part = ids[a:a + most]
@@ -307,6 +312,7 @@ class LogFile:
                         progress(len(ready))
                     continue
                 # every moved id's home holds another moved row: move those out of the way
+                stuck = stuck[: self._most()]
                 ids = self.owner[stuck].astype(np.int64)
                 rows = np.empty((len(stuck), self.file.row_bytes), dtype=np.uint8)
                 self.file.read(stuck, rows)

@@ -173,11 +173,22 @@ def test_a_log_table_trains_as_host(tmp_path, log_layout, cache_rows, prefetch):
     _assert_same(tables)
 
 
-def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypatch):
+@pytest.mark.parametrize("into", ["log", "inplace", "host"])
+def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypatch, into):
+    """Bases of records in file order (the rows moved) and deltas, restored into a log table,
+    a table written in place, and the same model's table in RAM."""
     import torch
     monkeypatch.setenv("NBTOOLS_DISK_SPARE", "0")            # the least: 4 segments
     import test_checkpoint_disk as C
+    import nbtools.checkpoint.rows as ckrows
     from nbtools.checkpoint import CheckpointManager
+    calls = {"save": 0, "restore": 0}
+    save, restore = ckrows._write_records_base, ckrows._restore_records
+    monkeypatch.setattr(ckrows, "_write_records_base",
+                        lambda *a: (calls.__setitem__("save", calls["save"] + 1), save(*a))[1])
+    monkeypatch.setattr(ckrows, "_restore_records",
+                        lambda *a: (calls.__setitem__("restore", calls["restore"] + 1),
+                                    restore(*a))[1])
     host, hopt = C._pair_member("host", tmp_path)
     disk, dopt = C._pair_member("disk", tmp_path, cache_rows=100)
     ck = CheckpointManager(tmp_path / "ck", keep=4, config=C._cfg(base_every=3))
@@ -185,11 +196,15 @@ def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypa
         C._train(host, hopt, [s])
         C._train(disk, dopt, [s])
         ck.save(s, model=disk, opt=dopt)
-    assert disk.disk.file.stats["cleaned_segments"] > 0
-    fresh, fopt = C._pair_member("disk", tmp_path, seed=5, cache_rows=100)
-    C._train(fresh, fopt, [1, 2])                # rows moved: the restore resets the layout
+    assert disk.disk.file.stats["cleaned_segments"] > 0 and calls["save"] >= 2
+    if into == "inplace":
+        monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "inplace")
+    fresh, fopt = C._pair_member("host" if into == "host" else "disk", tmp_path, seed=5,
+                                 cache_rows=100)
+    C._train(fresh, fopt, [1, 2])                # (a log table's rows move)
     assert CheckpointManager(tmp_path / "ck", config=C._cfg()).restore(model=fresh,
                                                                        opt=fopt) == 6
+    assert calls["restore"] == 1
     C._assert_rows(C._rows(fresh, fopt), C._rows(host, hopt))
     C._train(host, hopt, [7, 8])
     C._train(fresh, fopt, [7, 8])

@@ -9,7 +9,10 @@ themselves, weights and optimizer state together, are saved once per table:
 
 * a **base**: every row, ``row_bytes`` each (not the file's 512-byte-aligned stride), read
   from the table file in blocks of at most ``chunk_bytes / 4`` while the previous block is
-  written, one checksum per block;
+  written, one checksum per block. A log-structured file (:mod:`nbtools.disklog`) whose rows
+  have left their home slots saves its base as records ``[id | row]`` in *file* order
+  (link ``"records": true``): read sequentially, where id order would read every moved row
+  at random;
 * a **delta**: records ``[id (int64) | row]`` of the rows written since the previous save, in
   id order, one checksum per 256 KiB. The table counts those rows itself
   (:meth:`~nbtools.disk.DiskRows.changed_since`); its count restarts only once the checkpoint
@@ -22,7 +25,9 @@ rows; then a new base starts a new chain. Pruning keeps what a kept checkpoint n
 (:func:`nbtools.checkpoint.layout.needs`), and a mirror copies it first.
 
 A restore merges the chain in one pass: base blocks in row order, each overlaid with the
-rows that the deltas, oldest first, hold for it, then written to the table file. Nothing is
+rows that the deltas, oldest first, hold for it, then written to the table file. A base of
+records is written record by record instead (appended, in a log file), then each delta, oldest
+first, the same way. Nothing is
 written before its checksum is checked; the table's RAM cache is emptied first (its rows are
 older than the checkpoint's). The state dicts are then loaded with the same mapping held, so
 their ``load_state_dict`` finds the very views it would write to and copies nothing. Where
@@ -109,6 +114,12 @@ class _InRam:
         raw = self.rows.view(torch.uint8)
         src = torch.from_numpy(block)
         raw[start:start + len(block), : self.row_bytes].copy_(src.to(raw.device))
+
+    def write(self, ids: np.ndarray, block: np.ndarray) -> None:
+        """Rows ``ids`` (any order, each once): a log file's base and deltas by record."""
+        raw = self.rows.view(torch.uint8)
+        idx = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(raw.device)
+        raw[idx, : self.row_bytes] = torch.from_numpy(block).to(raw.device)
 
     @contextlib.contextmanager
     def hold_mapping(self, writable: bool = False):
@@ -226,9 +237,14 @@ def plan(used: list[Table], chains: dict, cfg, own_dir: str, own_id: str,
         index = first_index + sum(s.entry is not None for s in out)
         if (changed is None or len(chain.links) >= cfg.base_every
                 or chain.delta_rows + changed > cfg.base_fraction * d.num_rows):
-            entry = _entry(f"<rows {t.index}>/base", d.num_rows, d.row_bytes)
+            # a log file whose rows left their home slots (nbtools.disklog): the base is
+            # records (id, row) in file order, read sequentially (in id order it would be a
+            # random read of every row that moved)
+            records = getattr(d.file, "away", 0) > 0
+            entry = _entry(f"<rows {t.index}>/base", d.num_rows,
+                           d.row_bytes + (_ID if records else 0))
             link = {"dir": own_dir, "id": own_id, "tensor": index, "kind": "base",
-                    "count": d.num_rows}
+                    "count": d.num_rows, **({"records": True} if records else {})}
             out.append(SaveRows(t, "base", d.num_rows, [link], entry))
         elif changed == 0:
             out.append(SaveRows(t, "same", 0, list(chain.links), None))
@@ -250,6 +266,9 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
     from ..rowfile import _aligned
     d = s.table.disk
     s.entry["segments"] = writer.begin_tensor()
+    if s.kind == "base" and s.links[-1].get("records"):
+        _write_records_base(s, d, writer, chunk_bytes)
+        return
     if s.kind == "base":
         per = max(1, (chunk_bytes // 4) // max(d.row_bytes, d.file.stride))
         bufs = [_aligned(per * d.row_bytes).reshape(per, d.row_bytes) for _ in range(2)]
@@ -288,6 +307,35 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
     if seen != s.count:
         raise CheckpointError(f"disk table {d.name!r}: {seen:,} rows changed while its delta of "
                               f"{s.count:,} was being saved; nothing may write rows during save()")
+
+
+def _write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
+    """A log file's base: every live slot's (id, row), in file order, read in large
+    sequential pieces (the file's dead slots are read and skipped)."""
+    log, rb = d.file, d.row_bytes
+    raw, rec = log.file, _ID + rb
+    per = max(1, (chunk_bytes // 4) // max(rec, raw.stride))
+    rows = np.empty((per, rb), dtype=np.uint8)
+    out = np.empty((per, rec), dtype=np.uint8)
+    piece = max(1, PIECE // rec)
+    seen = 0
+    for a in range(0, log.slots, per):
+        m = min(per, log.slots - a)
+        owner = log.owner[a:a + m]
+        live = np.flatnonzero(owner >= 0)
+        if not len(live):
+            continue
+        raw.read_range(a, rows[:m])
+        k = len(live)
+        out[:k, :_ID] = owner[live].astype("<i8").view(np.uint8).reshape(k, _ID)
+        out[:k, _ID:] = rows[live]
+        for c in range(0, k, piece):
+            writer.cut()
+            writer.write(memoryview(out[c:min(k, c + piece)].reshape(-1)))
+        seen += k
+    if seen != d.num_rows:
+        raise CheckpointError(f"disk table {d.name!r}: {seen:,} live rows in its file, "
+                              f"{d.num_rows:,} expected; nothing may write rows during save()")
 
 
 def committed(saved: list[SaveRows], chains: dict, token: str) -> None:
@@ -445,10 +493,13 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
     d = t.disk
     (base_dir, base_link, base_entry), deltas = links[0], links[1:]
     rb, n = d.row_bytes, d.num_rows
-    _check_shape(base_entry, [n, rb], base_dir, d.name)
+    records = bool(base_link.get("records"))
+    _check_shape(base_entry, [n, rb + (_ID if records else 0)], base_dir, d.name)
     for root, link, entry in deltas:
         _check_shape(entry, [link["count"], _ID + rb], root, d.name)
     d.discard_cache()                      # its RAM rows are older than the checkpoint's
+    if records:
+        return _restore_records(d, base_dir, base_entry, deltas, chunk_bytes)
     base = _Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table {d.name!r}")
     laid = [_Delta(_Stream(root, e, f"{root.name}: delta of disk table {d.name!r}"),
                    link["count"], rb, n) for root, link, e in deltas]
@@ -478,6 +529,43 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
         for s in (base, *(x.stream for x in laid)):
             s.close()
     return base.read + sum(x.stream.read for x in laid)
+
+
+def _restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
+                     chunk_bytes: int) -> int:
+    """A base of records (a log file's, in file order) and its deltas, written row by row
+    through ``d.file.write`` (appended, in a log file), oldest first: each row ends as the
+    newest record of it. Every row must be in the base exactly once."""
+    rb, n = d.row_bytes, d.num_rows
+    rec = _ID + rb
+    per = max(1, (chunk_bytes // 8) // max(rec, d.file.stride))
+    buf = np.empty((per, rec), dtype=np.uint8)
+    seen = np.zeros(n, dtype=bool)
+    streams = [(_Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table "
+                                              f"{d.name!r}"), n, True)]
+    streams += [(_Stream(root, e, f"{root.name}: delta of disk table {d.name!r}"),
+                 link["count"], False) for root, link, e in deltas]
+    try:
+        for stream, count, is_base in streams:
+            for a in range(0, count, per):
+                k = min(per, count - a)
+                stream.read_into(buf[:k])
+                ids = buf[:k, :_ID].copy().view("<i8").reshape(-1).astype(np.int64)
+                if ids.min() < 0 or ids.max() >= n or len(np.unique(ids)) != k:
+                    raise _Damaged(f"{stream.what}: row ids repeated or out of range")
+                if is_base:
+                    if seen[ids].any():
+                        raise _Damaged(f"{stream.what}: a row saved twice")
+                    seen[ids] = True
+                d.file.write(ids, np.ascontiguousarray(buf[:k, _ID:]))
+            if not stream.done():
+                raise _Damaged(f"{stream.what}: holds more rows than recorded")
+            if is_base and not seen.all():
+                raise _Damaged(f"{stream.what}: {int((~seen).sum()):,} rows missing")
+    finally:
+        for stream, _, _ in streams:
+            stream.close()
+    return sum(stream.read for stream, _, _ in streams)
 
 
 def _check_shape(entry: dict, want: list, root: Path, name: str) -> None:
