@@ -298,15 +298,22 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
             part = ids[b:b + batch]
             m = len(part)
             d.copy_rows(part, rows[:m])
-            buf[:m, :_ID] = part.astype("<i8").view(np.uint8).reshape(m, _ID)
-            buf[:m, _ID:] = rows[:m]
-            for c in range(0, m, per):
-                writer.cut()
-                writer.write(memoryview(buf[c:min(m, c + per)].reshape(-1)))
+            _emit(writer, buf, part, rows[:m], per)
             seen += m
     if seen != s.count:
         raise CheckpointError(f"disk table {d.name!r}: {seen:,} rows changed while its delta of "
                               f"{s.count:,} was being saved; nothing may write rows during save()")
+
+
+def _emit(writer, buf: np.ndarray, ids: np.ndarray, rows: np.ndarray, per: int) -> None:
+    """Records ``[id | row]`` of ``ids`` and ``rows`` (through ``buf``), ``per`` to a
+    checksummed piece."""
+    m = len(ids)
+    buf[:m, :_ID] = ids.astype("<i8").view(np.uint8).reshape(m, _ID)
+    buf[:m, _ID:] = rows
+    for c in range(0, m, per):
+        writer.cut()
+        writer.write(memoryview(buf[c:min(m, c + per)].reshape(-1)))
 
 
 def _write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
@@ -326,13 +333,8 @@ def _write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
         if not len(live):
             continue
         raw.read_range(a, rows[:m])
-        k = len(live)
-        out[:k, :_ID] = owner[live].astype("<i8").view(np.uint8).reshape(k, _ID)
-        out[:k, _ID:] = rows[live]
-        for c in range(0, k, piece):
-            writer.cut()
-            writer.write(memoryview(out[c:min(k, c + piece)].reshape(-1)))
-        seen += k
+        _emit(writer, out, owner[live], rows[live], piece)
+        seen += len(live)
     if seen != d.num_rows:
         raise CheckpointError(f"disk table {d.name!r}: {seen:,} live rows in its file, "
                               f"{d.num_rows:,} expected; nothing may write rows during save()")
