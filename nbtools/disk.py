@@ -398,10 +398,16 @@ class DiskRows(WholeTable):
 
     def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
         t0 = time.perf_counter()
+        log = getattr(self.file, "stats", None)
+        before = (log["cleaned"], log["cleaned_segments"]) if log is not None else None
         self.file.write(ids, src, at=at)
         self.changed[ids] = True
         _counters["write_s"] += time.perf_counter() - t0
         _counters["write_bytes"] += len(ids) * self.row_bytes
+        if before is not None:     # the cleaner's traffic: whole segments read, live rows written
+            rows, segs = log["cleaned"] - before[0], log["cleaned_segments"] - before[1]
+            _counters["write_bytes"] += rows * self.row_bytes
+            _counters["read_bytes"] += segs * self.file.seg * self.file.stride
         self.stats["written_back"] += len(ids)
 
     def _drain(self, stash) -> None:
@@ -639,6 +645,10 @@ def describe(disk: DiskRows) -> str:
     """What ``repr(table)`` says of a disk table's file and RAM cache."""
     s = disk.stats
     rate = f"{s['hits'] / s['lookups']:.0%}" if s["lookups"] else "n/a"
-    return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}), RAM cache "
+    log = getattr(disk.file, "stats", None)
+    layout = "" if log is None else (
+        f", log-structured ({disk.file.slots - disk.num_rows:,} spare slots; "
+        f"{log['appended']:,} rows appended, {log['cleaned']:,} moved by the cleaner)")
+    return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}{layout}), RAM cache "
             f"{disk.capacity_rows:,} rows ({human_bytes(disk.capacity_rows * disk.row_bytes)}, "
             f"hit rate {rate})")

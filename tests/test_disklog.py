@@ -258,3 +258,25 @@ def test_a_disk_without_room_for_the_spare_slots_holds_the_table_in_place(tmp_pa
     t2 = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
                                     host_cache_bytes=1 << 16)
     assert type(t2.disk.file).__name__ == "LogFile"
+
+
+def test_the_cleaners_traffic_is_counted_and_described(tmp_path, log_layout):
+    """disk_counters (the dashboard's disk rates) count the cleaner's reads and writes beside
+    the write-backs; repr(table) says the file is a log."""
+    import warnings
+
+    from nbtools.disk import disk_counters
+    from test_disk import D, _pair
+    before = disk_counters()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tables, _ = _pair(tmp_path, host_cache_bytes=10 * 3 * D * 4, lookups=2, steps=12)
+    d = tables[1].disk
+    after = disk_counters()
+    log = d.file.stats
+    assert log["cleaned"] > 0
+    written = d.stats["written_back"] * d.row_bytes + log["cleaned"] * d.row_bytes
+    assert after["write_bytes"] - before["write_bytes"] >= written
+    assert after["read_bytes"] - before["read_bytes"] >= \
+        log["cleaned_segments"] * d.file.seg * d.file.stride
+    assert "log-structured" in repr(tables[1])
