@@ -85,6 +85,12 @@ def disk_counters() -> dict:
     return dict(_counters)
 
 
+def _count_clean(read_bytes: int, write_bytes: int) -> None:
+    """A log file's cleaner moved rows (nbtools.disklog): its disk traffic, in the counters."""
+    _counters["read_bytes"] += read_bytes
+    _counters["write_bytes"] += write_bytes
+
+
 def default_dir() -> str:
     """Where disk tables go unless ``disk_dir`` says otherwise: local disk, not Drive."""
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
@@ -118,7 +124,6 @@ class DiskRows(WholeTable):
     def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
                  cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
                  threads: int | None = None):
-        from .rowfile import DiskFullError, RowFile
         self.name = name
         self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
         self.device = torch.device(device)
@@ -128,22 +133,10 @@ class DiskRows(WholeTable):
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
         threads = threads or int(os.environ.get(
             "NBTOOLS_DISK_THREADS", DISK_AIO_DEPTH if default_engine() == "aio" else DISK_THREADS))
-        # rows written back are appended (nbtools.disklog) where the disk has room for the
-        # spare slots (sectors of 512 bytes assumed; a larger block is refused by create)
-        stride = -(-self.row_bytes // 512) * 512
-        slots = disklog.file_rows(self.num_rows, stride, free_bytes(self.directory))
-        raw = None
-        if slots != self.num_rows:
-            try:
-                raw = RowFile.create(path, slots, self.row_bytes, {**meta, "layout": "log"},
-                                     threads=threads)
-            except DiskFullError:        # the rows alone may still fit: in place
-                raw = None
-        if raw is not None:
-            self.file = disklog.LogFile(raw, self.num_rows)
-        else:
-            raw = self.file = RowFile.create(path, self.num_rows, self.row_bytes, meta,
-                                             threads=threads)
+        self.file, raw = disklog.create(path, self.num_rows, self.row_bytes, meta,
+                                        threads=threads, free=free_bytes(self.directory))
+        if isinstance(self.file, disklog.LogFile):
+            self.file.on_clean = _count_clean
         self._remove = weakref.finalize(self, _remove_file, raw, path)
         self._pin = pin and self.device.type == "cuda"
         self._lock = threading.RLock()
@@ -398,16 +391,10 @@ class DiskRows(WholeTable):
 
     def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
         t0 = time.perf_counter()
-        log = getattr(self.file, "stats", None)
-        before = (log["cleaned"], log["cleaned_segments"]) if log is not None else None
         self.file.write(ids, src, at=at)
         self.changed[ids] = True
         _counters["write_s"] += time.perf_counter() - t0
         _counters["write_bytes"] += len(ids) * self.row_bytes
-        if before is not None:     # the cleaner's traffic: whole segments read, live rows written
-            rows, segs = log["cleaned"] - before[0], log["cleaned_segments"] - before[1]
-            _counters["write_bytes"] += rows * self.row_bytes
-            _counters["read_bytes"] += segs * self.file.seg * self.file.stride
         self.stats["written_back"] += len(ids)
 
     def _drain(self, stash) -> None:

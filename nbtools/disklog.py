@@ -94,6 +94,24 @@ def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None)
     return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 8
 
 
+def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, free: int):
+    """The file of a new disk table: a :class:`LogFile` where the disk (``free`` bytes) has
+    room for its spare slots, else a RowFile of the rows alone, written in place. Returns it
+    and the RowFile under it."""
+    from .rowfile import DiskFullError, RowFile
+    stride = -(-row_bytes // 512) * 512       # (sectors of 512 bytes; a larger block: create
+    slots = file_rows(num_rows, stride, free)  # refuses, and the rows are tried in place)
+    if slots != num_rows:
+        try:
+            raw = RowFile.create(path, slots, row_bytes, {**meta, "layout": "log"},
+                                 threads=threads)
+            return LogFile(raw, num_rows), raw
+        except DiskFullError:
+            pass
+    raw = RowFile.create(path, num_rows, row_bytes, meta, threads=threads)
+    return raw, raw
+
+
 class LogFile:
     """``num_rows`` ids over a :class:`~nbtools.rowfile.RowFile` of more slots (see module)."""
 
@@ -117,6 +135,7 @@ class LogFile:
         self._token = 0
         self._gen = 0
         self.stats = {"appended": 0, "cleaned": 0, "cleaned_segments": 0, "moved_home": 0}
+        self.on_clean = None                   # f(read bytes, written bytes) per cleaned segment
         self.away = 0                          # ids not in their home slot
         self._rebuild()
 
@@ -234,6 +253,9 @@ class LogFile:
                     self._free.append((victim, self._gen))
             self.stats["cleaned"] += len(slots)
             self.stats["cleaned_segments"] += 1
+            if self.on_clean is not None:
+                self.on_clean(self.seg * self.file.stride if len(slots) else 0,
+                              len(slots) * self.file.stride)
 
     # --- RowFile's interface, by id ---------------------------------------------------------
     def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
