@@ -506,7 +506,8 @@ def _trainer(directory, disk_dir, phase, conn) -> None:
         if step % KSAVE == 0:
             phase.value = SAVE
             info = ck.save(step, model=t, opt=opt)
-            conn.send(("saved", step, info["disk_tables"]["emb"]["kind"]))
+            conn.send(("saved", step, info["disk_tables"]["emb"]["kind"],
+                       getattr(t.disk.file, "stats", {}).get("cleaned_segments", 0)))
 
 
 def _forkserver(modules):
@@ -532,7 +533,15 @@ def _complete_steps(directory):
 
 
 @pytest.mark.slow
-def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path):
+def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path, monkeypatch):
+    # the table file is log-structured (the default) with little spare room and small
+    # segments: the cleaner runs in every write-back, so kills land in it too
+    monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "log")
+    monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "64")
+    monkeypatch.setenv("NBTOOLS_DISK_SPARE", "0.05")
+    from multiprocessing import forkserver
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        forkserver._forkserver._stop()        # its children take the environment above
     ctx = _forkserver(["torch", "torch._dynamo", "pytest", "nbtools.checkpoint",
                        "nbtools.tables", "nbtools.optim", "nbtools.disk", _trainer.__module__])
     rnd = random.Random(int(os.environ.get("NBTOOLS_CKPT_SEED", "4321")))
@@ -541,7 +550,7 @@ def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path):
     _kill_init(twin)
     twin_step, last_reported = 0, 0
     killed_in = {p: 0 for p in PHASES}
-    kinds, deltas_after_restore, files = [], 0, []
+    kinds, deltas_after_restore, files, cleaned = [], 0, [], 0
     threads = torch.get_num_threads()
     for trial in range(KILLS + 1):
         phase = ctx.Value("i", 0, lock=False)
@@ -611,10 +620,13 @@ def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path):
         parent.close()
         if saves:
             last_reported = saves[-1][0]
-            kinds += [k for _, k in saves]
+            kinds += [x[1] for x in saves]
+            cleaned += saves[-1][2]
             deltas_after_restore += saves[0][1] == "delta"
     counts = {PHASES.get(p, p): n for p, n in killed_in.items()}
-    print(f"killed in {counts}; saves: {kinds.count('base')} bases, {kinds.count('delta')} deltas")
+    print(f"killed in {counts}; saves: {kinds.count('base')} bases, {kinds.count('delta')} deltas;"
+          f" {cleaned} segments cleaned in the children")
+    assert cleaned > 0                         # the log's cleaner ran in the children
     assert all(killed_in[p] >= 2 for p in PHASES), counts
     assert "base" in kinds and "delta" in kinds and deltas_after_restore, (kinds, counts)
     assert twin_step >= KILLS, twin_step       # the runs made progress between kills
