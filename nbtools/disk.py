@@ -96,7 +96,47 @@ def default_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
 
 
-class DiskRows(WholeTable):
+class _ReadsAhead:
+    """A disk table's read-ahead (:mod:`nbtools.readahead`) and the traffic counts it shares
+    with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
+    steps use."""
+
+    def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
+        """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
+        are not in RAM, in the background, and deduplicating them for their lookup. Calls for
+        several coming steps, in order, keep that many in flight (up to
+        :data:`nbtools.readahead.DEPTH`). Changes no value: only where rows are."""
+        self._ensure_init()
+        self.ensure_slab()
+        if self._readahead is None:
+            self._readahead = ReadAhead(self)
+        self._readahead.submit(ids, padding_idx)
+
+    def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
+        """The read-ahead's deduplication of these very ids (the same tensor object), once."""
+        if self._readahead is None:
+            return None
+        t0 = time.perf_counter()
+        p = self._readahead.take(ids)
+        _counters["wait_s"] += time.perf_counter() - t0
+        return p
+
+    def wait_read_ahead(self) -> None:
+        """Wait for every read-ahead in flight (before the file or the slab is used from
+        outside a step)."""
+        if self._readahead is not None:
+            self._readahead.wait()
+
+    def _count_ahead(self, rows: int) -> None:
+        self.stats["read_ahead"] += rows
+        _counters["ahead_rows"] += rows
+
+    def _count_read(self, ids: np.ndarray, seconds: float) -> None:
+        _counters["read_s"] += seconds
+        _counters["read_bytes"] += len(ids) * self.row_bytes
+
+
+class DiskRows(WholeTable, _ReadsAhead):
     """The rows of one table in a file, and the RAM slots that cache them.
 
     Args:
@@ -407,14 +447,6 @@ class DiskRows(WholeTable):
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
         return self._writer
 
-    def _count_ahead(self, rows: int) -> None:
-        self.stats["read_ahead"] += rows
-        _counters["ahead_rows"] += rows
-
-    def _count_read(self, ids: np.ndarray, seconds: float) -> None:
-        _counters["read_s"] += seconds
-        _counters["read_bytes"] += len(ids) * self.row_bytes
-
     def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
         another thread meanwhile (the disk serves both at once; they touch different rows).
@@ -472,32 +504,6 @@ class DiskRows(WholeTable):
         self._resize(slots)
 
     # --- read-ahead -----------------------------------------------------------------------
-    def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
-        """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
-        are not in RAM, in the background, and deduplicating them for their lookup. Calls for
-        several coming steps, in order, keep that many in flight (up to
-        :data:`nbtools.readahead.DEPTH`). Changes no value: only where rows are."""
-        self._ensure_init()
-        self.ensure_slab()
-        if self._readahead is None:
-            self._readahead = ReadAhead(self)
-        self._readahead.submit(ids, padding_idx)
-
-    def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
-        """The read-ahead's deduplication of these very ids (the same tensor object), once."""
-        if self._readahead is None:
-            return None
-        t0 = time.perf_counter()
-        p = self._readahead.take(ids)
-        _counters["wait_s"] += time.perf_counter() - t0
-        return p
-
-    def wait_read_ahead(self) -> None:
-        """Wait for every read-ahead in flight (before the file or the slab is used from
-        outside a step)."""
-        if self._readahead is not None:
-            self._readahead.wait()
-
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
