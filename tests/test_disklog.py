@@ -94,12 +94,15 @@ def test_write_range_after_moves_writes_where_rows_live(tmp_path):
     _check_all(log, ref)
 
 
-def test_reads_beside_writes_and_cleaning(tmp_path):
+@pytest.mark.parametrize("cleaner", ["cost-benefit", "greedy"])
+def test_reads_beside_writes_and_cleaning(tmp_path, monkeypatch, cleaner):
     """A reader of rows nobody writes, while a writer appends other rows and the cleaner moves
     the reader's rows around: every read is the row as written (freed segments are reused only
     once reads that began before are done)."""
+    monkeypatch.setenv("NBTOOLS_DISK_CLEANER", cleaner)
     n, gen = 400, np.random.default_rng(4)
     log = _log(tmp_path, n, spare=0.2)
+    assert log.policy == cleaner
     ref = _rows(gen, n)
     log.write_range(0, ref)
     fixed = np.arange(0, n, 2)                    # read only
@@ -128,7 +131,7 @@ def test_reads_beside_writes_and_cleaning(tmp_path):
     assert not errors and log.stats["cleaned"] > 0
 
 
-def test_bad_input(tmp_path):
+def test_bad_input(tmp_path, monkeypatch):
     log = _log(tmp_path, 20)
     with pytest.raises(IndexError, match="20 rows"):
         log.read(np.array([20]), np.empty((1, RB), dtype=np.uint8))
@@ -136,6 +139,13 @@ def test_bad_input(tmp_path):
         log.write(np.array([3, 3]), np.zeros((2, RB), dtype=np.uint8))
     with pytest.raises(ValueError, match="spare"):
         LogFile(RowFile.create(tmp_path / "small.nbrows", 24, RB), 20, segment_rows=SEG)
+    monkeypatch.setenv("NBTOOLS_DISK_CLEANER", "fastest")
+    with pytest.raises(ValueError, match="NBTOOLS_DISK_CLEANER"):
+        _log(tmp_path / "b", 20)
+    monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "journal")
+    with pytest.raises(ValueError, match="NBTOOLS_DISK_LAYOUT"):
+        from nbtools.disklog import wanted
+        wanted()
 
 
 # --- a disk table in the log layout trains exactly as in RAM ----------------------------------
@@ -147,8 +157,12 @@ def log_layout(monkeypatch):
     monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "16")
 
 
-@pytest.mark.parametrize("cache_rows,prefetch", [(10, False), (60, False), (120, True)])
-def test_a_log_table_trains_as_host(tmp_path, log_layout, cache_rows, prefetch):
+@pytest.mark.parametrize("cache_rows,prefetch,cleaner", [
+    (10, False, "cost-benefit"), (60, False, "cost-benefit"), (120, True, "cost-benefit"),
+    (60, True, "greedy")])
+def test_a_log_table_trains_as_host(tmp_path, log_layout, monkeypatch, cache_rows, prefetch,
+                                    cleaner):
+    monkeypatch.setenv("NBTOOLS_DISK_CLEANER", cleaner)
     import warnings
 
     import torch
@@ -280,3 +294,12 @@ def test_the_cleaners_traffic_is_counted_and_described(tmp_path, log_layout):
     read = d.stats["misses"] * d.row_bytes + log["cleaned_segments"] * d.file.seg * d.file.stride
     assert after["read_bytes"] - before["read_bytes"] >= read
     assert "log-structured" in repr(tables[1])
+
+
+def test_a_bad_cleaner_setting_leaves_no_file(tmp_path, monkeypatch):
+    import nbtools
+    monkeypatch.setenv("NBTOOLS_DISK_CLEANER", "fastest")
+    with pytest.raises(ValueError, match="NBTOOLS_DISK_CLEANER"):
+        nbtools.OffloadedEmbedding(1000, 8, device="cpu", placement="disk",
+                                   disk_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
