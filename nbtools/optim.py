@@ -613,6 +613,16 @@ class Plan:
                                          # to 32-byte sectors: nbtools.rowlayout.row_padding)
     pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
 
+    def _disk_file(self) -> str:
+        """The file a disk table of this plan makes: its rows in 512-byte sectors, and the log
+        layout's spare slots where the disk has room for them (nbtools.disklog)."""
+        from . import disklog
+        row = self.disk_row_bytes or (self.host_bytes // max(1, self.num_rows))
+        stride = -(-row // 512) * 512
+        rows = disklog.file_rows(self.num_rows, stride, self.disk_free_bytes)
+        what = "log-structured" if rows != self.num_rows else "rows in place"
+        return f"a file of {human_bytes(rows * stride)} ({what})"
+
     def __str__(self) -> str:
         avail = human_bytes(self.host_available_bytes)
         verdict = "fits" if self.fits else "does NOT fit"
@@ -622,7 +632,8 @@ class Plan:
                 + (f" + sector padding {human_bytes(self.pad_bytes)}" if self.pad_bytes else "") +
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
                 f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
-                f"  disk: {human_bytes(self.disk_free_bytes)} free for placement='disk'\n"
+                f"  disk: {self._disk_file()}, {human_bytes(self.disk_free_bytes)} free for "
+                "placement='disk'\n"
                 f"  placement='auto' -> {self.placement} ({self.placement_reason})")
 
 

@@ -235,9 +235,15 @@ def test_auto_counts_rows_rounded_up_to_sectors_on_disk(tmp_path, monkeypatch):
     assert where == "disk" and "on disk" in why
 
 
-def test_plan_names_the_disk(tmp_path):
+def test_plan_names_the_disk(tmp_path, monkeypatch):
+    from nbtools import disk, disklog
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
+    slots = disklog.slots_for(1000)
+    assert f"a file of {nbtools.units.human_bytes(slots * 512)} (log-structured)" in str(p)
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 1000 * 512 + 100)   # no spare room
+    p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
+    assert "(rows in place)" in str(p), str(p)
 
 
 def test_warm_cache_loads_the_most_frequent_rows(tmp_path):
