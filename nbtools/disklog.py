@@ -90,12 +90,13 @@ def file_rows(num_rows: int, stride: int | None = None, free: int | None = None)
 
 
 def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
-    """RAM a new disk table's log maps take (``where`` and ``owner``; 0 in place)."""
+    """RAM a new disk table's log maps take (``where``, ``owner`` and two numbers a segment;
+    0 in place)."""
     slots = file_rows(num_rows, stride, free)
     if slots == num_rows:
         return 0
     item = 4 if slots < 2 ** 31 else 8
-    return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 8
+    return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 16
 
 
 def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, free: int):
@@ -409,8 +410,8 @@ class LogFile:
 
     @property
     def map_bytes(self) -> int:
-        """RAM of the maps (``where`` and ``owner``)."""
-        return self.where.nbytes + self.owner.nbytes + self.live.nbytes
+        """RAM of the maps (``where`` and ``owner``, and two numbers a segment)."""
+        return self.where.nbytes + self.owner.nbytes + self.live.nbytes + self._stamp.nbytes
 
     def __getattr__(self, name):
         file = self.__dict__.get("file")
