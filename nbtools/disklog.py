@@ -218,12 +218,14 @@ class LogFile:
             self.where[ids] = slots
             self.owner[old] = -1
             self.owner[slots] = ids
-            np.add.at(self.live, slots // self.seg, 1)
-            np.subtract.at(self.live, old // self.seg, 1)
+            # (bincount: per-segment counts without sorting; the write-back thread holds the
+            # GIL for this, beside the reads)
+            came = np.bincount(slots // self.seg, minlength=len(self.live))
+            left = np.bincount(old // self.seg, minlength=len(self.live))
+            self.live += came - left
             if self._free:       # identity() writes homes into free segments: taken now
-                taken = set(np.unique(slots // self.seg).tolist())
-                self._free = [f for f in self._free if f[0] not in taken]
-            gone = np.unique(old // self.seg)
+                self._free = [f for f in self._free if not came[f[0]]]
+            gone = np.flatnonzero(left)
             gone = gone[(self.live[gone] == 0) & (gone != self._head)]
             if len(gone):
                 self._gen += 1
@@ -303,7 +305,7 @@ class LogFile:
         ``ids[j]``'s row."""
         ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
         self._check_ids(ids)
-        if len(np.unique(ids)) != len(ids):
+        if len(ids) > 1 and not (ids[1:] > ids[:-1]).all() and len(np.unique(ids)) != len(ids):
             raise ValueError("a log file's write takes each id once")
         most = self._most()
         with self._writes:
