@@ -258,14 +258,12 @@ class WholeTable:
         copies nothing)."""
         if getattr(self, "_held", None) is not None:
             raise RuntimeError(f"table {self.name!r}: its mapping is held already")
-        # a save reads rows through the file (nbtools.checkpoint.rows: every view of the held
-        # mapping is saved by reference or refused, never read), so a log file's rows need
-        # not move home for it
-        # (a restore's: writable, and the views it hands back are copied onto themselves,
-        # nothing else; a log file whose rows moved maps them copy-on-write, unordered, so
-        # that nothing could reach the file through it)
+        # No row moves home for it: a save reads rows through the file (every view of the
+        # held mapping is saved by reference or refused, never read), and a restore's views
+        # are only copied onto themselves; a log file whose rows moved is mapped
+        # copy-on-write, so that nothing could reach the file through its unordered bytes.
         away = getattr(self.file, "away", 0) > 0
-        self._held = self.mapped(writable and not away, ordered=writable and not away)
+        self._held = self.mapped(writable and not away, ordered=False)
         try:
             yield self._held
         finally:

@@ -103,9 +103,9 @@ def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, fre
     """The file of a new disk table: a :class:`LogFile` where the disk (``free`` bytes) has
     room for its spare slots, else a RowFile of the rows alone, written in place. Returns it
     and the RowFile under it."""
-    from .rowfile import DiskFullError, RowFile
-    stride = -(-row_bytes // 512) * 512       # (sectors of 512 bytes; a larger block: create
-    slots = file_rows(num_rows, stride, free)  # refuses, and the rows are tried in place)
+    from .rowfile import DiskFullError, RowFile, _round_up
+    stride = _round_up(row_bytes, 512)     # (512-byte sectors; a larger block: create refuses,
+    slots = file_rows(num_rows, stride, free)  # and the rows are tried in place)
     if slots != num_rows:
         try:
             raw = RowFile.create(path, slots, row_bytes, {**meta, "layout": "log"},
@@ -255,7 +255,7 @@ class LogFile:
 
     def _clean(self, need: int = 0) -> None:
         """Until ``need`` slots and RESERVE more segments are free: move the live rows of the
-        segment with the fewest to the head. Under the write lock."""
+        :meth:`_victim` segment to the head. Under the write lock."""
         while True:
             with self._map:
                 if self._room() >= need + RESERVE * self.seg:
@@ -280,7 +280,8 @@ class LogFile:
             if len(new):
                 self.file.write(new, rows)
             self._point(ids, new)
-            with self._map:            # (a segment emptied by writes alone is freed already)
+            with self._map:    # (_point frees the segments it empties, except the head: a
+                # former head whose rows all died is freed here, picked with no live row)
                 if self.live[victim] == 0 and all(s != victim for s, _ in self._free):
                     self._gen += 1
                     self._free.append((victim, self._gen))
@@ -289,6 +290,16 @@ class LogFile:
             if self.on_clean is not None:
                 self.on_clean(self.seg * self.file.stride if len(slots) else 0,
                               len(slots) * self.file.stride)
+
+    def live_rows(self, start: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slots ``start : start + len(out)`` read into ``out`` (one sequential read; none when
+        no row lives there): the ids of the live rows among them, and their positions in
+        ``out``. A whole-file pass in file order, as a checkpoint's base of records."""
+        owner = self.owner[start:start + len(out)]
+        live = np.flatnonzero(owner >= 0)
+        if len(live):
+            self.file.read_range(start, out)
+        return owner[live].astype(np.int64), live
 
     # --- RowFile's interface, by id ---------------------------------------------------------
     def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:

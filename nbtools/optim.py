@@ -34,7 +34,7 @@ from torch import nn
 from . import NbtoolsError
 from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolve_device
 from . import steps
-from .placement import NoRoomError, auto_placement
+from .placement import NoRoomError, auto_placement, disk_bytes
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
 from .rowlayout import RowLayout, row_padding
 from .tables import OffloadedEmbedding
@@ -617,8 +617,7 @@ class Plan:
         """The file a disk table of this plan makes: its rows in 512-byte sectors, and the log
         layout's spare slots where the disk has room for them (nbtools.disklog)."""
         from . import disklog
-        row = self.disk_row_bytes or (self.host_bytes // max(1, self.num_rows))
-        stride = -(-row // 512) * 512
+        stride = disk_bytes(self.disk_row_bytes or self.host_bytes // max(1, self.num_rows), 1)
         rows = disklog.file_rows(self.num_rows, stride, self.disk_free_bytes)
         what = "log-structured" if rows != self.num_rows else "rows in place"
         return f"a file of {human_bytes(rows * stride)} ({what})"

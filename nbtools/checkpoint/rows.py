@@ -320,21 +320,17 @@ def _write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
     """A log file's base: every live slot's (id, row), in file order, read in large
     sequential pieces (the file's dead slots are read and skipped)."""
     log, rb = d.file, d.row_bytes
-    raw, rec = log.file, _ID + rb
-    per = max(1, (chunk_bytes // 4) // max(rec, raw.stride))
+    rec = _ID + rb
+    per = max(1, (chunk_bytes // 4) // max(rec, log.stride))
     rows = np.empty((per, rb), dtype=np.uint8)
     out = np.empty((per, rec), dtype=np.uint8)
     piece = max(1, PIECE // rec)
     seen = 0
     for a in range(0, log.slots, per):
-        m = min(per, log.slots - a)
-        owner = log.owner[a:a + m]
-        live = np.flatnonzero(owner >= 0)
-        if not len(live):
-            continue
-        raw.read_range(a, rows[:m])
-        _emit(writer, out, owner[live], rows[live], piece)
-        seen += len(live)
+        ids, live = log.live_rows(a, rows[:min(per, log.slots - a)])
+        if len(ids):
+            _emit(writer, out, ids, rows[live], piece)
+            seen += len(ids)
     if seen != d.num_rows:
         raise CheckpointError(f"disk table {d.name!r}: {seen:,} live rows in its file, "
                               f"{d.num_rows:,} expected; nothing may write rows during save()")
