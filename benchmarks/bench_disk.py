@@ -12,7 +12,10 @@ Sections:
   zipf          Zipf(1.1) ids, ``--ids`` per step, with and without read-ahead (table.prefetch):
                 ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
                 table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
-                (b) misses/step / the probed random-read rate
+                (b) misses/step / the disk's random-read rate probed in each round (the
+                best of 32 and 64 reads in flight). Loops time their steps after the first
+                SETTLE (a long loop's steady state: the first step's reads could not be read
+                ahead)
   uniform       uniform ids: rows read per second against the probed rate
   memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
                 every 0.2 s from outside the training loop; max and a plot (memory.png)
@@ -38,6 +41,7 @@ from nbtools import hostmem  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
 READ_AHEAD = 2                   # steps read ahead (--ahead)
+SETTLE = 2                       # steps of a timed loop before its clock starts (run_steps)
 ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
 
 
@@ -163,15 +167,21 @@ def make_table(args, device, placement, **extra):
     return table, opt
 
 
-def run_steps(table, opt, batches, device, prefetch: int) -> float:
+def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0) -> float:
     """ms per step over ``batches`` (a loop: one synchronisation at the end), reading ahead
-    ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once)."""
+    ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once). With
+    ``settle``, the clock starts after that many steps (one synchronisation then): a long
+    loop's steady state, its read-ahead already in flight, not the first step's reads that
+    nothing could read ahead."""
     head = torch.linspace(-1, 1, table.embedding_dim, device=device)
     synchronize(device)
     t0 = time.perf_counter()
     for ids in batches[1:prefetch]:
         table.prefetch(ids)
     for i, ids in enumerate(batches):
+        if i == settle and settle:
+            synchronize(device)
+            t0 = time.perf_counter()
         rows = table(ids)
         if prefetch and i + prefetch < len(batches):
             table.prefetch(batches[i + prefetch])
@@ -179,15 +189,16 @@ def run_steps(table, opt, batches, device, prefetch: int) -> float:
         opt.step()
         opt.zero_grad()
     synchronize(device)
-    return (time.perf_counter() - t0) / len(batches) * 1e3
+    return (time.perf_counter() - t0) / (len(batches) - settle) * 1e3
 
 
 def measure(table, opt, batches, device, prefetch: int) -> dict:
-    """ms/step and, per step, the RAM cache's misses and hit rate and the seconds spent in
-    disk reads, writes and waiting for the disk on the loop's thread."""
+    """ms/step (of the steps after the first SETTLE, :func:`run_steps`) and, per step, the
+    RAM cache's misses and hit rate and the seconds spent in disk reads, writes and waiting
+    for the disk on the loop's thread."""
     from nbtools.disk import disk_counters
     before, c0 = dict(table.disk.stats), disk_counters()
-    ms = run_steps(table, opt, batches, device, prefetch)
+    ms = run_steps(table, opt, batches, device, prefetch, settle=SETTLE)
     s, c1 = table.disk.stats, disk_counters()
     k = len(batches)
     misses = (s["misses"] - before["misses"] + s["read_ahead"] - before["read_ahead"]) / k
@@ -284,6 +295,9 @@ def main():
     ap.add_argument("--ahead", type=int, default=READ_AHEAD,
                     help="steps read ahead (table.prefetch of the next N batches); rounds "
                          "also time 1 step ahead when this is more")
+    ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
+                    default=[1], help="other read-ahead depths the rounds time (comma-"
+                    "separated; default 1)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
@@ -386,20 +400,21 @@ def main():
     def zipf_batches(k):
         out = [torch.from_numpy(zipf_ids(gen, args.rows, args.ids)) for _ in range(k)]
         return [b.pin_memory() if pin else b for b in out]
-    batches = zipf_batches(args.steps)        # (kept for the host-RAM comparison)
+    batches = zipf_batches(args.steps + SETTLE)     # (kept for the host-RAM comparison)
     run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
     # A cloud disk's rate drifts by tens of percent within minutes: rounds alternate the two
     # loops and a probe of the disk at that moment, and each round's ratio uses its own probe.
     rounds = []
     for r in range(args.rounds):
-        rate = probe(table, 8192, 32, gen)
+        # the disk's best rate at the moment: 32 or 64 reads in flight (the table keeps
+        # 64 per step in flight with glibc's AIO, more while steps' reads overlap)
+        rate = max(probe(table, 8192, 32, gen), probe(table, 8192, 64, gen))
         rnd = {"probe_rows_per_s": rate}
         before = dict(log) if log is not None else None
         loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
-        if args.ahead > 1:
-            loops.append((1, "zipf_read_ahead_1"))
+        loops += [(k, f"zipf_read_ahead_{k}") for k in args.also_ahead if k != args.ahead]
         for prefetch, key in loops:
-            rnd[key] = measure(table, opt, zipf_batches(args.steps), device, prefetch)
+            rnd[key] = measure(table, opt, zipf_batches(args.steps + SETTLE), device, prefetch)
         rnd["floor_b_ms"] = rnd["zipf_read_ahead"]["misses_per_step"] / rate * 1e3
         per_step = max(1, int(rnd["zipf_read_ahead"]["misses_per_step"]))
         rnd["sustained_rows_per_s"] = probe_steps(table, per_step, args.steps, 32, gen)
@@ -412,8 +427,8 @@ def main():
         print(f"round {r}: probe {rate:,.0f} rows/s, ms/step "
               f"{rnd['zipf']['ms_per_step']:.1f} / read-ahead "
               f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
-              + (f", 1 ahead {rnd['zipf_read_ahead_1']['ms_per_step']:.1f}"
-                 if "zipf_read_ahead_1" in rnd else "") +
+              + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
+                        for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}, written back "
@@ -431,7 +446,7 @@ def main():
     floor_b = med([rnd["floor_b_ms"] for rnd in rounds])
     res["zipf_disk_floor_ms"] = floor_b
 
-    uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(args.uniform_steps)]
+    uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(args.uniform_steps + SETTLE)]
     uni = [b.pin_memory() if pin else b for b in uni]
     res["uniform"] = u = measure(table, opt, uni, device, prefetch=args.ahead)
     u["rows_per_s"] = u["misses_per_step"] / u["ms_per_step"] * 1e3
@@ -455,7 +470,8 @@ def main():
         if need < 0.6 * avail:
             host, hopt = make_table(args, device, "host")
             run_steps(host, hopt, batches[:3], device, prefetch=0)
-            res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=0)
+            res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=0,
+                                            settle=SETTLE)
             res["host_syncs_per_step"] = syncs_per_step(host, hopt, batches[:4], device)
             host.close()
         else:
@@ -470,10 +486,11 @@ def main():
                                       max(host_ms, rnd["floor_b_sustained_ms"]) for rnd in rounds]
     res["zipf_no_read_ahead_x_sustained_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_sustained_ms"]) for rnd in rounds]
-    if "zipf_read_ahead_1" in rounds[0]:
-        res["zipf_ahead_1_x_bound_rounds"] = [
-            rnd["zipf_read_ahead_1"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms"])
-            for rnd in rounds]
+    for k in args.also_ahead:
+        if f"zipf_read_ahead_{k}" in rounds[0]:
+            res[f"zipf_ahead_{k}_x_bound_rounds"] = [
+                rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms"])
+                for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -523,8 +540,9 @@ def main():
             f"{x:.2f}" for x in res["zipf_no_read_ahead_x_sustained_rounds"])),
         ("zipf without read-ahead / max(a, b): rounds", ", ".join(
             f"{x:.2f}" for x in res["zipf_no_read_ahead_x_bound_rounds"])),
-        ("zipf 1 step ahead / max(a, b): rounds", ", ".join(
-            f"{x:.2f}" for x in res.get("zipf_ahead_1_x_bound_rounds", []))),
+        *[(f"zipf {k} step(s) ahead / max(a, b): rounds", ", ".join(
+            f"{x:.2f}" for x in res[f"zipf_ahead_{k}_x_bound_rounds"]))
+          for k in args.also_ahead if f"zipf_ahead_{k}_x_bound_rounds" in res],
         ("zipf steps/s (read-ahead)", f"{1e3 / res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("host syncs/step: disk / host table", f"{res['syncs_per_step']} / "
                                                 f"{res.get('host_syncs_per_step')}"),

@@ -14,9 +14,11 @@ A read-ahead changes no value, only where rows are, so training is bit-identical
 without it, at any depth. What keeps it so:
 
 * A loading slot is locked (never evicted); a lookup that needs its row waits for its load.
-* A row that a read-ahead evicted is written back by that read-ahead's load. Until that write is
-  done no read of the row starts: a lookup that misses it waits for the load, and a later
-  read-ahead leaves it to its lookup.
+* A row that a read-ahead evicted is written back beside that read-ahead's reads, on the table's
+  one write-back thread. Until that write is done no read of the row starts: a lookup that misses
+  it waits for the write, and a later read-ahead leaves it to its lookup. A lookup waits only
+  for the reads of its own rows, never for write-backs of rows it does not need (a write-back
+  may clean a segment of a log file, :mod:`nbtools.disklog`: tens of ms now and then).
 * Whatever reads or writes the file or the slab from outside a step (``.weight``, checkpoints,
   a slab that grows) waits for every read-ahead first.
 """
@@ -32,6 +34,9 @@ import torch
 
 # Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
 DEPTH = 3
+# Write-backs of evicted rows queued behind the write-back thread at most: a read-ahead waits
+# for the oldest beyond this (their rows are copies in RAM until written).
+WRITES = 2 * DEPTH
 
 
 @dataclasses.dataclass
@@ -63,13 +68,14 @@ def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
 
 class _Ahead:
     """One read-ahead: the ids it was given, its background task, the lookup's deduplication,
-    and its load (rows -> slots, the evicted rows it writes back, the loader's future)."""
+    and its load (rows -> slots, the loader's future; the evicted rows and their write-back's
+    future)."""
 
-    __slots__ = ("ids", "task", "prepared", "rows", "slots", "stash", "evicted", "io")
+    __slots__ = ("ids", "task", "prepared", "rows", "slots", "stash", "evicted", "io", "write")
 
     def __init__(self, ids):
         self.ids = ids
-        self.task = self.prepared = self.io = None
+        self.task = self.prepared = self.io = self.write = None
         self.rows = self.slots = self.evicted = np.zeros(0, dtype=np.int64)
         self.stash = []
 
@@ -77,13 +83,14 @@ class _Ahead:
 class ReadAhead:
     """The read-aheads of one :class:`~nbtools.disk.DiskRows`: a queue of coming steps'
     (oldest first, until looked up) and the loads in flight (until settled under the table's
-    lock). Everything that touches the table's maps runs under ``disk._lock``; the loads'
-    file I/O does not."""
+    lock), and the write-backs of the rows they evicted (until written). Everything that
+    touches the table's maps runs under ``disk._lock``; the loads' file I/O does not."""
 
     def __init__(self, disk):
         self.disk = disk
         self.queue: collections.deque[_Ahead] = collections.deque()
         self.loads: list[_Ahead] = []
+        self.writes: collections.deque[_Ahead] = collections.deque()   # oldest first
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
         self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
 
@@ -102,10 +109,18 @@ class ReadAhead:
         d = self.disk
         flat = item.ids.reshape(-1).to("cpu").numpy()
         want = np.unique(flat[(flat >= 0) & (flat < d.num_rows)]).astype(np.int64)
+        while len(self.writes) > WRITES:    # the write-back thread is behind: no more evicted
+            try:                            # copies queue up (waiting outside the lock)
+                oldest = self.writes[0]
+            except IndexError:              # (forgotten meanwhile by a lookup)
+                break
+            oldest.write.exception()
+            with d._lock:
+                self._written()
         with d._lock:
             self.settle_done()
             miss = want[d.slot_of[want] < 0]
-            pending = [a.evicted for a in self.loads if len(a.evicted)]
+            pending = [a.evicted for a in self.writes if len(a.evicted)]
             if pending and len(miss):       # still being written back: left to the lookup
                 miss = miss[~np.isin(miss, np.concatenate(pending))]
             if len(miss):
@@ -120,20 +135,19 @@ class ReadAhead:
                     if item.stash:
                         item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
                     self.loads.append(item)
+                    if item.stash:
+                        self.writes.append(item)
+                        item.write = d._writer_pool().submit(d._drain, item.stash)
                     item.io = self._io.submit(self._load, item)
                     d._count_ahead(len(free))
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
 
     def _load(self, item: _Ahead) -> None:
-        """The load's file I/O (no lock): the evicted rows written back beside the reads."""
+        """The load's reads (no lock; its evicted rows are written meanwhile, on the write-back
+        thread)."""
         d = self.disk
-        writing = d._writer_pool().submit(d._drain, item.stash) if item.stash else None
         t0 = time.perf_counter()
-        try:
-            d.file.read(item.rows, d._bytes, at=item.slots)
-        finally:
-            if writing is not None:
-                writing.result()
+        d.file.read(item.rows, d._bytes, at=item.slots)
         d._count_read(item.rows, time.perf_counter() - t0)
 
     def _settle(self, item: _Ahead) -> None:
@@ -154,33 +168,45 @@ class ReadAhead:
         d.locked[item.slots] = False
         d.ahead[item.slots] = True
 
+    def _written(self, upto: _Ahead | None = None) -> None:
+        """Under the lock: forget the finished write-backs (raising the first that failed);
+        with ``upto``, wait for the write-backs up to that one first (the thread writes them
+        in order)."""
+        if upto is not None:
+            upto.write.exception()
+        while self.writes and self.writes[0].write.done():
+            self.writes.popleft().write.result()
+
     def settle_done(self) -> None:
-        """Under the lock: settle the loads that have finished."""
+        """Under the lock: settle the loads that have finished, forget the finished writes."""
         for item in [a for a in self.loads if a.io.done()]:
             self._settle(item)
+        self._written()
 
     def settle_for(self, ids: np.ndarray) -> None:
         """Under the lock, before a lookup of ``ids`` (sorted, unique): wait for the loads
-        that bring in one of them or still write one of them back."""
+        that bring in one of them and for the write-backs of those of them that were evicted."""
         self.settle_done()
-        if not self.loads:
-            return
         d = self.disk
         slots = d.slot_of[ids]
-        loading = d.loading[slots[slots >= 0]].any()
+        if self.loads and d.loading[slots[slots >= 0]].any():
+            for item in list(self.loads):
+                if np.isin(item.slots, slots).any():
+                    self._settle(item)
         missing = ids[slots < 0]
-        for item in list(self.loads):
-            if loading and np.isin(item.slots, slots).any() or \
-                    len(item.evicted) and np.isin(missing, item.evicted).any():
-                self._settle(item)
+        last = None
+        for item in self.writes:
+            if len(missing) and np.isin(missing, item.evicted).any():
+                last = item
+        if last is not None:
+            self._written(last)
 
     def wait_io(self) -> None:
-        """Wait for every load's I/O (the slab may then be copied or freed)."""
-        for item in list(self.loads):
-            try:
-                item.io.result()
-            except BaseException:
-                pass                       # raised where the load is settled
+        """Wait for every load's and write-back's I/O (the slab may then be copied or freed)."""
+        for item in list(self.loads) + list(self.writes):
+            for f in (item.io, item.write):
+                if f is not None:
+                    f.exception()          # (raised where the load is settled, the write forgotten)
 
     def take(self, ids: torch.Tensor) -> Prepared | None:
         """The deduplication of these very ids (the same tensor object) from their read-ahead,
@@ -201,6 +227,8 @@ class ReadAhead:
         with self.disk._lock:
             for item in list(self.loads):
                 self._settle(item)
+            if self.writes:
+                self._written(self.writes[-1])
 
     def close(self) -> None:
         try:

@@ -93,6 +93,46 @@ def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
     d.close()
 
 
+def test_a_lookup_does_not_wait_for_write_backs_of_rows_it_does_not_need(tmp_path):
+    """A read-ahead's write-back (on a log file it may clean a segment: slow) runs beside the
+    next lookups: one whose rows are read in goes on while the write is held, and one that
+    needs an evicted row waits for it and sees the written value."""
+    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    slots = d.resolve(np.arange(4), training=True)
+    d.slab.tensor[torch.as_tensor(slots)] += 100.0
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    started, release = threading.Event(), threading.Event()
+    write = d.file.write
+
+    def held_write(*args, **kwargs):
+        started.set()
+        assert release.wait(10)
+        return write(*args, **kwargs)
+    d.file.write = held_write
+    d.read_ahead(torch.arange(4, 8))        # evicts rows 0-3 (dirty) for rows 4-7
+    assert started.wait(5)
+    done = []
+    looker = threading.Thread(target=lambda: done.append(d.resolve(np.array([5, 6]), False)))
+    looker.start()
+    looker.join(5)
+    assert done, "the lookup of rows read ahead waited for a write-back it does not need"
+    assert d.slab.tensor[torch.as_tensor(done[0])][:, 0].tolist() == [10.0, 12.0]
+    waiting = []
+    other = threading.Thread(target=lambda: waiting.append(d.resolve(np.array([2]), False)))
+    other.start()
+    other.join(0.3)
+    assert not waiting                      # row 2 is still being written: its lookup waits
+    release.set()
+    other.join(5)
+    assert d.slab.tensor[int(waiting[0][0])].tolist() == [104.0, 105.0]
+    d.file.write = write
+    d.flush()
+    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0]
+    d.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
