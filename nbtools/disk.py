@@ -314,8 +314,13 @@ class DiskRows(WholeTable, _ReadsAhead):
         self.sync_mapped()
         self._ensure_init()
         self.ensure_slab()
+        if self._readahead is not None:         # loads of these rows in flight: wait for
+            with self._lock:                    # them outside the lock (a coming step's
+                pending = self._readahead.pending_for(ids)   # read-ahead starts meanwhile)
+            for f in pending:
+                f.exception()                   # (raised below, where it is settled)
         with self._lock:
-            if self._readahead is not None:     # loads of these rows in flight: wait for them
+            if self._readahead is not None:     # (now quick; and whatever began meanwhile)
                 self._readahead.settle_for(ids)
             self._close_step()
             slots = self.slot_of[ids]

@@ -201,6 +201,21 @@ class ReadAhead:
         if last is not None:
             self._written(last)
 
+    def pending_for(self, ids: np.ndarray) -> list:
+        """Under the lock: the futures a lookup of ``ids`` (sorted, unique) would wait for (the
+        loads bringing one of them in, the write-backs of those evicted), for the lookup to
+        wait for *outside* the lock: a coming step's read-ahead then starts its reads
+        meanwhile, instead of queueing for the lock behind this wait."""
+        d = self.disk
+        slots = d.slot_of[ids]
+        out = []
+        if self.loads and d.loading[slots[slots >= 0]].any():
+            out += [a.io for a in self.loads if np.isin(a.slots, slots).any()]
+        missing = ids[slots < 0]
+        if len(missing):
+            out += [a.write for a in self.writes if np.isin(missing, a.evicted).any()][-1:]
+        return [f for f in out if not f.done()]
+
     def wait_io(self) -> None:
         """Wait for every load's and write-back's I/O (the slab may then be copied or freed)."""
         for item in list(self.loads) + list(self.writes):
