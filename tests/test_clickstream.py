@@ -153,6 +153,34 @@ def test_fit_stream_without_read_ahead_and_its_errors(tmp_path):
     table.close()
 
 
+def test_fit_stream_trains_the_same_at_every_read_ahead_depth(tmp_path):
+    """Reading 0, 1, 2 or 3 steps ahead (True) moves rows only: the same weights, bit for bit,
+    as the same table in host RAM; a bad depth is refused."""
+    def train(placement, read_ahead):
+        torch.manual_seed(0)
+        stream = ClickStream(400, 48, topics=4, seed=1)
+        extra = dict(disk_dir=str(tmp_path), host_cache_bytes=90 * 16 * 4 * 2) \
+            if placement == "disk" else {}
+        table = nbtools.OffloadedEmbedding(400, 16, device="cpu", placement=placement, **extra)
+        opt = nbtools.OffloadOptimizer(torch.optim.Adam, table, lr=0.05)
+        fit_stream(Item2Vec(table), stream, opt, 9, log_every=9, read_ahead=read_ahead)
+        w, ahead = table.weight.detach().clone(), getattr(table, "disk", None)
+        ahead = ahead.stats["read_ahead"] if ahead is not None else None
+        table.close()
+        return w, ahead
+    host, _ = train("host", False)
+    for depth in (0, 1, 2, True):
+        w, ahead = train("disk", depth)
+        assert torch.equal(w, host), depth
+        assert (ahead > 0) == bool(depth), (depth, ahead)
+    stream = ClickStream(50, 4, topics=2)
+    table = nbtools.OffloadedEmbedding(50, 4, device="cpu")
+    opt = nbtools.OffloadOptimizer(torch.optim.SGD, table, lr=0.1)
+    with pytest.raises(ValueError, match="read_ahead must be a bool or a number of steps"):
+        fit_stream(Item2Vec(table), stream, opt, 2, read_ahead=-1)
+    table.close()
+
+
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_the_hit_rate_counts_every_row_read_from_disk(tmp_path, read_ahead):
     """A RAM cache that holds the whole table reads each row once, by the lookup or by the

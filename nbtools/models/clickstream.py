@@ -29,6 +29,7 @@ True
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import readahead
 from ..devices import synchronize
 
 # Multipliers that map popularity ranks to ids (rank * P mod n is a bijection when P and n share
@@ -164,12 +166,14 @@ def _loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
 
 
 def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, dashboard=None,
-               log_every: int | None = None, read_ahead: bool = True) -> dict:
+               log_every: int | None = None, read_ahead: bool | int = True) -> dict:
     """Train ``model`` on ``steps`` batches of ``stream``, from the stream's step 0.
 
-    Each step looks its triples up, starts the read-ahead of the next step's rows
+    Each step looks its triples up, starts the read-ahead of a coming step's rows
     (``table.prefetch``: a disk table reads its misses while this step computes), and steps
-    the optimizer. ``dashboard``: a :class:`~nbtools.Dashboard`, stepped from this loop.
+    the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.readahead.DEPTH`,
+    3, the fastest on the GPU machine's disk; False or 0: none). ``dashboard``: a
+    :class:`~nbtools.Dashboard`, stepped from this loop.
 
     Returns the history: ``step``, ``loss`` (mean over each ``log_every`` steps),
     ``pair_accuracy`` (share of those steps' triples whose positive outscored the negative,
@@ -185,17 +189,27 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     disk = getattr(table, "disk", None)       # a disk table's file and RAM cache, else None
     history = {"step": [], "loss": [], "pair_accuracy": [], "ram_hit_rate": [], "time_s": []}
     pin = table.device.type == "cuda"         # host ids in pinned memory: copies need no sync
-    ids = stream.batch(0)
-    ids = ids.pin_memory() if pin else ids
+    depth = readahead.DEPTH if read_ahead is True else int(read_ahead or 0)
+    if depth < 0:
+        raise ValueError(f"read_ahead must be a bool or a number of steps >= 0, got "
+                         f"{read_ahead!r}")
+
+    def batch(k):
+        ids = stream.batch(k)
+        return ids.pin_memory() if pin else ids
+    coming = collections.deque(batch(k) for k in range(min(steps, max(1, depth))))
+    for ids in list(coming)[1:]:
+        table.prefetch(ids)
     loss_sum = right = None
     seen = dict(disk.stats) if disk is not None else None
     t0 = time.perf_counter()
     for step in range(steps):
+        ids = coming.popleft()
         pos, neg = model.scores(ids)
-        if read_ahead and step + 1 < steps:
-            upcoming = stream.batch(step + 1)
-            upcoming = upcoming.pin_memory() if pin else upcoming
-            table.prefetch(upcoming)
+        if step + max(1, depth) < steps:      # the batch `depth` steps on (or just the next)
+            coming.append(batch(step + max(1, depth)))
+            if depth:
+                table.prefetch(coming[-1])
         loss = _loss(pos, neg)
         loss.backward()
         optimizer.step()
@@ -215,11 +229,6 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
             history["time_s"].append(time.perf_counter() - t0)
             loss_sum = right = None
             seen = dict(disk.stats) if disk is not None else None
-        if read_ahead and step + 1 < steps:
-            ids = upcoming
-        else:
-            ids = stream.batch(step + 1)
-            ids = ids.pin_memory() if pin else ids
     synchronize(table.device)
     history["pairs_per_s"] = steps * stream.batch_size / (time.perf_counter() - t0)
     return history
