@@ -455,11 +455,16 @@ class DiskRows(WholeTable, _ReadsAhead):
     def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
         another thread meanwhile (the disk serves both at once; they touch different rows).
+        Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):
+        this lookup, which holds the table's lock, does not wait behind their write-backs.
         (A read-ahead's loads are :mod:`nbtools.readahead`'s, outside the lock.)"""
         writing = None
         if self._stash:
             stash, self._stash = self._stash, []
             writing = self._writer_pool().submit(self._drain, stash)
+            if self._readahead is not None:
+                self._readahead.track_write(stash, writing)
+                writing = None
         t0 = time.perf_counter()
         try:
             self.file.read(ids, self._bytes, at=slots)

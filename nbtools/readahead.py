@@ -142,6 +142,14 @@ class ReadAhead:
                     d._count_ahead(len(free))
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
 
+    def track_write(self, stash: list, future) -> None:
+        """Under the lock: a lookup's own write-back of the rows it evicted (``stash``, on
+        the write-back thread as ``future``), kept like a read-ahead's until written."""
+        item = _Ahead(None)
+        item.evicted = np.sort(np.concatenate([i for i, _ in stash]))
+        item.write = future
+        self.writes.append(item)
+
     def _load(self, item: _Ahead) -> None:
         """The load's reads (no lock; its evicted rows are written meanwhile, on the write-back
         thread)."""

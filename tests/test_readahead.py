@@ -133,6 +133,45 @@ def test_a_lookup_does_not_wait_for_write_backs_of_rows_it_does_not_need(tmp_pat
     d.close()
 
 
+def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
+    """Where read-aheads run, a lookup that misses and evicts dirty rows does not wait (holding
+    the table's lock) for their write-back; a later read of one of them waits for it."""
+    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    d.read_ahead(torch.arange(8, 12))           # read-aheads run (rows 8-11 brought in)
+    d.wait_read_ahead()
+    slots = d.resolve(np.arange(4), training=True)
+    d.slab.tensor[torch.as_tensor(slots)] += 100.0
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    started, release = threading.Event(), threading.Event()
+    write = d.file.write
+
+    def held_write(*args, **kwargs):
+        started.set()
+        assert release.wait(10)
+        return write(*args, **kwargs)
+    d.file.write = held_write
+    done = []
+    looker = threading.Thread(target=lambda: done.append(d.resolve(np.arange(4, 8), False)))
+    looker.start()                              # misses 4-7, evicts rows 0-3 (dirty)
+    assert started.wait(5)
+    looker.join(5)
+    assert done, "the lookup waited for its own write-back under the table's lock"
+    waiting = []
+    other = threading.Thread(target=lambda: waiting.append(d.resolve(np.array([3]), False)))
+    other.start()
+    other.join(0.3)
+    assert not waiting                          # row 3 is still being written
+    release.set()
+    other.join(5)
+    assert d.slab.tensor[int(waiting[0][0])].tolist() == [106.0, 107.0]
+    d.file.write = write
+    d.flush()
+    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0]
+    d.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
