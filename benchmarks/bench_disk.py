@@ -402,29 +402,41 @@ def main():
         return [b.pin_memory() if pin else b for b in out]
     batches = zipf_batches(args.steps + SETTLE)     # (kept for the host-RAM comparison)
     run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
-    # A cloud disk's rate drifts by tens of percent within minutes: rounds alternate the two
-    # loops and a probe of the disk at that moment, and each round's ratio uses its own probe.
-    rounds = []
-    for r in range(args.rounds):
+    # A cloud disk's rate drifts by tens of percent within seconds (2x between two probes a
+    # minute apart on the GPU machine): the disk is probed just before and just after each
+    # loop, and the loop's ratio uses the mean of the two.
+    def rate_now():
         # the disk's best rate at the moment: 32 or 64 reads in flight (the table keeps
         # 64 per step in flight with glibc's AIO, more while steps' reads overlap)
-        rate = max(probe(table, 8192, 32, gen), probe(table, 8192, 64, gen))
-        rnd = {"probe_rows_per_s": rate}
+        return max(probe(table, 8192, 32, gen), probe(table, 8192, 64, gen))
+
+    def floor_ms(loop: dict) -> float:
+        return loop["misses_per_step"] / loop["probe_rows_per_s"] * 1e3
+
+    rounds = []
+    for r in range(args.rounds):
+        rnd = {}
         before = dict(log) if log is not None else None
         loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
         loops += [(k, f"zipf_read_ahead_{k}") for k in args.also_ahead if k != args.ahead]
+        probes = [rate_now()]
         for prefetch, key in loops:
             rnd[key] = measure(table, opt, zipf_batches(args.steps + SETTLE), device, prefetch)
-        rnd["floor_b_ms"] = rnd["zipf_read_ahead"]["misses_per_step"] / rate * 1e3
+            probes.append(rate_now())
+            rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
+        rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
+        rnd["probes_rows_per_s"] = probes
+        rnd["floor_b_ms"] = floor_ms(rnd["zipf_read_ahead"])
         per_step = max(1, int(rnd["zipf_read_ahead"]["misses_per_step"]))
         rnd["sustained_rows_per_s"] = probe_steps(table, per_step, args.steps, 32, gen)
         rnd["floor_b_sustained_ms"] = per_step / rnd["sustained_rows_per_s"] * 1e3
-        rnd["floor_b_ms_no_read_ahead"] = rnd["zipf"]["misses_per_step"] / rate * 1e3
+        rnd["floor_b_ms_no_read_ahead"] = floor_ms(rnd["zipf"])
         if log is not None:
             rnd["log"] = {k: log[k] - before[k] for k in log}
         rounds.append(rnd)
         mem.mark(f"round {r}")
-        print(f"round {r}: probe {rate:,.0f} rows/s, ms/step "
+        print(f"round {r}: probes around the loops " + " / ".join(f"{x:,.0f}" for x in probes)
+              + f" rows/s (read-ahead loop's: {rate:,.0f}), ms/step "
               f"{rnd['zipf']['ms_per_step']:.1f} / read-ahead "
               f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
               + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
@@ -489,8 +501,8 @@ def main():
     for k in args.also_ahead:
         if f"zipf_read_ahead_{k}" in rounds[0]:
             res[f"zipf_ahead_{k}_x_bound_rounds"] = [
-                rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms"])
-                for rnd in rounds]
+                rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] /
+                max(host_ms, floor_ms(rnd[f"zipf_read_ahead_{k}"])) for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [bench name filter]
+# The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): split them over
+# two calls with TESTS, e.g. TESTS="$(ls tests/test_*.py | head -n 30)" and the rest. The log
+# ends with the 15 slowest tests.
 # On the lent GPU machine (no network) carry pure-Python wheels in .whl/ (see benchmarks/RESULTS.md);
 # they are installed into /tmp/site, never over the machine's own torch.
 set -u
@@ -20,7 +23,7 @@ status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "=== CUDA tests"
   # notebooks and the browser test are CPU smoke tests (CI runs them); everything else on CUDA
-  python3 -m pytest -q -p no:cacheprovider -m "not slow" --ignore=tests/test_notebooks.py \
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 --ignore=tests/test_notebooks.py \
     ${TESTS:-tests/ nbtools/} 2>&1 | tee "$out/pytest.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
