@@ -197,12 +197,12 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     def batch(k):
         ids = stream.batch(k)
         return ids.pin_memory() if pin else ids
+    loss_sum = right = None
+    seen = dict(disk.stats) if disk is not None else None   # (before any read-ahead counts)
+    t0 = time.perf_counter()
     coming = collections.deque(batch(k) for k in range(min(steps, max(1, depth))))
     for ids in list(coming)[1:]:
         table.prefetch(ids)
-    loss_sum = right = None
-    seen = dict(disk.stats) if disk is not None else None
-    t0 = time.perf_counter()
     for step in range(steps):
         ids = coming.popleft()
         pos, neg = model.scores(ids)
