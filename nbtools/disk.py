@@ -127,6 +127,17 @@ class _ReadsAhead:
         if self._readahead is not None:
             self._readahead.wait()
 
+    def _drain(self, stash) -> None:
+        """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread)."""
+        for ids, rows in stash:
+            self._write(ids, rows)
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        """The table's one write-back thread: write-backs run in the order given."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
+        return self._writer
+
     def _count_ahead(self, rows: int) -> None:
         self.stats["read_ahead"] += rows
         _counters["ahead_rows"] += rows
@@ -441,16 +452,6 @@ class DiskRows(WholeTable, _ReadsAhead):
         _counters["write_s"] += time.perf_counter() - t0
         _counters["write_bytes"] += len(ids) * self.row_bytes
         self.stats["written_back"] += len(ids)
-
-    def _drain(self, stash) -> None:
-        """Write evicted rows: a stash's ``(ids, rows)`` pairs."""
-        for ids, rows in stash:
-            self._write(ids, rows)
-
-    def _writer_pool(self) -> ThreadPoolExecutor:
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
-        return self._writer
 
     def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
