@@ -12,7 +12,8 @@ each of these runs:
   sync     a lookup's own reads of misses that no read-ahead brought in
 
 and prints the share of the loop's time with 0, 1, 2+ loads in flight, the mean duration of
-each kind, the misses a lookup read itself, and the disk's rate during the loop against a probe.
+each kind, the misses a lookup read itself, the disk's rate during the loop against a probe,
+and per thread the time spent waiting for the table's lock and holding it.
 
     python3 benchmarks/experiments/disk_timeline.py --rows 4000000 --cache-gib 0.28 --dir /tmp/nbt
 """
@@ -56,6 +57,41 @@ def install():
     D._drain = traced("write", D._drain, rows=lambda self, stash: sum(len(i) for i, _ in stash))
     D.resolve = traced("lookup", D.resolve, rows=lambda self, ids, training: len(ids))
     D._load = traced("sync", D._load, rows=lambda self, ids, slots: len(ids))
+
+
+class TimedLock:
+    """The table's lock, timed: per thread name, seconds waited to take it and seconds held
+    (outermost holds of the re-entrant lock only)."""
+
+    def __init__(self, lock):
+        self.lock = lock
+        self.depth = threading.local()
+        self.waited = collections.Counter()
+        self.held = collections.Counter()
+
+    def acquire(self, *a, **k):
+        t0 = time.perf_counter()
+        got = self.lock.acquire(*a, **k)
+        if got:
+            d = getattr(self.depth, "n", 0)
+            if d == 0:
+                name = threading.current_thread().name.split("_")[0]
+                self.waited[name] += time.perf_counter() - t0
+                self.depth.since = time.perf_counter()
+            self.depth.n = d + 1
+        return got
+
+    def release(self):
+        self.depth.n -= 1
+        if self.depth.n == 0:
+            name = threading.current_thread().name.split("_")[0]
+            self.held[name] += time.perf_counter() - self.depth.since
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def coverage(spans, t0, t1):
@@ -110,6 +146,7 @@ def main():
     bd.run_steps(table, opt, zipf(6), device, prefetch=args.ahead)
     probe = max(bd.probe(table, 8192, 32, gen), bd.probe(table, 8192, 64, gen))
     install()
+    lock = table.disk._lock = TimedLock(table.disk._lock)
     batches = zipf(args.steps + bd.SETTLE)
     before = dict(log) if log else {}
     t_start = time.perf_counter()
@@ -136,6 +173,10 @@ def main():
             print(f"{kind:7s} {len(xs):4d} calls, ms mean {d.mean():6.2f} p90 "
                   f"{np.percentile(d, 90):6.2f} max {d.max():6.2f}, rows mean {n.mean():8.0f}, "
                   f"busy {d.sum() / 1e3 / total:.0%} of the loop")
+    for name in sorted(set(lock.waited) | set(lock.held)):
+        print(f"table lock, thread {name}: waited {lock.waited[name] / args.steps * 1e3:.2f}"
+              f" ms a step, held {lock.held[name] / args.steps * 1e3:.2f} ms a step "
+              "(the whole run's, the untimed first steps too)")
     if log:
         print("log during the loop:", {k: log[k] - before.get(k, 0) for k in log})
     table.close()
