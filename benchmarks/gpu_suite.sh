@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
-#   bash benchmarks/gpu_suite.sh [tests|bench|all] [bench name filter]
-# The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): split them over
-# two calls with TESTS, e.g. TESTS="$(ls tests/test_*.py | head -n 30)" and the rest. The log
-# ends with the 15 slowest tests.
+#   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
+# The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
+# "tests2" run each half of the test files (and the doctests with the second), one call each.
+# The log ends with the 15 slowest tests.
 # On the lent GPU machine (no network) carry pure-Python wheels in .whl/ (see benchmarks/RESULTS.md);
 # they are installed into /tmp/site, never over the machine's own torch.
 set -u
@@ -20,6 +20,12 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
 python3 -c "import nbtools; nbtools.describe()"
 status=0
+files=(tests/test_*.py)
+half=$(( (${#files[@]} + 1) / 2 ))
+case "$what" in
+  tests1) TESTS=${TESTS:-"${files[*]:0:$half}"}; what=tests ;;
+  tests2) TESTS=${TESTS:-"${files[*]:$half} nbtools/"}; what=tests ;;
+esac
 if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "=== CUDA tests"
   # notebooks and the browser test are CPU smoke tests (CI runs them); everything else on CUDA
