@@ -303,3 +303,45 @@ def test_a_bad_cleaner_setting_leaves_no_file(tmp_path, monkeypatch):
         nbtools.OffloadedEmbedding(1000, 8, device="cpu", placement="disk",
                                    disk_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_short_of_the_whole_spare_takes_a_smaller_one(tmp_path, monkeypatch):
+    """Where the disk holds the rows and some spare but not SPARE's share, the file is a log
+    with a smaller spare (at least MIN_SPARE, leaving LEAVE or a twentieth of the disk free),
+    not rows in place; below MIN_SPARE, in place."""
+    import torch
+
+    import nbtools
+    from nbtools import disk, disklog
+    n, stride = 100_000_000, 512
+    full = disklog.slots_for(n)
+    assert disklog.file_rows(n, stride, full * stride) == full
+    for gb, low, high in ((64, 0.15, 0.2), (60, 0.1, 0.12)):
+        got = disklog.file_rows(n, stride, gb * 10 ** 9)
+        assert low <= got / n - 1 <= high, (gb, got)
+        assert got * stride <= gb * 10 ** 9 - max(disklog.LEAVE, gb * 10 ** 9 // 20)
+    assert disklog.file_rows(n, stride, 58 * 10 ** 9) == n
+    # a table made on such a disk (LEAVE 0 so that a small table shows it)
+    monkeypatch.setattr(disklog, "LEAVE", 0)
+    monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "512")
+    n, d = 50_000, 8
+    free = int(n * stride * 1.2)
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: free)
+    rows = disklog.file_rows(n, stride, free)
+    assert n * 1.1 <= rows < disklog.slots_for(n)
+    t = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
+                                   host_cache_bytes=1 << 16)
+    assert type(t.disk.file).__name__ == "LogFile" and t.disk.file.file.num_rows == rows
+    h = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="host")
+    with torch.no_grad():
+        h.weight.copy_(t.weight)
+    for table in (t, h):
+        opt = nbtools.OffloadOptimizer(torch.optim.Adagrad, table, lr=0.1)
+        for k in range(3):
+            (table(torch.arange(k, n, 13)) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(t.weight, h.weight)
+    t.close()
+    h.close()
+
