@@ -466,17 +466,23 @@ class DiskRows(WholeTable, _ReadsAhead):
             if self._readahead is not None:
                 self._readahead.track_write(stash, writing)
                 writing = None
+        # rows still queued for write-back: copied from there (ReadAhead.fill), not read
+        kept = self._readahead.fill(ids, slots) if self._readahead is not None else None
+        rest, at = (ids, slots) if kept is None else (ids[~kept], slots[~kept])
         t0 = time.perf_counter()
         try:
-            self.file.read(ids, self._bytes, at=slots)
+            if len(rest):
+                self.file.read(rest, self._bytes, at=at)
         except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
             self._free.append(np.asarray(slots, dtype=np.int64))
             raise
         finally:
             if writing is not None:     # evicted rows on disk before any reader looks
                 uninterrupted(writing.result)
-        self._count_read(ids, time.perf_counter() - t0)
+        self._count_read(rest, time.perf_counter() - t0)
         self._placed(ids, slots)
+        if kept is not None:
+            self.dirty[slots[kept]] = True      # (the file may not have them yet)
 
     def _placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""

@@ -14,11 +14,12 @@ A read-ahead changes no value, only where rows are, so training is bit-identical
 without it, at any depth. What keeps it so:
 
 * A loading slot is locked (never evicted); a lookup that needs its row waits for its load.
-* A row that a read-ahead evicted is written back beside that read-ahead's reads, on the table's
-  one write-back thread. Until that write is done no read of the row starts: a lookup that misses
-  it waits for the write, and a later read-ahead leaves it to its lookup. A lookup waits only
-  for the reads of its own rows, never for write-backs of rows it does not need (a write-back
-  may clean a segment of a log file, :mod:`nbtools.disklog`: tens of ms now and then).
+* A row that a read-ahead (or a lookup) evicted is written back beside the reads, on the table's
+  one write-back thread, from a copy. Until that write is done no read of the row from the file
+  starts: a lookup or read-ahead that misses it takes it from that copy instead (the newest, if
+  it was evicted twice). So a lookup waits only for the reads of its own rows, never for a
+  write-back (a write-back may clean a segment of a log file, :mod:`nbtools.disklog`: tens of
+  ms now and then).
 * Whatever reads or writes the file or the slab from outside a step (``.weight``, checkpoints,
   a slab that grows) waits for every read-ahead first.
 """
@@ -120,32 +121,53 @@ class ReadAhead:
         with d._lock:
             self.settle_done()
             miss = want[d.slot_of[want] < 0]
-            pending = [a.evicted for a in self.writes if len(a.evicted)]
-            if pending and len(miss):       # still being written back: left to the lookup
-                miss = miss[~np.isin(miss, np.concatenate(pending))]
             if len(miss):
                 d._advance()
                 free = d._take(len(miss), wait=False)
                 if len(free):
-                    item.rows, item.slots = miss[: len(free)], free
-                    d._placed(item.rows, free)
-                    d.loading[free] = True
-                    d.locked[free] = True
-                    item.stash, d._stash = d._stash, []
-                    if item.stash:
-                        item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
-                    self.loads.append(item)
-                    if item.stash:
-                        self.writes.append(item)
-                        item.write = d._writer_pool().submit(d._drain, item.stash)
-                    item.io = self._io.submit(self._load, item)
+                    rows = miss[: len(free)]
+                    d._placed(rows, free)
+                    kept = self.fill(rows, free)    # still queued for write-back: no read
+                    d.dirty[free[kept]] = True
+                    d.ahead[free[kept]] = True
+                    item.rows, item.slots = rows[~kept], free[~kept]
+                    d.loading[item.slots] = True
+                    d.locked[item.slots] = True
                     d._count_ahead(len(free))
+                if d._stash:                        # the rows it evicted, written back
+                    item.stash, d._stash = d._stash, []
+                    item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
+                    self.writes.append(item)
+                    item.write = d._writer_pool().submit(d._drain, item.stash)
+                if len(item.rows):
+                    self.loads.append(item)
+                    item.io = self._io.submit(self._load, item)
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
+
+    def fill(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Under the lock: copy into ``slots`` the rows of ``ids`` that a write-back still
+        holds (queued or in progress: the newest copy of each), and return which ids were
+        copied. Such a row is in RAM already: a lookup or read-ahead takes it from there
+        instead of waiting for its write and reading it back. (Its slot is to be marked dirty:
+        the file may not have it yet.)"""
+        got = np.zeros(len(ids), dtype=bool)
+        d = self.disk
+        for item in reversed(self.writes):
+            for sid, rows in item.stash:
+                if not len(sid) or not len(ids):
+                    continue
+                pos = np.searchsorted(sid, ids).clip(max=len(sid) - 1)
+                hit = (sid[pos] == ids) & ~got
+                if hit.any():
+                    d._bytes[slots[hit]] = rows[pos[hit]]
+                    got |= hit
+        return got
 
     def track_write(self, stash: list, future) -> None:
         """Under the lock: a lookup's own write-back of the rows it evicted (``stash``, on
         the write-back thread as ``future``), kept like a read-ahead's until written."""
         item = _Ahead(None)
+        item.stash = stash
         item.evicted = np.sort(np.concatenate([i for i, _ in stash]))
         item.write = future
         self.writes.append(item)
@@ -193,7 +215,8 @@ class ReadAhead:
 
     def settle_for(self, ids: np.ndarray) -> None:
         """Under the lock, before a lookup of ``ids`` (sorted, unique): wait for the loads
-        that bring in one of them and for the write-backs of those of them that were evicted."""
+        that bring in one of them. (Those of them still queued for write-back are copied from
+        the write's rows, :meth:`fill`: a lookup never waits for a write-back.)"""
         self.settle_done()
         d = self.disk
         slots = d.slot_of[ids]
@@ -201,28 +224,16 @@ class ReadAhead:
             for item in list(self.loads):
                 if np.isin(item.slots, slots).any():
                     self._settle(item)
-        missing = ids[slots < 0]
-        last = None
-        for item in self.writes:
-            if len(missing) and np.isin(missing, item.evicted).any():
-                last = item
-        if last is not None:
-            self._written(last)
 
     def pending_for(self, ids: np.ndarray) -> list:
-        """Under the lock: the futures a lookup of ``ids`` (sorted, unique) would wait for (the
-        loads bringing one of them in, the write-backs of those evicted), for the lookup to
-        wait for *outside* the lock: a coming step's read-ahead then starts its reads
-        meanwhile, instead of queueing for the lock behind this wait."""
+        """Under the lock: the loads' futures a lookup of ``ids`` (sorted, unique) would wait
+        for, for the lookup to wait for *outside* the lock: a coming step's read-ahead then
+        starts its reads meanwhile, instead of queueing for the lock behind this wait."""
         d = self.disk
         slots = d.slot_of[ids]
-        out = []
-        if self.loads and d.loading[slots[slots >= 0]].any():
-            out += [a.io for a in self.loads if np.isin(a.slots, slots).any()]
-        missing = ids[slots < 0]
-        if len(missing):
-            out += [a.write for a in self.writes if np.isin(missing, a.evicted).any()][-1:]
-        return [f for f in out if not f.done()]
+        if not (self.loads and d.loading[slots[slots >= 0]].any()):
+            return []
+        return [a.io for a in self.loads if not a.io.done() and np.isin(a.slots, slots).any()]
 
     def wait_io(self) -> None:
         """Wait for every load's and write-back's I/O (the slab may then be copied or freed)."""

@@ -93,10 +93,11 @@ def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
     d.close()
 
 
-def test_a_lookup_does_not_wait_for_write_backs_of_rows_it_does_not_need(tmp_path):
+def test_a_lookup_never_waits_for_a_write_back(tmp_path):
     """A read-ahead's write-back (on a log file it may clean a segment: slow) runs beside the
     next lookups: one whose rows are read in goes on while the write is held, and one that
-    needs an evicted row waits for it and sees the written value."""
+    needs an evicted row takes it from the write's copy, without waiting; the file gets the
+    same value once the write goes through."""
     d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
     slots = d.resolve(np.arange(4), training=True)
@@ -122,11 +123,11 @@ def test_a_lookup_does_not_wait_for_write_backs_of_rows_it_does_not_need(tmp_pat
     waiting = []
     other = threading.Thread(target=lambda: waiting.append(d.resolve(np.array([2]), False)))
     other.start()
-    other.join(0.3)
-    assert not waiting                      # row 2 is still being written: its lookup waits
-    release.set()
     other.join(5)
+    assert waiting, "the lookup of a row being written back waited for the write"
     assert d.slab.tensor[int(waiting[0][0])].tolist() == [104.0, 105.0]
+    assert started.is_set() and not release.is_set()       # the write was held throughout
+    release.set()
     d.file.write = write
     d.flush()
     assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0]
@@ -135,7 +136,8 @@ def test_a_lookup_does_not_wait_for_write_backs_of_rows_it_does_not_need(tmp_pat
 
 def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     """Where read-aheads run, a lookup that misses and evicts dirty rows does not wait (holding
-    the table's lock) for their write-back; a later read of one of them waits for it."""
+    the table's lock) for their write-back; a later lookup of one of them takes it from the
+    write's copy, and a row taken so and trained again ends on disk with its newest value."""
     d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
     d.read_ahead(torch.arange(8, 12))           # read-aheads run (rows 8-11 brought in)
@@ -161,14 +163,49 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     waiting = []
     other = threading.Thread(target=lambda: waiting.append(d.resolve(np.array([3]), False)))
     other.start()
-    other.join(0.3)
-    assert not waiting                          # row 3 is still being written
-    release.set()
     other.join(5)
-    assert d.slab.tensor[int(waiting[0][0])].tolist() == [106.0, 107.0]
+    assert waiting, "the lookup of a row being written back waited for the write"
+    slot = int(waiting[0][0])
+    assert d.slab.tensor[slot].tolist() == [106.0, 107.0]
+    assert d.dirty[slot]                        # the file may not have it yet
+    got = d.resolve(np.array([3]), training=True)       # trained again while still queued
+    d.slab.tensor[int(got[0])] += 1000.0
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    release.set()
     d.file.write = write
     d.flush()
-    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0]
+    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 1106.0]
+    d.close()
+
+
+def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
+    """A row evicted, taken back from its queued write-back, trained and evicted again sits in
+    two queued writes: a lookup takes the newer copy, and the file ends with it."""
+    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    d.read_ahead(torch.arange(8, 12))
+    d.wait_read_ahead()
+
+    def train(ids, add):
+        got = d.resolve(np.asarray(ids), training=True)
+        d.slab.tensor[torch.as_tensor(got)] += add
+        d.step_queued()
+        d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    train(np.arange(4), 100.0)
+    release = threading.Event()
+    write = d.file.write
+    d.file.write = lambda *a, **k: (release.wait(10), write(*a, **k))[1]
+    d.resolve(np.arange(4, 8), False)           # evicts rows 0-3 (100+): write 1, held
+    train([3], 1000.0)                          # row 3 from write 1's copy, trained: 1106
+    d.resolve(np.arange(8, 12), False)          # evicts row 3 again: write 2, queued
+    assert len(d._readahead.writes) == 2
+    got = d.resolve(np.array([3]), False)
+    assert d.slab.tensor[int(got[0])].tolist() == [1106.0, 1107.0]
+    release.set()
+    d.file.write = write
+    d.flush()
+    assert d.read_rows(0, 4)[:, 0].tolist() == [100.0, 102.0, 104.0, 1106.0]
     d.close()
 
 
