@@ -167,7 +167,8 @@ def make_table(args, device, placement, **extra):
     return table, opt
 
 
-def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0) -> float:
+def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0,
+              on_settle=None) -> float:
     """ms per step over ``batches`` (a loop: one synchronisation at the end), reading ahead
     ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once). With
     ``settle``, the clock starts after that many steps (one synchronisation then): a long
@@ -181,6 +182,8 @@ def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0) -> fl
     for i, ids in enumerate(batches):
         if i == settle and settle:
             synchronize(device)
+            if on_settle is not None:
+                on_settle()
             t0 = time.perf_counter()
         rows = table(ids)
         if prefetch and i + prefetch < len(batches):
@@ -197,15 +200,23 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
     RAM cache's misses and hit rate and the seconds spent in disk reads, writes and waiting
     for the disk on the loop's thread."""
     from nbtools.disk import disk_counters
-    before, c0 = dict(table.disk.stats), disk_counters()
-    ms = run_steps(table, opt, batches, device, prefetch, settle=SETTLE)
+    start = {}
+
+    def snapshot():                       # the counters of the timed steps only
+        start["stats"], start["counters"] = dict(table.disk.stats), disk_counters()
+    snapshot()
+    ms = run_steps(table, opt, batches, device, prefetch, settle=SETTLE, on_settle=snapshot)
+    before, c0 = start["stats"], start["counters"]
     s, c1 = table.disk.stats, disk_counters()
-    k = len(batches)
-    misses = (s["misses"] - before["misses"] + s["read_ahead"] - before["read_ahead"]) / k
+    k = len(batches) - (SETTLE if len(batches) > SETTLE else 0)
+    # rows not in RAM when their step came: missed by its lookup, or brought in by a read-ahead
+    # (counted at the lookup, so that the timed steps' own rows are the ones counted)
+    ahead = (s["ahead_hits"] - before["ahead_hits"]) / k
+    misses = (s["misses"] - before["misses"]) / k + ahead
     looked = (s["lookups"] - before["lookups"]) / k
     return {"ms_per_step": ms, "misses_per_step": misses, "unique_per_step": looked,
             "ram_hit_rate": 1 - misses / looked if looked else None,
-            "read_ahead_rows_per_step": (s["read_ahead"] - before["read_ahead"]) / k,
+            "read_ahead_rows_per_step": ahead,
             "written_back_per_step": (s["written_back"] - before["written_back"]) / k,
             **{f"{key}_ms_per_step": (c1[key] - c0[key]) / k * 1e3
                for key in ("read_s", "write_s", "wait_s")}}
