@@ -209,6 +209,42 @@ def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
     d.close()
 
 
+def test_a_lookup_waiting_for_its_load_lets_the_next_read_ahead_start(tmp_path):
+    """A lookup waits for the load of its rows outside the table's lock, so that a coming
+    step's read-ahead starts its own reads meanwhile: two steps' reads in flight at once."""
+    d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=32, device="cpu")
+    d.write_rows(np.arange(64), torch.arange(128.).view(64, 2))
+    hold, started = threading.Event(), []
+    read = d.file.read
+
+    def held_read(ids, *a, **k):
+        started.append(np.asarray(ids).copy())
+        if int(np.min(ids)) < 8:            # the first step's rows: held
+            assert hold.wait(10)
+        return read(ids, *a, **k)
+    d.file.read = held_read
+    d.read_ahead(torch.arange(0, 8))        # step 1's rows, their read held
+    deadline = time.time() + 5
+    while not started and time.time() < deadline:
+        time.sleep(0.01)
+    done = []
+    looker = threading.Thread(target=lambda: done.append(d.resolve(np.arange(0, 8), False)))
+    looker.start()                          # waits for the held load
+    time.sleep(0.1)
+    d.read_ahead(torch.arange(16, 24))      # step 2's read-ahead
+    deadline = time.time() + 5
+    while len(started) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    second = len(started) >= 2
+    hold.set()
+    looker.join(5)
+    assert second, "the next read-ahead could not start its reads while a lookup waited"
+    assert done and d.slab.tensor[torch.as_tensor(done[0])][:, 0].tolist() == \
+        [float(2 * i) for i in range(8)]
+    d.file.read = read
+    d.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
