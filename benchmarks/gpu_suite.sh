@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
-# The log ends with the 15 slowest tests.
+# The log ends with the 15 slowest tests. GPU_TEST_WORKERS=N runs the tests in N processes
+# (pytest-xdist: carry its wheel and execnet's in .whl/; not yet tried on the GPU machine).
 # On the lent GPU machine (no network) carry pure-Python wheels in .whl/ (see benchmarks/RESULTS.md);
 # they are installed into /tmp/site, never over the machine's own torch.
 set -u
@@ -29,7 +30,11 @@ esac
 if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "=== CUDA tests"
   # notebooks and the browser test are CPU smoke tests (CI runs them); everything else on CUDA
-  python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 --ignore=tests/test_notebooks.py \
+  workers=()
+  if [ -n "${GPU_TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "$GPU_TEST_WORKERS" --dist loadgroup)
+  fi
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 "${workers[@]}" --ignore=tests/test_notebooks.py \
     ${TESTS:-tests/ nbtools/} 2>&1 | tee "$out/pytest.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
