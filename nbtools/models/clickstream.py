@@ -172,7 +172,8 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     Each step looks its triples up, starts the read-ahead of a coming step's rows
     (``table.prefetch``: a disk table reads its misses while this step computes), and steps
     the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.readahead.DEPTH`,
-    3, the fastest on the GPU machine's disk; False or 0: none). ``dashboard``: a
+    3, the fastest on the GPU machine's disk; False or 0: none; tables not on disk prefetch
+    one step, the one lookup their prefetch holds). ``dashboard``: a
     :class:`~nbtools.Dashboard`, stepped from this loop.
 
     Returns the history: ``step``, ``loss`` (mean over each ``log_every`` steps),
@@ -193,6 +194,8 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     if depth < 0:
         raise ValueError(f"read_ahead must be a bool or a number of steps >= 0, got "
                          f"{read_ahead!r}")
+    if disk is None:          # a RAM or GPU table's prefetch holds one coming lookup
+        depth = min(depth, 1)
 
     def batch(k):
         ids = stream.batch(k)
