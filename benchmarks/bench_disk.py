@@ -13,9 +13,10 @@ Sections:
                 ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
                 table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
                 (b) misses/step / the disk's random-read rate probed in each round (the
-                best of 32 and 64 reads in flight). Loops time their steps after the first
-                SETTLE (a long loop's steady state: the first step's reads could not be read
-                ahead)
+                best of 32 and 64 reads in flight), probed before and after each loop. A
+                loop times its steps between the first SETTLE and the last TAIL (a long
+                loop's steady state: as many coming reads in flight when the clock stops as
+                when it starts)
   uniform       uniform ids: rows read per second against the probed rate
   memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
                 every 0.2 s from outside the training loop; max and a plot (memory.png)
@@ -42,6 +43,7 @@ from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
 READ_AHEAD = 3                   # steps read ahead (--ahead; nbtools.readahead.DEPTH)
 SETTLE = 2                       # steps of a timed loop before its clock starts (run_steps)
+TAIL = 3                         # and after it stops (the deepest read-ahead: run_steps)
 ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
 
 
@@ -167,24 +169,29 @@ def make_table(args, device, placement, **extra):
     return table, opt
 
 
-def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0,
-              on_settle=None) -> float:
+def run_steps(table, opt, batches, device, prefetch: int, window=None, marks=None) -> float:
     """ms per step over ``batches`` (a loop: one synchronisation at the end), reading ahead
     ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once). With
-    ``settle``, the clock starts after that many steps (one synchronisation then): a long
-    loop's steady state, its read-ahead already in flight, not the first step's reads that
-    nothing could read ahead."""
+    ``window=(a, b)``, only steps a..b-1 are timed (a synchronisation before and after), the
+    loop going on around them: a long loop's steady state, with as much of the coming steps'
+    reads in flight when the clock stops as when it starts (timing to the loop's end would
+    leave the window's last steps nothing to share the disk with, and the reads done ahead
+    before it starts uncounted). ``marks``: called at a and at b (counters)."""
     head = torch.linspace(-1, 1, table.embedding_dim, device=device)
+    a, b = window or (0, len(batches))
     synchronize(device)
-    t0 = time.perf_counter()
+    t0 = t1 = time.perf_counter()
     for ids in batches[1:prefetch]:
         table.prefetch(ids)
     for i, ids in enumerate(batches):
-        if i == settle and settle:
+        if i in (a, b) and (a, b) != (0, len(batches)):
             synchronize(device)
-            if on_settle is not None:
-                on_settle()
-            t0 = time.perf_counter()
+            if marks is not None:
+                marks()
+            if i == a:
+                t0 = time.perf_counter()
+            else:
+                t1 = time.perf_counter()
         rows = table(ids)
         if prefetch and i + prefetch < len(batches):
             table.prefetch(batches[i + prefetch])
@@ -192,23 +199,24 @@ def run_steps(table, opt, batches, device, prefetch: int, settle: int = 0,
         opt.step()
         opt.zero_grad()
     synchronize(device)
-    return (time.perf_counter() - t0) / (len(batches) - settle) * 1e3
+    if b == len(batches):
+        t1 = time.perf_counter()
+    return (t1 - t0) / (b - a) * 1e3
 
 
 def measure(table, opt, batches, device, prefetch: int) -> dict:
-    """ms/step (of the steps after the first SETTLE, :func:`run_steps`) and, per step, the
-    RAM cache's misses and hit rate and the seconds spent in disk reads, writes and waiting
-    for the disk on the loop's thread."""
+    """ms/step (of the steps between the first SETTLE and the last TAIL, :func:`run_steps`)
+    and, per step, the RAM cache's misses and hit rate and the seconds spent in disk reads,
+    writes and waiting for the disk on the loop's thread."""
     from nbtools.disk import disk_counters
-    start = {}
+    snaps = []
 
     def snapshot():                       # the counters of the timed steps only
-        start["stats"], start["counters"] = dict(table.disk.stats), disk_counters()
-    snapshot()
-    ms = run_steps(table, opt, batches, device, prefetch, settle=SETTLE, on_settle=snapshot)
-    before, c0 = start["stats"], start["counters"]
-    s, c1 = table.disk.stats, disk_counters()
-    k = len(batches) - (SETTLE if len(batches) > SETTLE else 0)
+        snaps.append((dict(table.disk.stats), disk_counters()))
+    window = (SETTLE, len(batches) - TAIL)
+    ms = run_steps(table, opt, batches, device, prefetch, window=window, marks=snapshot)
+    (before, c0), (s, c1) = snaps
+    k = window[1] - window[0]
     # rows not in RAM when their step came: missed by its lookup, or brought in by a read-ahead
     # (counted at the lookup, so that the timed steps' own rows are the ones counted)
     ahead = (s["ahead_hits"] - before["ahead_hits"]) / k
@@ -217,6 +225,9 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
     return {"ms_per_step": ms, "misses_per_step": misses, "unique_per_step": looked,
             "ram_hit_rate": 1 - misses / looked if looked else None,
             "read_ahead_rows_per_step": ahead,
+            # of the misses, rows taken from a queued write-back's copy: not read from disk
+            "from_write_back_per_step":
+                (s["from_write_back"] - before["from_write_back"]) / k,
             "written_back_per_step": (s["written_back"] - before["written_back"]) / k,
             **{f"{key}_ms_per_step": (c1[key] - c0[key]) / k * 1e3
                for key in ("read_s", "write_s", "wait_s")}}
@@ -411,7 +422,7 @@ def main():
     def zipf_batches(k):
         out = [torch.from_numpy(zipf_ids(gen, args.rows, args.ids)) for _ in range(k)]
         return [b.pin_memory() if pin else b for b in out]
-    batches = zipf_batches(args.steps + SETTLE)     # (kept for the host-RAM comparison)
+    batches = zipf_batches(SETTLE + args.steps + TAIL)  # (kept for the host-RAM comparison)
     run_steps(table, opt, zipf_batches(max(3, args.steps // 2)), device, prefetch=0)
     # A cloud disk's rate drifts by tens of percent within seconds (2x between two probes a
     # minute apart on the GPU machine): the disk is probed just before and just after each
@@ -421,8 +432,9 @@ def main():
         # 64 per step in flight with glibc's AIO, more while steps' reads overlap)
         return max(probe(table, 8192, 32, gen), probe(table, 8192, 64, gen))
 
-    def floor_ms(loop: dict) -> float:
-        return loop["misses_per_step"] / loop["probe_rows_per_s"] * 1e3
+    def floor_ms(loop: dict) -> float:            # (b): the rows a step reads from disk
+        return (loop["misses_per_step"] - loop["from_write_back_per_step"]) \
+            / loop["probe_rows_per_s"] * 1e3
 
     rounds = []
     for r in range(args.rounds):
@@ -432,13 +444,15 @@ def main():
         loops += [(k, f"zipf_read_ahead_{k}") for k in args.also_ahead if k != args.ahead]
         probes = [rate_now()]
         for prefetch, key in loops:
-            rnd[key] = measure(table, opt, zipf_batches(args.steps + SETTLE), device, prefetch)
+            rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device,
+                               prefetch)
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
         rnd["probes_rows_per_s"] = probes
         rnd["floor_b_ms"] = floor_ms(rnd["zipf_read_ahead"])
-        per_step = max(1, int(rnd["zipf_read_ahead"]["misses_per_step"]))
+        ra = rnd["zipf_read_ahead"]
+        per_step = max(1, int(ra["misses_per_step"] - ra["from_write_back_per_step"]))
         rnd["sustained_rows_per_s"] = probe_steps(table, per_step, args.steps, 32, gen)
         rnd["floor_b_sustained_ms"] = per_step / rnd["sustained_rows_per_s"] * 1e3
         rnd["floor_b_ms_no_read_ahead"] = floor_ms(rnd["zipf"])
@@ -454,7 +468,8 @@ def main():
                         for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
-              f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f}, written back "
+              f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
+              f"{rnd['zipf_read_ahead']['from_write_back_per_step']:,.0f}), written back "
               f"{rnd['zipf_read_ahead']['written_back_per_step']:,.0f}"
               + (f", log: {rnd['log']}" if log is not None else ""), flush=True)
     res["rounds"] = rounds
@@ -469,10 +484,12 @@ def main():
     floor_b = med([rnd["floor_b_ms"] for rnd in rounds])
     res["zipf_disk_floor_ms"] = floor_b
 
-    uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(args.uniform_steps + SETTLE)]
+    uni = [torch.randint(0, args.rows, (args.ids,))
+           for _ in range(SETTLE + args.uniform_steps + TAIL)]
     uni = [b.pin_memory() if pin else b for b in uni]
     res["uniform"] = u = measure(table, opt, uni, device, prefetch=args.ahead)
-    u["rows_per_s"] = u["misses_per_step"] / u["ms_per_step"] * 1e3
+    u["rows_per_s"] = (u["misses_per_step"] - u["from_write_back_per_step"]) \
+        / u["ms_per_step"] * 1e3                  # rows read from disk a second
     u["x_probe"] = u["rows_per_s"] / probed
     mem.mark("uniform")
     print("uniform", res["uniform"], flush=True)
@@ -494,7 +511,7 @@ def main():
             host, hopt = make_table(args, device, "host")
             run_steps(host, hopt, batches[:3], device, prefetch=0)
             res["host_zipf_ms"] = run_steps(host, hopt, batches, device, prefetch=0,
-                                            settle=SETTLE)
+                                            window=(SETTLE, len(batches) - TAIL))
             res["host_syncs_per_step"] = syncs_per_step(host, hopt, batches[:4], device)
             host.close()
         else:
@@ -548,11 +565,12 @@ def main():
          f"{res['zipf_read_ahead']['read_s_ms_per_step']:.1f} / "
          f"{res['zipf_read_ahead']['write_s_ms_per_step']:.1f} / "
          f"{res['zipf_read_ahead']['wait_s_ms_per_step']:.1f}"),
-        ("zipf misses/step, RAM hit rate (read-ahead run)",
-         f"{res['zipf_read_ahead']['misses_per_step']:,.0f}, "
+        ("zipf misses/step (of them from queued write-backs), RAM hit rate (read-ahead run)",
+         f"{res['zipf_read_ahead']['misses_per_step']:,.0f} "
+         f"({res['zipf_read_ahead']['from_write_back_per_step']:,.0f}), "
          f"{res['zipf_read_ahead']['ram_hit_rate']:.3f}"),
         ("(a) host-RAM table ms/step", f"{res.get('host_zipf_ms') or float('nan'):.1f}"),
-        ("(b) misses / probed rate, ms (median of rounds)", f"{floor_b:.1f}"),
+        ("(b) rows read from disk / probed rate, ms (median of rounds)", f"{floor_b:.1f}"),
         ("zipf read-ahead / max(a, b): median (rounds)",
          f"{res['zipf_x_bound']:.2f} ({', '.join(f'{x:.2f}' for x in res['zipf_x_bound_rounds'])})"),
         ("(b') misses / sustained rate (a loop's reads back to back), ms: rounds", ", ".join(

@@ -216,7 +216,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         # hits: rows found in RAM that no read-ahead brought in (those count as ahead_hits:
         # read from disk all the same, only earlier)
         self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
-                      "read_ahead": 0, "ahead_hits": 0}
+                      "read_ahead": 0, "ahead_hits": 0, "from_write_back": 0}
 
     # --- the slab -------------------------------------------------------------------------
     def _alloc(self, slots: int, old=None) -> None:

@@ -161,6 +161,7 @@ class ReadAhead:
                 if hit.any():
                     d._bytes[slots[hit]] = rows[pos[hit]]
                     got |= hit
+        d.stats["from_write_back"] += int(got.sum())
         return got
 
     def track_write(self, stash: list, future) -> None:

@@ -147,12 +147,13 @@ def main():
     probe = max(bd.probe(table, 8192, 32, gen), bd.probe(table, 8192, 64, gen))
     install()
     lock = table.disk._lock = TimedLock(table.disk._lock)
-    batches = zipf(args.steps + bd.SETTLE)
+    batches = zipf(bd.SETTLE + args.steps + bd.TAIL)
     before = dict(log) if log else {}
-    t_start = time.perf_counter()
-    ms = bd.run_steps(table, opt, batches, device, prefetch=args.ahead, settle=bd.SETTLE)
-    t_end = time.perf_counter()
-    t0 = t_end - ms * args.steps / 1e3
+    marks = []
+    ms = bd.run_steps(table, opt, batches, device, prefetch=args.ahead,
+                      window=(bd.SETTLE, bd.SETTLE + args.steps),
+                      marks=lambda: marks.append(time.perf_counter()))
+    t0, t_end = marks
     ev = [e for e in EVENTS if e[2] > t0 and e[1] < t_end]
     by = collections.defaultdict(list)
     for kind, a, b, n, _ in ev:
