@@ -51,7 +51,7 @@ from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
 from .fileio import default_engine, uninterrupted
 from .hostmem import HostTensor
-from .readahead import Prepared, ReadAhead, prepare  # noqa: F401  (Prepared: re-exported)
+from .readahead import Prepared, ReadAhead, _Ahead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
 from .units import human_bytes
 
@@ -325,9 +325,23 @@ class DiskRows(WholeTable, _ReadsAhead):
         self.sync_mapped()
         self._ensure_init()
         self.ensure_slab()
-        if self._readahead is not None:         # loads of these rows in flight: wait for
-            with self._lock:                    # them outside the lock (a coming step's
-                pending = self._readahead.pending_for(ids)   # read-ahead starts meanwhile)
+        if self._readahead is not None:
+            # Where read-aheads run, the rows no read-ahead brought in are loaded as one
+            # would, and this lookup waits for its loads outside the lock, so that a coming
+            # step's read-ahead starts its reads meanwhile. (Whatever changes before the lock
+            # is taken again is settled under it below, as without read-ahead.)
+            with self._lock:
+                ra = self._readahead
+                ra.settle_done()
+                slots = self.slot_of[ids]
+                hits = slots[slots >= 0]
+                was = self.locked[hits].copy()
+                self.locked[hits] = True            # not evicted for this lookup's misses
+                try:
+                    ra.start(_Ahead(None), ids[slots < 0])
+                finally:
+                    self.locked[hits] = was
+                pending = ra.pending_for(ids)
             for f in pending:
                 f.exception()                   # (raised below, where it is settled)
         with self._lock:

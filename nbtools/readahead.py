@@ -120,29 +120,36 @@ class ReadAhead:
                 self._written()
         with d._lock:
             self.settle_done()
-            miss = want[d.slot_of[want] < 0]
-            if len(miss):
-                d._advance()
-                free = d._take(len(miss), wait=False)
-                if len(free):
-                    rows = miss[: len(free)]
-                    d._placed(rows, free)
-                    kept = self.fill(rows, free)    # still queued for write-back: no read
-                    d.dirty[free[kept]] = True
-                    d.ahead[free[kept]] = True
-                    item.rows, item.slots = rows[~kept], free[~kept]
-                    d.loading[item.slots] = True
-                    d.locked[item.slots] = True
-                    d._count_ahead(len(free))
-                if d._stash:                        # the rows it evicted, written back
-                    item.stash, d._stash = d._stash, []
-                    item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
-                    self.writes.append(item)
-                    item.write = d._writer_pool().submit(d._drain, item.stash)
-                if len(item.rows):
-                    self.loads.append(item)
-                    item.io = self._io.submit(self._load, item)
+            self.start(item, want[d.slot_of[want] < 0])
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
+
+    def start(self, item: _Ahead, miss: np.ndarray) -> None:
+        """Under the lock: start loading rows ``miss`` (sorted, not in RAM): slots taken
+        (as many as free or evictable without waiting), rows still queued for write-back
+        copied from there, the rest read on a loader thread; the rows it evicts written back."""
+        d = self.disk
+        if not len(miss):
+            return
+        d._advance()
+        free = d._take(len(miss), wait=False)
+        if len(free):
+            rows = miss[: len(free)]
+            d._placed(rows, free)
+            kept = self.fill(rows, free)            # still queued for write-back: no read
+            d.dirty[free[kept]] = True
+            d.ahead[free[kept]] = True
+            item.rows, item.slots = rows[~kept], free[~kept]
+            d.loading[item.slots] = True
+            d.locked[item.slots] = True
+            d._count_ahead(len(free))
+        if d._stash:                                # the rows it evicted, written back
+            item.stash, d._stash = d._stash, []
+            item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
+            self.writes.append(item)
+            item.write = d._writer_pool().submit(d._drain, item.stash)
+        if len(item.rows):
+            self.loads.append(item)
+            item.io = self._io.submit(self._load, item)
 
     def fill(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Under the lock: copy into ``slots`` the rows of ``ids`` that a write-back still

@@ -209,11 +209,18 @@ def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
     d.close()
 
 
-def test_a_lookup_waiting_for_its_load_lets_the_next_read_ahead_start(tmp_path):
+@pytest.mark.parametrize("read_ahead_first", [True, False])
+def test_a_lookup_waiting_for_its_load_lets_the_next_read_ahead_start(tmp_path,
+                                                                      read_ahead_first):
     """A lookup waits for the load of its rows outside the table's lock, so that a coming
-    step's read-ahead starts its own reads meanwhile: two steps' reads in flight at once."""
+    step's read-ahead starts its own reads meanwhile: two steps' reads in flight at once.
+    Also where its rows were not read ahead (the loop's first step): it loads them as a
+    read-ahead would."""
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=32, device="cpu")
     d.write_rows(np.arange(64), torch.arange(128.).view(64, 2))
+    if not read_ahead_first:
+        d.read_ahead(torch.arange(40, 44))  # read-aheads run, not for these rows
+        d.wait_read_ahead()
     hold, started = threading.Event(), []
     read = d.file.read
 
@@ -223,13 +230,17 @@ def test_a_lookup_waiting_for_its_load_lets_the_next_read_ahead_start(tmp_path):
             assert hold.wait(10)
         return read(ids, *a, **k)
     d.file.read = held_read
-    d.read_ahead(torch.arange(0, 8))        # step 1's rows, their read held
-    deadline = time.time() + 5
-    while not started and time.time() < deadline:
-        time.sleep(0.01)
+    if read_ahead_first:
+        d.read_ahead(torch.arange(0, 8))    # step 1's rows, their read held
+        deadline = time.time() + 5
+        while not started and time.time() < deadline:
+            time.sleep(0.01)
     done = []
     looker = threading.Thread(target=lambda: done.append(d.resolve(np.arange(0, 8), False)))
     looker.start()                          # waits for the held load
+    deadline = time.time() + 5
+    while not started and time.time() < deadline:
+        time.sleep(0.01)
     time.sleep(0.1)
     d.read_ahead(torch.arange(16, 24))      # step 2's read-ahead
     deadline = time.time() + 5
