@@ -127,6 +127,26 @@ class _ReadsAhead:
         if self._readahead is not None:
             self._readahead.wait()
 
+    def _load_beside(self, ids: np.ndarray) -> None:
+        """Where read-aheads run, a lookup of ``ids`` loads the rows no read-ahead brought in
+        as one would, and waits for its loads outside the lock, so that a coming step's
+        read-ahead starts its reads meanwhile. (Whatever changes before the lookup takes the
+        lock again is settled under it, as without read-ahead.)"""
+        with self._lock:
+            ra = self._readahead
+            ra.settle_done()
+            slots = self.slot_of[ids]
+            hits = slots[slots >= 0]
+            was = self.locked[hits].copy()
+            self.locked[hits] = True            # not evicted for this lookup's misses
+            try:
+                ra.start(_Ahead(None), ids[slots < 0])
+            finally:
+                self.locked[hits] = was
+            pending = ra.pending_for(ids)
+        for f in pending:
+            f.exception()                       # (raised where the load is settled)
+
     def _drain(self, stash) -> None:
         """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread)."""
         for ids, rows in stash:
@@ -326,24 +346,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._ensure_init()
         self.ensure_slab()
         if self._readahead is not None:
-            # Where read-aheads run, the rows no read-ahead brought in are loaded as one
-            # would, and this lookup waits for its loads outside the lock, so that a coming
-            # step's read-ahead starts its reads meanwhile. (Whatever changes before the lock
-            # is taken again is settled under it below, as without read-ahead.)
-            with self._lock:
-                ra = self._readahead
-                ra.settle_done()
-                slots = self.slot_of[ids]
-                hits = slots[slots >= 0]
-                was = self.locked[hits].copy()
-                self.locked[hits] = True            # not evicted for this lookup's misses
-                try:
-                    ra.start(_Ahead(None), ids[slots < 0])
-                finally:
-                    self.locked[hits] = was
-                pending = ra.pending_for(ids)
-            for f in pending:
-                f.exception()                   # (raised below, where it is settled)
+            self._load_beside(ids)
         with self._lock:
             if self._readahead is not None:     # (now quick; and whatever began meanwhile)
                 self._readahead.settle_for(ids)
