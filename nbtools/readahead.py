@@ -255,22 +255,36 @@ class ReadAhead:
         once; read-aheads queued before it are dropped (their loads go on)."""
         for k, item in enumerate(self.queue):
             if item.ids is ids:
-                item.task.result()
                 for _ in range(k + 1):
                     self.queue.popleft()
+                item.task.result()          # (an error once: the next lookup goes on)
                 return item.prepared
         return None
 
     def wait(self) -> None:
-        """Wait for every read-ahead and settle every load (the queue's deduplications stay
-        for their lookups)."""
+        """Wait for every read-ahead, settle every load and write-back (the queue's
+        deduplications stay for their lookups). The first error is raised once, after all
+        of them are done: the next call goes on (a checkpoint after a disk error)."""
+        errors = []
         for item in list(self.queue):
-            item.task.result()
+            try:
+                item.task.result()
+            except BaseException as e:          # its deduplication is left to the lookup
+                self.queue.remove(item)
+                errors.append(e)
         with self.disk._lock:
             for item in list(self.loads):
-                self._settle(item)
-            if self.writes:
-                self._written(self.writes[-1])
+                try:
+                    self._settle(item)
+                except BaseException as e:
+                    errors.append(e)
+            while self.writes:
+                try:
+                    self._written(self.writes[-1])
+                except BaseException as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         try:

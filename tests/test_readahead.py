@@ -256,6 +256,52 @@ def test_a_lookup_waiting_for_its_load_lets_the_next_read_ahead_start(tmp_path,
     d.close()
 
 
+@pytest.mark.parametrize("read_ahead_first", [True, False])
+def test_a_failed_read_is_raised_by_the_lookup_and_nothing_is_lost(tmp_path, read_ahead_first):
+    """A read that fails (a disk error) in a read-ahead's load or in a lookup's own load is
+    raised: by the lookup that needs the rows, or by the read-ahead thread that settled the
+    load first (then by that step's lookup, or at the latest by the next wait for the
+    read-aheads). The rows' slots are freed, a lookup reads them again, and nothing is lost:
+    the dirty rows evicted meanwhile were written back."""
+    d = DiskRows(str(tmp_path), 16, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(16), torch.arange(32.).view(16, 2))
+    d.read_ahead(torch.arange(12, 14))          # read-aheads run
+    d.wait_read_ahead()
+    slots = d.resolve(np.arange(4), training=True)
+    d.slab.tensor[torch.as_tensor(slots)] += 100.0
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    read, failed = d.file.read, []
+
+    def failing_read(ids, *a, **k):
+        if not failed:
+            failed.append(True)
+            raise OSError(5, "disk read failed: Input/output error")
+        return read(ids, *a, **k)
+    d.file.read = failing_read
+    if read_ahead_first:
+        d.read_ahead(torch.arange(4, 8))        # its load fails
+    errors, got = [], None
+    for _ in range(2):
+        try:
+            got = d.resolve(np.arange(4, 8), training=False)
+            break
+        except OSError as e:
+            errors.append(e)
+    assert got is not None                      # read again
+    assert d.slab.tensor[torch.as_tensor(got)][:, 0].tolist() == [8.0, 10.0, 12.0, 14.0]
+    try:
+        d.wait_read_ahead()
+    except OSError as e:
+        errors.append(e)
+    assert len(errors) == 1 and "Input/output error" in str(errors[0])
+    d.file.read = read
+    d.flush()
+    assert d.read_rows(0, 8)[:, 0].tolist() == [100.0, 102.0, 104.0, 106.0,
+                                                 8.0, 10.0, 12.0, 14.0]
+    d.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
