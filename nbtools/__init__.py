@@ -53,6 +53,7 @@ _LAZY = {
     "UnsupportedOptimizerError": "nbtools.optim",
     "HostMemoryError": "nbtools.placement",
     "NoRoomError": "nbtools.placement",
+    "DiskTableBrokenError": "nbtools.disk",
     "HostBudgetError": "nbtools.devices",
     "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",

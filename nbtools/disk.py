@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import disklog
+from . import NbtoolsError, disklog
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
 from .fileio import default_engine, uninterrupted
@@ -96,6 +96,11 @@ def default_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "nbtools-tables")
 
 
+class DiskTableBrokenError(NbtoolsError, OSError):
+    """A disk table whose file lacks rows it wrote back (a failed write): it refuses every
+    later use; its last checkpoint is intact."""
+
+
 class _ReadsAhead:
     """A disk table's read-ahead (:mod:`nbtools.readahead`) and the traffic counts it shares
     with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
@@ -123,9 +128,14 @@ class _ReadsAhead:
 
     def wait_read_ahead(self) -> None:
         """Wait for every read-ahead in flight (before the file or the slab is used from
-        outside a step)."""
+        outside a step); raise if a write-back ever failed (:meth:`_intact`)."""
         if self._readahead is not None:
-            self._readahead.wait()
+            try:
+                self._readahead.wait()
+            except Exception:
+                self._intact()              # a failed write-back is what to report
+                raise
+        self._intact()
 
     def _load_beside(self, ids: np.ndarray) -> None:
         """Where read-aheads run, a lookup of ``ids`` loads the rows no read-ahead brought in
@@ -148,9 +158,26 @@ class _ReadsAhead:
             f.exception()                       # (raised where the load is settled)
 
     def _drain(self, stash) -> None:
-        """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread)."""
-        for ids, rows in stash:
-            self._write(ids, rows)
+        """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread).
+        If that fails, the file lacks their newest values: the table refuses every later
+        use (:meth:`_intact`) rather than read or save stale rows."""
+        try:
+            for ids, rows in stash:
+                self._write(ids, rows)
+        except BaseException as e:
+            if self._lost is None:
+                self._lost = (sum(len(i) for i, _ in stash), e)
+            raise
+
+    def _intact(self) -> None:
+        """Raise if a write-back failed (see :meth:`_drain`)."""
+        if self._lost is not None:
+            rows, e = self._lost
+            raise DiskTableBrokenError(
+                f"table {self.name!r}: writing {rows:,} evicted rows back to "
+                f"{self.file.path!r} failed ({e}); the file lacks their newest values, so "
+                "nothing more is read from or saved out of this table. Restore the last "
+                "checkpoint into a new table (CheckpointManager.restore).") from e
 
     def _writer_pool(self) -> ThreadPoolExecutor:
         """The table's one write-back thread: write-backs run in the order given."""
@@ -214,6 +241,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._readahead = None                  # ReadAhead, from the first read_ahead
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
+        self._lost = None                       # (rows, error) of a write-back that failed
         # the two arrays below (and a log file's maps): counted in the host budget
         maps = self.num_rows * 9 + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
@@ -342,6 +370,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         from the file. ``training``: the slots stay locked until the optimizer's step (their
         rows are written by it)."""
         t0 = time.perf_counter()
+        self._intact()
         self.sync_mapped()
         self._ensure_init()
         self.ensure_slab()

@@ -302,6 +302,55 @@ def test_a_failed_read_is_raised_by_the_lookup_and_nothing_is_lost(tmp_path, rea
     d.close()
 
 
+def test_a_failed_write_back_stops_the_table_until_a_restore(tmp_path):
+    """A write-back that fails leaves the file without the evicted rows' newest values: the
+    table then refuses lookups, flushes and saves (naming the failure and what to do) rather
+    than read or save stale rows; the last checkpoint restores into a new table, exactly."""
+    import nbtools
+    from nbtools import CheckpointManager
+    torch.manual_seed(0)
+    n, dim = 64, 4
+    t = OffloadedEmbedding(n, dim, name="broken", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path / "t"), host_cache_bytes=12 * dim * 4 * 2)
+    opt = OffloadOptimizer(torch.optim.Adagrad, t, lr=0.1)
+    ck = CheckpointManager(tmp_path / "ck")
+
+    def step(ids):
+        (t(ids) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for k in range(3):
+        step(torch.arange(10 * k, 10 * k + 10))
+    ck.save(3, model=t, opt=opt)
+    saved = t.weight.detach().clone()
+    write, calls = t.disk.file.write, []
+
+    def failing_write(*a, **k):
+        calls.append(1)
+        raise OSError(5, "Input/output error")
+    t.disk.file.write = failing_write
+    with pytest.raises(OSError):
+        for k in range(3, 7):                   # evicts trained rows: their write-back fails
+            t.prefetch(torch.arange(10 * k + 5, 10 * k + 15))
+            step(torch.arange(10 * k, 10 * k + 10))
+        t.disk.flush()
+    assert calls
+    t.disk.file.write = write
+    for use in (lambda: t(torch.arange(4)), t.disk.flush,
+                lambda: ck.save(7, model=t, opt=opt)):
+        with pytest.raises(nbtools.DiskTableBrokenError, match="Restore the last checkpoint"):
+            use()
+    assert [c["step"] for c in ck.checkpoints()] == [3]
+    t.close()                                   # (closing it works)
+    t = OffloadedEmbedding(n, dim, name="broken", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path / "t"), host_cache_bytes=12 * dim * 4 * 2)
+    opt = OffloadOptimizer(torch.optim.Adagrad, t, lr=0.1)
+    assert ck.restore(model=t, opt=opt) == 3
+    assert torch.equal(t.weight, saved)
+    step(torch.arange(10))                      # trains again
+    t.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
