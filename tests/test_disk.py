@@ -400,6 +400,60 @@ def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
     _assert_same(tables)
 
 
+def test_an_interrupt_while_a_lookup_waits_for_a_read_ahead_loses_nothing(tmp_path):
+    """A KeyboardInterrupt while a lookup waits (outside the table's lock) for the loads of
+    its rows, read-aheads running: the lookup raises, the loads go on, and the cell run again
+    trains on, bit-identical to a host table that never stopped."""
+    from nbtools import readahead
+    torch.manual_seed(0)
+    init = torch.randn(N, D)
+    tables, opts = [], []
+    for placement, extra in (("host", {}), ("disk", dict(disk_dir=str(tmp_path),
+                                                         host_cache_bytes=120 * 3 * D * 4))):
+        t = OffloadedEmbedding(N, D, name=f"w-{placement}", device=DEVICE, placement=placement,
+                               **extra)
+        with torch.no_grad():
+            t.weight.copy_(init)
+        tables.append(t)
+        opts.append(OffloadOptimizer(torch.optim.Adam, t, lr=0.05))
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, N, (64,), generator=gen) for _ in range(8)]
+    real = readahead.ReadAhead.pending_for
+    hit = []
+
+    class Interrupted:
+        def exception(self):
+            raise KeyboardInterrupt
+
+    def pending_once(self, ids):
+        got = real(self, ids)
+        if not hit:
+            hit.append(True)
+            return [Interrupted()] + got
+        return got
+
+    def step(t, opt, ids):
+        (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    disk = tables[1]
+    for i, ids in enumerate(batches):
+        step(tables[0], opts[0], ids)
+        if i + 1 < len(batches):
+            disk.prefetch(batches[i + 1])
+        if i == 4:
+            readahead.ReadAhead.pending_for = pending_once
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    step(disk, opts[1], ids)
+            finally:
+                readahead.ReadAhead.pending_for = real
+            opts[1].zero_grad()
+        step(disk, opts[1], ids)                    # the cell run again
+    assert hit
+    _assert_same(tables)
+
+
 def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
     """A lookup interrupted after it evicted dirty rows and before it wrote them: whatever
     reads the whole table next (``.weight``, a checkpoint) finds them written."""
