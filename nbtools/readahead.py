@@ -120,7 +120,9 @@ class ReadAhead:
                 self._written()
         with d._lock:
             self.settle_done()
-            self.start(item, want[d.slot_of[want] < 0])
+            where = d.slot_of[want]
+            d.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK spares
+            self.start(item, want[where < 0])   # them once more before its lookup
         item.prepared = prepare(item.ids, d.num_rows, padding_idx)
 
     def start(self, item: _Ahead, miss: np.ndarray) -> None:

@@ -351,6 +351,30 @@ def test_a_failed_write_back_stops_the_table_until_a_restore(tmp_path):
     t.close()
 
 
+def test_rows_in_ram_that_a_read_ahead_needs_get_a_second_chance(tmp_path):
+    """A read-ahead marks the rows its step finds in RAM as used, so that a later read-ahead's
+    evictions take other idle rows first: the step's lookup then reads none of them again."""
+    d = DiskRows(str(tmp_path), 16, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(16), torch.arange(32.).view(16, 2))
+    d.read_ahead(torch.arange(12, 14))          # read-aheads run
+    d.wait_read_ahead()
+    d.resolve(np.arange(4), training=False)     # rows 0-3 in RAM
+    d.ref[:] = False                            # idle long enough: all eviction candidates
+    d._hand = int(d.slot_of[0])                 # and row 0 the first the sweep meets
+    read, seen = d.file.read, []
+    d.file.read = lambda ids, *a, **k: (seen.extend(np.asarray(ids).tolist()),
+                                         read(ids, *a, **k))[1]
+    step_a = torch.tensor([0, 3])
+    d.read_ahead(step_a)                        # all in RAM: nothing to read
+    d.read_ahead(torch.tensor([10, 11]))        # evicts two idle rows: not 0 or 3
+    d.wait_read_ahead()
+    got = d.resolve(np.array([0, 3]), training=False)
+    assert d.slab.tensor[torch.as_tensor(got)][:, 0].tolist() == [0.0, 6.0]
+    assert 0 not in seen and 3 not in seen, seen
+    d.file.read = read
+    d.close()
+
+
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
     d.write_rows(np.arange(64), torch.zeros(64, 2))
