@@ -619,7 +619,8 @@ class Plan:
         from . import disklog
         stride = disk_bytes(self.disk_row_bytes or self.host_bytes // max(1, self.num_rows), 1)
         rows = disklog.file_rows(self.num_rows, stride, self.disk_free_bytes)
-        what = "log-structured" if rows != self.num_rows else "rows in place"
+        what = (f"log-structured, {rows / self.num_rows - 1:.0%} spare"
+                if rows != self.num_rows else "rows in place")
         return f"a file of {human_bytes(rows * stride)} ({what})"
 
     def __str__(self) -> str:

@@ -240,7 +240,8 @@ def test_plan_names_the_disk(tmp_path, monkeypatch):
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
     slots = disklog.slots_for(1000)
-    assert f"a file of {nbtools.units.human_bytes(slots * 512)} (log-structured)" in str(p)
+    assert f"a file of {nbtools.units.human_bytes(slots * 512)} (log-structured, " \
+           f"{slots / p.num_rows - 1:.0%} spare)" in str(p)
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 1000 * 512 + 100)   # no spare room
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert "(rows in place)" in str(p), str(p)
