@@ -480,7 +480,6 @@ def main():
         res[key] = {k: med([rnd[key][k] for rnd in rounds]) for k in rounds[0][key]
                     if rounds[0][key][k] is not None}
     res["syncs_per_step"] = syncs_per_step(table, opt, zipf_batches(4), device)
-    best = res["zipf_read_ahead"]["ms_per_step"]
     floor_b = med([rnd["floor_b_ms"] for rnd in rounds])
     res["zipf_disk_floor_ms"] = floor_b
 

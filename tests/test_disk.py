@@ -7,7 +7,6 @@ sparse Adagrad and dense optimizers in test_optim.py / test_step.py): every comp
 import os
 import warnings
 
-import numpy as np
 import pytest
 import torch
 

@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import bench_disk as bd  # noqa: E402
-import nbtools  # noqa: E402
 from nbtools import disk as disk_mod, readahead  # noqa: E402
 from nbtools.devices import resolve_device  # noqa: E402
 
