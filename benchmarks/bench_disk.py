@@ -41,9 +41,9 @@ import nbtools  # noqa: E402
 from nbtools import hostmem  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
-READ_AHEAD = 3                   # steps read ahead (--ahead; nbtools.readahead.DEPTH)
+READ_AHEAD = 3                   # steps read ahead (--ahead; nbtools.readahead.AHEAD)
 SETTLE = 2                       # steps of a timed loop before its clock starts (run_steps)
-TAIL = 3                         # and after it stops (the deepest read-ahead: run_steps)
+TAIL = 4                         # and after it stops (the deepest read-ahead: run_steps)
 ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
 
 
@@ -318,8 +318,8 @@ def main():
                     help="steps read ahead (table.prefetch of the next N batches); rounds "
                          "also time 1 step ahead when this is more")
     ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
-                    default=[1, 2], help="other read-ahead depths the rounds time (comma-"
-                    "separated; default 1,2)")
+                    default=[2, 4], help="other read-ahead depths the rounds time (comma-"
+                    "separated; default 2,4; at most nbtools.readahead.DEPTH, 4)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")

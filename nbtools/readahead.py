@@ -34,7 +34,10 @@ import numpy as np
 import torch
 
 # Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
-DEPTH = 3
+DEPTH = 4
+# Steps a loop reads ahead by default (fit_stream): 3 was the fastest of 1-3 on the GPU
+# machine's disk (benchmarks/RESULTS.md "Session 14"); DEPTH leaves room to measure 4.
+AHEAD = 3
 # Write-backs of evicted rows queued behind the write-back thread at most: a read-ahead waits
 # for the oldest beyond this (their rows are copies in RAM until written).
 WRITES = 2 * DEPTH

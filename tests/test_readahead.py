@@ -48,7 +48,7 @@ def _train(placement, batches, depth, tmp_path, stray=None, **extra):
     return t
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("cache_rows", [70, 200])
 def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
     gen = torch.Generator().manual_seed(depth)

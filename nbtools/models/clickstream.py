@@ -171,7 +171,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
 
     Each step looks its triples up, starts the read-ahead of a coming step's rows
     (``table.prefetch``: a disk table reads its misses while this step computes), and steps
-    the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.readahead.DEPTH`,
+    the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.readahead.AHEAD`,
     3, the fastest on the GPU machine's disk; False or 0: none; tables not on disk prefetch
     one step, the one lookup their prefetch holds). ``dashboard``: a
     :class:`~nbtools.Dashboard`, stepped from this loop.
@@ -190,7 +190,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     disk = getattr(table, "disk", None)       # a disk table's file and RAM cache, else None
     history = {"step": [], "loss": [], "pair_accuracy": [], "ram_hit_rate": [], "time_s": []}
     pin = table.device.type == "cuda"         # host ids in pinned memory: copies need no sync
-    depth = readahead.DEPTH if read_ahead is True else int(read_ahead or 0)
+    depth = readahead.AHEAD if read_ahead is True else int(read_ahead or 0)
     if depth < 0:
         raise ValueError(f"read_ahead must be a bool or a number of steps >= 0, got "
                          f"{read_ahead!r}")
