@@ -34,6 +34,7 @@ the batch).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import tempfile
 import threading
@@ -146,13 +147,8 @@ class _ReadsAhead:
             ra = self._readahead
             ra.settle_done()
             slots = self.slot_of[ids]
-            hits = slots[slots >= 0]
-            was = self.locked[hits].copy()
-            self.locked[hits] = True            # not evicted for this lookup's misses
-            try:
+            with self._sparing(slots[slots >= 0]):
                 ra.start(_Ahead(None), ids[slots < 0])
-            finally:
-                self.locked[hits] = was
             pending = ra.pending_for(ids)
         for f in pending:
             f.exception()                       # (raised where the load is settled)
@@ -393,13 +389,8 @@ class DiskRows(WholeTable, _ReadsAhead):
             _counters["lookup_rows"] += len(ids)
             _counters["hit_rows"] += len(ids) - nmiss - early
             if nmiss:
-                hits = slots[~miss]
-                was = self.locked[hits].copy()
-                self.locked[hits] = True            # not evicted for this lookup's misses
-                try:
+                with self._sparing(slots[~miss]):
                     free = self._take(nmiss, wait=True)
-                finally:
-                    self.locked[hits] = was
                 self._load(ids[miss], free)
                 slots[miss] = free
             self.ref[slots] = True
@@ -409,6 +400,16 @@ class DiskRows(WholeTable, _ReadsAhead):
                 self._step.append(slots)
         _counters["wait_s"] += time.perf_counter() - t0
         return slots
+
+    @contextlib.contextmanager
+    def _sparing(self, hits: np.ndarray):
+        """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
+        was = self.locked[hits].copy()
+        self.locked[hits] = True
+        try:
+            yield
+        finally:
+            self.locked[hits] = was
 
     def _take(self, k: int, wait: bool) -> np.ndarray:
         """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With

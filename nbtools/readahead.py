@@ -231,22 +231,22 @@ class ReadAhead:
         that bring in one of them. (Those of them still queued for write-back are copied from
         the write's rows, :meth:`fill`: a lookup never waits for a write-back.)"""
         self.settle_done()
-        d = self.disk
-        slots = d.slot_of[ids]
-        if self.loads and d.loading[slots[slots >= 0]].any():
-            for item in list(self.loads):
-                if np.isin(item.slots, slots).any():
-                    self._settle(item)
+        for item in self._loads_of(ids):
+            self._settle(item)
 
     def pending_for(self, ids: np.ndarray) -> list:
         """Under the lock: the loads' futures a lookup of ``ids`` (sorted, unique) would wait
         for, for the lookup to wait for *outside* the lock: a coming step's read-ahead then
         starts its reads meanwhile, instead of queueing for the lock behind this wait."""
+        return [a.io for a in self._loads_of(ids) if not a.io.done()]
+
+    def _loads_of(self, ids: np.ndarray) -> list:
+        """Under the lock: the loads in flight that bring in one of ``ids``."""
         d = self.disk
         slots = d.slot_of[ids]
         if not (self.loads and d.loading[slots[slots >= 0]].any()):
             return []
-        return [a.io for a in self.loads if not a.io.done() and np.isin(a.slots, slots).any()]
+        return [a for a in self.loads if np.isin(a.slots, slots).any()]
 
     def wait_io(self) -> None:
         """Wait for every load's and write-back's I/O (the slab may then be copied or freed)."""

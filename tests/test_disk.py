@@ -355,22 +355,34 @@ def test_close_gives_the_row_maps_back_to_the_host_budget(tmp_path):
     assert t.ram_bytes == 0 and os.listdir(tmp_path) == []
 
 
-def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
-    """A KeyboardInterrupt (a notebook's "interrupt kernel") while a lookup reads its misses:
-    the lookup raises, nothing is half-placed, its slots are free again, and training the
-    step again ends bit-identical to a host table that never stopped."""
-    row_bytes = 3 * D * 4
+def _fresh_pair(tmp_path, cache_rows: int, prefix: str):
+    """A host table and a disk table (a RAM cache of ``cache_rows`` Adam rows) with the same
+    initial rows, and an Adam optimizer each, for a loop to train side by side."""
     torch.manual_seed(0)
     init = torch.randn(N, D)
     tables, opts = [], []
     for placement, extra in (("host", {}), ("disk", dict(disk_dir=str(tmp_path),
-                                                         host_cache_bytes=200 * row_bytes))):
-        t = OffloadedEmbedding(N, D, name=f"t-{placement}", device=DEVICE, placement=placement,
-                               **extra)
+                                                         host_cache_bytes=cache_rows * 3 * D * 4))):
+        t = OffloadedEmbedding(N, D, name=f"{prefix}-{placement}", device=DEVICE,
+                               placement=placement, **extra)
         with torch.no_grad():
             t.weight.copy_(init)
         tables.append(t)
         opts.append(OffloadOptimizer(torch.optim.Adam, t, lr=0.05))
+    return tables, opts
+
+
+def _step(t, opt, ids):
+    (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
+    """A KeyboardInterrupt (a notebook's "interrupt kernel") while a lookup reads its misses:
+    the lookup raises, nothing is half-placed, its slots are free again, and training the
+    step again ends bit-identical to a host table that never stopped."""
+    tables, opts = _fresh_pair(tmp_path, cache_rows=200, prefix="t")
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, N, (64,), generator=gen) for _ in range(8)]
     disk = tables[1].disk
@@ -380,20 +392,15 @@ def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
         disk.file.read = read
         raise KeyboardInterrupt
 
-    def step(t, opt, ids):
-        (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
     for i, ids in enumerate(batches):
-        step(tables[0], opts[0], ids)
+        _step(tables[0], opts[0], ids)
         if i in (3, 6):
             disk.file.read = interrupted
             with pytest.raises(KeyboardInterrupt):
-                step(tables[1], opts[1], ids)
+                _step(tables[1], opts[1], ids)
             assert disk.file.read == read           # (the interruption was in a read)
             opts[1].zero_grad()
-        step(tables[1], opts[1], ids)               # the cell run again
+        _step(tables[1], opts[1], ids)               # the cell run again
     resident = int((disk.id_of >= 0).sum())          # (before .weight empties the cache)
     free = sum(len(part) for part in disk._free)
     assert resident + free == disk.slots, (resident, free, disk.slots)
@@ -405,17 +412,7 @@ def test_an_interrupt_while_a_lookup_waits_for_a_read_ahead_loses_nothing(tmp_pa
     its rows, read-aheads running: the lookup raises, the loads go on, and the cell run again
     trains on, bit-identical to a host table that never stopped."""
     from nbtools import readahead
-    torch.manual_seed(0)
-    init = torch.randn(N, D)
-    tables, opts = [], []
-    for placement, extra in (("host", {}), ("disk", dict(disk_dir=str(tmp_path),
-                                                         host_cache_bytes=120 * 3 * D * 4))):
-        t = OffloadedEmbedding(N, D, name=f"w-{placement}", device=DEVICE, placement=placement,
-                               **extra)
-        with torch.no_grad():
-            t.weight.copy_(init)
-        tables.append(t)
-        opts.append(OffloadOptimizer(torch.optim.Adam, t, lr=0.05))
+    tables, opts = _fresh_pair(tmp_path, cache_rows=120, prefix="w")
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, N, (64,), generator=gen) for _ in range(8)]
     real = readahead.ReadAhead.pending_for
@@ -432,24 +429,20 @@ def test_an_interrupt_while_a_lookup_waits_for_a_read_ahead_loses_nothing(tmp_pa
             return [Interrupted()] + got
         return got
 
-    def step(t, opt, ids):
-        (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
-        opt.step()
-        opt.zero_grad()
     disk = tables[1]
     for i, ids in enumerate(batches):
-        step(tables[0], opts[0], ids)
+        _step(tables[0], opts[0], ids)
         if i + 1 < len(batches):
             disk.prefetch(batches[i + 1])
         if i == 4:
             readahead.ReadAhead.pending_for = pending_once
             try:
                 with pytest.raises(KeyboardInterrupt):
-                    step(disk, opts[1], ids)
+                    _step(disk, opts[1], ids)
             finally:
                 readahead.ReadAhead.pending_for = real
             opts[1].zero_grad()
-        step(disk, opts[1], ids)                    # the cell run again
+        _step(disk, opts[1], ids)                    # the cell run again
     assert hit
     _assert_same(tables)
 

@@ -48,6 +48,28 @@ def _train(placement, batches, depth, tmp_path, stray=None, **extra):
     return t
 
 
+def _train_rows(d, ids, add):
+    """A step's update of rows ``ids`` (+``add``), then a host access that releases the step."""
+    got = d.resolve(np.asarray(ids), training=True)
+    d.slab.tensor[torch.as_tensor(got)] += add
+    d.step_queued()
+    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+
+
+def _hold_writes(d):
+    """Make the file's writes wait until ``release`` is set; ``started`` is set by the first.
+    Returns (started, release, the file's own write)."""
+    started, release = threading.Event(), threading.Event()
+    write = d.file.write
+
+    def held_write(*args, **kwargs):
+        started.set()
+        assert release.wait(10)
+        return write(*args, **kwargs)
+    d.file.write = held_write
+    return started, release, write
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("cache_rows", [70, 200])
 def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
@@ -71,10 +93,7 @@ def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
     a lookup of one of them meanwhile waits for that write and sees the new value."""
     d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
-    slots = d.resolve(np.arange(4), training=True)
-    d.slab.tensor[torch.as_tensor(slots)] += 100.0     # the step's update of rows 0-3
-    d.step_queued()
-    d.resolve(np.zeros(0, dtype=np.int64), training=False)   # a host access: step released
+    _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     started = threading.Event()
     write = d.file.write
 
@@ -100,18 +119,8 @@ def test_a_lookup_never_waits_for_a_write_back(tmp_path):
     same value once the write goes through."""
     d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
-    slots = d.resolve(np.arange(4), training=True)
-    d.slab.tensor[torch.as_tensor(slots)] += 100.0
-    d.step_queued()
-    d.resolve(np.zeros(0, dtype=np.int64), training=False)
-    started, release = threading.Event(), threading.Event()
-    write = d.file.write
-
-    def held_write(*args, **kwargs):
-        started.set()
-        assert release.wait(10)
-        return write(*args, **kwargs)
-    d.file.write = held_write
+    _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
+    started, release, write = _hold_writes(d)
     d.read_ahead(torch.arange(4, 8))        # evicts rows 0-3 (dirty) for rows 4-7
     assert started.wait(5)
     done = []
@@ -142,18 +151,8 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
     d.read_ahead(torch.arange(8, 12))           # read-aheads run (rows 8-11 brought in)
     d.wait_read_ahead()
-    slots = d.resolve(np.arange(4), training=True)
-    d.slab.tensor[torch.as_tensor(slots)] += 100.0
-    d.step_queued()
-    d.resolve(np.zeros(0, dtype=np.int64), training=False)
-    started, release = threading.Event(), threading.Event()
-    write = d.file.write
-
-    def held_write(*args, **kwargs):
-        started.set()
-        assert release.wait(10)
-        return write(*args, **kwargs)
-    d.file.write = held_write
+    _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
+    started, release, write = _hold_writes(d)
     done = []
     looker = threading.Thread(target=lambda: done.append(d.resolve(np.arange(4, 8), False)))
     looker.start()                              # misses 4-7, evicts rows 0-3 (dirty)
@@ -168,10 +167,7 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     slot = int(waiting[0][0])
     assert d.slab.tensor[slot].tolist() == [106.0, 107.0]
     assert d.dirty[slot]                        # the file may not have it yet
-    got = d.resolve(np.array([3]), training=True)       # trained again while still queued
-    d.slab.tensor[int(got[0])] += 1000.0
-    d.step_queued()
-    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    _train_rows(d, [3], 1000.0)                 # trained again while still queued
     release.set()
     d.file.write = write
     d.flush()
@@ -186,18 +182,10 @@ def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
     d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
     d.read_ahead(torch.arange(8, 12))
     d.wait_read_ahead()
-
-    def train(ids, add):
-        got = d.resolve(np.asarray(ids), training=True)
-        d.slab.tensor[torch.as_tensor(got)] += add
-        d.step_queued()
-        d.resolve(np.zeros(0, dtype=np.int64), training=False)
-    train(np.arange(4), 100.0)
-    release = threading.Event()
-    write = d.file.write
-    d.file.write = lambda *a, **k: (release.wait(10), write(*a, **k))[1]
+    _train_rows(d, np.arange(4), 100.0)
+    _, release, write = _hold_writes(d)
     d.resolve(np.arange(4, 8), False)           # evicts rows 0-3 (100+): write 1, held
-    train([3], 1000.0)                          # row 3 from write 1's copy, trained: 1106
+    _train_rows(d, [3], 1000.0)                 # row 3 from write 1's copy, trained: 1106
     d.resolve(np.arange(8, 12), False)          # evicts row 3 again: write 2, queued
     assert len(d._readahead.writes) == 2
     got = d.resolve(np.array([3]), False)
@@ -267,10 +255,7 @@ def test_a_failed_read_is_raised_by_the_lookup_and_nothing_is_lost(tmp_path, rea
     d.write_rows(np.arange(16), torch.arange(32.).view(16, 2))
     d.read_ahead(torch.arange(12, 14))          # read-aheads run
     d.wait_read_ahead()
-    slots = d.resolve(np.arange(4), training=True)
-    d.slab.tensor[torch.as_tensor(slots)] += 100.0
-    d.step_queued()
-    d.resolve(np.zeros(0, dtype=np.int64), training=False)
+    _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     read, failed = d.file.read, []
 
     def failing_read(ids, *a, **k):

@@ -196,6 +196,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
                          f"{read_ahead!r}")
     if disk is None:          # a RAM or GPU table's prefetch holds one coming lookup
         depth = min(depth, 1)
+    lead = max(1, depth)      # batches made ahead of the step (the next one at least)
 
     def batch(k):
         ids = stream.batch(k)
@@ -203,14 +204,14 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     loss_sum = right = None
     seen = dict(disk.stats) if disk is not None else None   # (before any read-ahead counts)
     t0 = time.perf_counter()
-    coming = collections.deque(batch(k) for k in range(min(steps, max(1, depth))))
+    coming = collections.deque(batch(k) for k in range(min(steps, lead)))
     for ids in list(coming)[1:]:
         table.prefetch(ids)
     for step in range(steps):
         ids = coming.popleft()
         pos, neg = model.scores(ids)
-        if step + max(1, depth) < steps:      # the batch `depth` steps on (or just the next)
-            coming.append(batch(step + max(1, depth)))
+        if step + lead < steps:
+            coming.append(batch(step + lead))
             if depth:
                 table.prefetch(coming[-1])
         loss = _loss(pos, neg)
