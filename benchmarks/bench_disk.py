@@ -5,7 +5,7 @@ A table of ``--rows`` x ``--dim`` (bf16 weights, the leanest optimizer state ava
 a file under ``--dir`` with a RAM cache of ``--cache-gib``; the GPU is capped at ``--gpu-gib``.
 Sections:
   probe         the disk's random-read rate at the layout's read size: RowFile reads of random
-                unique rows of the table's own file (O_DIRECT where allowed), 16 and 64 threads
+                unique rows of the table's own file (O_DIRECT where allowed), 16 to 128 in flight
   warm          the RAM cache loaded with the hottest rows of the Zipf stream (table.warm_cache);
                 then each of them trained once (a long run's steady state: every miss
                 evicts a dirty row, written back; ``--clean-cache`` skips it)
@@ -13,7 +13,7 @@ Sections:
                 ms/step, misses/step, RAM hit rate; compared with (a) the same steps on the same
                 table in pinned RAM (``--host-compare``, where the machine's RAM allows) and
                 (b) misses/step / the disk's random-read rate probed in each round (the
-                best of 32 and 64 reads in flight), probed before and after each loop. A
+                best of 32, 64 and 128 reads in flight), probed before and after each loop. A
                 loop times its steps between the first SETTLE and the last TAIL (a long
                 loop's steady state: as many coming reads in flight when the clock stops as
                 when it starts)
@@ -41,9 +41,12 @@ import nbtools  # noqa: E402
 from nbtools import hostmem  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
-READ_AHEAD = 3                   # steps read ahead (--ahead; nbtools.readahead.AHEAD)
-SETTLE = 2                       # steps of a timed loop before its clock starts (run_steps)
-TAIL = 4                         # and after it stops (the deepest read-ahead: run_steps)
+READ_AHEAD = 8                   # steps read ahead (--ahead; nbtools.readahead.AHEAD)
+SETTLE = 10                      # steps of a timed loop before its clock starts (run_steps):
+                                 # past the burst of a loop's first read-aheads (DEPTH + 2)
+TAIL = 8                         # and after it stops (the deepest read-ahead: run_steps)
+# reads in flight of the probes (the rate the floor (b) divides by: the best of all but the first)
+PROBE_DEPTHS = (16, 32, 64, 128)
 ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
 
 
@@ -310,7 +313,7 @@ def main():
     ap.add_argument("--gpu-gib", type=float, default=15.0)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--host-compare", action="store_true")
-    ap.add_argument("--uniform-steps", type=int, default=4)
+    ap.add_argument("--uniform-steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="RowFile threads (default: "
                     "nbtools' own)")
@@ -318,8 +321,8 @@ def main():
                     help="steps read ahead (table.prefetch of the next N batches); rounds "
                          "also time 1 step ahead when this is more")
     ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
-                    default=[2, 4], help="other read-ahead depths the rounds time (comma-"
-                    "separated; default 2,4; at most nbtools.readahead.DEPTH, 4)")
+                    default=[4, 6], help="other read-ahead depths the rounds time (comma-"
+                    "separated; default 4,6; at most nbtools.readahead.DEPTH, 8)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
@@ -373,13 +376,13 @@ def main():
     # after the rows are written: unwritten extents of a new file read as zeros, unread
     n_probe = min(args.ids * 2, args.rows)
     res["engine"] = table.disk.file.engine
-    for threads in (16, 32, 64):
+    for threads in PROBE_DEPTHS:
         for eng in engines():
             res[f"probe_{eng}_rows_per_s_{threads}"] = probe(table, n_probe, threads, gen, eng)
         res[f"probe_rows_per_s_{threads}"] = max(res[f"probe_{e}_rows_per_s_{threads}"]
                                                  for e in engines())
         res[f"probe_small_rows_per_s_{threads}"] = probe(table, 2048, threads, gen)
-    probed = max(res[f"probe_rows_per_s_{t}"] for t in (16, 32, 64))
+    probed = max(res[f"probe_rows_per_s_{t}"] for t in PROBE_DEPTHS)
     mem.mark("probed")
 
     pin = device.type == "cuda"
@@ -430,7 +433,7 @@ def main():
     def rate_now():
         # the disk's best rate at the moment: 32 or 64 reads in flight (the table keeps
         # 64 per step in flight with glibc's AIO, more while steps' reads overlap)
-        return max(probe(table, 8192, 32, gen), probe(table, 8192, 64, gen))
+        return max(probe(table, 8192, t, gen) for t in PROBE_DEPTHS[1:])
 
     def floor_ms(loop: dict) -> float:            # (b): the rows a step reads from disk
         return (loop["misses_per_step"] - loop["from_write_back_per_step"]) \
@@ -553,11 +556,11 @@ def main():
                 for rnd in rounds) + " rows moved per row appended"
             if "log" in res else "")),
         ("init (write every row) s", f"{res['init_s']:.1f}"),
-        *[(f"probe rows/s, 16 / 32 / 64 in flight, {e} engine", " / ".join(
-            f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))) for e in engines()],
+        *[(f"probe rows/s, {' / '.join(map(str, PROBE_DEPTHS))} in flight, {e} engine", " / ".join(
+            f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)) for e in engines()],
         ("the table's engine", res["engine"]),
-        ("probe of 2,048 rows, rows/s, 16 / 32 / 64", " / ".join(
-            f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in (16, 32, 64))),
+        (f"probe of 2,048 rows, rows/s, {' / '.join(map(str, PROBE_DEPTHS))}", " / ".join(
+            f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)),
         (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / {args.ahead} ahead)",
          f"{res['zipf']['ms_per_step']:.1f} / {res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("zipf read / write / wait ms per step (read-ahead)",

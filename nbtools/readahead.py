@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 # Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
-DEPTH = 4
-# Steps a loop reads ahead by default (fit_stream): 3 was the fastest of 1-3 on the GPU
-# machine's disk (benchmarks/RESULTS.md "Session 14"); DEPTH leaves room to measure 4.
-AHEAD = 3
+DEPTH = 8
+# Steps a loop reads ahead by default (fit_stream): on the GPU machine's disk, 20M rows, a
+# step took 1.29x its disk floor 4 ahead, 1.21x 6 ahead and 1.15x 8 ahead (medians of 3 rounds,
+# benchmarks/RESULTS.md "Session 15"): the disk's queue stays fuller the more steps feed it.
+AHEAD = 8
 # Write-backs of evicted rows queued behind the write-back thread at most: a read-ahead waits
 # for the oldest beyond this (their rows are copies in RAM until written).
 WRITES = 2 * DEPTH

@@ -59,7 +59,7 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
     t0 = time.perf_counter()
     CheckpointManager(str(tmp_path / "timing"), keep=1, config=CONFIG).save(1, x=expected(1))
     window = max(0.2, 4 * (time.perf_counter() - t0))
-    last_reported, mid_save = 0, 0
+    last_reported, mid_save, stalled = 0, 0, 0
     for trial in range(KILLS):
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_saver, args=(directory, child), daemon=True)
@@ -68,6 +68,7 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
         assert parent.poll(60), "saver child did not start"
         kind, start = parent.recv()
         assert kind == "ready" and start >= last_reported, (trial, start, last_reported)
+        before = last_reported
         time.sleep(rnd.uniform(0.0, window))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
@@ -88,6 +89,8 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
         complete = _complete_steps(directory)
         if step is None:                            # killed before the first save completed
             assert not complete and last_reported == 0, (trial, complete, last_reported)
+            stalled += 1
+            window *= 2 if stalled % 3 == 0 else 1      # (see below)
             continue
         assert step == complete[-1] and last_reported <= step <= last_reported + 1, \
             (trial, step, last_reported, complete)
@@ -96,6 +99,10 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
         statuses = [r["status"] for r in ck.checkpoints(verify=True)]
         assert statuses and all(s == "verified" for s in statuses), (trial, statuses)
         last_reported = step
+        # three kills in a row before any save completed: saves here are slower than timed
+        # (a loaded machine, tests in parallel): widen the window
+        stalled = stalled + 1 if step == before else 0
+        window *= 2 if stalled and stalled % 3 == 0 else 1
     assert last_reported >= KILLS // 3           # the runs made progress between kills
     assert mid_save >= 1, "no kill landed inside a save; the test would prove nothing"
 

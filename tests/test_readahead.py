@@ -361,8 +361,9 @@ def test_rows_in_ram_that_a_read_ahead_needs_get_a_second_chance(tmp_path):
 
 
 def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
-    d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=64, device="cpu")
-    d.write_rows(np.arange(64), torch.zeros(64, 2))
+    n = 8 * (readahead.DEPTH + 3)
+    d = DiskRows(str(tmp_path), n, 2, torch.float32, cache_rows=n, device="cpu")
+    d.write_rows(np.arange(n), torch.zeros(n, 2))
     batches = [torch.arange(8 * k, 8 * k + 8) for k in range(readahead.DEPTH + 3)]
     for ids in batches:
         d.read_ahead(ids)

@@ -240,12 +240,13 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
 
 def _hit_rate(before: dict | None, disk) -> float | None:
     """Share of the unique rows looked up since ``before`` (a disk table's ``stats``) that
-    were neither missed nor brought in by a read-ahead (those count as hits in the lookup)."""
+    were neither missed nor brought in by a read-ahead (counted at their lookup, not at their
+    read: a read-ahead reads rows of steps still to come)."""
     if disk is None:
         return None
     now = disk.stats
     looked = now["lookups"] - before["lookups"]
-    read = now["misses"] - before["misses"] + now["read_ahead"] - before["read_ahead"]
+    read = now["misses"] - before["misses"] + now["ahead_hits"] - before["ahead_hits"]
     return max(0.0, 1.0 - read / looked) if looked else None
 
 
