@@ -59,7 +59,10 @@ def zipf_ids(gen: np.random.Generator, n_rows: int, size: int, a: float = 1.1) -
 
 
 def hottest(n_rows: int, k: int) -> np.ndarray:
-    return (np.arange(k, dtype=np.int64) * ZIPF_PRIME) % n_rows
+    ids = np.arange(k, dtype=np.int64)        # (in place: one array of k ids at most)
+    ids *= ZIPF_PRIME
+    ids %= n_rows
+    return ids
 
 
 def _meminfo(key: str) -> int:

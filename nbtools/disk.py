@@ -51,7 +51,7 @@ from . import NbtoolsError, disklog
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
 from .fileio import default_engine, uninterrupted
-from .hostmem import HostTensor
+from .hostmem import HostTensor, keep_freed_memory_small
 from .readahead import Prepared, ReadAhead, _Ahead, prepare  # noqa: F401  (Prepared: re-exported)
 from .rows import RowBatch
 from .units import human_bytes
@@ -238,11 +238,15 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
         self._lost = None                       # (rows, error) of a write-back that failed
+        # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
+        self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
         # the two arrays below (and a log file's maps): counted in the host budget
-        maps = self.num_rows * 9 + getattr(self.file, "map_bytes", 0)
+        maps = self.num_rows * (np.dtype(self.index_dtype).itemsize + 1) \
+            + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
-        self.slot_of = np.full(self.num_rows, -1, dtype=np.int64)  # row -> slot, -1: on disk
+        keep_freed_memory_small()
+        self.slot_of = np.full(self.num_rows, -1, dtype=self.index_dtype)  # row -> slot, -1: on disk
         # rows written to the file since the last checkpoint took them (incremental saves)
         self.changed = np.ones(self.num_rows, dtype=bool)
         # the RAM cache is pinned when first needed: a table whose optimizer attaches at once
@@ -265,9 +269,18 @@ class DiskRows(WholeTable, _ReadsAhead):
     # --- the slab -------------------------------------------------------------------------
     def _alloc(self, slots: int, old=None) -> None:
         """(Re)allocate ``slots`` RAM slots, keeping the first ``len(old)`` slots' rows."""
-        slab = HostTensor((slots, self.width), self.dtype, pin=self._pin,
-                          name=f"{self.name} (RAM cache)",
-                          device=self.device if self.device.type == "cuda" else None)
+        held = slots * self.slot_bytes              # the slot arrays, counted in the host budget
+        hold_host(held, f"table {self.name!r}'s RAM slots")
+        try:
+            slab = HostTensor((slots, self.width), self.dtype, pin=self._pin,
+                              name=f"{self.name} (RAM cache)",
+                              device=self.device if self.device.type == "cuda" else None)
+        except BaseException:
+            release_host(held)
+            raise
+        if getattr(self, "_release_slots", None) is not None:
+            self._release_slots()
+        self._release_slots = weakref.finalize(self, release_host, held)
         keep = 0
         if old is not None:
             keep = old.tensor.shape[0]
@@ -276,22 +289,22 @@ class DiskRows(WholeTable, _ReadsAhead):
         self.slots = slots
         self._bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
         if old is None:
-            self.id_of = np.full(slots, -1, dtype=np.int64)
+            self.id_of = np.full(slots, -1, dtype=self.index_dtype)
             self.busy = np.zeros(slots, dtype=np.int64)
             for name in self.SLOT_FLAGS:
                 setattr(self, name, np.zeros(slots, dtype=bool))
             self._hand = 0
         else:
             grow = slots - keep
-            self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=np.int64)))
+            self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=self.index_dtype)))
             self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
             for name in self.SLOT_FLAGS:
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
         if old is None:
-            self._free = collections.deque([np.arange(slots, dtype=np.int64)])
+            self._free = collections.deque([np.arange(slots, dtype=self.index_dtype)])
         else:   # the old slots keep their free list (a _take that grows holds the rest)
-            self._free.append(np.arange(keep, slots, dtype=np.int64))
+            self._free.append(np.arange(keep, slots, dtype=self.index_dtype))
         self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
 
     @property
@@ -308,8 +321,14 @@ class DiskRows(WholeTable, _ReadsAhead):
         """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
         if self.slot_of is None:                # closed
             return 0
-        return (self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes + self.slots * 27
-                + getattr(self.file, "map_bytes", 0))
+        return (self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes
+                + self.slots * self.slot_bytes + getattr(self.file, "map_bytes", 0))
+
+    @property
+    def slot_bytes(self) -> int:
+        """RAM a slot takes beside its row: its row number, its last use, its flags and its
+        place in the free list."""
+        return 2 * np.dtype(self.index_dtype).itemsize + 8 + len(self.SLOT_FLAGS)
 
     @property
     def nbytes(self) -> int:
@@ -521,7 +540,7 @@ class DiskRows(WholeTable, _ReadsAhead):
             if len(rest):
                 self.file.read(rest, self._bytes, at=at)
         except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
-            self._free.append(np.asarray(slots, dtype=np.int64))
+            self._free.append(np.asarray(slots, dtype=self.index_dtype))
             raise
         finally:
             if writing is not None:     # evicted rows on disk before any reader looks
@@ -582,6 +601,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._remove()
         # the row maps leave the host budget now (the slab's pages when the table goes)
         self._release_maps()
+        self._release_slots()
         self.slot_of = self.changed = None
 
     def __reduce__(self):

@@ -22,6 +22,9 @@ def _numpy_dtype(dtype: torch.dtype):
     return torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
 
 
+WARM_CHUNK = 1 << 20       # ids warm() looks at at a time
+
+
 def _chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
@@ -44,19 +47,30 @@ class WholeTable:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
         nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
         file (one in 16 or more) the stretch is read whole, sequentially, which beats random
-        reads of them."""
+        reads of them. Beside the rows, RAM holds a byte a row and ~1M ids at a time."""
         self.wait_read_ahead()
         self._ensure_init()
         self.ensure_slab()
+        flat = np.asarray(ids).reshape(-1)
         with self._lock:
-            ids = np.asarray(ids, dtype=np.int64)
-            ids = ids[self.slot_of[ids] < 0][: sum(len(f) for f in self._free)]
-            ids = np.unique(ids)
+            room = sum(len(f) for f in self._free)
+            want = np.zeros(self.num_rows, dtype=bool)          # the rows to load
+            for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
+                if not room:
+                    break
+                chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
+                if len(chunk) and (chunk.min() < 0 or chunk.max() >= self.num_rows):
+                    raise ValueError(f"warm: row ids must be in [0, {self.num_rows}), got "
+                                     f"{int(chunk.min())}..{int(chunk.max())}")
+                chunk = chunk[(self.slot_of[chunk] < 0) & ~want[chunk]]
+                first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
+                chunk = chunk[np.sort(first)][:room]
+                want[chunk] = True
+                room -= len(chunk)
             span = max(1, (64 << 20) // self.file.stride)       # rows per sequential stretch
             loaded = 0
-            cuts = np.searchsorted(ids, np.arange(0, self.num_rows + span, span))
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                part = ids[a:b]
+            for at in range(0, self.num_rows, span):
+                part = np.flatnonzero(want[at:at + span]) + at
                 if not len(part):
                     continue
                 free = self._take_free(len(part))

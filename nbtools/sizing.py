@@ -4,8 +4,8 @@ disk holds it (:func:`rows_for`).
 A row's bytes are :func:`nbtools.plan`'s ``disk_row_bytes``: its weights and its optimizer
 state, as a disk table holds them (without the padding of rows in RAM). A disk table's file stores each row in whole ``O_DIRECT`` blocks (512
 bytes on most disks, probed on the folder itself), so its file can be larger than its rows:
-a 260-byte row takes 512 bytes. RAM keeps 9 bytes per row of a disk table whatever its size
-(its row -> slot map and change marks, :class:`nbtools.disk.DiskRows`).
+a 260-byte row takes 512 bytes. RAM keeps 5 bytes per row of a disk table whatever its size
+(its int32 row -> slot map and change marks, :class:`nbtools.disk.DiskRows`; 9 past 2**31 rows).
 
 >>> import tempfile, torch
 >>> s = rows_for(5, 252, "rowwise_adagrad", dtype=torch.bfloat16, ram_bytes=1 << 20,
@@ -24,7 +24,7 @@ import torch
 from . import disklog
 from .units import human_bytes
 
-ROW_MAP_BYTES = 9      # RAM per row of a disk table: its int64 slot and its change mark
+ROW_MAP_BYTES = 5      # RAM per row of a disk table: its int32 slot and its change mark
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class Sizing:
 
     @property
     def row_map_bytes(self) -> int:
-        """RAM a disk table of these rows keeps whatever its cache: 9 bytes per row (and the
+        """RAM a disk table of these rows keeps whatever its cache: 5 bytes per row (and the
         log layout's maps)."""
         return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows, self.file_row_bytes,
                                                              self.disk_free_bytes)

@@ -5,6 +5,7 @@ the RAM per row read off a real disk table (its file and what the host budget co
 """
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_rows_are_times_ram_over_the_row(tmp_path, dim, optimizer, dtype, row):
     s = rows_for(5, dim, optimizer, dtype=dtype, ram_bytes=3 << 20, disk_dir=tmp_path)
     assert s.row_bytes == row and s.rows == 5 * (3 << 20) // row and not s.capped
     assert s.table_bytes == s.rows * row and s.times_ram == pytest.approx(5, rel=1e-3)
-    assert s.row_map_bytes == 9 * s.rows + disklog.map_bytes(s.rows)     # a large disk: a log
+    assert s.row_map_bytes == 5 * s.rows + disklog.map_bytes(s.rows)     # a large disk: a log
     assert s.file_bytes == disklog.file_rows(s.rows) * s.file_row_bytes > s.rows * s.file_row_bytes
     assert "5.0x the RAM given (3.0 MiB)" in str(s) and "CAPPED" not in str(s)
 
@@ -39,8 +40,10 @@ def test_file_rows_and_row_maps_are_what_a_disk_table_takes(tmp_path):
                                        disk_dir=str(tmp_path), host_cache_bytes=4096)
     d = table.disk
     assert file_row_bytes(d.row_bytes, tmp_path) == d.file.stride
-    assert devices.held_host_bytes() - held - d.slab.nbytes == \
-        1_000 * ROW_MAP_BYTES + getattr(d.file, "map_bytes", 0)
+    assert devices.held_host_bytes() - held - d.slab.nbytes == 1_000 * ROW_MAP_BYTES \
+        + getattr(d.file, "map_bytes", 0) + d.slots * d.slot_bytes
+    assert d.slot_of.dtype == d.id_of.dtype == np.int32     # (row and slot numbers < 2**31)
+    assert d.ram_bytes == devices.held_host_bytes() - held
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(d.file.path)]  # probe gone
     table.close()
 
