@@ -1,8 +1,8 @@
 """A stress of the disk tier's concurrency: randomised runs against a host table, bit for bit.
 
 Each run trains a small table on Zipf ids twice, in host RAM and on disk (the log file, a RAM
-cache of 20 to 200 rows, reading 1 to 4 steps ahead), with the disk file's reads and writes
-slowed by random sleeps, so that read-aheads, lookups, write-backs, rows taken from queued
+cache of 20 to 200 rows, reading 1 to readahead.DEPTH (8) steps ahead), with the disk file's
+reads and writes slowed by random sleeps, so that read-aheads, lookups, write-backs, rows taken from queued
 write-backs and the cleaner interleave in ever new orders; the two tables must end with the same
 weights and optimizer state (torch.equal). Runs until --seconds have passed; exits 1 on the first
 difference, naming the run. Not a test (it runs for minutes): run it after a change to
@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from nbtools import OffloadedEmbedding, OffloadOptimizer  # noqa: E402
+from nbtools import OffloadedEmbedding, OffloadOptimizer, readahead  # noqa: E402
 
 N, D = 400, 8
 
@@ -67,7 +67,7 @@ def main():
     end, k = time.time() + args.seconds, 0
     while time.time() < end:
         batches = zipf(25, 48, torch.Generator().manual_seed(k))
-        depth, cache = 1 + k % 4, [20, 50, 70, 200][k % 4]
+        depth, cache = 1 + k % readahead.DEPTH, [20, 50, 70, 200][k // readahead.DEPTH % 4]
         host = train("host", batches, depth)
         with tempfile.TemporaryDirectory() as folder:
             disk = train("disk", batches, depth, jitter=k, disk_dir=folder,
