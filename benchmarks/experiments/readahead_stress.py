@@ -2,8 +2,8 @@
 
 Each run trains a small table on Zipf ids twice, in host RAM and on disk (the log file, a RAM
 cache of 20 to 200 rows, reading 1 to readahead.DEPTH (8) steps ahead), with the disk file's
-reads and writes slowed by random sleeps, so that read-aheads, lookups, write-backs, rows taken from queued
-write-backs and the cleaner interleave in ever new orders; the two tables must end with the same
+reads and writes slowed by random sleeps, so that read-aheads, lookups, write-backs, rows taken
+from queued write-backs and the cleaner interleave in ever new orders; the two tables must end with the same
 weights and optimizer state (torch.equal). Runs until --seconds have passed; exits 1 on the first
 difference, naming the run. Not a test (it runs for minutes): run it after a change to
 nbtools/readahead.py, nbtools/disk.py or nbtools/disklog.py.
