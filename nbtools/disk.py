@@ -238,6 +238,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._stash = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
         self._lost = None                       # (rows, error) of a write-back that failed
+        self._release_slots = None              # the slot arrays' hold on the host budget
         # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
         self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
         # the two arrays below (and a log file's maps): counted in the host budget
@@ -278,7 +279,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         except BaseException:
             release_host(held)
             raise
-        if getattr(self, "_release_slots", None) is not None:
+        if self._release_slots is not None:
             self._release_slots()
         self._release_slots = weakref.finalize(self, release_host, held)
         keep = 0

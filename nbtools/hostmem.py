@@ -457,10 +457,11 @@ def keep_freed_memory_small() -> None:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or os.environ.get("NBTOOLS_MALLOC_TUNE") == "0":
         return
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-        libc_version = ctypes.CDLL(None).gnu_get_libc_version     # glibc only
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt if hasattr(libc, "gnu_get_libc_version") else None   # glibc only
+    except OSError:
         return
-    del libc_version
+    if mallopt is None:
+        return
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt(-3, 1 << 20)                                           # M_MMAP_THRESHOLD

@@ -208,3 +208,27 @@ def take_grad(table):
     else:
         state, weight = None, got.rows[:m]
     return got.batch.ids[:m], got.grad[:m], weight, state
+
+
+def train_reading_ahead(table, batches, depth: int, stray=None):
+    """Train ``table`` (Adam, lr 0.05, a fixed linear head) on ``batches``, one step each, a
+    disk table reading ``depth`` steps ahead (``table.prefetch`` of the coming batches; and,
+    every third step, ``stray``: ids no lookup asks for, which only move rows). Returns the
+    optimizer. The loop the read-ahead tests and the read-ahead stress compare with host RAM."""
+    import torch
+    from .optim import OffloadOptimizer
+    opt = OffloadOptimizer(torch.optim.Adam, table, lr=0.05)
+    head = torch.linspace(-1, 1, table.embedding_dim, device=table.device)
+    ahead = table.placement == "disk" and depth > 0
+    if ahead:
+        for ids in batches[1:depth]:
+            table.prefetch(ids)
+    for i, ids in enumerate(batches):
+        (table(ids) * head).sum().backward()
+        if ahead and i + depth < len(batches):
+            table.prefetch(batches[i + depth])
+        if ahead and stray is not None and i % 3 == 1:
+            table.prefetch(stray)
+        opt.step()
+        opt.zero_grad()
+    return opt

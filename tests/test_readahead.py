@@ -11,6 +11,7 @@ import torch
 from nbtools import OffloadedEmbedding, OffloadOptimizer, readahead
 from nbtools.devices import resolve_device
 from nbtools.disk import DiskRows
+from nbtools.testing import train_reading_ahead
 
 DEVICE = resolve_device()
 N, D = 400, 8
@@ -31,21 +32,19 @@ def _train(placement, batches, depth, tmp_path, stray=None, **extra):
                            **extra)
     with torch.no_grad():
         t.weight.copy_(init)
-    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
-    head = torch.linspace(-1, 1, D, device=DEVICE)
-    ahead = placement == "disk" and depth > 0
-    if ahead:
-        for ids in batches[1:depth]:
-            t.prefetch(ids)
-    for i, ids in enumerate(batches):
-        (t(ids) * head).sum().backward()
-        if ahead and i + depth < len(batches):
-            t.prefetch(batches[i + depth])
-        if ahead and stray is not None and i % 3 == 1:
-            t.prefetch(stray)               # ids no lookup asks for: only moves rows
-        opt.step()
-        opt.zero_grad()
+    train_reading_ahead(t, batches, depth, stray)
     return t
+
+
+def _table(tmp_path, rows=12, ahead=None):
+    """A table of ``rows`` rows (row i holds [2i, 2i + 1]) with 4 RAM slots; with ``ahead``,
+    those ids read ahead first (so read-aheads run)."""
+    d = DiskRows(str(tmp_path), rows, 2, torch.float32, cache_rows=4, device="cpu")
+    d.write_rows(np.arange(rows), torch.arange(2. * rows).view(rows, 2))
+    if ahead is not None:
+        d.read_ahead(ahead)
+        d.wait_read_ahead()
+    return d
 
 
 def _train_rows(d, ids, add):
@@ -91,8 +90,7 @@ def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
 def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
     """A read-ahead evicts dirty rows and writes them back on its loader thread, slowly here;
     a lookup of one of them meanwhile waits for that write and sees the new value."""
-    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    d = _table(tmp_path)
     _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     started = threading.Event()
     write = d.file.write
@@ -117,8 +115,7 @@ def test_a_lookup_never_waits_for_a_write_back(tmp_path):
     next lookups: one whose rows are read in goes on while the write is held, and one that
     needs an evicted row takes it from the write's copy, without waiting; the file gets the
     same value once the write goes through."""
-    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
+    d = _table(tmp_path)
     _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     started, release, write = _hold_writes(d)
     d.read_ahead(torch.arange(4, 8))        # evicts rows 0-3 (dirty) for rows 4-7
@@ -147,10 +144,7 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     """Where read-aheads run, a lookup that misses and evicts dirty rows does not wait (holding
     the table's lock) for their write-back; a later lookup of one of them takes it from the
     write's copy, and a row taken so and trained again ends on disk with its newest value."""
-    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
-    d.read_ahead(torch.arange(8, 12))           # read-aheads run (rows 8-11 brought in)
-    d.wait_read_ahead()
+    d = _table(tmp_path, ahead=torch.arange(8, 12))    # read-aheads run (rows 8-11 in RAM)
     _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     started, release, write = _hold_writes(d)
     done = []
@@ -178,10 +172,7 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
 def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
     """A row evicted, taken back from its queued write-back, trained and evicted again sits in
     two queued writes: a lookup takes the newer copy, and the file ends with it."""
-    d = DiskRows(str(tmp_path), 12, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(12), torch.arange(24.).view(12, 2))
-    d.read_ahead(torch.arange(8, 12))
-    d.wait_read_ahead()
+    d = _table(tmp_path, ahead=torch.arange(8, 12))
     _train_rows(d, np.arange(4), 100.0)
     _, release, write = _hold_writes(d)
     d.resolve(np.arange(4, 8), False)           # evicts rows 0-3 (100+): write 1, held
@@ -251,10 +242,7 @@ def test_a_failed_read_is_raised_by_the_lookup_and_nothing_is_lost(tmp_path, rea
     load first (then by that step's lookup, or at the latest by the next wait for the
     read-aheads). The rows' slots are freed, a lookup reads them again, and nothing is lost:
     the dirty rows evicted meanwhile were written back."""
-    d = DiskRows(str(tmp_path), 16, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(16), torch.arange(32.).view(16, 2))
-    d.read_ahead(torch.arange(12, 14))          # read-aheads run
-    d.wait_read_ahead()
+    d = _table(tmp_path, 16, ahead=torch.arange(12, 14))      # read-aheads run
     _train_rows(d, np.arange(4), 100.0)                 # the step's update of rows 0-3
     read, failed = d.file.read, []
 
@@ -339,10 +327,7 @@ def test_a_failed_write_back_stops_the_table_until_a_restore(tmp_path):
 def test_rows_in_ram_that_a_read_ahead_needs_get_a_second_chance(tmp_path):
     """A read-ahead marks the rows its step finds in RAM as used, so that a later read-ahead's
     evictions take other idle rows first: the step's lookup then reads none of them again."""
-    d = DiskRows(str(tmp_path), 16, 2, torch.float32, cache_rows=4, device="cpu")
-    d.write_rows(np.arange(16), torch.arange(32.).view(16, 2))
-    d.read_ahead(torch.arange(12, 14))          # read-aheads run
-    d.wait_read_ahead()
+    d = _table(tmp_path, 16, ahead=torch.arange(12, 14))      # read-aheads run
     d.resolve(np.arange(4), training=False)     # rows 0-3 in RAM
     d.ref[:] = False                            # idle long enough: all eviction candidates
     d._hand = int(d.slot_of[0])                 # and row 0 the first the sweep meets
@@ -369,6 +354,7 @@ def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
         d.read_ahead(ids)
         assert len(d._readahead.queue) <= readahead.DEPTH
     p = d.take_prepared(batches[-1])         # the last one: the ones before it are dropped
-    assert p is not None and p.uniq.tolist() == list(range(8 * (len(batches) - 1), 8 * len(batches)))
+    last = len(batches) - 1
+    assert p is not None and p.uniq.tolist() == list(range(8 * last, 8 * last + 8))
     assert d.take_prepared(batches[-2]) is None
     d.close()

@@ -3,9 +3,9 @@
 Each run trains a small table on Zipf ids twice, in host RAM and on disk (the log file, a RAM
 cache of 20 to 200 rows, reading 1 to readahead.DEPTH (8) steps ahead), with the disk file's
 reads and writes slowed by random sleeps, so that read-aheads, lookups, write-backs, rows taken
-from queued write-backs and the cleaner interleave in ever new orders; the two tables must end with the same
-weights and optimizer state (torch.equal). Runs until --seconds have passed; exits 1 on the first
-difference, naming the run. Not a test (it runs for minutes): run it after a change to
+from queued write-backs and the cleaner interleave in ever new orders; the two tables must end
+with the same weights and optimizer state (torch.equal). Runs until --seconds have passed;
+exits 1 on the first difference, naming the run. Not a test (it runs for minutes): run it after a change to
 nbtools/readahead.py, nbtools/disk.py or nbtools/disklog.py.
 
     python3 benchmarks/experiments/readahead_stress.py --seconds 300
@@ -22,7 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from nbtools import OffloadedEmbedding, OffloadOptimizer, readahead  # noqa: E402
+from nbtools import OffloadedEmbedding, readahead  # noqa: E402
+from nbtools.testing import train_reading_ahead  # noqa: E402
 
 N, D = 400, 8
 
@@ -45,18 +46,7 @@ def train(placement, batches, depth, jitter=None, **extra):
         read, write = f.read, f.write
         f.read = lambda *a, **k: (time.sleep(rng.random() * 0.004), read(*a, **k))[1]
         f.write = lambda *a, **k: (time.sleep(rng.random() * 0.006), write(*a, **k))[1]
-    opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
-    head = torch.linspace(-1, 1, D)
-    ahead = placement == "disk" and depth > 0
-    if ahead:
-        for ids in batches[1:depth]:
-            t.prefetch(ids)
-    for i, ids in enumerate(batches):
-        (t(ids) * head).sum().backward()
-        if ahead and i + depth < len(batches):
-            t.prefetch(batches[i + depth])
-        opt.step()
-        opt.zero_grad()
+    train_reading_ahead(t, batches, depth)
     return t
 
 

@@ -167,7 +167,7 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
         ahead = r.get("nbtools_disk_ahead_rows_per_s")
         helps = ("a larger host_cache_bytes or a faster disk helps (read-ahead is on)"
                  if ahead else "a larger host_cache_bytes, table.prefetch(next_ids) for the "
-                 "next three steps to read ahead while a step computes, or a faster disk helps")
+                 "next eight steps to read ahead while a step computes, or a faster disk helps")
         return (f"disk-bound: {disk:.0%} of each step waits for the disk (reads "
                 f"{fmt_rate(r.get('nbtools_disk_read_bytes_per_s'))}, RAM cache hits "
                 f"{'N/A' if hits is None else f'{hits:.0f}%'}); {helps}")
