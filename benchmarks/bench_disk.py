@@ -175,14 +175,17 @@ def make_table(args, device, placement, **extra):
     return table, opt
 
 
-def run_steps(table, opt, batches, device, prefetch: int, window=None, marks=None) -> float:
+def run_steps(table, opt, batches, device, prefetch: int, window=None, marks=None,
+              stamps=None) -> float:
     """ms per step over ``batches`` (a loop: one synchronisation at the end), reading ahead
     ``prefetch`` steps (0: none; 2: the next two steps' rows in flight at once). With
     ``window=(a, b)``, only steps a..b-1 are timed (a synchronisation before and after), the
     loop going on around them: a long loop's steady state, with as much of the coming steps'
     reads in flight when the clock stops as when it starts (timing to the loop's end would
     leave the window's last steps nothing to share the disk with, and the reads done ahead
-    before it starts uncounted). ``marks``: called at a and at b (counters)."""
+    before it starts uncounted). ``marks``: called at a and at b (counters). ``stamps``: a
+    list that gets the host clock as each step starts (when the lookup before it had its
+    rows: how evenly the reads complete)."""
     head = torch.linspace(-1, 1, table.embedding_dim, device=device)
     a, b = window or (0, len(batches))
     synchronize(device)
@@ -198,6 +201,8 @@ def run_steps(table, opt, batches, device, prefetch: int, window=None, marks=Non
                 t0 = time.perf_counter()
             else:
                 t1 = time.perf_counter()
+        if stamps is not None:
+            stamps.append(time.perf_counter())
         rows = table(ids)
         if prefetch and i + prefetch < len(batches):
             table.prefetch(batches[i + prefetch])
@@ -207,6 +212,8 @@ def run_steps(table, opt, batches, device, prefetch: int, window=None, marks=Non
     synchronize(device)
     if b == len(batches):
         t1 = time.perf_counter()
+    if stamps is not None:
+        stamps.append(time.perf_counter())     # the loop's end
     return (t1 - t0) / (b - a) * 1e3
 
 
@@ -220,9 +227,18 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
     def snapshot():                       # the counters of the timed steps only
         snaps.append((dict(table.disk.stats), disk_counters()))
     window = (SETTLE, len(batches) - TAIL)
-    ms = run_steps(table, opt, batches, device, prefetch, window=window, marks=snapshot)
+    whole0 = disk_counters()
+    stamps = []
+    ms = run_steps(table, opt, batches, device, prefetch, window=window, marks=snapshot,
+                   stamps=stamps)
+    # the gaps between the timed steps' starts: read-aheads that complete together make a
+    # loop bursty (steps that wait, then several at once); a window must span many bursts
+    gaps = np.diff(stamps[window[0]:window[1] + 1]) * 1e3
     (before, c0), (s, c1) = snaps
+    whole1 = disk_counters()
     k = window[1] - window[0]
+    whole_rows = (whole1["read_bytes"] - whole0["read_bytes"] - whole1["moved_read_bytes"]
+                  + whole0["moved_read_bytes"]) / table.disk.row_bytes
     # rows not in RAM when their step came: missed by its lookup, or brought in by a read-ahead
     # (counted at the lookup, so that the timed steps' own rows are the ones counted)
     ahead = (s["ahead_hits"] - before["ahead_hits"]) / k
@@ -235,6 +251,16 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
             "from_write_back_per_step":
                 (s["from_write_back"] - before["from_write_back"]) / k,
             "written_back_per_step": (s["written_back"] - before["written_back"]) / k,
+            # the whole loop, its first step to its end: every row it read, over its time
+            # (no window to fall between bursts; the start's lone reads make it a bit low)
+            "loop_disk_rows_per_s": whole_rows / (stamps[-1] - stamps[0]),
+            "step_gap_ms_p10_p50_p90_max": [float(x) for x in np.percentile(
+                gaps, [10, 50, 90, 100])] if len(gaps) else None,
+            # rows the disk itself served: the table's read bytes (lookups and read-aheads;
+            # not a log file's cleaner) over its row size; a cross-check of misses_per_step
+            "disk_read_rows_per_step": (c1["read_bytes"] - c0["read_bytes"]
+                                        - c1["moved_read_bytes"] + c0["moved_read_bytes"])
+                / table.disk.row_bytes / k,
             **{f"{key}_ms_per_step": (c1[key] - c0[key]) / k * 1e3
                for key in ("read_s", "write_s", "wait_s")}}
 
@@ -303,6 +329,16 @@ def probe_steps(table, batch: int, count: int, threads: int, gen,
         rf.close()
 
 
+def set_depth(table, depth: int | None) -> int:
+    """Set the table file's reads in flight per call (None: leave it); the old value."""
+    f = table.disk.file
+    pool = getattr(f, "_pool", None) or f.file._pool           # a RowFile, or a log file's
+    old = pool.threads
+    if depth:
+        pool.threads = int(depth)
+    return old
+
+
 def main():
     global READ_AHEAD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -326,6 +362,10 @@ def main():
     ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
                     default=[4, 6], help="other read-ahead depths the rounds time (comma-"
                     "separated; default 4,6; at most nbtools.readahead.DEPTH, 8)")
+    ap.add_argument("--also-depth", type=lambda v: [int(x) for x in v.split(",") if x],
+                    default=[], help="reads in flight per read call (the table file's depth: "
+                    "nbtools.disk.DISK_AIO_DEPTH) of extra read-ahead loops in each round, "
+                    "comma-separated (default none)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
@@ -446,12 +486,17 @@ def main():
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
-        loops += [(k, f"zipf_read_ahead_{k}") for k in args.also_ahead if k != args.ahead]
+        loops = [(0, "zipf", None), (args.ahead, "zipf_read_ahead", None)]
+        loops += [(k, f"zipf_read_ahead_{k}", None) for k in args.also_ahead if k != args.ahead]
+        loops += [(args.ahead, f"zipf_depth_{d}", d) for d in args.also_depth]
         probes = [rate_now()]
-        for prefetch, key in loops:
-            rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device,
-                               prefetch)
+        for prefetch, key, depth in loops:
+            old = set_depth(table, depth)
+            try:
+                rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
+                                   device, prefetch)
+            finally:
+                set_depth(table, old)
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
@@ -471,7 +516,9 @@ def main():
               f"{rnd['zipf']['ms_per_step']:.1f} / read-ahead "
               f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
               + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
-                        for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd) +
+                        for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd)
+              + "".join(f", depth {d} {rnd[f'zipf_depth_{d}']['ms_per_step']:.1f}"
+                        for d in args.also_depth) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
@@ -484,7 +531,7 @@ def main():
         if not key.startswith("zipf"):
             continue
         res[key] = {k: med([rnd[key][k] for rnd in rounds]) for k in rounds[0][key]
-                    if rounds[0][key][k] is not None}
+                    if isinstance(rounds[0][key][k], (int, float))}
     res["syncs_per_step"] = syncs_per_step(table, opt, zipf_batches(4), device)
     floor_b = med([rnd["floor_b_ms"] for rnd in rounds])
     res["zipf_disk_floor_ms"] = floor_b
@@ -492,10 +539,16 @@ def main():
     uni = [torch.randint(0, args.rows, (args.ids,))
            for _ in range(SETTLE + args.uniform_steps + TAIL)]
     uni = [b.pin_memory() if pin else b for b in uni]
+    around = [rate_now()]
     res["uniform"] = u = measure(table, opt, uni, device, prefetch=args.ahead)
+    around.append(rate_now())
     u["rows_per_s"] = (u["misses_per_step"] - u["from_write_back_per_step"]) \
         / u["ms_per_step"] * 1e3                  # rows read from disk a second
+    u["disk_rows_per_s"] = u["disk_read_rows_per_step"] / u["ms_per_step"] * 1e3
+    u["probes_rows_per_s"] = around               # just before and just after the loop
     u["x_probe"] = u["rows_per_s"] / probed
+    u["x_probe_around"] = u["rows_per_s"] / (sum(around) / 2)
+    u["loop_x_probe_around"] = u["loop_disk_rows_per_s"] / (sum(around) / 2)
     mem.mark("uniform")
     print("uniform", res["uniform"], flush=True)
     if log is not None:
@@ -536,6 +589,10 @@ def main():
             res[f"zipf_ahead_{k}_x_bound_rounds"] = [
                 rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] /
                 max(host_ms, floor_ms(rnd[f"zipf_read_ahead_{k}"])) for rnd in rounds]
+    for d in args.also_depth:
+        res[f"zipf_depth_{d}_x_bound_rounds"] = [
+            rnd[f"zipf_depth_{d}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_depth_{d}"]))
+            for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -589,11 +646,28 @@ def main():
         *[(f"zipf {k} step(s) ahead / max(a, b): rounds", ", ".join(
             f"{x:.2f}" for x in res[f"zipf_ahead_{k}_x_bound_rounds"]))
           for k in args.also_ahead if f"zipf_ahead_{k}_x_bound_rounds" in res],
+        *[(f"zipf {args.ahead} ahead, {d} reads in flight per call / max(a, b): rounds",
+           ", ".join(f"{x:.2f}" for x in res[f"zipf_depth_{d}_x_bound_rounds"]))
+          for d in args.also_depth],
+        ("zipf rows read / misses per step (disk counters, read-ahead run)",
+         f"{res['zipf_read_ahead']['disk_read_rows_per_step']:,.0f} / "
+         f"{res['zipf_read_ahead']['misses_per_step']:,.0f}"),
         ("zipf steps/s (read-ahead)", f"{1e3 / res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("host syncs/step: disk / host table", f"{res['syncs_per_step']} / "
                                                 f"{res.get('host_syncs_per_step')}"),
-        ("uniform rows/s (x probe)", f"{res['uniform']['rows_per_s']:,.0f} "
-                                     f"({res['uniform']['x_probe']:.2f})"),
+        ("uniform rows/s (x first probe; x probes around the loop)",
+         f"{res['uniform']['rows_per_s']:,.0f} ({res['uniform']['x_probe']:.2f}; "
+         f"{res['uniform']['x_probe_around']:.2f})"),
+        ("uniform rows the disk read a second (its counters), probes around",
+         f"{res['uniform']['disk_rows_per_s']:,.0f}, " + " / ".join(
+             f"{x:,.0f}" for x in res['uniform']['probes_rows_per_s'])),
+        ("uniform, the whole loop: rows the disk read a second (x probes around)",
+         f"{res['uniform']['loop_disk_rows_per_s']:,.0f} "
+         f"({res['uniform']['loop_x_probe_around']:.2f})"),
+        ("gaps between step starts, ms p10 / p50 / p90 / max: zipf read-ahead (round 0); "
+         "uniform", " / ".join(f"{x:.1f}" for x in rounds[0]["zipf_read_ahead"][
+             "step_gap_ms_p10_p50_p90_max"]) + "; " + " / ".join(
+             f"{x:.1f}" for x in res["uniform"]["step_gap_ms_p10_p50_p90_max"])),
         ("max RSS + page cache growth (GiB)",
          f"{res['memory']['max_rss_plus_page_cache_bytes'] / 2**30:.2f} "
          f"(budget {args.budget_gib})"),

@@ -61,16 +61,19 @@ from .units import human_bytes
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 # Reads in flight: a step misses ~1,000-10,000 rows, and a cloud disk answers each in ~0.3 ms,
 # so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides):
-# 32 Python threads, or 64 requests with glibc's AIO (its C threads; 64 read 1.2x the rows/s
-# of 32 on the GPU machine's disk, benchmarks/RESULTS.md "Session 11").
+# 32 Python threads, or with glibc's AIO (its C threads) 128 requests in flight in all, shared
+# by the table's read-aheads and write-backs (nbtools.fileio.RequestPool). On the GPU machine's
+# disk, 100M rows, eight steps ahead: 128 shared took 1.20x the disk floor (median of 5
+# rounds) where 64 shared took 1.38x (benchmarks/RESULTS.md "Session 16").
 DISK_THREADS = 32
-DISK_AIO_DEPTH = 64
+DISK_AIO_DEPTH = 128
 
 
 # Every disk table's traffic, for the meters and the dashboard (plain counters: the GIL keeps
 # each += whole; the read-ahead thread adds to them too).
 _counters = {"read_bytes": 0, "write_bytes": 0, "read_s": 0.0, "write_s": 0.0,
-             "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0, "ahead_rows": 0}
+             "lookup_rows": 0, "hit_rows": 0, "wait_s": 0.0, "ahead_rows": 0,
+             "moved_read_bytes": 0}
 
 
 def disk_counters() -> dict:
@@ -78,7 +81,8 @@ def disk_counters() -> dict:
     writes, unique rows looked up in training and evaluation and how many of them were in RAM
     (``hit_rows``), and ``wait_s``: seconds the training loop's thread spent waiting for the
     disk (its own reads and write-backs, and waiting for a read-ahead to finish);
-    ``ahead_rows``: rows read-aheads brought in (nonzero once ``table.prefetch`` is in use).
+    ``ahead_rows``: rows read-aheads brought in (nonzero once ``table.prefetch`` is in use);
+    ``moved_read_bytes``: of ``read_bytes``, what a log file's cleaner read (whole segments).
 
     >>> sorted(disk_counters())[:3]
     ['ahead_rows', 'hit_rows', 'lookup_rows']
@@ -89,6 +93,7 @@ def disk_counters() -> dict:
 def _count_clean(read_bytes: int, write_bytes: int) -> None:
     """A log file's cleaner moved rows (nbtools.disklog): its disk traffic, in the counters."""
     _counters["read_bytes"] += read_bytes
+    _counters["moved_read_bytes"] += read_bytes
     _counters["write_bytes"] += write_bytes
 
 

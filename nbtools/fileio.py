@@ -52,8 +52,15 @@ class RequestPool:
       glibc's own C threads and waits for them, the GIL released throughout (a ctypes call):
       no Python runs per request, so a training loop's Python does not slow the reads, nor
       they it. glibc runs one request of a file descriptor at a time, so the requests are
-      spread over ``threads`` duplicates of the descriptor. Linux with glibc only; checked by
-      a self-test at first use (anything unexpected: ``"threads"`` from then on).
+      spread over ``threads`` duplicates of the descriptor, kept for the pool's life and
+      shared by every call: calls running at once (a table's read-aheads, its write-backs)
+      queue behind each other on the same descriptors, in the order they came, with
+      ``threads`` requests in flight in all. (With descriptors of its own per call, eight
+      read-aheads at once put 512 descriptors in glibc's queue, whose lookups are linear
+      under one lock, and finished together rather than in order: a disk table's loop
+      read 0.65-0.8x the rate a lone call reads, benchmarks/RESULTS.md "Session 16".)
+      Linux with glibc only; checked by a self-test at first use (anything unexpected:
+      ``"threads"`` from then on).
     * ``"threads"``: Python threads in ``os.preadv`` / ``os.pwritev`` (which release the GIL
       during the system call, but need it between two).
 
@@ -74,6 +81,7 @@ class RequestPool:
         self._closed = False
         self._lock = threading.Lock()
         self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
+        self._fd, self._dups = None, []          # "aio": the file's duplicates, shared
 
     def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool,
             chunk: int = 0) -> None:
@@ -85,7 +93,7 @@ class RequestPool:
         jobs = len(boff)
         workers = min(self.threads, jobs)
         if workers > 1 and self.engine == "aio" and _aio.ready():
-            _aio.run(fd, buf, boff, blen, foff, write, self.threads)
+            _aio.run(self._descriptors(fd), buf, boff, blen, foff, write)
             return
         flat = memoryview(buf.reshape(-1))
         op = _pwrite_all if write else _pread_all
@@ -116,6 +124,37 @@ class RequestPool:
         uninterrupted(lambda: [f.result() for f in futures], failed.append)
         if failed:
             raise failed[0]
+
+    def _descriptors(self, fd: int) -> list:
+        """``threads`` duplicates of ``fd`` (fewer when the process runs out of descriptors;
+        ``fd`` itself at least), made once and shared by every call. Only grown while the
+        pool lives (a call in flight may use any of them); closed by :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{self.name}: the request pool is closed")
+            if self._fd != fd:                   # (a pool serves one file descriptor)
+                self._close_dups()
+                self._fd = fd
+            try:
+                while len(self._dups) < self.threads:
+                    self._dups.append(os.dup(fd))
+            except OSError:      # out of descriptors (EMFILE): fewer requests in flight
+                pass
+            return self._dups[: self.threads] or [fd]
+
+    def __del__(self):
+        try:
+            self._close_dups()
+        except Exception:      # (interpreter shutdown)
+            pass
+
+    def _close_dups(self) -> None:
+        dups, self._dups, self._fd = self._dups, [], None
+        for d in dups:
+            try:
+                os.close(d)
+            except OSError:
+                pass
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -157,6 +196,7 @@ class RequestPool:
             pool, self._pool = self._pool, None
             self._closed = True
             self._spare = []
+            self._close_dups()
         if pool is not None:
             # no call is in flight (each waits for its requests), so nothing to wait for; and
             # joining threads from a finalizer run by the garbage collector can deadlock (a
@@ -245,35 +285,31 @@ class _Aio:
             fd = f.fileno()
             src = _aligned(8192)
             src[:] = np.arange(8192) % 251
-            self.run(fd, src, [0, 4096], [4096, 4096], [4096, 0], True, 2)
-            back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
-            got = _aligned(8192)
-            self.run(fd, got, [0, 4096], [4096, 4096], [0, 4096], False, 2)
+            dup = os.dup(fd)
+            try:
+                self.run([fd, dup], src, [0, 4096], [4096, 4096], [4096, 0], True)
+                back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
+                got = _aligned(8192)
+                self.run([fd, dup], got, [0, 4096], [4096, 4096], [0, 4096], False)
+            finally:
+                os.close(dup)
             if not (np.array_equal(back[:4096], src[4096:]) and
                     np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
                 raise OSError("glibc's AIO self-test read back other bytes")
 
-    def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool, fds: int) -> None:
-        """Every request in flight at once (over ``fds`` duplicates of ``fd``), waited for."""
+    def run(self, fds: list, buf: np.ndarray, boff, blen, foff, write: bool) -> None:
+        """Every request handed to glibc at once, spread over the descriptors ``fds`` (of one
+        file; glibc runs each descriptor's requests one at a time, in order), waited for."""
         base = buf.ctypes.data
         boff = np.asarray(boff, dtype=np.int64)
         blen = np.asarray(blen, dtype=np.int64)
         foff = np.asarray(foff, dtype=np.int64)
         if len(boff) and (boff.min() < 0 or (boff + blen).max() > buf.nbytes):
             raise ValueError("a request falls outside its buffer")
-        dups = []
-        try:
-            for _ in range(max(1, min(fds, len(boff)))):
-                dups.append(os.dup(fd))
-        except OSError:          # out of descriptors (EMFILE): fewer requests in flight
-            pass
-        try:
-            for a in range(0, len(boff), AIO_BATCH):
-                self._batch(dups or [fd], base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
-                            foff[a:a + AIO_BATCH], write)
-        finally:
-            for d in dups:
-                os.close(d)
+        fds = list(fds)[: max(1, len(boff))]
+        for a in range(0, len(boff), AIO_BATCH):
+            self._batch(fds, base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
+                        foff[a:a + AIO_BATCH], write)
 
     def _batch(self, fds: list, base: int, boff, blen, foff, write: bool) -> None:
         k = len(boff)

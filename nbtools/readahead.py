@@ -76,12 +76,13 @@ class _Ahead:
     and its load (rows -> slots, the loader's future; the evicted rows and their write-back's
     future)."""
 
-    __slots__ = ("ids", "task", "prepared", "rows", "slots", "stash", "evicted", "io", "write")
+    __slots__ = ("ids", "task", "prepared", "rows", "slots", "sorted_slots", "stash",
+                 "evicted", "io", "write")
 
     def __init__(self, ids):
         self.ids = ids
         self.task = self.prepared = self.io = self.write = None
-        self.rows = self.slots = self.evicted = np.zeros(0, dtype=np.int64)
+        self.rows = self.slots = self.sorted_slots = self.evicted = np.zeros(0, dtype=np.int64)
         self.stash = []
 
 
@@ -145,6 +146,7 @@ class ReadAhead:
             d.dirty[free[kept]] = True
             d.ahead[free[kept]] = True
             item.rows, item.slots = rows[~kept], free[~kept]
+            item.sorted_slots = np.sort(item.slots)
             d.loading[item.slots] = True
             d.locked[item.slots] = True
             d._count_ahead(len(free))
@@ -242,12 +244,25 @@ class ReadAhead:
         return [a.io for a in self._loads_of(ids) if not a.io.done()]
 
     def _loads_of(self, ids: np.ndarray) -> list:
-        """Under the lock: the loads in flight that bring in one of ``ids``."""
+        """Under the lock: the loads in flight that bring in one of ``ids``. (Quick: the
+        lock is held meanwhile, and a step's lookup asks with ~20K ids against up to
+        DEPTH loads of ~2K rows each: only the ids' loading slots are looked for, each in
+        a load's sorted slots.)"""
         d = self.disk
-        slots = d.slot_of[ids]
-        if not (self.loads and d.loading[slots[slots >= 0]].any()):
+        if not self.loads:
             return []
-        return [a for a in self.loads if np.isin(a.slots, slots).any()]
+        slots = d.slot_of[ids]
+        slots = slots[slots >= 0]
+        slots = slots[d.loading[slots]]
+        if not len(slots):
+            return []
+        out = []
+        for a in self.loads:
+            s = a.sorted_slots
+            pos = np.searchsorted(s, slots).clip(max=len(s) - 1)
+            if (s[pos] == slots).any():
+                out.append(a)
+        return out
 
     def wait_io(self) -> None:
         """Wait for every load's and write-back's I/O (the slab may then be copied or freed)."""

@@ -264,3 +264,45 @@ def test_aio_runs_with_the_descriptors_it_can_get(tmp_path, monkeypatch):
         os.fstat(fd)                     # the caller's descriptor was not closed
     finally:
         os.close(fd)
+
+
+@needs_aio
+def test_aio_calls_at_once_share_the_pools_descriptors(tmp_path):
+    """Calls from several threads at once (a disk table's read-aheads and write-backs) spread
+    their requests over the same ``threads`` duplicates of the file's descriptor, made once:
+    every call gets its own bytes, no descriptor leaks, and closing the pool closes them."""
+    import threading
+    rng = np.random.default_rng(12)
+    path = tmp_path / "f"
+    n = 2000
+    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    open_fds = lambda: len(os.listdir("/proc/self/fd"))       # noqa: E731
+    pool = RequestPool(8, 0, "test", engine="aio")
+    try:
+        before = open_fds()
+        errors = []
+
+        def reader(seed):
+            r = np.random.default_rng(seed)
+            try:
+                for _ in range(20):
+                    boff, blen, foff = _requests(r, n, 64)
+                    buf = np.zeros(64 * 512, dtype=np.uint8)
+                    pool.run(fd, buf, boff, blen, foff, write=False)
+                    assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+            except BaseException as e:     # (re-raised below)
+                errors.append(e)
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert len(pool._dups) == 8 and open_fds() == before + 8
+    finally:
+        pool.close()
+    assert open_fds() == before
+    os.fstat(fd)                          # the caller's descriptor is the caller's
+    os.close(fd)

@@ -49,8 +49,68 @@ def traced(kind, fn, rows=None):
     return wrapper
 
 
+# a coming step's milestones, by its ids tensor: prefetch handed over, misses found (the
+# find's start), its load's start and end, its lookup (take_prepared)
+STEPS: dict = collections.defaultdict(dict)
+
+
+def milestone(name, fn, key, when="start"):
+    def wrapper(*a, **k):
+        if when == "start":
+            STEPS[key(*a, **k)].setdefault(name, time.perf_counter())
+        try:
+            return fn(*a, **k)
+        finally:
+            if when == "end":
+                STEPS[key(*a, **k)].setdefault(name, time.perf_counter())
+    return wrapper
+
+
+# seconds inside each of the table's inner calls, per (call, thread): where a find, a lookup
+# and the lock's holders spend their time (outermost calls of each name only)
+CALLS: collections.Counter = collections.Counter()
+COUNTS: collections.Counter = collections.Counter()
+_inside = threading.local()
+
+
+def timed_call(name, fn):
+    def wrapper(*a, **k):
+        seen = getattr(_inside, "names", None)
+        if seen is None:
+            seen = _inside.names = set()
+        if name in seen:
+            return fn(*a, **k)
+        seen.add(name)
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            seen.discard(name)
+            key = (name, threading.current_thread().name.split("_")[0])
+            CALLS[key] += time.perf_counter() - t0
+            COUNTS[key] += 1
+    return wrapper
+
+
+INNER = {readahead.ReadAhead: ("settle_for", "settle_done", "_settle", "start", "fill",
+                               "pending_for", "_written", "take"),
+         disk_mod.DiskRows: ("_take", "_sweep", "_evict", "_advance", "_close_step",
+                             "mark_used", "sync_mapped", "ensure_slab", "_load_beside",
+                             "_placed", "_count_ahead")}
+
+
 def install():
+    for cls, names in INNER.items():
+        for n in names:
+            setattr(cls, n, timed_call(f"{cls.__name__}.{n}", getattr(cls, n)))
+    readahead.prepare = timed_call("prepare", readahead.prepare)
+    disk_mod.prepare = timed_call("prepare", disk_mod.prepare)
     R, D = readahead.ReadAhead, disk_mod.DiskRows
+    R.submit = milestone("submit", R.submit, lambda self, ids, *a: id(ids))
+    R._find = milestone("find", R._find, lambda self, item, *a: id(item.ids))
+    R._load = milestone("load0", R._load, lambda self, item: id(item.ids))
+    R._load = milestone("load1", R._load, lambda self, item: id(item.ids), when="end")
+    D.take_prepared = milestone("take", D.take_prepared, lambda self, ids: id(ids))
     R._find = traced("find", R._find)
     R._load = traced("load", R._load, rows=lambda self, item: len(item.rows))
     D._drain = traced("write", D._drain, rows=lambda self, stash: sum(len(i) for i, _ in stash))
@@ -147,6 +207,8 @@ def main():
     install()
     lock = table.disk._lock = TimedLock(table.disk._lock)
     batches = zipf(bd.SETTLE + args.steps + bd.TAIL)
+    CALLS.clear()
+    COUNTS.clear()
     before = dict(log) if log else {}
     marks = []
     ms = bd.run_steps(table, opt, batches, device, prefetch=args.ahead,
@@ -173,6 +235,28 @@ def main():
             print(f"{kind:7s} {len(xs):4d} calls, ms mean {d.mean():6.2f} p90 "
                   f"{np.percentile(d, 90):6.2f} max {d.max():6.2f}, rows mean {n.mean():8.0f}, "
                   f"busy {d.sum() / 1e3 / total:.0%} of the loop")
+    # how early each timed step's rows were asked for and read, against its lookup
+    per = [STEPS[id(b)] for b in batches[bd.SETTLE:bd.SETTLE + args.steps]]
+    step_s = ms / 1e3
+
+    def lag(a, b):
+        xs = [p[b] - p[a] for p in per if a in p and b in p]
+        return (f"{np.median(xs) / step_s:5.2f} steps (p10 {np.percentile(xs, 10) / step_s:.2f},"
+                f" p90 {np.percentile(xs, 90) / step_s:.2f}), {len(xs)} of {len(per)}"
+                if xs else "n/a")
+    print("per timed step, in steps of the loop's mean step time:")
+    print("  prefetch -> its misses found :", lag("submit", "find"))
+    print("  prefetch -> its load starts  :", lag("submit", "load0"))
+    print("  load start -> load end       :", lag("load0", "load1"))
+    print("  load start -> its lookup     :", lag("load0", "take"))
+    print("  load end -> its lookup       :", lag("load1", "take"),
+          "(negative: the lookup waited)")
+    n_all = len(batches)
+    print(f"inner calls, ms a step (all {n_all} steps of the loop), by thread:")
+    for (name, thread), sec in sorted(CALLS.items(), key=lambda kv: -kv[1]):
+        if sec / n_all * 1e3 >= 0.05:
+            print(f"  {thread:18s} {name:28s} {sec / n_all * 1e3:7.2f}  "
+                  f"({COUNTS[(name, thread)] / n_all:.1f} calls a step)")
     for name in sorted(set(lock.waited) | set(lock.held)):
         print(f"table lock, thread {name}: waited {lock.waited[name] / args.steps * 1e3:.2f}"
               f" ms a step, held {lock.held[name] / args.steps * 1e3:.2f} ms a step "
