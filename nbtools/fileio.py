@@ -39,7 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 ENGINES = ("aio", "threads")
-AIO_BATCH = 4096                 # requests per lio_listio call at most
+# Requests per lio_listio call at most (a call's requests go in such batches, one after the
+# other). glibc queues a descriptor's requests in a list it walks to the end for each new one,
+# under its one lock: long queues slow everything. On the CPU machine's disk, 8 calls at once of
+# 49,152 random 512-byte reads over 128 shared descriptors: 98K rows/s in batches of 512-1,024,
+# 89K of 2,048, 69K of 4,096 (6 calls), and one call of 8,192 in one batch of 131,072 ~20K;
+# a single call of 8,192 reads ~100K either way (benchmarks/experiments/probe_lengths.py).
+AIO_BATCH = 1024
 
 
 class RequestPool:
@@ -82,6 +88,7 @@ class RequestPool:
         self._lock = threading.Lock()
         self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
         self._fd, self._dups = None, []          # "aio": the file's duplicates, shared
+        self.batch = AIO_BATCH                   # "aio": requests per lio_listio call
 
     def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool,
             chunk: int = 0) -> None:
@@ -93,7 +100,7 @@ class RequestPool:
         jobs = len(boff)
         workers = min(self.threads, jobs)
         if workers > 1 and self.engine == "aio" and _aio.ready():
-            _aio.run(self._descriptors(fd), buf, boff, blen, foff, write)
+            _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
             return
         flat = memoryview(buf.reshape(-1))
         op = _pwrite_all if write else _pread_all
@@ -272,7 +279,8 @@ class _Aio:
             self._lio, self._suspend = libc.lio_listio, libc.aio_suspend
             self._lio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
             self._suspend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            libc.aio_init(ctypes.byref(_AioInit(self.THREADS, 4 * AIO_BATCH, 0, 0, 0, 0, 1, 0)))
+            # (aio_num: requests glibc expects at once, a hint for its allocations)
+            libc.aio_init(ctypes.byref(_AioInit(self.THREADS, 16384, 0, 0, 0, 0, 1, 0)))
             self._ok = True
             self._selftest()
         except Exception as e:                            # noqa: BLE001 (any failure: threads)
@@ -297,9 +305,11 @@ class _Aio:
                     np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
                 raise OSError("glibc's AIO self-test read back other bytes")
 
-    def run(self, fds: list, buf: np.ndarray, boff, blen, foff, write: bool) -> None:
-        """Every request handed to glibc at once, spread over the descriptors ``fds`` (of one
-        file; glibc runs each descriptor's requests one at a time, in order), waited for."""
+    def run(self, fds: list, buf: np.ndarray, boff, blen, foff, write: bool,
+            batch: int = AIO_BATCH) -> None:
+        """The requests handed to glibc ``batch`` at a time (each batch waited for), spread
+        over the descriptors ``fds`` (of one file; glibc runs each descriptor's requests one
+        at a time, in order)."""
         base = buf.ctypes.data
         boff = np.asarray(boff, dtype=np.int64)
         blen = np.asarray(blen, dtype=np.int64)
@@ -307,9 +317,10 @@ class _Aio:
         if len(boff) and (boff.min() < 0 or (boff + blen).max() > buf.nbytes):
             raise ValueError("a request falls outside its buffer")
         fds = list(fds)[: max(1, len(boff))]
-        for a in range(0, len(boff), AIO_BATCH):
-            self._batch(fds, base, boff[a:a + AIO_BATCH], blen[a:a + AIO_BATCH],
-                        foff[a:a + AIO_BATCH], write)
+        batch = max(1, int(batch))
+        for a in range(0, len(boff), batch):
+            self._batch(fds, base, boff[a:a + batch], blen[a:a + batch], foff[a:a + batch],
+                        write)
 
     def _batch(self, fds: list, base: int, boff, blen, foff, write: bool) -> None:
         k = len(boff)

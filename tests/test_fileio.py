@@ -306,3 +306,30 @@ def test_aio_calls_at_once_share_the_pools_descriptors(tmp_path):
     assert open_fds() == before
     os.fstat(fd)                          # the caller's descriptor is the caller's
     os.close(fd)
+
+
+@needs_aio
+@pytest.mark.parametrize("batch", [1, 3, 1024])
+def test_aio_hands_a_calls_requests_to_glibc_in_batches(tmp_path, batch):
+    """A call's requests go to glibc ``pool.batch`` at a time: the same bytes at any size."""
+    rng = np.random.default_rng(13)
+    path = tmp_path / "f"
+    n, k = 500, 50
+    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    pool = RequestPool(4, 0, "test", engine="aio")
+    pool.batch = batch
+    try:
+        boff, blen, foff = _requests(rng, n, k)
+        buf = np.zeros(k * 512, dtype=np.uint8)
+        pool.run(fd, buf, boff, blen, foff, write=False)
+        assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        new = rng.integers(0, 256, k * 512, dtype=np.uint8)
+        pool.run(fd, new, boff, blen, foff, write=True)
+        back = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        assert all(np.array_equal(back[o:o + 512], new[j * 512:(j + 1) * 512])
+                   for j, o in enumerate(foff))
+    finally:
+        pool.close()
+        os.close(fd)
