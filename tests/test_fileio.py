@@ -21,14 +21,20 @@ def _requests(rng, n_blocks: int, k: int, block: int = 512):
     return (np.arange(k) * block, np.full(k, block), where * block)
 
 
+def _random_file(tmp_path, rng, n_blocks: int):
+    """A file of ``n_blocks`` random 512-byte blocks: its path and its bytes."""
+    path = tmp_path / "f"
+    data = rng.integers(0, 256, n_blocks * 512, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
 @needs_aio
 @pytest.mark.parametrize("k", [2, 37, 5000])          # 5,000: more than one lio_listio batch
 def test_aio_reads_and_writes_what_threads_do(tmp_path, k):
     rng = np.random.default_rng(k)
-    path = tmp_path / "f"
     n = 6000
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     fd = os.open(path, os.O_RDWR)
     try:
         boff, blen, foff = _requests(rng, n, k)
@@ -154,10 +160,8 @@ def test_aio_finishes_requests_glibc_could_not_queue(tmp_path, monkeypatch):
     """A batch glibc queued only in part (lio_listio: -1, EAGAIN) is finished the plain way,
     neither waited for forever nor left unread."""
     rng = np.random.default_rng(3)
-    path = tmp_path / "f"
     n, k = 400, 37
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     fake = _PartialLio()
     monkeypatch.setattr(_aio, "_lio", fake)
     suspended = []
@@ -193,10 +197,8 @@ def test_an_interrupted_aio_call_returns_only_once_its_requests_are_done(tmp_pat
     import threading
     import time
     rng = np.random.default_rng(5)
-    path = tmp_path / "f"
     n, k = 64, 9
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     workers = []
 
     def lio(mode, ptrs_addr, count, sig):       # queues everything, then the call is interrupted
@@ -240,10 +242,8 @@ def test_aio_runs_with_the_descriptors_it_can_get(tmp_path, monkeypatch):
     the same bytes."""
     import errno
     rng = np.random.default_rng(11)
-    path = tmp_path / "f"
     n, k = 300, 40
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     fd = os.open(path, os.O_RDONLY)
     real_dup = os.dup
     try:
@@ -273,10 +273,8 @@ def test_aio_calls_at_once_share_the_pools_descriptors(tmp_path):
     every call gets its own bytes, no descriptor leaks, and closing the pool closes them."""
     import threading
     rng = np.random.default_rng(12)
-    path = tmp_path / "f"
     n = 2000
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     fd = os.open(path, os.O_RDONLY)
     open_fds = lambda: len(os.listdir("/proc/self/fd"))       # noqa: E731
     pool = RequestPool(8, 0, "test", engine="aio")
@@ -313,10 +311,8 @@ def test_aio_calls_at_once_share_the_pools_descriptors(tmp_path):
 def test_aio_hands_a_calls_requests_to_glibc_in_batches(tmp_path, batch):
     """A call's requests go to glibc ``pool.batch`` at a time: the same bytes at any size."""
     rng = np.random.default_rng(13)
-    path = tmp_path / "f"
     n, k = 500, 50
-    data = rng.integers(0, 256, n * 512, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
+    path, data = _random_file(tmp_path, rng, n)
     fd = os.open(path, os.O_RDWR)
     pool = RequestPool(4, 0, "test", engine="aio")
     pool.batch = batch
