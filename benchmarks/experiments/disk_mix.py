@@ -13,6 +13,9 @@ alone and beside each of the things that run with them in a training loop:
                   emptiest segments read and their live ones written again at the head, both
                   sequential; at --utilization u (live share of a cleaned segment) each appended
                   row costs 1 / (1 - u) rows read and u / (1 - u) more rows written
+  read+fresh      read+append, the appends into never-written space (``--fresh``: that share
+                  of the file is reserved, not written, as a new log file's spare segments
+                  are): ext4 must convert each written extent, a journalled metadata change
   read+python     reads beside a thread running pure Python (holds the GIL between switches)
   read+numpy      reads beside a thread doing numpy work on ~2 MB arrays (sort, unique, take)
 
@@ -46,6 +49,9 @@ def batches_of(rng, n_rows: int, batch: int):
         yield np.unique(rng.integers(0, n_rows, batch))
 
 
+FRESH = {"head": None, "end": 0}      # read+fresh: the next never-written row, the file's end
+
+
 def reader(f: RowFile, rng, n_rows, batch, stop, out_counts):
     buf = np.empty((batch, ROW), dtype=np.uint8)
     gen = batches_of(rng, n_rows, batch)
@@ -64,6 +70,9 @@ def writer(f: RowFile, rng, n_rows, batch, stop, out_counts, append: bool, pace=
     buf = np.zeros((batch, ROW), dtype=np.uint8)
     gen = batches_of(rng, n_rows, batch)
     head, tail = 0, n_rows // 2
+    fresh = append == "fresh"
+    if fresh:
+        head = FRESH["head"]
     seg = np.zeros((int(batch / (1 - clean)) if clean else 0, ROW), dtype=np.uint8)
     while not stop.is_set():
         if pace is not None and out_counts[0] > pace[0]:
@@ -80,11 +89,16 @@ def writer(f: RowFile, rng, n_rows, batch, stop, out_counts, append: bool, pace=
                     head = 0
                 f.write_range(head, live)
                 head += len(live)
-            if head + batch > n_rows:
+            if fresh:
+                if head + batch > FRESH["end"]:
+                    break                        # (no never-written space left)
+            elif head + batch > n_rows:
                 head = 0
             f.write_range(head, buf)
             head += batch
             out_counts[0] += batch
+            if fresh:
+                FRESH["head"] = head
         else:
             ids = next(gen)
             f.write(ids, buf[: len(ids)])
@@ -118,10 +132,11 @@ def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> d
     if kind != "write":
         threads.append(threading.Thread(target=reader,
                                         args=(rf, rng_r, n_rows, args.batch, stop, reads)))
-    if kind in ("write", "read+write", "read+append", "read+clean"):
-        log = kind in ("read+append", "read+clean")
+    if kind in ("write", "read+write", "read+append", "read+clean", "read+fresh"):
+        log = kind in ("read+append", "read+clean", "read+fresh")
         threads.append(threading.Thread(target=writer, args=(
-            wf, rng_w, n_rows, args.batch, stop, other, log, reads if log else None,
+            wf, rng_w, n_rows, args.batch, stop, other,
+            "fresh" if kind == "read+fresh" else log, reads if log else None,
             args.utilization if kind == "read+clean" else 0.0)))
     elif kind == "read+python":
         threads.append(threading.Thread(target=python_busy, args=(stop, other)))
@@ -136,7 +151,7 @@ def cell(kind: str, rf: RowFile, wf: RowFile, n_rows: int, args, seed: int) -> d
         t.join()
     dt = time.perf_counter() - t0
     out = {"read_rows_per_s": reads[0] / dt}
-    if kind in ("write", "read+write", "read+append", "read+clean"):
+    if kind in ("write", "read+write", "read+append", "read+clean", "read+fresh"):
         out["write_rows_per_s"] = other[0] / dt
     elif kind != "read":
         out["other_per_s"] = other[0] / dt
@@ -153,14 +168,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--utilization", type=float, default=2 / 3,
                     help="read+clean: the live share of the segments a cleaner empties")
+    ap.add_argument("--fresh", type=float, default=0.0,
+                    help="share of the file at its end reserved but never written (read+fresh "
+                    "appends there; every other cell uses the written part)")
+    ap.add_argument("--shared", action="store_true",
+                    help="reads and writes through one RowFile (one request pool: its AIO "
+                    "descriptors shared, as a disk table's are) instead of two")
     ap.add_argument("--kinds", default=None,
                     help="comma-separated cells to run (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, "mix.rows")
-    n_rows = int(args.gib * (1 << 30)) // ROW
-    f = RowFile.create(path, n_rows, ROW, {"what": "disk_mix"}, threads=args.threads,
+    total = int(args.gib * (1 << 30)) // ROW
+    n_rows = total - int(total * args.fresh)       # the written rows; the rest reserved only
+    FRESH["head"], FRESH["end"] = n_rows, total
+    f = RowFile.create(path, total, ROW, {"what": "disk_mix"}, threads=args.threads,
                        overwrite=True)
     t0 = time.perf_counter()
     chunk = np.full((1 << 17, ROW), 7, dtype=np.uint8)      # 64 MiB: fill (written blocks)
@@ -171,7 +194,7 @@ def main():
     print(f"file {n_rows:,} rows of {ROW} B written in {fill:.1f} s "
           f"({n_rows * ROW / fill / 1e9:.2f} GB/s), direct={f.direct}", flush=True)
     wf = f
-    rf = RowFile.open(path, threads=args.threads, writable=False, unclean_ok=True) \
+    rf = f if args.shared else RowFile.open(path, threads=args.threads, writable=False, unclean_ok=True) \
         if "unclean_ok" in RowFile.open.__code__.co_varnames else \
         RowFile.open(path, threads=args.threads, writable=False)
     from nbtools.fileio import _aio
@@ -188,7 +211,8 @@ def main():
             res["cells"][kind].append(c)
             print(f"round {r} {kind:20s} " + ", ".join(f"{k} {v:,.0f}" for k, v in c.items()),
                   flush=True)
-    rf.close()
+    if rf is not f:
+        rf.close()
     f.close()
     os.remove(path)
     first = kinds[0]           # "read threads" unless --kinds says otherwise
