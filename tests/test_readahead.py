@@ -358,3 +358,47 @@ def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     assert p is not None and p.uniq.tolist() == list(range(8 * last, 8 * last + 8))
     assert d.take_prepared(batches[-2]) is None
     d.close()
+
+
+def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
+    """With several read-aheads' loads in flight, the loads a lookup must wait for are those
+    that bring in one of its rows, no more and no fewer (the quick search under the lock:
+    ReadAhead._loads_of, against a plain check of every load's rows)."""
+    d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=48, device="cpu")
+    d.write_rows(np.arange(64), torch.arange(128.).view(64, 2))
+    d.resolve(np.arange(56, 60), False)             # rows in RAM, loaded by nobody
+    hold, started = threading.Event(), []
+    read = d.file.read
+
+    def held_read(ids, *a, **k):
+        started.append(1)
+        assert hold.wait(10)
+        return read(ids, *a, **k)
+    d.file.read = held_read
+    steps = [torch.tensor([3, 1, 7, 5]), torch.tensor([10, 12, 14]), torch.tensor([20, 21]),
+             torch.tensor([30, 33, 31, 35, 36])]
+    try:
+        for ids in steps:
+            d.read_ahead(ids)
+        deadline = time.time() + 5
+        while len(started) < len(steps) and time.time() < deadline:
+            time.sleep(0.01)
+        ra = d._readahead
+        for item in list(ra.queue):
+            item.task.result()
+        assert len(ra.loads) == len(steps)
+        rng = np.random.default_rng(3)
+        asks = [np.array([1, 7]), np.array([12, 33]), np.arange(56, 60), np.arange(40, 50),
+                np.zeros(0, dtype=np.int64), np.arange(64)]
+        asks += [np.unique(rng.integers(0, 64, k)) for k in (1, 5, 20, 40)]
+        for ids in asks:
+            with d._lock:
+                got = ra._loads_of(ids)
+                want = [a for a in ra.loads if np.isin(a.rows, ids).any()]
+            assert [id(a) for a in got] == [id(a) for a in want], ids
+    finally:
+        hold.set()
+        d.wait_read_ahead()
+        d.file.read = read
+    assert d.read_rows(30, 31)[:, 0].tolist() == [60.0]
+    d.close()
