@@ -607,6 +607,9 @@ def main():
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
 
+    res["zipf_loop_x_probe_rounds"] = [
+        rnd["zipf_read_ahead"]["loop_disk_rows_per_s"] / rnd["zipf_read_ahead"]["probe_rows_per_s"]
+        for rnd in rounds]                      # the disk's rate in the loop against alone
     print("\n| measure | value |\n|---|---|")
     rows = [
         ("table", f"{args.rows:,} x {args.dim} bf16, {args.optimizer}, "
@@ -659,6 +662,8 @@ def main():
         *[(f"zipf {args.ahead} ahead, {d} reads in flight per call / max(a, b): rounds",
            ", ".join(f"{x:.2f}" for x in res[f"zipf_depth_{d}_x_bound_rounds"]))
           for d in args.also_depth],
+        ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
+         "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
         ("zipf rows read / misses per step (disk counters, read-ahead run)",
          f"{res['zipf_read_ahead']['disk_read_rows_per_step']:,.0f} / "
          f"{res['zipf_read_ahead']['misses_per_step']:,.0f}"),
