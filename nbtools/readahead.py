@@ -3,9 +3,10 @@
 The training loop knows its next batches: ``table.prefetch(ids)`` hands a coming step's ids to
 its disk rows (:meth:`nbtools.disk.DiskRows.read_ahead`), one call per step, up to
 :data:`DEPTH` steps ahead. For each, in the order given, one background thread deduplicates
-the ids as the lookup will (:func:`prepare`, kept for it), finds their misses, takes RAM slots for them (CLOCK: idle rows are evicted, dirty ones to be written back)
-and assigns the rows to their slots at once, marked *loading*; the reads (and the evicted rows'
-writes) then run on a loader thread, outside the table's lock. So the next read-ahead's misses
+the ids as the lookup will (:func:`prepare`, kept for it), finds their misses, takes RAM slots
+for them (CLOCK: idle rows are evicted, dirty ones to be written back) and assigns the rows to
+their slots at once, marked *loading*; the reads (and the evicted rows' writes) then run on a
+loader thread, outside the table's lock. So the next read-ahead's misses
 are found and issued while this one's reads are in flight: the disk's queue stays full across
 steps instead of draining at the end of each step's reads.
 
