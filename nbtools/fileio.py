@@ -48,6 +48,40 @@ ENGINES = ("aio", "threads")
 AIO_BATCH = 1024
 
 
+# Descriptors the pools' duplicates may hold in all: at most half the process's limit (raised
+# to its hard limit, up to 65,536, the first time duplicates are made), so that a process with
+# several disk tables keeps descriptors for everything else (checkpoints, notebooks, sockets)
+_DUPS = {"held": 0, "limit": None}
+_DUPS_LOCK = threading.Lock()
+
+
+def _dup_room(want: int) -> int:
+    """How many of ``want`` more duplicates the pools may hold now (reserves them)."""
+    with _DUPS_LOCK:
+        if _DUPS["limit"] is None:
+            try:
+                import resource
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                goal = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+                if soft != resource.RLIM_INFINITY and soft < goal:
+                    try:
+                        resource.setrlimit(resource.RLIMIT_NOFILE, (goal, hard))
+                        soft = goal
+                    except (ValueError, OSError):
+                        pass
+                _DUPS["limit"] = 1 << 20 if soft == resource.RLIM_INFINITY else soft // 2
+            except (ImportError, ValueError, OSError):
+                _DUPS["limit"] = 512
+        room = max(0, min(want, _DUPS["limit"] - _DUPS["held"]))
+        _DUPS["held"] += room
+        return room
+
+
+def _dups_closed(n: int) -> None:
+    with _DUPS_LOCK:
+        _DUPS["held"] = max(0, _DUPS["held"] - n)
+
+
 class RequestPool:
     """Requests of one file, many in flight, and the bounce buffers kept between calls.
 
@@ -58,8 +92,9 @@ class RequestPool:
       glibc's own C threads and waits for them, the GIL released throughout (a ctypes call):
       no Python runs per request, so a training loop's Python does not slow the reads, nor
       they it. glibc runs one request of a file descriptor at a time, so the requests are
-      spread over ``threads`` duplicates of the descriptor, kept for the pool's life and
-      shared by every call: calls running at once (a table's read-aheads, its write-backs)
+      spread over ``threads`` duplicates of the descriptor (while all pools together hold
+      less than half the process's descriptor limit), kept for the pool's life and shared by
+      every call: calls running at once (a table's read-aheads, its write-backs)
       queue behind each other on the same descriptors, in the order they came, with
       ``threads`` requests in flight in all. (With descriptors of its own per call, eight
       read-aheads at once put 512 descriptors in glibc's queue, whose lookups are linear
@@ -142,11 +177,14 @@ class RequestPool:
             if self._fd != fd:                   # (a pool serves one file descriptor)
                 self._close_dups()
                 self._fd = fd
+            room = _dup_room(self.threads - len(self._dups))
             try:
-                while len(self._dups) < self.threads:
+                while room:
                     self._dups.append(os.dup(fd))
+                    room -= 1
             except OSError:      # out of descriptors (EMFILE): fewer requests in flight
                 pass
+            _dups_closed(room)   # (the reserved ones not made)
             return self._dups[: self.threads] or [fd]
 
     def __del__(self):
@@ -162,6 +200,7 @@ class RequestPool:
                 os.close(d)
             except OSError:
                 pass
+        _dups_closed(len(dups))
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:

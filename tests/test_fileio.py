@@ -329,3 +329,34 @@ def test_aio_hands_a_calls_requests_to_glibc_in_batches(tmp_path, batch):
     finally:
         pool.close()
         os.close(fd)
+
+
+@needs_aio
+def test_aio_pools_hold_no_more_duplicates_than_their_share(tmp_path, monkeypatch):
+    """All pools' duplicates together stay within their share of the process's descriptors:
+    a pool beyond it gets fewer (the file's own descriptor at least), reads the same bytes,
+    and the share comes back when a pool closes."""
+    rng = np.random.default_rng(14)
+    n, k = 300, 40
+    path, data = _random_file(tmp_path, rng, n)
+    fd = os.open(path, os.O_RDONLY)
+    import gc
+    gc.collect()                  # (other tests' pools, closed now and not in the middle)
+    gc.disable()
+    monkeypatch.setitem(fileio._DUPS, "limit", fileio._DUPS["held"] + 10)
+    pools = [RequestPool(8, 0, "test", engine="aio") for _ in range(3)]
+    try:
+        for pool in pools:
+            boff, blen, foff = _requests(rng, n, k)
+            buf = np.zeros(k * 512, dtype=np.uint8)
+            pool.run(fd, buf, boff, blen, foff, write=False)
+            assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        assert [len(p._dups) for p in pools] == [8, 2, 0]
+        pools[0].close()
+        pools[2].run(fd, buf, boff, blen, foff, write=False)
+        assert len(pools[2]._dups) == 8
+    finally:
+        gc.enable()
+        for pool in pools:
+            pool.close()
+        os.close(fd)
