@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
+#   bash benchmarks/gpu_suite.sh disk [timeline|100m]   # the disk tier's runs (one call each):
+#     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
+#     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
+#     at 100M rows under the simulated Colab free tier (~8-10 minutes)
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
 # The log ends with the 15 slowest tests. Where pytest-xdist is importable (carry its wheel and
@@ -38,6 +42,23 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -m "not slow" --durations=15 "${workers[@]}" --ignore=tests/test_notebooks.py \
     ${TESTS:-tests/ nbtools/} 2>&1 | tee "$out/pytest.log" | tail -40
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = disk ]; then
+  dir=${DISK_DIR:-/tmp/nbtools-disk}
+  case "${filter:-timeline}" in
+    timeline)
+      python3 benchmarks/experiments/disk_timeline.py --rows 10000000 --dim 16 --ids 65536 \
+        --cache-gib 0.02 --ahead 8 --steps 48 --age-steps 16 --dir "$dir" 2>&1 \
+        | grep -v Warn | tee "$out/disk_timeline_10m.log" | head -40; rm -rf "$dir"
+      python3 benchmarks/experiments/disk_timeline.py --rows 20000000 --cache-gib 1.4 --ahead 8 \
+        --steps 64 --age-steps 32 --dir "$dir" 2>&1 | grep -v Warn \
+        | tee "$out/disk_timeline_20m.log" | head -40; rm -rf "$dir" ;;
+    100m)
+      python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 5 --cache-gib 7 \
+        --host-compare --dir "$dir" --age-s 60 --also-ahead "" --uniform-steps 32 \
+        --uniform-rounds 3 --out "$out/disk100m" 2>&1 | grep -v "^uniform {\|Warn" \
+        | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
+  esac
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
