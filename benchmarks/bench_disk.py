@@ -237,8 +237,11 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
     (before, c0), (s, c1) = snaps
     whole1 = disk_counters()
     k = window[1] - window[0]
-    whole_rows = (whole1["read_bytes"] - whole0["read_bytes"] - whole1["moved_read_bytes"]
-                  + whole0["moved_read_bytes"]) / table.disk.row_bytes
+
+    def rows_read(a, b):          # rows the disk served between two counter snapshots: the
+        return ((b["read_bytes"] - b["moved_read_bytes"])       # lookups' and read-aheads'
+                - (a["read_bytes"] - a["moved_read_bytes"])) / table.disk.row_bytes
+    whole_rows = rows_read(whole0, whole1)
     # rows not in RAM when their step came: missed by its lookup, or brought in by a read-ahead
     # (counted at the lookup, so that the timed steps' own rows are the ones counted)
     ahead = (s["ahead_hits"] - before["ahead_hits"]) / k
@@ -258,9 +261,7 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
                 gaps, [10, 50, 90, 100])] if len(gaps) else None,
             # rows the disk itself served: the table's read bytes (lookups and read-aheads;
             # not a log file's cleaner) over its row size; a cross-check of misses_per_step
-            "disk_read_rows_per_step": (c1["read_bytes"] - c0["read_bytes"]
-                                        - c1["moved_read_bytes"] + c0["moved_read_bytes"])
-                / table.disk.row_bytes / k,
+            "disk_read_rows_per_step": rows_read(c0, c1) / k,
             **{f"{key}_ms_per_step": (c1[key] - c0[key]) / k * 1e3
                for key in ("read_s", "write_s", "wait_s")}}
 
