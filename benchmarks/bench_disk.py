@@ -379,6 +379,10 @@ def main():
                     default=[], help="reads in flight per read call (the table file's depth: "
                     "nbtools.disk.DISK_AIO_DEPTH) of extra read-ahead loops in each round, "
                     "comma-separated (default none)")
+    ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
+                    default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
+                    "each round, comma-separated (default none; the table's own: "
+                    "nbtools.readahead.SWITCH_INTERVAL, 0.5 ms; Python's default 5)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
@@ -499,17 +503,23 @@ def main():
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        loops = [(0, "zipf", None), (args.ahead, "zipf_read_ahead", None)]
-        loops += [(k, f"zipf_read_ahead_{k}", None) for k in args.also_ahead if k != args.ahead]
-        loops += [(args.ahead, f"zipf_depth_{d}", d) for d in args.also_depth]
+        loops = [(0, "zipf", None, None), (args.ahead, "zipf_read_ahead", None, None)]
+        loops += [(k, f"zipf_read_ahead_{k}", None, None) for k in args.also_ahead
+                  if k != args.ahead]
+        loops += [(args.ahead, f"zipf_depth_{d}", d, None) for d in args.also_depth]
+        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms) for ms in args.also_switch_ms]
         probes = [rate_now()]
-        for prefetch, key, depth in loops:
+        for prefetch, key, depth, switch_ms in loops:
             old = set_depth(table, depth)
+            old_switch = sys.getswitchinterval()
+            if switch_ms:
+                sys.setswitchinterval(switch_ms / 1e3)
             try:
                 rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
                                    device, prefetch)
             finally:
                 set_depth(table, old)
+                sys.setswitchinterval(old_switch)
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
@@ -531,7 +541,9 @@ def main():
               + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
                         for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd)
               + "".join(f", depth {d} {rnd[f'zipf_depth_{d}']['ms_per_step']:.1f}"
-                        for d in args.also_depth) +
+                        for d in args.also_depth)
+              + "".join(f", switch {ms:g} ms {rnd[f'zipf_switch_{ms:g}']['ms_per_step']:.1f}"
+                        for ms in args.also_switch_ms) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
@@ -596,6 +608,7 @@ def main():
             print(f"host comparison skipped: {need / 2**30:.1f} GiB of rows, "
                   f"{avail / 2**30:.1f} GiB available", flush=True)
     host_ms = res.get("host_zipf_ms") or 0.0
+    res["switch_ms"] = sys.getswitchinterval() * 1e3      # (nbtools' own, once reading ahead)
     res["zipf_x_bound_rounds"] = [rnd["zipf_read_ahead"]["ms_per_step"] /
                                   max(host_ms, rnd["floor_b_ms"]) for rnd in rounds]
     res["zipf_x_bound"] = med(res["zipf_x_bound_rounds"])
@@ -612,6 +625,10 @@ def main():
         res[f"zipf_depth_{d}_x_bound_rounds"] = [
             rnd[f"zipf_depth_{d}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_depth_{d}"]))
             for rnd in rounds]
+    for ms in args.also_switch_ms:
+        res[f"zipf_switch_{ms:g}_x_bound_rounds"] = [
+            rnd[f"zipf_switch_{ms:g}"]["ms_per_step"]
+            / max(host_ms, floor_ms(rnd[f"zipf_switch_{ms:g}"])) for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -641,6 +658,7 @@ def main():
         *[(f"probe rows/s, {' / '.join(map(str, PROBE_DEPTHS))} in flight, {e} engine", " / ".join(
             f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)) for e in engines()],
         ("the table's engine", res["engine"]),
+        ("GIL switch interval in the loops (ms)", f"{res['switch_ms']:g}"),
         (f"probe of 2,048 rows, rows/s, {' / '.join(map(str, PROBE_DEPTHS))}", " / ".join(
             f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)),
         (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / {args.ahead} ahead)",
@@ -671,6 +689,9 @@ def main():
         *[(f"zipf {args.ahead} ahead, {d} reads in flight per call / max(a, b): rounds",
            ", ".join(f"{x:.2f}" for x in res[f"zipf_depth_{d}_x_bound_rounds"]))
           for d in args.also_depth],
+        *[(f"zipf {args.ahead} ahead, GIL switch interval {ms:g} ms / max(a, b): rounds",
+           ", ".join(f"{x:.2f}" for x in res[f"zipf_switch_{ms:g}_x_bound_rounds"]))
+          for ms in args.also_switch_ms],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
         ("zipf rows read / misses per step (disk counters, read-ahead run)",

@@ -8,7 +8,10 @@ rows in single calls of several lengths and depths (reads in flight), interleave
 ``--batches``, each probe also runs with glibc's AIO handed that many requests per
 ``lio_listio`` call (RequestPool.batch, default nbtools.fileio.AIO_BATCH), and with
 ``--concurrent N`` as N calls at once from N threads sharing the file (a disk table's
-read-aheads).
+read-aheads). With ``--stream S`` every thread reads call after call for S seconds (a
+loop's read-aheads, which follow each other without a pause), and ``--append ROWS`` adds a
+thread writing ROWS consecutive rows every ``--append-ms`` (a log table's write-backs) through
+the same request pool: the rate a disk table's loop can expect, against the lone probe's.
 
     python3 benchmarks/experiments/probe_lengths.py --dir /tmp/nbp --rows 20000000
 """
@@ -39,7 +42,19 @@ def main():
                     help="requests per lio_listio call, comma-separated")
     ap.add_argument("--concurrent", type=int, default=1, help="calls at once (threads)")
     ap.add_argument("--keep", action="store_true", help="reuse the file if it is there")
+    ap.add_argument("--stream", type=float, default=0.0,
+                    help="seconds of calls back to back per thread (0: one call each)")
+    ap.add_argument("--append", type=int, default=0,
+                    help="rows written at a moving head every --append-ms meanwhile")
+    ap.add_argument("--append-ms", type=float, default=27.0)
+    ap.add_argument("--busy", type=int, default=0,
+                    help="threads running Python meanwhile (holding the GIL, as a training "
+                         "loop's main thread does)")
+    ap.add_argument("--switch-ms", type=float, default=None,
+                    help="sys.setswitchinterval (Python's default: 5 ms)")
     args = ap.parse_args()
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
@@ -62,24 +77,63 @@ def main():
     outs = [np.empty((max(lengths), args.row_bytes), dtype=np.uint8)
             for _ in range(args.concurrent)]
 
+    head = [0]
+
     def one(n, d, b):
         f._pool.batch = b
         f._pool.threads = d
-        sets = [np.unique(gen.integers(0, args.rows, n)) for _ in range(args.concurrent)]
-        threads = [threading.Thread(target=f.read, args=(ids, out[: len(ids)]))
-                   for ids, out in zip(sets, outs)]
+        done = threading.Event()
+        count = [0] * args.concurrent
+        src = np.zeros((max(1, args.append), args.row_bytes), dtype=np.uint8)
+
+        def reader(i):
+            while True:
+                ids = np.unique(gen.integers(0, args.rows, n))
+                f.read(ids, outs[i][: len(ids)])
+                count[i] += len(ids)
+                if not args.stream or done.is_set():
+                    return
+
+        def appender():
+            while not done.is_set():
+                t1 = time.perf_counter()
+                if head[0] + args.append > args.rows:
+                    head[0] = 0
+                f.write_range(head[0], src)
+                head[0] += args.append
+                time.sleep(max(0.0, args.append_ms / 1e3 - (time.perf_counter() - t1)))
+        def busy():
+            x = 0
+            while not done.is_set():
+                for k in range(1000):
+                    x += k
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(args.concurrent)]
+        extra = [threading.Thread(target=appender)] if args.append else []
+        extra += [threading.Thread(target=busy) for _ in range(args.busy)]
         t = time.perf_counter()
-        for th in threads:
+        for th in threads + extra:
             th.start()
+        if args.stream:
+            time.sleep(args.stream)
+            done.set()
         for th in threads:
             th.join()
-        return sum(len(s) for s in sets) / (time.perf_counter() - t)
+        rate = sum(count) / (time.perf_counter() - t)
+        done.set()
+        for th in extra:
+            th.join()
+        return rate
     for r in range(args.rounds):
         for c in cases:
             rates[c].append(one(*c))
         print(f"round {r}: " + ", ".join(f"{n}@{d}/{b} {rates[(n, d, b)][-1]:,.0f}"
                                         for n, d, b in cases), flush=True)
-    print(f"\n{args.concurrent} call(s) at once\n| rows a call | in flight | requests a "
+    print(f"\n{args.concurrent} call(s) at once"
+          + (f", back to back for {args.stream:g} s" if args.stream else "")
+          + (f", {args.append:,} rows appended every {args.append_ms:g} ms" if args.append
+             else "") + (f", {args.busy} thread(s) running Python" if args.busy else "")
+          + (f", switch interval {args.switch_ms:g} ms" if args.switch_ms is not None else "")
+          + "\n| rows a call | in flight | requests a "
           "lio_listio | rows/s median (min..max) |\n|---:|---:|---:|---|")
     for (n, d, b), xs in rates.items():
         print(f"| {n:,} | {d} | {b:,} | {np.median(xs):,.0f} ({min(xs):,.0f}..{max(xs):,.0f}) |")
