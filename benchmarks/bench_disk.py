@@ -381,8 +381,8 @@ def main():
                     "comma-separated (default none)")
     ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
                     default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
-                    "each round, comma-separated (default none; the table's own: "
-                    "nbtools.readahead.SWITCH_INTERVAL, 0.5 ms; Python's default 5)")
+                    "each round, comma-separated (default none: the run's own, Python's default 5 ms "
+                    "unless --switch-interval)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
                          "how long a reader thread may wait for the GIL")
@@ -608,7 +608,7 @@ def main():
             print(f"host comparison skipped: {need / 2**30:.1f} GiB of rows, "
                   f"{avail / 2**30:.1f} GiB available", flush=True)
     host_ms = res.get("host_zipf_ms") or 0.0
-    res["switch_ms"] = sys.getswitchinterval() * 1e3      # (nbtools' own, once reading ahead)
+    res["switch_ms"] = sys.getswitchinterval() * 1e3
     res["zipf_x_bound_rounds"] = [rnd["zipf_read_ahead"]["ms_per_step"] /
                                   max(host_ms, rnd["floor_b_ms"]) for rnd in rounds]
     res["zipf_x_bound"] = med(res["zipf_x_bound_rounds"])

@@ -4,8 +4,7 @@
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
-#     at 100M rows under the simulated Colab free tier (~9.5 minutes; each round also
-#     times a loop at Python's own GIL switch interval)
+#     at 100M rows under the simulated Colab free tier (~8-9 minutes)
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
 # The log ends with the 15 slowest tests. Where pytest-xdist is importable (carry its wheel and
@@ -56,7 +55,7 @@ if [ "$what" = disk ]; then
         | tee "$out/disk_timeline_20m.log" | head -40; rm -rf "$dir" ;;
     100m)
       python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 5 --cache-gib 7 \
-        --host-compare --dir "$dir" --age-s 60 --also-ahead "" --also-switch-ms 5 \
+        --host-compare --dir "$dir" --age-s 60 --also-ahead "" \
         --uniform-steps 32 --uniform-rounds 2 --out "$out/disk100m" 2>&1 | grep -v "^uniform {\|Warn" \
         | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
   esac

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,39 +42,6 @@ AHEAD = 8
 # Write-backs of evicted rows queued behind the write-back thread at most: a read-ahead waits
 # for the oldest beyond this (their rows are copies in RAM until written).
 WRITES = 2 * DEPTH
-# How long a thread may keep the GIL while another waits for it, in seconds, while read-aheads
-# run (Python's default is 5 ms). A loader thread needs the GIL between two batches of requests
-# handed to glibc; with the training loop's thread holding it, it waited up to 5 ms each time
-# and the disk's queue ran low: eight streams of step-sized reads beside a thread running
-# Python read 0.85x their rate alone, 1.07x with 0.5 ms (GPU machine, benchmarks/RESULTS.md
-# "Session 17").
-SWITCH_INTERVAL = 0.0005
-_PYTHON_SWITCH_INTERVAL = 0.005
-_switch_tuned = False
-
-
-def quick_gil_handoff() -> None:
-    """Lower the interpreter's switch interval to :data:`SWITCH_INTERVAL`, once per process,
-    when the first read-ahead starts: only while it is Python's default (a value the program
-    set itself is kept), and not with ``NBTOOLS_SWITCH_INTERVAL_MS`` set (that many ms instead;
-    ``0``: Python's own left alone). Process-wide, like ``sys.setswitchinterval`` itself: it
-    only matters while threads wait for the GIL."""
-    global _switch_tuned
-    if _switch_tuned:
-        return
-    _switch_tuned = True
-    env = os.environ.get("NBTOOLS_SWITCH_INTERVAL_MS")
-    if env is not None:
-        try:
-            ms = float(env)
-        except ValueError:
-            raise ValueError(f"NBTOOLS_SWITCH_INTERVAL_MS={env!r}: expected a number of "
-                             "milliseconds (0: leave Python's switch interval alone)") from None
-        if ms > 0:
-            sys.setswitchinterval(ms / 1e3)
-        return
-    if sys.getswitchinterval() == _PYTHON_SWITCH_INTERVAL:
-        sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 @dataclasses.dataclass
@@ -134,7 +99,6 @@ class ReadAhead:
         self.writes: collections.deque[_Ahead] = collections.deque()   # oldest first
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
         self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
-        quick_gil_handoff()
 
     def submit(self, ids: torch.Tensor, padding_idx) -> None:
         """Start reading ahead for ``ids`` (waiting first for the oldest queued read-ahead's

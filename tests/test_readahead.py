@@ -1,7 +1,6 @@
 """Read-ahead of disk tables several steps deep (nbtools.readahead): training stays
 bit-identical to the same table in host RAM (itself tested against torch's optimizers), and a
 row a read-ahead evicts is never read back before its write-back is done."""
-import sys
 import threading
 import time
 
@@ -403,40 +402,3 @@ def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
         d.file.read = read
     assert d.read_rows(30, 31)[:, 0].tolist() == [60.0]
     d.close()
-
-
-@pytest.fixture
-def switch_interval(monkeypatch):
-    """Python's default switch interval and an untuned nbtools for the test; restored after."""
-    old = sys.getswitchinterval()
-    monkeypatch.setattr(readahead, "_switch_tuned", False)
-    monkeypatch.delenv("NBTOOLS_SWITCH_INTERVAL_MS", raising=False)
-    sys.setswitchinterval(0.005)
-    yield
-    sys.setswitchinterval(old)
-
-
-def test_the_first_read_ahead_shortens_the_gil_switch_interval(tmp_path, switch_interval):
-    _table(tmp_path, ahead=torch.tensor([1, 5]))
-    assert sys.getswitchinterval() == pytest.approx(readahead.SWITCH_INTERVAL)
-    sys.setswitchinterval(0.003)                    # once per process: a later change stays
-    _table(tmp_path / "b", ahead=torch.tensor([2]))
-    assert sys.getswitchinterval() == pytest.approx(0.003)
-
-
-@pytest.mark.parametrize("env, expect", [(None, 0.002), ("0", 0.005), ("1.5", 0.0015)])
-def test_a_switch_interval_chosen_by_the_program_or_the_environment_is_kept(
-        switch_interval, monkeypatch, env, expect):
-    if env is None:
-        sys.setswitchinterval(0.002)                # the program's own choice
-    else:
-        monkeypatch.setenv("NBTOOLS_SWITCH_INTERVAL_MS", env)
-    readahead.quick_gil_handoff()
-    assert sys.getswitchinterval() == pytest.approx(expect)
-
-
-def test_a_bad_switch_interval_in_the_environment_is_named(switch_interval, monkeypatch):
-    monkeypatch.setenv("NBTOOLS_SWITCH_INTERVAL_MS", "fast")
-    with pytest.raises(ValueError, match="NBTOOLS_SWITCH_INTERVAL_MS='fast'"):
-        readahead.quick_gil_handoff()
-    assert sys.getswitchinterval() == pytest.approx(0.005)
