@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
-#   bash benchmarks/gpu_suite.sh disk [timeline|100m]   # the disk tier's runs (one call each):
+#   bash benchmarks/gpu_suite.sh disk [timeline|100m|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
-#     at 100M rows under the simulated Colab free tier (~8-9 minutes)
+#     at 100M rows under the simulated Colab free tier (~8-9 minutes); sizes: the same at 1M and 10M
+#     rows (the step against its floor does not grow with the table)
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
 # The log ends with the 15 slowest tests. Where pytest-xdist is importable (carry its wheel and
@@ -58,6 +59,15 @@ if [ "$what" = disk ]; then
         --host-compare --dir "$dir" --age-s 60 --also-ahead "" \
         --uniform-steps 32 --uniform-rounds 2 --out "$out/disk100m" 2>&1 | grep -v "^uniform {\|Warn" \
         | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
+    sizes)   # the step against its floor at 1M and 10M rows, the 100M run's RAM share (29%)
+      for rows in 1000000 10000000; do
+        python3 benchmarks/bench_disk.py --rows $rows --steps 96 --rounds 3 \
+          --cache-gib "$(python3 -c "print(round(7 * $rows / 1e8, 4))")" --host-compare \
+          --dir "$dir" --age-s 30 --also-ahead "" --uniform-steps 12 --uniform-rounds 1 \
+          --out "$out/disk$rows" 2>&1 | grep -v "^uniform {\|Warn" \
+          | tee "$out/bench_disk_$rows.log" | grep "round \|/ max(a, b)\|misses/step\|steps/s"
+        rm -rf "$dir"
+      done ;;
   esac
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
