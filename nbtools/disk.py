@@ -195,7 +195,122 @@ class _ReadsAhead:
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
 
-class DiskRows(WholeTable, _ReadsAhead):
+class _Slots:
+    """Which RAM slot a missing row of a :class:`DiskRows` takes (its base class; the methods
+    use its slot arrays under its lock): a free slot, else one CLOCK finds idle, never one
+    a lookup of this step holds, a read-ahead is loading, or GPU work queued so far still
+    reads or writes (a CUDA event per use). An evicted dirty row is copied aside to be written
+    back beside the step's reads."""
+
+    def mark_used(self, slots: np.ndarray) -> None:
+        """The GPU work queued so far reads or writes ``slots``: they are not reused before it
+        has run (a CUDA event; nothing to wait for on the CPU)."""
+        if self.device.type != "cuda" or len(slots) == 0:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._event_index += 1
+        self._events.append((self._event_index, event))
+        self.busy[slots] = self._event_index
+
+    def _advance(self, wait_for: int = 0) -> None:
+        """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
+        while self._events:
+            index, event = self._events[0]
+            if index <= wait_for:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._done_upto = index
+            self._events.popleft()
+
+    @contextlib.contextmanager
+    def _sparing(self, hits: np.ndarray):
+        """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
+        was = self.locked[hits].copy()
+        self.locked[hits] = True
+        try:
+            yield
+        finally:
+            self.locked[hits] = was
+
+    def _take(self, k: int, wait: bool) -> np.ndarray:
+        """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
+        ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
+        return fewer."""
+        got = [self._take_free(k)]
+        need = k - len(got[0])
+        try:
+            for waiting in (False, True):
+                if not need or waiting and not wait:
+                    break
+                self._advance(wait_for=self._event_index if waiting else 0)  # (a sync)
+                victims = self._sweep(need)
+                self._evict(victims)
+                got.append(victims)
+                need -= len(victims)
+            if need and wait:
+                self._grow(need)
+                got.append(self._take(need, wait))
+        except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
+            self._free.append(np.concatenate(got))
+            raise
+        return np.concatenate(got)
+
+    def _take_free(self, k: int) -> np.ndarray:
+        """Up to ``k`` slots that hold no row."""
+        got, need = [], k
+        while need and self._free:
+            part = self._free.popleft()
+            if len(part) > need:
+                self._free.appendleft(part[need:])
+                part = part[:need]
+            got.append(part)
+            need -= len(part)
+        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+    def _sweep(self, need: int) -> np.ndarray:
+        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear,
+        clearing the bits it passes (two turns at most)."""
+        out, taken, passed = [], 0, 0
+        window = max(4 * need, 4096)
+        while taken < need and passed < 2 * self.slots:
+            lo = self._hand
+            hi = min(lo + window, self.slots)
+            idx = np.arange(lo, hi)
+            ok = (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & \
+                (self.busy[lo:hi] <= self._done_upto)
+            pick = idx[ok & ~self.ref[lo:hi]][: need - taken]
+            if len(pick):
+                end = pick[-1] + 1 if taken + len(pick) == need else hi
+            else:
+                end = hi
+            self.ref[lo:end] &= ~ok[: end - lo]   # second chance spent
+            self.locked[pick] = True              # not picked twice on the next turn
+            out.append(pick)
+            taken += len(pick)
+            passed += end - lo
+            self._hand = end % self.slots
+        out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        self.locked[out] = False
+        return out
+
+    def _evict(self, slots: np.ndarray) -> None:
+        """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
+        :meth:`_load`, beside its reads, before the lock is released: no reader of the file
+        can see a row between its eviction and its write."""
+        dirty = slots[self.dirty[slots]]
+        if len(dirty):
+            ids = self.id_of[dirty]
+            order = np.argsort(ids, kind="stable")
+            self._stash.append((ids[order], self._bytes[dirty[order]]))
+            self.dirty[dirty] = False
+        self.slot_of[self.id_of[slots]] = -1
+        self.id_of[slots] = -1
+        self.stats["evicted"] += len(slots)
+
+
+class DiskRows(WholeTable, _ReadsAhead, _Slots):
     """The rows of one table in a file, and the RAM slots that cache them.
 
     Args:
@@ -348,28 +463,6 @@ class DiskRows(WholeTable, _ReadsAhead):
         return getattr(self.file, "slots", self.num_rows) * self.file.stride
 
     # --- GPU uses of slots ----------------------------------------------------------------
-    def mark_used(self, slots: np.ndarray) -> None:
-        """The GPU work queued so far reads or writes ``slots``: they are not reused before it
-        has run (a CUDA event; nothing to wait for on the CPU)."""
-        if self.device.type != "cuda" or len(slots) == 0:
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._event_index += 1
-        self._events.append((self._event_index, event))
-        self.busy[slots] = self._event_index
-
-    def _advance(self, wait_for: int = 0) -> None:
-        """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
-        while self._events:
-            index, event = self._events[0]
-            if index <= wait_for:
-                event.synchronize()
-            elif not event.query():
-                break
-            self._done_upto = index
-            self._events.popleft()
-
     def step_queued(self) -> None:
         """The optimizer has taken this table's lookups (its update is queued after this):
         their slots are marked used at the next host access. Lock-free: the step's Python
@@ -425,91 +518,6 @@ class DiskRows(WholeTable, _ReadsAhead):
                 self._step.append(slots)
         _counters["wait_s"] += time.perf_counter() - t0
         return slots
-
-    @contextlib.contextmanager
-    def _sparing(self, hits: np.ndarray):
-        """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
-        was = self.locked[hits].copy()
-        self.locked[hits] = True
-        try:
-            yield
-        finally:
-            self.locked[hits] = was
-
-    def _take(self, k: int, wait: bool) -> np.ndarray:
-        """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
-        ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
-        return fewer."""
-        got = [self._take_free(k)]
-        need = k - len(got[0])
-        try:
-            for waiting in (False, True):
-                if not need or waiting and not wait:
-                    break
-                self._advance(wait_for=self._event_index if waiting else 0)  # (a sync)
-                victims = self._sweep(need)
-                self._evict(victims)
-                got.append(victims)
-                need -= len(victims)
-            if need and wait:
-                self._grow(need)
-                got.append(self._take(need, wait))
-        except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
-            self._free.append(np.concatenate(got))
-            raise
-        return np.concatenate(got)
-
-    def _take_free(self, k: int) -> np.ndarray:
-        """Up to ``k`` slots that hold no row."""
-        got, need = [], k
-        while need and self._free:
-            part = self._free.popleft()
-            if len(part) > need:
-                self._free.appendleft(part[need:])
-                part = part[:need]
-            got.append(part)
-            need -= len(part)
-        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
-
-    def _sweep(self, need: int) -> np.ndarray:
-        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear,
-        clearing the bits it passes (two turns at most)."""
-        out, taken, passed = [], 0, 0
-        window = max(4 * need, 4096)
-        while taken < need and passed < 2 * self.slots:
-            lo = self._hand
-            hi = min(lo + window, self.slots)
-            idx = np.arange(lo, hi)
-            ok = (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & \
-                (self.busy[lo:hi] <= self._done_upto)
-            pick = idx[ok & ~self.ref[lo:hi]][: need - taken]
-            if len(pick):
-                end = pick[-1] + 1 if taken + len(pick) == need else hi
-            else:
-                end = hi
-            self.ref[lo:end] &= ~ok[: end - lo]   # second chance spent
-            self.locked[pick] = True              # not picked twice on the next turn
-            out.append(pick)
-            taken += len(pick)
-            passed += end - lo
-            self._hand = end % self.slots
-        out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-        self.locked[out] = False
-        return out
-
-    def _evict(self, slots: np.ndarray) -> None:
-        """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
-        :meth:`_load`, beside its reads, before the lock is released: no reader of the file
-        can see a row between its eviction and its write."""
-        dirty = slots[self.dirty[slots]]
-        if len(dirty):
-            ids = self.id_of[dirty]
-            order = np.argsort(ids, kind="stable")
-            self._stash.append((ids[order], self._bytes[dirty[order]]))
-            self.dirty[dirty] = False
-        self.slot_of[self.id_of[slots]] = -1
-        self.id_of[slots] = -1
-        self.stats["evicted"] += len(slots)
 
     def _write_slots(self, slots: np.ndarray) -> None:
         ids = self.id_of[slots]
