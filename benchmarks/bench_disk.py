@@ -340,10 +340,15 @@ def probe_steps(table, batch: int, count: int, threads: int, gen,
         rf.close()
 
 
+def file_pool(table):
+    """The request pool of the table's file (a RowFile's, or a log file's RowFile's)."""
+    f = table.disk.file
+    return getattr(f, "_pool", None) or f.file._pool
+
+
 def set_depth(table, depth: int | None) -> int:
     """Set the table file's reads in flight per call (None: leave it); the old value."""
-    f = table.disk.file
-    pool = getattr(f, "_pool", None) or f.file._pool           # a RowFile, or a log file's
+    pool = file_pool(table)
     old = pool.threads
     if depth:
         pool.threads = int(depth)
@@ -379,6 +384,10 @@ def main():
                     default=[], help="reads in flight per read call (the table file's depth: "
                     "nbtools.disk.DISK_AIO_DEPTH) of extra read-ahead loops in each round, "
                     "comma-separated (default none)")
+    ap.add_argument("--also-batch", type=lambda v: [int(x) for x in v.split(",") if x],
+                    default=[], help="requests per lio_listio call (nbtools.fileio.AIO_BATCH, "
+                    "1,024) of extra read-ahead loops in each round, comma-separated (default "
+                    "none; a batch at least a load's size hands each load to glibc at once)")
     ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
                     default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
                     "each round, comma-separated (default none: the run's own, Python's default 5 ms "
@@ -503,23 +512,29 @@ def main():
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        loops = [(0, "zipf", None, None), (args.ahead, "zipf_read_ahead", None, None)]
-        loops += [(k, f"zipf_read_ahead_{k}", None, None) for k in args.also_ahead
+        # (steps ahead, key, reads in flight, GIL switch interval ms, requests a lio_listio)
+        loops = [(0, "zipf", None, None, None), (args.ahead, "zipf_read_ahead", None, None, None)]
+        loops += [(k, f"zipf_read_ahead_{k}", None, None, None) for k in args.also_ahead
                   if k != args.ahead]
-        loops += [(args.ahead, f"zipf_depth_{d}", d, None) for d in args.also_depth]
-        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms) for ms in args.also_switch_ms]
+        loops += [(args.ahead, f"zipf_depth_{d}", d, None, None) for d in args.also_depth]
+        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms, None)
+                  for ms in args.also_switch_ms]
+        loops += [(args.ahead, f"zipf_batch_{b}", None, None, b) for b in args.also_batch]
         probes = [rate_now()]
-        for prefetch, key, depth, switch_ms in loops:
+        for prefetch, key, depth, switch_ms, batch in loops:
             old = set_depth(table, depth)
-            old_switch = sys.getswitchinterval()
+            old_switch, old_batch = sys.getswitchinterval(), file_pool(table).batch
             if switch_ms:
                 sys.setswitchinterval(switch_ms / 1e3)
+            if batch:
+                file_pool(table).batch = batch
             try:
                 rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
                                    device, prefetch)
             finally:
                 set_depth(table, old)
                 sys.setswitchinterval(old_switch)
+                file_pool(table).batch = old_batch
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
@@ -543,7 +558,9 @@ def main():
               + "".join(f", depth {d} {rnd[f'zipf_depth_{d}']['ms_per_step']:.1f}"
                         for d in args.also_depth)
               + "".join(f", switch {ms:g} ms {rnd[f'zipf_switch_{ms:g}']['ms_per_step']:.1f}"
-                        for ms in args.also_switch_ms) +
+                        for ms in args.also_switch_ms)
+              + "".join(f", batch {b} {rnd[f'zipf_batch_{b}']['ms_per_step']:.1f}"
+                        for b in args.also_batch) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
@@ -625,6 +642,10 @@ def main():
         res[f"zipf_depth_{d}_x_bound_rounds"] = [
             rnd[f"zipf_depth_{d}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_depth_{d}"]))
             for rnd in rounds]
+    for b in args.also_batch:
+        res[f"zipf_batch_{b}_x_bound_rounds"] = [
+            rnd[f"zipf_batch_{b}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_batch_{b}"]))
+            for rnd in rounds]
     for ms in args.also_switch_ms:
         res[f"zipf_switch_{ms:g}_x_bound_rounds"] = [
             rnd[f"zipf_switch_{ms:g}"]["ms_per_step"]
@@ -692,6 +713,9 @@ def main():
         *[(f"zipf {args.ahead} ahead, GIL switch interval {ms:g} ms / max(a, b): rounds",
            ", ".join(f"{x:.2f}" for x in res[f"zipf_switch_{ms:g}_x_bound_rounds"]))
           for ms in args.also_switch_ms],
+        *[(f"zipf {args.ahead} ahead, {b:,} requests a lio_listio / max(a, b): rounds",
+           ", ".join(f"{x:.2f}" for x in res[f"zipf_batch_{b}_x_bound_rounds"]))
+          for b in args.also_batch],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
         ("zipf rows read / misses per step (disk counters, read-ahead run)",
