@@ -27,6 +27,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -292,11 +293,12 @@ def engines() -> list:
 PROBE_BATCHES = (1024, 4096)
 
 
-def probe(table, n: int, threads: int, gen, engine: str | None = None) -> float:
+def probe(table, n: int, threads: int, gen, engine: str | None = None, draw=None) -> float:
     """Rows per second of RowFile random reads (unique, sorted) on the table's own file; the
-    best of the engines (and of PROBE_BATCHES for "aio") when ``engine`` is None."""
+    best of the engines (and of PROBE_BATCHES for "aio") when ``engine`` is None. ``draw(n)``:
+    the file rows (slots) to read (default: uniform over the table's rows)."""
     if engine is None:
-        return max(probe(table, n, threads, gen, e) for e in engines())
+        return max(probe(table, n, threads, gen, e, draw) for e in engines())
     from nbtools.rowfile import RowFile
     f = table.disk.file
     out = np.empty((n, f.row_bytes), dtype=np.uint8)
@@ -307,7 +309,7 @@ def probe(table, n: int, threads: int, gen, engine: str | None = None) -> float:
         for batch in (PROBE_BATCHES if engine == "aio" else (None,)):
             if batch:
                 rf._pool.batch = batch
-            ids = np.unique(gen.integers(0, table.num_embeddings, n))
+            ids = np.unique(draw(n) if draw else gen.integers(0, table.num_embeddings, n))
             rf.read(ids[: min(2048, len(ids))], out[: min(2048, len(ids))])  # warm the pool
             t0 = time.perf_counter()
             rf.read(ids, out[: len(ids)])
@@ -315,6 +317,51 @@ def probe(table, n: int, threads: int, gen, engine: str | None = None) -> float:
         return best
     finally:
         rf.close()
+
+
+def recent_slots(table, gen):
+    """``draw(n)`` for :func:`probe`: n random slots of the log file's most recently written
+    segments (64n slots' worth of them, a few hundred MB: not so few that the disk's locality
+    flatters them; where a Zipf loop's rows evicted lately were appended), or None where the
+    file is not a log."""
+    log = table.disk.file
+    if not hasattr(log, "_stamp"):
+        return None
+
+    def draw(n):
+        newest = np.argsort(log._stamp, kind="stable")[::-1]
+        segs = newest[: max(1, -(-64 * n // log.seg))]
+        slots = (segs[:, None] * log.seg + np.arange(log.seg)).ravel()
+        return gen.choice(slots, min(n, len(slots)), replace=False)
+    return draw
+
+
+class SlotsRead:
+    """Records the file rows (slots) a log table reads while in a ``with`` block, and tells
+    what share of them lie in segments appended since ``since`` (a log clock value)."""
+
+    def __init__(self, table):
+        self.log = table.disk.file
+        self.slots = []
+
+    def __enter__(self):
+        rf = self.log.file
+        self._orig = rf.read
+
+        def read(slots, out, at=None):
+            self.slots.append(np.asarray(slots).copy())
+            return self._orig(slots, out, at=at)
+        rf.read = read
+        return self
+
+    def __exit__(self, *exc):
+        del self.log.file.read          # the instance attribute: the class's method again
+
+    def share_since(self, since: int) -> float | None:
+        if not self.slots:
+            return None
+        s = np.concatenate(self.slots)
+        return float(np.mean(self.log._stamp[s // self.log.seg] > since))
 
 
 def probe_steps(table, batch: int, count: int, threads: int, gen,
@@ -509,6 +556,7 @@ def main():
             / loop["probe_rows_per_s"] * 1e3
 
     rounds = []
+    clock0 = table.disk.file._clock if log is not None else 0
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
@@ -521,6 +569,11 @@ def main():
                   for ms in args.also_switch_ms]
         loops += [(args.ahead, f"zipf_batch_{b}", None, None, b) for b in args.also_batch]
         probes = [rate_now()]
+        recent = recent_slots(table, gen)
+        if recent is not None:          # the newest segments' rows, before the loops
+            rnd["probe_recent_rows_per_s"] = max(probe(table, 8192, t, gen, draw=recent)
+                                                 for t in PROBE_DEPTHS[1:])
+            rnd["probe_recent_x_probe"] = rnd["probe_recent_rows_per_s"] / probes[0]
         for prefetch, key, depth, switch_ms, batch in loops:
             old = set_depth(table, depth)
             old_switch, old_batch = sys.getswitchinterval(), file_pool(table).batch
@@ -528,9 +581,16 @@ def main():
                 sys.setswitchinterval(switch_ms / 1e3)
             if batch:
                 file_pool(table).batch = batch
+            watch = SlotsRead(table) if log is not None and key == "zipf_read_ahead" else None
             try:
-                rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
-                                   device, prefetch)
+                with watch or contextlib.nullcontext():
+                    rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
+                                       device, prefetch)
+                if watch is not None:
+                    # where the loop's reads fell: rows appended since the file was made
+                    # (evicted some time), and since the rounds began (evicted lately)
+                    rnd[key]["read_share_appended"] = watch.share_since(0)
+                    rnd[key]["read_share_appended_in_rounds"] = watch.share_since(clock0)
             finally:
                 set_depth(table, old)
                 sys.setswitchinterval(old_switch)
@@ -718,6 +778,16 @@ def main():
           for b in args.also_batch],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
+        *([("zipf read-ahead loop: share of its reads from segments appended since the file "
+            "was made / since the rounds began: rounds", ", ".join(
+                f"{rnd['zipf_read_ahead']['read_share_appended']:.2f} / "
+                f"{rnd['zipf_read_ahead']['read_share_appended_in_rounds']:.2f}"
+                for rnd in rounds)),
+           ("probe of the newest segments' rows, rows/s (x the probe before the loops): rounds",
+            ", ".join(f"{rnd['probe_recent_rows_per_s']:,.0f} ({rnd['probe_recent_x_probe']:.2f})"
+                      for rnd in rounds))]
+          if "probe_recent_rows_per_s" in rounds[0]
+          and rounds[0]["zipf_read_ahead"].get("read_share_appended") is not None else []),
         ("zipf rows read / misses per step (disk counters, read-ahead run)",
          f"{res['zipf_read_ahead']['disk_read_rows_per_step']:,.0f} / "
          f"{res['zipf_read_ahead']['misses_per_step']:,.0f}"),
