@@ -12,6 +12,8 @@ read-aheads). With ``--stream S`` every thread reads call after call for S secon
 loop's read-aheads, which follow each other without a pause), and ``--append ROWS`` adds a
 thread writing ROWS consecutive rows every ``--append-ms`` (a log table's write-backs) through
 the same request pool: the rate a disk table's loop can expect, against the lone probe's.
+``--paced-ms`` makes the streams a loop's pipeline: step k waits for its call, runs that many
+ms of Python, then issues the call ``--concurrent`` steps ahead (no table code at all).
 
     python3 benchmarks/experiments/probe_lengths.py --dir /tmp/nbp --rows 20000000
 """
@@ -50,6 +52,10 @@ def main():
     ap.add_argument("--busy", type=int, default=0,
                     help="threads running Python meanwhile (holding the GIL, as a training "
                          "loop's main thread does)")
+    ap.add_argument("--paced-ms", type=float, default=None,
+                    help="a loop's pipeline instead of free streams (with --stream): step k "
+                         "waits for its call, runs Python for this many ms (holding the GIL, "
+                         "as a step's own work does), then issues step k + --concurrent's call")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="sys.setswitchinterval (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -79,9 +85,39 @@ def main():
 
     head = [0]
 
+    def paced(n):
+        """Rows/s of a loop reading --concurrent steps ahead (see --paced-ms)."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        def call(i):
+            ids = np.unique(gen.integers(0, args.rows, n))
+            f.read(ids, outs[i][: len(ids)])
+            return len(ids)
+        with ThreadPoolExecutor(args.concurrent) as ex:
+            k = args.concurrent
+            flight = deque(ex.submit(call, i) for i in range(k))
+            rows, t = 0, time.perf_counter()
+            step = 0
+            while time.perf_counter() - t < args.stream:
+                rows += flight.popleft().result()
+                end = time.perf_counter() + args.paced_ms / 1e3
+                x = 0
+                while time.perf_counter() < end:       # the step's own Python
+                    for j in range(200):
+                        x += j
+                flight.append(ex.submit(call, (step + k) % k))
+                step += 1
+            elapsed = time.perf_counter() - t
+            for fut in flight:
+                fut.result()
+        return rows / elapsed
+
     def one(n, d, b):
         f._pool.batch = b
         f._pool.threads = d
+        if args.paced_ms is not None and args.stream:
+            return paced(n)
         done = threading.Event()
         count = [0] * args.concurrent
         src = np.zeros((max(1, args.append), args.row_bytes), dtype=np.uint8)
@@ -133,6 +169,8 @@ def main():
           + (f", {args.append:,} rows appended every {args.append_ms:g} ms" if args.append
              else "") + (f", {args.busy} thread(s) running Python" if args.busy else "")
           + (f", switch interval {args.switch_ms:g} ms" if args.switch_ms is not None else "")
+          + (f", paced: a step waits for its call and runs {args.paced_ms:g} ms of Python"
+             if args.paced_ms is not None and args.stream else "")
           + "\n| rows a call | in flight | requests a "
           "lio_listio | rows/s median (min..max) |\n|---:|---:|---:|---|")
     for (n, d, b), xs in rates.items():
