@@ -285,7 +285,8 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
 def engines() -> list:
     """RowFile's I/O engines on this machine (nbtools.fileio.RequestPool)."""
     from nbtools.fileio import _aio
-    return ["threads"] + (["aio"] if _aio.ready() else [])
+    from nbtools.kaio import _kaio
+    return ["threads"] + (["aio"] if _aio.ready() else []) + (["kaio"] if _kaio.ready() else [])
 
 
 # requests per lio_listio call the probes try (the aio engine), the best counting: the table's
@@ -435,6 +436,9 @@ def main():
                     default=[], help="requests per lio_listio call (nbtools.fileio.AIO_BATCH, "
                     "1,024) of extra read-ahead loops in each round, comma-separated (default "
                     "none; a batch at least a load's size hands each load to glibc at once)")
+    ap.add_argument("--also-engine", type=lambda v: [x for x in v.split(",") if x],
+                    default=[], help="I/O engines (nbtools.fileio.ENGINES) of extra read-ahead "
+                    "loops in each round, comma-separated (default none)")
     ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
                     default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
                     "each round, comma-separated (default none: the run's own, Python's default 5 ms "
@@ -560,27 +564,34 @@ def main():
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        # (steps ahead, key, reads in flight, GIL switch interval ms, requests a lio_listio)
-        loops = [(0, "zipf", None, None, None), (args.ahead, "zipf_read_ahead", None, None, None)]
-        loops += [(k, f"zipf_read_ahead_{k}", None, None, None) for k in args.also_ahead
+        # (steps ahead, key, reads in flight, GIL switch interval ms, requests a lio_listio,
+        # I/O engine)
+        loops = [(0, "zipf", None, None, None, None),
+                 (args.ahead, "zipf_read_ahead", None, None, None, None)]
+        loops += [(k, f"zipf_read_ahead_{k}", None, None, None, None) for k in args.also_ahead
                   if k != args.ahead]
-        loops += [(args.ahead, f"zipf_depth_{d}", d, None, None) for d in args.also_depth]
-        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms, None)
+        loops += [(args.ahead, f"zipf_depth_{d}", d, None, None, None) for d in args.also_depth]
+        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms, None, None)
                   for ms in args.also_switch_ms]
-        loops += [(args.ahead, f"zipf_batch_{b}", None, None, b) for b in args.also_batch]
+        loops += [(args.ahead, f"zipf_batch_{b}", None, None, b, None) for b in args.also_batch]
+        loops += [(args.ahead, f"zipf_engine_{e}", None, None, None, e)
+                  for e in args.also_engine]
         probes = [rate_now()]
         recent = recent_slots(table, gen)
         if recent is not None:          # the newest segments' rows, before the loops
             rnd["probe_recent_rows_per_s"] = max(probe(table, 8192, t, gen, draw=recent)
                                                  for t in PROBE_DEPTHS[1:])
             rnd["probe_recent_x_probe"] = rnd["probe_recent_rows_per_s"] / probes[0]
-        for prefetch, key, depth, switch_ms, batch in loops:
+        for prefetch, key, depth, switch_ms, batch, engine in loops:
             old = set_depth(table, depth)
-            old_switch, old_batch = sys.getswitchinterval(), file_pool(table).batch
+            pool = file_pool(table)
+            old_switch, old_batch, old_engine = sys.getswitchinterval(), pool.batch, pool.engine
             if switch_ms:
                 sys.setswitchinterval(switch_ms / 1e3)
             if batch:
-                file_pool(table).batch = batch
+                pool.batch = batch
+            if engine:
+                pool.engine = engine
             watch = SlotsRead(table) if log is not None and key == "zipf_read_ahead" else None
             try:
                 with watch or contextlib.nullcontext():
@@ -594,7 +605,7 @@ def main():
             finally:
                 set_depth(table, old)
                 sys.setswitchinterval(old_switch)
-                file_pool(table).batch = old_batch
+                pool.batch, pool.engine = old_batch, old_engine
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
@@ -620,7 +631,9 @@ def main():
               + "".join(f", switch {ms:g} ms {rnd[f'zipf_switch_{ms:g}']['ms_per_step']:.1f}"
                         for ms in args.also_switch_ms)
               + "".join(f", batch {b} {rnd[f'zipf_batch_{b}']['ms_per_step']:.1f}"
-                        for b in args.also_batch) +
+                        for b in args.also_batch)
+              + "".join(f", {e} {rnd[f'zipf_engine_{e}']['ms_per_step']:.1f}"
+                        for e in args.also_engine) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
@@ -702,6 +715,10 @@ def main():
         res[f"zipf_depth_{d}_x_bound_rounds"] = [
             rnd[f"zipf_depth_{d}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_depth_{d}"]))
             for rnd in rounds]
+    for e in args.also_engine:
+        res[f"zipf_engine_{e}_x_bound_rounds"] = [
+            rnd[f"zipf_engine_{e}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_engine_{e}"]))
+            for rnd in rounds]
     for b in args.also_batch:
         res[f"zipf_batch_{b}_x_bound_rounds"] = [
             rnd[f"zipf_batch_{b}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_batch_{b}"]))
@@ -776,6 +793,9 @@ def main():
         *[(f"zipf {args.ahead} ahead, {b:,} requests a lio_listio / max(a, b): rounds",
            ", ".join(f"{x:.2f}" for x in res[f"zipf_batch_{b}_x_bound_rounds"]))
           for b in args.also_batch],
+        *[(f"zipf {args.ahead} ahead, the {e} engine / max(a, b): rounds",
+           ", ".join(f"{x:.2f}" for x in res[f"zipf_engine_{e}_x_bound_rounds"]))
+          for e in args.also_engine],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
         *([("zipf read-ahead loop: share of its reads from segments appended since the file "

@@ -38,7 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-ENGINES = ("aio", "threads")
+from .kaio import _kaio
+
+ENGINES = ("aio", "threads", "kaio")
 # Requests per lio_listio call at most (a call's requests go in such batches, one after the
 # other). glibc queues a descriptor's requests in a list it walks to the end for each new one,
 # under its one lock: long queues slow everything. On the CPU machine's disk, 8 calls at once of
@@ -104,6 +106,11 @@ class RequestPool:
       ``"threads"`` from then on).
     * ``"threads"``: Python threads in ``os.preadv`` / ``os.pwritev`` (which release the GIL
       during the system call, but need it between two).
+    * ``"kaio"``: Linux's native AIO (:mod:`nbtools.kaio`): a call's requests handed to the
+      kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
+      waited for in ``io_getevents``: the GIL is needed only between those calls, and no
+      thread pool runs them (``threads`` does not apply). Not the default: chosen by
+      ``NBTOOLS_DISK_ENGINE=kaio`` or ``engine=`` (where its self-test fails, ``"threads"``).
 
     Args:
         threads: requests in flight at most (``"threads"``: the pool has ``threads - 1``
@@ -123,7 +130,8 @@ class RequestPool:
         self._lock = threading.Lock()
         self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
         self._fd, self._dups = None, []          # "aio": the file's duplicates, shared
-        self.batch = AIO_BATCH                   # "aio": requests per lio_listio call
+        self.batch = AIO_BATCH                   # "aio": requests per lio_listio call; "kaio":
+        #                                          requests in the kernel's hands per call
 
     def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool,
             chunk: int = 0) -> None:
@@ -134,6 +142,9 @@ class RequestPool:
         done (a slow request delays only its own thread)."""
         jobs = len(boff)
         workers = min(self.threads, jobs)
+        if jobs > 1 and self.engine == "kaio" and _kaio.ready():
+            _kaio.run(fd, buf, boff, blen, foff, write, self.batch)
+            return
         if workers > 1 and self.engine == "aio" and _aio.ready():
             _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
             return

@@ -344,8 +344,9 @@ class RowFile:
 
     @property
     def engine(self) -> str:
-        """How requests are issued: ``"aio"`` (glibc's AIO, no GIL) or ``"threads"`` (Python
-        threads); see :class:`nbtools.fileio.RequestPool`. Settable."""
+        """How requests are issued: ``"aio"`` (glibc's AIO, no GIL), ``"threads"`` (Python
+        threads) or ``"kaio"`` (Linux's native AIO); see :class:`nbtools.fileio.RequestPool`.
+        Settable."""
         return self._pool.engine
 
     @engine.setter

@@ -1,6 +1,7 @@
-"""nbtools.fileio's two I/O engines: glibc's AIO (one GIL-free lio_listio call per batch) and
-Python threads. The threads engine is the reference: every request set must read and write
-the same bytes through both."""
+"""nbtools.fileio's I/O engines: glibc's AIO (one GIL-free lio_listio call per batch), Linux's
+native AIO (nbtools.kaio: one io_submit and one io_getevents per call) and Python threads. The
+threads engine is the reference: every request set must read and write the same bytes through
+each."""
 import os
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import pytest
 
 from nbtools import fileio
 from nbtools.fileio import RequestPool, _aio
+from nbtools.kaio import _kaio
 from nbtools.rowfile import RowFile
 
 needs_aio = pytest.mark.skipif(not _aio.ready(), reason=f"glibc's AIO unavailable: {_aio.why}")
+needs_kaio = pytest.mark.skipif(not _kaio.ready(), reason=f"native AIO unavailable: {_kaio.why}")
+ASYNC = [pytest.param("aio", marks=needs_aio), pytest.param("kaio", marks=needs_kaio)]
 
 
 def _requests(rng, n_blocks: int, k: int, block: int = 512):
@@ -29,9 +33,13 @@ def _random_file(tmp_path, rng, n_blocks: int):
     return path, data
 
 
-@needs_aio
-@pytest.mark.parametrize("k", [2, 37, 5000])          # 5,000: more than one lio_listio batch
-def test_aio_reads_and_writes_what_threads_do(tmp_path, k):
+@pytest.mark.parametrize("engine", ASYNC)
+@pytest.mark.parametrize("k", [2, 37, 5000])   # 5,000: more than one lio_listio batch, or io_submit
+def test_async_engines_read_and_write_what_threads_do(tmp_path, engine, k, monkeypatch):
+    used = []                   # the engine itself ran the requests (no silent fallback)
+    impl = {"aio": _aio, "kaio": _kaio}[engine]
+    run = impl.run
+    monkeypatch.setattr(impl, "run", lambda *a, **kw: used.append(1) or run(*a, **kw))
     rng = np.random.default_rng(k)
     n = 6000
     path, data = _random_file(tmp_path, rng, n)
@@ -39,21 +47,22 @@ def test_aio_reads_and_writes_what_threads_do(tmp_path, k):
     try:
         boff, blen, foff = _requests(rng, n, k)
         got = {}
-        for engine in ("threads", "aio"):
-            pool = RequestPool(8, 0, "test", engine=engine)
+        for name in ("threads", engine):
+            pool = RequestPool(8, 0, "test", engine=name)
             buf = np.zeros(k * 512, dtype=np.uint8)
             pool.run(fd, buf, boff, blen, foff, write=False)
-            got[engine] = buf
+            got[name] = buf
             pool.close()
         want = np.concatenate([data[o:o + 512] for o in foff])
         assert np.array_equal(got["threads"], want)
-        assert np.array_equal(got["aio"], want)
-        # writes: new bytes through AIO land where the threads engine reads them back
+        assert np.array_equal(got[engine], want)
+        # writes: new bytes through the engine land where the threads engine reads them back
         new = rng.integers(0, 256, k * 512, dtype=np.uint8)
-        RequestPool(8, 0, "test", engine="aio").run(fd, new, boff, blen, foff, write=True)
+        RequestPool(8, 0, "test", engine=engine).run(fd, new, boff, blen, foff, write=True)
         back = np.zeros_like(new)
         RequestPool(8, 0, "test", engine="threads").run(fd, back, boff, blen, foff, write=False)
         assert np.array_equal(back, new)
+        assert len(used) >= 2
         untouched = np.setdiff1d(np.arange(n), foff // 512)[:50]
         now = np.frombuffer(path.read_bytes(), dtype=np.uint8).reshape(n, 512)
         assert np.array_equal(now[untouched], data.reshape(n, 512)[untouched])
@@ -61,16 +70,16 @@ def test_aio_reads_and_writes_what_threads_do(tmp_path, k):
         os.close(fd)
 
 
-@needs_aio
-def test_aio_read_past_the_end_is_an_error_not_zeros(tmp_path):
+@pytest.mark.parametrize("engine", ASYNC)
+def test_a_read_past_the_end_is_an_error_not_zeros(tmp_path, engine):
     path = tmp_path / "f"
     path.write_bytes(bytes(4096))
     fd = os.open(path, os.O_RDONLY)
     try:
         buf = np.ones(8192, dtype=np.uint8)
         with pytest.raises(OSError, match="short read"):
-            RequestPool(4, 0, "test", engine="aio").run(fd, buf, [0, 4096], [4096, 4096],
-                                                         [0, 4096], write=False)
+            RequestPool(4, 0, "test", engine=engine).run(fd, buf, [0, 4096], [4096, 4096],
+                                                          [0, 4096], write=False)
     finally:
         os.close(fd)
 
@@ -85,7 +94,7 @@ def test_a_forked_child_falls_back_to_threads():
 
 
 def test_engine_choice_is_checked(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="'uring'.*aio, threads"):
+    with pytest.raises(ValueError, match="'uring'.*aio, threads, kaio"):
         RequestPool(4, 0, "test", engine="uring")
     monkeypatch.setenv("NBTOOLS_DISK_ENGINE", "threads")
     assert fileio.default_engine() == "threads"
@@ -101,7 +110,8 @@ def test_rowfile_engines_agree(tmp_path):
     try:
         ids = np.unique(rng.integers(0, 3000, 900))
         rows = rng.integers(0, 256, (len(ids), 260), dtype=np.uint8)
-        engines = ["threads"] + (["aio"] if _aio.ready() else [])
+        engines = ["threads"] + (["aio"] if _aio.ready() else []) + \
+            (["kaio"] if _kaio.ready() else [])
         for i, engine in enumerate(engines):
             f.engine = engine
             f.write(ids, rows if i == 0 else rows[::-1].copy())
@@ -359,4 +369,63 @@ def test_aio_pools_hold_no_more_duplicates_than_their_share(tmp_path, monkeypatc
         gc.enable()
         for pool in pools:
             pool.close()
+        os.close(fd)
+
+
+@needs_kaio
+def test_native_aio_in_parts_with_partial_submits_and_interrupted_waits(tmp_path, monkeypatch):
+    """A call longer than a context (in parts), a kernel that takes a few requests per
+    io_submit, waits cut short by a signal (EINTR), and requests the kernel refuses (finished
+    the plain way): the same bytes as the threads engine."""
+    import errno as E
+    rng = np.random.default_rng(11)
+    n, k = 400, 97
+    path, data = _random_file(tmp_path, rng, n)
+    real = _kaio._call
+    seen = {"submits": 0, "eintr": 0, "refused": 0}
+
+    def call(nr, *args):
+        if nr == _kaio._submit_nr:
+            seen["submits"] += 1
+            if seen["submits"] % 7 == 0:            # now and then: the rest refused
+                seen["refused"] += 1
+                return -E.EINVAL
+            ctx, count, ptrs = args
+            return real(nr, ctx, min(count, 3), ptrs)
+        if nr == _kaio._getevents_nr and seen["eintr"] < 3:
+            seen["eintr"] += 1
+            return -E.EINTR
+        return real(nr, *args)
+    monkeypatch.setattr(_kaio, "_call", call)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        boff, blen, foff = _requests(rng, n, k)
+        buf = np.zeros(k * 512, dtype=np.uint8)
+        _kaio.run(fd, buf, boff, blen, foff, write=False, depth=20)
+        assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        new = rng.integers(0, 256, k * 512, dtype=np.uint8)
+        _kaio.run(fd, new, boff, blen, foff, write=True, depth=20)
+    finally:
+        os.close(fd)
+    now = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    assert np.array_equal(np.concatenate([now[o:o + 512] for o in foff]), new)
+    assert seen["eintr"] == 3 and seen["refused"] > 0
+
+
+@needs_kaio
+def test_native_aio_failures_are_raised_by_name(tmp_path, monkeypatch):
+    import errno as E
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    real = _kaio._call
+
+    def call(nr, *args):                           # io_setup refused (fs.aio-max-nr reached)
+        return -E.EAGAIN if nr == _kaio._setup_nr else real(nr, *args)
+    monkeypatch.setattr(_kaio, "_call", call)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="io_setup.*aio-max-nr"):
+            _kaio.run(fd, np.zeros(8192, dtype=np.uint8), [0, 4096], [4096, 4096], [0, 4096],
+                      write=False)
+    finally:
         os.close(fd)

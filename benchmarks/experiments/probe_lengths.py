@@ -56,6 +56,8 @@ def main():
                     help="a loop's pipeline instead of free streams (with --stream): step k "
                          "waits for its call, runs Python for this many ms (holding the GIL, "
                          "as a step's own work does), then issues step k + --concurrent's call")
+    ap.add_argument("--engine", default=None,
+                    help="the file's I/O engine (nbtools.fileio.ENGINES; default: nbtools')")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="sys.setswitchinterval (Python's default: 5 ms)")
     args = ap.parse_args()
@@ -78,6 +80,8 @@ def main():
         f.flush()
         print(f"wrote {args.rows:,} rows ({f.stride} B each on disk, direct={f.direct}) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if args.engine:
+        f.engine = args.engine
     cases = [(n, d, b) for n in lengths for d in depths for b in batches]
     rates = {c: [] for c in cases}
     outs = [np.empty((max(lengths), args.row_bytes), dtype=np.uint8)
@@ -164,7 +168,7 @@ def main():
             rates[c].append(one(*c))
         print(f"round {r}: " + ", ".join(f"{n}@{d}/{b} {rates[(n, d, b)][-1]:,.0f}"
                                         for n, d, b in cases), flush=True)
-    print(f"\n{args.concurrent} call(s) at once"
+    print(f"\n{args.concurrent} call(s) at once, engine {f.engine}"
           + (f", back to back for {args.stream:g} s" if args.stream else "")
           + (f", {args.append:,} rows appended every {args.append_ms:g} ms" if args.append
              else "") + (f", {args.busy} thread(s) running Python" if args.busy else "")
