@@ -27,6 +27,7 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -130,6 +131,7 @@ class RequestPool:
         self._lock = threading.Lock()
         self._spare: list[np.ndarray] = []       # bounce buffers kept between calls
         self._fd, self._dups = None, []          # "aio": the file's duplicates, shared
+        self._turns = Turns()                    # "kaio": calls hand requests over in order
         self.batch = AIO_BATCH                   # "aio": requests per lio_listio call; "kaio":
         #                                          requests in the kernel's hands per call
 
@@ -143,7 +145,7 @@ class RequestPool:
         jobs = len(boff)
         workers = min(self.threads, jobs)
         if jobs > 1 and self.engine == "kaio" and _kaio.ready():
-            _kaio.run(fd, buf, boff, blen, foff, write, self.batch)
+            _kaio.run(fd, buf, boff, blen, foff, write, self.batch, turn=self._turns.turn)
             return
         if workers > 1 and self.engine == "aio" and _aio.ready():
             _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
@@ -259,6 +261,42 @@ class RequestPool:
             # joining threads from a finalizer run by the garbage collector can deadlock (a
             # collection inside Thread.start holds the lock that join needs)
             pool.shutdown(wait=False)
+
+
+class Turns:
+    """Callers take turns in the order they asked (a ticket lock): ``with turns.turn(): ...``.
+    A caller interrupted while waiting gives its turn up (the next one is not held up)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next = 0                  # the next ticket handed out
+        self._serving = 0               # the ticket whose turn it is
+        self._gone = set()              # tickets given up while waiting
+
+    @contextlib.contextmanager
+    def turn(self):
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            try:
+                while self._serving != ticket:
+                    self._cond.wait()
+            except BaseException:
+                self._gone.add(ticket)
+                self._skip()
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving += 1
+                self._skip()
+
+    def _skip(self) -> None:
+        while self._serving in self._gone:
+            self._gone.remove(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
 
 
 def _check_engine(engine: str) -> str:

@@ -17,6 +17,7 @@ borrowed.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -88,10 +89,13 @@ class _KernelAio:
                 raise OSError("native AIO's self-test read back other bytes")
 
     def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool,
-            depth: int = DEPTH) -> None:
+            depth: int = DEPTH, turn=None) -> None:
         """Requests ``j``: ``blen[j]`` bytes at ``buf[boff[j]:]`` <-> file offset ``foff[j]``,
         at most ``depth`` in the kernel's hands at once (more are handed over as a quarter of
-        them finish: the device's queue never drains in the middle of a call)."""
+        them finish: the device's queue never drains in the middle of a call). ``turn``: a
+        context manager factory, held while this call hands its requests over (calls of one file take
+        turns in the order they came, so the device serves them about in that order: a
+        read-ahead's rows come before the next one's, as with glibc's queues)."""
         from .fileio import _pread_all, _pwrite_all, uninterrupted
         base = buf.ctypes.data
         boff = np.asarray(boff, dtype=np.int64)
@@ -131,7 +135,11 @@ class _KernelAio:
             res[ev["data"].astype(np.int64)] = ev["res"]
             state["got"] += r
 
-        def work():
+        def submit_all():
+            with turn() if turn is not None else contextlib.nullcontext():
+                submit()
+
+        def submit():
             while state["sent"] < n and not state["refused"]:
                 room = depth - (state["sent"] - state["got"])
                 if room < max(1, depth // 4) and state["sent"] > state["got"]:
@@ -145,6 +153,9 @@ class _KernelAio:
                     reap(1)                         # room, once some are done
                 elif r != -errno.EINTR:             # the rest not taken: done the plain way
                     state["refused"] = True
+
+        def work():
+            submit_all()
             while state["got"] < state["sent"]:
                 reap(state["sent"] - state["got"])
         try:

@@ -429,3 +429,38 @@ def test_native_aio_failures_are_raised_by_name(tmp_path, monkeypatch):
                       write=False)
     finally:
         os.close(fd)
+
+
+def test_turns_go_in_the_order_asked_and_one_who_leaves_holds_no_one_up():
+    import threading
+    import time
+    turns = fileio.Turns()
+    real_wait = turns._cond.wait
+
+    def wait(*a):                       # the thread named "leaver" is interrupted as it waits
+        if threading.current_thread().name == "leaver":
+            raise KeyboardInterrupt
+        return real_wait(*a)
+    turns._cond.wait = wait
+    order = []
+
+    def take(name):
+        try:
+            with turns.turn():
+                order.append(name)
+        except KeyboardInterrupt:
+            order.append(f"{name} left")
+    first = turns.turn()
+    first.__enter__()                   # ticket 0 held: everyone after it waits
+    threads = []
+    for name in ("a", "leaver", "b", "c"):
+        th = threading.Thread(target=take, args=(name,), name=name)
+        th.start()
+        threads.append(th)
+        deadline = time.monotonic() + 5
+        while turns._next < len(threads) + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)           # its ticket taken before the next one asks
+    first.__exit__(None, None, None)
+    for th in threads:
+        th.join(5)
+    assert order == ["leaver left", "a", "b", "c"]
