@@ -11,9 +11,10 @@ asynchronously; for buffered ones ``io_submit`` does the work itself (still with
 
 The system calls go through libc's ``syscall()`` (no library to install): x86_64 and aarch64
 Linux only, checked by a self-test at first use; anything unexpected leaves the engine unused
-(:attr:`_KernelAio.why`). A context is made per call (``io_setup``, ~tens of µs) and destroyed
-after it, so that none outlives its thread and the system-wide limit (``fs.aio-max-nr``) is only
-borrowed.
+(:attr:`_KernelAio.why`). Each thread keeps one context (``io_setup``: 1,024 events, more if a
+call asks) for its life: destroying one waits for an RCU grace period, milliseconds that a
+context per call paid on every read (the table's loop ran at half its speed). The system-wide
+limit (``fs.aio-max-nr``, 65,536 events by default) bounds how many threads may hold one.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class _KernelAio:
         self._lock = threading.Lock()
         self._ok = None          # None: not tried yet
         self.why = None          # why it is not used, when it is not
+        self._local = threading.local()
 
     def ready(self) -> bool:
         if self._ok is None:
@@ -67,6 +69,16 @@ class _KernelAio:
             self._selftest()
         except Exception as e:                            # noqa: BLE001 (any failure: unused)
             self._ok, self.why = False, f"{type(e).__name__}: {e}"
+
+    def _context(self, depth: int):
+        """This thread's context, of at least ``depth`` events (made on first use; kept while
+        the thread lives: io_destroy waits for an RCU grace period, milliseconds a call)."""
+        held = getattr(self._local, "ctx", None)
+        if held is None or held.size < depth or held.pid != os.getpid():
+            size = max(depth, min(DEPTH, 1024))
+            held = self._local.ctx = None        # (the old one destroyed first)
+            self._local.ctx = held = _Context(self, size)
+        return held.id
 
     def _call(self, *args) -> int:
         r = self._syscall(*[ctypes.c_long(a) for a in args])
@@ -106,11 +118,8 @@ class _KernelAio:
             return
         if boff.min() < 0 or (boff + blen).max() > buf.nbytes:
             raise ValueError("a request falls outside its buffer")
-        depth = max(1, min(int(depth), n))
-        ctx = ctypes.c_ulong(0)
-        r = self._call(self._setup_nr, depth, ctypes.addressof(ctx))
-        if r < 0:
-            raise OSError(-r, f"io_setup({depth}): {os.strerror(-r)} (fs.aio-max-nr reached?)")
+        depth = max(1, min(int(depth), n, DEPTH))
+        ctx = self._context(depth)
         cb = np.zeros(n, dtype=_IOCB)
         cb["data"] = np.arange(n)
         cb["opcode"] = _PWRITE if write else _PREAD
@@ -126,7 +135,7 @@ class _KernelAio:
         state = {"sent": 0, "got": 0, "refused": False}
 
         def reap(least: int) -> None:
-            r = self._call(self._getevents_nr, ctx.value, least, depth, events.ctypes.data, 0)
+            r = self._call(self._getevents_nr, ctx, least, depth, events.ctypes.data, 0)
             if r == -errno.EINTR:
                 return
             if r < 0:
@@ -145,7 +154,7 @@ class _KernelAio:
                 if room < max(1, depth // 4) and state["sent"] > state["got"]:
                     reap(min(state["sent"] - state["got"], max(1, depth // 4)))
                     continue
-                r = self._call(self._submit_nr, ctx.value, min(room, n - state["sent"]),
+                r = self._call(self._submit_nr, ctx, min(room, n - state["sent"]),
                                int(ptrs.ctypes.data) + 8 * state["sent"])
                 if r > 0:
                     state["sent"] += r
@@ -158,12 +167,14 @@ class _KernelAio:
             submit_all()
             while state["got"] < state["sent"]:
                 reap(state["sent"] - state["got"])
+        # every request finished before the buffer and the control blocks may go, whatever
+        # interrupts the wait (a KeyboardInterrupt is raised once it is over); on an error,
+        # the context goes (io_destroy waits for whatever it still holds)
         try:
-            # every request finished before the buffer and the control blocks may go, whatever
-            # interrupts the wait (a KeyboardInterrupt is raised once it is over)
             uninterrupted(work)
-        finally:
-            self._call(self._destroy_nr, ctx.value)   # (waits for anything still in flight)
+        except BaseException:
+            self._local.__dict__.pop("ctx", None)
+            raise
         redo = np.flatnonzero(res != blen)
         if len(redo):
             bad = [int(-x) for x in res[redo] if x < 0 and -x not in (errno.EAGAIN, errno.EINTR)]
@@ -176,6 +187,25 @@ class _KernelAio:
             for j in redo:
                 done = max(0, int(res[j]))
                 op(fd, mv[int(boff[j]) + done:int(boff[j] + blen[j])], int(foff[j]) + done)
+
+
+class _Context:
+    """One thread's AIO context (``io_setup``), destroyed with the thread's locals or when
+    replaced; a forked child makes its own (the parent's is not its)."""
+
+    def __init__(self, aio: _KernelAio, size: int):
+        ctx = ctypes.c_ulong(0)
+        r = aio._call(aio._setup_nr, size, ctypes.addressof(ctx))
+        if r < 0:
+            raise OSError(-r, f"io_setup({size}): {os.strerror(-r)} (fs.aio-max-nr reached?)")
+        self.aio, self.id, self.size, self.pid = aio, ctx.value, size, os.getpid()
+
+    def __del__(self):
+        try:
+            if self.pid == os.getpid():
+                self.aio._call(self.aio._destroy_nr, self.id)
+        except Exception:          # (interpreter shutdown)
+            pass
 
 
 _kaio = _KernelAio()

@@ -422,6 +422,7 @@ def test_native_aio_failures_are_raised_by_name(tmp_path, monkeypatch):
     def call(nr, *args):                           # io_setup refused (fs.aio-max-nr reached)
         return -E.EAGAIN if nr == _kaio._setup_nr else real(nr, *args)
     monkeypatch.setattr(_kaio, "_call", call)
+    _kaio._local.__dict__.pop("ctx", None)         # this thread's context: made anew
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="io_setup.*aio-max-nr"):
@@ -464,3 +465,24 @@ def test_turns_go_in_the_order_asked_and_one_who_leaves_holds_no_one_up():
     for th in threads:
         th.join(5)
     assert order == ["leaver left", "a", "b", "c"]
+
+
+@needs_kaio
+def test_native_aio_keeps_a_context_per_thread(tmp_path, monkeypatch):
+    """io_destroy waits for an RCU grace period (milliseconds): a thread's calls share one
+    context instead of making one each."""
+    path, data = _random_file(tmp_path, np.random.default_rng(5), 64)
+    real = _kaio._call
+    setups = []
+    monkeypatch.setattr(_kaio, "_call", lambda nr, *a: (
+        setups.append(1) if nr == _kaio._setup_nr else None) or real(nr, *a))
+    _kaio._local.__dict__.pop("ctx", None)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(5):
+            buf = np.zeros(2 * 512, dtype=np.uint8)
+            _kaio.run(fd, buf, [0, 512], [512, 512], [512, 4096], write=False)
+            assert np.array_equal(buf, np.concatenate([data[512:1024], data[4096:4608]]))
+    finally:
+        os.close(fd)
+    assert len(setups) == 1
