@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
-#     at 100M rows under the simulated Colab free tier (~8-9 minutes; each round also times
-#     a loop handing each load to glibc in one lio_listio); sizes: the same at 1M and 10M
+#     at 100M rows under the simulated Colab free tier (~9 minutes; each round also times
+#     a loop handing each load to glibc in one lio_listio, and one on Linux's native AIO); sizes: the same at 1M and 10M
 #     rows (the step against its floor does not grow with the table)
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
@@ -57,7 +57,7 @@ if [ "$what" = disk ]; then
         | tee "$out/disk_timeline_20m.log" | head -40; rm -rf "$dir" ;;
     100m)
       python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 5 --cache-gib 7 \
-        --host-compare --dir "$dir" --age-s 60 --also-ahead "" --also-batch 4096 \
+        --host-compare --dir "$dir" --age-s 60 --also-ahead "" --also-batch 4096 --also-engine kaio \
         --uniform-steps 32 --uniform-rounds 2 --out "$out/disk100m" 2>&1 | grep -v "^uniform {\|Warn" \
         | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
     sizes)   # the step against its floor at 1M and 10M rows, the 100M run's RAM share (29%)
