@@ -285,7 +285,7 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
 def engines() -> list:
     """RowFile's I/O engines on this machine (nbtools.fileio.RequestPool)."""
     from nbtools.fileio import _aio
-    from nbtools.kaio import _kaio
+    from nbtools.fileio import _kaio
     return ["threads"] + (["aio"] if _aio.ready() else []) + (["kaio"] if _kaio.ready() else [])
 
 

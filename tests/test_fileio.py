@@ -1,5 +1,5 @@
 """nbtools.fileio's I/O engines: glibc's AIO (one GIL-free lio_listio call per batch), Linux's
-native AIO (nbtools.kaio: one io_submit and one io_getevents per call) and Python threads. The
+native AIO (fileio._KernelAio: one io_submit and one io_getevents per call) and Python threads. The
 threads engine is the reference: every request set must read and write the same bytes through
 each."""
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from nbtools import fileio
 from nbtools.fileio import RequestPool, _aio
-from nbtools.kaio import _kaio
+from nbtools.fileio import _kaio
 from nbtools.rowfile import RowFile
 
 needs_aio = pytest.mark.skipif(not _aio.ready(), reason=f"glibc's AIO unavailable: {_aio.why}")
