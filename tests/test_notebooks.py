@@ -30,10 +30,16 @@ def _execute(name: str, drive: Path):
 
 
 def _outputs(nb) -> str:
+    """Every cell's outputs as text: a cell's stdout whole (its chunks joined as printed: a
+    line may arrive in two when stderr writes between them), then its other outputs."""
     text = []
     for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            text.append(out.get("text", "") or str(out.get("data", {}).get("text/plain", "")))
+        outs = cell.get("outputs", [])
+        text.append("".join(o.get("text", "") for o in outs
+                            if o.get("output_type") == "stream" and o.get("name") == "stdout"))
+        for out in outs:
+            if not (out.get("output_type") == "stream" and out.get("name") == "stdout"):
+                text.append(out.get("text", "") or str(out.get("data", {}).get("text/plain", "")))
     return "\n".join(text)
 
 
