@@ -87,6 +87,27 @@ def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
         assert s["written_back"] > 0
 
 
+@pytest.mark.parametrize("engine", ["threads", "kaio"])
+def test_every_io_engine_trains_as_host(tmp_path, monkeypatch, engine):
+    """The default engine (glibc's AIO where it works) is what the test above runs; the others
+    train the same bits through the same read-aheads and write-backs."""
+    from nbtools.fileio import _kaio
+    if engine == "kaio" and not _kaio.ready():
+        pytest.skip(f"native AIO unavailable: {_kaio.why}")
+    monkeypatch.setenv("NBTOOLS_DISK_ENGINE", engine)
+    gen = torch.Generator().manual_seed(7)
+    batches = _zipf_batches(9, 48, gen)
+    host = _train("host", batches, 3, tmp_path)
+    disk = _train("disk", batches, 3, tmp_path, disk_dir=str(tmp_path),
+                  host_cache_bytes=70 * 3 * D * 4)
+    f = disk.disk.file
+    assert getattr(f, "file", f).engine == engine
+    assert torch.equal(host.weight, disk.weight)
+    for name in host.state_names:
+        assert torch.equal(host.state_columns(name), disk.state_columns(name)), name
+    assert disk.disk.stats["written_back"] > 0
+
+
 def test_a_row_evicted_by_a_read_ahead_is_read_back_after_its_write(tmp_path):
     """A read-ahead evicts dirty rows and writes them back on its loader thread, slowly here;
     a lookup of one of them meanwhile waits for that write and sees the new value."""
