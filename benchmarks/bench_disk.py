@@ -16,7 +16,11 @@ Sections:
                 best of 32, 64 and 128 reads in flight), probed before and after each loop. A
                 loop times its steps between the first SETTLE and the last TAIL (a long
                 loop's steady state: as many coming reads in flight when the clock stops as
-                when it starts)
+                when it starts). Variants timed in the same rounds: ``--also-ahead`` (other
+                read-ahead depths), ``--also-depth`` (reads in flight per call),
+                ``--also-batch`` (requests per lio_listio), ``--also-engine`` (I/O engines),
+                ``--also-switch-ms`` (GIL switch intervals). For a log file, the share of the
+                read-ahead loop's reads from appended segments and a probe of the newest ones
   uniform       uniform ids: rows read per second against the probed rate
   memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
                 every 0.2 s from outside the training loop; max and a plot (memory.png)
