@@ -488,3 +488,16 @@ def test_native_aio_keeps_a_context_per_thread(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert len(setups) == 1
+
+
+@needs_kaio
+def test_native_aio_that_the_kernel_refuses_is_not_used():
+    """Where io_submit is refused (a sandbox without it), the self-test fails and the engine is
+    not used, rather than finishing every request one by one the plain way."""
+    import errno as E
+
+    class Refusing(fileio._KernelAio):
+        def _call(self, nr, *args):
+            return -E.ENOSYS if nr == self._submit_nr else super()._call(nr, *args)
+    k = Refusing()
+    assert not k.ready() and "did not take" in k.why
