@@ -563,39 +563,40 @@ def main():
         return (loop["misses_per_step"] - loop["from_write_back_per_step"]) \
             / loop["probe_rows_per_s"] * 1e3
 
+    # read-ahead loops at another setting, timed in every round: (key, its label in the round's
+    # line, in the table, the setting: reads in flight per call, GIL switch interval ms,
+    # requests a lio_listio, I/O engine)
+    variants = [(f"zipf_depth_{d}", f"depth {d}", f"{d} reads in flight per call",
+                 dict(depth=d)) for d in args.also_depth]
+    variants += [(f"zipf_switch_{ms:g}", f"switch {ms:g} ms", f"GIL switch interval {ms:g} ms",
+                  dict(switch_ms=ms)) for ms in args.also_switch_ms]
+    variants += [(f"zipf_batch_{b}", f"batch {b}", f"{b:,} requests a lio_listio",
+                  dict(batch=b)) for b in args.also_batch]
+    variants += [(f"zipf_engine_{e}", e, f"the {e} engine", dict(engine=e))
+                 for e in args.also_engine]
     rounds = []
     clock0 = table.disk.file._clock if log is not None else 0
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        # (steps ahead, key, reads in flight, GIL switch interval ms, requests a lio_listio,
-        # I/O engine)
-        loops = [(0, "zipf", None, None, None, None),
-                 (args.ahead, "zipf_read_ahead", None, None, None, None)]
-        loops += [(k, f"zipf_read_ahead_{k}", None, None, None, None) for k in args.also_ahead
-                  if k != args.ahead]
-        loops += [(args.ahead, f"zipf_depth_{d}", d, None, None, None) for d in args.also_depth]
-        loops += [(args.ahead, f"zipf_switch_{ms:g}", None, ms, None, None)
-                  for ms in args.also_switch_ms]
-        loops += [(args.ahead, f"zipf_batch_{b}", None, None, b, None) for b in args.also_batch]
-        loops += [(args.ahead, f"zipf_engine_{e}", None, None, None, e)
-                  for e in args.also_engine]
+        # (steps ahead, key, setting)
+        loops = [(0, "zipf", {}), (args.ahead, "zipf_read_ahead", {})]
+        loops += [(k, f"zipf_read_ahead_{k}", {}) for k in args.also_ahead if k != args.ahead]
+        loops += [(args.ahead, key, setting) for key, _, _, setting in variants]
         probes = [rate_now()]
         recent = recent_slots(table, gen)
         if recent is not None:          # the newest segments' rows, before the loops
             rnd["probe_recent_rows_per_s"] = max(probe(table, 8192, t, gen, draw=recent)
                                                  for t in PROBE_DEPTHS[1:])
             rnd["probe_recent_x_probe"] = rnd["probe_recent_rows_per_s"] / probes[0]
-        for prefetch, key, depth, switch_ms, batch, engine in loops:
-            old = set_depth(table, depth)
+        for prefetch, key, setting in loops:
+            old = set_depth(table, setting.get("depth"))
             pool = file_pool(table)
             old_switch, old_batch, old_engine = sys.getswitchinterval(), pool.batch, pool.engine
-            if switch_ms:
-                sys.setswitchinterval(switch_ms / 1e3)
-            if batch:
-                pool.batch = batch
-            if engine:
-                pool.engine = engine
+            if "switch_ms" in setting:
+                sys.setswitchinterval(setting["switch_ms"] / 1e3)
+            pool.batch = setting.get("batch", old_batch)
+            pool.engine = setting.get("engine", old_engine)
             watch = SlotsRead(table) if log is not None and key == "zipf_read_ahead" else None
             try:
                 with watch or contextlib.nullcontext():
@@ -630,14 +631,8 @@ def main():
               f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
               + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
                         for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd)
-              + "".join(f", depth {d} {rnd[f'zipf_depth_{d}']['ms_per_step']:.1f}"
-                        for d in args.also_depth)
-              + "".join(f", switch {ms:g} ms {rnd[f'zipf_switch_{ms:g}']['ms_per_step']:.1f}"
-                        for ms in args.also_switch_ms)
-              + "".join(f", batch {b} {rnd[f'zipf_batch_{b}']['ms_per_step']:.1f}"
-                        for b in args.also_batch)
-              + "".join(f", {e} {rnd[f'zipf_engine_{e}']['ms_per_step']:.1f}"
-                        for e in args.also_engine) +
+              + "".join(f", {short} {rnd[key]['ms_per_step']:.1f}"
+                        for key, short, _, _ in variants) +
               f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
@@ -715,22 +710,9 @@ def main():
             res[f"zipf_ahead_{k}_x_bound_rounds"] = [
                 rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] /
                 max(host_ms, floor_ms(rnd[f"zipf_read_ahead_{k}"])) for rnd in rounds]
-    for d in args.also_depth:
-        res[f"zipf_depth_{d}_x_bound_rounds"] = [
-            rnd[f"zipf_depth_{d}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_depth_{d}"]))
-            for rnd in rounds]
-    for e in args.also_engine:
-        res[f"zipf_engine_{e}_x_bound_rounds"] = [
-            rnd[f"zipf_engine_{e}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_engine_{e}"]))
-            for rnd in rounds]
-    for b in args.also_batch:
-        res[f"zipf_batch_{b}_x_bound_rounds"] = [
-            rnd[f"zipf_batch_{b}"]["ms_per_step"] / max(host_ms, floor_ms(rnd[f"zipf_batch_{b}"]))
-            for rnd in rounds]
-    for ms in args.also_switch_ms:
-        res[f"zipf_switch_{ms:g}_x_bound_rounds"] = [
-            rnd[f"zipf_switch_{ms:g}"]["ms_per_step"]
-            / max(host_ms, floor_ms(rnd[f"zipf_switch_{ms:g}"])) for rnd in rounds]
+    for key, _, _, _ in variants:
+        res[f"{key}_x_bound_rounds"] = [
+            rnd[key]["ms_per_step"] / max(host_ms, floor_ms(rnd[key])) for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -788,18 +770,9 @@ def main():
         *[(f"zipf {k} step(s) ahead / max(a, b): rounds", ", ".join(
             f"{x:.2f}" for x in res[f"zipf_ahead_{k}_x_bound_rounds"]))
           for k in args.also_ahead if f"zipf_ahead_{k}_x_bound_rounds" in res],
-        *[(f"zipf {args.ahead} ahead, {d} reads in flight per call / max(a, b): rounds",
-           ", ".join(f"{x:.2f}" for x in res[f"zipf_depth_{d}_x_bound_rounds"]))
-          for d in args.also_depth],
-        *[(f"zipf {args.ahead} ahead, GIL switch interval {ms:g} ms / max(a, b): rounds",
-           ", ".join(f"{x:.2f}" for x in res[f"zipf_switch_{ms:g}_x_bound_rounds"]))
-          for ms in args.also_switch_ms],
-        *[(f"zipf {args.ahead} ahead, {b:,} requests a lio_listio / max(a, b): rounds",
-           ", ".join(f"{x:.2f}" for x in res[f"zipf_batch_{b}_x_bound_rounds"]))
-          for b in args.also_batch],
-        *[(f"zipf {args.ahead} ahead, the {e} engine / max(a, b): rounds",
-           ", ".join(f"{x:.2f}" for x in res[f"zipf_engine_{e}_x_bound_rounds"]))
-          for e in args.also_engine],
+        *[(f"zipf {args.ahead} ahead, {label} / max(a, b): rounds",
+           ", ".join(f"{x:.2f}" for x in res[f"{key}_x_bound_rounds"]))
+          for key, _, label, _ in variants],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
         *([("zipf read-ahead loop: share of its reads from segments appended since the file "

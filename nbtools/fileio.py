@@ -373,23 +373,13 @@ class _Aio:
             self._ok, self.why = False, f"{type(e).__name__}: {e}"
 
     def _selftest(self) -> None:
-        """Write two blocks of a scratch file through AIO, read them back both ways."""
-        import tempfile
-        with tempfile.TemporaryFile() as f:
-            fd = f.fileno()
-            src = _aligned(8192)
-            src[:] = np.arange(8192) % 251
+        def run(fd, *args):                 # over two descriptors of the file
             dup = os.dup(fd)
             try:
-                self.run([fd, dup], src, [0, 4096], [4096, 4096], [4096, 0], True)
-                back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
-                got = _aligned(8192)
-                self.run([fd, dup], got, [0, 4096], [4096, 4096], [0, 4096], False)
+                self.run([fd, dup], *args)
             finally:
                 os.close(dup)
-            if not (np.array_equal(back[:4096], src[4096:]) and
-                    np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
-                raise OSError("glibc's AIO self-test read back other bytes")
+        _self_test(run, "glibc's AIO")
 
     def run(self, fds: list, buf: np.ndarray, boff, blen, foff, write: bool,
             batch: int = AIO_BATCH) -> None:
@@ -431,18 +421,11 @@ class _Aio:
         # requests not queued, short transfers and failed requests are finished the plain
         # way (rare)
         redo = np.flatnonzero((cb["error"] != 0) | (cb["ret"] != blen))
-        if len(redo):
-            failed = [int(e) for e in cb["error"][redo] if e not in (0, _UNQUEUED)]
-            if failed and any(e not in (errno.EAGAIN, errno.EINTR) for e in failed):
-                e = next(e for e in failed if e not in (errno.EAGAIN, errno.EINTR))
-                raise OSError(e, f"disk {'write' if write else 'read'} failed: "
-                              f"{os.strerror(e)}")
-            mv = memoryview((ctypes.c_uint8 * int((boff + blen)[redo].max())).from_address(base))
-            mv = mv.cast("B")
-            op = _pwrite_all if write else _pread_all
-            for j in redo:
-                done = max(0, int(cb["ret"][j])) if cb["error"][j] == 0 else 0
-                op(fds[0], mv[int(boff[j]) + done:int(boff[j] + blen[j])], int(foff[j]) + done)
+        ok = cb["error"][redo] == 0
+        _finish_plain(fds[0], base, boff, blen, foff, redo,
+                      np.where(ok, np.maximum(cb["ret"][redo], 0), 0),
+                      np.where(ok | (cb["error"][redo] == _UNQUEUED), 0, cb["error"][redo]),
+                      write)
 
 
     def _drain(self, cb: np.ndarray, ptrs: np.ndarray) -> None:
@@ -538,21 +521,10 @@ class _KernelAio:
         return r if r >= 0 else -ctypes.get_errno()
 
     def _selftest(self) -> None:
-        """Write two blocks of a scratch file, read them back both ways."""
-        import tempfile
-        with tempfile.TemporaryFile() as f:
-            fd = f.fileno()
-            src = _aligned(8192)
-            src[:] = np.arange(8192) % 251
-            plain = self.run(fd, src, [0, 4096], [4096, 4096], [4096, 0], True)
-            back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
-            got = _aligned(8192)
-            plain += self.run(fd, got, [0, 4096], [4096, 4096], [0, 4096], False)
-            if plain:       # (io_submit refused them: finished the plain way, one by one)
+        def run(*args):
+            if self.run(*args):     # (io_submit refused them: finished the plain way)
                 raise OSError("the kernel did not take the self-test's requests")
-            if not (np.array_equal(back[:4096], src[4096:]) and
-                    np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
-                raise OSError("native AIO's self-test read back other bytes")
+        _self_test(run, "native AIO")
 
     def run(self, fd: int, buf: np.ndarray, boff, blen, foff, write: bool,
             depth: int = KAIO_DEPTH, turn=None) -> int:
@@ -598,10 +570,6 @@ class _KernelAio:
             res[ev["data"].astype(np.int64)] = ev["res"]
             state["got"] += r
 
-        def submit_all():
-            with turn() if turn is not None else contextlib.nullcontext():
-                submit()
-
         def submit():
             while state["sent"] < n and not state["refused"]:
                 room = depth - (state["sent"] - state["got"])
@@ -618,7 +586,8 @@ class _KernelAio:
                     state["refused"] = True
 
         def work():
-            submit_all()
+            with turn() if turn is not None else contextlib.nullcontext():
+                submit()
             while state["got"] < state["sent"]:
                 reap(state["sent"] - state["got"])
         # every request finished before the buffer and the control blocks may go, whatever
@@ -630,17 +599,8 @@ class _KernelAio:
             self._local.__dict__.pop("ctx", None)
             raise
         redo = np.flatnonzero(res != blen)
-        if len(redo):
-            bad = [int(-x) for x in res[redo] if x < 0 and -x not in (errno.EAGAIN, errno.EINTR)]
-            if bad:
-                raise OSError(bad[0], f"disk {'write' if write else 'read'} failed: "
-                              f"{os.strerror(bad[0])}")
-            mv = memoryview((ctypes.c_uint8 * int((boff + blen)[redo].max())).from_address(base))
-            mv = mv.cast("B")
-            op = _pwrite_all if write else _pread_all
-            for j in redo:
-                done = max(0, int(res[j]))
-                op(fd, mv[int(boff[j]) + done:int(boff[j] + blen[j])], int(foff[j]) + done)
+        _finish_plain(fd, base, boff, blen, foff, redo, np.maximum(res[redo], 0),
+                      np.maximum(-res[redo], 0), write)
         return len(redo)
 
 
@@ -664,6 +624,41 @@ class _Context:
 
 
 _kaio = _KernelAio()
+
+
+def _finish_plain(fd: int, base: int, boff, blen, foff, redo, done, errors, write: bool) -> None:
+    """Requests ``redo`` that an AIO engine did not finish (not taken, short, or failed with
+    ``errors[k]``, an errno or 0; ``done[k]`` bytes moved): the first hard failure is raised,
+    the rest finished the plain way (rare)."""
+    if not len(redo):
+        return
+    hard = [int(e) for e in errors if e not in (0, errno.EAGAIN, errno.EINTR)]
+    if hard:
+        raise OSError(hard[0], f"disk {'write' if write else 'read'} failed: "
+                      f"{os.strerror(hard[0])}")
+    mv = memoryview((ctypes.c_uint8 * int((boff + blen)[redo].max())).from_address(base))
+    mv = mv.cast("B")
+    op = _pwrite_all if write else _pread_all
+    for j, d in zip(redo, done):
+        j, d = int(j), int(d)
+        op(fd, mv[int(boff[j]) + d:int(boff[j] + blen[j])], int(foff[j]) + d)
+
+
+def _self_test(run, name: str) -> None:
+    """Write two blocks of a scratch file through ``run(fd, buf, boff, blen, foff, write)``
+    (each to the other's place), read them back both ways; other bytes back: OSError."""
+    import tempfile
+    with tempfile.TemporaryFile() as f:
+        fd = f.fileno()
+        src = _aligned(8192)
+        src[:] = np.arange(8192) % 251
+        run(fd, src, [0, 4096], [4096, 4096], [4096, 0], True)
+        back = np.frombuffer(os.pread(fd, 8192, 0), dtype=np.uint8)
+        got = _aligned(8192)
+        run(fd, got, [0, 4096], [4096, 4096], [0, 4096], False)
+        if not (np.array_equal(back[:4096], src[4096:]) and
+                np.array_equal(back[4096:], src[:4096]) and np.array_equal(got, back)):
+            raise OSError(f"{name}: the self-test read back other bytes")
 
 
 def uninterrupted(wait, on_interrupt=None) -> None:

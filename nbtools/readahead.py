@@ -71,6 +71,13 @@ def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
     return Prepared(ids, uniq[: len(uniq) - int(sentinel)], inverse, bad, sentinel)
 
 
+def _lookup(sorted_: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``values`` is in ``sorted_`` (non-empty, sorted, unique), and whether it is
+    there at all."""
+    pos = np.searchsorted(sorted_, values).clip(max=len(sorted_) - 1)
+    return pos, sorted_[pos] == values
+
+
 class _Ahead:
     """One read-ahead: the ids it was given, its background task, the lookup's deduplication,
     and its load (rows -> slots, the loader's future; the evicted rows and their write-back's
@@ -171,8 +178,8 @@ class ReadAhead:
             for sid, rows in item.stash:
                 if not len(sid) or not len(ids):
                     continue
-                pos = np.searchsorted(sid, ids).clip(max=len(sid) - 1)
-                hit = (sid[pos] == ids) & ~got
+                pos, hit = _lookup(sid, ids)
+                hit &= ~got
                 if hit.any():
                     d._bytes[slots[hit]] = rows[pos[hit]]
                     got |= hit
@@ -258,9 +265,7 @@ class ReadAhead:
             return []
         out = []
         for a in self.loads:
-            s = a.sorted_slots
-            pos = np.searchsorted(s, slots).clip(max=len(s) - 1)
-            if (s[pos] == slots).any():
+            if _lookup(a.sorted_slots, slots)[1].any():
                 out.append(a)
         return out
 
