@@ -407,6 +407,29 @@ def set_depth(table, depth: int | None) -> int:
     return old
 
 
+def age_by_copy(table, log, gen, go_on, block: int = 1 << 18) -> int:
+    """Age a log file as uniform steps would, faster: one sequential pass over the rows, a
+    random share of each block appended again (unchanged) through the log's own writes, the
+    share chosen so that the pass uses up the spare slots and makes the cleaner clean ~16
+    segments. Call with the RAM cache flushed (its rows clean: their bytes do not change).
+    Returns the rows moved (no steps: reported as steps of ``block`` rows)."""
+    f = table.disk.file
+    table.disk.flush()
+    share = min(1.0, (f.slots - f.num_rows + 16 * f.seg) / f.num_rows)
+    buf = np.empty((min(block, f.num_rows), f.file.row_bytes), dtype=np.uint8)
+    moved = 0
+    for start in range(0, f.num_rows, block):
+        m = min(block, f.num_rows - start)
+        f.read_range(start, buf[:m])
+        pick = np.flatnonzero(gen.random(m) < share)
+        f.write(pick + start, buf, at=pick)
+        moved += len(pick)
+        if not go_on():
+            break
+    print(f"aged by copying {moved:,} rows ({share:.1%} of each block): {log}", flush=True)
+    return -(-moved // block)
+
+
 def main():
     global READ_AHEAD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -459,6 +482,11 @@ def main():
                     help="log layout (NBTOOLS_DISK_LAYOUT=log): train uniform steps for up to "
                          "this long before the rounds, until the spare slots are used and the "
                          "cleaner runs (its steady state)")
+    ap.add_argument("--age-copy", action="store_true",
+                    help="with --age-s: age by moving randomly chosen rows through the log's own "
+                         "appends (one sequential pass over the file, the rows unchanged) "
+                         "instead of training uniform steps: the same placement as uniform "
+                         "steps' evictions, several times faster on a large table")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -516,6 +544,8 @@ def main():
         # the spare fastest (every id a miss, every eviction a dirty row), until the cleaner
         # has cleaned 8 segments; it then runs in every round below (reported per round)
         t0, aged = time.perf_counter(), 0
+        if args.age_copy:
+            aged = age_by_copy(table, log, gen, lambda: time.perf_counter() - t0 < args.age_s)
         while time.perf_counter() - t0 < args.age_s and log["cleaned_segments"] < 8:
             uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(4)]
             run_steps(table, opt, [b.pin_memory() if pin else b for b in uni], device,

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
-#   bash benchmarks/gpu_suite.sh disk [timeline|100m|sizes]   # the disk tier's runs (one call each):
+#   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
 #     at 100M rows under the simulated Colab free tier (~9 minutes; each round also times
-#     a loop handing each load to glibc in one lio_listio, and one on Linux's native AIO); sizes: the same at 1M and 10M
+#     a loop handing each load to glibc in one lio_listio, and one on Linux's native AIO); steady:
+#     100M rows after the log file's spare slots are used up (aged by copying rows), its cleaner
+#     at work in the rounds (~9 minutes, no host comparison: (a) is ~1 ms); sizes: the same at 1M and 10M
 #     rows (the step against its floor does not grow with the table)
 # The CUDA tests take ~9 minutes on the H100 (session 14: 540 s of a call's 600): "tests1" and
 # "tests2" run each half of the test files (and the doctests with the second), one call each.
@@ -51,21 +53,27 @@ if [ "$what" = disk ]; then
     timeline)
       python3 benchmarks/experiments/disk_timeline.py --rows 10000000 --dim 16 --ids 65536 \
         --cache-gib 0.02 --ahead 8 --steps 48 --age-steps 16 --dir "$dir" 2>&1 \
-        | grep -v Warn | tee "$out/disk_timeline_10m.log" | head -40; rm -rf "$dir"
+        | grep --line-buffered -v Warn | tee "$out/disk_timeline_10m.log" | head -40; rm -rf "$dir"
       python3 benchmarks/experiments/disk_timeline.py --rows 20000000 --cache-gib 1.4 --ahead 8 \
         --steps 64 --age-steps 32 --dir "$dir" 2>&1 | grep -v Warn \
         | tee "$out/disk_timeline_20m.log" | head -40; rm -rf "$dir" ;;
     100m)
       python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 5 --cache-gib 7 \
         --host-compare --dir "$dir" --age-s 60 --also-ahead "" --also-batch 4096 --also-engine kaio \
-        --uniform-steps 32 --uniform-rounds 2 --out "$out/disk100m" 2>&1 | grep -v "^uniform {\|Warn" \
+        --uniform-steps 32 --uniform-rounds 2 --out "$out/disk100m" 2>&1 | grep --line-buffered -v "^uniform {\|Warn" \
         | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
+    steady)  # 100M rows once the log's spare slots are used up and its cleaner runs
+      python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 3 --cache-gib 7 \
+        --dir "$dir" --age-s 150 --age-copy --also-ahead "" --uniform-steps 12 \
+        --uniform-rounds 1 --out "$out/disk100m_steady" 2>&1 \
+        | grep --line-buffered -v "^uniform {\|Warn" | tee "$out/bench_disk_100m_steady.log" | tail -45
+      rm -rf "$dir" ;;
     sizes)   # the step against its floor at 1M and 10M rows, the 100M run's RAM share (29%)
       for rows in 1000000 10000000; do
         python3 benchmarks/bench_disk.py --rows $rows --steps 96 --rounds 3 \
           --cache-gib "$(python3 -c "print(round(7 * $rows / 1e8, 4))")" --host-compare \
           --dir "$dir" --age-s 30 --also-ahead "" --uniform-steps 12 --uniform-rounds 1 \
-          --out "$out/disk$rows" 2>&1 | grep -v "^uniform {\|Warn" \
+          --out "$out/disk$rows" 2>&1 | grep --line-buffered -v "^uniform {\|Warn" \
           | tee "$out/bench_disk_$rows.log" | grep "round \|/ max(a, b)\|misses/step\|steps/s"
         rm -rf "$dir"
       done ;;

@@ -84,6 +84,7 @@ BLOCKS = (512, 4096)           # O_DIRECT alignments tried, smallest first
 REQUEST = 1 << 20              # bytes per request at most when neighbours are merged
 BOUNCE = 64 << 20              # bytes of aligned buffer per call, at most
 KEEP = 64 << 20                # bytes of bounce buffers kept between calls, per file
+GAP = 4096                     # reads: rows at most this many bytes apart share a request
 DIRTY_LIMIT = 64 << 20         # buffered mode: fdatasync once this much was written
 
 
@@ -399,30 +400,41 @@ class RowFile:
         ids, at = self._check(ids, rows, write, at)
         t0 = time.perf_counter()
         k = len(ids)
+        nbytes = k * self.stride
         if k:
             order = np.argsort(ids, kind="stable")
             ids = ids[order]
             dst = order if at is None else at[order]
             stride, rb = self.stride, self.row_bytes
-            per = max(1, BOUNCE // stride)                  # rows per bounce buffer
-            buf = self._pool.take(min(k, per) * stride)
+            # reads also take the rows between two near ones (at most GAP bytes apart): one
+            # request instead of two, on a disk whose random reads are bound by their count
+            gap = 0 if write else GAP // stride
+            per = max(1, BOUNCE // (stride * (gap + 1)))    # rows per bounce buffer
+            buf = None
             try:
                 for a in range(0, k, per):
                     part, where = ids[a:a + per], dst[a:a + per]
                     n = len(part)
-                    view = buf[: n * stride].reshape(n, stride)
+                    boff, blen, foff, pos = _requests(part, stride, self.data_offset, gap=gap)
+                    need = (int(pos[-1]) + 1) * stride
+                    if buf is None or buf.nbytes < need:
+                        if buf is not None:
+                            self._pool.give(buf)
+                        buf = self._pool.take(need)
                     if write:
+                        view = buf[: n * stride].reshape(n, stride)
                         if stride == rb:
                             np.take(rows, where, axis=0, out=view)
                         else:
                             view[:, :rb] = rows[where]
-                    boff, blen, foff = _requests(part, stride, self.data_offset)
                     self._pool.run(self._live(), buf, boff, blen, foff, write)
                     if not write:
-                        rows[where] = view[:, :rb]
+                        rows[where] = buf[:need].reshape(-1, stride)[pos, :rb]
+                        nbytes += need - n * stride
             finally:
-                self._pool.give(buf)
-        self._account(write, k * self.stride, t0)
+                if buf is not None:
+                    self._pool.give(buf)
+        self._account(write, nbytes, t0)
 
     def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
         self._live()
@@ -486,23 +498,33 @@ class RowFile:
             c[f"{key}_s"] += time.perf_counter() - t0
 
 
-def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST):
+def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
+              gap: int = 0):
     """Sorted row numbers -> requests over runs of consecutive rows, each at most ``limit``
-    bytes: (offset in the bounce buffer, bytes, file offset), as Python lists."""
+    bytes: (offset in the bounce buffer, bytes, file offset), as Python lists, and each row's
+    place in the bounce buffer (in rows). With ``gap``, two rows at most ``gap`` rows apart
+    share a run, the rows between them read too (reads only)."""
     n = len(ids)
-    brk = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], brk))
-    lens = np.diff(np.concatenate((starts, [n])))
+    step = np.diff(ids)
+    join = step <= gap + 1                      # row i + 1 continues row i's run
+    skipped = np.where(join, step - 1, 0)       # rows read between them, not asked for
+    pos = np.arange(n, dtype=np.int64)
+    if n > 1:
+        pos[1:] += np.cumsum(skipped)
+    starts = np.concatenate(([0], np.flatnonzero(~join) + 1))      # first row of each run
+    ends = np.concatenate((starts[1:], [n])) - 1                   # its last row
+    bstart = pos[starts]
+    lens = pos[ends] - bstart + 1                                  # buffer rows a run spans
+    fstart = ids[starts]
     cap = max(1, limit // stride)
     if lens.max() > cap:                     # cut long runs: requests of `cap` rows
         pieces = -(-lens // cap)
-        first = np.repeat(starts, pieces)
         k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        ends = np.repeat(starts + lens, pieces)
-        starts = first + k * cap
-        lens = np.minimum(starts + cap, ends) - starts
-    return ((starts * stride).tolist(), (lens * stride).tolist(),
-            (data_offset + ids[starts] * stride).tolist())
+        end = np.repeat(bstart + lens, pieces)
+        bstart, fstart = np.repeat(bstart, pieces) + k * cap, np.repeat(fstart, pieces) + k * cap
+        lens = np.minimum(bstart + cap, end) - bstart
+    return ((bstart * stride).tolist(), (lens * stride).tolist(),
+            (data_offset + fstart * stride).tolist(), pos)
 
 
 def _writer() -> dict:

@@ -55,7 +55,10 @@ def test_random_rows_round_trip(tmp_path, row_bytes, direct):
     f.write_range(3, ref[:5][::-1].copy())
     ref[3:8] = ref[:5][::-1].copy()
     assert f.counters["read_calls"] == 4 and f.counters["write_calls"] == 4
-    assert f.counters["read_bytes"] == (len(ids) + n + 7) * f.stride
+    # (a read also takes the rows between two near ones: counted, as the disk read them)
+    gap = rowfile.GAP // f.stride
+    assert (len(ids) + n + 7) * f.stride <= f.counters["read_bytes"] \
+        <= (len(ids) * (gap + 1) + n + 7) * f.stride
     f.close()
     f.close()                                    # idempotent
     with RowFile.open(tmp_path / "t.rows", expect={"num_rows": n, "row_bytes": row_bytes,
@@ -95,10 +98,54 @@ def test_slots_and_unaligned_buffers(tmp_path):
 
 def test_requests_merge_neighbours_and_cut_long_runs():
     ids = np.array([0, 1, 2, 5, 7, 8, 9, 10, 11])
-    boff, blen, foff = rowfile._requests(ids, 512, 4096, limit=3 * 512)
+    boff, blen, foff, pos = rowfile._requests(ids, 512, 4096, limit=3 * 512)
     assert foff == [4096 + 512 * i for i in (0, 5, 7, 10)]
     assert blen == [3 * 512, 512, 3 * 512, 2 * 512]
     assert boff == [0, 3 * 512, 4 * 512, 7 * 512]
+    assert pos.tolist() == list(range(len(ids)))
+
+
+def test_reads_take_the_rows_between_near_ones():
+    """A gap of up to ``gap`` rows joins two runs (the rows between read and dropped): one
+    request instead of two; each asked row's place in the buffer follows the skipped ones."""
+    ids = np.array([0, 3, 4, 20, 22, 40])
+    boff, blen, foff, pos = rowfile._requests(ids, 512, 0, gap=2)
+    assert foff == [0, 20 * 512, 40 * 512]
+    assert blen == [5 * 512, 3 * 512, 512]
+    assert boff == [0, 5 * 512, 8 * 512]
+    assert pos.tolist() == [0, 3, 4, 5, 7, 8]
+    boff, blen, foff, pos = rowfile._requests(ids, 512, 0, limit=2 * 512, gap=2)
+    assert foff == [0, 2 * 512, 4 * 512, 20 * 512, 22 * 512, 40 * 512]
+    assert blen == [2 * 512, 2 * 512, 512, 2 * 512, 512, 512]
+    assert pos.tolist() == [0, 3, 4, 5, 7, 8]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_across_gaps_match_the_rows(tmp_path, direct):
+    """Rows read with the ones between them (clustered ids, gaps of 0 to 12 rows, a call
+    larger than one bounce buffer) are the rows asked for, wherever ``at`` puts them."""
+    _direct_or_skip(tmp_path, direct)
+    n, rb = 4000, 300
+    rng = np.random.default_rng(5)
+    ref = rng.integers(0, 256, (n, rb), dtype=np.uint8)
+    with RowFile.create(tmp_path / "t.rows", n, rb, threads=4, direct=direct) as f:
+        f.write_range(0, ref)
+        ids = np.unique(np.cumsum(rng.integers(1, 14, 600)))
+        ids = ids[ids < n]
+        rng.shuffle(ids)
+        slots = np.zeros((len(ids) + 9, rb), dtype=np.uint8)
+        at = rng.permutation(len(slots))[: len(ids)]
+        f.read(ids, slots, at=at)
+        assert np.array_equal(slots[at], ref[ids])
+        for bounce in (f.stride * 40, f.stride * 9):     # several bounce buffers a call
+            old = rowfile.BOUNCE
+            rowfile.BOUNCE = bounce
+            try:
+                out = np.zeros((len(ids), rb), dtype=np.uint8)
+                f.read(ids, out)
+            finally:
+                rowfile.BOUNCE = old
+            assert np.array_equal(out, ref[ids])
 
 
 def test_buffered_cache_stays_small(tmp_path):
