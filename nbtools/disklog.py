@@ -41,7 +41,7 @@ import threading
 import numpy as np
 
 SEGMENT_ROWS = 8192          # slots per segment (4 MiB at a 512-byte stride)
-SPARE = 0.25                 # spare slots, as a share of the ids
+SPARE = 1.0                  # spare slots, as a share of the ids (where the disk has room)
 MIN_SPARE = 0.10             # the least spare share taken where the disk is short of SPARE
 LEAVE = 1 << 30              # free bytes a short disk keeps beyond a smaller spare (or 1/20)
 RESERVE = 2                  # free segments the cleaner keeps beyond a write's own (one to
@@ -76,6 +76,23 @@ def slots_for(num_rows: int, segment_rows: int | None = None, spare: float | Non
     spare = float(spare if spare is not None else os.environ.get("NBTOOLS_DISK_SPARE", SPARE))
     extra = max(int(num_rows * spare), (RESERVE + 2) * seg)
     return -(-(num_rows + extra) // seg) * seg
+
+
+def packed() -> bool:
+    """Whether new log files pack their rows (:data:`nbtools.rowfile.PACK` bytes apart, not
+    whole 512-byte sectors): the default; ``NBTOOLS_DISK_PACKED=0`` pads each row to whole
+    sectors instead."""
+    v = os.environ.get("NBTOOLS_DISK_PACKED", "1").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError(f"NBTOOLS_DISK_PACKED must be 1 or 0, got {v!r}")
+    return v in ("1", "true", "yes")
+
+
+def log_stride(row_bytes: int) -> int:
+    """Bytes a row takes in a new log file: packed, or whole 512-byte sectors (a disk of
+    larger blocks: the file's create refuses those, and the rows are tried in place)."""
+    from .rowfile import PACK, _round_up
+    return _round_up(row_bytes, PACK if packed() else 512)
 
 
 def file_rows(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
@@ -116,13 +133,13 @@ def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, fre
     """The file of a new disk table: a :class:`LogFile` where the disk (``free`` bytes) has
     room for its spare slots, else a RowFile of the rows alone, written in place. Returns it
     and the RowFile under it."""
-    from .rowfile import DiskFullError, RowFile, _round_up
-    stride = _round_up(row_bytes, 512)     # (512-byte sectors; a larger block: create refuses,
-    slots = file_rows(num_rows, stride, free)  # and the rows are tried in place)
+    from .rowfile import DiskFullError, RowFile
+    stride = log_stride(row_bytes)
+    slots = file_rows(num_rows, stride, free)
     if slots != num_rows:
         try:
             raw = RowFile.create(path, slots, row_bytes, {**meta, "layout": "log"},
-                                 threads=threads)
+                                 threads=threads, packed=packed())
         except DiskFullError:
             pass
         else:
@@ -144,6 +161,10 @@ class LogFile:
         self.num_rows = int(num_rows)
         self.seg = int(segment_rows or segment_rows_for(num_rows))
         self.slots = int(file.num_rows)
+        align = int(getattr(file, "align_rows", 1))     # (appends are written "fresh": the
+        if self.seg % align:                            # blocks after their rows hold nothing)
+            raise ValueError(f"segments of {self.seg} slots do not start whole blocks of a file "
+                             f"whose blocks start every {align} slots")
         if self.slots % self.seg or self.slots < self.num_rows + (RESERVE + 2) * self.seg:
             raise ValueError(f"a log file of {self.num_rows:,} ids needs whole segments of "
                              f"{self.seg} slots and {RESERVE + 2} spare ones; the file has "
@@ -291,7 +312,7 @@ class LogFile:
                 rows = np.empty((0, self.file.row_bytes), dtype=np.uint8)
             new = self._allocate(len(slots))
             if len(new):
-                self.file.write(new, rows)
+                self.file.write(new, rows, fresh=True)
             self._point(ids, new)
             with self._map:    # (_point frees the segments it empties, except the head: a
                 # former head whose rows all died is freed here, picked with no live row)
@@ -339,7 +360,7 @@ class LogFile:
                          else np.asarray(at).reshape(-1)[a:a + len(part)])
                 self._clean(len(part))
                 slots = self._allocate(len(part))
-                self.file.write(slots, src, at=where)
+                self.file.write(slots, src, at=where, fresh=True)
                 self._point(part, slots)
                 self.stats["appended"] += len(part)
 

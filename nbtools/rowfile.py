@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import socket
@@ -84,6 +85,7 @@ BLOCKS = (512, 4096)           # O_DIRECT alignments tried, smallest first
 REQUEST = 1 << 20              # bytes per request at most when neighbours are merged
 BOUNCE = 64 << 20              # bytes of aligned buffer per call, at most
 KEEP = 64 << 20                # bytes of bounce buffers kept between calls, per file
+PACK = 32                      # a packed file's stride: the row rounded up to this many bytes
 GAP = 4096                     # reads: rows at most this many bytes apart share a request
 DIRTY_LIMIT = 64 << 20         # buffered mode: fdatasync once this much was written
 
@@ -124,6 +126,11 @@ class RowFile:
         self.data_offset = int(meta["data_offset"])
         self.block = block
         self.direct = block > 0
+        self.packed = bool(meta.get("packed"))
+        # a packed file's I/O unit (the O_DIRECT block; 512 bytes when buffered), and the rows
+        # a run must start at a multiple of for its first byte to begin a unit
+        self.unit = block or 512
+        self.align_rows = self.unit // math.gcd(self.stride, self.unit) if self.packed else 1
         self.writable = writable
         self.threads = max(1, int(threads))
         self.auto_drop = True
@@ -139,7 +146,7 @@ class RowFile:
     @classmethod
     def create(cls, path, num_rows: int, row_bytes: int, meta: dict | None = None, *,
                threads: int = 16, direct: str | bool = "auto",
-               overwrite: bool = False) -> "RowFile":
+               overwrite: bool = False, packed: bool = False) -> "RowFile":
         """A new file of ``num_rows`` zero rows, its space reserved now.
 
         Args:
@@ -149,6 +156,9 @@ class RowFile:
             threads: requests in flight at most.
             direct: ``True`` (O_DIRECT or an error), ``False`` (buffered) or ``"auto"``.
             overwrite: replace an existing file instead of raising ``FileExistsError``.
+            packed: rows ``PACK`` bytes apart instead of whole blocks (see the module): a
+                write of rows that share a block with others reads that block first, unless
+                the caller says the rest of it holds nothing (``write(..., fresh=True)``).
 
         Raises:
             DiskFullError: the disk lacks the room (checked before anything is written), or
@@ -175,8 +185,10 @@ class RowFile:
         fd, existed = None, os.path.exists(path)
         try:
             fd, block = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct, fresh=True)
-            stride = _round_up(row_bytes, block) if block else row_bytes
-            size = HEADER + num_rows * stride
+            stride = (_round_up(row_bytes, PACK) if packed
+                      else _round_up(row_bytes, block) if block else row_bytes)
+            size = HEADER + (_round_up(num_rows * stride, BLOCKS[-1]) if packed
+                             else num_rows * stride)      # (packed: whole blocks at its end)
             free = shutil.disk_usage(folder).free
             if size > free:
                 raise DiskFullError(
@@ -186,6 +198,7 @@ class RowFile:
                     "(dtype=torch.bfloat16, an optimizer with less state)")
             _reserve(fd, size, path)
             info = {"num_rows": num_rows, "row_bytes": row_bytes, "stride": stride,
+                    **({"packed": True} if packed else {}),
                     "data_offset": HEADER, **(meta or {}), "clean": False, "writer": _writer()}
             _write_header(fd, info)
         except BaseException:
@@ -256,7 +269,7 @@ class RowFile:
                 "open it as it is with RowFile.open(path, unclean_ok=True); "
                 "nbtools.rowfile.leftovers(folder) lists such files, remove_leftovers deletes them")
         fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
-                          stride=int(meta["stride"]))
+                          stride=0 if meta.get("packed") else int(meta["stride"]))
         if writable:                 # this process writes it now: unclean until closed
             meta = {**meta, "clean": False, "writer": _writer()}
             try:
@@ -278,9 +291,14 @@ class RowFile:
         """
         self._io(ids, out, write=False, at=at)
 
-    def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None) -> None:
-        """Row ``ids[i] = src[i]`` (ids unique, any order); with ``at``, ``src[at[i]]``."""
-        self._io(ids, src, write=True, at=at)
+    def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None,
+              fresh: bool = False) -> None:
+        """Row ``ids[i] = src[i]`` (ids unique, any order); with ``at``, ``src[at[i]]``.
+        ``fresh`` (packed files): nothing worth keeping follows these rows in the blocks they
+        touch (a log's appends, at its head): those blocks are written without reading them
+        first, zeros after the rows; only a block where a run of consecutive rows starts
+        mid-block is read first (rows appended before it end there)."""
+        self._io(ids, src, write=True, at=at, fresh=fresh)
 
     def read_range(self, start: int, out: np.ndarray) -> None:
         """Rows ``start : start + len(out)`` into ``out``, in large sequential requests."""
@@ -396,12 +414,16 @@ class RowFile:
                              f"{int(ids[bad]):,} (first at position {bad})")
         return ids, dst
 
-    def _io(self, ids, rows: np.ndarray, write: bool, at=None) -> None:
+    def _io(self, ids, rows: np.ndarray, write: bool, at=None, fresh: bool = False) -> None:
         ids, at = self._check(ids, rows, write, at)
         t0 = time.perf_counter()
         k = len(ids)
         nbytes = k * self.stride
-        if k:
+        if k and self.packed:
+            order = np.argsort(ids, kind="stable")
+            nbytes = self._packed_io(ids[order], order if at is None else at[order], rows,
+                                     write, fresh)
+        elif k:
             order = np.argsort(ids, kind="stable")
             ids = ids[order]
             dst = order if at is None else at[order]
@@ -436,6 +458,98 @@ class RowFile:
                     self._pool.give(buf)
         self._account(write, nbytes, t0)
 
+    def _packed_io(self, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool,
+                   fresh: bool) -> int:
+        """:meth:`_io` of a packed file, ``ids`` sorted: the blocks the rows touch, read (and,
+        for a write, patched and written back) through the bounce buffer. Returns the bytes
+        moved (both ways for a write that read its blocks first)."""
+        u, stride, rb = self.unit, self.stride, self.row_bytes
+        gap = 0 if write else GAP // u
+        per = max(1, BOUNCE // ((stride + u) * (gap + 1)))
+        moved, buf = 0, None
+        try:
+            for a in range(0, len(ids), per):
+                part, where = ids[a:a + per], dst[a:a + per]
+                off = part * stride
+                first, last = off // u, (off + rb - 1) // u
+                span = last - first + 1                   # blocks a row touches (1 or 2...)
+                blocks = np.repeat(first, span) + (np.arange(int(span.sum()))
+                                                   - np.repeat(np.cumsum(span) - span, span))
+                blocks = np.unique(blocks)
+                boff, blen, foff, pos = _requests(blocks, u, self.data_offset, gap=gap)
+                need = (int(pos[-1]) + 1) * u
+                if buf is None or buf.nbytes < need:
+                    if buf is not None:
+                        self._pool.give(buf)
+                    buf = self._pool.take(need)
+                at = pos[np.searchsorted(blocks, first)] * u + (off - first * u)  # in buf
+                if write:
+                    if fresh:
+                        buf[:need] = 0
+                        # the first block of each run of consecutive rows, where the run starts
+                        # mid-block: rows written before it end there
+                        head = np.ones(len(part), dtype=bool)
+                        head[1:] = np.diff(part) != 1
+                        head &= off % u != 0
+                        if head.any():
+                            edge = np.unique(first[head])
+                            self._pool.run(self._live(), buf,
+                                           (pos[np.searchsorted(blocks, edge)] * u).tolist(),
+                                           [u] * len(edge),
+                                           (self.data_offset + edge * u).tolist(), False)
+                            moved += u * len(edge)
+                    else:                                  # keep the rows sharing the blocks
+                        self._pool.run(self._live(), buf, boff, blen, foff, False)
+                        moved += need
+                    _scatter_rows(buf, at, rows, where)
+                    self._pool.run(self._live(), buf, boff, blen, foff, True)
+                else:
+                    self._pool.run(self._live(), buf, boff, blen, foff, False)
+                    _gather_rows(buf, at, rows, where)
+                moved += need
+        finally:
+            if buf is not None:
+                self._pool.give(buf)
+        return moved
+
+    def _packed_range(self, start: int, rows: np.ndarray, write: bool) -> int:
+        """:meth:`_range` of a packed file: whole blocks, in requests of 4 MiB; a write whose
+        ends share a block with other rows reads those two blocks first. Returns the bytes
+        moved."""
+        u, stride, rb = self.unit, self.stride, self.row_bytes
+        n, moved = len(rows), 0
+        per = max(self.align_rows, BOUNCE // stride // self.align_rows * self.align_rows)
+        buf = self._pool.take(min(n, per) * stride + 2 * u)
+        try:
+            for a in range(0, n, per):
+                m = min(per, n - a)
+                lo = self.data_offset + (start + a) * stride       # the rows' bytes
+                hi = lo + m * stride
+                b0, b1 = lo // u * u, -(-hi // u) * u              # whole blocks around them
+                inner = buf[lo - b0: lo - b0 + m * stride].reshape(m, stride)
+                step = (4 << 20) // u * u
+                boff = list(range(0, b1 - b0, step))
+                blen = [min(step, b1 - b0 - b) for b in boff]
+                foff = [b0 + b for b in boff]
+                if write:
+                    edges = ([b0] if lo != b0 else []) + (
+                        [b1 - u] if hi != b1 and (lo == b0 or b1 - u != b0) else [])
+                    if edges:                  # the end blocks hold other rows: kept
+                        self._pool.run(self._live(), buf, [e - b0 for e in edges],
+                                       [u] * len(edges), edges, False, chunk=1)
+                        moved += u * len(edges)
+                    inner[:, :rb] = rows[a:a + m]
+                    if stride > rb:
+                        inner[:, rb:] = 0
+                    self._pool.run(self._live(), buf, boff, blen, foff, True, chunk=1)
+                else:
+                    self._pool.run(self._live(), buf, boff, blen, foff, False, chunk=1)
+                    rows[a:a + m] = inner[:, :rb]
+                moved += b1 - b0
+        finally:
+            self._pool.give(buf)
+        return moved
+
     def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
         self._live()
         if write and not self.writable:
@@ -450,6 +564,9 @@ class RowFile:
             raise IndexError(f"rows {start:,}..{start + n:,} of {self.path!r}: it has "
                              f"{self.num_rows:,}")
         t0 = time.perf_counter()
+        if self.packed:
+            self._account(write, self._packed_range(start, rows, write) if n else 0, t0)
+            return
         stride, rb = self.stride, self.row_bytes
         # straight into the caller's rows when they are laid out as on disk (no bounce copy)
         own = stride == rb and rows.flags.c_contiguous and (
@@ -525,6 +642,28 @@ def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUE
         lens = np.minimum(bstart + cap, end) - bstart
     return ((bstart * stride).tolist(), (lens * stride).tolist(),
             (data_offset + fstart * stride).tolist(), pos)
+
+
+def _row_index(at: np.ndarray, rb: int, a: int, b: int) -> np.ndarray:
+    """Byte positions of rows ``a:b`` whose first bytes are at ``at`` (int64)."""
+    return at[a:b, None] + np.arange(rb, dtype=np.int64)
+
+
+def _gather_rows(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
+                 block: int = 4096) -> None:
+    """``rows[where[i]] = buf[at[i] : at[i] + row_bytes]``, a block of rows at a time (the byte
+    positions of a whole call would take gigabytes)."""
+    rb = rows.shape[1]
+    for a in range(0, len(at), block):
+        rows[where[a:a + block]] = buf[_row_index(at, rb, a, a + block)]
+
+
+def _scatter_rows(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
+                  block: int = 4096) -> None:
+    """``buf[at[i] : at[i] + row_bytes] = rows[where[i]]``, a block of rows at a time."""
+    rb = rows.shape[1]
+    for a in range(0, len(at), block):
+        buf[_row_index(at, rb, a, a + block)] = rows[where[a:a + block]]
 
 
 def _writer() -> dict:

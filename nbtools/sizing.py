@@ -36,7 +36,7 @@ class Sizing:
     dtype: str
     optimizer: str
     row_bytes: int          # a row and its optimizer state, as RAM would hold it
-    file_row_bytes: int     # a row in a disk table's file (whole O_DIRECT blocks)
+    file_row_bytes: int     # a row in a disk table's file (packed, or whole O_DIRECT blocks)
     ram_bytes: int          # what the table is measured against
     ram_name: str           # what ram_bytes is, in words ("this machine's RAM")
     wanted: float           # times ram_bytes asked for
@@ -84,8 +84,12 @@ class Sizing:
 def file_row_bytes(row_bytes: int, disk_dir) -> int:
     """Bytes one row of ``row_bytes`` takes in a disk table's file in ``disk_dir``: the
     ``O_DIRECT`` block it is rounded up to, probed with a one-row file (created and removed;
-    the folder is created if missing)."""
+    the folder is created if missing), or the packed stride of a log file
+    (:func:`nbtools.disklog.log_stride`)."""
     from .rowfile import RowFile
+    if disklog.wanted() and disklog.packed():
+        os.makedirs(os.fspath(disk_dir), exist_ok=True)
+        return disklog.log_stride(row_bytes)
     path = os.path.join(os.fspath(disk_dir), f".probe-{uuid.uuid4().hex[:8]}.nbrows")
     f = RowFile.create(path, 1, row_bytes)
     try:

@@ -260,6 +260,7 @@ def test_a_disk_without_room_for_the_spare_slots_holds_the_table_in_place(tmp_pa
     from nbtools import disk, disklog
     n, d = 5000, 8
     stride = 512
+    monkeypatch.setenv("NBTOOLS_DISK_PACKED", "0")      # (rows padded to sectors, as in place)
     monkeypatch.setattr(disk, "free_bytes", lambda folder: n * stride + stride * 10)
     assert disklog.file_rows(n, stride, n * stride + 10 * stride) == n
     t = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
@@ -272,6 +273,13 @@ def test_a_disk_without_room_for_the_spare_slots_holds_the_table_in_place(tmp_pa
     t2 = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
                                     host_cache_bytes=1 << 16)
     assert type(t2.disk.file).__name__ == "LogFile"
+    # packed rows (32 bytes here, not a 512-byte sector each): the same room holds the log
+    monkeypatch.delenv("NBTOOLS_DISK_PACKED")
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: n * stride + stride * 10)
+    t3 = nbtools.OffloadedEmbedding(n, d, device="cpu", placement="disk", disk_dir=str(tmp_path),
+                                    host_cache_bytes=1 << 16)
+    assert type(t3.disk.file).__name__ == "LogFile" and t3.disk.file.stride == 32
+    assert t3.disk.file_bytes < n * stride
 
 
 def test_the_cleaners_traffic_is_counted_and_described(tmp_path, log_layout):
@@ -314,6 +322,7 @@ def test_a_disk_short_of_the_whole_spare_takes_a_smaller_one(tmp_path, monkeypat
     import nbtools
     from nbtools import disk, disklog
     n, stride = 100_000_000, 512
+    monkeypatch.setenv("NBTOOLS_DISK_PACKED", "0")      # (the small table below: 512-byte rows)
     full = disklog.slots_for(n)
     assert disklog.file_rows(n, stride, full * stride) == full
     for gb, low, high in ((64, 0.15, 0.2), (60, 0.1, 0.12)):

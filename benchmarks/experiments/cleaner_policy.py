@@ -32,7 +32,7 @@ class _NoFile:
     def read(self, ids, out, at=None):
         pass
 
-    def write(self, ids, src, at=None):
+    def write(self, ids, src, at=None, fresh=False):
         pass
 
     def read_range(self, start, out):
