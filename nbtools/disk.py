@@ -458,8 +458,8 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
 
     @property
     def file_bytes(self) -> int:
-        """Bytes the rows take on disk: each row rounded up to the file's O_DIRECT block (a
-        260-byte row takes 512)."""
+        """Bytes the file's rows take on disk, spare slots included: packed in a log file (a
+        260-byte row takes 288), else each row rounded up to the file's O_DIRECT block (512)."""
         return getattr(self.file, "slots", self.num_rows) * self.file.stride
 
     # --- GPU uses of slots ----------------------------------------------------------------

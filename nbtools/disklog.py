@@ -6,7 +6,8 @@ in-place writes of the same rows, and 1.02x beside sequential appends
 its steady state writes back about as many rows as it reads, so :class:`LogFile` turns those
 writes into appends:
 
-* The file holds ``num_rows`` ids in ``slots`` places (``spare`` more than the ids), cut into
+* The file holds ``num_rows`` ids in ``slots`` places (``spare`` more than the ids: up to as
+  many again where the disk has room, SPARE; its rows packed, :func:`packed`), cut into
   segments of ``segment_rows`` slots. ``where[id]`` is each id's slot, ``owner[slot]`` each
   slot's id (or -1), ``live[segment]`` the ids living in a segment. A new file is the identity
   layout: id ``i`` in slot ``i``, the spare segments free.
@@ -40,7 +41,7 @@ import threading
 
 import numpy as np
 
-SEGMENT_ROWS = 8192          # slots per segment (4 MiB at a 512-byte stride)
+SEGMENT_ROWS = 8192          # slots per segment (2.3 MiB at a 288-byte stride)
 SPARE = 1.0                  # spare slots, as a share of the ids (where the disk has room)
 MIN_SPARE = 0.10             # the least spare share taken where the disk is short of SPARE
 LEAVE = 1 << 30              # free bytes a short disk keeps beyond a smaller spare (or 1/20)

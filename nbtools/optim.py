@@ -614,11 +614,15 @@ class Plan:
     pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
 
     def _disk_file(self) -> str:
-        """The file a disk table of this plan makes: its rows in 512-byte sectors, and the log
-        layout's spare slots where the disk has room for them (nbtools.disklog)."""
+        """The file a disk table of this plan makes: a log of packed rows with its spare slots
+        where the disk has room for them, else its rows in place in 512-byte sectors
+        (nbtools.disklog)."""
         from . import disklog
-        stride = disk_bytes(self.disk_row_bytes or self.host_bytes // max(1, self.num_rows), 1)
+        row = self.disk_row_bytes or self.host_bytes // max(1, self.num_rows)
+        stride = disklog.log_stride(row) if disklog.wanted() else disk_bytes(row, 1)
         rows = disklog.file_rows(self.num_rows, stride, self.disk_free_bytes)
+        if rows == self.num_rows:
+            stride = disk_bytes(row, 1)
         what = (f"log-structured, {rows / self.num_rows - 1:.0%} spare"
                 if rows != self.num_rows else "rows in place")
         return f"a file of {human_bytes(rows * stride)} ({what})"

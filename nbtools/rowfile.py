@@ -13,11 +13,17 @@ Why it reads the way it does:
   12.7 GB): the failure that ended memory-mapped tables. With ``O_DIRECT`` nothing is cached.
   ``O_DIRECT`` needs offsets, lengths and buffers aligned to the device's logical block, which
   is probed on the file itself (512 bytes, else 4,096).
-* **Rows never share a block.** The stride is the row rounded up to that block, so a write
-  never reads its neighbours first (no read-modify-write): a 260-byte row takes 512 bytes of
-  file, a 1,536-byte row 1,536. Packing rows into shared blocks would save file space below
-  512 bytes only, and would turn every random write into a read plus a write on a disk whose
-  random I/O rate is the bound; reads cost one block either way.
+* **Rows whole blocks, or packed.** By default the stride is the row rounded up to that block,
+  so a write never reads its neighbours first (no read-modify-write): a 260-byte row takes 512
+  bytes of file, a 1,536-byte row 1,536. A ``packed`` file (what a log file is,
+  :mod:`nbtools.disklog`) puts rows ``PACK`` (32) bytes apart: a 260-byte row takes 288. A
+  read takes the one or two blocks a row touches (a cloud disk's cost is per request at these
+  sizes); a write reads the blocks it shares with other rows first, except a ``fresh`` one (a
+  log's appends at its head: nothing lives after them), which reads only a first block it
+  starts in the middle of. A packed file's size is whole 4 KiB blocks.
+* **Near rows in one request.** Reads merge rows at most ``GAP`` (4 KiB) apart into one
+  request, the rows between them read and dropped: a disk whose random reads are bound by
+  their count serves a 4 KiB request about as fast as a 512-byte one.
 * **Many requests in flight, without the GIL.** A cloud disk answers one random read in ~50 µs
   but serves tens of thousands per second only with many in flight. Rows are sorted by offset,
   neighbours merged into one request (up to 1 MiB), and the requests of a call handed to
@@ -462,7 +468,7 @@ class RowFile:
                    fresh: bool) -> int:
         """:meth:`_io` of a packed file, ``ids`` sorted: the blocks the rows touch, read (and,
         for a write, patched and written back) through the bounce buffer. Returns the bytes
-        moved (both ways for a write that read its blocks first)."""
+        read or written (a write's reads of its blocks are counted as reads here)."""
         u, stride, rb = self.unit, self.stride, self.row_bytes
         gap = 0 if write else GAP // u
         per = max(1, BOUNCE // ((stride + u) * (gap + 1)))
@@ -497,10 +503,10 @@ class RowFile:
                                            (pos[np.searchsorted(blocks, edge)] * u).tolist(),
                                            [u] * len(edge),
                                            (self.data_offset + edge * u).tolist(), False)
-                            moved += u * len(edge)
+                            self._count_reads(u * len(edge))
                     else:                                  # keep the rows sharing the blocks
                         self._pool.run(self._live(), buf, boff, blen, foff, False)
-                        moved += need
+                        self._count_reads(need)
                     _scatter_rows(buf, at, rows, where)
                     self._pool.run(self._live(), buf, boff, blen, foff, True)
                 else:
@@ -514,8 +520,8 @@ class RowFile:
 
     def _packed_range(self, start: int, rows: np.ndarray, write: bool) -> int:
         """:meth:`_range` of a packed file: whole blocks, in requests of 4 MiB; a write whose
-        ends share a block with other rows reads those two blocks first. Returns the bytes
-        moved."""
+        ends share a block with other rows reads those two blocks first (counted as reads
+        here). Returns the bytes read or written."""
         u, stride, rb = self.unit, self.stride, self.row_bytes
         n, moved = len(rows), 0
         per = max(self.align_rows, BOUNCE // stride // self.align_rows * self.align_rows)
@@ -537,7 +543,7 @@ class RowFile:
                     if edges:                  # the end blocks hold other rows: kept
                         self._pool.run(self._live(), buf, [e - b0 for e in edges],
                                        [u] * len(edges), edges, False, chunk=1)
-                        moved += u * len(edges)
+                        self._count_reads(u * len(edges))
                     inner[:, :rb] = rows[a:a + m]
                     if stride > rb:
                         inner[:, rb:] = 0
@@ -595,6 +601,11 @@ class RowFile:
             if buf is not None:
                 self._pool.give(buf)
         self._account(write, n * stride, t0)
+
+    def _count_reads(self, nbytes: int) -> None:
+        """Blocks a packed file's write read first (to keep the rows sharing them)."""
+        with self._lock:
+            self.counters["read_bytes"] += nbytes
 
     def _account(self, write: bool, nbytes: int, t0: float) -> None:
         if not self.direct and nbytes:
