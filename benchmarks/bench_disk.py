@@ -408,25 +408,31 @@ def set_depth(table, depth: int | None) -> int:
 
 
 def age_by_copy(table, log, gen, go_on, block: int = 1 << 18) -> int:
-    """Age a log file as uniform steps would, faster: one sequential pass over the rows, a
+    """Age a log file as uniform steps would, faster: sequential passes over the rows, a
     random share of each block appended again (unchanged) through the log's own writes, the
-    share chosen so that the pass uses up the spare slots and makes the cleaner clean ~16
+    share chosen so that the passes use up the spare slots and make the cleaner clean ~16
     segments. Call with the RAM cache flushed (its rows clean: their bytes do not change).
     Returns the rows moved (no steps: reported as steps of ``block`` rows)."""
     f = table.disk.file
     table.disk.flush()
-    share = min(1.0, (f.slots - f.num_rows + 16 * f.seg) / f.num_rows)
+    want = (f.slots - f.num_rows + 16 * f.seg) / f.num_rows   # of the ids (a spare of 100%:
+    passes = max(1, int(np.ceil(want)))                       # more than one pass)
+    share = want / passes
     buf = np.empty((min(block, f.num_rows), f.file.row_bytes), dtype=np.uint8)
     moved = 0
-    for start in range(0, f.num_rows, block):
-        m = min(block, f.num_rows - start)
-        f.read_range(start, buf[:m])
-        pick = np.flatnonzero(gen.random(m) < share)
-        f.write(pick + start, buf, at=pick)
-        moved += len(pick)
+    for _ in range(passes):
+        for start in range(0, f.num_rows, block):
+            m = min(block, f.num_rows - start)
+            f.read_range(start, buf[:m])
+            pick = np.flatnonzero(gen.random(m) < share)
+            f.write(pick + start, buf, at=pick)
+            moved += len(pick)
+            if not go_on():
+                break
         if not go_on():
             break
-    print(f"aged by copying {moved:,} rows ({share:.1%} of each block): {log}", flush=True)
+    print(f"aged by copying {moved:,} rows ({passes} passes, {share:.1%} of each block): "
+          f"{log}", flush=True)
     return -(-moved // block)
 
 
