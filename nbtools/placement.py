@@ -152,13 +152,23 @@ class NoRoomError(HostMemoryError):
 
 
 def disk_bytes(nbytes: int, num_rows: int | None) -> int:
-    """What ``nbytes`` of ``num_rows`` rows take in a row file: each row rounded up to a 512-byte
-    sector (``O_DIRECT``; the file is made with the disk's own block, checked again then)."""
+    """The least free disk a table of ``nbytes`` in ``num_rows`` rows needs: its rows in place,
+    each rounded up to a 512-byte sector (``O_DIRECT``; the file is made with the disk's own
+    block, checked again then), or, where that is less, a log file of packed rows with the
+    least spare it takes (:func:`nbtools.disklog.file_rows`: 10%, and a share of the disk left
+    free beside it)."""
     if not num_rows:
         return nbytes
-    # (the least a disk table needs: its rows in place; the log layout's spare slots are
-    # taken only where the disk has room for them, nbtools.disklog.file_rows)
-    return num_rows * -(-(nbytes // num_rows) // 512) * 512
+    from . import disklog
+    row = nbytes // num_rows
+    in_place = num_rows * -(-row // 512) * 512
+    if not (disklog.wanted() and disklog.packed()):
+        return in_place
+    seg = disklog.segment_rows_for(num_rows)
+    extra = max(int(disklog.MIN_SPARE * num_rows) + 1, (disklog.RESERVE + 2) * seg)
+    log = -(-(num_rows + extra) // seg) * seg * disklog.log_stride(row)
+    log = max(log + disklog.LEAVE, -(-log * 20 // 19)) + 2 * 4096     # (header, last block)
+    return min(in_place, log)
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
@@ -194,8 +204,9 @@ def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
                         f"{folder}")
     raise NoRoomError(
         f"{human_bytes(nbytes)} of rows and optimizer state fit nowhere: "
-        f"{'; '.join(tried)}; {human_bytes(on_disk)} needed on disk (rows rounded up to "
-        f"512-byte sectors), {human_bytes(free_disk)} free in {folder}. Use "
+        f"{'; '.join(tried)}; {human_bytes(on_disk)} needed on disk (rows in 512-byte "
+        f"sectors, or packed in a log with its least spare), {human_bytes(free_disk)} free in "
+        f"{folder}. Use "
         "nbtools.plan(...) to size it: fewer rows, a smaller dim, dtype=torch.bfloat16, an "
         "optimizer with less state (SGD, Adagrad), or a disk_dir with more room.")
 

@@ -234,13 +234,27 @@ def test_auto_counts_rows_rounded_up_to_sectors_on_disk(tmp_path, monkeypatch):
     assert where == "disk" and "on disk" in why
 
 
+def test_auto_counts_a_packed_log_where_it_needs_less_than_rows_in_place():
+    """100M rows of 260 bytes: 51.2 GB in 512-byte sectors, but a log of packed rows (288 bytes)
+    with its least spare fits in ~33 GB; the disk's need is that, and a disk with exactly
+    that much free gets the log (much less: rows in place, which do not fit either)."""
+    from nbtools import disklog, placement
+    n = 100_000_000
+    need = placement.disk_bytes(260 * n, n)
+    assert 31.7e9 < need < 34e9 < 512 * n
+    stride = disklog.log_stride(260)
+    assert stride == 288 and disklog.file_rows(n, stride, need) >= n * (1 + disklog.MIN_SPARE)
+    assert disklog.file_rows(n, stride, need - 2 * 4096 - 10 ** 8) == n
+
+
 def test_plan_names_the_disk(tmp_path, monkeypatch):
     from nbtools import disk, disklog
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
     slots = disklog.slots_for(1000)
-    assert f"a file of {nbtools.units.human_bytes(slots * 512)} (log-structured, " \
-           f"{slots / p.num_rows - 1:.0%} spare)" in str(p)
+    size = nbtools.units.human_bytes(slots * disklog.log_stride(32))     # packed 32-byte rows
+    assert f"a file of {size} (log-structured, {slots / p.num_rows - 1:.0%} spare)" in str(p)
+    monkeypatch.setenv("NBTOOLS_DISK_PACKED", "0")                        # 512-byte rows,
     monkeypatch.setattr(disk, "free_bytes", lambda folder: 1000 * 512 + 100)   # no spare room
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert "(rows in place)" in str(p), str(p)
