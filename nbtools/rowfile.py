@@ -507,11 +507,11 @@ class RowFile:
                     else:                                  # keep the rows sharing the blocks
                         self._pool.run(self._live(), buf, boff, blen, foff, False)
                         self._count_reads(need)
-                    _scatter_rows(buf, at, rows, where)
+                    _rows_in_buffer(buf, at, rows, where, stride, write=True)
                     self._pool.run(self._live(), buf, boff, blen, foff, True)
                 else:
                     self._pool.run(self._live(), buf, boff, blen, foff, False)
-                    _gather_rows(buf, at, rows, where)
+                    _rows_in_buffer(buf, at, rows, where, stride, write=False)
                 moved += need
         finally:
             if buf is not None:
@@ -655,26 +655,31 @@ def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUE
             (data_offset + fstart * stride).tolist(), pos)
 
 
-def _row_index(at: np.ndarray, rb: int, a: int, b: int) -> np.ndarray:
-    """Byte positions of rows ``a:b`` whose first bytes are at ``at`` (int64)."""
-    return at[a:b, None] + np.arange(rb, dtype=np.int64)
-
-
-def _gather_rows(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
-                 block: int = 4096) -> None:
-    """``rows[where[i]] = buf[at[i] : at[i] + row_bytes]``, a block of rows at a time (the byte
-    positions of a whole call would take gigabytes)."""
-    rb = rows.shape[1]
-    for a in range(0, len(at), block):
-        rows[where[a:a + block]] = buf[_row_index(at, rb, a, a + block)]
-
-
-def _scatter_rows(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
-                  block: int = 4096) -> None:
-    """``buf[at[i] : at[i] + row_bytes] = rows[where[i]]``, a block of rows at a time."""
-    rb = rows.shape[1]
-    for a in range(0, len(at), block):
-        buf[_row_index(at, rb, a, a + block)] = rows[where[a:a + block]]
+def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
+                    stride: int, write: bool, block: int = 4096) -> None:
+    """Copy rows between the caller's ``rows`` and a packed file's bounce buffer, where row
+    ``where[i]`` starts at byte ``at[i]``: into the buffer for a write, out of it for a read.
+    Rows that follow each other in the buffer at the file's stride (a log's appends, a range
+    of ids) go as one strided copy per run; scattered rows by their byte positions, a block
+    of rows at a time (the positions of a whole call would take gigabytes)."""
+    rb, n = rows.shape[1], len(at)
+    brk = np.flatnonzero(np.diff(at) != stride) + 1
+    if len(brk) < n // 32:                       # long runs: a strided view each
+        for a, b in zip(np.concatenate(([0], brk)).tolist(), np.concatenate((brk, [n])).tolist()):
+            view = np.lib.stride_tricks.as_strided(buf[int(at[a]):], shape=(b - a, rb),
+                                                   strides=(stride, 1))
+            if write:
+                view[...] = rows[where[a:b]]
+            else:
+                rows[where[a:b]] = view
+        return
+    cols = np.arange(rb, dtype=np.int64)
+    for a in range(0, n, block):
+        index = at[a:a + block, None] + cols
+        if write:
+            buf[index] = rows[where[a:a + block]]
+        else:
+            rows[where[a:a + block]] = buf[index]
 
 
 def _writer() -> dict:

@@ -289,6 +289,16 @@ def test_packed_rows_round_trip(tmp_path, row_bytes, direct):
         out = np.zeros((int(rng.integers(1, n - a)), row_bytes), dtype=np.uint8)
         f.read_range(a, out)
         assert np.array_equal(out, ref[a:a + len(out)])
+        # long runs of consecutive ids through read/write (copied a run at a time)
+        runs = np.concatenate([np.arange(b, min(n, b + int(rng.integers(40, 300))))
+                               for b in rng.choice(n, 3, replace=False)])
+        runs = np.unique(runs)
+        new = rng.integers(0, 256, (len(runs), row_bytes), dtype=np.uint8)
+        f.write(runs, new)
+        ref[runs] = new
+        out = np.zeros((len(runs), row_bytes), dtype=np.uint8)
+        f.read(runs[::-1].copy(), out)
+        assert np.array_equal(out, ref[runs[::-1]])
     f.close()
     with RowFile.open(path, direct=direct) as g:
         assert g.packed and g.stride == f.stride
