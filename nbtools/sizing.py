@@ -2,9 +2,11 @@
 disk holds it (:func:`rows_for`).
 
 A row's bytes are :func:`nbtools.plan`'s ``disk_row_bytes``: its weights and its optimizer
-state, as a disk table holds them (without the padding of rows in RAM). A disk table's file stores each row in whole ``O_DIRECT`` blocks (512
-bytes on most disks, probed on the folder itself), so its file can be larger than its rows:
-a 260-byte row takes 512 bytes. RAM keeps 5 bytes per row of a disk table whatever its size
+state, as a disk table holds them (without the padding of rows in RAM). A disk table's file
+packs its rows 32 bytes apart in a log (a 260-byte row takes 288 bytes) with spare slots where
+the disk has room, or, rows in place, stores each in whole ``O_DIRECT`` blocks (512 bytes on
+most disks, probed on the folder itself), so its file is larger than its rows. RAM keeps 5
+bytes per row of a disk table whatever its size
 (its int32 row -> slot map and change marks, :class:`nbtools.disk.DiskRows`; 9 past 2**31 rows).
 
 >>> import tempfile, torch
