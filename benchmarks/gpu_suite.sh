@@ -55,7 +55,7 @@ if [ "$what" = disk ]; then
         --cache-gib 0.02 --ahead 8 --steps 48 --age-steps 16 --dir "$dir" 2>&1 \
         | grep --line-buffered -v Warn | tee "$out/disk_timeline_10m.log" | head -40; rm -rf "$dir"
       python3 benchmarks/experiments/disk_timeline.py --rows 20000000 --cache-gib 1.4 --ahead 8 \
-        --steps 64 --age-steps 32 --dir "$dir" 2>&1 | grep -v Warn \
+        --steps 64 --age-steps 32 --dir "$dir" 2>&1 | grep --line-buffered -v Warn \
         | tee "$out/disk_timeline_20m.log" | head -40; rm -rf "$dir" ;;
     100m)
       python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 5 --cache-gib 7 \
