@@ -425,14 +425,13 @@ class RowFile:
         t0 = time.perf_counter()
         k = len(ids)
         nbytes = k * self.stride
-        if k and self.packed:
-            order = np.argsort(ids, kind="stable")
-            nbytes = self._packed_io(ids[order], order if at is None else at[order], rows,
-                                     write, fresh)
-        elif k:
+        if k:
             order = np.argsort(ids, kind="stable")
             ids = ids[order]
             dst = order if at is None else at[order]
+        if k and self.packed:
+            nbytes = self._packed_io(ids, dst, rows, write, fresh)
+        elif k:
             stride, rb = self.stride, self.row_bytes
             # reads also take the rows between two near ones (at most GAP bytes apart): one
             # request instead of two, on a disk whose random reads are bound by their count
@@ -445,10 +444,7 @@ class RowFile:
                     n = len(part)
                     boff, blen, foff, pos = _requests(part, stride, self.data_offset, gap=gap)
                     need = (int(pos[-1]) + 1) * stride
-                    if buf is None or buf.nbytes < need:
-                        if buf is not None:
-                            self._pool.give(buf)
-                        buf = self._pool.take(need)
+                    buf = self._at_least(buf, need)
                     if write:
                         view = buf[: n * stride].reshape(n, stride)
                         if stride == rb:
@@ -484,10 +480,7 @@ class RowFile:
                 blocks = np.unique(blocks)
                 boff, blen, foff, pos = _requests(blocks, u, self.data_offset, gap=gap)
                 need = (int(pos[-1]) + 1) * u
-                if buf is None or buf.nbytes < need:
-                    if buf is not None:
-                        self._pool.give(buf)
-                    buf = self._pool.take(need)
+                buf = self._at_least(buf, need)
                 at = pos[np.searchsorted(blocks, first)] * u + (off - first * u)  # in buf
                 if write:
                     if fresh:
@@ -538,8 +531,8 @@ class RowFile:
                 blen = [min(step, b1 - b0 - b) for b in boff]
                 foff = [b0 + b for b in boff]
                 if write:
-                    edges = ([b0] if lo != b0 else []) + (
-                        [b1 - u] if hi != b1 and (lo == b0 or b1 - u != b0) else [])
+                    edges = sorted({b for b, partial in ((b0, lo != b0), (b1 - u, hi != b1))
+                                    if partial})
                     if edges:                  # the end blocks hold other rows: kept
                         self._pool.run(self._live(), buf, [e - b0 for e in edges],
                                        [u] * len(edges), edges, False, chunk=1)
@@ -601,6 +594,15 @@ class RowFile:
             if buf is not None:
                 self._pool.give(buf)
         self._account(write, n * stride, t0)
+
+    def _at_least(self, buf, nbytes: int) -> np.ndarray:
+        """``buf`` (or None) when it holds ``nbytes``, else a larger bounce buffer in its
+        place."""
+        if buf is not None and buf.nbytes >= nbytes:
+            return buf
+        if buf is not None:
+            self._pool.give(buf)
+        return self._pool.take(nbytes)
 
     def _count_reads(self, nbytes: int) -> None:
         """Blocks a packed file's write read first (to keep the rows sharing them)."""
