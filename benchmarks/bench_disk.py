@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -411,28 +412,40 @@ def age_by_copy(table, log, gen, go_on, block: int = 1 << 18) -> int:
     """Age a log file as uniform steps would, faster: sequential passes over the rows, a
     random share of each block appended again (unchanged) through the log's own writes, the
     share chosen so that the passes use up the spare slots and make the cleaner clean ~16
-    segments. Call with the RAM cache flushed (its rows clean: their bytes do not change).
-    Returns the rows moved (no steps: reported as steps of ``block`` rows)."""
+    segments. The next block is read while this one's rows are appended (a log's reads may
+    run beside its writes). Call with the RAM cache flushed (its rows clean: their bytes do
+    not change). Returns the rows moved (no steps: reported as steps of ``block`` rows)."""
     f = table.disk.file
     table.disk.flush()
     want = (f.slots - f.num_rows + 16 * f.seg) / f.num_rows   # of the ids (a spare of 100%:
     passes = max(1, int(np.ceil(want)))                       # more than one pass)
     share = want / passes
-    buf = np.empty((min(block, f.num_rows), f.file.row_bytes), dtype=np.uint8)
-    moved = 0
-    for _ in range(passes):
-        for start in range(0, f.num_rows, block):
-            m = min(block, f.num_rows - start)
-            f.read_range(start, buf[:m])
+    bufs = [np.empty((min(block, f.num_rows), f.file.row_bytes), dtype=np.uint8)
+            for _ in range(2)]
+    starts = [(p, s) for p in range(passes) for s in range(0, f.num_rows, block)]
+
+    def read(k):
+        m = min(block, f.num_rows - starts[k][1])
+        f.read_range(starts[k][1], bufs[k % 2][:m])
+        return m
+    moved, t0 = 0, time.perf_counter()
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(read, 0)
+        for k, (p, start) in enumerate(starts):
+            m = ahead.result()
+            if k + 1 < len(starts):
+                ahead = pool.submit(read, k + 1)
             pick = np.flatnonzero(gen.random(m) < share)
-            f.write(pick + start, buf, at=pick)
+            f.write(pick + start, bufs[k % 2], at=pick)
             moved += len(pick)
+            if start == 0 and p:
+                print(f"  aging: pass {p + 1} of {passes} at {time.perf_counter() - t0:.0f} s",
+                      flush=True)
             if not go_on():
                 break
-        if not go_on():
-            break
-    print(f"aged by copying {moved:,} rows ({passes} passes, {share:.1%} of each block): "
-          f"{log}", flush=True)
+        ahead.result()
+    print(f"aged by copying {moved:,} rows ({passes} passes, {share:.1%} of each block) in "
+          f"{time.perf_counter() - t0:.0f} s: {log}", flush=True)
     return -(-moved // block)
 
 

@@ -64,7 +64,7 @@ if [ "$what" = disk ]; then
         | tee "$out/bench_disk_100m.log" | tail -45; rm -rf "$dir" ;;
     steady)  # 100M rows once the log's spare slots are used up and its cleaner runs
       python3 benchmarks/bench_disk.py --rows 100000000 --steps 96 --rounds 3 --cache-gib 7 \
-        --dir "$dir" --age-s 240 --age-copy --also-ahead "" --uniform-steps 12 \
+        --dir "$dir" --age-s 270 --age-copy --also-ahead "" --uniform-steps 12 \
         --uniform-rounds 1 --out "$out/disk100m_steady" 2>&1 \
         | grep --line-buffered -v "^uniform {\|Warn" | tee "$out/bench_disk_100m_steady.log" | tail -45
       rm -rf "$dir" ;;
