@@ -557,6 +557,17 @@ def main():
     mem.mark("probed")
 
     pin = device.type == "cuda"
+
+    def warm():
+        t0 = time.perf_counter()
+        res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
+        res["warm_s"] = time.perf_counter() - t0
+        mem.mark("warm")
+    copying = log is not None and args.age_s and args.age_copy
+    if copying:
+        # Aging by copying moves rows in the file unchanged, under a RAM cache of clean rows:
+        # warmed first, while the hot rows still lie in id order (2-3x faster than after)
+        warm()
     if log is not None and args.age_s:
         # A log file's steady state: its spare slots used up and the cleaner at work, as after
         # a long run (a fresh file only appends into its spare segments). Uniform steps fill
@@ -565,19 +576,21 @@ def main():
         t0, aged = time.perf_counter(), 0
         if args.age_copy:
             aged = age_by_copy(table, log, gen, lambda: time.perf_counter() - t0 < args.age_s)
+        stepped = False
         while time.perf_counter() - t0 < args.age_s and log["cleaned_segments"] < 8:
             uni = [torch.randint(0, args.rows, (args.ids,)) for _ in range(4)]
             run_steps(table, opt, [b.pin_memory() if pin else b for b in uni], device,
                       prefetch=args.ahead)
-            aged += len(uni)
-        table.disk.flush(drop=True)           # the uniform rows out of RAM: warmed again below
+            aged, stepped = aged + len(uni), True
+        if stepped:
+            table.disk.flush(drop=True)       # the uniform rows out of RAM: warmed again below
         res["aged"] = {"steps": aged, "s": time.perf_counter() - t0, **log}
         mem.mark("aged")
         print(f"aged: {aged} steps in {res['aged']['s']:.0f} s, {log}", flush=True)
-    t0 = time.perf_counter()
-    res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
-    res["warm_s"] = time.perf_counter() - t0
-    mem.mark("warm")
+        copying = copying and not stepped
+    if not copying:
+        warm()
+    print(f"RAM cache warmed: {res['warm_rows']:,} rows in {res['warm_s']:.0f} s", flush=True)
     if args.dirty:
         # A long run's steady state: every row in the RAM cache has been trained since it was
         # read, so each miss evicts a dirty row that must be written back (a fresh cache's
