@@ -152,6 +152,11 @@ def torch_sparse_step(n, dim, device):
     return step, (emb, opt)
 
 
+def stored_row_bytes(table) -> int:
+    """A table's row as it stores it: weight, optimizer state and padding."""
+    return table._layout.width * table._layout.unit.itemsize
+
+
 def traffic_floor_ms(n, dim, batches, device, width_factor=3):
     """Gather + scatter of each batch's unique [weight | m | v] rows on a zero-copy view."""
     width = int(dim * width_factor)
@@ -383,8 +388,7 @@ def run_system(name, args, device) -> dict:
     if args.own_floors and kw is not None and kw.get("placement") == "host":
         # this table's rows as it stores them (optimizer state and padding included), moved
         # by the floor's gather + scatter over the same ids
-        table = keep[0]
-        row_bytes = table._layout.width * table._layout.unit.itemsize
+        row_bytes = stored_row_bytes(keep[0])
         del step, keep
         out["own_floor"] = {name: {"row_bytes": row_bytes, "ms": traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device,
