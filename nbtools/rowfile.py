@@ -55,6 +55,9 @@ Why it reads the way it does:
   and the first write to each one costs a metadata update. Fill a new file sequentially
   (:meth:`write_range`) before timing random I/O.
 
+The header, opening and housekeeping (:func:`leftovers`) are in :mod:`nbtools.rowfilefmt`, a
+packed file's reads and writes in :mod:`nbtools.packedio`; their names import from here too.
+
 >>> import tempfile, os
 >>> f = RowFile.create(os.path.join(tempfile.mkdtemp(), "t.rows"), 100, 12, {"dtype": "uint8"})
 >>> f.write(np.array([7, 3]), np.arange(24, dtype=np.uint8).reshape(2, 12))
@@ -68,40 +71,29 @@ Why it reads the way it does:
 """
 from __future__ import annotations
 
-import errno
-import json
 import math
 import os
 import shutil
-import socket
 import threading
 import time
 
 import numpy as np
 
-from . import NbtoolsError
-from .fileio import RequestPool, _aligned, _check_engine, _pwrite_all, fadvise
-from .fileio import _pread_all  # noqa: F401  (nbtools.pretrained imports it from here)
+from .fileio import RequestPool, _check_engine, fadvise
+from .packedio import _requests, packed_io, packed_range
+from .rowfilefmt import (BLOCKS, HEADER, DiskFullError, _checked_meta, _new_file_folder, _open,
+                         _reserve, _round_up, _write_header, _writer)
 from .units import human_bytes
+# importable from here as before (checkpoints, pretrained, disklog, tests and benchmarks)
+from .fileio import _aligned, _pread_all  # noqa: F401
+from .packedio import REQUEST  # noqa: F401
+from .rowfilefmt import MAGIC, VERSION, RowFileError, leftovers, remove_leftovers  # noqa: F401
 
-MAGIC = b"NBTROWS\x00"
-VERSION = 1
-HEADER = 4096                  # header bytes; data starts here (aligned for any block size)
-BLOCKS = (512, 4096)           # O_DIRECT alignments tried, smallest first
-REQUEST = 1 << 20              # bytes per request at most when neighbours are merged
 BOUNCE = 64 << 20              # bytes of aligned buffer per call, at most
 KEEP = 64 << 20                # bytes of bounce buffers kept between calls, per file
 PACK = 32                      # a packed file's stride: the row rounded up to this many bytes
 GAP = 4096                     # reads: rows at most this many bytes apart share a request
 DIRTY_LIMIT = 64 << 20         # buffered mode: fdatasync once this much was written
-
-
-class RowFileError(NbtoolsError, ValueError):
-    """A row file that is not one, is truncated, or does not match what was expected."""
-
-
-class DiskFullError(NbtoolsError, OSError):
-    """Not enough free disk space; nothing was written (or the partial file was removed)."""
 
 
 class RowFile:
@@ -177,17 +169,7 @@ class RowFile:
             raise ValueError(f"a row file needs num_rows >= 0 and row_bytes >= 1, got "
                              f"num_rows={num_rows}, row_bytes={row_bytes}")
         path = os.path.abspath(os.fspath(path))
-        folder = os.path.dirname(path)
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except PermissionError as e:
-            raise PermissionError(f"cannot create the folder {folder!r} for a disk table "
-                                  f"({e.strerror}): pick another disk_dir") from None
-        if not os.access(folder, os.W_OK):
-            raise PermissionError(f"the folder {folder!r} is read-only: pick another disk_dir "
-                                  "(a writable folder on local disk)")
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(f"{path!r} exists already (overwrite=True replaces it)")
+        folder = _new_file_folder(path, overwrite)
         fd, existed = None, os.path.exists(path)
         try:
             fd, block = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct, fresh=True)
@@ -237,43 +219,7 @@ class RowFile:
                 not closed cleanly (and ``unclean_ok`` is false).
         """
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, f"no row file at {path!r}", path)
-        with open(path, "rb") as f:
-            head = f.read(HEADER)
-        if len(head) < 16 or head[:8] != MAGIC:
-            raise RowFileError(f"{path!r} is not an nbtools row file (it does not start with "
-                               f"{MAGIC!r})")
-        version = int.from_bytes(head[8:12], "little")
-        if version != VERSION:
-            raise RowFileError(f"{path!r} is row-file format {version}; this nbtools reads "
-                               f"format {VERSION}")
-        n = int.from_bytes(head[12:16], "little")
-        try:
-            meta = json.loads(head[16:16 + n])
-            need = int(meta["data_offset"]) + int(meta["num_rows"]) * int(meta["stride"])
-            int(meta["row_bytes"])
-        except (ValueError, KeyError, TypeError):
-            raise RowFileError(f"{path!r}: its header is damaged") from None
-        have = os.path.getsize(path)
-        if have < need:
-            raise RowFileError(f"{path!r} is truncated: {have:,} bytes, its header says "
-                               f"{need:,} ({meta['num_rows']:,} rows of {meta['stride']} bytes "
-                               f"after {meta['data_offset']})")
-        wrong = [(k, v, meta.get(k, "missing")) for k, v in (expect or {}).items()
-                 if meta.get(k, "missing") != v]
-        if wrong:
-            raise RowFileError(f"{path!r} does not match what was expected: " + ", ".join(
-                f"{k} is {got!r}, expected {want!r}" for k, want, got in wrong))
-        if meta.get("clean") is False and not unclean_ok and not _alive(meta.get("writer")):
-            w = meta.get("writer") or {}
-            raise RowFileError(
-                f"{path!r} was not closed cleanly: its writer (process {w.get('pid')} on "
-                f"{w.get('host')!r}) stopped while it was open (killed, crashed or out of "
-                "memory), so rows written just before may be stale or torn. Rebuild it from a "
-                "checkpoint (CheckpointManager.restore rewrites every row of a disk table), or "
-                "open it as it is with RowFile.open(path, unclean_ok=True); "
-                "nbtools.rowfile.leftovers(folder) lists such files, remove_leftovers deletes them")
+        meta = _checked_meta(path, expect, unclean_ok)
         fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
                           stride=0 if meta.get("packed") else int(meta["stride"]))
         if writable:                 # this process writes it now: unclean until closed
@@ -430,7 +376,7 @@ class RowFile:
             ids = ids[order]
             dst = order if at is None else at[order]
         if k and self.packed:
-            nbytes = self._packed_io(ids, dst, rows, write, fresh)
+            nbytes = packed_io(self, ids, dst, rows, write, fresh, bounce=BOUNCE, gap=GAP)
         elif k:
             stride, rb = self.stride, self.row_bytes
             # reads also take the rows between two near ones (at most GAP bytes apart): one
@@ -460,95 +406,6 @@ class RowFile:
                     self._pool.give(buf)
         self._account(write, nbytes, t0)
 
-    def _packed_io(self, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool,
-                   fresh: bool) -> int:
-        """:meth:`_io` of a packed file, ``ids`` sorted: the blocks the rows touch, read (and,
-        for a write, patched and written back) through the bounce buffer. Returns the bytes
-        read or written (a write's reads of its blocks are counted as reads here)."""
-        u, stride, rb = self.unit, self.stride, self.row_bytes
-        gap = 0 if write else GAP // u
-        per = max(1, BOUNCE // ((stride + u) * (gap + 1)))
-        moved, buf = 0, None
-        try:
-            for a in range(0, len(ids), per):
-                part, where = ids[a:a + per], dst[a:a + per]
-                off = part * stride
-                first, last = off // u, (off + rb - 1) // u
-                span = last - first + 1                   # blocks a row touches (1 or 2...)
-                blocks = np.repeat(first, span) + (np.arange(int(span.sum()))
-                                                   - np.repeat(np.cumsum(span) - span, span))
-                blocks = np.unique(blocks)
-                boff, blen, foff, pos = _requests(blocks, u, self.data_offset, gap=gap)
-                need = (int(pos[-1]) + 1) * u
-                buf = self._at_least(buf, need)
-                at = pos[np.searchsorted(blocks, first)] * u + (off - first * u)  # in buf
-                if write:
-                    if fresh:
-                        buf[:need] = 0
-                        # the first block of each run of consecutive rows, where the run starts
-                        # mid-block: rows written before it end there
-                        head = np.ones(len(part), dtype=bool)
-                        head[1:] = np.diff(part) != 1
-                        head &= off % u != 0
-                        if head.any():
-                            edge = np.unique(first[head])
-                            self._pool.run(self._live(), buf,
-                                           (pos[np.searchsorted(blocks, edge)] * u).tolist(),
-                                           [u] * len(edge),
-                                           (self.data_offset + edge * u).tolist(), False)
-                            self._count_reads(u * len(edge))
-                    else:                                  # keep the rows sharing the blocks
-                        self._pool.run(self._live(), buf, boff, blen, foff, False)
-                        self._count_reads(need)
-                    _rows_in_buffer(buf, at, rows, where, stride, write=True)
-                    self._pool.run(self._live(), buf, boff, blen, foff, True)
-                else:
-                    self._pool.run(self._live(), buf, boff, blen, foff, False)
-                    _rows_in_buffer(buf, at, rows, where, stride, write=False)
-                moved += need
-        finally:
-            if buf is not None:
-                self._pool.give(buf)
-        return moved
-
-    def _packed_range(self, start: int, rows: np.ndarray, write: bool) -> int:
-        """:meth:`_range` of a packed file: whole blocks, in requests of 4 MiB; a write whose
-        ends share a block with other rows reads those two blocks first (counted as reads
-        here). Returns the bytes read or written."""
-        u, stride, rb = self.unit, self.stride, self.row_bytes
-        n, moved = len(rows), 0
-        per = max(self.align_rows, BOUNCE // stride // self.align_rows * self.align_rows)
-        buf = self._pool.take(min(n, per) * stride + 2 * u)
-        try:
-            for a in range(0, n, per):
-                m = min(per, n - a)
-                lo = self.data_offset + (start + a) * stride       # the rows' bytes
-                hi = lo + m * stride
-                b0, b1 = lo // u * u, -(-hi // u) * u              # whole blocks around them
-                inner = buf[lo - b0: lo - b0 + m * stride].reshape(m, stride)
-                step = (4 << 20) // u * u
-                boff = list(range(0, b1 - b0, step))
-                blen = [min(step, b1 - b0 - b) for b in boff]
-                foff = [b0 + b for b in boff]
-                if write:
-                    edges = sorted({b for b, partial in ((b0, lo != b0), (b1 - u, hi != b1))
-                                    if partial})
-                    if edges:                  # the end blocks hold other rows: kept
-                        self._pool.run(self._live(), buf, [e - b0 for e in edges],
-                                       [u] * len(edges), edges, False, chunk=1)
-                        self._count_reads(u * len(edges))
-                    inner[:, :rb] = rows[a:a + m]
-                    if stride > rb:
-                        inner[:, rb:] = 0
-                    self._pool.run(self._live(), buf, boff, blen, foff, True, chunk=1)
-                else:
-                    self._pool.run(self._live(), buf, boff, blen, foff, False, chunk=1)
-                    rows[a:a + m] = inner[:, :rb]
-                moved += b1 - b0
-        finally:
-            self._pool.give(buf)
-        return moved
-
     def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
         self._live()
         if write and not self.writable:
@@ -564,7 +421,8 @@ class RowFile:
                              f"{self.num_rows:,}")
         t0 = time.perf_counter()
         if self.packed:
-            self._account(write, self._packed_range(start, rows, write) if n else 0, t0)
+            moved = packed_range(self, start, rows, write, bounce=BOUNCE) if n else 0
+            self._account(write, moved, t0)
             return
         stride, rb = self.stride, self.row_bytes
         # straight into the caller's rows when they are laid out as on disk (no bounce copy)
@@ -626,237 +484,3 @@ class RowFile:
             c[f"{key}_bytes"] += nbytes
             c[f"{key}_calls"] += 1
             c[f"{key}_s"] += time.perf_counter() - t0
-
-
-def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
-              gap: int = 0):
-    """Sorted row numbers -> requests over runs of consecutive rows, each at most ``limit``
-    bytes: (offset in the bounce buffer, bytes, file offset), as Python lists, and each row's
-    place in the bounce buffer (in rows). With ``gap``, two rows at most ``gap`` rows apart
-    share a run, the rows between them read too (reads only)."""
-    n = len(ids)
-    step = np.diff(ids)
-    join = step <= gap + 1                      # row i + 1 continues row i's run
-    skipped = np.where(join, step - 1, 0)       # rows read between them, not asked for
-    pos = np.arange(n, dtype=np.int64)
-    if n > 1:
-        pos[1:] += np.cumsum(skipped)
-    starts = np.concatenate(([0], np.flatnonzero(~join) + 1))      # first row of each run
-    ends = np.concatenate((starts[1:], [n])) - 1                   # its last row
-    bstart = pos[starts]
-    lens = pos[ends] - bstart + 1                                  # buffer rows a run spans
-    fstart = ids[starts]
-    cap = max(1, limit // stride)
-    if lens.max() > cap:                     # cut long runs: requests of `cap` rows
-        pieces = -(-lens // cap)
-        k = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        end = np.repeat(bstart + lens, pieces)
-        bstart, fstart = np.repeat(bstart, pieces) + k * cap, np.repeat(fstart, pieces) + k * cap
-        lens = np.minimum(bstart + cap, end) - bstart
-    return ((bstart * stride).tolist(), (lens * stride).tolist(),
-            (data_offset + fstart * stride).tolist(), pos)
-
-
-def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
-                    stride: int, write: bool, block: int = 4096) -> None:
-    """Copy rows between the caller's ``rows`` and a packed file's bounce buffer, where row
-    ``where[i]`` starts at byte ``at[i]``: into the buffer for a write, out of it for a read.
-    Rows that follow each other in the buffer at the file's stride (a log's appends, a range
-    of ids) go as one strided copy per run; scattered rows by their byte positions, a block
-    of rows at a time (the positions of a whole call would take gigabytes)."""
-    rb, n = rows.shape[1], len(at)
-    brk = np.flatnonzero(np.diff(at) != stride) + 1
-    if len(brk) < n // 32:                       # long runs: a strided view each
-        for a, b in zip(np.concatenate(([0], brk)).tolist(), np.concatenate((brk, [n])).tolist()):
-            view = np.lib.stride_tricks.as_strided(buf[int(at[a]):], shape=(b - a, rb),
-                                                   strides=(stride, 1))
-            if write:
-                view[...] = rows[where[a:b]]
-            else:
-                rows[where[a:b]] = view
-        return
-    cols = np.arange(rb, dtype=np.int64)
-    for a in range(0, n, block):
-        index = at[a:a + block, None] + cols
-        if write:
-            buf[index] = rows[where[a:a + block]]
-        else:
-            rows[where[a:a + block]] = buf[index]
-
-
-def _writer() -> dict:
-    """Who writes a row file: this process (pid, host, its start time)."""
-    pid = os.getpid()
-    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
-
-
-def _started(pid: int):
-    """A process's start time in clock ticks since boot (Linux; None elsewhere): tells a live
-    writer from a later process that got its pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(writer) -> bool:
-    """Whether ``writer`` (a header's) is a live process on this host."""
-    if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
-        return False
-    pid = writer.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    started = _started(pid)
-    return started is None or writer.get("started") in (None, started)
-
-
-def _write_header(fd: int, info: dict) -> None:
-    head = _header(info)
-    buf = _aligned(HEADER)
-    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    _pwrite_all(fd, memoryview(buf), 0)
-
-
-def _read_meta(path) -> dict | None:
-    """The header's JSON of the row file at ``path``, or None when it is not one."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER)
-        if len(head) < 16 or head[:8] != MAGIC:
-            return None
-        n = int.from_bytes(head[12:16], "little")
-        meta = json.loads(head[16:16 + n])
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def leftovers(folder) -> list[dict]:
-    """Row files in ``folder`` that their writer left open when it died (killed, crashed):
-    ``{"path", "bytes", "writer"}`` each. A disk table's working file is removed when the
-    table is closed, so these are files of killed runs, taking disk space for nothing (their
-    rows may be torn: checkpoints are what a run resumes from).
-
-    >>> import tempfile
-    >>> leftovers(tempfile.mkdtemp())
-    []
-    """
-    out = []
-    try:
-        names = sorted(os.listdir(folder))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        meta = _read_meta(path)
-        if meta is not None and meta.get("clean") is False and not _alive(meta.get("writer")):
-            out.append({"path": path, "bytes": os.path.getsize(path),
-                        "writer": meta.get("writer")})
-    return out
-
-
-def remove_leftovers(folder) -> int:
-    """Delete the files :func:`leftovers` lists; returns the bytes freed."""
-    freed = 0
-    for f in leftovers(folder):
-        try:
-            os.remove(f["path"])
-            freed += f["bytes"]
-        except OSError:
-            pass
-    return freed
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def _header(info: dict) -> bytes:
-    body = json.dumps(info).encode()
-    head = MAGIC + VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body
-    if len(head) > HEADER:
-        raise ValueError(f"row-file header of {len(head):,} bytes exceeds {HEADER:,}: meta is "
-                         "too large")
-    return head
-
-
-def _reserve(fd: int, size: int, path: str) -> None:
-    """Reserve ``size`` bytes (``posix_fallocate``; a sparse ``ftruncate`` where unsupported)."""
-    try:
-        if not hasattr(os, "posix_fallocate"):
-            raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise DiskFullError(errno.ENOSPC, f"the disk filled while reserving "
-                                f"{human_bytes(size)} ({size:,} bytes) for {path!r}; the "
-                                "partial file was removed") from None
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, size)
-
-
-def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
-    """(fd, O_DIRECT block size or 0). ``direct``: True, False or "auto"."""
-    if direct not in (True, False, "auto"):
-        raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
-    if direct is not False and hasattr(os, "O_DIRECT"):
-        fd = None
-        try:
-            fd = os.open(path, flags | os.O_DIRECT)
-            if fresh:
-                os.ftruncate(fd, HEADER)     # something to probe (a hole: reads still check)
-            block = _probe_block(fd, stride)
-            if block:
-                return fd, block
-        except OSError:
-            pass
-        if fd is not None:
-            os.close(fd)
-        if direct is True:
-            why = (f"the row stride ({stride} bytes) is not a multiple of the disk's block"
-                   if stride and _probe_ok(path) else "the filesystem refuses O_DIRECT "
-                   "(tmpfs on older kernels, some network or FUSE filesystems)")
-            raise OSError(errno.EINVAL, f"cannot use O_DIRECT on {path!r}: {why}; pass "
-                          "direct='auto' or direct=False", path)
-        flags &= ~os.O_TRUNC                 # created (and truncated) above already
-    elif direct is True:
-        raise OSError(errno.EINVAL, f"O_DIRECT is not available on this platform; pass "
-                      f"direct='auto' or direct=False for {path!r}", path)
-    return os.open(path, flags), 0
-
-
-def _probe_block(fd: int, stride: int = 0) -> int:
-    """The smallest alignment at which an O_DIRECT read works on this file (0: none), among
-    those that divide ``stride`` (when given): ``block`` bytes at offset 0, into memory aligned
-    to exactly ``block`` (a device of 4 KiB sectors refuses the 512-byte read)."""
-    buf = _aligned(2 * BLOCKS[-1])
-    for block in BLOCKS:
-        if stride and stride % block:
-            continue
-        try:
-            if os.preadv(fd, [memoryview(buf)[block:2 * block]], 0) == block:
-                return block
-        except OSError:
-            pass
-    return 0
-
-
-def _probe_ok(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return _probe_block(fd) > 0
-    finally:
-        os.close(fd)

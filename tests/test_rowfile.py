@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nbtools import NbtoolsError
-from nbtools import rowfile
+from nbtools import rowfile, rowfilefmt
 from nbtools.rowfile import DiskFullError, RowFile, RowFileError
 
 
@@ -248,7 +248,7 @@ def test_folders(tmp_path, monkeypatch):
 
 
 def test_direct_true_refused_says_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(rowfile, "_probe_block", lambda fd, stride=0: 0)
+    monkeypatch.setattr(rowfilefmt, "_probe_block", lambda fd, stride=0: 0)
     with pytest.raises(OSError, match="O_DIRECT.*direct='auto' or direct=False"):
         RowFile.create(tmp_path / "t.rows", 10, 8, direct=True)
     assert os.listdir(tmp_path) == []
