@@ -29,7 +29,6 @@ rows first waits for the write-back (:meth:`RowStore.settle`, no host synchronis
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import torch
@@ -246,7 +245,6 @@ class RowStore:
         self._back: _WriteBack | None = None     # the last write-back queued
         self._older = None        # event: every write-back queued before it is done
         self._put_stream = None
-        self._pending = None      # a deferred write-back (DEFER_WRITE_BACK): starts it
 
     def __getstate__(self) -> dict:
         # Write-backs in flight belong to this process's CUDA work: a copy waits for them.
@@ -254,7 +252,7 @@ class RowStore:
             self.settle()
             synchronize(self.device)
         state = dict(self.__dict__)
-        state.update(_back=None, _older=None, _put_stream=None, _pending=None)
+        state.update(_back=None, _older=None, _put_stream=None)
         return state
 
     def attach_cache(self, capacity: int, ways: int = 32) -> RowCache:
@@ -281,10 +279,6 @@ class RowStore:
     # saves (4,096 ids of 1,536 B: 1.11x the step's time; 16,384 ids: 0.79x; 65,536: 0.85x;
     # benchmarks/experiments/write_behind.py --sizes).
     WRITE_BEHIND_MIN_BYTES = 8 << 20
-    # Where a write-back starts: False, as soon as the update is done (beside the next step's
-    # dedup and gather, sharing the link with the gather); True, once the next lookup's gather
-    # is queued (beside the next step's loss, backward and update, which leave the link idle).
-    DEFER_WRITE_BACK = os.environ.get("NBTOOLS_DEFER_WRITE_BACK", "0") == "1"
 
     def can_write_behind(self, rows: torch.Tensor, forced: bool = False) -> bool:
         """Whether updated ``rows`` (a step's gathered ``[weight | state...]`` rows, updated
@@ -317,49 +311,27 @@ class RowStore:
             self._older, self._back = None, _WriteBack(batch.ids, batch.count, rows, None,
                                                         None, [])
             return
-        self.start_write_back()             # (one write-back waits to start at most)
         main = torch.cuda.current_stream(self.device)
         if self._put_stream is None:
             self._put_stream = torch.cuda.Stream(self.device)
         side = self._put_stream
+        side.wait_stream(main)
         own = _own_outputs(captures, batch, rows)
+        with torch.cuda.stream(side):
+            if own is not None:
+                own.graphed("put", put)
+            else:
+                put()
         event = torch.cuda.Event()
-
-        def start():
-            side.wait_stream(main)   # the update and, deferred, the next lookup's gather
-            with torch.cuda.stream(side):
-                if own is not None:
-                    own.graphed("put", put)
-                else:
-                    put()
-            event.record(side)
-            if own is None:
-                for t in (batch.ids, batch.meta, rows):
-                    t.record_stream(side)     # eager lookups' tensors: not reused before it ends
+        event.record(side)
+        if own is None:
+            for t in (batch.ids, batch.meta, rows):
+                t.record_stream(side)     # eager lookups' tensors: not reused before it ends
         for cap in captures:
             cap.free.append(event)
         if self._back is not None:
             self._older = self._back.event     # one stream: it ends every write before it
         self._back = _WriteBack(batch.ids, batch.count, rows, event, main, captures)
-        if self.DEFER_WRITE_BACK:
-            self._pending = start             # after the next lookup's gather (or a settle)
-        else:
-            start()
-
-    def start_write_back(self, holding=None) -> None:
-        """Queue the deferred write-back (:attr:`DEFER_WRITE_BACK`), if one waits, on its
-        side stream after the work queued so far. ``holding``: only if it writes the rows of
-        that lookup capture (which is about to be overwritten)."""
-        if self._pending is None or (holding is not None and not any(
-                c is holding for c in self._back.captures)):
-            return
-        start, self._pending = self._pending, None
-        start()
-
-    def waiting(self, cap) -> bool:
-        """Whether a deferred write-back of the rows of lookup capture ``cap`` waits to
-        start (its event is not recorded yet, so querying it says nothing)."""
-        return self._pending is not None and any(c is cap for c in self._back.captures)
 
     def writing(self, ids: torch.Tensor) -> bool:
         """Whether the last write-back queued is of the rows ``ids`` (that very tensor)."""
@@ -372,7 +344,6 @@ class RowStore:
         back = self._back
         if back is None:
             return
-        self.start_write_back()
         if back.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(back.event)
@@ -393,7 +364,7 @@ class RowStore:
         current = torch.cuda.current_stream(self.device)
         if self.cache is not None or current != back.stream or \
                 any(c is o for c in back.captures for o in overwrites):
-            self.settle()                 # (starts a deferred write-back first)
+            self.settle()
             return False
         if self._older is not None:
             current.wait_event(self._older)
@@ -489,8 +460,6 @@ class RowStore:
         rows = self._gather_batch(batch, start, stop, admit, programs, into)
         if patch:
             self.patch(batch, rows, start)
-        if written != "ignore":
-            self.start_write_back()       # beside this step's compute, after its gather
         return rows
 
     def _gather_batch(self, batch, start, stop, admit, programs, into):
@@ -666,8 +635,7 @@ class LookupGraphs:
         # is captured (a dedup alone keeps one copy more: see _Captured).
         copies = self.copies + (width is None)
         cap = min(free, key=lambda c: c.released) if free else None
-        if cap is None or (len(caps) < copies and (store.waiting(cap) or
-                                                    not all(e.query() for e in cap.free))):
+        if cap is None or (len(caps) < copies and not all(e.query() for e in cap.free)):
             if len(caps) >= copies:
                 return None
             try:
@@ -679,7 +647,6 @@ class LookupGraphs:
                     self._seen[key] = -(1 << 62)    # never counted as seen enough again
                 return None
             caps.append(cap)
-        store.start_write_back(holding=cap)  # (its rows are about to be overwritten)
         patch = width is not None and store.before_gather(overwrites=(cap,))
         for event in cap.free:
             torch.cuda.current_stream(flat.device).wait_event(event)
@@ -688,8 +655,6 @@ class LookupGraphs:
         cap.graph.replay()
         if patch:
             store.patch(cap.batch, cap.rows, capture=cap)
-        if width is not None:
-            store.start_write_back()         # beside this step's compute, after its gather
         cap.in_use = True
         if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)

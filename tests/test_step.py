@@ -674,17 +674,6 @@ def syncs_during(step, n: int) -> list:
 
 
 # --- write-behind: a step's rows go back to host memory while the next step runs -------------
-@pytest.fixture(params=[False, True], ids=["at-once", "deferred"])
-def deferred(request, device, monkeypatch):
-    """Write-backs started as soon as the update is queued, or deferred until the next
-    lookup's gather is (RowStore.DEFER_WRITE_BACK; CUDA only: on the CPU they run at once)."""
-    if request.param and device.type != "cuda":
-        pytest.skip("write-backs run at once on the CPU: nothing to defer")
-    from nbtools.rows import RowStore
-    monkeypatch.setattr(RowStore, "DEFER_WRITE_BACK", request.param)
-    return request.param
-
-
 def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
     """Train one table with each step's ids overlapping the last step's, reading the table
     between steps in every way a user can (an evaluation lookup, ``.weight``), and return
@@ -722,7 +711,7 @@ def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
 
 @needs_triton
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad", "bf16"])
-def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_write_backs, deferred):
+def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_write_backs):
     """The update writes the gathered rows in GPU memory and they go back to host memory
     behind the next step (on CUDA here each write-back is held ~5 ms); the next lookups take
     the rows they share with it from that copy. Bit-identical to the update writing host
@@ -739,7 +728,7 @@ def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_wri
 
 
 @needs_triton
-def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs, deferred):
+def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs):
     """A table whose steps switch between writing behind and writing in the update (as a
     step under 8 MiB does, the last partial batch of an epoch): an update that writes host
     rows waits for the write-back still on its way, so the older values never land over it."""
@@ -769,7 +758,7 @@ def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs,
 
 @needs_triton
 @pytest.mark.parametrize("fault", ["id", "nan"])
-def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_write_backs, deferred):
+def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_write_backs):
     if device.type == "cpu" and not kernels.usable_on(device):
         pytest.skip("fused kernels on the CPU run in Triton's interpreter")
     torch.manual_seed(0)
@@ -798,17 +787,12 @@ def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_wr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
-def test_write_behind_under_load_matches_writing_host_rows(graphs, defer, slow_write_backs,
-                                                           monkeypatch):
+def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_backs):
     """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before, and
     every write-back held back ~5 ms on its stream: the next lookup reads host rows while
     the last write-back has not started, and must take every shared row from its GPU copy.
     Bit-identical to writing host memory in the update (and not without the patch:
-    benchmarks/experiments/patch_mutation.py). Deferred: each write-back starts only once
-    the next lookup's gather is queued (RowStore.DEFER_WRITE_BACK)."""
-    from nbtools.rows import RowStore
-    monkeypatch.setattr(RowStore, "DEFER_WRITE_BACK", defer)
+    benchmarks/experiments/patch_mutation.py)."""
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []

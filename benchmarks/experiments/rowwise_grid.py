@@ -7,9 +7,7 @@ on fp32 Adam's 1,536-byte rows (benchmarks/experiments/write_behind.py --real). 
 bench_step.py's 65,536-uniform-id step of each storage combination named in ``--systems`` over
 a grid of both caps, each system against the traffic floor of its own rows over the same ids
 (bench_step.traffic_floor_ms), a fresh table per point (the caps are read when a lookup is
-captured), the defaults first. ``--defer``: each point also with the write-back deferred until
-the next lookup's gather is queued (``RowStore.DEFER_WRITE_BACK``: beside the step's loss,
-backward and update, which leave the link idle, instead of beside the gather).
+captured), the defaults first.
 
     python benchmarks/experiments/rowwise_grid.py            # GPU machine, ~2-3 min
     python benchmarks/experiments/rowwise_grid.py --writes 16,32 --gathers 32,64
@@ -28,7 +26,6 @@ sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
 sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
 from nbtools import kernels  # noqa: E402
-from nbtools.rows import RowStore  # noqa: E402
 
 SYSTEMS = ("nbtools host bf16 rowwise,nbtools host rowwise,"
            "nbtools host bf16 rowwise+bf16 state,nbtools host bf16+bf16 state")
@@ -38,19 +35,17 @@ def ints(text: str) -> list:
     return [int(x) for x in text.split(",") if x]
 
 
-def point_ms(name, batches, dev, writes, gathers, defer, rows, dim):
-    """ms per step of system ``name`` with the two caps (and the deferral) set while its table
-    is made and run."""
-    saved = kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS, RowStore.DEFER_WRITE_BACK
+def point_ms(name, batches, dev, writes, gathers, rows, dim):
+    """ms per step of system ``name`` with the two caps set while its table is made and run."""
+    saved = kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS
     kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS = writes, gathers
-    RowStore.DEFER_WRITE_BACK = defer
     try:
         step, keep = bs.system_step(name, dev, n=rows, dim=dim)
         ms = bs.loop_ms(step, batches, dev)
         row_bytes = bs.stored_row_bytes(keep[0])
         del step, keep
     finally:
-        kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS, RowStore.DEFER_WRITE_BACK = saved
+        kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS = saved
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -62,16 +57,14 @@ def main():
     ap.add_argument("--systems", default=SYSTEMS)
     ap.add_argument("--writes", default="8,16,32,64", help="write-back caps (programs)")
     ap.add_argument("--gathers", default="32,64,132", help="gather caps (programs)")
-    ap.add_argument("--defer", choices=("off", "on", "both"), default="both")
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     args = ap.parse_args()
     dev = bs.resolve_device()     # (a CPU runs the plumbing only: the caps are CUDA's)
     batches = bs.uniform_batches(65536, dev, n=args.rows)
-    default = (kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS, False)
-    defers = {"off": (False,), "on": (True,), "both": (False, True)}[args.defer]
-    grid = [default] + [(w, p, d) for d in defers for p in ints(args.gathers)
-                        for w in ints(args.writes) if (w, p, d) != default]
+    default = (kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS)
+    grid = [default] + [(w, p) for p in ints(args.gathers) for w in ints(args.writes)
+                        if (w, p) != default]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# {gpu}; {args.rows:,} x {args.dim}, 65,536 uniform ids; "
           f"defaults W={default[0]}, P={default[1]}", flush=True)
@@ -79,23 +72,21 @@ def main():
     for name in args.systems.split(","):
         floor = None
         times = []
-        for w, p, d in grid:
-            ms, row_bytes = point_ms(name, batches, dev, w, p, d, args.rows, args.dim)
+        for w, p in grid:
+            ms, row_bytes = point_ms(name, batches, dev, w, p, args.rows, args.dim)
             if floor is None:
                 floor = bs.traffic_floor_ms(args.rows, args.dim, batches, dev,
                                             width_factor=row_bytes / 4 / args.dim)
                 print(f"{name}: {row_bytes} B rows, floor {floor:.3f} ms", flush=True)
-            times.append((ms, w, p, d))
-            print(f"  W={w:<4} P={p:<4} {'deferred' if d else 'at once ':8} {ms:7.3f} ms  "
-                  f"{ms / floor:5.2f}x floor", flush=True)
+            times.append((ms, w, p))
+            print(f"  W={w:<4} P={p:<4} {ms:7.3f} ms  {ms / floor:5.2f}x floor", flush=True)
         best = min(times)
         summary.append((name, row_bytes, floor, times[0][0], best))
-    print("\n| system | row B | floor ms | default ms (x floor) | best ms (x floor) | best W, P, "
-          "write-back |")
+    print("\n| system | row B | floor ms | default ms (x floor) | best ms (x floor) | best W, P |")
     print("|---|---:|---:|---:|---:|---|")
-    for name, row_bytes, floor, base, (ms, w, p, d) in summary:
+    for name, row_bytes, floor, base, (ms, w, p) in summary:
         print(f"| {name} | {row_bytes} | {floor:.3f} | {base:.3f} ({base / floor:.2f}) | "
-              f"{ms:.3f} ({ms / floor:.2f}) | {w}, {p}, {'deferred' if d else 'at once'} |")
+              f"{ms:.3f} ({ms / floor:.2f}) | {w}, {p} |")
 
 
 if __name__ == "__main__":
