@@ -118,7 +118,11 @@ def train_nbtools(ids, words, counts, args, system, device):
     keep = models.keep_probabilities(counts, HYPER["sample"])
     loader = models.CorpusLoader(ids, args.batch_size, window=HYPER["window"], keep_prob=keep,
                                  seed=args.seed, device=device)
-    config = models.TrainConfig(progress=False, lr_decay="linear", log_every=args.log_every)
+    # the decay's end: args.min_lr_ratio where a caller sets it (placement_quality's sgd:
+    # gensim's min_alpha / alpha), else TrainConfig's 1e-4
+    ratio = getattr(args, "min_lr_ratio", None)
+    config = models.TrainConfig(progress=False, lr_decay="linear", log_every=args.log_every,
+                                **({} if ratio is None else {"min_lr_ratio": ratio}))
     len(loader)                              # the first epoch's pairs: part of setup
     synchronize(device)
     setup_s = time.perf_counter() - t0

@@ -9,6 +9,17 @@ step), trained with several seeds per system:
   host+cache75+bf16s   host tables, 75% of the rows in a GPU cache, bf16 weights and Adam state
   gensim               gensim.models.Word2Vec(sg=1) on every core, with its own seed
 
+--optimizer picks nbtools' optimizer (bench_word2vec's OPTIMIZERS; default adam, as above).
+Its first lr defaults to bench_word2vec's DEFAULT_LR; sgd defaults to gensim's recipe:
+  lr            gensim steps each pair by alpha 0.025, and nbtools' SkipGram.loss is the *mean*
+                over a step's pairs, so the same per-pair step is lr = 0.025 x --batch-size
+  min-lr-ratio  the linear decay ends at 0.004 x the first lr (gensim's min_alpha 0.0001 /
+                alpha 0.025) rather than TrainConfig's 1e-4: 0.025 -> 0.0001 per pair, as gensim
+  batch-size    4,096 pairs per step, not 131,072: at 131,072 that step diverged (CPU, 2M tokens,
+                1 epoch: loss 4.16 -> 6.6e16, a frequent word's row sums thousands of pair
+                steps at once), while 1,024, 4,096 and 32,768 trained alike (2M tokens,
+                5 epochs: WS353 0.393 / 0.394 / 0.389, gensim 0.405)
+
 A seed sets the initial vectors, the negatives and the corpus loader's draws (subsampling,
 windows, order). Each system's WS353 / SimLex-999 Spearman and analogy accuracy are reported
 as mean ± sample standard deviation (and min..max) over its seeds, with the issue's targets:
@@ -22,11 +33,14 @@ vectors settle whether the placements can differ at all.
     python benchmarks/experiments/placement_quality.py --out DIR             # GPU machine
     python benchmarks/experiments/placement_quality.py --systems gensim      # one part at a time
     python benchmarks/experiments/placement_quality.py --quick               # CPU: the plumbing
+    python benchmarks/experiments/placement_quality.py --systems host,gensim --optimizer sgd
 
 Data and gensim as for bench_word2vec.py (whose corpus reading, vocabulary, training and
 gensim run this reuses). Runtime on the H100 machine, estimated from bench_word2vec's speeds
 (10.9M tokens x 5 epochs): ~10-25 s per nbtools run with its scoring, ~2 min per gensim run
-on 16 threads: ~8 min in all; --systems splits it.
+on 16 threads: ~8 min in all; --systems splits it. On the 2-core CPU machine, --optimizer sgd
+--systems host,gensim --workers 2 took 62 min (host 636-1939 s a seed, shared with other jobs;
+gensim ~90 s a seed).
 """
 from __future__ import annotations
 
@@ -47,6 +61,8 @@ import bench_word2vec as w2v  # noqa: E402
 from nbtools.devices import resolve_device  # noqa: E402
 from nbtools.models import wordsim  # noqa: E402
 
+# gensim.models.Word2Vec's defaults (4.4.0): alpha decays linearly to min_alpha over the run
+GENSIM_ALPHA, GENSIM_MIN_ALPHA = 0.025, 0.0001
 METRICS = (("ws353", "spearman", "WS353", 0.02, 1.0),      # key, field, label, target gap, scale
            ("simlex", "spearman", "SimLex", 0.02, 1.0),
            ("analogy", "accuracy", "analogy %", 1.0, 100.0))
@@ -128,16 +144,35 @@ def main():
     ap.add_argument("--seeds", default="1,2,3", help="comma list of seeds, each system")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=131072)
-    ap.add_argument("--lr", type=float, default=w2v.DEFAULT_LR["adam"])
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="pairs per nbtools step (default 131,072; sgd: 4,096)")
+    ap.add_argument("--optimizer", choices=tuple(w2v.OPTIMIZERS), default="adam",
+                    help="nbtools' optimizer (default adam)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="first lr (default: bench_word2vec's DEFAULT_LR; sgd: 0.025 x "
+                    "--batch-size, gensim's alpha per pair on the mean loss)")
+    ap.add_argument("--min-lr-ratio", type=float, default=None,
+                    help="the decay's last lr / first (default: TrainConfig's 1e-4; sgd: "
+                    f"{GENSIM_MIN_ALPHA / GENSIM_ALPHA:g}, gensim's min_alpha / alpha)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="gensim threads")
     ap.add_argument("--quick", action="store_true", help="100K tokens, 1 epoch, host only")
     ap.add_argument("--out", default=None, help="write DIR/placement_quality.json")
     args = ap.parse_args()
-    args.optimizer, args.log_every = "adam", None          # what train_nbtools reads
+    args.log_every = None                                   # what train_nbtools reads
+    if args.batch_size is None:
+        args.batch_size = 4096 if args.optimizer == "sgd" else 131072
     if args.quick:
         args.max_tokens, args.epochs = args.max_tokens or 100_000, 1
         args.batch_size = min(args.batch_size, 8192)
+    if args.optimizer == "sgd":
+        # SkipGram.loss is the mean over the step's pairs: each pair's gradient is 1/batch of
+        # what gensim's per-pair update sees, so gensim's alpha is scaled up by the batch
+        if args.lr is None:
+            args.lr = GENSIM_ALPHA * args.batch_size
+        if args.min_lr_ratio is None:
+            args.min_lr_ratio = GENSIM_MIN_ALPHA / GENSIM_ALPHA
+    elif args.lr is None:
+        args.lr = w2v.DEFAULT_LR[args.optimizer]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
     device = resolve_device("auto")
@@ -154,10 +189,13 @@ def main():
     lines, tokens = w2v.read_corpus(args.corpus, args.max_tokens)
     ids, words, counts = w2v.encode(lines, w2v.HYPER["min_count"])
     print(f"corpus: {tokens:,} tokens, vocabulary {len(words):,}; device {device}; "
-          f"seeds {seeds}; {args.epochs} epochs", flush=True)
+          f"seeds {seeds}; {args.epochs} epochs; nbtools {args.optimizer} lr {args.lr:g} "
+          f"(decay to x{args.min_lr_ratio if args.min_lr_ratio is not None else 1e-4:g}), "
+          f"{args.batch_size:,} pairs/step", flush=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "tokens": tokens, "vocab": len(words),
-           "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+           "epochs": args.epochs, "batch_size": args.batch_size, "optimizer": args.optimizer,
+           "lr": args.lr, "min_lr_ratio": args.min_lr_ratio,
            "seeds": seeds, "runs": {}, "summary": {}, "same_bits": {}}
     t0 = time.perf_counter()
     vectors = {}
