@@ -180,6 +180,20 @@ class _Pending:
     before: dict                    # id(slot) -> scalar state before the step
 
 
+def _warn_if_sgd_rounds_away(table, optimizer_class) -> None:
+    """Plain SGD moves a weight by lr x its gradient, often less than half a bfloat16 step:
+    rounded to nearest, such updates are lost (word2vec trained as gensim trains it scored
+    WS353 0.602 with bf16 weights against 0.644 in float32; benchmarks/RESULTS.md, session
+    19). Stochastic rounding keeps them on average."""
+    cfg = table.config
+    if issubclass(optimizer_class, torch.optim.SGD) and cfg.dtype == torch.bfloat16 \
+            and cfg.rounding == "nearest":
+        warnings.warn(f"table {table.name!r}: bfloat16 weights rounded to nearest lose SGD's "
+                      "small updates (an update under half a bfloat16 step rounds away); pass "
+                      "rounding='stochastic' to the table, or keep its weights in float32",
+                      UserWarning, stacklevel=3)
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """One optimizer for a model whose embedding tables live in host memory.
 
@@ -236,6 +250,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                               "from_pretrained(freeze=True) makes it): the optimizer keeps state "
                               "for it but never changes it; pass freeze=False, or leave the "
                               "table out of the optimizer", RuntimeWarning, stacklevel=2)
+            _warn_if_sgd_rounds_away(table, optimizer_class)
             name = table.name if table.name != type(table).__name__ or not path else path
             base, k = name, 1
             while name in seen:

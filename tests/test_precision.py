@@ -135,6 +135,24 @@ def test_updates_below_bf16_resolution(device, fused):
     assert abs(mean - (1 - 4 * 2 ** -10)) < 2e-4, mean
 
 
+def test_sgd_on_bf16_weights_rounded_to_nearest_warns():
+    """The case above, said to the user when the optimizer is made: plain SGD on bfloat16
+    weights rounded to nearest (stochastic rounding, float32 weights or Adam: no warning)."""
+    import warnings
+
+    def made(cls, **table_kw):
+        table = OffloadedEmbedding(8, 4, name="words", **table_kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            OffloadOptimizer(cls, [table], lr=0.1)
+        return [str(w.message) for w in caught if "round" in str(w.message)]
+    said = made(O.SGD, dtype=BF)
+    assert len(said) == 1 and "'words'" in said[0] and "rounding='stochastic'" in said[0]
+    assert made(O.SGD, dtype=BF, rounding="stochastic") == []
+    assert made(O.SGD) == []
+    assert made(O.Adam, dtype=BF) == []
+
+
 def test_bf16_with_cache_and_stochastic_rounding_matches_without_cache(device):
     """The noise depends on the row, not on where it lives: a cache changes nothing."""
     from nbtools.cache import RowCache
