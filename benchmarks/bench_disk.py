@@ -737,7 +737,7 @@ def main():
         res["log"] = dict(log)
     res["memory"] = mem.stop()
     res["memory"]["budget_bytes"] = int(args.budget_gib * (1 << 30))
-    out_dir = args.out or "."
+    out_dir = args.out or os.path.join("artifacts", "bench_disk")    # (git-ignored)
     os.makedirs(out_dir, exist_ok=True)
     res["memory_plot"] = mem.plot(os.path.join(out_dir, "memory.png"), int(args.budget_gib *
                                                                          (1 << 30)))

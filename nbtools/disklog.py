@@ -96,6 +96,16 @@ def log_stride(row_bytes: int) -> int:
     return _round_up(row_bytes, PACK if packed() else 512)
 
 
+def least_free_bytes(num_rows: int, row_bytes: int) -> int:
+    """The least free disk on which :func:`file_rows` gives a new table of ``num_rows`` rows of
+    ``row_bytes`` a log file (MIN_SPARE, in whole segments, with LEAVE or a twentieth of the
+    disk left free beside it; the header and a last block included)."""
+    seg = segment_rows_for(num_rows)
+    extra = max(int(MIN_SPARE * num_rows) + 1, (RESERVE + 2) * seg)
+    log = -(-(num_rows + extra) // seg) * seg * log_stride(row_bytes)
+    return max(log + LEAVE, -(-log * 20 // 19)) + 2 * 4096
+
+
 def file_rows(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
     """Rows of the file a new disk table of ``num_rows`` rows makes: its log slots, or
     ``num_rows`` (in place) where the layout is off. Given the file's ``stride`` and the

@@ -634,10 +634,8 @@ class Plan:
         (nbtools.disklog)."""
         from . import disklog
         row = self.disk_row_bytes or self.host_bytes // max(1, self.num_rows)
-        stride = disklog.log_stride(row) if disklog.wanted() else disk_bytes(row, 1)
-        rows = disklog.file_rows(self.num_rows, stride, self.disk_free_bytes)
-        if rows == self.num_rows:
-            stride = disk_bytes(row, 1)
+        rows = disklog.file_rows(self.num_rows, disklog.log_stride(row), self.disk_free_bytes)
+        stride = disklog.log_stride(row) if rows != self.num_rows else disk_bytes(row, 1)
         what = (f"log-structured, {rows / self.num_rows - 1:.0%} spare"
                 if rows != self.num_rows else "rows in place")
         return f"a file of {human_bytes(rows * stride)} ({what})"

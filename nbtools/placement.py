@@ -164,11 +164,7 @@ def disk_bytes(nbytes: int, num_rows: int | None) -> int:
     in_place = num_rows * -(-row // 512) * 512
     if not (disklog.wanted() and disklog.packed()):
         return in_place
-    seg = disklog.segment_rows_for(num_rows)
-    extra = max(int(disklog.MIN_SPARE * num_rows) + 1, (disklog.RESERVE + 2) * seg)
-    log = -(-(num_rows + extra) // seg) * seg * disklog.log_stride(row)
-    log = max(log + disklog.LEAVE, -(-log * 20 // 19)) + 2 * 4096     # (header, last block)
-    return min(in_place, log)
+    return min(in_place, disklog.least_free_bytes(num_rows, row))
 
 
 def auto_placement(nbytes: int, device: torch.device, gpu_fraction: float,
