@@ -138,7 +138,8 @@ class Prefetcher:
         with torch.no_grad():
             for written in pre.written:          # sorted unique ids, then the sentinel
                 if t._rows.writing(written) and t._rows.before_gather():
-                    t._rows.patch(batch, full)          # from their GPU copy
+                    # from their GPU copy; between two captures' outputs, as a CUDA graph
+                    t._rows.patch(batch, full, capture=pre.capture)
                     continue
                 pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
                 again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)

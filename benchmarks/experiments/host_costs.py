@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import bench_step as bs  # noqa: E402
-from nbtools import optim, rows, steps, tables  # noqa: E402
+from nbtools import optim, prefetch, rows, steps, tables  # noqa: E402
 
 SPENT = collections.Counter()
 
@@ -67,27 +67,32 @@ def main():
              (tables.OffloadedEmbedding, "forward", "table(ids)"),
              (rows.LookupGraphs, "run", "  LookupGraphs.run"),
              (rows.RowStore, "patch", "    RowStore.patch"),
-             (rows.RowStore, "write_behind", "  RowStore.write_behind")]
+             (rows.RowStore, "write_behind", "  RowStore.write_behind"),
+             (prefetch.Prefetcher, "start", "table.prefetch"),
+             (prefetch.Prefetcher, "take", "  Prefetcher.take")]
     for owner, name, label in wraps:
         timed(owner, name, label)
     results = []          # (system, wall, parts): a system may be named twice
     for system in args.systems.split(","):
         step, keep = bs.system_step(system, device)
+        getattr(step, "next", {}).update(       # a prefetching step needs each batch's successor
+            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
         if system == "torch sparse":
             emb, opt = keep
             timed(opt, "step", "opt.step")
             timed(emb, "forward", "table(ids)")
         orig_backward = torch.Tensor.backward
         timed(torch.Tensor, "backward", "loss.backward")
-        for i in range(30):
+        for i in range(3 * len(batches)):
             step(batches[i % len(batches)])
         torch.cuda.synchronize()
         SPENT.clear()
+        rounds = args.steps // len(batches) * len(batches)   # whole passes: prefetch's order
         t0 = time.perf_counter()
-        for i in range(args.steps):
+        for i in range(rounds):
             step(batches[i % len(batches)])
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps * 1e6
+        wall = (time.perf_counter() - t0) / rounds * 1e6
         spent = dict(SPENT)
         if args.cprofile:
             import cProfile
@@ -95,7 +100,7 @@ def main():
             import pstats
             prof = cProfile.Profile()
             prof.enable()
-            for i in range(args.steps):
+            for i in range(rounds):
                 step(batches[i % len(batches)])
             torch.cuda.synchronize()
             prof.disable()
@@ -105,7 +110,7 @@ def main():
                 print(f"\n--- {system}: cProfile by {key}, {args.steps} steps")
                 print("\n".join(buf.getvalue().splitlines()[6:]))
         torch.Tensor.backward = orig_backward
-        parts = {k: v / args.steps * 1e6 for k, v in spent.items()}
+        parts = {k: v / rounds * 1e6 for k, v in spent.items()}
         if system.startswith("nbtools"):      # steps replayed as graphs, of those timed
             graphs = keep[1]._graphs
             parts["(step graphs: replays, captures)"] = (graphs.replays, len(graphs._graphs))

@@ -41,8 +41,12 @@ def main():
     for name in args.systems.split(","):
         table, opt = bs.system_step(name, device)[1]
         head = torch.linspace(-1, 1, table.embedding_dim, device=device)
-        for ids in batches[:10]:
-            bs.loss_of(table(ids) * head).backward()
+        ahead = bool((bs.SYSTEMS.get(name) or {}).get("prefetch"))   # table.prefetch(next ids)
+        for i, ids in enumerate(batches[:10]):
+            rows = table(ids)
+            if ahead:
+                table.prefetch(batches[(i + 1) % len(batches)])
+            bs.loss_of(rows * head).backward()
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
@@ -58,6 +62,8 @@ def main():
             row = []
             mark(row)
             rows = table(batches[i % len(batches)])
+            if ahead:
+                table.prefetch(batches[(i + 1) % len(batches)])
             mark(row)
             bs.loss_of(rows * head).backward()
             mark(row)
