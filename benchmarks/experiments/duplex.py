@@ -97,7 +97,6 @@ def main():
                       f"longer", flush=True)
                 table.append((row_bytes, p, w, ms, floor, serial))
         h.close()
-        del bufs
     print("\n| row B | P | W | both ms | x floor | x (read + write) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for row_bytes, p, w, ms, floor, serial in table:
