@@ -177,7 +177,7 @@ class _Pending:
 
     verdict: _Verdict
     collected: list                 # (slot, StepRows) of the step
-    before: dict                    # id(slot) -> scalar state before the step
+    before: dict                    # id(slot) -> its scalar state before the step (saved())
 
 
 def _warn_if_sgd_rounds_away(table, optimizer_class) -> None:
@@ -317,9 +317,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self._settle(pending)      # the last step's checks: raises if it was bad
                 if self._may_read_late(collected, dense, fused, verdict):
                     self._pending = _Pending(verdict, collected,
-                                             {id(slot): slot.scalar_state for slot, _ in collected})
+                                             {id(slot): slot.saved() for slot, _ in collected})
                     for slot, got in collected:  # as if it went ahead; _settle undoes it if not
-                        slot.scalar_state = fused[id(slot)]
+                        slot.went_ahead(fused[id(slot)])
                         got.rows = None        # queued kernels hold them; nothing else needs them
                     return loss
                 tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
@@ -438,7 +438,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slot.table.rows.write_behind(got.batch, got.rows, caps)
         if turn.done is not None:
             turn.done.record()
-        fused = {id(slot): plan.scalar for (slot, _), plan in zip(collected, plans)
+        fused = {id(slot): plan for (slot, _), plan in zip(collected, plans)
                  if plan is not None}
         return _Verdict(gots, turn.guard, turn.flags[:n], turn.checked, None), fused
 
@@ -464,7 +464,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         tables, nonfinite = pending.verdict.read()
         if any(bad for bad, _, _ in tables) or nonfinite:
             for slot, _ in pending.collected:
-                slot.scalar_state = pending.before[id(slot)]
+                slot.restore(pending.before[id(slot)])
             late = ("; found one step late (OffloadConfig.checks='auto'): neither that step "
                     "nor the one after it wrote anything")
             for (slot, got), (bad, _, _) in zip(pending.collected, tables):

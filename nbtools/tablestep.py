@@ -50,6 +50,7 @@ class _FusedPlan:
     values: list
     consts: dict
     scalar: dict
+    steps: int = 0                  # the table's steps taken once this one goes ahead
 
 
 class _TableSlot:
@@ -80,7 +81,7 @@ class _TableSlot:
         table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner,
                            dims={k: math.prod(s) for k, s in self.row_shapes.items()})
         self.scalar_state = None      # created by the optimizer itself at the first step
-        self._rounds = 0              # generic steps that rounded stochastically (their seeds)
+        self._rounds = 0              # steps that went ahead (stochastic rounding's seeds)
         self.opt = None
         self.skipped_steps = 0
         self.use_fused = config.fused
@@ -143,8 +144,13 @@ class _TableSlot:
         t, scalar = self._next_scalar_state()
         if scalar is None:
             return None
-        values, consts = fused.scalars(self.group, t, self._seed(t))
-        return _FusedPlan(fused, values, consts, scalar)
+        # Stochastic rounding's noise: new every step. Its seed follows the optimizer's step
+        # count where it keeps one (Adam), else the steps this table took (SGD and
+        # RowWiseAdagrad keep none: their noise was the same every step, which biases).
+        steps = self._rounds + 1
+        values, consts = fused.scalars(self.group, t, self._seed(
+            t if "step" in self.scalar_template else steps))
+        return _FusedPlan(fused, values, consts, scalar, steps)
 
     def writes_behind(self, got: StepRows, plan: "_FusedPlan | None") -> bool:
         """Whether this step's fused update writes the gathered rows in place, and the table
@@ -193,9 +199,22 @@ class _TableSlot:
         """Stochastic rounding's seed for step ``t``: a new one every step, per table."""
         return (t * 1_000_003 + self._name_crc) % (1 << 31)
 
-    def commit_fused(self, scalar: dict, count: int, sentinel: bool) -> None:
+    def went_ahead(self, plan: "_FusedPlan") -> None:
+        """Keep the scalar state and the step count of a fused step that went ahead (or, its
+        checks read late, is taken to have: :meth:`restore` undoes it)."""
+        self.scalar_state, self._rounds = plan.scalar, plan.steps
+
+    def saved(self) -> tuple:
+        """What :meth:`went_ahead` changes, to :meth:`restore` if the step must not have
+        happened."""
+        return self.scalar_state, self._rounds
+
+    def restore(self, saved: tuple) -> None:
+        self.scalar_state, self._rounds = saved
+
+    def commit_fused(self, plan: "_FusedPlan", count: int, sentinel: bool) -> None:
         """The step went ahead: keep its scalar state and count the bytes written."""
-        self.scalar_state = scalar
+        self.went_ahead(plan)
         self.count_written(count, sentinel)
 
     def count_written(self, count: int, sentinel: bool) -> None:
@@ -243,8 +262,8 @@ class _TableSlot:
         # One write per row: [weight | state...], the layout of the table, each value rounded
         # once to its storage dtype.
         gen = None
+        self._rounds += 1
         if table.config.rounding == "stochastic":
-            self._rounds += 1
             gen = torch.Generator(device=p.device).manual_seed(self._seed(self._rounds))
         states = [st[k].reshape(m, w) for k, w in zip(self.names, layout.state_widths)]
         table.rows.scatter(ids, layout.pack(p.detach(), states, table.config.rounding, gen))
@@ -260,8 +279,8 @@ class _TableSlot:
             "group": copy.deepcopy(self.hyper()),
             "scalar_state": copy.deepcopy(self.scalar_state),
             "row_state": self.row_state(keep_cache=True),
-            # the generic path's stochastic rounding seeds follow it: a resumed run must
-            # draw the noise the uninterrupted one would have
+            # stochastic rounding's seeds follow the steps taken: a resumed run must draw
+            # the noise the uninterrupted one would have
             "rounds": self._rounds,
         }
 
