@@ -79,7 +79,8 @@ class Prefetcher:
             if graphs:          # as one CUDA graph: the dedup (host ids: it alone), admission
                 # and gather, as for a lookup
                 captured = t._graphs.run(t._rows, flat, t.padding_idx,
-                                         None if from_host else width)
+                                         None if from_host else width,
+                                         after=None if from_host else main)
             if captured is None:
                 batch = unique_ids(flat, t.num_embeddings, t.padding_idx)
                 made, capture = [ids, flat, batch.ids, batch.inverse, batch.meta], None

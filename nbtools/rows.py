@@ -351,24 +351,28 @@ class RowStore:
                 return
         self._back = self._older = None
 
-    def before_gather(self, overwrites=()) -> bool:
+    def before_gather(self, overwrites=(), after=None) -> bool:
         """Before a lookup gathers host rows: whether it must then :meth:`patch` them from
         the last write-back. Orders the current stream after every other write-back, or after
         all of them where the lookup cannot patch (another stream, a cache, or a lookup
-        capture in ``overwrites`` holds the last write-back's rows)."""
+        capture in ``overwrites`` holds the last write-back's rows). ``after``: a stream the
+        current one was ordered after just before (a prefetch's side stream after the main
+        one): where the write-back was queued on it, the update whose rows it writes is
+        done before the gather too, and the lookup patches beside the write-back."""
         back = self._back
         if back is None:
             return False
         if back.event is None:           # CPU: written already; patching changes nothing
             return self.cache is None
         current = torch.cuda.current_stream(self.device)
-        if self.cache is not None or current != back.stream or \
+        if self.cache is not None or (current != back.stream and after != back.stream) or \
                 any(c is o for c in back.captures for o in overwrites):
             self.settle()
             return False
         if self._older is not None:
             current.wait_event(self._older)
-            self._older = None
+            if current == back.stream:   # (the main stream still waits for it itself)
+                self._older = None
         return True
 
     def patch(self, batch: RowBatch, out: torch.Tensor, start: int = 0,
@@ -391,6 +395,20 @@ class RowStore:
             own.graphed(("patch", id(source)), run)
         else:
             run()
+
+    def patched_aside(self) -> None:
+        """A :meth:`patch` from the last write-back's rows ran on a stream other than the one
+        that queued it: the lookup captures those rows belong to wait for it before their
+        next replay, as they wait for the write-back itself."""
+        back, current = self._back, torch.cuda.current_stream(self.device)
+        if back.captures:
+            event = torch.cuda.Event()
+            event.record(current)
+            for cap in back.captures:
+                cap.free.append(event)
+        else:                       # an eager lookup's tensors: kept until this stream is done
+            for t in (back.ids, back.count, back.rows):
+                t.record_stream(current)
 
     @property
     def num_rows(self) -> int:
@@ -616,9 +634,13 @@ class LookupGraphs:
         self._graphs.clear()
         self._seen.clear()
 
-    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int | None):
+    def run(self, store: "RowStore", flat: torch.Tensor, padding_idx, width: int | None,
+            after=None):
         """``(batch, rows, capture)`` from a graph, or None where the lookup must run eagerly.
-        ``width`` None: the dedup alone (``rows`` is None)."""
+        ``width`` None: the dedup alone (``rows`` is None). ``after``: a prefetch's, the
+        main stream its side stream was ordered after (:meth:`RowStore.before_gather`); it
+        may keep one copy more, so that it need not wait for the capture whose rows the last
+        write-back still reads."""
         key = (id(store.host), flat.numel(), width, flat.device)
         if self._key != key[0]:
             self.invalidate()
@@ -633,7 +655,7 @@ class LookupGraphs:
         # The capture released longest ago: its replay waits for the last work that reads
         # its outputs (cap.free), by then all but always done; while it is not, one more copy
         # is captured (a dedup alone keeps one copy more: see _Captured).
-        copies = self.copies + (width is None)
+        copies = self.copies + (width is None) + (after is not None)
         cap = min(free, key=lambda c: c.released) if free else None
         if cap is None or (len(caps) < copies and not all(e.query() for e in cap.free)):
             if len(caps) >= copies:
@@ -647,14 +669,19 @@ class LookupGraphs:
                     self._seen[key] = -(1 << 62)    # never counted as seen enough again
                 return None
             caps.append(cap)
-        patch = width is not None and store.before_gather(overwrites=(cap,))
+        patch = width is not None and store.before_gather(overwrites=(cap,), after=after)
+        current = torch.cuda.current_stream(flat.device)
         for event in cap.free:
-            torch.cuda.current_stream(flat.device).wait_event(event)
+            current.wait_event(event)
         cap.free = []
         cap.flat.copy_(flat)
         cap.graph.replay()
         if patch:
             store.patch(cap.batch, cap.rows, capture=cap)
+            if after is not None and current != after:
+                # read beside the main stream: the captures whose rows it read are not
+                # replayed before it is done
+                store.patched_aside()
         cap.in_use = True
         if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)
