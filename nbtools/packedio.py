@@ -45,12 +45,13 @@ def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUE
 
 
 def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
-                    stride: int, write: bool, block: int = 4096) -> None:
-    """Copy rows between the caller's ``rows`` and a packed file's bounce buffer, where row
-    ``where[i]`` starts at byte ``at[i]``: into the buffer for a write, out of it for a read.
-    Rows that follow each other in the buffer at the file's stride (a log's appends, a range
-    of ids) go as one strided copy per run; scattered rows by their byte positions, a block
-    of rows at a time (the positions of a whole call would take gigabytes)."""
+                    stride: int, write: bool) -> None:
+    """Copy rows between the caller's ``rows`` and a packed file's bounce buffer (1-D bytes),
+    where row ``where[i]`` starts at byte ``at[i]``: into the buffer for a write, out of it
+    for a read. Rows that follow each other in the buffer at the file's stride (a log's
+    appends, a range of ids) go as one strided copy per run; scattered rows each as a whole
+    row of a strided view (1,600 rows of 260 bytes: 0.12-0.24 ms on the CPU machine, where
+    indexing their bytes one by one took 0.9-1.3 ms)."""
     rb, n = rows.shape[1], len(at)
     brk = np.flatnonzero(np.diff(at) != stride) + 1
     if len(brk) < n // 32:                       # long runs: a strided view each
@@ -62,13 +63,17 @@ def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np
             else:
                 rows[where[a:b]] = view
         return
-    cols = np.arange(rb, dtype=np.int64)
-    for a in range(0, n, block):
-        index = at[a:a + block, None] + cols
-        if write:
-            buf[index] = rows[where[a:a + block]]
-        else:
-            rows[where[a:a + block]] = buf[index]
+    # scattered rows: the buffer seen as rows starting every `step` bytes, `step` the largest
+    # power of two dividing every row's start, and each row taken whole by its number there
+    # (overlapping views: the rows of one call never overlap each other)
+    step = int(np.bitwise_or.reduce(at) & -np.bitwise_or.reduce(at)) if n else 1
+    step = min(step or stride, 4096)
+    view = np.lib.stride_tricks.as_strided(buf, shape=((len(buf) - rb) // step + 1, rb),
+                                           strides=(step, 1))
+    if write:
+        view[at // step] = rows[where]
+    else:
+        rows[where] = view[at // step]
 
 
 def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool,

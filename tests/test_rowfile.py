@@ -322,3 +322,30 @@ def test_fresh_writes_keep_the_rows_before_them_in_a_shared_block(tmp_path):
         back = np.zeros_like(ref)
         f.read_range(0, back)
         assert np.array_equal(back, ref)
+
+
+@pytest.mark.parametrize("rb,stride", [(260, 288), (96, 96), (37, 37), (512, 512)])
+@pytest.mark.parametrize("runs", [False, True], ids=["scattered", "runs"])
+def test_rows_in_buffer_matches_a_byte_by_byte_copy(rb, stride, runs):
+    """A packed file's rows in and out of a bounce buffer, scattered over whole blocks (each
+    row at its file offset within its block) or in runs at the file's stride, against a
+    copy made one row slice at a time."""
+    from nbtools.packedio import _rows_in_buffer
+    rng = np.random.default_rng(rb)
+    n, block = 300, 4096
+    ids = np.arange(50, 50 + n) if runs else np.sort(rng.choice(10 ** 6, n, replace=False))
+    off = ids * stride
+    first = off // block
+    blocks = np.unique(np.concatenate([first, (off + rb - 1) // block]))
+    at = np.searchsorted(blocks, first) * block + off - first * block
+    rows = rng.integers(0, 256, (n, rb), dtype=np.uint8)
+    where = rng.permutation(n)
+    got = np.zeros((len(blocks) + 1) * block, np.uint8)
+    want = got.copy()
+    _rows_in_buffer(got, at, rows, where, stride, write=True)
+    for i in range(n):
+        want[at[i]:at[i] + rb] = rows[where[i]]
+    assert np.array_equal(got, want)
+    back = np.zeros_like(rows)
+    _rows_in_buffer(got, at, back, where, stride, write=False)
+    assert np.array_equal(back, rows)
