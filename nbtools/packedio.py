@@ -66,8 +66,8 @@ def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np
     # scattered rows: the buffer seen as rows starting every `step` bytes, `step` the largest
     # power of two dividing every row's start, and each row taken whole by its number there
     # (overlapping views: the rows of one call never overlap each other)
-    step = int(np.bitwise_or.reduce(at) & -np.bitwise_or.reduce(at)) if n else 1
-    step = min(step or stride, 4096)
+    bits = int(np.bitwise_or.reduce(at)) if n else 0
+    step = min(bits & -bits or stride, 4096)
     view = np.lib.stride_tricks.as_strided(buf, shape=((len(buf) - rb) // step + 1, rb),
                                            strides=(step, 1))
     if write:
