@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
+#   bash benchmarks/gpu_suite.sh lean    # issue 23: every storage combination against its floor, with and
+#     without table.prefetch, and where the row-wise steps' time goes (one call, ~4 minutes)
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
@@ -78,6 +80,22 @@ if [ "$what" = disk ]; then
         rm -rf "$dir"
       done ;;
   esac
+fi
+if [ "$what" = lean ]; then   # issue 23 in one call (~4 minutes): every storage combination
+  # and its prefetching variant against their own floors, the GPU-placed row-wise step (what
+  # the host alone takes), then where the row-wise steps' host and GPU time goes
+  combos="nbtools host,nbtools host rowwise,nbtools host bf16,nbtools host bf16 rowwise,nbtools host bf16+bf16 state,nbtools host bf16 rowwise+bf16 state"
+  only="floor,nbtools gpu bf16 rowwise"
+  IFS=, read -ra names <<< "$combos"
+  for n in "${names[@]}"; do only="$only,$n,$n prefetch"; done
+  python3 benchmarks/bench_step.py --own-floors --out "$out" --only "$only" 2>&1 \
+    | grep --line-buffered -v Warn | tee "$out/bench_step_lean.log" | grep -A12 "storage combinations"
+  grep "gpu bf16 rowwise | 65,536 uniform" "$out/bench_step_lean.log"
+  rowwise="nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch"
+  python3 benchmarks/experiments/host_costs.py --ids 65536 --steps 200 --systems "$rowwise" 2>&1 \
+    | grep -v Warn | tee "$out/host_costs_lean.log" | grep -A14 "^==="
+  python3 benchmarks/experiments/step_events.py --systems "$rowwise" 2>&1 | grep -v Warn \
+    | tee "$out/step_events_lean.log" | tail -16
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
