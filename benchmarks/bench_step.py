@@ -582,7 +582,7 @@ def main():
                 cells += [f"{ta:>13.3f}", f"{ta / floor:>7.2f}"]
             print(f"{w:<8}{st:<7}{opt:<16}{own['row_bytes']:>6}" + "".join(cells))
     for k, v in res["syncs"].items():
-        print(f"host syncs per step, {k:<24}{v if v is None else f'{v:.1f}'}")
+        print(f"host syncs per step, {k:<24} {v if v is None else f'{v:.1f}'}")
     for k, v in sm.items():
         print(f"small model {k:<32}{v:9.3f} ms")
     for k, v in res["repeat_diff"].items():
