@@ -19,30 +19,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
+sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
+import bench_step as bs  # noqa: E402
 from nbtools import hostmem, kernels  # noqa: E402
 
 N = 4_000_000
 
 
-def loop_ms(fn, reps=20, rounds=5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / reps * 1e3)
-    return statistics.median(out)
+def loop_ms(fn) -> float:
+    """bench_step's median ms per call over loops of 20 calls of ``fn``."""
+    return bs.loop_ms(lambda _: fn(), list(range(20)), torch.device("cuda"))
 
 
 def ints(text):
