@@ -634,12 +634,16 @@ def test_step_graphs_still_stop_a_bad_step(fault):
         (m(u, ids) * scale).square().mean().backward()
         o.step()
     # (a step's graph is keyed by the addresses it reads, among them the gradient of the
-    # lookup's rows, which the allocator hands out in a cycle of several steps)
-    for _ in range(40):
+    # lookup's rows, which the allocator hands out in a cycle of several steps; how soon the
+    # cycle settles depends on what the process allocated before, so train until steps replay)
+    torch.cuda.empty_cache()
+    for _ in range(200):
         step(model, opt)
         step(twin, ref)
+        if opt._graphs.replays >= 6:
+            break
     replays = opt._graphs.replays
-    assert replays > 0
+    assert replays >= 6, (replays, opt._graphs.errors)
     if fault == "id":
         step(model, opt, ids=bad_i)
     else:
