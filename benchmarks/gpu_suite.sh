@@ -2,7 +2,8 @@
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
 #   bash benchmarks/gpu_suite.sh lean    # issue 23: every storage combination against its floor, with and
-#     without table.prefetch, and where the row-wise steps' time goes (one call, ~4 minutes)
+#     without table.prefetch, where the row-wise steps' time goes, and prefetching steps
+#     with the update waiting for the gather or beside it (one call, ~5 minutes)
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
@@ -81,7 +82,7 @@ if [ "$what" = disk ]; then
       done ;;
   esac
 fi
-if [ "$what" = lean ]; then   # issue 23 in one call (~4 minutes): every storage combination
+if [ "$what" = lean ]; then   # issue 23 in one call (~5 minutes): every storage combination
   # and its prefetching variant against their own floors, the GPU-placed row-wise step (what
   # the host alone takes), then where the row-wise steps' host and GPU time goes
   combos="nbtools host,nbtools host rowwise,nbtools host bf16,nbtools host bf16 rowwise,nbtools host bf16+bf16 state,nbtools host bf16 rowwise+bf16 state"
@@ -96,6 +97,8 @@ if [ "$what" = lean ]; then   # issue 23 in one call (~4 minutes): every storage
     | grep -v Warn | tee "$out/host_costs_lean.log" | grep -A14 "^==="
   python3 benchmarks/experiments/step_events.py --systems "$rowwise" 2>&1 | grep -v Warn \
     | tee "$out/step_events_lean.log" | tail -16
+  python3 benchmarks/experiments/prefetch_overlap.py 2>&1 | grep -v Warn \
+    | tee "$out/prefetch_overlap_lean.log" | tail -9
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do

@@ -210,9 +210,10 @@ class TableLookups:
 
         The next step's ids are deduplicated, admitted to the cache of hot rows (if any) and
         their rows gathered on a CUDA side stream, overlapping this step's forward and
-        backward. The optimizer step waits for that work before it writes, and the rows it
-        writes that the next lookup also needs are read again when the next lookup takes them,
-        so the result is bit-identical to not prefetching. A lookup of other ids ignores the
+        backward (and, on a table without a cache, its update and write-back; with one, the
+        update waits for the prefetch's admission). The rows the step writes that the next
+        lookup also needs are read again when the next lookup takes them, so the result is
+        bit-identical to not prefetching. A lookup of other ids ignores the
         prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
         drops it. On the CPU the same work runs at once (no overlap, same results).
 
@@ -240,7 +241,8 @@ class TableLookups:
         """The row protocol's step input: the rows looked up since the last call, their unique
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
-        self._prefetch.wait()        # the update must not race the prefetch's admission
+        if self._rows.cache is not None or self._prefetch.UPDATE_WAITS:
+            self._prefetch.wait()    # the update must not race the prefetch's admission
         records = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
         LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
         self._pending.clear()

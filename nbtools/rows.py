@@ -397,10 +397,15 @@ class RowStore:
             run()
 
     def patched_aside(self) -> None:
-        """A :meth:`patch` from the last write-back's rows ran on a stream other than the one
-        that queued it: the lookup captures those rows belong to wait for it before their
-        next replay, as they wait for the write-back itself."""
-        back, current = self._back, torch.cuda.current_stream(self.device)
+        """A :meth:`patch` from the last write-back's rows ran where the lookup captures those
+        rows belong to may next be replayed on another stream (it ran on a stream other than
+        the one that queued the write-back, or it is a prefetch's take, whose side stream
+        replays the next dedup without waiting for the main one): they wait for it before
+        their next replay, as they wait for the write-back itself."""
+        back = self._back
+        if back is None or back.event is None:      # (the CPU: written already, in order)
+            return
+        current = torch.cuda.current_stream(self.device)
         if back.captures:
             event = torch.cuda.Event()
             event.record(current)

@@ -237,6 +237,22 @@ def slow_write_backs(monkeypatch):
 
 
 @pytest.fixture
+def slow_side_gathers(monkeypatch):
+    """Every gather queued on a side stream (a prefetch's; lookups captured as CUDA graphs
+    capture on one too) held ~5 ms on it before it reads. (On the CPU: no-op.)"""
+    import torch
+
+    from nbtools import kernels
+    gather = kernels.gather_rows
+
+    def slow_gather(*args, **kwargs):
+        if args[0].is_cuda and torch.cuda.current_stream() != torch.cuda.default_stream():
+            torch.cuda._sleep(10_000_000)       # GPU cycles (~5 ms), on the current stream
+        return gather(*args, **kwargs)
+    monkeypatch.setattr(kernels, "gather_rows", slow_gather)
+
+
+@pytest.fixture
 def file_server():
     """A local HTTP server for real gdown downloads: ``files`` maps paths (``"/a/b.txt"``) to
     the bytes served there; ``hits`` counts requests per path. Yields ``(base_url, files, hits)``."""

@@ -402,6 +402,25 @@ def test_prefetch_is_bit_identical_to_no_prefetch(device, kind, cls, kw, cache):
         assert torch.equal(ref[k], got[k]), k
 
 
+@pytest.mark.parametrize("waits", [True, False], ids=["update-waits", "update-beside"])
+@pytest.mark.parametrize("host_ids", [False, True], ids=["gpu-ids", "host-ids"])
+def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_ids,
+                                                           slow_side_gathers, monkeypatch):
+    """Prefetcher.UPDATE_WAITS off: the step after a prefetch updates and writes back its rows
+    beside the prefetch's gather (held ~5 ms here, so the rows it reads were written already;
+    unheld it reads them before), and the next prefetch starts while the take still patches
+    rows from the write-back: bit-identical either way."""
+    from nbtools.prefetch import Prefetcher
+    monkeypatch.setattr(Prefetcher, "UPDATE_WAITS", waits)
+    batches = unique_batches("overlap", 8)
+    ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False)
+    for write_behind in (False, True):
+        got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, True,
+                             host_ids=host_ids, write_behind=write_behind)
+        for k in ref:
+            assert torch.equal(ref[k], got[k]), (write_behind, k)
+
+
 @pytest.mark.parametrize("cache", [None, 16], ids=["nocache", "cache16"])
 def test_prefetch_of_host_ids_is_bit_identical_to_no_prefetch(device, cache):
     """Ids handed over as host tensors: the prefetch copies and deduplicates them beside the
