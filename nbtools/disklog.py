@@ -8,9 +8,14 @@ writes into appends:
 
 * The file holds ``num_rows`` ids in ``slots`` places (``spare`` more than the ids: up to as
   many again where the disk has room, SPARE; its rows packed, :func:`packed`), cut into
-  segments of ``segment_rows`` slots. ``where[id]`` is each id's slot, ``owner[slot]`` each
-  slot's id (or -1), ``live[segment]`` the ids living in a segment. A new file is the identity
-  layout: id ``i`` in slot ``i``, the spare segments free.
+  segments of ``segment_rows`` slots. ``where[id]`` is each id's slot, ``live[segment]`` the
+  ids living in a segment. Which id lives in a slot is kept in the row's own padding where it
+  has room (:attr:`nbtools.rowfile.RowFile.tagged`: ``id + 1`` as a tag, written with every
+  append; a packed 260-byte row has 28 bytes of it), else in RAM (``owner[slot]``, the id or
+  -1: 4 bytes a slot, 8 a row with a 100% spare). A tag only names a candidate: slot ``s``
+  holds id ``j`` when ``where[j] == s``, and id ``s`` when ``where[s] == s``, whatever its
+  tag says. A new file is the identity layout: id ``i`` in slot ``i``, the spare segments
+  free.
 * :meth:`write` appends the rows at the head segment (one sequential run; RowFile merges
   neighbouring slots into 1 MiB requests), then points ``where`` at them. A segment whose last
   live row moves out is free again.
@@ -130,14 +135,23 @@ def file_rows(num_rows: int, stride: int | None = None, free: int | None = None)
     return num_rows
 
 
-def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None) -> int:
-    """RAM a new disk table's log maps take (``where``, ``owner`` and two numbers a segment;
-    0 in place)."""
+def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None,
+              row_bytes: int | None = None) -> int:
+    """RAM a new disk table's log maps take (``where``, ``owner`` unless the rows' padding
+    keeps their ids, given ``row_bytes``, and two numbers a segment; 0 in place)."""
     slots = file_rows(num_rows, stride, free)
     if slots == num_rows:
         return 0
     item = 4 if slots < 2 ** 31 else 8
-    return (num_rows + slots) * item + slots // segment_rows_for(num_rows) * 16
+    tagged = row_bytes is not None and _tags_fit(num_rows, row_bytes)
+    return (num_rows + (0 if tagged else slots)) * item \
+        + slots // segment_rows_for(num_rows) * 16
+
+
+def _tags_fit(num_rows: int, row_bytes: int) -> bool:
+    """Whether a new log file of these rows keeps each slot's id in the row's padding."""
+    from .rowfile import TAG
+    return packed() and log_stride(row_bytes) - row_bytes >= TAG and num_rows < 2 ** 32 - 1
 
 
 def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, free: int):
@@ -182,8 +196,13 @@ class LogFile:
                              f"{self.slots:,} slots")
         small = self.slots < 2 ** 31
         self.where = np.arange(self.num_rows, dtype=np.int32 if small else np.int64)
-        self.owner = np.full(self.slots, -1, dtype=self.where.dtype)
-        self.owner[: self.num_rows] = self.where
+        # which id lives in each slot: in the rows' padding (tags), else in RAM
+        self.tagged = bool(getattr(file, "tagged", False)) and self.num_rows < 2 ** 32 - 1
+        self.owner = None
+        if not self.tagged:
+            self.owner = np.full(self.slots, -1, dtype=self.where.dtype)
+            self.owner[: self.num_rows] = self.where
+        self._occupied = None                  # identity(): a bitmap of the slots in use
         self._map = threading.Lock()          # where/owner/live and the free list
         self._writes = threading.RLock()      # one writer (appends, cleaning, identity)
         self._freed = threading.Condition(self._map)
@@ -203,9 +222,12 @@ class LogFile:
 
     # --- the map ------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Live counts and free segments from ``owner``; no head (the next append takes a
+        """Live counts and free segments from ``where``; no head (the next append takes a
         free segment). Under the write lock, with no read in flight."""
-        self.live = (self.owner.reshape(-1, self.seg) >= 0).sum(1, dtype=np.int64)
+        live = np.zeros(self.slots // self.seg, dtype=np.int64)
+        for a in range(0, self.num_rows, 1 << 22):        # (no table-sized temporaries)
+            live += np.bincount(self.where[a:a + (1 << 22)] // self.seg, minlength=len(live))
+        self.live = live
         self._free = [(int(s), 0) for s in np.flatnonzero(self.live == 0)]
         self._head, self._pos = -1, self.seg
 
@@ -261,8 +283,12 @@ class LogFile:
             old = self.where[ids].astype(np.int64)
             self.away += int(np.count_nonzero(slots != ids)) - int(np.count_nonzero(old != ids))
             self.where[ids] = slots
-            self.owner[old] = -1
-            self.owner[slots] = ids
+            if self.owner is not None:
+                self.owner[old] = -1
+                self.owner[slots] = ids
+            if self._occupied is not None:
+                _set_bits(self._occupied, old, False)
+                _set_bits(self._occupied, slots, True)
             # (bincount: per-segment counts without sorting; the write-back thread holds the
             # GIL for this, beside the reads)
             came = np.bincount(slots // self.seg, minlength=len(self.live))
@@ -313,17 +339,29 @@ class LogFile:
                 if live[victim] >= self.seg:
                     return                  # nothing to gain (cannot happen with spare segments)
                 lo = victim * self.seg
-                slots = np.flatnonzero(self.owner[lo:lo + self.seg] >= 0) + lo
-                ids = self.owner[slots].astype(np.int64)
-            if len(slots):        # the whole segment in one sequential read: its live rows
+                count = int(self.live[victim])
+                if self.owner is not None:
+                    slots = np.flatnonzero(self.owner[lo:lo + self.seg] >= 0) + lo
+                    ids = self.owner[slots].astype(np.int64)
+            if count:             # the whole segment in one sequential read: its live rows
                 whole = np.empty((self.seg, self.file.row_bytes), dtype=np.uint8)
-                self.file.read_range(lo, whole)        # lie between dead ones
+                if self.owner is None:                 # lie between dead ones
+                    tags = np.empty(self.seg, dtype=np.uint32)
+                    self.file.read_range(lo, whole, tags=tags)
+                    ids, slots = self._ids_in(lo, tags)
+                    if len(ids) != count:
+                        raise RuntimeError(
+                            f"{self.file.path!r}: segment {victim} holds {len(ids)} rows by "
+                            f"their tags and {count} by the map (a damaged log file)")
+                else:
+                    self.file.read_range(lo, whole)
                 rows = whole[slots - lo]
             else:
+                ids = slots = np.empty(0, dtype=np.int64)
                 rows = np.empty((0, self.file.row_bytes), dtype=np.uint8)
             new = self._allocate(len(slots))
             if len(new):
-                self.file.write(new, rows, fresh=True)
+                self._write(new, rows, ids, fresh=True)
             self._point(ids, new)
             with self._map:    # (_point frees the segments it empties, except the head: a
                 # former head whose rows all died is freed here, picked with no live row)
@@ -340,11 +378,45 @@ class LogFile:
         """Slots ``start : start + len(out)`` read into ``out`` (one sequential read; none when
         no row lives there): the ids of the live rows among them, and their positions in
         ``out``. A whole-file pass in file order, as a checkpoint's base of records."""
-        owner = self.owner[start:start + len(out)]
-        live = np.flatnonzero(owner >= 0)
-        if len(live):
-            self.file.read_range(start, out)
-        return owner[live].astype(np.int64), live
+        if self.owner is not None:
+            owner = self.owner[start:start + len(out)]
+            live = np.flatnonzero(owner >= 0)
+            if len(live):
+                self.file.read_range(start, out)
+            return owner[live].astype(np.int64), live
+        stop = start + len(out)
+        with self._map:
+            empty = not self.live[start // self.seg: -(-stop // self.seg)].any()
+        if empty or not len(out):
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        tags = np.empty(len(out), dtype=np.uint32)
+        self.file.read_range(start, out, tags=tags)
+        ids, slots = self._ids_in(start, tags)
+        return ids, slots - start
+
+    def _ids_in(self, start: int, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids living in slots ``start : start + len(tags)`` whose tags are ``tags`` (a
+        tagged file), and their slots, in slot order: slot ``s`` holds ``tags[s] - 1`` where
+        ``where`` agrees, and its own id ``s`` where that id is home."""
+        slots = np.arange(start, start + len(tags), dtype=np.int64)
+        ids = np.full(len(tags), -1, dtype=np.int64)
+        cand = tags.astype(np.int64) - 1
+        named = np.flatnonzero((cand >= 0) & (cand < self.num_rows))
+        home = np.flatnonzero(slots < self.num_rows)
+        with self._map:
+            hit = self.where[cand[named]] == slots[named]
+            ids[named[hit]] = cand[named[hit]]
+            home = home[self.where[slots[home]] == slots[home]]
+        ids[home] = slots[home]
+        live = np.flatnonzero(ids >= 0)
+        return ids[live], slots[live]
+
+    def _write(self, slots: np.ndarray, src: np.ndarray, ids: np.ndarray, at=None,
+               fresh: bool = False) -> None:
+        """Rows of ``ids`` into ``slots`` of the file (``src[at[j]]`` or ``src[j]`` is id
+        ``ids[j]``'s), each tagged with its id where the file keeps tags."""
+        self.file.write(slots, src, at=at, fresh=fresh,
+                        tags=None if self.owner is not None else np.asarray(ids) + 1)
 
     # --- RowFile's interface, by id ---------------------------------------------------------
     def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
@@ -371,7 +443,7 @@ class LogFile:
                          else np.asarray(at).reshape(-1)[a:a + len(part)])
                 self._clean(len(part))
                 slots = self._allocate(len(part))
-                self.file.write(slots, src, at=where, fresh=True)
+                self._write(slots, src, part, at=where, fresh=True)
                 self._point(part, slots)
                 self.stats["appended"] += len(part)
 
@@ -396,44 +468,71 @@ class LogFile:
         with self._writes:
             slots = self.where[ids].astype(np.int64)
             if len(slots) and np.array_equal(slots, ids - start + slots[0]):
-                self.file.write_range(int(slots[0]), src)
+                self.file.write_range(int(slots[0]), src,
+                                      tags=None if self.owner is not None else ids + 1)
             else:
-                self.file.write(slots, src)
+                self._write(slots, src, ids)
 
     def identity(self, progress=None) -> int:
         """Move every row home (id ``i`` to slot ``i``), BATCH_ROWS at a time; returns the rows
         moved. Rows whose home is free go home; when none is (cycles), the rows sitting in the
-        homes of moved ids are appended elsewhere first. Call with no read in flight."""
-        moved_total = 0
+        homes of moved ids are appended elsewhere first. Call with no read in flight. (A
+        tagged file keeps a bitmap of the slots in use meanwhile: a bit a slot.)"""
         with self._writes:
             if not self.away:
                 return 0
             with self._map:
                 self._head, self._pos = -1, self.seg   # its unused slots may be homes
-            start = 0
-            while self.away:
-                ready, stuck, start = self._scan(BATCH_ROWS, start)
-                if len(ready):
-                    rows = np.empty((len(ready), self.file.row_bytes), dtype=np.uint8)
-                    self.file.read(self.where[ready].astype(np.int64), rows)
-                    self.file.write(ready, rows)
-                    self._point(ready, ready)
-                    moved_total += len(ready)
-                    if progress is not None:
-                        progress(len(ready))
-                    continue
-                # every moved id's home holds another moved row: move those out of the way
-                stuck = stuck[: self._most()]
-                ids = self.owner[stuck].astype(np.int64)
-                rows = np.empty((len(stuck), self.file.row_bytes), dtype=np.uint8)
-                self.file.read(stuck, rows)
-                self._clean(len(ids))
-                new = self._allocate(len(ids))
-                self.file.write(new, rows)
-                self._point(ids, new)
+                if self.owner is None:
+                    self._occupied = self._slots_in_use()
+            try:
+                moved = self._move_home(progress)
+            finally:
+                self._occupied = None
             self._rebuild()
-        self.stats["moved_home"] += moved_total
-        return moved_total
+        self.stats["moved_home"] += moved
+        return moved
+
+    def _move_home(self, progress) -> int:
+        """identity()'s rounds, under its locks: the rows moved."""
+        moved, start = 0, 0
+        while self.away:
+            ready, stuck, start = self._scan(BATCH_ROWS, start)
+            if len(ready):
+                rows = np.empty((len(ready), self.file.row_bytes), dtype=np.uint8)
+                self.file.read(self.where[ready].astype(np.int64), rows)
+                self._write(ready, rows, ready)
+                self._point(ready, ready)
+                moved += len(ready)
+                if progress is not None:
+                    progress(len(ready))
+                continue
+            # every moved id's home holds another moved row: move those out of the way
+            stuck = stuck[: self._most()]
+            rows = np.empty((len(stuck), self.file.row_bytes), dtype=np.uint8)
+            if self.owner is not None:
+                ids = self.owner[stuck].astype(np.int64)
+                self.file.read(stuck, rows)
+            else:
+                tags = np.empty(len(stuck), dtype=np.uint32)
+                self.file.read(stuck, rows, tags=tags)
+                ids = tags.astype(np.int64) - 1
+                ok = (ids >= 0) & (ids < self.num_rows)
+                if not ok.all() or not np.array_equal(self.where[ids], stuck):
+                    raise RuntimeError(f"{self.file.path!r}: a slot's tag names an id that "
+                                       "lives elsewhere (a damaged log file)")
+            self._clean(len(ids))
+            new = self._allocate(len(ids))
+            self._write(new, rows, ids)
+            self._point(ids, new)
+        return moved
+
+    def _slots_in_use(self) -> np.ndarray:
+        """A bitmap of the slots some id lives in (from ``where``, in chunks)."""
+        bits = np.zeros(-(-self.slots // 8), dtype=np.uint8)
+        for a in range(0, self.num_rows, 1 << 22):
+            _set_bits(bits, self.where[a:a + (1 << 22)], True)
+        return bits
 
     def _scan(self, limit: int, start: int = 0,
               chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray, int]:
@@ -448,7 +547,8 @@ class LogFile:
             if not len(ids):
                 continue
             first = a if first is None else first
-            free = self.owner[ids] < 0
+            free = (self.owner[ids] < 0 if self.owner is not None
+                    else ~_get_bits(self._occupied, ids))
             ready.append(ids[free])
             stuck.append(ids[~free])
             n_ready += int(free.sum())
@@ -468,8 +568,10 @@ class LogFile:
 
     @property
     def map_bytes(self) -> int:
-        """RAM of the maps (``where`` and ``owner``, and two numbers a segment)."""
-        return self.where.nbytes + self.owner.nbytes + self.live.nbytes + self._stamp.nbytes
+        """RAM of the maps (``where``, ``owner`` where the rows keep no tags, and two numbers
+        a segment)."""
+        return self.where.nbytes + (0 if self.owner is None else self.owner.nbytes) \
+            + self.live.nbytes + self._stamp.nbytes
 
     def __getattr__(self, name):
         file = self.__dict__.get("file")
@@ -481,3 +583,19 @@ class LogFile:
         free = len(self._free)
         return (f"LogFile({self.file!r}, ids={self.num_rows:,}, slots={self.slots:,}, "
                 f"segments of {self.seg}, {free} free)")
+
+
+def _set_bits(bits: np.ndarray, index: np.ndarray, value: bool) -> None:
+    """Bits ``index`` of the bitmap ``bits`` (bytes, little bit first) set to ``value``."""
+    index = np.asarray(index, dtype=np.int64)
+    mask = np.left_shift(1, index & 7).astype(np.uint8)
+    if value:
+        np.bitwise_or.at(bits, index >> 3, mask)
+    else:
+        np.bitwise_and.at(bits, index >> 3, ~mask)
+
+
+def _get_bits(bits: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Bits ``index`` of the bitmap ``bits``, as booleans."""
+    index = np.asarray(index, dtype=np.int64)
+    return ((bits[index >> 3] >> (index & 7).astype(np.uint8)) & 1).astype(bool)

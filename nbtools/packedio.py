@@ -13,6 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 REQUEST = 1 << 20              # bytes per request at most when neighbours are merged
+TAG = 4                        # bytes of a row's tag, in its padding (RowFile.tagged)
+
+
+def _tag_bytes(tags: np.ndarray) -> np.ndarray:
+    """uint32 tags as [k, TAG] little-endian bytes."""
+    return np.ascontiguousarray(tags, dtype="<u4").view(np.uint8).reshape(-1, TAG)
 
 
 def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
@@ -77,13 +83,15 @@ def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np
 
 
 def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool,
-              fresh: bool, *, bounce: int, gap: int) -> int:
+              fresh: bool, *, bounce: int, gap: int, tags: np.ndarray | None = None) -> int:
     """``read`` and ``write`` of the packed :class:`~nbtools.rowfile.RowFile` ``f``, ``ids``
     sorted (``dst``: each one's row in ``rows``): the blocks the rows touch, read (and, for a
     write, patched and written back) through the bounce buffer, of ``bounce`` bytes at most;
-    reads take blocks at most ``gap`` bytes apart in one request. Returns the bytes read or
-    written (a write's reads of its blocks are counted as reads here)."""
+    reads take blocks at most ``gap`` bytes apart in one request. ``tags`` (in the order of
+    ``ids``): each row's tag, in the TAG bytes after it: written, or read into it. Returns
+    the bytes read or written (a write's reads of its blocks are counted as reads here)."""
     u, stride, rb = f.unit, f.stride, f.row_bytes
+    reach = rb + (TAG if tags is not None else 0)     # bytes of each row written or read
     gap = 0 if write else gap // u                    # bytes -> blocks
     per = max(1, bounce // ((stride + u) * (gap + 1)))
     moved, buf = 0, None
@@ -91,7 +99,7 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
         for a in range(0, len(ids), per):
             part, where = ids[a:a + per], dst[a:a + per]
             off = part * stride
-            first, last = off // u, (off + rb - 1) // u
+            first, last = off // u, (off + reach - 1) // u
             span = last - first + 1                   # blocks a row touches (1 or 2...)
             blocks = np.repeat(first, span) + (np.arange(int(span.sum()))
                                                - np.repeat(np.cumsum(span) - span, span))
@@ -119,10 +127,18 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
                     f._pool.run(f._live(), buf, boff, blen, foff, False)
                     f._count_reads(need)
                 _rows_in_buffer(buf, at, rows, where, stride, write=True)
+                if tags is not None:          # (the buffer seen from the rows' ends)
+                    _rows_in_buffer(buf[rb:], at, _tag_bytes(tags[a:a + per]),
+                                    np.arange(len(part)), stride, write=True)
                 f._pool.run(f._live(), buf, boff, blen, foff, True)
             else:
                 f._pool.run(f._live(), buf, boff, blen, foff, False)
                 _rows_in_buffer(buf, at, rows, where, stride, write=False)
+                if tags is not None:
+                    got = np.empty((len(part), TAG), dtype=np.uint8)
+                    _rows_in_buffer(buf[rb:], at, got, np.arange(len(part)), stride,
+                                    write=False)
+                    tags[a:a + per] = got.view("<u4")[:, 0]
             moved += need
     finally:
         if buf is not None:
@@ -130,11 +146,13 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
     return moved
 
 
-def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int) -> int:
+def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int,
+                 tags: np.ndarray | None = None) -> int:
     """``read_range`` and ``write_range`` of the packed :class:`~nbtools.rowfile.RowFile`
     ``f``: whole blocks, in requests of 4 MiB, through a bounce buffer of about ``bounce``
     bytes; a write whose ends share a block with other rows reads those two blocks first
-    (counted as reads here). Returns the bytes read or written."""
+    (counted as reads here). ``tags``: the rows' tags, written (else zeros) or read. Returns
+    the bytes read or written."""
     u, stride, rb = f.unit, f.stride, f.row_bytes
     n, moved = len(rows), 0
     per = max(f.align_rows, bounce // stride // f.align_rows * f.align_rows)
@@ -160,10 +178,14 @@ def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int) -
                 inner[:, :rb] = rows[a:a + m]
                 if stride > rb:
                     inner[:, rb:] = 0
+                if tags is not None:
+                    inner[:, rb:rb + TAG] = _tag_bytes(tags[a:a + m])
                 f._pool.run(f._live(), buf, boff, blen, foff, True, chunk=1)
             else:
                 f._pool.run(f._live(), buf, boff, blen, foff, False, chunk=1)
                 rows[a:a + m] = inner[:, :rb]
+                if tags is not None:
+                    tags[a:a + m] = np.ascontiguousarray(inner[:, rb:rb + TAG]).view("<u4")[:, 0]
             moved += b1 - b0
     finally:
         f._pool.give(buf)

@@ -37,7 +37,8 @@ Why it reads the way it does:
 * **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
   between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
   pay for fresh pages. The padding of a row inside the bounce buffer is only ever filled from
-  the file's own padding (zeros), so the file's padding stays zero.
+  the file's own padding, with zeros, or (a packed file with room for it, :attr:`RowFile.tagged`)
+  with the row's tag, a uint32 its caller keeps there (a log file's id of the row).
 * **Buffered fallback** (filesystems that refuse ``O_DIRECT``, or ``direct=False``): the file is
   opened with ``POSIX_FADV_RANDOM`` (no read-ahead of neighbours) and, after every call,
   ``POSIX_FADV_DONTNEED`` hands back its clean pages and starts write-back of dirty ones;
@@ -80,7 +81,7 @@ import time
 import numpy as np
 
 from .fileio import RequestPool, _check_engine, fadvise
-from .packedio import _requests, packed_io, packed_range
+from .packedio import TAG, _requests, packed_io, packed_range
 from .rowfilefmt import (BLOCKS, HEADER, DiskFullError, _checked_meta, _new_file_folder, _open,
                          _reserve, _round_up, _write_header, _writer)
 from .units import human_bytes
@@ -232,7 +233,8 @@ class RowFile:
         return cls(path, fd, meta, block, threads, writable)
 
     # --- rows -----------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
+    def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None,
+             tags: np.ndarray | None = None) -> None:
         """``out[i] = row ids[i]``.
 
         Args:
@@ -240,25 +242,62 @@ class RowFile:
             out: C-contiguous uint8 ``[len(ids), row_bytes]``; with ``at``, any number of rows.
             at: optional: ``out[at[i]] = row ids[i]`` (a RAM cache's slots, filled without an
                 intermediate copy).
+            tags: optional (a :attr:`tagged` file): a uint32 array ``[len(ids)]`` that gets
+                row ``ids[i]``'s tag.
         """
-        self._io(ids, out, write=False, at=at)
+        n = int(np.asarray(ids).size)
+        self._tags_out(tags, n)
+        self._io(ids, out, write=False, at=at, tags=tags)
 
     def write(self, ids: np.ndarray, src: np.ndarray, at: np.ndarray | None = None,
-              fresh: bool = False) -> None:
+              fresh: bool = False, tags: np.ndarray | None = None) -> None:
         """Row ``ids[i] = src[i]`` (ids unique, any order); with ``at``, ``src[at[i]]``.
         ``fresh`` (packed files): nothing worth keeping follows these rows in the blocks they
         touch (a log's appends, at its head): those blocks are written without reading them
         first, zeros after the rows; only a block where a run of consecutive rows starts
-        mid-block is read first (rows appended before it end there)."""
-        self._io(ids, src, write=True, at=at, fresh=fresh)
+        mid-block is read first (rows appended before it end there). ``tags`` (a
+        :attr:`tagged` file): row ``ids[i]``'s tag is ``tags[i]``; without, a fresh write's
+        rows get tag 0 and the others keep theirs."""
+        n = int(np.asarray(ids).size)
+        if fresh and tags is None and self.tagged:    # (a first block read keeps old ones)
+            tags = np.zeros(n, dtype=np.uint32)
+        self._io(ids, src, write=True, at=at, fresh=fresh, tags=self._tags(tags, n))
 
-    def read_range(self, start: int, out: np.ndarray) -> None:
-        """Rows ``start : start + len(out)`` into ``out``, in large sequential requests."""
-        self._range(start, out, write=False)
+    def read_range(self, start: int, out: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Rows ``start : start + len(out)`` into ``out``, in large sequential requests;
+        ``tags`` (a :attr:`tagged` file): a uint32 array that gets each row's tag."""
+        self._tags_out(tags, len(out))
+        self._range(start, out, write=False, tags=tags)
 
-    def write_range(self, start: int, src: np.ndarray) -> None:
-        """Rows ``start : start + len(src)`` from ``src``, in large sequential requests."""
-        self._range(start, src, write=True)
+    def write_range(self, start: int, src: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Rows ``start : start + len(src)`` from ``src``, in large sequential requests; their
+        tags are ``tags`` (a :attr:`tagged` file), else 0."""
+        self._range(start, src, write=True, tags=self._tags(tags, len(src)))
+
+    @property
+    def tagged(self) -> bool:
+        """Whether each row carries a tag, a uint32 kept in its padding: a packed file with at
+        least TAG bytes of it a row (a log file keeps its ids of the rows there,
+        :mod:`nbtools.disklog`)."""
+        return self.packed and self.stride - self.row_bytes >= TAG
+
+    def _tags_out(self, tags, n: int) -> None:
+        if tags is not None and (not self.tagged or not isinstance(tags, np.ndarray)
+                                 or tags.dtype != np.uint32 or tags.shape != (n,)):
+            raise ValueError(f"tags must be a uint32 array [{n}] of a tagged file "
+                             f"(tagged: {self.tagged})")
+
+    def _tags(self, tags, n: int):
+        if tags is None:
+            return None
+        if not self.tagged:
+            raise ValueError(f"{self.path!r}: its rows carry no tags (packed: {self.packed}, "
+                             f"{self.stride - self.row_bytes} bytes of padding a row)")
+        tags = np.asarray(tags).reshape(-1)
+        if len(tags) != n or tags.dtype.kind not in "iu" or (
+                len(tags) and (tags.min() < 0 or tags.max() >= 2 ** 32)):
+            raise ValueError(f"tags must be {n} integers in 0 .. 2**32 - 1")
+        return tags.astype("<u4")
 
     def flush(self) -> None:
         """Make written rows durable (``fsync``)."""
@@ -366,7 +405,8 @@ class RowFile:
                              f"{int(ids[bad]):,} (first at position {bad})")
         return ids, dst
 
-    def _io(self, ids, rows: np.ndarray, write: bool, at=None, fresh: bool = False) -> None:
+    def _io(self, ids, rows: np.ndarray, write: bool, at=None, fresh: bool = False,
+            tags=None) -> None:
         ids, at = self._check(ids, rows, write, at)
         t0 = time.perf_counter()
         k = len(ids)
@@ -375,8 +415,14 @@ class RowFile:
             order = np.argsort(ids, kind="stable")
             ids = ids[order]
             dst = order if at is None else at[order]
+        given = tags
+        if k and tags is not None:        # (sorted as the ids are; a read's, put back after)
+            tags = tags[order] if write else np.empty(k, dtype=np.uint32)
         if k and self.packed:
-            nbytes = packed_io(self, ids, dst, rows, write, fresh, bounce=BOUNCE, gap=GAP)
+            nbytes = packed_io(self, ids, dst, rows, write, fresh, bounce=BOUNCE, gap=GAP,
+                               tags=tags)
+            if not write and given is not None:
+                given[order] = tags
         elif k:
             stride, rb = self.stride, self.row_bytes
             # reads also take the rows between two near ones (at most GAP bytes apart): one
@@ -406,7 +452,7 @@ class RowFile:
                     self._pool.give(buf)
         self._account(write, nbytes, t0)
 
-    def _range(self, start: int, rows: np.ndarray, write: bool) -> None:
+    def _range(self, start: int, rows: np.ndarray, write: bool, tags=None) -> None:
         self._live()
         if write and not self.writable:
             raise PermissionError(f"{self.path!r} was opened read-only (writable=False)")
@@ -421,7 +467,7 @@ class RowFile:
                              f"{self.num_rows:,}")
         t0 = time.perf_counter()
         if self.packed:
-            moved = packed_range(self, start, rows, write, bounce=BOUNCE) if n else 0
+            moved = packed_range(self, start, rows, write, bounce=BOUNCE, tags=tags) if n else 0
             self._account(write, moved, t0)
             return
         stride, rb = self.stride, self.row_bytes

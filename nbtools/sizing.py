@@ -60,7 +60,8 @@ class Sizing:
         """RAM a disk table of these rows keeps whatever its cache: 5 bytes per row (and the
         log layout's maps)."""
         return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows, self.file_row_bytes,
-                                                             self.disk_free_bytes)
+                                                             self.disk_free_bytes,
+                                                             row_bytes=self.row_bytes)
 
     @property
     def times_ram(self) -> float:

@@ -10,11 +10,26 @@ from nbtools.disklog import LogFile, slots_for
 from nbtools.rowfile import RowFile
 
 RB, SEG = 24, 8
+TAGGED_SEG = 16      # a packed file of 32-byte rows starts a 512-byte block every 16 slots
 
 
-def _log(tmp_path, n, spare=0.3, direct=False):
-    f = RowFile.create(tmp_path / "t.nbrows", slots_for(n, SEG, spare), RB, direct=direct)
-    return LogFile(f, n, segment_rows=SEG)
+def _log(tmp_path, n, spare=0.3, direct=False, tags=False):
+    """A log file of ``n`` ids; ``tags``: packed rows (24 bytes, 32 apart), whose padding
+    keeps each slot's id, else whole rows with the ids in RAM (``owner``)."""
+    seg = TAGGED_SEG if tags else SEG
+    f = RowFile.create(tmp_path / "t.nbrows", slots_for(n, seg, spare), RB, direct=direct,
+                       packed=tags)
+    log = LogFile(f, n, segment_rows=seg)
+    assert log.tagged == tags and (log.owner is None) == tags
+    return log
+
+
+def _live_ids(log):
+    """Every id living in the file, read slot by slot in file order (live_rows)."""
+    ids, buf = [], np.empty((log.seg, RB), dtype=np.uint8)
+    for a in range(0, log.slots, log.seg):
+        ids.append(log.live_rows(a, buf)[0])
+    return np.sort(np.concatenate(ids))
 
 
 def _rows(gen, k):
@@ -31,9 +46,10 @@ def _check_all(log, ref):
     assert np.array_equal(part, ref[ids])
 
 
-def test_appends_the_cleaner_and_identity_keep_every_row(tmp_path):
+@pytest.mark.parametrize("tags", [True, False], ids=["ids-in-padding", "ids-in-ram"])
+def test_appends_the_cleaner_and_identity_keep_every_row(tmp_path, tags):
     n, gen = 200, np.random.default_rng(1)
-    log = _log(tmp_path, n)
+    log = _log(tmp_path, n, tags=tags)
     ref = _rows(gen, n)
     log.write_range(0, ref)                       # in place: the identity layout
     assert log.identity_layout and log.file.counters["write_calls"] == 1
@@ -47,7 +63,9 @@ def test_appends_the_cleaner_and_identity_keep_every_row(tmp_path):
         ref[ids] = rows
         if step % 7 == 0:
             _check_all(log, ref)
-        assert log.live.sum() == n and (log.owner >= 0).sum() == n
+        assert log.live.sum() == n
+        if step % 7 == 0:
+            assert np.array_equal(_live_ids(log), np.arange(n))
     assert log.stats["cleaned_segments"] > 0 and not log.identity_layout
     _check_all(log, ref)
     moved = log.identity()
@@ -65,10 +83,11 @@ def log_row(log, i):
     return out
 
 
-def test_identity_breaks_cycles(tmp_path):
+@pytest.mark.parametrize("tags", [True, False], ids=["ids-in-padding", "ids-in-ram"])
+def test_identity_breaks_cycles(tmp_path, tags):
     """Rows that swapped homes (every moved id's home held by another moved row)."""
     n = 64
-    log = _log(tmp_path, n, spare=0.5)
+    log = _log(tmp_path, n, spare=0.5, tags=tags)
     gen = np.random.default_rng(2)
     ref = _rows(gen, n)
     log.write_range(0, ref)
@@ -83,25 +102,40 @@ def test_identity_breaks_cycles(tmp_path):
     assert np.array_equal(raw, ref) and log.identity_layout
 
 
-def test_write_range_after_moves_writes_where_rows_live(tmp_path):
+@pytest.mark.parametrize("tags", [True, False], ids=["ids-in-padding", "ids-in-ram"])
+def test_write_range_after_moves_writes_where_rows_live(tmp_path, tags):
     n, gen = 50, np.random.default_rng(3)
-    log = _log(tmp_path, n)
+    log = _log(tmp_path, n, tags=tags)
     ref = _rows(gen, n)
     log.write_range(0, ref)
     log.write(np.arange(10, 20), _rows(gen, 10))
     ref[10:30] = _rows(gen, 20)
     log.write_range(10, ref[10:30])
     _check_all(log, ref)
+    ref[10:20] = _rows(gen, 10)          # the moved rows, consecutive: one range, away
+    log.write_range(10, ref[10:20])      # from home (their tags written again with them)
+    log.write(np.arange(20, 40), _rows(gen, 20))
+    log._clean(log.slots)                # every segment the cleaner may take, cleaned
+    assert np.array_equal(_live_ids(log), np.arange(n))
+    ref[20:40] = log_rows(log, np.arange(20, 40))
+    _check_all(log, ref)
 
 
-@pytest.mark.parametrize("cleaner", ["cost-benefit", "greedy"])
-def test_reads_beside_writes_and_cleaning(tmp_path, monkeypatch, cleaner):
+def log_rows(log, ids):
+    out = np.empty((len(ids), RB), dtype=np.uint8)
+    log.read(ids, out)
+    return out
+
+
+@pytest.mark.parametrize("cleaner,tags", [("cost-benefit", False), ("greedy", False),
+                                          ("cost-benefit", True)])
+def test_reads_beside_writes_and_cleaning(tmp_path, monkeypatch, cleaner, tags):
     """A reader of rows nobody writes, while a writer appends other rows and the cleaner moves
     the reader's rows around: every read is the row as written (freed segments are reused only
     once reads that began before are done)."""
     monkeypatch.setenv("NBTOOLS_DISK_CLEANER", cleaner)
     n, gen = 400, np.random.default_rng(4)
-    log = _log(tmp_path, n, spare=0.2)
+    log = _log(tmp_path, n, spare=0.2, tags=tags)
     assert log.policy == cleaner
     ref = _rows(gen, n)
     log.write_range(0, ref)
@@ -187,6 +221,35 @@ def test_a_log_table_trains_as_host(tmp_path, log_layout, monkeypatch, cache_row
     _assert_same(tables)
 
 
+def test_a_log_table_whose_rows_keep_their_ids_trains_as_host(tmp_path, log_layout):
+    """bf16 weights with RowWiseAdagrad: 20-byte rows packed 32 apart, each slot's id in its
+    padding (no owner map in RAM), through appends, the cleaner, a whole-table read and more
+    training."""
+    import warnings
+
+    import torch
+
+    from nbtools import RowWiseAdagrad
+    from test_disk import D, _assert_same, _pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the 10-row cache grows to hold the step
+        tables, opts = _pair(tmp_path, opt_cls=RowWiseAdagrad, opt_kwargs={"lr": 0.1},
+                             table_kwargs={"dtype": torch.bfloat16},
+                             host_cache_bytes=10 * 32, lookups=2, steps=12)
+    log = tables[1].disk.file
+    assert type(log).__name__ == "LogFile" and log.tagged and log.owner is None
+    assert log.stats["cleaned_segments"] > 0 and not log.identity_layout
+    _assert_same(tables)                        # .weight: the rows moved back home first
+    assert log.identity_layout
+    ids = torch.arange(0, 300, 3)
+    for _ in range(3):
+        for t, opt in zip(tables, opts):
+            (t(ids) * torch.linspace(-1, 1, D)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_same(tables)
+
+
 @pytest.mark.parametrize("into", ["log", "inplace", "host"])
 def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypatch, into):
     """Bases of records in file order (the rows moved) and deltas, restored into a log table,
@@ -226,7 +289,8 @@ def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypa
     assert torch.equal(fresh.weight, host.weight)
 
 
-def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tags", [True, False], ids=["ids-in-padding", "ids-in-ram"])
+def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch, tags):
     """Many rounds of a few rows, each scan starting where the last found rows away (chunks of
     8 ids): every row home, none skipped."""
     import nbtools.disklog as disklog
@@ -235,7 +299,7 @@ def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch):
                                                                            chunk=8))
     monkeypatch.setattr(disklog, "BATCH_ROWS", 5)
     n, gen = 120, np.random.default_rng(6)
-    log = _log(tmp_path, n, spare=0.4)
+    log = _log(tmp_path, n, spare=0.4, tags=tags)
     ref = _rows(gen, n)
     log.write_range(0, ref)
     for _ in range(40):
@@ -354,3 +418,33 @@ def test_a_disk_short_of_the_whole_spare_takes_a_smaller_one(tmp_path, monkeypat
     t.close()
     h.close()
 
+
+
+def test_a_damaged_tag_is_found_by_the_cleaner(tmp_path):
+    """A slot whose tag no longer names the id living there: the cleaner's count of the rows
+    the tags name falls short of the segment's live count, and it stops with an error rather
+    than drop the row."""
+    n, gen = 100, np.random.default_rng(8)
+    log = _log(tmp_path, n, tags=True)
+    log.write_range(0, _rows(gen, n))
+    log.write(np.arange(0, 40), _rows(gen, 40))      # appended: tagged 1..40
+    slot = int(log.where[7])
+    log.file.write(np.array([slot]), log_rows(log, np.array([7])), tags=np.array([0]))
+    others = np.setdiff1d(np.arange(40), [7])
+    with pytest.raises(RuntimeError, match="damaged"):
+        log.write(others, _rows(gen, len(others)))   # id 7 alone in its segment then
+        log._clean(log.slots)
+
+
+def test_map_bytes_of_a_new_file(tmp_path, monkeypatch):
+    """disklog.map_bytes (what sizing and plan count) is the maps a new log file keeps: no
+    owner where the rows' padding keeps the ids."""
+    from nbtools import disklog
+    monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "16")
+    for row_bytes, tagged in ((260, True), (256, False), (28, True), (29, False)):
+        n = 1000
+        f, raw = disklog.create(tmp_path / f"m{row_bytes}.nbrows", n, row_bytes, {},
+                                threads=2, free=1 << 40)
+        assert f.tagged == tagged, row_bytes
+        assert f.map_bytes == disklog.map_bytes(n, raw.stride, 1 << 40, row_bytes=row_bytes)
+        f.close()

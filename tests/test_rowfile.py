@@ -307,6 +307,68 @@ def test_packed_rows_round_trip(tmp_path, row_bytes, direct):
         assert np.array_equal(back, ref)
 
 
+@pytest.mark.parametrize("row_bytes", [20, 260, 508])
+@pytest.mark.parametrize("direct", [True, False])
+def test_tags_in_the_rows_padding(tmp_path, row_bytes, direct):
+    """A packed file with at least TAG bytes of padding a row keeps a uint32 tag per row
+    there: written with the rows (scattered, fresh, ranges) and read back with them, next to a
+    numpy reference of rows and tags; a write without tags keeps the tags of the rows it
+    writes in place, a fresh one or a range zeroes them; untagged files refuse tags."""
+    _direct_or_skip(tmp_path, direct)
+    n = 2000
+    rng = np.random.default_rng(row_bytes)
+    ref = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    tref = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+    f = RowFile.create(tmp_path / "t.rows", n, row_bytes, threads=4, direct=direct, packed=True)
+    assert f.tagged
+    f.write_range(0, ref, tags=tref)
+    for k in range(12):
+        ids = rng.choice(n, int(rng.integers(1, 300)), replace=False)
+        new = rng.integers(0, 256, (len(ids), row_bytes), dtype=np.uint8)
+        if k % 3 == 0:                                 # no tags: in place, theirs kept
+            f.write(ids, new)
+        else:
+            tags = rng.integers(0, 2 ** 32, len(ids), dtype=np.uint64).astype(np.uint32)
+            f.write(ids, new, tags=tags)
+            tref[ids] = tags
+        ref[ids] = new
+        a = int(rng.integers(0, n - 50))               # appended runs, fresh
+        run = np.arange(a, a + 50)
+        new = rng.integers(0, 256, (50, row_bytes), dtype=np.uint8)
+        fresh_tags = None if k % 4 == 0 else np.arange(50) + k
+        f.write(run, new, fresh=True, tags=fresh_tags)
+        ref[run] = new
+        tref[run] = 0 if fresh_tags is None else fresh_tags
+        # (a fresh write zeroes what follows its rows in their last block: the rows after them
+        # there are written again, as a log's next append does)
+        last = (f.data_offset + (a + 50) * f.stride - 1) // f.unit
+        after = np.arange(a + 50, n)
+        after = after[(f.data_offset + after * f.stride) // f.unit <= last]
+        f.write(after, ref[after], tags=tref[after])
+        ids = rng.choice(n, int(rng.integers(1, 400)), replace=False)
+        out, got = np.zeros((len(ids), row_bytes), dtype=np.uint8), np.empty(len(ids), np.uint32)
+        f.read(ids, out, tags=got)
+        assert np.array_equal(out, ref[ids]) and np.array_equal(got, tref[ids])
+    back, tags = np.zeros_like(ref), np.empty(n, dtype=np.uint32)
+    f.read_range(0, back, tags=tags)
+    assert np.array_equal(back, ref) and np.array_equal(tags, tref)
+    f.write_range(10, ref[10:20])                      # a range without tags: zeros
+    f.read_range(0, back, tags=tags)
+    assert not tags[10:20].any() and np.array_equal(tags[20:], tref[20:])
+    with pytest.raises(ValueError, match="uint32"):
+        f.read_range(0, back, tags=np.empty(n, dtype=np.int64))
+    with pytest.raises(ValueError, match="0 .. 2"):
+        f.write(np.array([1]), ref[:1], tags=np.array([-1]))
+    f.close()
+    for packed, rb in ((False, 20), (True, 32)):     # whole sectors; no padding to keep one
+        with RowFile.create(tmp_path / f"u{packed}.rows", 10, rb, packed=packed) as g:
+            assert not g.tagged
+            with pytest.raises(ValueError, match="no tags"):
+                g.write(np.array([1]), np.zeros((1, rb), np.uint8), tags=np.array([1]))
+            with pytest.raises(ValueError, match="tagged"):
+                g.read_range(0, np.zeros((10, rb), np.uint8), tags=np.empty(10, np.uint32))
+
+
 def test_fresh_writes_keep_the_rows_before_them_in_a_shared_block(tmp_path):
     """``fresh=True`` (a log's appends): blocks are not read first, except where a run starts
     mid-block; the rows appended before it survive, and nothing else is read."""
