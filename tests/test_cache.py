@@ -369,9 +369,9 @@ def unique_batches(kind, steps, batch=40, seed=0):
 
 
 def train_prefetch(device, cls, kw, batches, prefetch, cache_bytes=None, write_at=None,
-                   host_ids=False, write_behind=None):
+                   host_ids=False, write_behind=None, placement="host"):
     table = OffloadedEmbedding(N, D, device=device, name="t", cache_bytes=cache_bytes,
-                               write_behind=write_behind)
+                               write_behind=write_behind, placement=placement)
     table.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(1)))
     opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=insist(cls, "auto")), **kw)
     w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
@@ -409,16 +409,20 @@ def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_i
     """Prefetcher.UPDATE_WAITS off: the step after a prefetch updates and writes back its rows
     beside the prefetch's gather (held ~5 ms here, so the rows it reads were written already;
     unheld it reads them before), and the next prefetch starts while the take still patches
-    rows from the write-back: bit-identical either way."""
+    rows from the write-back: bit-identical either way. On CUDA also a GPU-placed table,
+    whose update writes the rows the gather reads in place."""
     from nbtools.prefetch import Prefetcher
     monkeypatch.setattr(Prefetcher, "UPDATE_WAITS", waits)
     batches = unique_batches("overlap", 8)
     ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False)
-    for write_behind in (False, True):
+    runs = [dict(write_behind=False), dict(write_behind=True)]
+    if device.type == "cuda":
+        runs.append(dict(placement="gpu"))
+    for run in runs:
         got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, True,
-                             host_ids=host_ids, write_behind=write_behind)
+                             host_ids=host_ids, **run)
         for k in ref:
-            assert torch.equal(ref[k], got[k]), (write_behind, k)
+            assert torch.equal(ref[k], got[k]), (run, k)
 
 
 @pytest.mark.parametrize("cache", [None, 16], ids=["nocache", "cache16"])
