@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from . import NbtoolsError, disklog
+from .bits import BitSet
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
 from .fileio import default_engine, uninterrupted
@@ -361,15 +362,15 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         self._release_slots = None              # the slot arrays' hold on the host budget
         # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
         self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
-        # the two arrays below (and a log file's maps): counted in the host budget
-        maps = self.num_rows * (np.dtype(self.index_dtype).itemsize + 1) \
+        # the two maps below (and a log file's): counted in the host budget
+        maps = self.num_rows * np.dtype(self.index_dtype).itemsize + -(-self.num_rows // 8) \
             + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
         keep_freed_memory_small()
         self.slot_of = np.full(self.num_rows, -1, dtype=self.index_dtype)  # row -> slot, -1: on disk
         # rows written to the file since the last checkpoint took them (incremental saves)
-        self.changed = np.ones(self.num_rows, dtype=bool)
+        self.changed = BitSet(self.num_rows, full=True)
         # the RAM cache is pinned when first needed: a table whose optimizer attaches at once
         # (and so moves to a file of wider rows) never pins the first one's
         self._want = max(1, min(int(cache_rows), self.num_rows))
@@ -528,7 +529,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
     def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
         t0 = time.perf_counter()
         self.file.write(ids, src, at=at)
-        self.changed[ids] = True
+        self.changed.add(ids)
         _counters["write_s"] += time.perf_counter() - t0
         _counters["write_bytes"] += len(ids) * self.row_bytes
         self.stats["written_back"] += len(ids)

@@ -127,7 +127,7 @@ class WholeTable:
         with self._lock:
             self._write_stash()
             self.file.write(np.asarray(ids, dtype=np.int64), raw)
-            self.changed[ids] = True
+            self.changed.add(ids)
             slots = self.slot_of[ids]
             hot = slots >= 0
             if hot.any():
@@ -142,7 +142,7 @@ class WholeTable:
             self._write_stash()
             self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
                 rows.shape[0], self.row_bytes))
-            self.changed[start:start + rows.shape[0]] = True
+            self.changed.add_range(start, start + rows.shape[0])
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
@@ -182,7 +182,7 @@ class WholeTable:
                         offset=self.file.data_offset, shape=(self.num_rows, unit))
         if writable:
             self._map = arr
-            self.changed[:] = True        # whatever is written through it is not tracked
+            self.changed.fill(True)       # whatever is written through it is not tracked
         t = torch.from_numpy(arr)
         if self.dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)
@@ -222,8 +222,8 @@ class WholeTable:
         time), after writing every dirty row back: what an incremental checkpoint saves."""
         self.flush()
         with self._lock:
-            ids = np.flatnonzero(self.changed)
-            self.changed[:] = False
+            ids = self.changed.members()
+            self.changed.fill(False)
             self._checkpoint = None       # a checkpoint's next save cannot be a delta now
             return ids
 
@@ -237,18 +237,18 @@ class WholeTable:
         with self._lock:
             if token is None or getattr(self, "_checkpoint", None) != token:
                 return None
-            return int(np.count_nonzero(self.changed))
+            return self.changed.count()
 
     def changed_ids(self, start: int, stop: int) -> np.ndarray:
         """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
         with self._lock:
-            return np.flatnonzero(self.changed[start:stop]) + start
+            return self.changed.members(start, stop)
 
     def mark_checkpointed(self, token) -> None:
         """The checkpoint ``token`` now holds every row as it is: count changes from here.
         (Called after the checkpoint is committed, so a failed save loses no change.)"""
         with self._lock:
-            self.changed[:] = False
+            self.changed.fill(False)
             self._checkpoint = token
 
     def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
@@ -304,5 +304,5 @@ class WholeTable:
             for name in self.SLOT_FLAGS:
                 getattr(self, name)[:] = False
             self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
-            self.changed[:] = True
+            self.changed.fill(True)
             self._checkpoint = None

@@ -46,6 +46,8 @@ import threading
 
 import numpy as np
 
+from .bits import BitSet
+
 SEGMENT_ROWS = 8192          # slots per segment (2.3 MiB at a 288-byte stride)
 SPARE = 1.0                  # spare slots, as a share of the ids (where the disk has room)
 MIN_SPARE = 0.10             # the least spare share taken where the disk is short of SPARE
@@ -287,8 +289,8 @@ class LogFile:
                 self.owner[old] = -1
                 self.owner[slots] = ids
             if self._occupied is not None:
-                _set_bits(self._occupied, old, False)
-                _set_bits(self._occupied, slots, True)
+                self._occupied.discard(old)
+                self._occupied.add(slots)
             # (bincount: per-segment counts without sorting; the write-back thread holds the
             # GIL for this, beside the reads)
             came = np.bincount(slots // self.seg, minlength=len(self.live))
@@ -527,11 +529,11 @@ class LogFile:
             self._point(ids, new)
         return moved
 
-    def _slots_in_use(self) -> np.ndarray:
-        """A bitmap of the slots some id lives in (from ``where``, in chunks)."""
-        bits = np.zeros(-(-self.slots // 8), dtype=np.uint8)
+    def _slots_in_use(self) -> BitSet:
+        """The slots some id lives in (from ``where``, in chunks)."""
+        bits = BitSet(self.slots)
         for a in range(0, self.num_rows, 1 << 22):
-            _set_bits(bits, self.where[a:a + (1 << 22)], True)
+            bits.add(self.where[a:a + (1 << 22)])
         return bits
 
     def _scan(self, limit: int, start: int = 0,
@@ -548,7 +550,7 @@ class LogFile:
                 continue
             first = a if first is None else first
             free = (self.owner[ids] < 0 if self.owner is not None
-                    else ~_get_bits(self._occupied, ids))
+                    else ~self._occupied.contains(ids))
             ready.append(ids[free])
             stuck.append(ids[~free])
             n_ready += int(free.sum())
@@ -584,18 +586,3 @@ class LogFile:
         return (f"LogFile({self.file!r}, ids={self.num_rows:,}, slots={self.slots:,}, "
                 f"segments of {self.seg}, {free} free)")
 
-
-def _set_bits(bits: np.ndarray, index: np.ndarray, value: bool) -> None:
-    """Bits ``index`` of the bitmap ``bits`` (bytes, little bit first) set to ``value``."""
-    index = np.asarray(index, dtype=np.int64)
-    mask = np.left_shift(1, index & 7).astype(np.uint8)
-    if value:
-        np.bitwise_or.at(bits, index >> 3, mask)
-    else:
-        np.bitwise_and.at(bits, index >> 3, ~mask)
-
-
-def _get_bits(bits: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """Bits ``index`` of the bitmap ``bits``, as booleans."""
-    index = np.asarray(index, dtype=np.int64)
-    return ((bits[index >> 3] >> (index & 7).astype(np.uint8)) & 1).astype(bool)

@@ -5,9 +5,10 @@ A row's bytes are :func:`nbtools.plan`'s ``disk_row_bytes``: its weights and its
 state, as a disk table holds them (without the padding of rows in RAM). A disk table's file
 packs its rows 32 bytes apart in a log (a 260-byte row takes 288 bytes) with spare slots where
 the disk has room, or, rows in place, stores each in whole ``O_DIRECT`` blocks (512 bytes on
-most disks, probed on the folder itself), so its file is larger than its rows. RAM keeps 5
-bytes per row of a disk table whatever its size
-(its int32 row -> slot map and change marks, :class:`nbtools.disk.DiskRows`; 9 past 2**31 rows).
+most disks, probed on the folder itself), so its file is larger than its rows. RAM keeps 4
+bytes and a bit per row of a disk table whatever its size
+(its int32 row -> slot map and change marks, :class:`nbtools.disk.DiskRows`; 8 and a bit past
+2**31 rows).
 
 >>> import tempfile, torch
 >>> s = rows_for(5, 252, "rowwise_adagrad", dtype=torch.bfloat16, ram_bytes=1 << 20,
@@ -26,7 +27,7 @@ import torch
 from . import disklog
 from .units import human_bytes
 
-ROW_MAP_BYTES = 5      # RAM per row of a disk table: its int32 slot and its change mark
+ROW_MAP_BYTES = 4.125  # RAM per row of a disk table: its int32 slot and its change mark (a bit)
 
 
 @dataclasses.dataclass
@@ -57,9 +58,10 @@ class Sizing:
 
     @property
     def row_map_bytes(self) -> int:
-        """RAM a disk table of these rows keeps whatever its cache: 5 bytes per row (and the
-        log layout's maps)."""
-        return self.rows * ROW_MAP_BYTES + disklog.map_bytes(self.rows, self.file_row_bytes,
+        """RAM a disk table of these rows keeps whatever its cache: 4 bytes and a bit per row
+        (and the log layout's maps)."""
+        slot = 4 if self.rows < 2 ** 31 else 8
+        return self.rows * slot + -(-self.rows // 8) + disklog.map_bytes(self.rows, self.file_row_bytes,
                                                              self.disk_free_bytes,
                                                              row_bytes=self.row_bytes)
 

@@ -23,7 +23,8 @@ def test_rows_are_times_ram_over_the_row(tmp_path, dim, optimizer, dtype, row):
     s = rows_for(5, dim, optimizer, dtype=dtype, ram_bytes=3 << 20, disk_dir=tmp_path)
     assert s.row_bytes == row and s.rows == 5 * (3 << 20) // row and not s.capped
     assert s.table_bytes == s.rows * row and s.times_ram == pytest.approx(5, rel=1e-3)
-    assert s.row_map_bytes == 5 * s.rows + disklog.map_bytes(s.rows, row_bytes=row)   # a log
+    assert s.row_map_bytes == 4 * s.rows + -(-s.rows // 8) \
+        + disklog.map_bytes(s.rows, row_bytes=row)   # a log
     assert s.file_bytes == disklog.file_rows(s.rows) * s.file_row_bytes > s.rows * s.file_row_bytes
     assert "5.0x the RAM given (3.0 MiB)" in str(s) and "CAPPED" not in str(s)
 
