@@ -71,9 +71,8 @@ class BitSet:
         return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
     def count(self) -> int:
-        return int(np.unpackbits(self.bits, bitorder="little").sum(dtype=np.int64)) \
-            if self.n <= CHUNK else sum(int(self._unpacked(a, min(self.n, a + CHUNK)).sum())
-                                        for a in range(0, self.n, CHUNK))
+        return sum(int(self._unpacked(a, min(self.n, a + CHUNK)).sum())
+                   for a in range(0, self.n, CHUNK))
 
     def _unpacked(self, a: int, b: int) -> np.ndarray:
         """Booleans of rows ``a .. b - 1``."""

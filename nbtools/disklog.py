@@ -55,6 +55,7 @@ LEAVE = 1 << 30              # free bytes a short disk keeps beyond a smaller sp
 RESERVE = 2                  # free segments the cleaner keeps beyond a write's own (one to
                              # append a victim's rows into while cleaning)
 BATCH_ROWS = 1 << 16         # rows moved per round by identity()
+TAGGED_IDS = 2 ** 32 - 1     # ids a file may keep in its rows' padding (id + 1 in a uint32)
 
 
 def wanted() -> bool:
@@ -153,7 +154,7 @@ def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None,
 def _tags_fit(num_rows: int, row_bytes: int) -> bool:
     """Whether a new log file of these rows keeps each slot's id in the row's padding."""
     from .rowfile import TAG
-    return packed() and log_stride(row_bytes) - row_bytes >= TAG and num_rows < 2 ** 32 - 1
+    return packed() and log_stride(row_bytes) - row_bytes >= TAG and num_rows < TAGGED_IDS
 
 
 def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, free: int):
@@ -198,10 +199,9 @@ class LogFile:
                              f"{self.slots:,} slots")
         small = self.slots < 2 ** 31
         self.where = np.arange(self.num_rows, dtype=np.int32 if small else np.int64)
-        # which id lives in each slot: in the rows' padding (tags), else in RAM
-        self.tagged = bool(getattr(file, "tagged", False)) and self.num_rows < 2 ** 32 - 1
+        # which id lives in each slot: in the rows' padding (tags, :attr:`tagged`), else in RAM
         self.owner = None
-        if not self.tagged:
+        if not (getattr(file, "tagged", False) and self.num_rows < TAGGED_IDS):
             self.owner = np.full(self.slots, -1, dtype=self.where.dtype)
             self.owner[: self.num_rows] = self.where
         self._occupied = None                  # identity(): a bitmap of the slots in use
@@ -232,6 +232,11 @@ class LogFile:
         self.live = live
         self._free = [(int(s), 0) for s in np.flatnonzero(self.live == 0)]
         self._head, self._pos = -1, self.seg
+
+    @property
+    def tagged(self) -> bool:
+        """Whether each slot's id is kept in its row's padding (no ``owner`` map in RAM)."""
+        return self.owner is None
 
     @property
     def identity_layout(self) -> bool:
@@ -417,8 +422,11 @@ class LogFile:
                fresh: bool = False) -> None:
         """Rows of ``ids`` into ``slots`` of the file (``src[at[j]]`` or ``src[j]`` is id
         ``ids[j]``'s), each tagged with its id where the file keeps tags."""
-        self.file.write(slots, src, at=at, fresh=fresh,
-                        tags=None if self.owner is not None else np.asarray(ids) + 1)
+        self.file.write(slots, src, at=at, fresh=fresh, tags=self._tags_of(ids))
+
+    def _tags_of(self, ids) -> np.ndarray | None:
+        """The tags rows of ``ids`` carry in the file (``id + 1``; None without tags)."""
+        return None if self.owner is not None else np.asarray(ids) + 1
 
     # --- RowFile's interface, by id ---------------------------------------------------------
     def read(self, ids: np.ndarray, out: np.ndarray, at: np.ndarray | None = None) -> None:
@@ -470,8 +478,7 @@ class LogFile:
         with self._writes:
             slots = self.where[ids].astype(np.int64)
             if len(slots) and np.array_equal(slots, ids - start + slots[0]):
-                self.file.write_range(int(slots[0]), src,
-                                      tags=None if self.owner is not None else ids + 1)
+                self.file.write_range(int(slots[0]), src, tags=self._tags_of(ids))
             else:
                 self._write(slots, src, ids)
 

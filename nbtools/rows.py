@@ -411,9 +411,9 @@ class RowStore:
             event.record(current)
             for cap in back.captures:
                 cap.free.append(event)
-        else:                       # an eager lookup's tensors: kept until this stream is done
-            for t in (back.ids, back.count, back.rows):
-                t.record_stream(current)
+        elif current != back.stream:    # an eager lookup's tensors: kept until this stream
+            for t in (back.ids, back.count, back.rows):     # is done (the one that queued
+                t.record_stream(current)                    # the write-back orders itself)
 
     @property
     def num_rows(self) -> int:
