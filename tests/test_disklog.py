@@ -200,7 +200,7 @@ def test_a_log_table_trains_as_host(tmp_path, log_layout, monkeypatch, cache_row
     import warnings
 
     import torch
-    from test_disk import D, _assert_same, _pair
+    from test_disk import D, DEVICE, _assert_same, _pair
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the 10-row cache grows to hold the step
         tables, _ = _pair(tmp_path, host_cache_bytes=cache_rows * 3 * D * 4, lookups=2,
@@ -230,7 +230,7 @@ def test_a_log_table_whose_rows_keep_their_ids_trains_as_host(tmp_path, log_layo
     import torch
 
     from nbtools import RowWiseAdagrad
-    from test_disk import D, _assert_same, _pair
+    from test_disk import D, DEVICE, _assert_same, _pair
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the 10-row cache grows to hold the step
         tables, opts = _pair(tmp_path, opt_cls=RowWiseAdagrad, opt_kwargs={"lr": 0.1},
@@ -244,7 +244,7 @@ def test_a_log_table_whose_rows_keep_their_ids_trains_as_host(tmp_path, log_layo
     ids = torch.arange(0, 300, 3)
     for _ in range(3):
         for t, opt in zip(tables, opts):
-            (t(ids) * torch.linspace(-1, 1, D)).sum().backward()
+            (t(ids) * torch.linspace(-1, 1, D, device=DEVICE)).sum().backward()
             opt.step()
             opt.zero_grad()
     _assert_same(tables)
