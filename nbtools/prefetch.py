@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from . import kernels
+from . import kernels, streams
 from .rows import LookupGraphs, RowBatch, unique_ids
 
 
@@ -23,7 +23,8 @@ from .rows import LookupGraphs, RowBatch, unique_ids
 class Prefetched:
     """A training lookup started ahead: the ids tensor it is for, its unique ids and rows
     (gathered on a side stream), the event that ends that work, and the unique ids of every
-    step that wrote rows since (their rows are read again)."""
+    step that wrote rows since, with the lookup captures those ids are outputs of (their rows
+    are read again)."""
 
     ids: torch.Tensor
     batch: RowBatch
@@ -71,7 +72,7 @@ class Prefetcher:
                 rows = t._rows.gather_batch(batch, 0, width, admit=True)
             self.pending = Prefetched(ids, batch, rows, None, origin, None)
             return
-        main = torch.cuda.current_stream(t.device)
+        main = streams.current(t.device)
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream(t.device)
         side = self.side_stream
@@ -81,7 +82,7 @@ class Prefetcher:
             side.wait_stream(main)
         graphs = t.config.cuda_graphs and t._rows.direct and kernels.usable_on(t.device)
         captured = None
-        with torch.cuda.stream(side), torch.no_grad():
+        with streams.entered(side), torch.no_grad():
             if from_host:       # copied and deduplicated at once, beside the GPU's work
                 ids = t._prepare_ids(ids)
             flat = ids.reshape(-1).long()
@@ -97,7 +98,7 @@ class Prefetcher:
                 (batch, rows, capture), made = captured, [ids, flat]
         if captured is None or from_host:
             side.wait_stream(main)          # after this step's lookups (and their admission)
-            with torch.cuda.stream(side), torch.no_grad():
+            with streams.entered(side), torch.no_grad():
                 # on its capped grid (RowStore.gather_batch) the gather's programs wait on
                 # PCIe without holding every SM: the step's own kernels run beside it
                 rows = t._rows.gather_batch(batch, 0, width, admit=True)
@@ -112,7 +113,7 @@ class Prefetcher:
         """Make the current stream wait for the pending prefetch, if any (no host sync)."""
         pre = self.pending
         if pre is not None and pre.event is not None:
-            torch.cuda.current_stream(self.table.device).wait_event(pre.event)
+            streams.current(self.table.device).wait_event(pre.event)
 
     def drop(self) -> None:
         """Forget the pending prefetch (after its work is done on the current stream)."""
@@ -131,11 +132,11 @@ class Prefetcher:
         pre = self.pending
         return pre is not None and ids is pre.ids and width == pre.rows.shape[1]
 
-    def written(self, ids: torch.Tensor) -> None:
-        """A step writes the rows of ``ids`` (sorted unique, sentinel last): a pending prefetch
-        reads them again when it is taken."""
+    def written(self, ids: torch.Tensor, captures=()) -> None:
+        """A step writes the rows of ``ids`` (sorted unique, sentinel last; outputs of the
+        lookup ``captures``, if any): a pending prefetch reads them again when it is taken."""
         if self.pending is not None:
-            self.pending.written.append(ids)
+            self.pending.written.append((ids, [c for c in captures if c is not None]))
 
     def take(self, flat: torch.Tensor, shape):
         """The prefetched lookup as a table lookup returns it, its rows made current: rows that
@@ -145,8 +146,9 @@ class Prefetcher:
         self.pending = None
         batch, full = pre.batch, pre.rows
         n = t.num_embeddings
+        read = []               # captures whose ids the current stream reads below
         with torch.no_grad():
-            for written in pre.written:          # sorted unique ids, then the sentinel
+            for written, captures in pre.written:   # sorted unique ids, then the sentinel
                 if t._rows.writing(written) and t._rows.before_gather():
                     # from their GPU copy; between two captures' outputs, as a CUDA graph
                     t._rows.patch(batch, full, capture=pre.capture)
@@ -157,6 +159,15 @@ class Prefetcher:
                 t._rows.gather_batch(          # only those rows, in place
                     RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
                     0, full.shape[1], into=full, written="wait")
+                read.extend(captures)
+        if read and t.device.type == "cuda":
+            # The step that wrote them released its captures; the next prefetch of host ids
+            # replays its dedup on the side stream at once, without waiting for this stream,
+            # and must not overwrite those ids before they are read here.
+            event = torch.cuda.Event()
+            streams.record(event, t.device)
+            for cap in read:
+                cap.free.append(event)
         rows = t._leaf(full)
         if not t._state_names:
             full = None

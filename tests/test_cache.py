@@ -425,6 +425,38 @@ def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_i
             assert torch.equal(ref[k], got[k]), (run, k)
 
 
+@pytest.fixture
+def slow_takes(monkeypatch):
+    """Every take of a prefetch held ~20 ms on the current stream before it reads anything
+    (CUDA; on the CPU: no-op): the next prefetch's work on the side stream runs first."""
+    from nbtools.prefetch import Prefetcher
+    take = Prefetcher.take
+
+    def slow_take(self, *args, **kwargs):
+        if self.table.device.type == "cuda":
+            torch.cuda._sleep(40_000_000)
+        return take(self, *args, **kwargs)
+    monkeypatch.setattr(Prefetcher, "take", slow_take)
+
+
+@pytest.mark.parametrize("run", [dict(write_behind=False), dict(write_behind=True),
+                                 dict(placement="gpu")], ids=["write-through", "write-behind",
+                                                              "gpu"])
+def test_a_take_reads_the_last_steps_ids_before_the_next_dedup_reuses_them(device, run,
+                                                                           slow_takes):
+    """Host ids: a prefetch deduplicates them on its side stream at once, into a lookup
+    capture released by the step before. The take before it reads that step's ids (to read
+    its rows again); with the take held back, the dedup must still wait for that read
+    (found on CUDA: without it, rows written by the step before came back stale)."""
+    if run.get("placement") == "gpu" and device.type != "cuda":
+        pytest.skip("placement='gpu' needs CUDA")
+    batches = unique_batches("overlap", 12)
+    ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False)
+    got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, True, host_ids=True, **run)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
 @pytest.mark.parametrize("cache", [None, 16], ids=["nocache", "cache16"])
 def test_prefetch_of_host_ids_is_bit_identical_to_no_prefetch(device, cache):
     """Ids handed over as host tensors: the prefetch copies and deduplicates them beside the
