@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import NbtoolsError, disklog
+from . import NbtoolsError, disklog, streams
 from .bits import BitSet
 from .devices import hold_host, host_memory_bytes, release_host
 from .diskaccess import WholeTable, _chunk_rows
@@ -209,7 +209,7 @@ class _Slots:
         if self.device.type != "cuda" or len(slots) == 0:
             return
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        streams.record(event, self.device)
         self._event_index += 1
         self._events.append((self._event_index, event))
         self.busy[slots] = self._event_index

@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-from . import hostmem
+from . import hostmem, streams
 from .devices import resolve_device
 
 __all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
@@ -451,7 +451,7 @@ class PinnedLoader:
 
     def _consumer_stream(self):
         """The stream the loop body runs on now (None on the CPU)."""
-        return None if self._side is None else torch.cuda.current_stream(self.device)
+        return None if self._side is None else streams.current(self.device)
 
     def __iter__(self):
         if not self._views and self._host:

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolve_device
-from . import steps
+from . import steps, streams
 from .placement import NoRoomError, auto_placement, disk_bytes
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
 from .rowlayout import RowLayout, row_padding
@@ -428,7 +428,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if n is None:
             n = checks()
             if turn.checked is not None:
-                turn.checked.record()
+                streams.record(turn.checked, device)
             updates()
         for got in gots:           # queued (or replayed) with the checks
             got.summing = None
@@ -437,7 +437,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 caps = got.captures if len(got.captures) == 1 else []
                 slot.table.rows.write_behind(got.batch, got.rows, caps)
         if turn.done is not None:
-            turn.done.record()
+            streams.record(turn.done, device)
         fused = {id(slot): plan for (slot, _), plan in zip(collected, plans)
                  if plan is not None}
         return _Verdict(gots, turn.guard, turn.flags[:n], turn.checked, None), fused

@@ -33,7 +33,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from . import kernels
+from . import kernels, streams
 from .cache import RowCache
 from .rowlayout import ALIGN_BYTES, RowLayout, row_padding  # noqa: F401  (nbtools.rowlayout.RowLayout)
 from .devices import after_failed_capture, synchronize
@@ -311,13 +311,13 @@ class RowStore:
             self._older, self._back = None, _WriteBack(batch.ids, batch.count, rows, None,
                                                         None, [])
             return
-        main = torch.cuda.current_stream(self.device)
+        main = streams.current(self.device)
         if self._put_stream is None:
             self._put_stream = torch.cuda.Stream(self.device)
         side = self._put_stream
         side.wait_stream(main)
         own = _own_outputs(captures, batch, rows)
-        with torch.cuda.stream(side):
+        with streams.entered(side):
             if own is not None:
                 own.graphed("put", put)
             else:
@@ -345,7 +345,7 @@ class RowStore:
         if back is None:
             return
         if back.event is not None:
-            current = torch.cuda.current_stream(self.device)
+            current = streams.current(self.device)
             current.wait_event(back.event)
             if current != back.stream:     # (a prefetch's side stream): the main one has not
                 return
@@ -364,7 +364,7 @@ class RowStore:
             return False
         if back.event is None:           # CPU: written already; patching changes nothing
             return self.cache is None
-        current = torch.cuda.current_stream(self.device)
+        current = streams.current(self.device)
         if self.cache is not None or (current != back.stream and after != back.stream) or \
                 any(c is o for c in back.captures for o in overwrites):
             self.settle()
@@ -405,7 +405,7 @@ class RowStore:
         back = self._back
         if back is None or back.event is None:      # (the CPU: written already, in order)
             return
-        current = torch.cuda.current_stream(self.device)
+        current = streams.current(self.device)
         if back.captures:
             event = torch.cuda.Event()
             event.record(current)
@@ -675,7 +675,7 @@ class LookupGraphs:
                 return None
             caps.append(cap)
         patch = width is not None and store.before_gather(overwrites=(cap,), after=after)
-        current = torch.cuda.current_stream(flat.device)
+        current = streams.current(flat.device)
         for event in cap.free:
             current.wait_event(event)
         cap.free = []
@@ -738,5 +738,5 @@ class LookupGraphs:
                 cap.released = LookupGraphs._releases
                 if cap.rows is None:          # a dedup alone: see _Captured
                     event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(cap.flat.device))
+                    streams.record(event, cap.flat.device)
                     cap.free.append(event)

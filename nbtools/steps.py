@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from . import streams
 from .devices import after_failed_capture
 from .hostmem import HostTensor
 from .kernels import HYPER
@@ -37,7 +38,7 @@ class Turn:
     the events that mark its checks and its updates done on the GPU."""
 
     def __init__(self, device: torch.device, tables: int, index: int):
-        self.index = index
+        self.index, self.device = index, device
         cuda = device.type == "cuda"
         self._hyper = HostTensor((tables, HYPER), torch.float64, pin=cuda,
                                  name="step scalars", device=device if cuda else None)
@@ -177,7 +178,7 @@ class StepGraphs:
                 return None
             self._graphs[key] = entry
         entry.checks.replay()
-        turn.checked.record()
+        streams.record(turn.checked, turn.device)
         entry.updates.replay()
         self.replays += 1
         return entry.flags

@@ -1,13 +1,22 @@
-"""Does a prefetching step gain when its update runs beside the prefetch's gather?
+"""Two ways to order a step's work, timed in alternating loops on the same table.
 
-With ``Prefetcher.UPDATE_WAITS`` (the default) a step's update waits for the pending prefetch's
-gather; off (tables without a cache), the update and its write-back run beside it. Each system
-of bench_step.py (its 65,536-uniform-id step on 4M x 128, the next batch prefetched) is built
-once and timed in alternating loops, waits on and off, ``--rounds`` times: single loops of
-these steps move by 10-20% between calls, so only a same-table alternation tells the two apart.
-Each system against the traffic floor of its own rows (bench_step.traffic_floor_ms).
+``--toggle update_waits``: with ``Prefetcher.UPDATE_WAITS`` a prefetching step's update waits
+for the pending prefetch's gather; off (tables without a cache), the update and its write-back
+run beside it. ``--toggle fast_streams``: the current stream, side streams and events through
+torch's Python helpers, or through nbtools.streams (torch's C calls). ``--toggle defer``:
+``RowStore.DEFER_WRITE_BACK`` started a step's write-back once the next lookup's gather was
+queued (beside the next step's loss, backward and update) instead of at once (beside the next
+gather); it lost in every round (benchmarks/RESULTS.md, session 22) and is not in the tree:
+session 19's commit 8ff65de has it.
+
+Each system of bench_step.py (its 65,536-uniform-id step on 4M x 128; "prefetch" systems
+prefetch the next batch) is built once and timed in alternating loops, the switch off and on,
+``--rounds`` times: single loops of these steps move by 10-20% between calls, so only a
+same-table alternation tells two orders apart. Each system against the traffic floor of its
+own rows (bench_step.traffic_floor_ms).
 
     python benchmarks/experiments/prefetch_overlap.py           # GPU machine, ~1-2 minutes
+    python benchmarks/experiments/prefetch_overlap.py --toggle fast_streams --systems S
 """
 from __future__ import annotations
 
@@ -24,6 +33,15 @@ sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
 sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
 from nbtools.prefetch import Prefetcher  # noqa: E402
+from nbtools import streams  # noqa: E402
+from nbtools.rows import RowStore  # noqa: E402
+
+# --toggle: (class, attribute, value timed first, label of each value)
+TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", True, ("update waits", "update beside")),
+           "defer": (RowStore, "DEFER_WRITE_BACK", False, ("write-back at once",
+                                                            "write-back deferred")),
+           "fast_streams": (streams, "FAST", False, ("torch's stream helpers",
+                                                     "nbtools.streams"))}
 
 SYSTEMS = ("nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,"
            "nbtools host bf16 rowwise+bf16 state prefetch,nbtools host rowwise prefetch,"
@@ -36,25 +54,30 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--toggle", choices=sorted(TOGGLES), default="update_waits")
     args = ap.parse_args()
+    owner, attr, first, labels = TOGGLES[args.toggle]
+    if not hasattr(owner, attr):       # (a switch of an experiment that was not kept)
+        sys.exit(f"{owner.__name__}.{attr} is not in this tree: see the docstring")
+    kept = getattr(owner, attr)
     dev = bs.resolve_device()
     batches = bs.uniform_batches(65536, dev, n=args.rows)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# {gpu}; {args.rows:,} x {args.dim}, 65,536 uniform ids; {args.rounds} rounds of "
-          "alternating loops (update waits / beside)", flush=True)
+          f"alternating loops ({labels[0]} / {labels[1]})", flush=True)
     rows_out = []
     for name in args.systems.split(","):
         step, keep = bs.system_step(name, dev, n=args.rows, dim=args.dim)
         step.next.update({id(b): batches[(i + 1) % len(batches)]
                           for i, b in enumerate(batches)})
-        times = {True: [], False: []}
+        times = {first: [], not first: []}
         try:
             for _ in range(args.rounds):
-                for waits in (True, False):
-                    Prefetcher.UPDATE_WAITS = waits
-                    times[waits].append(bs.loop_ms(step, batches, dev, repeats=3, warmup=2))
+                for value in (first, not first):
+                    setattr(owner, attr, value)
+                    times[value].append(bs.loop_ms(step, batches, dev, repeats=3, warmup=2))
         finally:
-            Prefetcher.UPDATE_WAITS = True
+            setattr(owner, attr, kept)
         row_bytes = bs.stored_row_bytes(keep[0])
         del step, keep
         gc.collect()
@@ -62,14 +85,14 @@ def main():
             torch.cuda.empty_cache()
         floor = bs.traffic_floor_ms(args.rows, args.dim, batches, dev,
                                     width_factor=row_bytes / 4 / args.dim)
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        wins = sum(b < a for a, b in zip(times[True], times[False]))
-        print(f"{name}: {row_bytes} B rows, floor {floor:.3f} ms; waits "
-              f"{' '.join(f'{t:.3f}' for t in times[True])}; beside "
-              f"{' '.join(f'{t:.3f}' for t in times[False])}", flush=True)
+        on, off = statistics.median(times[first]), statistics.median(times[not first])
+        wins = sum(b < a for a, b in zip(times[first], times[not first]))
+        print(f"{name}: {row_bytes} B rows, floor {floor:.3f} ms; {labels[0]} "
+              f"{' '.join(f'{t:.3f}' for t in times[first])}; {labels[1]} "
+              f"{' '.join(f'{t:.3f}' for t in times[not first])}", flush=True)
         rows_out.append((name, row_bytes, floor, on, off, wins))
-    print("\n| system | row B | floor ms | update waits ms (x floor) | update beside ms (x floor) "
-          "| beside / waits | rounds beside won |")
+    print(f"\n| system | row B | floor ms | {labels[0]} ms (x floor) | {labels[1]} ms (x floor) "
+          "| second / first | rounds the second won |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, rb, floor, on, off, wins in rows_out:
         print(f"| {name} | {rb} | {floor:.3f} | {on:.3f} ({on / floor:.2f}) | {off:.3f} "

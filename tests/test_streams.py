@@ -1,0 +1,63 @@
+"""nbtools.streams against torch's own stream helpers (CUDA): the same current stream, the same
+stream inside and after a side-stream block, work queued there ordered as torch orders it."""
+import pytest
+import torch
+
+from nbtools import streams
+
+
+def _same(a: torch.cuda.Stream, b: torch.cuda.Stream) -> bool:
+    return (a.stream_id, a.device_index, a.device_type) == \
+        (b.stream_id, b.device_index, b.device_type)
+
+
+@pytest.fixture(params=[True, False], ids=["fast", "torch"])
+def fast(request, monkeypatch):
+    monkeypatch.setattr(streams, "FAST", request.param)
+    return request.param
+
+
+@pytest.mark.gpu
+def test_current_is_torchs_current_stream(fast):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert _same(streams.current(dev), torch.cuda.current_stream(dev))
+    assert _same(streams.current(dev.index), torch.cuda.current_stream(dev))
+    assert _same(streams.current(torch.device("cuda")), torch.cuda.current_stream())
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert _same(streams.current(dev), side)
+
+
+@pytest.mark.gpu
+def test_entered_sets_and_restores_the_stream(fast):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.current_stream(dev)
+    side, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with streams.entered(side):
+        assert _same(torch.cuda.current_stream(dev), side)
+        with streams.entered(other):                       # nested
+            assert _same(torch.cuda.current_stream(dev), other)
+        assert _same(torch.cuda.current_stream(dev), side)
+    assert _same(torch.cuda.current_stream(dev), before)
+    with pytest.raises(KeyError):                           # restored on an error too
+        with streams.entered(side):
+            raise KeyError("x")
+    assert _same(torch.cuda.current_stream(dev), before)
+
+
+@pytest.mark.gpu
+def test_work_in_entered_and_recorded_events_keep_their_order(fast):
+    """A long kernel queued on a side stream inside ``entered``, an event recorded after it
+    with ``record``: the main stream's wait on that event orders its read after the write."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(dev)
+    x = torch.zeros(1 << 22, device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    event = torch.cuda.Event()
+    with streams.entered(side):
+        torch.cuda._sleep(20_000_000)                      # ~10 ms of GPU time before it
+        x.fill_(3.0)
+        streams.record(event, dev)                         # on the side stream
+    assert not event.query()                               # still behind the sleep
+    torch.cuda.current_stream(dev).wait_event(event)
+    assert float(x.sum()) == 3.0 * x.numel()
