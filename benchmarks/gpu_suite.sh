@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
 #   bash benchmarks/gpu_suite.sh lean    # issue 23: every storage combination against its floor, with and
 #     without table.prefetch, where the row-wise steps' time goes, and prefetching steps
-#     with the update waiting for the gather or beside it (one call, ~5 minutes)
+#     with the update waiting for the gather or beside it, the host cost of stream calls and
+#     the row-wise steps with and without nbtools.streams (one call, ~6 minutes)
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
@@ -99,6 +100,10 @@ if [ "$what" = lean ]; then   # issue 23 in one call (~5 minutes): every storage
     | tee "$out/step_events_lean.log" | tail -16
   python3 benchmarks/experiments/prefetch_overlap.py 2>&1 | grep -v Warn \
     | tee "$out/prefetch_overlap_lean.log" | tail -9
+  python3 benchmarks/experiments/stream_calls.py 2>&1 | tee "$out/stream_calls.log" | tail -16
+  python3 benchmarks/experiments/prefetch_overlap.py --toggle fast_streams --rounds 4 \
+    --systems "nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch" 2>&1 | grep -v Warn \
+    | tee "$out/fast_streams_lean.log" | tail -4
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
