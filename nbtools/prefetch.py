@@ -151,8 +151,8 @@ class Prefetcher:
             for written, captures in pre.written:   # sorted unique ids, then the sentinel
                 if t._rows.writing(written) and t._rows.before_gather():
                     # from their GPU copy; between two captures' outputs, as a CUDA graph
-                    t._rows.patch(batch, full, capture=pre.capture)
-                    t._rows.patched_aside()      # the next prefetch's dedup replays aside
+                    # (aside: the next prefetch's dedup replays on the side stream)
+                    t._rows.patch(batch, full, capture=pre.capture, aside=True)
                     continue
                 pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
                 again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)

@@ -376,11 +376,14 @@ class RowStore:
         return True
 
     def patch(self, batch: RowBatch, out: torch.Tensor, start: int = 0,
-              capture=None) -> None:
+              capture=None, aside: bool = False) -> None:
         """Rows of ``batch`` the last write-back holds, taken from its GPU copy into ``out``
         (columns ``start:`` of the rows): the host copy of them may still be on its way.
         ``capture``: the lookup capture whose outputs ``batch`` and ``out`` are; between two
-        captures' outputs the patch replays as a CUDA graph."""
+        captures' outputs the patch replays as a CUDA graph. ``aside``: the captures the
+        write-back's rows belong to may next be replayed on another stream without waiting
+        for this one (:meth:`patched_aside`); so may a dedup's alone (a prefetch of host
+        ids), whatever the caller says."""
         back = self._back
         if back is None:
             return
@@ -395,13 +398,16 @@ class RowStore:
             own.graphed(("patch", id(source)), run)
         else:
             run()
+        if aside or any(c.rows is None for c in back.captures):
+            self.patched_aside()
 
     def patched_aside(self) -> None:
         """A :meth:`patch` from the last write-back's rows ran where the lookup captures those
         rows belong to may next be replayed on another stream (it ran on a stream other than
-        the one that queued the write-back, or it is a prefetch's take, whose side stream
-        replays the next dedup without waiting for the main one): they wait for it before
-        their next replay, as they wait for the write-back itself."""
+        the one that queued the write-back, or the rows' ids are a dedup's alone, from a
+        prefetch of host ids, whose next dedup replays on the side stream without waiting
+        for the main one): they wait for it before their next replay, as they wait for the
+        write-back itself."""
         back = self._back
         if back is None or back.event is None:      # (the CPU: written already, in order)
             return
@@ -681,12 +687,10 @@ class LookupGraphs:
         cap.free = []
         cap.flat.copy_(flat)
         cap.graph.replay()
-        if patch:
-            store.patch(cap.batch, cap.rows, capture=cap)
-            if after is not None and current != after:
-                # read beside the main stream: the captures whose rows it read are not
-                # replayed before it is done
-                store.patched_aside()
+        if patch:    # read beside the main stream (a prefetch): the captures whose rows it
+            # read are not replayed before it is done
+            store.patch(cap.batch, cap.rows, capture=cap,
+                        aside=after is not None and current != after)
         cap.in_use = True
         if store.cache is None and cap.rows is not None:   # else counted from cache statistics
             store.count_bytes(cap.rows.numel() * cap.rows.element_size(), h2d=True)

@@ -457,6 +457,50 @@ def test_a_take_reads_the_last_steps_ids_before_the_next_dedup_reuses_them(devic
         assert torch.equal(ref[k], got[k]), k
 
 
+@pytest.fixture
+def slow_patches(monkeypatch):
+    """Every patch from a write-back on the default stream held ~20 ms before it reads
+    (CUDA; on the CPU: no-op): work on side streams runs first."""
+    from nbtools.rows import RowStore
+    patch = RowStore.patch
+
+    def slow_patch(self, *args, **kwargs):
+        if self.device.type == "cuda" and \
+                torch.cuda.current_stream() == torch.cuda.default_stream():
+            torch.cuda._sleep(40_000_000)
+        return patch(self, *args, **kwargs)
+    monkeypatch.setattr(RowStore, "patch", slow_patch)
+
+
+def test_a_lookup_beside_an_untaken_prefetch_patches_before_the_next_dedup(device,
+                                                                          slow_patches):
+    """Host ids, rows written behind, and every other prefetch of ids no lookup asks for: the
+    lookup after such a prefetch gathers on the main stream and patches from the last
+    write-back, whose ids a prefetch's dedup capture holds; the next prefetch replays its
+    dedup on the side stream at once and may reuse that capture, so it must wait for the
+    patch. Bit-identical to no prefetch."""
+    batches = unique_batches("overlap", 16)
+    junk = unique_batches("overlap", 16, seed=5)
+    ids = [b.cpu() for b in batches]
+    results = []
+    for prefetch in (False, True):
+        table = OffloadedEmbedding(N, D, device=device, name="t", write_behind=True)
+        table.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(1)))
+        opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
+        w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
+        for t, b in enumerate(ids):
+            rows = table(b)
+            if prefetch and t + 1 < len(ids):
+                table.prefetch(ids[t + 1] if t % 2 == 0 else junk[t].clone())
+            ((rows * w).sin() + rows.pow(2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(final_state(table, opt))
+    ref, got = results
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
 @pytest.mark.parametrize("cache", [None, 16], ids=["nocache", "cache16"])
 def test_prefetch_of_host_ids_is_bit_identical_to_no_prefetch(device, cache):
     """Ids handed over as host tensors: the prefetch copies and deduplicates them beside the
