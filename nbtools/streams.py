@@ -27,19 +27,25 @@ _C = torch._C
 _get_stream = getattr(_C, "_cuda_getCurrentStream", None)
 _set_stream = getattr(_C, "_cuda_setStream", None)
 _get_device = getattr(_C, "_cuda_getDevice", None)
-_ready = False        # torch.cuda is initialised and the C calls answered as torch's own did
+_ready = None         # None: not asked yet; True: the C calls answered as torch's own did
 
 
 def _check(index: int) -> bool:
-    """Once: initialise CUDA through torch's helper and confirm the C call agrees with it."""
+    """Once: initialise CUDA through torch's helper and confirm the C calls take the
+    arguments they are given here and agree with it (torch versions differ)."""
     global _ready
+    if _ready is not None:
+        return _ready
     if None in (_get_stream, _set_stream, _get_device):
+        _ready = False
         return False
     try:
         ours = torch.cuda.current_stream(index)
         sid, dev, kind = _get_stream(index)
         _ready = (sid, dev, kind) == (ours.stream_id, ours.device_index, ours.device_type)
-    except (RuntimeError, TypeError, AttributeError):
+        if _ready and _get_device() == index:     # (sets the stream it is already on)
+            _set_stream(stream_id=sid, device_index=dev, device_type=kind)
+    except (RuntimeError, TypeError, AttributeError, ValueError):
         _ready = False
     return _ready
 
@@ -48,7 +54,7 @@ def current(device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` for a ``torch.device`` with an index (what
     :func:`nbtools.devices.resolve_device` gives) or a device index."""
     index = device.index if isinstance(device, torch.device) else device
-    if FAST and index is not None and (_ready or _check(index)):
+    if FAST and index is not None and _check(index):
         sid, dev, kind = _get_stream(index)
         return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
     return torch.cuda.current_stream(device)
@@ -59,7 +65,7 @@ def entered(stream: torch.cuda.Stream):
     """``with torch.cuda.stream(stream)``: work queued inside goes to ``stream``; the current
     stream is the one before again afterwards."""
     index = stream.device_index
-    if not (FAST and (_ready or _check(index)) and _get_device() == index):
+    if not (FAST and _check(index) and _get_device() == index):
         with torch.cuda.stream(stream):
             yield
         return

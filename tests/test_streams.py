@@ -61,3 +61,12 @@ def test_work_in_entered_and_recorded_events_keep_their_order(fast):
     assert not event.query()                               # still behind the sleep
     torch.cuda.current_stream(dev).wait_event(event)
     assert float(x.sum()) == 3.0 * x.numel()
+
+
+def test_a_torch_without_the_c_calls_takes_torchs_helpers(monkeypatch):
+    """Where torch lacks a C call the shortcut uses, the answer is no, once, and kept."""
+    monkeypatch.setattr(streams, "_ready", None)
+    monkeypatch.setattr(streams, "_set_stream", None)
+    assert streams._check(0) is False and streams._ready is False
+    monkeypatch.setattr(streams, "_set_stream", lambda **kw: None)
+    assert streams._check(0) is False                     # decided once, not asked again
