@@ -333,6 +333,14 @@ class RowStore:
             self._older = self._back.event     # one stream: it ends every write before it
         self._back = _WriteBack(batch.ids, batch.count, rows, event, main, captures)
 
+    def patches_from(self, cap, stream) -> bool:
+        """Whether lookups on the stream that queued the last write-back may still patch from
+        the outputs of lookup capture ``cap`` (the write-back's own rows and ids), where
+        ``stream`` is another one: a replay of ``cap`` there must not overwrite them."""
+        back = self._back
+        return back is not None and back.event is not None and stream != back.stream and \
+            any(c is cap for c in back.captures)
+
     def writing(self, ids: torch.Tensor) -> bool:
         """Whether the last write-back queued is of the rows ``ids`` (that very tensor)."""
         return self._back is not None and self._back.ids is ids
@@ -662,7 +670,11 @@ class LookupGraphs:
             if seen <= self.after or len(self._graphs) >= self.max_shapes:
                 return None
             caps = self._graphs[key] = []
-        free = [c for c in caps if not c.in_use]
+        current = streams.current(flat.device)
+        # Not a capture whose outputs the last write-back holds where this replay runs on
+        # another stream (a prefetch's): lookups on the write-back's stream may still patch
+        # from them (before_gather), and nothing orders them before such a replay.
+        free = [c for c in caps if not c.in_use and not store.patches_from(c, current)]
         # The capture released longest ago: its replay waits for the last work that reads
         # its outputs (cap.free), by then all but always done; while it is not, one more copy
         # is captured (a dedup alone keeps one copy more: see _Captured).
@@ -681,7 +693,6 @@ class LookupGraphs:
                 return None
             caps.append(cap)
         patch = width is not None and store.before_gather(overwrites=(cap,), after=after)
-        current = streams.current(flat.device)
         for event in cap.free:
             current.wait_event(event)
         cap.free = []

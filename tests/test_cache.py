@@ -472,16 +472,21 @@ def slow_patches(monkeypatch):
     monkeypatch.setattr(RowStore, "patch", slow_patch)
 
 
-def test_a_lookup_beside_an_untaken_prefetch_patches_before_the_next_dedup(device,
-                                                                          slow_patches):
-    """Host ids, rows written behind, and every other prefetch of ids no lookup asks for: the
-    lookup after such a prefetch gathers on the main stream and patches from the last
-    write-back, whose ids a prefetch's dedup capture holds; the next prefetch replays its
-    dedup on the side stream at once and may reuse that capture, so it must wait for the
-    patch. Bit-identical to no prefetch."""
+@pytest.mark.parametrize("pattern", ["untaken", "early"])
+@pytest.mark.parametrize("host_ids", [True, False], ids=["host-ids", "gpu-ids"])
+def test_lookups_beside_untaken_prefetches_patch_from_the_rows_written(device, pattern,
+                                                                       host_ids, slow_patches):
+    """Rows written behind, prefetches no lookup takes, every main-stream patch held back:
+    "untaken", every other prefetch is of ids no lookup asks for; "early", each prefetch of
+    the next step's ids comes before this step's lookup (against ``prefetch``'s contract, so
+    each is dropped untaken). The lookups then gather on the main stream and patch from the
+    last write-back, whose ids and rows a lookup capture holds, while a prefetch's dedup or
+    gather, replayed on its side stream, may reuse a capture: never that one, and never
+    before the patch has read it. Bit-identical to no prefetch."""
     batches = unique_batches("overlap", 16)
     junk = unique_batches("overlap", 16, seed=5)
-    ids = [b.cpu() for b in batches]
+    place = (lambda b: b.clone()) if host_ids else (lambda b: b.to(device))
+    ids = [place(b) for b in batches]
     results = []
     for prefetch in (False, True):
         table = OffloadedEmbedding(N, D, device=device, name="t", write_behind=True)
@@ -489,9 +494,11 @@ def test_a_lookup_beside_an_untaken_prefetch_patches_before_the_next_dedup(devic
         opt = OffloadOptimizer(O.Adam, [table], lr=0.05)
         w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
         for t, b in enumerate(ids):
+            if prefetch and pattern == "early" and t + 1 < len(ids):
+                table.prefetch(ids[t + 1])
             rows = table(b)
-            if prefetch and t + 1 < len(ids):
-                table.prefetch(ids[t + 1] if t % 2 == 0 else junk[t].clone())
+            if prefetch and pattern == "untaken" and t + 1 < len(ids):
+                table.prefetch(ids[t + 1] if t % 2 == 0 else place(junk[t]))
             ((rows * w).sin() + rows.pow(2)).sum().backward()
             opt.step()
             opt.zero_grad()
