@@ -196,6 +196,13 @@ class _ReadsAhead:
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
 
+def row_map_bytes(num_rows: int) -> int:
+    """RAM a disk table of ``num_rows`` rows keeps whatever its cache (beside a log file's
+    maps): its row -> slot map (int32 where the rows fit, else int64) and its change marks
+    (a bit a row)."""
+    return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
+
+
 class _Slots:
     """Which RAM slot a missing row of a :class:`DiskRows` takes (its base class; the methods
     use its slot arrays under its lock): a free slot, else one CLOCK finds idle, never one
@@ -363,8 +370,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
         self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
         # the two maps below (and a log file's): counted in the host budget
-        maps = self.num_rows * np.dtype(self.index_dtype).itemsize + -(-self.num_rows // 8) \
-            + getattr(self.file, "map_bytes", 0)
+        maps = row_map_bytes(self.num_rows) + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
         keep_freed_memory_small()

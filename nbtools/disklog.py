@@ -592,4 +592,3 @@ class LogFile:
         free = len(self._free)
         return (f"LogFile({self.file!r}, ids={self.num_rows:,}, slots={self.slots:,}, "
                 f"segments of {self.seg}, {free} free)")
-

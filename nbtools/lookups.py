@@ -270,10 +270,11 @@ class TableLookups:
             grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
+        captures = [r[5] for r in records]
         # a prefetch reads these rows again (batch.ids: a capture's output where one lookup)
-        self._prefetch.written(batch.ids, [r[5] for r in records] if len(records) == 1 else ())
+        self._prefetch.written(batch.ids, captures if len(records) == 1 else ())
         cache = self._rows.cache
-        return StepRows(batch, grad, rows, has_state, lookups, [r[5] for r in records], self,
+        return StepRows(batch, grad, rows, has_state, lookups, captures, self,
                         None if cache is None else cache.stats, summing)
 
     @staticmethod

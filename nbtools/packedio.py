@@ -21,6 +21,11 @@ def _tag_bytes(tags: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(tags, dtype="<u4").view(np.uint8).reshape(-1, TAG)
 
 
+def _tag_values(raw: np.ndarray) -> np.ndarray:
+    """[k, TAG] little-endian bytes as k uint32 tags (:func:`_tag_bytes` undone)."""
+    return np.ascontiguousarray(raw).view("<u4")[:, 0]
+
+
 def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
               gap: int = 0):
     """Sorted row numbers -> requests over runs of consecutive rows, each at most ``limit``
@@ -138,7 +143,7 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
                     got = np.empty((len(part), TAG), dtype=np.uint8)
                     _rows_in_buffer(buf[rb:], at, got, np.arange(len(part)), stride,
                                     write=False)
-                    tags[a:a + per] = got.view("<u4")[:, 0]
+                    tags[a:a + per] = _tag_values(got)
             moved += need
     finally:
         if buf is not None:
@@ -185,7 +190,7 @@ def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int,
                 f._pool.run(f._live(), buf, boff, blen, foff, False, chunk=1)
                 rows[a:a + m] = inner[:, :rb]
                 if tags is not None:
-                    tags[a:a + m] = np.ascontiguousarray(inner[:, rb:rb + TAG]).view("<u4")[:, 0]
+                    tags[a:a + m] = _tag_values(inner[:, rb:rb + TAG])
             moved += b1 - b0
     finally:
         f._pool.give(buf)

@@ -164,10 +164,7 @@ class Prefetcher:
             # The step that wrote them released its captures; the next prefetch of host ids
             # replays its dedup on the side stream at once, without waiting for this stream,
             # and must not overwrite those ids before they are read here.
-            event = torch.cuda.Event()
-            streams.record(event, t.device)
-            for cap in read:
-                cap.free.append(event)
+            LookupGraphs.read_here(read, streams.current(t.device))
         rows = t._leaf(full)
         if not t._state_names:
             full = None

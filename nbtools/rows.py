@@ -421,10 +421,7 @@ class RowStore:
             return
         current = streams.current(self.device)
         if back.captures:
-            event = torch.cuda.Event()
-            event.record(current)
-            for cap in back.captures:
-                cap.free.append(event)
+            LookupGraphs.read_here(back.captures, current)
         elif current != back.stream:    # an eager lookup's tensors: kept until this stream
             for t in (back.ids, back.count, back.rows):     # is done (the one that queued
                 t.record_stream(current)                    # the write-back orders itself)
@@ -745,6 +742,15 @@ class LookupGraphs:
     _releases = 0
 
     @staticmethod
+    def read_here(captures, stream) -> None:
+        """``stream`` reads the outputs of lookup ``captures`` up to the work queued on it so
+        far: their next replay, on whatever stream, waits for that (an event, ``cap.free``)."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        for cap in captures:
+            cap.free.append(event)
+
+    @staticmethod
     def release(captures) -> None:
         for cap in captures:
             if cap is not None:
@@ -752,6 +758,4 @@ class LookupGraphs:
                 LookupGraphs._releases += 1
                 cap.released = LookupGraphs._releases
                 if cap.rows is None:          # a dedup alone: see _Captured
-                    event = torch.cuda.Event()
-                    streams.record(event, cap.flat.device)
-                    cap.free.append(event)
+                    LookupGraphs.read_here([cap], streams.current(cap.flat.device))

@@ -60,10 +60,9 @@ class Sizing:
     def row_map_bytes(self) -> int:
         """RAM a disk table of these rows keeps whatever its cache: 4 bytes and a bit per row
         (and the log layout's maps)."""
-        slot = 4 if self.rows < 2 ** 31 else 8
-        return self.rows * slot + -(-self.rows // 8) + disklog.map_bytes(self.rows, self.file_row_bytes,
-                                                             self.disk_free_bytes,
-                                                             row_bytes=self.row_bytes)
+        from .disk import row_map_bytes
+        return row_map_bytes(self.rows) + disklog.map_bytes(
+            self.rows, self.file_row_bytes, self.disk_free_bytes, row_bytes=self.row_bytes)
 
     @property
     def times_ram(self) -> float:

@@ -3,11 +3,10 @@
 ``--toggle update_waits``: with ``Prefetcher.UPDATE_WAITS`` a prefetching step's update waits
 for the pending prefetch's gather; off (tables without a cache), the update and its write-back
 run beside it. ``--toggle fast_streams``: the current stream, side streams and events through
-torch's Python helpers, or through nbtools.streams (torch's C calls). ``--toggle defer``:
-``RowStore.DEFER_WRITE_BACK`` started a step's write-back once the next lookup's gather was
-queued (beside the next step's loss, backward and update) instead of at once (beside the next
-gather); it lost in every round (benchmarks/RESULTS.md, session 22) and is not in the tree:
-session 19's commit 8ff65de has it.
+torch's Python helpers, or through nbtools.streams (torch's C calls). (Session 22 also timed
+``RowStore.DEFER_WRITE_BACK`` this way, a write-back started once the next lookup's gather was
+queued: it lost in every round, benchmarks/RESULTS.md, and is not in the tree; session 19's
+commit 8ff65de has it, and a ``TOGGLES`` entry for it times it again.)
 
 Each system of bench_step.py (its 65,536-uniform-id step on 4M x 128; "prefetch" systems
 prefetch the next batch) is built once and timed in alternating loops, the switch off and on,
@@ -34,12 +33,9 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
 from nbtools.prefetch import Prefetcher  # noqa: E402
 from nbtools import streams  # noqa: E402
-from nbtools.rows import RowStore  # noqa: E402
 
 # --toggle: (class, attribute, value timed first, label of each value)
 TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", True, ("update waits", "update beside")),
-           "defer": (RowStore, "DEFER_WRITE_BACK", False, ("write-back at once",
-                                                            "write-back deferred")),
            "fast_streams": (streams, "FAST", False, ("torch's stream helpers",
                                                      "nbtools.streams"))}
 
@@ -57,8 +53,6 @@ def main():
     ap.add_argument("--toggle", choices=sorted(TOGGLES), default="update_waits")
     args = ap.parse_args()
     owner, attr, first, labels = TOGGLES[args.toggle]
-    if not hasattr(owner, attr):       # (a switch of an experiment that was not kept)
-        sys.exit(f"{owner.__name__}.{attr} is not in this tree: see the docstring")
     kept = getattr(owner, attr)
     dev = bs.resolve_device()
     batches = bs.uniform_batches(65536, dev, n=args.rows)
