@@ -523,32 +523,67 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     cap, width = out.shape
     if cap == 0:
         return out
+    result = out
+    has_cache = cache is not None
+    (src, out, *cached), (col0, width) = _as_vectors(
+        [src, out] + ([cache] if has_cache else []), (col0, width))
+    cache = cached[0] if has_cache else None
     block_r, block_c, warps = _blocks(width, "gather")
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
-    has_cache = cache is not None
     _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
                                out.stride(0), cap, width, cache if has_cache else src,
                                cache.stride(0) if has_cache else 0,
                                slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
                                KEEP=keep,
                                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return out
+    return result
 
 
-def _as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of 2-byte values (bf16 tables) as 4-byte words, for a copy that converts nothing:
-    a program of a capped grid moves a block of 4,096 values per turn, whatever their size,
-    so 2-byte rows crossed the link at half the rate of fp32 rows (the write-behind of bf16
-    weights and state took 2.27 ms a step for 38 MB where fp32 took 2.81 ms for 76 MB, H100
-    profile in benchmarks/RESULTS.md). Unchanged where a row, a stride or an address is not a
-    whole number of words, or the dtypes differ (the store converts)."""
-    if src.dtype != dst.dtype or src.element_size() != 2 or src.dim() != 2 or dst.dim() != 2:
-        return dst, src
-    if any(t.stride(1) != 1 or t.stride(0) % 2 or t.storage_offset() % 2 or t.data_ptr() % 4
-           for t in (dst, src)) or src.shape[1] % 2 or dst.shape[1] % 2:
-        return dst, src
-    return dst.view(torch.int32), src.view(torch.int32)
+# Row copies (the gather, the write-back, the patch, the row copy) move bits, not numbers, so
+# they may see a row as 4-byte or 2-byte integers instead of its dtype. Triton loads and stores
+# a row in 16-byte vectors only where it knows the row stride is a multiple of 16 values (it
+# specialises integer arguments divisible by 16), else a value at a time, and a gather from
+# pinned memory waits on PCIe for each. 288-byte rows (bf16 weights with RowWiseAdagrad's fp32
+# accumulator, padded) are 72 fp32 values, not a multiple of 16, but 144 2-byte ones: as
+# those, 65,536 of them were gathered in 0.70x the time and written back in 0.87x; 544-byte
+# rows (fp32 RowWiseAdagrad) in 0.87x and 0.95x; 768- and 1,536-byte rows alike either way
+# (H200, benchmarks/experiments/gather_words.py, benchmarks/RESULTS.md session 23).
+# VECTOR_VIEWS: the row copies that see rows this way; the others see them as their own dtype,
+# as before session 23 (2-byte rows written back as 4-byte words). For
+# benchmarks/experiments/prefetch_overlap.py --toggle vector_views / vector_puts.
+_VECTOR_UNITS = (torch.int32, torch.int16)
+ROW_COPIES = frozenset({"gather", "put", "patch", "copy"})
+VECTOR_VIEWS = ROW_COPIES
+
+
+def _as_vectors(tensors: list, cols: tuple = (), kind: str = "gather") -> tuple[list, tuple]:
+    """``tensors`` (2-D rows of one dtype, unit column stride) seen as the first of
+    :data:`_VECTOR_UNITS` in which every row stride is a multiple of 16 values, and ``cols``
+    (column offsets and counts) in that unit (``kind``: which copy, "gather", "put", "patch"
+    or "copy", one of :data:`VECTOR_VIEWS`). Where none is and ``kind`` is "put",
+    2-byte rows are seen as 4-byte words where they can be: a program of a capped grid moves
+    a block of 4,096 values per turn, whatever their size (bf16 rows' write-back took 2.27 ms
+    a step for 38 MB where fp32's took 2.81 ms for 76 MB, H100 profile in
+    benchmarks/RESULTS.md). Else unchanged."""
+    dtype = tensors[0].dtype
+    size = tensors[0].element_size()
+    if dtype.is_complex or any(t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1
+                               for t in tensors):
+        return tensors, cols
+
+    def fits(unit, vectors):
+        e = unit.itemsize
+        return all((t.stride(0) * size) % (e * (16 if vectors else 1)) == 0
+                   and (t.shape[1] * size) % e == 0 and (t.storage_offset() * size) % e == 0
+                   for t in tensors) and all((c * size) % e == 0 for c in cols)
+    unit = next((u for u in _VECTOR_UNITS if fits(u, True)), None) \
+        if kind in VECTOR_VIEWS else None
+    if unit is None and kind == "put" and size == 2 and fits(torch.int32, False):
+        unit = torch.int32
+    if unit is None or unit == dtype:
+        return tensors, cols
+    return [t.view(unit) for t in tensors], tuple(c * size // unit.itemsize for c in cols)
 
 
 def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: torch.Tensor,
@@ -559,7 +594,7 @@ def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: tor
     cap, width = src.shape
     if cap == 0:
         return
-    dst, src = _as_words(dst, src)
+    (dst, src), _ = _as_vectors([dst, src], kind="put")
     width = src.shape[1]
     block_r, block_c, warps = _blocks(width, "put")
     row_blocks = triton_cdiv(cap, block_r)
@@ -578,6 +613,7 @@ def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_ro
     cap, width = out.shape
     if cap == 0 or src_ids.numel() == 0:
         return
+    (out, src), (width,) = _as_vectors([out, src], (width,), "patch")
     block_r, block_c, warps = _blocks(width, "patch")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     steps = max(1, math.ceil(math.log2(src_ids.numel() + 1)))
@@ -593,6 +629,7 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     cap, width = sidx.numel(), dst.shape[1]
     if cap == 0:
         return
+    (src, dst), (width,) = _as_vectors([src, dst], (width,), "copy")
     block_r, block_c, warps = _blocks(width, "copy")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,

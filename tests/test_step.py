@@ -115,6 +115,65 @@ def test_put_kernel_writes_live_rows_bit_exact(dtype, width, cols, programs):
     assert torch.equal(dst_full.view(bits), want.view(bits))
 
 
+def test_row_copies_see_rows_as_vectors_where_the_row_stride_allows():
+    """Row copies see rows as the first of int32 / int16 whose row stride is a multiple of 16
+    values (Triton's wide loads), with their column offsets and counts in it; else as they
+    are (a write-back: 2-byte rows as 4-byte words where it can)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    (v,), cols = kernels._as_vectors([torch.zeros(4, 72)], (0, 64))      # 288-byte rows
+    assert v.dtype == torch.int16 and v.stride(0) == 144 and cols == (0, 128)
+    (v,), cols = kernels._as_vectors([torch.zeros(4, 384)], (2, 10))     # 1,536-byte rows
+    assert v.dtype == torch.int32 and cols == (2, 10)
+    (v,), _ = kernels._as_vectors([torch.zeros(4, 144, dtype=bf16)])
+    assert v.dtype == torch.int16
+    (v,), cols = kernels._as_vectors([torch.zeros(4, 300)], (0, 100))    # 1,200 bytes: neither
+    assert v.dtype == f32 and cols == (0, 100)
+    (v,), _ = kernels._as_vectors([torch.zeros(4, 100, dtype=bf16)])
+    assert v.dtype == bf16
+    (v,), _ = kernels._as_vectors([torch.zeros(4, 100, dtype=bf16)], kind="put")
+    assert v.dtype == torch.int32 and v.shape == (4, 50)
+    (v,), cols = kernels._as_vectors([torch.zeros(4, 72)], (1, 3))       # odd columns: int16
+    assert v.dtype == torch.int16 and cols == (2, 6)
+    a, b = torch.zeros(4, 72), torch.zeros(4, 72, dtype=torch.int32)     # mixed dtypes: as is
+    assert kernels._as_vectors([a, b])[0][0] is a
+    assert kernels._as_vectors([torch.zeros(4, 72), torch.zeros(4, 75)])[0][0].dtype == f32
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,width,col0,cols", [
+    (torch.float32, 72, 0, 72),       # 288-byte rows (bf16 RowWiseAdagrad): as int16
+    (torch.float32, 72, 0, 64),       # their packed weights alone
+    (torch.float32, 136, 0, 136),     # 544-byte rows (fp32 RowWiseAdagrad): as int16
+    (torch.bfloat16, 144, 0, 144),    # 288-byte rows of bf16 values
+    (torch.float32, 72, 1, 3),        # a slice at an odd column
+    (torch.float32, 75, 0, 75)])      # no vector view: as they are
+def test_gather_and_put_move_every_bit_whatever_view_they_take(dtype, width, col0, cols):
+    """The gather and the write-back move rows bit for bit (NaN payloads included) however
+    they see them (:func:`nbtools.kernels._as_vectors`), against torch's indexing."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    info = torch.iinfo(bits)
+    src = torch.randint(info.min, info.max, (90, width), generator=gen, dtype=bits)
+    src = src.view(dtype).to(device)
+    ids = torch.cat([torch.randperm(90, generator=gen)[:40], torch.full((8,), 90)]).to(device)
+    ids[5] = 90                                      # the sentinel amid the live rows
+    count = torch.tensor([44], device=device)
+    out = kernels.gather_rows(src, ids, count, torch.empty(48, cols, dtype=dtype,
+                                                           device=device), col0=col0)
+    read = (torch.arange(48, device=device) < 44) & (ids < 90)
+    want = src[ids.clamp(max=89), col0:col0 + cols].view(bits)
+    want = torch.where(read.unsqueeze(1), want, torch.zeros_like(want))
+    assert torch.equal(out.view(bits), want)
+    if col0 == 0 and cols == width:                  # the write-back of whole rows
+        dst = torch.zeros(90, width, dtype=dtype, device=device)
+        kernels.put_rows(dst, ids, count, out)
+        expect = torch.zeros(90, width, dtype=bits, device=device)
+        live = torch.nonzero(read).flatten()
+        expect[ids[live]] = out.view(bits)[live]
+        assert torch.equal(dst.view(bits), expect)
+
+
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
     _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,

@@ -16,6 +16,13 @@ own rows (bench_step.traffic_floor_ms).
 
     python benchmarks/experiments/prefetch_overlap.py           # GPU machine, ~1-2 minutes
     python benchmarks/experiments/prefetch_overlap.py --toggle fast_streams --systems S
+    python benchmarks/experiments/prefetch_overlap.py --toggle vector_views --systems S
+
+``--toggle vector_views``: row copies (gather, write-back, patch) on rows seen as their own
+dtype, or as 4- or 2-byte integers whose row stride is a multiple of 16 of them
+(nbtools.kernels._as_vectors); ``vector_puts``: every copy so, or every copy but the
+write-back. CUDA graphs bake the kernels in: each value gets a table of its own, built and
+timed with it.
 """
 from __future__ import annotations
 
@@ -32,12 +39,21 @@ sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
 sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
 from nbtools.prefetch import Prefetcher  # noqa: E402
-from nbtools import streams  # noqa: E402
+from nbtools import kernels, streams  # noqa: E402
 
-# --toggle: (class, attribute, value timed first, label of each value)
-TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", True, ("update waits", "update beside")),
-           "fast_streams": (streams, "FAST", False, ("torch's stream helpers",
-                                                     "nbtools.streams"))}
+# --toggle: (owner, attribute, (the value timed first, the second), label of each value)
+ALL_COPIES = kernels.ROW_COPIES
+TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", (True, False),
+                            ("update waits", "update beside")),
+           "fast_streams": (streams, "FAST", (False, True), ("torch's stream helpers",
+                                                             "nbtools.streams")),
+           "vector_views": (kernels, "VECTOR_VIEWS", (frozenset(), ALL_COPIES),
+                            ("rows as their dtype", "rows as 16-value vectors")),
+           "vector_puts": (kernels, "VECTOR_VIEWS", (ALL_COPIES, ALL_COPIES - {"put"}),
+                           ("every copy as vectors", "write-backs as before"))}
+# toggles of what a step's CUDA graphs bake in: one table per value, each built, captured
+# and timed with its own value
+BAKED = {"vector_views", "vector_puts"}
 
 SYSTEMS = ("nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,"
            "nbtools host bf16 rowwise+bf16 state prefetch,nbtools host rowwise prefetch,"
@@ -52,7 +68,7 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--toggle", choices=sorted(TOGGLES), default="update_waits")
     args = ap.parse_args()
-    owner, attr, first, labels = TOGGLES[args.toggle]
+    owner, attr, values, labels = TOGGLES[args.toggle]
     kept = getattr(owner, attr)
     dev = bs.resolve_device()
     batches = bs.uniform_batches(65536, dev, n=args.rows)
@@ -61,29 +77,35 @@ def main():
           f"alternating loops ({labels[0]} / {labels[1]})", flush=True)
     rows_out = []
     for name in args.systems.split(","):
-        step, keep = bs.system_step(name, dev, n=args.rows, dim=args.dim)
-        step.next.update({id(b): batches[(i + 1) % len(batches)]
-                          for i, b in enumerate(batches)})
-        times = {first: [], not first: []}
+        built = {}
         try:
+            for value in (values if args.toggle in BAKED else values[:1]):
+                setattr(owner, attr, value)
+                step, keep = bs.system_step(name, dev, n=args.rows, dim=args.dim)
+                step.next.update({id(b): batches[(i + 1) % len(batches)]
+                                  for i, b in enumerate(batches)})
+                built[value] = (step, keep)
+            times = {value: [] for value in values}
             for _ in range(args.rounds):
-                for value in (first, not first):
+                for value in values:
                     setattr(owner, attr, value)
+                    step = built.get(value, built[values[0]])[0]
                     times[value].append(bs.loop_ms(step, batches, dev, repeats=3, warmup=2))
         finally:
             setattr(owner, attr, kept)
-        row_bytes = bs.stored_row_bytes(keep[0])
-        del step, keep
+        row_bytes = bs.stored_row_bytes(built[values[0]][1][0])
+        del step, built
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         floor = bs.traffic_floor_ms(args.rows, args.dim, batches, dev,
                                     width_factor=row_bytes / 4 / args.dim)
-        on, off = statistics.median(times[first]), statistics.median(times[not first])
-        wins = sum(b < a for a, b in zip(times[first], times[not first]))
+        first, second = times[values[0]], times[values[1]]
+        on, off = statistics.median(first), statistics.median(second)
+        wins = sum(b < a for a, b in zip(first, second))
         print(f"{name}: {row_bytes} B rows, floor {floor:.3f} ms; {labels[0]} "
-              f"{' '.join(f'{t:.3f}' for t in times[first])}; {labels[1]} "
-              f"{' '.join(f'{t:.3f}' for t in times[not first])}", flush=True)
+              f"{' '.join(f'{t:.3f}' for t in first)}; {labels[1]} "
+              f"{' '.join(f'{t:.3f}' for t in second)}", flush=True)
         rows_out.append((name, row_bytes, floor, on, off, wins))
     print(f"\n| system | row B | floor ms | {labels[0]} ms (x floor) | {labels[1]} ms (x floor) "
           "| second / first | rounds the second won |")
