@@ -2,9 +2,8 @@
 # Everything that needs a GPU, in one call: the CUDA test run and every benchmark script.
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
 #   bash benchmarks/gpu_suite.sh lean    # issue 23: every storage combination against its floor, with and
-#     without table.prefetch, where the row-wise steps' time goes, and prefetching steps
-#     with the update waiting for the gather or beside it, the host cost of stream calls and
-#     the row-wise steps with and without nbtools.streams (one call, ~6 minutes)
+#     without table.prefetch, where the row-wise steps' host time goes, and the row-wise steps
+#     with the row copies' vector views on and off (one call, ~5 minutes)
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
@@ -96,14 +95,13 @@ if [ "$what" = lean ]; then   # issue 23 in one call (~5 minutes): every storage
   rowwise="nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch"
   python3 benchmarks/experiments/host_costs.py --ids 65536 --steps 200 --systems "$rowwise" 2>&1 \
     | grep -v Warn | tee "$out/host_costs_lean.log" | grep -A14 "^==="
-  python3 benchmarks/experiments/step_events.py --systems "$rowwise" 2>&1 | grep -v Warn \
-    | tee "$out/step_events_lean.log" | tail -16
-  python3 benchmarks/experiments/prefetch_overlap.py 2>&1 | grep -v Warn \
-    | tee "$out/prefetch_overlap_lean.log" | tail -9
-  python3 benchmarks/experiments/stream_calls.py 2>&1 | tee "$out/stream_calls.log" | tail -16
-  python3 benchmarks/experiments/prefetch_overlap.py --toggle fast_streams --rounds 4 \
-    --systems "nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch" 2>&1 | grep -v Warn \
-    | tee "$out/fast_streams_lean.log" | tail -4
+  # the row copies' vector views (session 23) on and off, every row-wise combination
+  python3 benchmarks/experiments/prefetch_overlap.py --toggle vector_views --rounds 4 \
+    --systems "nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,nbtools host rowwise,nbtools host rowwise prefetch,nbtools host bf16 rowwise+bf16 state,nbtools host bf16 rowwise+bf16 state prefetch" \
+    2>&1 | grep -v Warn | tee "$out/vector_views_lean.log" | tail -8
+  # (sessions 20-22 also ran here: step_events.py --systems "$rowwise", prefetch_overlap.py
+  # --toggle update_waits, stream_calls.py and --toggle fast_streams; their figures are in
+  # benchmarks/RESULTS.md)
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do

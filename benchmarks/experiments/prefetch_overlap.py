@@ -42,15 +42,15 @@ from nbtools.prefetch import Prefetcher  # noqa: E402
 from nbtools import kernels, streams  # noqa: E402
 
 # --toggle: (owner, attribute, (the value timed first, the second), label of each value)
-ALL_COPIES = kernels.ROW_COPIES
+ALL_COPIES, VECTORS = kernels.ROW_COPIES, kernels.VECTOR_VIEWS     # (VECTORS: the default)
 TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", (True, False),
                             ("update waits", "update beside")),
            "fast_streams": (streams, "FAST", (False, True), ("torch's stream helpers",
                                                              "nbtools.streams")),
-           "vector_views": (kernels, "VECTOR_VIEWS", (frozenset(), ALL_COPIES),
+           "vector_views": (kernels, "VECTOR_VIEWS", (frozenset(), VECTORS),
                             ("rows as their dtype", "rows as 16-value vectors")),
            "vector_puts": (kernels, "VECTOR_VIEWS", (ALL_COPIES, ALL_COPIES - {"put"}),
-                           ("every copy as vectors", "write-backs as before"))}
+                           ("every copy as vectors", "write-backs as their dtype"))}
 # toggles of what a step's CUDA graphs bake in: one table per value, each built, captured
 # and timed with its own value
 BAKED = {"vector_views", "vector_puts"}
