@@ -128,10 +128,12 @@ class TableLookups:
             f"(first at {_ids_error_position(bad, shape)}); valid ids are 0 to "
             f"{self.num_embeddings - 1:,}")
 
-    def _lookup(self, ids: torch.Tensor):
+    def _lookup(self, ids: torch.Tensor, id_order: bool = False):
         """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
 
-        Returns (rows [capacity, dim], inverse [ids.numel()]). Ids are checked here when the
+        Returns (rows [capacity, dim], inverse [ids.numel()]), or with ``id_order`` where
+        :meth:`_lookup_result` can, (rows in the order of the ids [ids.numel(), dim], None).
+        Ids are checked here when the
         lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
         is, the check runs on the device and the optimizer's step reads its verdict, with
         every other flag of the step, in one synchronisation, before anything is written.
@@ -141,10 +143,10 @@ class TableLookups:
         width = self._rows.width if (recording and self._state_names) else \
             self._layout.weight_cols
         if self._disk is not None:
-            return self._disk_lookup(ids, recording, width)
+            return self._disk_lookup(ids, recording, width, id_order)
         self._prefetch.wait()           # its cache admission comes before this lookup's
         if recording and self._owned and self._prefetch.matches(ids, width):
-            return self._prefetch.take(flat, ids.shape)
+            return self._prefetch.take(flat, ids.shape, id_order)
         captured = None
         if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
                 and self.device.type == "cuda" and kernels.usable_on(self.device):
@@ -160,21 +162,47 @@ class TableLookups:
                 # Training: whole rows now, so the optimizer step needs no second gather.
                 full = self._rows.gather_batch(batch, 0, width,
                                                admit=recording and self._owned)
+        return self._lookup_result(batch, full, flat, ids.shape, capture, recording, id_order)
+
+    def _lookup_result(self, batch, full, flat, shape, capture, recording: bool,
+                       id_order: bool = False):
+        """What a lookup returns from its gathered rows ``full``, ``(rows, inverse)``, and its
+        pending record where it trains.
+
+        ``id_order`` (the caller wants the rows in the order of its ids): where the lookup
+        trains a table with optimizer state, or does not train, ``(rows in id order, None)``,
+        taken from ``full`` in its storage dtype and then upcast: for bf16 rows one small
+        copy instead of upcasting the unique rows and then reordering the upcast copy (twice
+        the bytes). Training, they are the leaf the gradient lands on (as
+        :meth:`_rows_of_ids` makes it)."""
+        state = recording and bool(self._state_names)
+        if id_order and (state or not recording):
+            rows = self._layout.weight(full).index_select(0, batch.inverse)
+            if rows.dtype != self.compute_dtype:
+                rows = rows.to(self.compute_dtype)
+            if state:
+                self._record((batch, None, full, flat, shape, capture,
+                              rows.requires_grad_(True)))
+            return rows, None
         rows = self._leaf(full)
-        if not (recording and self._state_names):
+        if not state:
             full = None
         if recording:
-            rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, flat, ids.shape, capture, None))
-            if len(self._pending) > _PENDING_WARN and not self._warned_pending:
-                self._warned_pending = True
-                warnings.warn(
-                    f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
-                    "optimizer step: run evaluation under torch.no_grad(), or call "
-                    "optimizer.zero_grad()", RuntimeWarning, stacklevel=3)
+            self._record((batch, rows.requires_grad_(True), full, flat, shape, capture, None))
         return rows, batch.inverse
 
-    def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int):
+    def _record(self, rec: tuple) -> None:
+        """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""
+        self._pending.append(rec)
+        if len(self._pending) > _PENDING_WARN and not self._warned_pending:
+            self._warned_pending = True
+            warnings.warn(
+                f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
+                "optimizer step: run evaluation under torch.no_grad(), or call "
+                "optimizer.zero_grad()", RuntimeWarning, stacklevel=4)
+
+    def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int,
+                     id_order: bool = False):
         """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
         gathered from there like a host table's (nbtools.disk)."""
         from . import disk
@@ -187,13 +215,8 @@ class TableLookups:
             full = self._rows.gather_batch(batch, 0, width)
         if not training:             # its slots may be reused once the gather has run
             self._disk.mark_used(slots)
-        rows = self._leaf(full)
-        if not (recording and self._state_names):
-            full = None
-        if recording:
-            rows.requires_grad_(True)
-            self._pending.append((batch, rows, full, ids.reshape(-1), ids.shape, None, None))
-        return rows, batch.inverse
+        return self._lookup_result(batch, full, ids.reshape(-1), ids.shape, None, recording,
+                                   id_order)
 
     # --- prefetch ---------------------------------------------------------------------------
 
@@ -312,6 +335,10 @@ class TableLookups:
         copy the prefetch made."""
         taken = self._prefetch.device_ids(ids)
         return self._prepare_ids(ids) if taken is None else taken
+
+    # A table's forward asks for its rows in id order (:meth:`_lookup_result`); False: unique
+    # rows upcast, then reordered (before session 23; prefetch_overlap.py --toggle id_order).
+    ID_ORDER = True
 
     # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
     # on CUDA the gradient of a training lookup is summed per id in a fixed order.

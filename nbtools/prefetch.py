@@ -7,7 +7,7 @@ very same ids tensor takes the result (:meth:`Prefetcher.take`); rows that optim
 in between are read again first, so training is bit-identical to not prefetching.
 
 Nothing here imports :mod:`nbtools.tables`: the prefetcher reaches its table only through the
-attributes a table has (``_rows``, ``_graphs``, ``_prepare_ids``, ``_leaf``, ``_pending``).
+attributes a table has (``_rows``, ``_graphs``, ``_prepare_ids``, ``_lookup_result``).
 """
 from __future__ import annotations
 
@@ -138,10 +138,11 @@ class Prefetcher:
         if self.pending is not None:
             self.pending.written.append((ids, [c for c in captures if c is not None]))
 
-    def take(self, flat: torch.Tensor, shape):
-        """The prefetched lookup as a table lookup returns it, its rows made current: rows that
-        steps wrote since the prefetch are read again (the rest were not written, so they are
-        current). Records the lookup as pending for the optimizer, like a lookup does."""
+    def take(self, flat: torch.Tensor, shape, id_order: bool = False):
+        """The prefetched lookup as a table lookup returns it (``id_order``: as
+        ``TableLookups._lookup`` takes it), its rows made current: rows that steps wrote since
+        the prefetch are read again (the rest were not written, so they are current). Records
+        the lookup as pending for the optimizer, like a lookup does."""
         t, pre = self.table, self.pending
         self.pending = None
         batch, full = pre.batch, pre.rows
@@ -165,9 +166,4 @@ class Prefetcher:
             # replays its dedup on the side stream at once, without waiting for this stream,
             # and must not overwrite those ids before they are read here.
             LookupGraphs.read_here(read, streams.current(t.device))
-        rows = t._leaf(full)
-        if not t._state_names:
-            full = None
-        rows.requires_grad_(True)
-        t._pending.append((batch, rows, full, flat, shape, pre.capture, None))
-        return rows, batch.inverse
+        return t._lookup_result(batch, full, flat, shape, pre.capture, True, id_order)

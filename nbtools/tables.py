@@ -468,8 +468,10 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     # --- lookups: nbtools.lookups.TableLookups (ids, pending lookups, the step's input) -----
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)
-        rows, inv = self._lookup(ids)
-        return self._rows_of_ids(rows, inv).view(*ids.shape, self.embedding_dim)
+        rows, inv = self._lookup(ids, id_order=self.ID_ORDER)
+        if inv is not None:
+            rows = self._rows_of_ids(rows, inv)
+        return rows.view(*ids.shape, self.embedding_dim)
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -31,6 +31,55 @@ def test_forward_matches_f_embedding(device):
     torch.testing.assert_close(out.cpu(), F.embedding(ids, table.weight))
 
 
+@pytest.mark.parametrize("dtype,state_dtype,prefetch", [
+    (torch.float32, None, False), (torch.bfloat16, None, False),
+    (torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, None, True)],
+    ids=["fp32", "bf16", "bf16-bf16state", "bf16-prefetch"])
+def test_a_lookup_in_id_order_is_its_weights_upcast_and_trains_as_one(device, dtype,
+                                                                      state_dtype, prefetch):
+    """table(ids) takes its rows in id order straight from the gathered rows (reordered in
+    their storage dtype, then upcast): bit for bit F.embedding of the weights, training or
+    not, and its gradient reaches the step like an EmbeddingBag's lookup of the same ids
+    (a bag of one id each: the unique-rows path; on CUDA to a bf16 rounding, where the bag's
+    backward may add a repeated id's gradients in another order)."""
+    torch.manual_seed(0)
+    init = torch.randn(50, 8)
+    ids = torch.randint(0, 50, (6, 7))
+    ids[0, :3] = 4                                       # repeats
+    runs = []
+    for bag in (False, True):
+        cls = OffloadedEmbeddingBag if bag else OffloadedEmbedding
+        extra = {"mode": "sum"} if bag else {}
+        table = cls(50, 8, device=device, dtype=dtype, state_dtype=state_dtype, **extra)
+        with torch.no_grad():
+            table.weight.copy_(init)
+        opt = OffloadOptimizer(nbtools.RowWiseAdagrad, [table], lr=0.1)
+        want = F.embedding(ids, table.weight.float()).to(device)
+        with torch.no_grad():
+            assert torch.equal(table(ids.reshape(-1, 1) if bag else ids).reshape(want.shape),
+                               want)
+        for step in range(3):
+            if prefetch and not bag and step:
+                rows = table(ids)
+            elif bag:
+                rows = table(ids.reshape(-1, 1)).reshape(*ids.shape, 8)
+            else:
+                rows = table(ids)
+            if not bag:
+                assert torch.equal(rows.detach(), F.embedding(ids, table.weight.float())
+                                   .to(device))
+            if prefetch and not bag:
+                table.prefetch(ids)
+            (rows * torch.arange(8.0, device=rows.device)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(table.weight.float().cpu())
+    if device.type == "cpu":
+        assert torch.equal(runs[0], runs[1])
+    else:     # the bag's backward may sum a repeated id's gradients in another order
+        torch.testing.assert_close(runs[0], runs[1], rtol=1.6e-2, atol=1e-3)
+
+
 @settings(max_examples=40, deadline=None)
 @given(ids=st.lists(st.integers(0, 49), max_size=60), dtype=st.sampled_from([torch.int32, torch.int64]))
 def test_ids_property(ids, dtype):

@@ -21,7 +21,8 @@ own rows (bench_step.traffic_floor_ms).
 ``--toggle vector_views``: row copies (gather, write-back, patch) on rows seen as their own
 dtype, or as 4- or 2-byte integers whose row stride is a multiple of 16 of them
 (nbtools.kernels._as_vectors); ``vector_puts``: every copy so, or every copy but the
-write-back. CUDA graphs bake the kernels in: each value gets a table of its own, built and
+write-back. ``--toggle id_order``: a training lookup's rows in id order made from its unique
+rows upcast, or reordered in their storage dtype and then upcast (TableLookups.ID_ORDER). CUDA graphs bake the kernels in: each value gets a table of its own, built and
 timed with it.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
 sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
+from nbtools.lookups import TableLookups  # noqa: E402
 from nbtools.prefetch import Prefetcher  # noqa: E402
 from nbtools import kernels, streams  # noqa: E402
 
@@ -50,7 +52,9 @@ TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", (True, False),
            "vector_views": (kernels, "VECTOR_VIEWS", (frozenset(), VECTORS),
                             ("rows as their dtype", "rows as 16-value vectors")),
            "vector_puts": (kernels, "VECTOR_VIEWS", (ALL_COPIES, ALL_COPIES - {"put"}),
-                           ("every copy as vectors", "write-backs as their dtype"))}
+                           ("every copy as vectors", "write-backs as their dtype")),
+           "id_order": (TableLookups, "ID_ORDER", (False, True),
+                        ("unique rows upcast, then reordered", "rows reordered, then upcast"))}
 # toggles of what a step's CUDA graphs bake in: one table per value, each built, captured
 # and timed with its own value
 BAKED = {"vector_views", "vector_puts"}
