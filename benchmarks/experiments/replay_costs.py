@@ -73,7 +73,8 @@ def link_parts(n, row_bytes, batches, device) -> dict:
     """ms a batch of the link's parts on an n-row table of ``row_bytes`` rows (zero-copy view,
     torch's index_select / index_copy_, as bench_step's floor): gather alone, scatter alone, the
     two in series (the floor), and the gather of one batch beside the scatter of another on a
-    second stream."""
+    second stream (torch's kernels take every SM: beside, they still run one after the other,
+    whatever the link could carry both ways)."""
     from nbtools import hostmem
     h = hostmem.HostTensor((n, row_bytes // 4), torch.float32, name="parts")
     view = h.view()
