@@ -160,7 +160,7 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        if keep[0].placement == "host":
+        if getattr(keep[0], "placement", None) == "host":
             row_bytes = bs.stored_row_bytes(keep[0])
             parts = link_parts(4_000_000, row_bytes, batches, device)
             print(f"link, {row_bytes} B rows, ms a batch: " +
