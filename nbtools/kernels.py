@@ -541,8 +541,7 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
 
 
 # Row copies (the gather, the write-back, the patch, the row copy) move bits, not numbers, so
-# they may see a row as 4-byte or 2-byte integers instead of its dtype (VECTOR_VIEWS says which
-# do). Triton loads and stores
+# they may see a row as 4-byte or 2-byte integers instead of its dtype. Triton loads and stores
 # a row in 16-byte vectors only where it knows the row stride is a multiple of 16 values (it
 # specialises integer arguments divisible by 16), else a value at a time, and a gather from
 # pinned memory waits on PCIe for each. 288-byte rows (bf16 weights with RowWiseAdagrad's fp32
@@ -550,11 +549,12 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
 # those, 65,536 of them were gathered in 0.70x the time and written back in 0.87x; 544-byte
 # rows (fp32 RowWiseAdagrad) in 0.87x and 0.95x; 768- and 1,536-byte rows alike either way
 # (H200, benchmarks/experiments/gather_words.py, benchmarks/RESULTS.md session 23).
+#
 # VECTOR_VIEWS: the row copies that see rows this way; the others see them as their own dtype,
 # as before session 23 (2-byte rows written back as 4-byte words). Not the write-back: alone
-# it was faster as vectors too (288-byte rows 0.87x), but in the step, beside the next
-# gather, the steps whose write-back kept its old view were faster (alternating loops, H200,
-# 4 rounds: bf16 RowWiseAdagrad 0.94x, fp32 0.86x, bf16 with bf16 state 0.97x). Both timed by
+# it was faster as vectors too, but in the step, beside the next gather, the steps whose
+# write-back kept its old view were faster (alternating loops, H200, 4 rounds: bf16
+# RowWiseAdagrad 0.94x, fp32 0.86x, bf16 with bf16 state 0.97x). Both timed by
 # benchmarks/experiments/prefetch_overlap.py --toggle vector_views / vector_puts.
 _VECTOR_UNITS = (torch.int32, torch.int16)
 ROW_COPIES = frozenset({"gather", "put", "patch", "copy"})

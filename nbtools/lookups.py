@@ -97,9 +97,10 @@ class TableLookups:
     """A table's lookups and the step input they make (mixed into
     :class:`nbtools.OffloadedEmbedding`).
 
-    Each pending training lookup is a record ``(RowBatch, rows leaf, full rows or None, flat
-    ids, shape, the CUDA graph capture whose outputs these are or None, the rows in id order
-    where they are the gradient's leaf or None)`` in the table's ``_pending`` list, until
+    Each pending training lookup is a record ``(RowBatch, its unique rows as the leaf or None,
+    full rows or None, flat ids, shape, the CUDA graph capture whose outputs these are or None,
+    the rows in id order where they are the gradient's leaf or None)`` in the table's
+    ``_pending`` list (one of the two leaves is None), until
     :meth:`collect` or :meth:`clear_pending` takes it.
     """
 
