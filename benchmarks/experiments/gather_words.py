@@ -17,29 +17,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
+sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
+import bench_step as bs  # noqa: E402
 from nbtools import hostmem, kernels  # noqa: E402
 
 
-def loop_ms(fn, k: int) -> float:
-    for i in range(k):
-        fn(i)
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for i in range(k):
-            fn(i)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / k * 1e3)
-    return statistics.median(runs)
+def unique_batches(rows: int, ids: int, device) -> tuple[list, list]:
+    """bench_step's 20 batches of ``ids`` uniform ids below ``rows``, deduplicated, and each
+    one's count as a one-element GPU tensor (what the kernels take)."""
+    uniq = [torch.unique(b) for b in bs.uniform_batches(ids, device, n=rows)]
+    return uniq, [torch.tensor([u.numel()], dtype=torch.int32, device=device) for u in uniq]
+
+
+def loop_ms(fn, k: int, device) -> float:
+    """ms per call of ``fn(i)``, i < k: bench_step.loop_ms after a whole pass of warm-up."""
+    return bs.loop_ms(fn, list(range(k)), device, repeats=3, warmup=k)
 
 
 def main():
@@ -50,10 +48,7 @@ def main():
                     help="comma-separated row sizes (multiples of 4)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    uniq = [torch.unique(torch.randint(0, args.rows, (args.ids,), generator=gen)).to(dev)
-            for _ in range(20)]
-    counts = [torch.tensor([u.numel()], dtype=torch.int32, device=dev) for u in uniq]
+    uniq, counts = unique_batches(args.rows, args.ids, dev)
     k = len(uniq)
     as_vectors = kernels._as_vectors
     print(f"# {torch.cuda.get_device_name(dev)}: {args.rows:,} rows, {args.ids:,} uniform ids "
@@ -69,7 +64,7 @@ def main():
         res = [("torch index_select + index_copy_ (floor)", loop_ms(
             lambda i: (hostmem.gather_rows(views["fp32"], uniq[i]),
                        hostmem.scatter_rows(views["fp32"], uniq[i],
-                                            outs["fp32"][:uniq[i].numel()])), k))]
+                                            outs["fp32"][:uniq[i].numel()])), k, dev))]
         kernels._as_vectors = lambda tensors, cols=(), kind="": (tensors, cols)   # as they are
         try:
             for name in ("int16", "int32"):
@@ -77,11 +72,11 @@ def main():
                 for programs in (32, 64):
                     res.append((f"gather_rows {name} [{stride}], {programs} programs", loop_ms(
                         lambda i: kernels.gather_rows(views[name], uniq[i], counts[i],
-                                                      outs[name], programs=programs), k)))
+                                                      outs[name], programs=programs), k, dev)))
                 for programs in (16, 32):
                     res.append((f"put_rows {name} [{stride}], {programs} programs", loop_ms(
                         lambda i: kernels.put_rows(views[name], uniq[i], counts[i], outs[name],
-                                                   programs=programs), k)))
+                                                   programs=programs), k, dev)))
         finally:
             kernels._as_vectors = as_vectors
         h.close()

@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)                              # gather_words
+sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
+from gather_words import loop_ms, unique_batches  # noqa: E402
 from nbtools import hostmem, kernels  # noqa: E402
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -133,20 +133,6 @@ def table(rows: int, row_bytes: int, node) -> tuple:
     return h, got
 
 
-def loop_ms(fn, k: int) -> float:
-    for i in range(k):
-        fn(i)
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for i in range(k):
-            fn(i)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / k * 1e3)
-    return statistics.median(runs)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=4_000_000)
@@ -154,10 +140,7 @@ def main():
     ap.add_argument("--row-bytes", default="288,1536")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    uniq = [torch.unique(torch.randint(0, args.rows, (args.ids,), generator=gen)).to(dev)
-            for _ in range(20)]
-    counts = [torch.tensor([u.numel()], dtype=torch.int32, device=dev) for u in uniq]
+    uniq, counts = unique_batches(args.rows, args.ids, dev)
     k = len(uniq)
     thp = {}
     for knob in ("enabled", "defrag"):
@@ -178,12 +161,12 @@ def main():
             out = torch.zeros(args.ids, row_bytes // 4, device=dev)
             g = loop_ms(lambda i: kernels.gather_rows(
                 view, uniq[i], counts[i], out,
-                programs=kernels.zero_copy_programs(dev)), k)
+                programs=kernels.zero_copy_programs(dev)), k, dev)
             p = loop_ms(lambda i: kernels.put_rows(
-                view, uniq[i], counts[i], out, programs=kernels.WRITE_BEHIND_PROGRAMS), k)
+                view, uniq[i], counts[i], out, programs=kernels.WRITE_BEHIND_PROGRAMS), k, dev)
             f = loop_ms(lambda i: (hostmem.gather_rows(view, uniq[i]),
                                    hostmem.scatter_rows(view, uniq[i], out[:uniq[i].numel()])),
-                        k)
+                        k, dev)
             label = {None: "as nbtools makes them", "huge": "transparent huge pages",
                      "small": "no huge pages"}.get(node, f"node {node}")
             print(f"| {row_bytes} | {label} | {placed} | {g:.3f} | {p:.3f} | {f:.3f} |",

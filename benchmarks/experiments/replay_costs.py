@@ -17,16 +17,18 @@ import ctypes
 import gc
 import glob
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)                              # gather_words, stream_calls
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import bench_step as bs  # noqa: E402
+from gather_words import loop_ms  # noqa: E402
+from stream_calls import per_call_us  # noqa: E402
 
 
 def _cudart():
@@ -57,18 +59,6 @@ def node_count(graph, rt) -> int | None:
         return None
 
 
-def per_call_us(fn, calls: int) -> float:
-    runs = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(runs)
-
-
 def link_parts(n, row_bytes, batches, device) -> dict:
     """ms a batch of the link's parts on an n-row table of ``row_bytes`` rows (zero-copy view,
     torch's index_select / index_copy_, as bench_step's floor): gather alone, scatter alone, the
@@ -83,30 +73,19 @@ def link_parts(n, row_bytes, batches, device) -> dict:
     side = torch.cuda.Stream(device)
     k = len(uniq)
 
-    def loop(fn):
-        for i in range(k):
-            fn(i)
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for i in range(k):
-                fn(i)
-            torch.cuda.synchronize()
-            runs.append((time.perf_counter() - t0) / k * 1e3)
-        return statistics.median(runs)
-
     def beside(i):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             hostmem.scatter_rows(view, uniq[i - 1], rows[i - 1])
         hostmem.gather_rows(view, uniq[i])
         torch.cuda.current_stream().wait_stream(side)
-    out = {"gather": loop(lambda i: hostmem.gather_rows(view, uniq[i])),
-           "scatter": loop(lambda i: hostmem.scatter_rows(view, uniq[i], rows[i])),
-           "series (floor)": loop(lambda i: (hostmem.gather_rows(view, uniq[i]),
-                                             hostmem.scatter_rows(view, uniq[i], rows[i]))),
-           "beside": loop(beside)}
+    out = {"gather": loop_ms(lambda i: hostmem.gather_rows(view, uniq[i]), k, device),
+           "scatter": loop_ms(lambda i: hostmem.scatter_rows(view, uniq[i], rows[i]), k,
+                              device),
+           "series (floor)": loop_ms(lambda i: (hostmem.gather_rows(view, uniq[i]),
+                                                hostmem.scatter_rows(view, uniq[i], rows[i])),
+                                     k, device),
+           "beside": loop_ms(beside, k, device)}
     h.close()
     return out
 
