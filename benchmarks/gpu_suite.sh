@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh [tests|tests1|tests2|bench|all] [bench name filter]
 #   bash benchmarks/gpu_suite.sh lean    # issue 23: every storage combination against its floor, with and
 #     without table.prefetch, where the row-wise steps' host time goes, and the row-wise steps
-#     with the row copies' vector views on and off (one call, ~5 minutes)
+#     with session 24's changes off and on (one call, ~5 minutes)
 #   bash benchmarks/gpu_suite.sh disk [timeline|100m|steady|sizes]   # the disk tier's runs (one call each):
 #     timeline: where a disk-bound loop's time goes (10M rows, dim 16: the CPU machine's
 #     like-for-like run of session 16) and 20M rows at bench_disk's setting; 100m: bench_disk
@@ -95,13 +95,17 @@ if [ "$what" = lean ]; then   # issue 23 in one call (~5 minutes): every storage
   rowwise="nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch"
   python3 benchmarks/experiments/host_costs.py --ids 65536 --steps 200 --systems "$rowwise" 2>&1 \
     | grep -v Warn | tee "$out/host_costs_lean.log" | grep -A14 "^==="
-  # the row copies' vector views (session 23) on and off, every row-wise combination
-  python3 benchmarks/experiments/prefetch_overlap.py --toggle vector_views --rounds 4 \
+  # session 24's changes (the take kernel, the sum's inf/nan check, the step wrapper) off and
+  # on, every row-wise combination
+  python3 benchmarks/experiments/prefetch_overlap.py --toggle session24 --rounds 4 \
     --systems "nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,nbtools host rowwise,nbtools host rowwise prefetch,nbtools host bf16 rowwise+bf16 state,nbtools host bf16 rowwise+bf16 state prefetch" \
-    2>&1 | grep -v Warn | tee "$out/vector_views_lean.log" | tail -8
-  # (sessions 20-22 also ran here: step_events.py --systems "$rowwise", prefetch_overlap.py
-  # --toggle update_waits, stream_calls.py and --toggle fast_streams; their figures are in
-  # benchmarks/RESULTS.md)
+    2>&1 | grep -v Warn | tee "$out/session24_lean.log" | tail -8
+  # the host's share: torch's wrappers, the user's backward, autograd on the calling thread
+  python3 benchmarks/experiments/host_wrappers.py --rounds 2 2>&1 | grep -v Warn \
+    | tee "$out/host_wrappers_lean.log" | tail -18
+  # (sessions 20-23 also ran here: step_events.py --systems "$rowwise", prefetch_overlap.py
+  # --toggle update_waits, stream_calls.py, --toggle fast_streams and --toggle vector_views;
+  # their figures are in benchmarks/RESULTS.md)
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do

@@ -143,6 +143,20 @@ def _kernels():
         tl.store(dst + t[:, None] * dst_stride + c[None, :], vals, mask=mask)
 
     @triton.jit
+    def take(src, src_stride, idx, n, out, out_stride, width,
+             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # out[r] = src[idx[r]] for r < n, converted to out's dtype (a lookup's rows in the
+        # order of its ids, upcast from their storage dtype in the same pass).
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = r < n
+        s = tl.load(idx + r, mask=live, other=0).to(tl.int64)
+        mask = live[:, None] & (c < width)[None, :]
+        vals = tl.load(src + s[:, None] * src_stride + c[None, :], mask=mask, other=0.0)
+        tl.store(out + r.to(tl.int64)[:, None] * out_stride + c[None, :],
+                 vals.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
               dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
               cache_w_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
@@ -459,7 +473,8 @@ def _kernels():
         _put(out, cout, hmask & first, cmask & first, s0 + d, v[:, None] + tl.zeros_like(p),
              seed, 2, elem, ROUND_S, HAS_CACHE)
 
-    return {"gather": gather, "put": put, "patch": patch, "copy": copy, "sgd": sgd, "adam": adam, "adagrad": adagrad,
+    return {"gather": gather, "put": put, "patch": patch, "copy": copy, "take": take, "sgd": sgd,
+            "adam": adam, "adagrad": adagrad,
             "rowwise_adagrad": rowwise_adagrad, "partial_rowwise_adam": partial_rowwise_adam,
             **admission._kernels(), **segsum._kernels()}     # every kernel, by name
 
@@ -638,6 +653,23 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+
+
+def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``src.index_select(0, idx).to(dtype)`` in one kernel: a new [len(idx), d] tensor of
+    ``dtype``. ``src`` is 2-D with unit column stride (a lookup's gathered weights, a view of
+    its [weight | state] rows); every ``idx`` is a row of it. One read of the rows in their
+    storage dtype and one write of the result, where index_select and an upcast read and write
+    the reordered rows once more (bf16 weights: 65,536 x 128 of them, 41 + 22 us, H200)."""
+    n, width = idx.numel(), src.shape[1]
+    out = torch.empty(n, width, dtype=dtype, device=src.device)
+    if n == 0 or width == 0:
+        return out
+    block_r, block_c, warps = _blocks(width, "take")
+    grid = (triton_cdiv(n, block_r), triton_cdiv(width, block_c))
+    _kernels()["take"][grid](src, src.stride(0), idx, n, out, out.stride(0), width,
+                             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .rows import LookupGraphs, RowBatch, merge, sum_by_slot, unique_ids
+from .rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
@@ -72,12 +72,18 @@ class StepRows:
     cache_stats: torch.Tensor | None = None   # [4] on the device, when the table has a cache
     summing: tuple | None = None
 
-    def queue_sum(self) -> None:
+    def queue_sum(self, found: torch.Tensor | None = None) -> bool:
         """Queue the per-id sum into ``grad`` (on the current stream; inside a CUDA graph
-        capture it becomes part of the graph). Does nothing where ``grad`` is written."""
-        if self.summing is not None:
-            grad, batch = self.summing
-            sum_by_slot(grad, batch, self.table.deterministic, out=self.grad)
+        capture it becomes part of the graph). Does nothing where ``grad`` is written.
+        Returns whether the sum also checked ``grad`` for inf/nan into ``found`` (a float [1]
+        set to 1.0 if so; :func:`nbtools.rows.sum_by_slot`), so that no other pass need."""
+        if self.summing is None:
+            return False
+        grad, batch = self.summing
+        checks = found is not None and sums_in_fixed_order(grad, self.table.deterministic)
+        sum_by_slot(grad, batch, self.table.deterministic, out=self.grad,
+                    found=found if checks else None)
+        return checks
 
     def sum_now(self) -> None:
         """Write ``grad`` now (for readers outside the optimizer's step)."""
@@ -178,9 +184,14 @@ class TableLookups:
         :meth:`_rows_of_ids` makes it)."""
         state = recording and bool(self._state_names)
         if id_order and (state or not recording):
-            rows = self._layout.weight(full).index_select(0, batch.inverse)
-            if rows.dtype != self.compute_dtype:
-                rows = rows.to(self.compute_dtype)
+            weights = self._layout.weight(full)
+            if weights.dtype != self.compute_dtype and self.FUSED_TAKE \
+                    and kernels.usable_on(weights.device):
+                rows = kernels.take_rows(weights, batch.inverse, self.compute_dtype)
+            else:
+                rows = weights.index_select(0, batch.inverse)
+                if rows.dtype != self.compute_dtype:
+                    rows = rows.to(self.compute_dtype)
             if state:
                 self._record((batch, None, full, flat, shape, capture,
                               rows.requires_grad_(True)))
@@ -340,6 +351,10 @@ class TableLookups:
     # A table's forward asks for its rows in id order (:meth:`_lookup_result`); False: unique
     # rows upcast, then reordered (before session 23; prefetch_overlap.py --toggle id_order).
     ID_ORDER = True
+    # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are
+    # stored narrower than they compute and the step's kernels run; False: index_select, then
+    # an upcast (before session 24; prefetch_overlap.py --toggle take_rows).
+    FUSED_TAKE = True
 
     # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
     # on CUDA the gradient of a training lookup is summed per id in a fixed order.

@@ -24,6 +24,7 @@ probe checks, on a tiny parameter, that updating rows together equals updating t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections import defaultdict
@@ -194,6 +195,52 @@ def _warn_if_sgd_rounds_away(table, optimizer_class) -> None:
                       UserWarning, stacklevel=3)
 
 
+def _step_with_hooks(step):
+    """``step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its pre- and
+    post-hooks, global and per optimizer; the profiler's ``Optimizer.step#...`` scope), but
+    with the profiler's scope only while a profiler runs, and grad mode turned off by two C
+    calls instead of ``@torch.no_grad()``: torch's scope cost ~11 us of host time a step and
+    the decorator ~3 (H200 host, benchmarks/experiments/host_wrappers.py), on a step whose
+    host time is its limit on slow hosts. Marked ``hooked``, so torch does not wrap it again;
+    where this torch keeps its hooks elsewhere, torch's own wrapper is left to do it."""
+    try:
+        from torch.optim.optimizer import _global_optimizer_post_hooks as post
+        from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
+        profiling = torch._C._autograd._profiler_enabled
+    except (ImportError, AttributeError):
+        return torch.no_grad()(step)
+
+    def hooked(self, *args, **kwargs):
+        if profiling():
+            with torch.autograd.profiler.record_function(
+                    f"Optimizer.step#{type(self).__name__}.step"):
+                return run(self, args, kwargs)
+        return run(self, args, kwargs)
+
+    def run(self, args, kwargs):
+        for hook in (*pre.values(), *self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{step} must return None or a tuple of (new_args, "
+                                       f"new_kwargs), but got {result}.")
+                args, kwargs = result
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            out = step(self, *args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        self._optimizer_step_code()
+        for hook in (*self._optimizer_step_post_hooks.values(), *post.values()):
+            hook(self, args, kwargs)
+        return out
+
+    hooked = functools.wraps(step)(hooked)
+    hooked.hooked = True
+    return hooked
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """One optimizer for a model whose embedding tables live in host memory.
 
@@ -214,6 +261,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     >>> table(torch.tensor([1, 2, 2])).sum().backward()
     >>> opt.step(); opt.zero_grad()
     """
+
+    # The step's inf/nan check of a table's gradient is made by the fixed-order sum that
+    # writes it (nbtools.segsum.segment_sum's ``found``), where that kernel sums it: no pass
+    # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
+    # at 65,536 ids, H200). False: one multi-tensor check over every gradient, as before
+    # session 24 (benchmarks/experiments/prefetch_overlap.py --toggle sums_check).
+    SUMS_CHECK = True
 
     def __init__(self, optimizer_class, model_or_params, *, config: OffloadConfig | None = None,
                  **optimizer_kwargs):
@@ -280,7 +334,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
 
     # --- what a training loop calls -----------------------------------------------------------
-    @torch.no_grad()
+    @_step_with_hooks
     def step(self, closure=None):
         """Update the ordinary parameters and every table's touched rows.
 
@@ -408,9 +462,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             [got.cache_stats for got in gots if got.cache_stats is not None]
 
         def checks():     # first the tables' per-id gradient sums (StepRows.summing)
-            for got in gots:
-                got.queue_sum()
-            return steps.queue_checks(turn, grads, flags, len(gots), before if linked else None)
+            turn.found.zero_()
+            found = turn.found if self.SUMS_CHECK else None
+            checked = {id(got.grad) for got in gots if got.queue_sum(found)}
+            return steps.queue_checks(turn, [g for g in grads if id(g) not in checked], flags,
+                                      len(gots), before if linked else None)
 
         def updates():
             for (slot, got), plan, back in zip(collected, plans, behind):

@@ -145,8 +145,16 @@ def merge(batches: list, grads: list):
     return merged, grad, pick
 
 
+def sums_in_fixed_order(grad: torch.Tensor, deterministic: bool = True) -> bool:
+    """Whether :func:`sum_by_slot` sums ``grad`` with :func:`nbtools.kernels.segment_sum`
+    (which can check the sums for inf/nan as it writes them: its ``found``)."""
+    return grad.device.type == "cuda" and deterministic and kernels.usable_on(grad.device) \
+        and not (torch.is_grad_enabled() and grad.requires_grad)
+
+
 def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                found: torch.Tensor | None = None) -> torch.Tensor:
     """``[capacity, d]``: the rows of ``grad`` [n, d] (one per position of the lookup) summed per
     unique id, ``out[batch.inverse[j]] += grad[j]``: the gradient of a lookup's unique rows.
 
@@ -159,7 +167,9 @@ def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True,
     atomics, kept as a fast path to compare with (``OffloadConfig(deterministic=False)``).
     Where the sum must stay differentiable (a backward with ``create_graph=True``) it is
     ``index_add``, atomics included. ``out``: a [capacity, d] tensor to write (any contents)
-    instead of a new one; not with a differentiable sum.
+    instead of a new one; not with a differentiable sum. ``found``: where the sum is the
+    fixed-order kernel's (:func:`sums_in_fixed_order`), set to 1.0 if a sum is inf or nan;
+    untouched on the other paths.
     """
     cap = batch.capacity
     differentiable = torch.is_grad_enabled() and grad.requires_grad
@@ -176,7 +186,7 @@ def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True,
         slot, order = torch.sort(batch.inverse, stable=True)
     if out is None:
         out = grad.new_empty(cap, grad.shape[1])     # every row written (no memset)
-    return kernels.segment_sum(grad, order, slot, out)
+    return kernels.segment_sum(grad, order, slot, out, found)
 
 
 @dataclasses.dataclass

@@ -36,8 +36,18 @@ def _kernels():
     globals()["_run_sum"] = _run_sum
 
     @triton.jit
+    def _flag_nonfinite(found, acc, mask):
+        # found[0] = 1.0 where a value of acc under mask is inf or nan (every program that
+        # finds one stores the same value: no atomics needed)
+        bad = tl.sum(tl.sum((mask & ~(tl.abs(acc) < float("inf"))).to(tl.int32), 1), 0)
+        tl.store(found, 1.0, mask=bad > 0)
+
+    globals()["_flag_nonfinite"] = _flag_nonfinite
+
+    @triton.jit
     def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride, cap,
-                       part_first, part_last, d, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+                       part_first, part_last, d, found, CHUNK: tl.constexpr,
+                       BLOCK_C: tl.constexpr, CHECK: tl.constexpr):
         # Pass 1, one program per chunk (and block of columns): the chunk's rows, loaded as one
         # tile (every load in flight at once), summed run by run by a segmented scan down the
         # tile (a fixed tree for the chunk's size). A run that begins and ends in the chunk is
@@ -46,6 +56,8 @@ def _kernels():
         # part_last[chunk] (segment_join adds them up).
         # The program also zeroes its share of the rows of out that no position maps to (the
         # slots from the last one in use, slot[n - 1], up to cap), so out needs no memset.
+        # CHECK: found[0] = 1.0 where a sum it writes to out is inf or nan (a run's pieces
+        # are checked once segment_join has added them up).
         c = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cols < d
@@ -73,15 +85,19 @@ def _kernels():
         through = (base > 0) & (before == first) & (s == first)   # the run began earlier
         tail = live & (nxt != s)                        # the run ends here
         orow = s.to(tl.int64)[:, None] * out_stride + cols[None, :]
-        tl.store(out + orow, acc, mask=m2 & (tail & ~through)[:, None])
+        whole = m2 & (tail & ~through)[:, None]
+        tl.store(out + orow, acc, mask=whole)
+        if CHECK:
+            _flag_nonfinite(found, acc, whole)
         at_end = r == CHUNK - 1
         here = tl.zeros([CHUNK, BLOCK_C], dtype=tl.int64) + pc + cols[None, :]
         tl.store(part_first + here, acc, mask=m2 & (through & (tail | at_end))[:, None])
         tl.store(part_last + here, acc, mask=m2 & (at_end & ~tail & ~through)[:, None])
 
     @triton.jit
-    def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d,
-                     CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_C: tl.constexpr):
+    def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d, found,
+                     CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_C: tl.constexpr,
+                     CHECK: tl.constexpr):
         # Pass 2, one program per chunk: where a run begins in this chunk and goes on past it,
         # its start (part_last) plus its pieces in the chunks after (part_first), PARTS
         # chunks at a time, each block summed by one fixed reduction tree.
@@ -110,6 +126,8 @@ def _kernels():
             k = k + PARTS
             go = tl.sum(mine.to(tl.int32), 0) == PARTS
         tl.store(out + s.to(tl.int64) * out_stride + cols, acc, mask=mask)
+        if CHECK:
+            _flag_nonfinite(found, acc[None, :], mask[None, :])
 
     return {"segment_chunks": segment_chunks, "segment_join": segment_join}
 
@@ -122,7 +140,7 @@ SEGMENT_PARTS = 64
 
 
 def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor, found: torch.Tensor | None = None) -> torch.Tensor:
     """``out[slot[j]] = sum of src[order[j]]`` over each run of equal ``slot[j]``, in a fixed
     order: the same bits on every run, whatever the GPU's scheduling (no atomics).
 
@@ -134,6 +152,11 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
     :data:`SEGMENT_CHUNK` positions, in order within a chunk; a run spanning chunks adds its
     chunks' sums by a fixed tree. The association is fixed by ``n`` and the runs, so it is
     not ``index_add_``'s left-to-right order (it equals it for runs within one chunk).
+
+    ``found`` (a float [1] on the device): set to 1.0 where a sum written is inf or nan, and
+    left as it is otherwise, so the step's non-finite check needs no pass over ``out`` of its
+    own. A sum is inf or nan wherever one of its terms is (IEEE arithmetic keeps them), and
+    where finite terms overflow.
     """
     n, d = src.shape
     if n == 0 or d == 0:
@@ -146,10 +169,11 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
     k = _kernels()
     k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
                               out.stride(0), out.shape[0], parts[0], parts[1], d,
-                              CHUNK=SEGMENT_CHUNK,
-                              BLOCK_C=block_c, num_warps=warps)
+                              out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                              BLOCK_C=block_c, CHECK=found is not None, num_warps=warps)
     k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
-                            CHUNK=SEGMENT_CHUNK, PARTS=SEGMENT_PARTS, BLOCK_C=block_c,
+                            out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                            PARTS=SEGMENT_PARTS, BLOCK_C=block_c, CHECK=found is not None,
                             num_warps=warps)
     return out
 

@@ -99,9 +99,10 @@ def queue_checks(turn: Turn, grads: list, flags: list, tables: int, before=None)
     """Queue the step's checks: ``flags`` (each table's ``[bad, count, sentinel]``, then
     cache statistics) and whether any of ``grads`` holds inf/nan go to ``turn.flags``; the
     guard (bad ids of ``tables`` tables + inf/nan + ``before``, a step not read yet) to
-    ``turn.guard``. Returns how many flags the host will read."""
+    ``turn.guard``. ``turn.found`` is zeroed before (queue ``found.zero_()`` first), and may
+    already say inf/nan (gradient sums that checked themselves: StepRows.queue_sum). Returns
+    how many flags the host will read."""
     found = turn.found
-    found.zero_()
     find_nonfinite(grads, found, turn.one)
     n = sum(f.numel() for f in flags) + 1
     # written by a kernel straight into pinned host memory (no copy to queue), and read back

@@ -281,6 +281,49 @@ def test_segment_sum_matches_index_add(ids):
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not kernels.usable_on(torch.device("cpu")) and not cuda_ok(),
+                    reason="Triton is not installed")
+@pytest.mark.parametrize("case", ["finite", "nan-in-a-chunk", "inf-in-a-long-run",
+                                  "inf-minus-inf", "overflow-in-a-chunk",
+                                  "overflow-across-chunks", "already-found"])
+def test_segment_sum_flags_the_sums_that_are_not_finite(case):
+    """segment_sum's ``found`` (the step's inf/nan check, made as the sums are written) is
+    1.0 exactly where a written sum is inf or nan: a nan or inf term inside one chunk or in a
+    run over many (the second pass adds those), inf + -inf, finite terms that overflow in
+    one chunk or only once the chunks' pieces are added; it is never cleared, and the sums
+    are index_add_'s either way."""
+    device = torch.device("cuda" if cuda_ok() else "cpu")
+    gen = torch.Generator().manual_seed(11)
+    c = kernels.SEGMENT_CHUNK
+    flat = torch.cat([torch.arange(20), torch.full((3 * c,), 20),     # a run over 4 chunks
+                      torch.arange(21, 30).repeat_interleave(2)])      # runs of two
+    pair = 20 + 3 * c                                     # the first position of id 21
+    src = _integer_rows(flat.numel(), 4, gen)
+    big = 3e38
+    if case == "nan-in-a-chunk":
+        src[5, 1] = float("nan")
+    elif case == "inf-in-a-long-run":
+        src[20 + 2 * c + 3, 0] = float("inf")             # in the run of id 20, third chunk
+    elif case == "inf-minus-inf":
+        src[pair + 2, 2], src[pair + 3, 2] = float("inf"), -float("inf")     # id 22
+    elif case == "overflow-in-a-chunk":
+        src[pair + 4, 3] = src[pair + 5, 3] = big         # id 23's two terms, one chunk
+    elif case == "overflow-across-chunks":
+        src[20 + c + 1, 3] = src[20 + 2 * c + 1, 3] = big   # one term in each of two chunks
+    batch = unique_ids(flat.to(device), 50)     # sorted already: positions stay in place
+    src = src.to(device)
+    want = torch.zeros(batch.capacity, 4, device=device).index_add_(0, batch.inverse, src)
+    found = torch.full((1,), 1.0 if case == "already-found" else 0.0, device=device)
+    got = kernels.segment_sum(src, batch.order, batch.slot,
+                              torch.full((batch.capacity, 4), float("nan"), device=device),
+                              found)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    bad = not bool(torch.isfinite(want).all())
+    assert bad == (case not in ("finite", "already-found"))
+    assert found.item() == (1.0 if bad or case == "already-found" else 0.0)
+
+
 @GPU
 def test_cuda_lookup_gradient_is_summed_in_a_fixed_order():
     """On CUDA the sum of a lookup's gradient rows per id gives the same bits every time, and

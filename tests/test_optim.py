@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.optim import NonFiniteGradientError, OffloadConfig, UnsupportedOptimizerError
@@ -488,3 +490,54 @@ def test_deferred_interrupts_leave_other_handlers_alone():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
+
+
+def test_step_runs_torchs_step_hooks_and_profiler_scope_without_grad():
+    """OffloadOptimizer.step keeps what torch.optim.Optimizer wraps around every step: its
+    pre-hooks (which may replace the arguments) and post-hooks, per optimizer and global, in
+    torch's order, the profiler's ``Optimizer.step#...`` scope while a profiler runs, and
+    grad mode off inside the step, back as it was after it (an error included). (Global
+    hooks also see the torch optimizers a generic step runs inside: counted apart.)"""
+    table = OffloadedEmbedding(20, 4, device="cpu")
+    opt = OffloadOptimizer(torch.optim.Adam, [table], lr=0.1)
+    calls = []
+    closures = []
+
+    def pre(o, args, kwargs):
+        calls.append(("pre", o is opt, torch.is_grad_enabled()))
+        return ((closures[0],), {}) if closures else None
+
+    handles = [opt.register_step_pre_hook(pre),
+               opt.register_step_post_hook(lambda o, a, k: calls.append(("post", a))),
+               register_optimizer_step_pre_hook(
+                   lambda o, a, k: calls.append(("global pre",)) if o is opt else None),
+               register_optimizer_step_post_hook(
+                   lambda o, a, k: calls.append(("global post",)) if o is opt else None)]
+    try:
+        before = table.weight.clone()
+        table(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        assert calls == [("global pre",), ("pre", True, True), ("post", ()), ("global post",)]
+        assert not torch.equal(table.weight, before)
+        assert torch.is_grad_enabled()
+
+        def closure():
+            calls.append(("closure", torch.is_grad_enabled()))
+            loss = table(torch.tensor([3])).sum()
+            loss.backward()
+            return loss
+        closures.append(closure)
+        calls.clear()
+        with torch.autograd.profiler.profile() as prof:
+            loss = opt.step()
+        assert loss is not None and ("closure", True) in calls
+        assert calls[-2] == ("post", (closure,))        # the arguments the pre-hook gave
+        assert any(e.name == "Optimizer.step#OffloadOptimizer.step"
+                   for e in prof.function_events)
+        closures[0] = lambda: 1 / 0                      # an error inside: grad mode restored
+        with pytest.raises(ZeroDivisionError):
+            opt.step()
+        assert torch.is_grad_enabled()
+    finally:
+        for h in handles:
+            h.remove()

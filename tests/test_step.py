@@ -174,6 +174,30 @@ def test_gather_and_put_move_every_bit_whatever_view_they_take(dtype, width, col
         assert torch.equal(dst.view(bits), expect)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,width,cols", [
+    (torch.bfloat16, 144, 128),        # bf16 weights of 288-byte rows
+    (torch.float16, 40, 16),           # a narrower slice of narrower rows
+    (torch.bfloat16, 9, 9)])           # an odd width, no vectors
+def test_take_rows_is_index_select_then_upcast(dtype, width, cols):
+    """A lookup's rows in id order, reordered and upcast in one kernel
+    (:func:`nbtools.kernels.take_rows`): bit for bit torch's index_select and ``.float()`` of
+    the strided weights, NaN and inf included, repeats and an empty lookup too."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(5)
+    rows = (torch.randn(70, width, generator=gen) * 1e3).to(dtype).to(device)
+    rows[3, 0], rows[4, 1], rows[5, 2] = float("nan"), float("inf"), -float("inf")
+    src = rows[:, :cols]                                 # a view: row stride `width`
+    idx = torch.cat([torch.randint(0, 70, (300,), generator=gen),
+                     torch.tensor([3, 4, 5, 3, 69, 0])]).to(device)
+    got = kernels.take_rows(src, idx, torch.float32)
+    want = src.index_select(0, idx).float()
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert kernels.take_rows(src, idx[:0], torch.float32).shape == (0, cols)
+
+
 # --- fused kernels against the independent references ----------------------------------------
 def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
     _, opt = run_offloaded(cls, kw, device, init, id_batches, tgts, split=split,

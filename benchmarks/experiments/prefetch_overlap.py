@@ -22,7 +22,12 @@ own rows (bench_step.traffic_floor_ms).
 dtype, or as 4- or 2-byte integers whose row stride is a multiple of 16 of them
 (nbtools.kernels._as_vectors); ``vector_puts``: every copy so, or every copy but the
 write-back. ``--toggle id_order``: a training lookup's rows in id order made from its unique
-rows upcast, or reordered in their storage dtype and then upcast (TableLookups.ID_ORDER). CUDA graphs bake the kernels in: each value gets a table of its own, built and
+rows upcast, or reordered in their storage dtype and then upcast (TableLookups.ID_ORDER);
+``take_rows``: reordered and upcast by index_select and a copy, or by one kernel
+(TableLookups.FUSED_TAKE); ``sums_check``: the step's inf/nan check as a pass of its own, or
+made by the gradient's fixed-order sum (OffloadOptimizer.SUMS_CHECK); ``step_wrapper``:
+torch's wrapper around an optimizer's step or nbtools' (its profiler scope only while
+profiling); ``session24``: those three together. CUDA graphs bake the kernels in: each value gets a table of its own, built and
 timed with it.
 """
 from __future__ import annotations
@@ -42,6 +47,30 @@ import bench_step as bs  # noqa: E402
 from nbtools.lookups import TableLookups  # noqa: E402
 from nbtools.prefetch import Prefetcher  # noqa: E402
 from nbtools import kernels, streams  # noqa: E402
+from nbtools.optim import OffloadOptimizer  # noqa: E402
+
+# the step as torch.optim.Optimizer wraps every optimizer's (before session 24)
+TORCH_STEP = torch.optim.Optimizer.profile_hook_step(
+    torch.no_grad()(OffloadOptimizer.step.__wrapped__))
+TORCH_STEP.hooked = True
+
+
+class _Session24:
+    """Session 24's host and GPU changes to the step, all off or all on: the take kernel,
+    the inf/nan check made by the gradient's sum, nbtools' step wrapper."""
+
+    @property
+    def on(self):
+        return OffloadOptimizer.SUMS_CHECK
+
+    @on.setter
+    def on(self, value):
+        TableLookups.FUSED_TAKE = OffloadOptimizer.SUMS_CHECK = value
+        OffloadOptimizer.step = NBTOOLS_STEP if value else TORCH_STEP
+
+
+NBTOOLS_STEP = OffloadOptimizer.step
+SESSION24 = _Session24()
 
 # --toggle: (owner, attribute, (the value timed first, the second), label of each value)
 ALL_COPIES, VECTORS = kernels.ROW_COPIES, kernels.VECTOR_VIEWS     # (VECTORS: the default)
@@ -54,10 +83,17 @@ TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", (True, False),
            "vector_puts": (kernels, "VECTOR_VIEWS", (ALL_COPIES, ALL_COPIES - {"put"}),
                            ("every copy as vectors", "write-backs as their dtype")),
            "id_order": (TableLookups, "ID_ORDER", (False, True),
-                        ("unique rows upcast, then reordered", "rows reordered, then upcast"))}
+                        ("unique rows upcast, then reordered", "rows reordered, then upcast")),
+           "take_rows": (TableLookups, "FUSED_TAKE", (False, True),
+                         ("index_select, then upcast", "one take kernel")),
+           "sums_check": (OffloadOptimizer, "SUMS_CHECK", (False, True),
+                          ("an inf/nan pass of its own", "checked by the sum")),
+           "step_wrapper": (OffloadOptimizer, "step", (TORCH_STEP, OffloadOptimizer.step),
+                            ("torch's step wrapper", "nbtools' step wrapper")),
+           "session24": (SESSION24, "on", (False, True), ("before session 24", "session 24"))}
 # toggles of what a step's CUDA graphs bake in: one table per value, each built, captured
 # and timed with its own value
-BAKED = {"vector_views", "vector_puts"}
+BAKED = {"vector_views", "vector_puts", "sums_check", "session24"}
 
 SYSTEMS = ("nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,"
            "nbtools host bf16 rowwise+bf16 state prefetch,nbtools host rowwise prefetch,"
