@@ -427,10 +427,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _queue(self, collected: list, dense: list, pending: "_Pending | None"):
         """Queue the step's checks (every table's ``[bad, count, sentinel]``, its cache's
-        statistics, one multi-tensor inf/nan check over every gradient) and, where everything
-        lives on one device, every fused update; as two CUDA graphs when the step repeats one
-        seen before (:mod:`nbtools.steps`). Returns the :class:`_Verdict` and, per table that
-        took a fused kernel, the scalar state to keep if the step goes ahead.
+        statistics, an inf/nan check of every gradient: its fixed-order sum checks a table's)
+        and, where everything lives on one device, every fused update; as two CUDA graphs
+        when the step repeats one seen before (:mod:`nbtools.steps`). Returns the
+        :class:`_Verdict` and, per table that took a fused kernel, the scalar state to keep
+        if the step goes ahead.
 
         The updates read the guard (nonzero when the step must not go ahead) on the device;
         it includes the guard of ``pending``, a step whose checks the host has not read yet

@@ -3,7 +3,8 @@ host synchronisation, and replayed as two CUDA graphs once a step repeats itself
 
 A step queues, on one device (see :class:`nbtools.optim.OffloadOptimizer`):
 
-1. the checks: one multi-tensor inf/nan test over every gradient, each table's
+1. the checks: an inf/nan test of every gradient (a table's summed by its fixed-order sum
+   as it writes it, the rest by one multi-tensor pass), each table's
    ``[bad, count, sentinel]`` (and its cache's statistics), copied into pinned host memory
    for the host to read, and the *guard*, nonzero when the step must not go ahead;
 2. each table's fused update, which reads the guard on the device and writes nothing when
