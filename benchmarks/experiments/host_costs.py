@@ -53,6 +53,11 @@ def main():
     ap.add_argument("--cprofile", action="store_true",
                     help="also profile each system's loop with cProfile (the functions with "
                     "the most own time, and the most time inside them)")
+    ap.add_argument("--cprofile-rows", type=int, default=28,
+                    help="rows of each cProfile table")
+    ap.add_argument("--cprofile-only", default="",
+                    help="list only functions whose file or name matches this regex "
+                    "(e.g. nbtools)")
     args = ap.parse_args()
     device = torch.device("cuda")
     batches = bs.uniform_batches(args.ids, device)
@@ -106,7 +111,8 @@ def main():
             prof.disable()
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(
+                    *([args.cprofile_only] if args.cprofile_only else []), args.cprofile_rows)
                 print(f"\n--- {system}: cProfile by {key}, {args.steps} steps")
                 print("\n".join(buf.getvalue().splitlines()[6:]))
         torch.Tensor.backward = orig_backward
