@@ -479,7 +479,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 all(got.table.config.cuda_graphs for got in gots):
             parts = [slot.graph_key(got, plan, back)
                      for (slot, got), plan, back in zip(collected, plans, behind)]
-            key = (turn.index, linked, tuple(k for k, _ in parts),
+            key = (turn.index, linked, self.SUMS_CHECK, tuple(k for k, _ in parts),
                    tuple(steps.signature(g) for _, g in dense))
             n = self._graphs.run(key, checks, updates, turn, [keep for _, keep in parts])
         if n is None:
