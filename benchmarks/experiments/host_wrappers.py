@@ -7,13 +7,15 @@ every optimizer's step in one), ``torch.no_grad()``, nbtools' ``deferred_interru
 reorder and upcast of a lookup's rows (torch's two ops, nbtools.kernels.take_rows),
 the benchmark's loss and its backward on a leaf of the step's shape (autograd's device thread,
 and with ``torch.autograd.set_multithreading_enabled(False)``, on the calling thread), then
-whole looped steps of ``--systems`` with autograd's multithreading on and off.
+whole looped steps of ``--systems`` with autograd's multithreading on and off, and with
+Python's cyclic garbage collector off (what its collections cost a step).
 
     python3 benchmarks/experiments/host_wrappers.py [--ids 65536] [--systems S]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -91,12 +93,30 @@ def step_loops(systems: list, ids: int, device, rounds: int) -> dict:
         step, keep = bs.system_step(system, device)
         getattr(step, "next", {}).update(
             {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
-        on, off = [], []
+        on, off, nogc = [], [], []
+        seen = [0, 0, 0]
+
+        def count(phase, info):
+            if phase == "start":
+                seen[info["generation"]] += 1
         for _ in range(rounds):
-            on.append(bs.loop_ms(step, batches, device, repeats=3))
+            gc.callbacks.append(count)
+            try:
+                on.append(bs.loop_ms(step, batches, device, repeats=3))
+            finally:
+                gc.callbacks.remove(count)
             with torch.autograd.set_multithreading_enabled(False):
                 off.append(bs.loop_ms(step, batches, device, repeats=3))
-        out[system] = (on, off)
+            gc.collect()
+            gc.disable()
+            try:
+                nogc.append(bs.loop_ms(step, batches, device, repeats=3))
+            finally:
+                gc.enable()
+        steps = rounds * (3 + 3 * len(batches))          # loop_ms: warm-up + 3 loops
+        print(f"{system}: Python's gc collections a step (generations 0, 1, 2): "
+              + ", ".join(f"{c / steps:.2f}" for c in seen), flush=True)
+        out[system] = (on, off, nogc)
         del step, keep
         torch.cuda.empty_cache()
     return out
@@ -117,11 +137,12 @@ def main():
         print(f"| {k} | {v:.2f} |")
     for k, v in backward_costs(args.ids, 128, max(50, args.calls // 20), device).items():
         print(f"| {k} ([{args.ids}, 128] leaf) | {v:.1f} |")
-    print("\n| system | autograd threads ms a step (rounds) | calling thread ms |\n|---|---|---|")
-    for system, (on, off) in step_loops(args.systems.split(","), args.ids, device,
-                                         args.rounds).items():
-        print(f"| {system} | {' '.join(f'{x:.3f}' for x in on)} | "
-              f"{' '.join(f'{x:.3f}' for x in off)} |", flush=True)
+    print("\n| system | autograd threads ms a step (rounds) | calling thread ms | Python's "
+          "gc off ms |\n|---|---|---|---|")
+    for system, runs in step_loops(args.systems.split(","), args.ids, device,
+                                   args.rounds).items():
+        print("| " + " | ".join([system] + [" ".join(f"{x:.3f}" for x in r) for r in runs])
+              + " |", flush=True)
 
 
 if __name__ == "__main__":
