@@ -122,6 +122,8 @@ def train_nbtools(ids, words, counts, args, system, device):
     # gensim's min_alpha / alpha), else TrainConfig's 1e-4
     ratio = getattr(args, "min_lr_ratio", None)
     config = models.TrainConfig(progress=False, lr_decay="linear", log_every=args.log_every,
+                                backward_on_loop_thread=not getattr(args, "autograd_threads",
+                                                                    False),
                                 **({} if ratio is None else {"min_lr_ratio": ratio}))
     len(loader)                              # the first epoch's pairs: part of setup
     synchronize(device)
@@ -180,6 +182,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="100K tokens, 1 epoch: CPU, < 1 min")
+    ap.add_argument("--autograd-threads", action="store_true",
+                    help="backward on autograd's device thread (torch's default) instead of "
+                    "the training loop's (TrainConfig.backward_on_loop_thread)")
     ap.add_argument("--out", default=None, help="write DIR/word2vec.json")
     args = ap.parse_args()
     if args.quick:

@@ -318,3 +318,37 @@ def test_train_without_checkpoints_counts_every_sample():
     assert all(math.isfinite(x) for x in history["loss"])
     with pytest.raises(ValueError, match="every"):
         train(model, loader, opt, epochs=1, every=0)
+
+
+@pytest.mark.parametrize("loop_thread", [True, False])
+def test_train_runs_backward_on_its_own_thread_and_restores_autograds_setting(loop_thread):
+    """TrainConfig.backward_on_loop_thread: each backward on the loop's thread (autograd's
+    multithreading off while the loop runs) or torch's default; the setting is as it was
+    after the loop, an error included, and the weights trained are the same either way."""
+    model, opt, loader = _w2v_setup(0)
+    seen = []
+    loss = model.loss
+
+    def recording(*batch):
+        seen.append(torch._C._is_multithreading_enabled())
+        return loss(*batch)
+    model.loss = recording
+    assert torch._C._is_multithreading_enabled()
+    train(model, loader, opt, epochs=1, backward_on_loop_thread=loop_thread, progress=False)
+    assert seen and set(seen) == {not loop_thread}
+    assert torch._C._is_multithreading_enabled()
+    with pytest.raises(ConnectionError):
+        train(model, loader, opt, epochs=2, dashboard=_Recorder(fail_at=2),
+              backward_on_loop_thread=loop_thread)
+    assert torch._C._is_multithreading_enabled()
+    other, opt2, loader2 = _w2v_setup(0)
+    train(other, loader2, opt2, epochs=1, backward_on_loop_thread=not loop_thread,
+          progress=False)
+    trained, opt3, loader3 = _w2v_setup(0)
+    train(trained, loader3, opt3, epochs=1, backward_on_loop_thread=loop_thread,
+          progress=False)
+    for k, v in trained.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(other.state_dict()[k], v), k
+    with pytest.raises(TypeError, match="backward_on_loop_thread"):
+        train(model, loader, opt, epochs=1, backward_on_loop_thread="yes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
 from torch import nn
 
 from ..loader import PinnedLoader
@@ -23,6 +24,11 @@ class TrainConfig:
     progress: bool = True          # a tqdm bar when there is no dashboard
     lr_decay: str | None = None    # "linear": word2vec's alpha -> min_alpha over the whole run
     min_lr_ratio: float = 1e-4     # the last lr / the first (word2vec: min_alpha = alpha * 1e-4)
+    # each backward on this loop's thread (torch.autograd.set_multithreading_enabled(False)
+    # while the loop runs, as it was after), not handed to autograd's device thread: 0.1-0.2
+    # ms less host time a step where a loop is host-bound (docs/step.md). False: torch's
+    # default, backward work spread over a thread per device (a model on several GPUs).
+    backward_on_loop_thread: bool = True
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -35,6 +41,9 @@ class TrainConfig:
             raise ValueError(f"lr_decay must be one of {_DECAYS}, got {self.lr_decay!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not isinstance(self.backward_on_loop_thread, bool):
+            raise TypeError(f"backward_on_loop_thread must be True or False, got "
+                            f"{self.backward_on_loop_thread!r}")
 
 
 def lr_factor(config: TrainConfig, progress: float) -> float:
@@ -116,6 +125,7 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
         from tqdm.auto import tqdm     # only when asked: import nbtools stays light
         bar = tqdm(total=total, initial=min(step, total), unit="step", desc="training")
     running, count = None, 0            # loss summed on the device since the last record
+    threads = torch.autograd.set_multithreading_enabled(not config.backward_on_loop_thread)
     t0 = time.perf_counter()
     try:
         while True:
@@ -160,6 +170,7 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
             checkpoints.save(step, model=model, optimizer=optimizer, loader=loader,
                              history=history)
     finally:
+        threads.__exit__(None, None, None)     # autograd's threads as they were before
         if bar is not None:
             bar.close()
     return history
