@@ -62,7 +62,8 @@ from .units import human_bytes
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 # Reads in flight: a step misses ~1,000-10,000 rows, and a cloud disk answers each in ~0.3 ms,
 # so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides):
-# 32 Python threads, or with glibc's AIO (its C threads) 128 requests in flight in all, shared
+# 32 Python threads, or with an AIO engine (glibc's C threads, or the kernel's; a native AIO
+# file falling back to glibc's keeps this) 128 requests in flight in all, shared
 # by the table's read-aheads and write-backs (nbtools.fileio.RequestPool). On the GPU machine's
 # disk, 100M rows, eight steps ahead: 128 shared took 1.20x the disk floor (median of 5
 # rounds) where 64 shared took 1.38x (benchmarks/RESULTS.md "Session 16").
@@ -354,7 +355,8 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
         threads = threads or int(os.environ.get(
-            "NBTOOLS_DISK_THREADS", DISK_AIO_DEPTH if default_engine() == "aio" else DISK_THREADS))
+            "NBTOOLS_DISK_THREADS",
+            DISK_AIO_DEPTH if default_engine() in ("aio", "kaio") else DISK_THREADS))
         self.file, raw = disklog.create(path, self.num_rows, self.row_bytes, meta,
                                         threads=threads, free=free_bytes(self.directory))
         if isinstance(self.file, disklog.LogFile):

@@ -35,6 +35,7 @@ import mmap
 import os
 import platform
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -86,8 +87,9 @@ def _dups_closed(n: int) -> None:
 class RequestPool:
     """Requests of one file, many in flight, and the bounce buffers kept between calls.
 
-    Two engines issue the requests (``engine``; default: ``NBTOOLS_DISK_ENGINE``, else
-    ``"aio"`` where it works):
+    Three engines issue the requests (``engine``; default: :func:`default_engine`,
+    ``NBTOOLS_DISK_ENGINE``, else ``"kaio"`` for an ``O_DIRECT`` file where it works, else
+    ``"aio"`` where it works, else ``"threads"``):
 
     * ``"aio"``: glibc's POSIX AIO. One ``lio_listio`` call hands every request of a call to
       glibc's own C threads and waits for them, the GIL released throughout (a ctypes call):
@@ -108,22 +110,29 @@ class RequestPool:
     * ``"kaio"``: Linux's native AIO (:class:`_KernelAio`): a call's requests handed to the
       kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
       waited for in ``io_getevents``: the GIL is needed only between those calls, and no
-      thread pool runs them (``threads`` does not apply). Not the default: chosen by
-      ``NBTOOLS_DISK_ENGINE=kaio`` or ``engine=`` (where its self-test fails, ``"threads"``).
+      thread pool runs them (``threads`` does not apply). The default for ``O_DIRECT`` files
+      since session 24: on the GPU machine's disk a 20M-row table's loop took 0.87-0.92x the
+      time it took on ``"aio"`` (same rounds, benchmarks/RESULTS.md "Session 24"). Not for
+      buffered files, where the kernel serves native AIO inside ``io_submit``, one request
+      after another. Checked by a self-test at first use; where the kernel refuses a context
+      later (``fs.aio-max-nr`` reached), the pool goes on with ``"aio"`` (or ``"threads"``)
+      and warns once.
 
     Args:
         threads: requests in flight at most (``"threads"``: the pool has ``threads - 1``
             threads, the calling thread working too; ``"aio"``: descriptors).
         keep_bytes: bytes of buffers kept between calls at most (the largest are kept).
         name: the pool threads' name prefix.
-        engine: ``"aio"``, ``"threads"`` or None (the default above).
+        engine: ``"aio"``, ``"threads"``, ``"kaio"`` or None (the default above).
+        direct: whether the file is open with ``O_DIRECT`` (the default engine depends on it).
     """
 
-    def __init__(self, threads: int, keep_bytes: int, name: str, engine: str | None = None):
+    def __init__(self, threads: int, keep_bytes: int, name: str, engine: str | None = None,
+                 direct: bool = False):
         self.threads = max(1, int(threads))
         self.keep_bytes = keep_bytes
         self.name = name
-        self.engine = default_engine() if engine is None else _check_engine(engine)
+        self.engine = default_engine(direct) if engine is None else _check_engine(engine)
         self._pool = None
         self._closed = False
         self._lock = threading.Lock()
@@ -143,8 +152,14 @@ class RequestPool:
         jobs = len(boff)
         workers = min(self.threads, jobs)
         if jobs > 1 and self.engine == "kaio" and _kaio.ready():
-            _kaio.run(fd, buf, boff, blen, foff, write, self.batch, turn=self._turns.turn)
-            return
+            try:
+                _kaio.run(fd, buf, boff, blen, foff, write, self.batch, turn=self._turns.turn)
+                return
+            except NoContextError as e:         # nothing was handed over: another engine
+                self.engine = "aio" if _aio.ready() else "threads"
+                warnings.warn(f"{self.name}: Linux's native AIO refused a context ({e}); "
+                              f"this file's reads and writes go on with the {self.engine!r} "
+                              "engine", RuntimeWarning, stacklevel=2)
         if workers > 1 and self.engine == "aio" and _aio.ready():
             _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
             return
@@ -303,12 +318,15 @@ def _check_engine(engine: str) -> str:
     return engine
 
 
-def default_engine() -> str:
-    """``NBTOOLS_DISK_ENGINE`` if set, else ``"aio"`` where glibc's AIO works, else
-    ``"threads"``."""
+def default_engine(direct: bool = True) -> str:
+    """``NBTOOLS_DISK_ENGINE`` if set, else ``"kaio"`` (Linux's native AIO) where it works
+    and the file is read with ``O_DIRECT`` (``direct``), else ``"aio"`` where glibc's AIO
+    works, else ``"threads"``."""
     env = os.environ.get("NBTOOLS_DISK_ENGINE")
     if env:
         return _check_engine(env)
+    if direct and _kaio.ready():
+        return "kaio"
     return "aio" if _aio.ready() else "threads"
 
 
@@ -604,6 +622,10 @@ class _KernelAio:
         return len(redo)
 
 
+class NoContextError(OSError):
+    """The kernel made no native AIO context (``io_setup`` failed): nothing was submitted."""
+
+
 class _Context:
     """One thread's AIO context (``io_setup``), destroyed with the thread's locals or when
     replaced; a forked child makes its own (the parent's is not its)."""
@@ -612,7 +634,8 @@ class _Context:
         ctx = ctypes.c_ulong(0)
         r = aio._call(aio._setup_nr, size, ctypes.addressof(ctx))
         if r < 0:
-            raise OSError(-r, f"io_setup({size}): {os.strerror(-r)} (fs.aio-max-nr reached?)")
+            raise NoContextError(-r, f"io_setup({size}): {os.strerror(-r)} (fs.aio-max-nr "
+                                 "reached?)")
         self.aio, self.id, self.size, self.pid = aio, ctx.value, size, os.getpid()
 
     def __del__(self):

@@ -134,7 +134,7 @@ class RowFile:
         self.threads = max(1, int(threads))
         self.auto_drop = True
         self._lock = threading.Lock()
-        self._pool = RequestPool(self.threads, KEEP, "nbtools-rowfile")
+        self._pool = RequestPool(self.threads, KEEP, "nbtools-rowfile", direct=self.direct)
         self._unsynced = 0                       # buffered bytes written since the last fdatasync
         self.counters = {"read_bytes": 0, "write_bytes": 0, "read_calls": 0, "write_calls": 0,
                          "read_s": 0.0, "write_s": 0.0}

@@ -130,11 +130,51 @@ def test_rowfile_engines_agree(tmp_path):
 @pytest.mark.skipif(not (sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"
                          and __import__("platform").machine() in ("x86_64", "aarch64")),
                     reason="glibc's AIO is used on 64-bit Linux with glibc only")
-def test_aio_is_used_where_it_should_work():
-    # a broken engine would otherwise fail its self-test and fall back to threads silently
+def test_aio_is_used_where_it_should_work(tmp_path):
+    # a broken engine would otherwise fail its self-test and fall back to threads silently;
+    # an O_DIRECT file takes Linux's native AIO where it works, a buffered one glibc's
     assert _aio.ready(), _aio.why
-    assert fileio.default_engine() == ("threads" if os.environ.get("NBTOOLS_DISK_ENGINE") ==
-                                       "threads" else "aio")
+    forced = os.environ.get("NBTOOLS_DISK_ENGINE")
+    assert fileio.default_engine(direct=False) == (forced or "aio")
+    assert fileio.default_engine() == (forced or ("kaio" if _kaio.ready() else "aio"))
+    for direct in (True, False):
+        f = RowFile.create(tmp_path / f"{direct}.rows", 10, 260, {"dtype": "uint8"},
+                           direct=direct)
+        try:
+            assert f.direct == direct or not direct
+            assert f.engine == fileio.default_engine(direct=f.direct), (direct, f.direct)
+        finally:
+            f.close()
+
+
+@needs_kaio
+def test_native_aio_refusing_a_context_goes_on_with_another_engine(tmp_path, monkeypatch):
+    """Where the kernel makes no native AIO context (fs.aio-max-nr reached), a pool on the
+    "kaio" engine warns once and does the call, and the ones after it, with glibc's AIO (or
+    threads): the same bytes, nothing lost."""
+    import errno as E
+    rng = np.random.default_rng(5)
+    path, data = _random_file(tmp_path, rng, 300)
+    real = _kaio._call
+    monkeypatch.setattr(_kaio, "_call", lambda nr, *a: -E.EAGAIN if nr == _kaio._setup_nr
+                        else real(nr, *a))
+    monkeypatch.setattr(_kaio._local, "ctx", None, raising=False)   # this thread: none yet
+    pool = RequestPool(8, 1 << 20, "test", engine="kaio")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        boff, blen, foff = _requests(rng, 300, 50)
+        buf = np.zeros(50 * 512, dtype=np.uint8)
+        with pytest.warns(RuntimeWarning, match="refused a context.*'(aio|threads)' engine"):
+            pool.run(fd, buf, boff, blen, foff, write=False)
+        assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
+        assert pool.engine == ("aio" if _aio.ready() else "threads")
+        new = rng.integers(0, 256, 50 * 512, dtype=np.uint8)
+        pool.run(fd, new, boff, blen, foff, write=True)
+    finally:
+        pool.close()
+        os.close(fd)
+    now = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    assert np.array_equal(np.concatenate([now[o:o + 512] for o in foff]), new)
 
 
 class _PartialLio:
