@@ -5,16 +5,19 @@ import the other backwards.
 """
 from __future__ import annotations
 
-import os  # noqa: F401  (the doctest of describe() uses os.devnull)
+import os
 import platform
 
 import torch
 
-from . import hostmem
-from . import disk
+from . import disk, fileio, hostmem
 from .devices import (cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes, memlock_limit,
                       resolve_device)
 from .units import human_bytes as _human
+
+
+_ENGINE_NAMES = {"kaio": "Linux's native AIO", "aio": "glibc's POSIX AIO",
+                 "threads": "Python threads"}
 
 
 def describe(file=None) -> dict:
@@ -42,6 +45,8 @@ def describe(file=None) -> dict:
         "host_budget_bytes": host_budget(),          # nbtools.set_host_budget, or None
         "disk_dir": disk.default_dir(),              # where placement="disk" files go
         "disk_free_bytes": disk.free_bytes(disk.default_dir()),
+        # how a disk table's O_DIRECT file reads and writes rows (nbtools.fileio.default_engine)
+        "disk_engine": fileio.default_engine(direct=True),
     }
     if cuda_ok():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -66,6 +71,10 @@ def describe(file=None) -> dict:
            f"({_human(info['disk_free_bytes'])} free)"),
         f"host budget {_human(info['host_budget_bytes']) if info['host_budget_bytes'] else 'none'}"
         " (nbtools.set_host_budget: bounds pinned rows, RAM caches and staging)",
+        f"disk I/O {_ENGINE_NAMES.get(info['disk_engine'], info['disk_engine'])} for a disk "
+        "table's O_DIRECT file" + (" (NBTOOLS_DISK_ENGINE)" if os.environ.get("NBTOOLS_DISK_ENGINE") else
+                          "" if info["disk_engine"] == "kaio" else
+                          f" (Linux's native AIO unavailable: {fileio._kaio.why})"),
     ]
     print("\n".join(lines), file=file)
     return info
