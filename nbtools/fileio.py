@@ -111,8 +111,9 @@ class RequestPool:
       kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
       waited for in ``io_getevents``: the GIL is needed only between those calls, and no
       thread pool runs them (``threads`` does not apply). The default for ``O_DIRECT`` files
-      since session 24: on the GPU machine's disk a 20M-row table's loop took 0.87-0.92x the
-      time it took on ``"aio"`` (same rounds, benchmarks/RESULTS.md "Session 24"). Not for
+      since session 24: on the GPU machine's disk a 20M-row table's loop took 0.83-0.92x the
+      time it took on ``"aio"`` (same rounds), on two CPU cores a 2M-row one 0.34-0.41x
+      (benchmarks/RESULTS.md "Session 24"). Not for
       buffered files, where the kernel serves native AIO inside ``io_submit``, one request
       after another. Checked by a self-test at first use; where the kernel refuses a context
       later (``fs.aio-max-nr`` reached), the pool goes on with ``"aio"`` (or ``"threads"``)
