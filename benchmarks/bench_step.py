@@ -129,6 +129,13 @@ def system_step(name, device, n=4_000_000, dim=128):
     return nbtools_step(n, dim, device, **dict(SYSTEMS[name]))
 
 
+def follow(step, batches) -> None:
+    """Tell a prefetching ``step`` (nbtools_step's ``step.next``) which batch comes after each
+    of ``batches`` in a loop over them; other steps need nothing."""
+    getattr(step, "next", {}).update(
+        {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+
+
 def add_systems_arg(ap, default: str) -> None:
     """An experiment's ``--systems``: comma-separated names of SYSTEMS (or "torch sparse")."""
     ap.add_argument("--systems", default=default,
@@ -385,8 +392,7 @@ def run_system(name, args, device) -> dict:
                   nbtools_step(args.rows, args.dim, device, **kw))
     out = {"ms": {}, "syncs": {}}
     for batches in cases.values():        # a prefetching step needs each batch's successor
-        getattr(step, "next", {}).update(
-            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+        follow(step, batches)
     for case, batches in cases.items():
         out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)

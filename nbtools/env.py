@@ -72,9 +72,10 @@ def describe(file=None) -> dict:
         f"host budget {_human(info['host_budget_bytes']) if info['host_budget_bytes'] else 'none'}"
         " (nbtools.set_host_budget: bounds pinned rows, RAM caches and staging)",
         f"disk I/O {_ENGINE_NAMES.get(info['disk_engine'], info['disk_engine'])} for a disk "
-        "table's O_DIRECT file" + (" (NBTOOLS_DISK_ENGINE)" if os.environ.get("NBTOOLS_DISK_ENGINE") else
-                          "" if info["disk_engine"] == "kaio" else
-                          f" (Linux's native AIO unavailable: {fileio._kaio.why})"),
+        "table's O_DIRECT file"
+        + (" (NBTOOLS_DISK_ENGINE)" if os.environ.get("NBTOOLS_DISK_ENGINE") else
+           "" if info["disk_engine"] == "kaio" else
+           f" (Linux's native AIO unavailable: {fileio._kaio.why})"),
     ]
     print("\n".join(lines), file=file)
     return info

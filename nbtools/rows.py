@@ -172,15 +172,15 @@ def sum_by_slot(grad: torch.Tensor, batch: RowBatch, deterministic: bool = True,
     untouched on the other paths.
     """
     cap = batch.capacity
-    differentiable = torch.is_grad_enabled() and grad.requires_grad
-    if grad.device.type != "cuda" or not deterministic or differentiable:
+    if not sums_in_fixed_order(grad, deterministic):
+        differentiable = torch.is_grad_enabled() and grad.requires_grad
+        if grad.device.type == "cuda" and deterministic and not differentiable:   # no Triton
+            got = torch.ops.aten.embedding_dense_backward(grad, batch.inverse, cap, -1, False)
+            return got if out is None else out.copy_(got)
         if differentiable:
             return grad.new_zeros(cap, grad.shape[1]).index_add(0, batch.inverse, grad)
         out = grad.new_zeros(cap, grad.shape[1]) if out is None else out.zero_()
         return out.index_add_(0, batch.inverse, grad)
-    if not kernels.usable_on(grad.device):
-        got = torch.ops.aten.embedding_dense_backward(grad, batch.inverse, cap, -1, False)
-        return got if out is None else out.copy_(got)
     order, slot = batch.order, batch.slot
     if order is None:                   # a batch made elsewhere (a disk table's): sort here
         slot, order = torch.sort(batch.inverse, stable=True)

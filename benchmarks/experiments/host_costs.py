@@ -80,8 +80,7 @@ def main():
     results = []          # (system, wall, parts): a system may be named twice
     for system in args.systems.split(","):
         step, keep = bs.system_step(system, device)
-        getattr(step, "next", {}).update(       # a prefetching step needs each batch's successor
-            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+        bs.follow(step, batches)           # a prefetching step needs each batch's successor
         if system == "torch sparse":
             emb, opt = keep
             timed(opt, "step", "opt.step")

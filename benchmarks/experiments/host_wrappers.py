@@ -91,8 +91,7 @@ def step_loops(systems: list, ids: int, device, rounds: int) -> dict:
     out = {}
     for system in systems:
         step, keep = bs.system_step(system, device)
-        getattr(step, "next", {}).update(
-            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+        bs.follow(step, batches)
         on, off, nogc = [], [], []
         seen = [0, 0, 0]
 

@@ -122,8 +122,7 @@ def main():
             for value in (values if args.toggle in BAKED else values[:1]):
                 setattr(owner, attr, value)
                 step, keep = bs.system_step(name, dev, n=args.rows, dim=args.dim)
-                step.next.update({id(b): batches[(i + 1) % len(batches)]
-                                  for i, b in enumerate(batches)})
+                bs.follow(step, batches)
                 built[value] = (step, keep)
             times = {value: [] for value in values}
             for _ in range(args.rounds):

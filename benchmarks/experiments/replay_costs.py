@@ -122,8 +122,7 @@ def main():
     for system in args.systems.split(","):
         before = {id(o) for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)}
         step, keep = bs.system_step(system, device)
-        getattr(step, "next", {}).update(
-            {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+        bs.follow(step, batches)
         for i in range(3 * len(batches)):
             step(batches[i % len(batches)])
         torch.cuda.synchronize()

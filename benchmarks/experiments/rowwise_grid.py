@@ -41,8 +41,7 @@ def point_ms(name, batches, dev, writes, gathers, rows, dim):
     kernels.WRITE_BEHIND_PROGRAMS, kernels.ZERO_COPY_PROGRAMS = writes, gathers
     try:
         step, keep = bs.system_step(name, dev, n=rows, dim=dim)
-        step.next.update({id(b): batches[(i + 1) % len(batches)]     # for a prefetching step
-                          for i, b in enumerate(batches)})
+        bs.follow(step, batches)                                        # for a prefetching step
         ms = bs.loop_ms(step, batches, dev)
         row_bytes = bs.stored_row_bytes(keep[0])
         del step, keep

@@ -64,7 +64,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     for name in args.systems.split(","):
         step, keep = bs.system_step(name, device)
-        step.next.update({id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
+        bs.follow(step, batches)
         for b in batches[:8]:
             step(b)
         torch.cuda.synchronize()
