@@ -75,7 +75,7 @@ def describe(file=None) -> dict:
         "table's O_DIRECT file"
         + (" (NBTOOLS_DISK_ENGINE)" if os.environ.get("NBTOOLS_DISK_ENGINE") else
            "" if info["disk_engine"] == "kaio" else
-           f" (Linux's native AIO unavailable: {fileio._kaio.why})"),
+           f" (Linux's native AIO unavailable: {fileio.native_aio_why()})"),
     ]
     print("\n".join(lines), file=file)
     return info

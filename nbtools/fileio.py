@@ -535,6 +535,13 @@ class _KernelAio:
             self._local.ctx = held = _Context(self, size)
         return held.id
 
+    def io_setup(self, size: int, ctx_address: int) -> int:
+        """``io_setup(size, ctx)``: 0, or minus the errno."""
+        return self._call(self._setup_nr, size, ctx_address)
+
+    def io_destroy(self, ctx: int) -> int:
+        return self._call(self._destroy_nr, ctx)
+
     def _call(self, *args) -> int:
         r = self._syscall(*[ctypes.c_long(a) for a in args])
         return r if r >= 0 else -ctypes.get_errno()
@@ -633,7 +640,7 @@ class _Context:
 
     def __init__(self, aio: _KernelAio, size: int):
         ctx = ctypes.c_ulong(0)
-        r = aio._call(aio._setup_nr, size, ctypes.addressof(ctx))
+        r = aio.io_setup(size, ctypes.addressof(ctx))
         if r < 0:
             raise NoContextError(-r, f"io_setup({size}): {os.strerror(-r)} (fs.aio-max-nr "
                                  "reached?)")
@@ -642,12 +649,17 @@ class _Context:
     def __del__(self):
         try:
             if self.pid == os.getpid():
-                self.aio._call(self.aio._destroy_nr, self.id)
+                self.aio.io_destroy(self.id)
         except Exception:          # (interpreter shutdown)
             pass
 
 
 _kaio = _KernelAio()
+
+
+def native_aio_why() -> str:
+    """Why Linux's native AIO is not in use here (None where it is usable)."""
+    return _kaio.why
 
 
 def _finish_plain(fd: int, base: int, boff, blen, foff, redo, done, errors, write: bool) -> None:

@@ -5,7 +5,7 @@ row file. A packed file (rows ``PACK`` bytes apart, sharing blocks; see :mod:`nb
 is read and written in whole blocks through its :class:`~nbtools.rowfile.RowFile`'s bounce
 buffers: :func:`packed_io` for rows by id, :func:`packed_range` for a range of rows, the rows
 copied between the caller's array and the blocks by :func:`_rows_in_buffer`. The two take the
-file itself (its pool of requests, bounce buffers and counters) and rowfile's ``BOUNCE`` and
+file itself (its bounce-buffer I/O: :meth:`~nbtools.rowfile.RowFile.submit`, buffers and counters) and rowfile's ``BOUNCE`` and
 ``GAP`` from the caller, read there at each call (tests patch them on :mod:`nbtools.rowfile`).
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
             blocks = np.unique(blocks)
             boff, blen, foff, pos = _requests(blocks, u, f.data_offset, gap=gap)
             need = (int(pos[-1]) + 1) * u
-            buf = f._at_least(buf, need)
+            buf = f.at_least(buf, need)
             at = pos[np.searchsorted(blocks, first)] * u + (off - first * u)  # in buf
             if write:
                 if fresh:
@@ -123,21 +123,21 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
                     head &= off % u != 0
                     if head.any():
                         edge = np.unique(first[head])
-                        f._pool.run(f._live(), buf,
+                        f.submit(buf,
                                     (pos[np.searchsorted(blocks, edge)] * u).tolist(),
                                     [u] * len(edge),
                                     (f.data_offset + edge * u).tolist(), False)
-                        f._count_reads(u * len(edge))
+                        f.count_reads(u * len(edge))
                 else:                                  # keep the rows sharing the blocks
-                    f._pool.run(f._live(), buf, boff, blen, foff, False)
-                    f._count_reads(need)
+                    f.submit(buf, boff, blen, foff, False)
+                    f.count_reads(need)
                 _rows_in_buffer(buf, at, rows, where, stride, write=True)
                 if tags is not None:          # (the buffer seen from the rows' ends)
                     _rows_in_buffer(buf[rb:], at, _tag_bytes(tags[a:a + per]),
                                     np.arange(len(part)), stride, write=True)
-                f._pool.run(f._live(), buf, boff, blen, foff, True)
+                f.submit(buf, boff, blen, foff, True)
             else:
-                f._pool.run(f._live(), buf, boff, blen, foff, False)
+                f.submit(buf, boff, blen, foff, False)
                 _rows_in_buffer(buf, at, rows, where, stride, write=False)
                 if tags is not None:
                     got = np.empty((len(part), TAG), dtype=np.uint8)
@@ -147,7 +147,7 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
             moved += need
     finally:
         if buf is not None:
-            f._pool.give(buf)
+            f.give_buffer(buf)
     return moved
 
 
@@ -161,7 +161,7 @@ def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int,
     u, stride, rb = f.unit, f.stride, f.row_bytes
     n, moved = len(rows), 0
     per = max(f.align_rows, bounce // stride // f.align_rows * f.align_rows)
-    buf = f._pool.take(min(n, per) * stride + 2 * u)
+    buf = f.take_buffer(min(n, per) * stride + 2 * u)
     try:
         for a in range(0, n, per):
             m = min(per, n - a)
@@ -177,21 +177,21 @@ def packed_range(f, start: int, rows: np.ndarray, write: bool, *, bounce: int,
                 edges = sorted({b for b, partial in ((b0, lo != b0), (b1 - u, hi != b1))
                                 if partial})
                 if edges:                  # the end blocks hold other rows: kept
-                    f._pool.run(f._live(), buf, [e - b0 for e in edges],
+                    f.submit(buf, [e - b0 for e in edges],
                                 [u] * len(edges), edges, False, chunk=1)
-                    f._count_reads(u * len(edges))
+                    f.count_reads(u * len(edges))
                 inner[:, :rb] = rows[a:a + m]
                 if stride > rb:
                     inner[:, rb:] = 0
                 if tags is not None:
                     inner[:, rb:rb + TAG] = _tag_bytes(tags[a:a + m])
-                f._pool.run(f._live(), buf, boff, blen, foff, True, chunk=1)
+                f.submit(buf, boff, blen, foff, True, chunk=1)
             else:
-                f._pool.run(f._live(), buf, boff, blen, foff, False, chunk=1)
+                f.submit(buf, boff, blen, foff, False, chunk=1)
                 rows[a:a + m] = inner[:, :rb]
                 if tags is not None:
                     tags[a:a + m] = _tag_values(inner[:, rb:rb + TAG])
             moved += b1 - b0
     finally:
-        f._pool.give(buf)
+        f.give_buffer(buf)
     return moved

@@ -436,7 +436,7 @@ class RowFile:
                     n = len(part)
                     boff, blen, foff, pos = _requests(part, stride, self.data_offset, gap=gap)
                     need = (int(pos[-1]) + 1) * stride
-                    buf = self._at_least(buf, need)
+                    buf = self.at_least(buf, need)
                     if write:
                         view = buf[: n * stride].reshape(n, stride)
                         if stride == rb:
@@ -499,7 +499,22 @@ class RowFile:
                 self._pool.give(buf)
         self._account(write, n * stride, t0)
 
-    def _at_least(self, buf, nbytes: int) -> np.ndarray:
+    # --- bounce-buffer I/O (what the packed rows' reads and writes, nbtools.rowfile.packed,
+    # ask of the file: they never reach its descriptor or request pool themselves) --------
+    def submit(self, buf: np.ndarray, boff, blen, foff, write: bool, chunk: int = 0) -> None:
+        """Requests ``j``: ``blen[j]`` bytes at ``buf[boff[j]:]`` <-> file offset ``foff[j]``,
+        through the file's request pool (:meth:`nbtools.rowfile.fileio.RequestPool.run`)."""
+        self._pool.run(self._live(), buf, boff, blen, foff, write, chunk)
+
+    def take_buffer(self, nbytes: int) -> np.ndarray:
+        """A bounce buffer of at least ``nbytes`` (aligned for O_DIRECT); hand it back with
+        :meth:`give_buffer`."""
+        return self._pool.take(nbytes)
+
+    def give_buffer(self, buf: np.ndarray) -> None:
+        self._pool.give(buf)
+
+    def at_least(self, buf, nbytes: int) -> np.ndarray:
         """``buf`` (or None) when it holds ``nbytes``, else a larger bounce buffer in its
         place."""
         if buf is not None and buf.nbytes >= nbytes:
@@ -508,7 +523,7 @@ class RowFile:
             self._pool.give(buf)
         return self._pool.take(nbytes)
 
-    def _count_reads(self, nbytes: int) -> None:
+    def count_reads(self, nbytes: int) -> None:
         """Blocks a packed file's write read first (to keep the rows sharing them)."""
         with self._lock:
             self.counters["read_bytes"] += nbytes
