@@ -293,25 +293,29 @@ def _kernels():
             cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
             BLOCK_C)
         # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
-        # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq.
-        lr, beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
-        eps, wd = _scalar(hyper, 3), _scalar(hyper, 4)
+        # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq. Every
+        # scalar torch derives in Python floats (1 - beta1, 1 - beta2, 1 - lr * wd, the bias
+        # corrections) comes from the host, computed in float64 (adam_scalars): in float32
+        # here, 1 - float32(0.999) would scale each g^2 by 0.00099998713, not 0.001.
+        one_minus_beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1)
+        one_minus_beta2, eps = _scalar(hyper, 2), _scalar(hyper, 3)
+        wd = _scalar(hyper, 4)          # L2: weight_decay; DECOUPLED: 1 - lr * weight_decay
         step_size, bc2_sqrt = _scalar(hyper, 5), _scalar(hyper, 6)
         seed = _seed(hyper)
         ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
         eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
         if SPARSE:
-            ea = ea + (g - ea) * (1.0 - beta1)
-            eq = eq + (g * g - eq) * (1.0 - beta2)
+            ea = ea + (g - ea) * one_minus_beta1
+            eq = eq + (g * g - eq) * one_minus_beta2
             p = p + (-step_size) * (ea / (tl.sqrt(eq) + eps))
         else:
             if HAS_WD:
                 if DECOUPLED:
-                    p = p * (1.0 - lr * wd)
+                    p = p * wd
                 else:
                     g = g + wd * p
-            ea = ea + (1.0 - beta1) * (g - ea)        # torch.lerp for weights below 0.5
-            eq = eq * beta2 + g * g * (1.0 - beta2)
+            ea = ea + one_minus_beta1 * (g - ea)      # torch.lerp for weights below 0.5
+            eq = eq * beta2 + one_minus_beta2 * g * g     # torch.addcmul: value * t1 * t2
             if AMSGRAD:
                 vmax = tl.load(src + s0 + (VMAX_COL - 1) * d, mask=mask,
                                other=0.0).to(tl.float32)
@@ -770,7 +774,10 @@ def adam_scalars(group: dict, t: int, seed: int, *, cols: dict, decoupled: bool,
     # torch.optim.Adam: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
     # torch.optim.SparseAdam: step_size = lr * sqrt(bc2) / bc1, denom = sqrt(v) + eps.
     step_size = lr * math.sqrt(bc2) / bc1 if sparse else lr / bc1
-    return _pad([lr, beta1, beta2, float(group["eps"]), wd, step_size, math.sqrt(bc2)], seed), \
+    # AdamW multiplies the weights by 1 - lr * wd (in float64 here, as torch's Python does)
+    decay = 1 - lr * wd if decoupled else wd
+    return _pad([1 - beta1, beta2, 1 - beta2, float(group["eps"]), decay, step_size,
+                 math.sqrt(bc2)], seed), \
         dict(M_COL=cols["exp_avg"], V_COL=cols["exp_avg_sq"],
              VMAX_COL=cols.get("max_exp_avg_sq", 1), DECOUPLED=decoupled, HAS_WD=wd != 0.0,
              AMSGRAD=bool(group.get("amsgrad", False)), SPARSE=sparse,
