@@ -227,15 +227,56 @@ def _gdown_download(kind: str, source: str, output: str, quiet: bool) -> str:
     return result
 
 
+def _url_download(source: str, output: str, quiet: bool) -> str:
+    """An http(s) download with the standard library (no gdown needed): streamed to ``output``
+    (a folder ending in os.sep: named from the URL), with a progress bar where tqdm is
+    installed. Raises urllib's errors (HTTPError, URLError) and ``_Retryable`` for a body cut
+    short."""
+    import urllib.request
+
+    req = urllib.request.Request(source, headers={"User-Agent": "nbtools"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        if output.endswith(os.sep):
+            tail = resp.url.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+            output += re.sub(r"[^\w.-]", "_", tail) or "download"
+        total = int(resp.headers.get("Content-Length") or 0) or None
+        bar = None
+        if not quiet:
+            try:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=total, unit="B", unit_scale=True, desc=Path(output).name,
+                           file=sys.stderr)
+            except ImportError:
+                pass
+        got = 0
+        try:
+            with open(output, "wb") as f:
+                while True:
+                    chunk = resp.read(1 << 20)
+                    if not chunk:
+                        break
+                    f.write(chunk)
+                    got += len(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+    if total is not None and got != total:
+        raise _Retryable(f"the download stopped at {got:,} of {total:,} bytes")
+    return output
+
+
 def _require_downloader(what: str) -> None:
     """Raise an ImportError that names the install line when gdown (or requests, which it
-    brings) is missing: downloads need the ``[notebook]`` extra."""
+    brings) is missing: Google Drive downloads need the ``[notebook]`` extra."""
     try:
         import gdown  # noqa: F401  (only whether it imports)
         import requests  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            f"downloading {what} needs gdown, which is not installed ({e}). It comes with the "
+            f"downloading {what} from Google Drive needs gdown, which is not installed ({e}). "
+            "It comes with the "
             "notebook extra: %pip install \"nbtools-offload[notebook]\" in a notebook cell "
             "(pip install \"nbtools-offload[notebook]\" in a shell), or pip install gdown. "
             "A file already in the cache, or a local path, needs neither.") from e
@@ -259,8 +300,19 @@ def _classify(e: BaseException, link: str):
         return DriveQuotaError(QUOTA_HELP.format(link=link))
     if isinstance(e, _Retryable):
         return None
-    import requests   # gdown depends on it
-
+    import urllib.error
+    if isinstance(e, urllib.error.HTTPError):       # plain URLs (no gdown)
+        if e.code >= 500 or e.code == 429:
+            return None
+        return DownloadError(f"{link}: the server answered HTTP {e.code}"
+                             f"{' (not found)' if e.code == 404 else ''}; check the URL")
+    if isinstance(e, (urllib.error.URLError, ConnectionError, TimeoutError)) or \
+            type(e).__name__ == "IncompleteRead":
+        return None
+    try:
+        import requests   # gdown depends on it (Drive links)
+    except ImportError:
+        return e
     if isinstance(e, requests.HTTPError):
         status = e.response.status_code if e.response is not None else None
         if status is not None and (status >= 500 or status == 429):
@@ -343,7 +395,8 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
     if hit is not None:
         return hit
 
-    _require_downloader(repr(name_or_url))          # before anything is tried: name the extra
+    if kind == "drive":       # gdown for Drive links only; plain URLs need the standard library
+        _require_downloader(repr(name_or_url))      # before anything is tried: name the extra
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"fetching {name_or_url} from {link} -> {folder}")
     last = None
@@ -355,8 +408,10 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
         tmp = folder / f".fetch-{os.getpid()}-{time.time_ns():x}"
         tmp.mkdir()
         try:
-            out = Path(_gdown_download(kind, source, str(tmp / filename) if filename
-                                       else str(tmp) + os.sep, quiet))
+            download = _gdown_download if kind == "drive" else \
+                (lambda _kind, *args: _url_download(*args))
+            out = Path(download(kind, source, str(tmp / filename) if filename
+                                else str(tmp) + os.sep, quiet))
             page = _looks_like_error_page(out, filename or out.name)
             if page is not None:
                 if "too many users" in page.lower():

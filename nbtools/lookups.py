@@ -32,6 +32,12 @@ from .rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_orde
 _PENDING_WARN = 256
 
 
+class UnconsumedGradientWarning(UserWarning):
+    """A table's gradients reached it but no :class:`nbtools.OffloadOptimizer` takes them:
+    the table does not train (a plain ``torch.optim`` optimizer updates only the other
+    parameters)."""
+
+
 def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
     pos = int(flat_bad.nonzero()[0, 0])
     if len(shape) <= 1:
@@ -147,6 +153,8 @@ class TableLookups:
         """
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
         recording = torch.is_grad_enabled() and self.trainable
+        if recording and not self._owned and self._pending:
+            self._warn_unconsumed()
         width = self._rows.width if (recording and self._state_names) else \
             self._layout.weight_cols
         if self._disk is not None:
@@ -202,6 +210,20 @@ class TableLookups:
         if recording:
             self._record((batch, rows.requires_grad_(True), full, flat, shape, capture, None))
         return rows, batch.inverse
+
+    def _warn_unconsumed(self) -> None:
+        """Once per table: gradients of an earlier lookup reached it, and no OffloadOptimizer
+        steps it (none was made over this table), so nothing will ever apply them."""
+        if self._warned_unconsumed or self._leaf_of(self._pending[-1]).grad is None:
+            return
+        self._warned_unconsumed = True
+        warnings.warn(
+            f"table {self.name!r} received gradients, but no nbtools.OffloadOptimizer steps "
+            "it, so its rows never change (a plain torch.optim optimizer updates only the "
+            "model's other parameters). Make the optimizer with "
+            "opt = nbtools.OffloadOptimizer(torch.optim.Adam, model, lr=...): one optimizer "
+            "for the tables and the other parameters.", UnconsumedGradientWarning,
+            stacklevel=6)          # the model's forward that looked the table up
 
     def _record(self, rec: tuple) -> None:
         """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""

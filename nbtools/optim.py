@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from collections import defaultdict
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from . import NbtoolsError
 from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolve_device
+from .units import positive_int
 from . import steps, streams
 from .placement import NoRoomError, auto_placement, disk_bytes
 from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
@@ -626,8 +628,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "tables": {s.name: s.state_dict() for s in self._slots},
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        if state_dict.get("format") != "nbtools.OffloadOptimizer/1":
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError (what was found, what was expected) where ``state_dict`` would not
+        load into this optimizer; changes nothing. :meth:`load_state_dict` runs it first, and a
+        checkpoint's restore runs it before touching any object."""
+        if not isinstance(state_dict, dict) or \
+                state_dict.get("format") != "nbtools.OffloadOptimizer/1":
             raise ValueError("not an OffloadOptimizer state_dict (missing format "
                              "'nbtools.OffloadOptimizer/1')")
         if state_dict["optimizer_class"] != self.optimizer_class.__name__:
@@ -639,6 +645,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                              f"{sorted(s.name for s in self._slots)}")
         if (state_dict["dense"] is None) != (self._dense is None):
             raise ValueError("state_dict and optimizer disagree on having ordinary parameters")
+        for slot in self._slots:
+            slot.check_state_dict(state_dict["tables"][slot.name])
+        if self._dense is not None:
+            groups, mine = state_dict["dense"].get("param_groups", []), self._dense.param_groups
+            if len(groups) != len(mine) or any(len(g["params"]) != len(h["params"])
+                                               for g, h in zip(groups, mine)):
+                raise ValueError("state_dict's ordinary parameters are grouped differently from "
+                                 "this optimizer's")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.check_state_dict(state_dict)      # nothing is changed when it does not fit
         self._pending = None           # what is loaded replaces a step not read back yet
         for slot in self._slots:
             slot.load_state_dict(state_dict["tables"][slot.name])     # waits for the GPU first
@@ -734,6 +751,27 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     >>> p.row_state, p.host_bytes // 10_000_000      # 256 weight + 4 state, padded to 288
     (['sum'], 288)
     """
+    num_rows = positive_int("num_rows", num_rows)
+    dim = positive_int("dim", dim)
+    unique_ids_per_step = positive_int("unique_ids_per_step", unique_ids_per_step)
+    if not isinstance(dtype, torch.dtype) or dtype not in (
+            torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got "
+                        f"{dtype!r}")
+    table_options = {"placement", "name", "device_ids", "padding_idx", "pin", "cache_bytes",
+                     "cache_fraction", "cache_rows", "host_cache_bytes", "state_dtype",
+                     "rounding", "write_behind", "cuda_graphs"} & set(optimizer_kwargs)
+    if table_options:
+        raise TypeError(f"plan() got table option(s) {sorted(table_options)}: plan() sizes "
+                        "the table and says where placement='auto' would put it "
+                        "(Plan.placement); pass placement and the other table options to "
+                        "OffloadedEmbedding. plan()'s other keywords are the optimizer's "
+                        "hyper-parameters (amsgrad=True, ...)")
+    if not isinstance(gpu_fraction, (int, float)) or isinstance(gpu_fraction, bool) \
+            or not 0 < gpu_fraction <= 1:
+        raise ValueError(f"gpu_fraction must be in (0, 1], got {gpu_fraction!r}")
+    if disk_dir is not None and os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+        raise NotADirectoryError(f"disk_dir={disk_dir!r} is a file, not a folder")
     if isinstance(optimizer, str):
         lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                   if isinstance(getattr(torch.optim, n), type)}

@@ -35,7 +35,20 @@ def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None
     if available is not None and nbytes > 0.9 * available:
         raise HostMemoryError(
             f"{what} needs {human_bytes(nbytes)} of host memory but only "
-            f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip())
+            f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip()
+            + (_disk_hint(nbytes) if what else ""))
+
+
+def _disk_hint(nbytes: int) -> str:
+    """Where a table's rows would fit on local disk: the advice to place them there."""
+    from . import disk
+    folder = disk.default_dir()
+    free = disk.free_bytes(folder)
+    if free < nbytes * 1.1:
+        return ""
+    return (f" It fits on local disk: placement='disk' keeps the rows in a file under "
+            f"{folder} ({human_bytes(free)} free; disk_dir= picks another folder) with a RAM "
+            f"cache of the hot rows (host_cache_bytes=).")
 
 
 def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +31,7 @@ from torch import nn
 from .devices import resolve_device, synchronize
 from .hostmem import HostTensor
 from .precision import LOW_PRECISION, check_rounding
-from .units import human_bytes
+from .units import human_bytes, positive_int
 from .cache import CacheCounts
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
@@ -113,6 +113,11 @@ class TableConfig:
         if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or ram <= 0):
             raise ValueError(f"host_cache_bytes must be a positive int (bytes of RAM for a disk "
                              f"table's cached rows), got {ram!r}")
+        folder = self.disk_dir
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            raise NotADirectoryError(f"disk_dir={folder!r} is a file, not a folder: give the "
+                                     "folder a disk table's file should go in (a new one is "
+                                     "created)")
         if placement == "disk" and any(getattr(self, k) is not None for k in
                                        ("cache_bytes", "cache_fraction", "cache_rows")):
             raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
@@ -177,8 +182,10 @@ class OffloadedEmbedding(TableLookups, nn.Module):
                  **options):
         super().__init__()
         for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+            try:
+                positive_int(arg, value)
+            except TypeError as e:          # (a ValueError to the callers that catch it)
+                raise ValueError(str(e)) from None
         unknown = set(options) - {f.name for f in dataclasses.fields(TableConfig)}
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
@@ -220,6 +227,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._pending = []           # training lookups the next step takes (TableLookups)
         self._graphs = LookupGraphs()
         self._warned_pending = False
+        self._warned_unconsumed = False   # UnconsumedGradientWarning given (lookups)
         self._owned = False          # an OffloadOptimizer steps this table
         self._warm_counts = None     # warm_cache() before the cache exists
         self._prefetch = Prefetcher(self)   # a training lookup started ahead (prefetch)
@@ -255,6 +263,14 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     def _choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
         if self.requested_placement == "disk":
             return "disk", "asked for"
+        if self.requested_placement == "gpu" and self.device.type != "cuda":
+            from .devices import cuda_ok
+            raise ValueError(
+                f"table {self.name!r}: placement='gpu' keeps the rows in GPU memory, but this "
+                f"table computes on {self.device}"
+                + ("" if cuda_ok() else " (no CUDA device is visible)")
+                + ": use placement='host' or 'auto' (the same code then runs on the CPU)"
+                + (", or device='cuda'" if cuda_ok() else ""))
         if self.device.type != "cuda" and self.requested_placement != "auto":
             return "host", "CPU compute"
         if self.requested_placement != "auto":

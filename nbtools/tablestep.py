@@ -274,6 +274,12 @@ class _TableSlot:
     def row_state(self, keep_cache: bool = False) -> dict:
         return {k: self.table.state_columns(k, keep_cache) for k in self.names}
 
+    def row_state_shapes(self) -> dict:
+        """Each per-row state's shape ``(rows, columns)``, without reading it."""
+        t = self.table
+        widths = dict(zip(t.state_names, t.layout.state_widths))
+        return {k: (t.num_embeddings, widths[k]) for k in self.names}
+
     def state_dict(self) -> dict:
         return {
             "group": copy.deepcopy(self.hyper()),
@@ -284,16 +290,22 @@ class _TableSlot:
             "rounds": self._rounds,
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def check_state_dict(self, sd: dict) -> None:
+        """Raise ValueError where ``sd`` would not load into this slot (changes nothing)."""
         if set(self.names) != set(sd["row_state"]):
             raise ValueError(f"table {self.name!r}: state has per-row tensors "
                              f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.names)}")
-        for key, dst in self.row_state().items():
+        shapes = self.row_state_shapes()
+        for key, shape in shapes.items():
             src = sd["row_state"][key]
-            if tuple(src.shape) != tuple(dst.shape):
+            if tuple(src.shape) != shape:
                 raise ValueError(f"table {self.name!r}: state {key!r} has shape {tuple(src.shape)},"
-                                 f" expected {tuple(dst.shape)}")
-            copy_unless_same(dst, src)
+                                 f" expected {shape}")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.check_state_dict(sd)
+        for key, dst in self.row_state().items():
+            copy_unless_same(dst, sd["row_state"][key])
         self.group.update(copy.deepcopy(sd["group"]))
         self._rounds = int(sd.get("rounds", 0))     # (absent from checkpoints before it)
         scalar = sd["scalar_state"]

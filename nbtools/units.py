@@ -76,3 +76,19 @@ def fmt_seconds(s) -> str:
     h, m = divmod(s // 60, 60)
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
+
+
+def positive_int(what: str, value) -> int:
+    """``value`` as an int when it is a positive integer (Python or NumPy; not a bool), else a
+    ValueError/TypeError that names ``what`` and what was passed.
+
+    >>> positive_int("num_rows", 10)
+    10
+    """
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be a positive int, got {value!r} "
+                        f"({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)

@@ -1,4 +1,5 @@
-"""nbtools.data: real gdown downloads from a local HTTP server, hashes, retries, quota, loaders."""
+"""nbtools.data: real downloads (the standard library for URLs, gdown for Drive) from a local
+HTTP server, hashes, retries, quota, loaders."""
 import hashlib
 import http.server
 import sys
@@ -56,7 +57,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    pytest.importorskip("gdown")        # the downloads go through it (not on the GPU machine)
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.daemon_threads = True
     srv.hits = {}
@@ -356,11 +356,25 @@ def test_missing_downloader_names_gdown_and_the_install_line(tmp_path, monkeypat
         pytest.importorskip("gdown")
     monkeypatch.setitem(sys.modules, missing, None)     # `import gdown` now raises ImportError
     monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("tried to download"))
-    with pytest.raises(ImportError) as err:
-        data.load("ml-100k", cache_dir=tmp_path)
+    with pytest.raises(ImportError) as err:           # a Google Drive link needs gdown
+        data.fetch("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view",
+                   cache_dir=tmp_path)
     msg = str(err.value)
     assert "needs gdown" in msg and '%pip install "nbtools-offload[notebook]"' in msg
     assert missing in msg                                                 # what was missing
+
+
+def test_plain_urls_need_no_gdown(server, tmp_path, monkeypatch):
+    """The evaluation sets and MovieLens are plain http(s) URLs: the standard library fetches
+    them, retries included, with gdown and requests not importable."""
+    base, _ = server
+    monkeypatch.setitem(sys.modules, "gdown", None)
+    monkeypatch.setitem(sys.modules, "requests", None)
+    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("used gdown"))
+    path, _ = _get(f"{base}/ok.bin", tmp_path, md5=MD5)
+    assert path.read_bytes() == PAYLOAD
+    with pytest.raises(data.DownloadError, match="HTTP 404"):
+        _get(f"{base}/missing.bin", tmp_path)
 
 
 def test_a_cached_file_needs_no_downloader(server, tmp_path, monkeypatch):

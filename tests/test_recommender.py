@@ -591,3 +591,45 @@ def test_measured_defaults_are_importable_and_apply():
         assert set(d["fit"]) <= set(inspect.signature(fit).parameters) and d["dim"] == 64
     assert RATINGS_DEFAULTS["config"]["l2"] == MFConfig(loss="mse").l2_value()
     assert RANKING_DEFAULTS["config"]["l2"] == MFConfig(loss="bce").l2_value()
+
+
+# --- bad data -------------------------------------------------------------------------------------
+
+def _ratings(users, items, ratings, nu=5, ni=6):
+    return Ratings(torch.tensor(users), torch.tensor(items), torch.tensor(ratings, dtype=torch.float32),
+                   nu, ni)
+
+
+@pytest.mark.parametrize("users,items,ratings,config,match", [
+    ([0, 1, 2], [0, 1, 2], [4.0, float("nan"), 3.0], {}, r"interaction 1 has rating nan"),
+    ([0, 1, 2], [0, 1, 2], [4.0, 3.0, float("inf")], {}, r"interaction 2 has rating inf"),
+    ([0, 7, 2], [0, 1, 2], [4.0, 3.0, 2.0], {}, r"interaction 1 has user id 7.*users 0\.\.4"),
+    ([0, 1, 2], [0, 1, -1], [4.0, 3.0, 2.0], {}, r"interaction 2 has item id -1"),
+    ([0, 1, 2], [0, 1, 2], [4.0, 9.0, 2.0], dict(rating_range=(1.0, 5.0)),
+     r"interaction 1 has rating 9\.0.*rating_range is 1\.0\.\.5\.0"),
+    ([0, 1, 2], [0, 1, 2], [1.0, -2.0, 1.0], dict(loss="bce"), r"interaction 1 has weight -2"),
+])
+def test_fit_refuses_bad_rows_before_training(users, items, ratings, config, match):
+    m = MatrixFactorization(5, 6, 4, device="cpu", config=MFConfig(**config))
+    before = {k: v.clone() for k, v in m.state_dict().items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match=match):
+        fit(m, _ratings(users, items, ratings), epochs=1, batch_size=2)
+    for k, v in before.items():
+        assert torch.equal(v, m.state_dict()[k]), k
+
+
+def test_recommend_says_when_rows_are_not_finite():
+    m = MatrixFactorization(5, 20, 4, device="cpu", config=MFConfig(loss="bce"))
+    fit(m, _ratings([0, 1, 2], [0, 1, 2], [1.0, 1.0, 1.0], ni=20), epochs=1, batch_size=2)
+    ids, _ = m.recommend(torch.tensor([0, 1]), k=5)        # healthy: no pads
+    assert (ids >= 0).all()
+    with torch.no_grad():
+        w = m.items.weight
+        w[3:13] = float("nan")
+    with pytest.raises(ValueError, match=r"not finite.*10 item rows \(first: item 3\)"):
+        m.recommend(torch.tensor([0, 1]), k=10)
+    # a user with fewer items left than k gets -1 pads, which are not an error
+    m2 = MatrixFactorization(2, 3, 4, device="cpu", config=MFConfig(loss="bce"))
+    fit(m2, _ratings([0, 0, 1], [0, 1, 2], [1.0, 1.0, 1.0], nu=2, ni=3), epochs=1, batch_size=2)
+    ids, scores = m2.recommend(torch.tensor([0, 1]), k=3)
+    assert ids[0].tolist()[1:] == [-1, -1]

@@ -528,7 +528,9 @@ def test_placement_arguments():
         OffloadedEmbedding(10, 2, pinned=False)
     with pytest.raises(ValueError, match="write_behind must be None"):
         OffloadedEmbedding(10, 2, write_behind="auto")
-    t = OffloadedEmbedding(10, 2, device="cpu", placement="gpu")   # CPU compute: rows on the host
+    with pytest.raises(ValueError, match="placement='gpu' keeps the rows in GPU memory"):
+        OffloadedEmbedding(10, 2, device="cpu", placement="gpu")   # CPU compute: no GPU rows
+    t = OffloadedEmbedding(10, 2, device="cpu", placement="host")
     assert t.placement == "host" and t.transfer_mode == "host"
     assert "placement=host" in repr(t)
     t = OffloadedEmbedding(10, 2, device="cpu", config=nbtools.tables.TableConfig(dtype=torch.float64))

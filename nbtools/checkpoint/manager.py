@@ -215,16 +215,21 @@ class CheckpointManager:
         raise CheckpointError("no checkpoint could be restored; every one is damaged:\n  "
                               + "\n  ".join(failures)
                               + ("\nDisk tables may have been partly rewritten by the attempts: "
-                                 "do not train on them." if self._rows_touched else ""))
+                                 "do not train on them." if self._rows_touched else
+                                 "\nNothing was restored: every object is as it was."))
 
     def _load(self, entry: _Entry, objects: dict, rng: bool) -> int:
         m, cfg = entry.manifest, self.config
-        # Disk tables the restored objects refer to: matched with the live ones, and their
-        # chains found, before anything is read.
+        # All or nothing: the side file (data only), the disk tables' chains and every object
+        # checked against the checkpoint, and the checksums of every byte that goes into a
+        # live tensor read, before the first write into anything.
+        extras = _restore.read_extras(entry.path, m)
         nodes = _tree.rows_nodes(*(m["objects"][name]["state"] for name in objects))
         matched = _rows.match(m.get("rows") or [], {n["$rows"] for n in nodes},
                               _rows.find(objects), entry.path, objects) if nodes else {}
         chains = {k: _restore.chain_of(self._roots(), entry, m["rows"][k]) for k in matched}
+        with _rows.holding(list(matched.values()), writable=False):
+            _restore.preflight(entry, objects, extras, matched, bool(m.get("half")))
         # Destinations: the objects' live tensors where shape and dtype match (read in place,
         # no second copy), else fresh CPU tensors (restore.read_tensors).
         live: dict[int, torch.Tensor] = {}
@@ -232,10 +237,15 @@ class CheckpointManager:
             _tree.live_tensors(m["objects"][name]["state"], state_of(name, obj), live)
         wanted = _tree.tensor_indices(*(m["objects"][name]["state"] for name in objects),
                                       m.get("rng") if rng else None)
+        # (tensors read into fresh memory are checked as they are read: a damaged one
+        # changes nothing live)
+        _restore.verify(entry, cfg, which={i for i in wanted if i in live})
+        for k, links in chains.items():
+            _restore.verify_chain(links, m["rows"][k]["name"], cfg)
         total = sum(m["tensors"][i]["bytes"] for i in wanted)
-        tensors, extras = _restore.read_tensors(entry, wanted, live, total, cfg)
-        # Every byte verified: the disk tables' rows (each piece checked before it is written),
-        # then the state goes to the objects, the tables' own views standing for their rows.
+        tensors = _restore.read_tensors(entry, wanted, live, total, cfg)
+        # Every byte verified: the disk tables' rows, then the state goes to the objects, the
+        # tables' own views standing for their rows.
         for k, t in matched.items():
             self._rows_touched = True
             total += _rows.restore(t, chains[k], cfg.chunk_bytes)

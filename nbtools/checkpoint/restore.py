@@ -8,10 +8,15 @@ tensors are read straight into the objects' live tensors where shape and dtype m
 (:func:`read_tensors`), every byte checked against its CRC before anything is handed over;
 then each object gets its decoded state (:func:`hand_over`). A damaged file raises
 :class:`~nbtools.checkpoint.format._Damaged`, which makes the manager try an older checkpoint.
+
+A restore is all or nothing: before the first byte goes into a live object, :func:`preflight`
+checks every object against what the checkpoint holds for it (type, keys, shapes, dtypes, the
+optimizer's class and tables) and :func:`verify_live` reads the checksums of every byte that
+would land in a live tensor, so a mismatch or a damaged file raises with nothing changed. The
+side file of extras is read first, as data only (:func:`nbtools.checkpoint.tree.load_extras`).
 """
 from __future__ import annotations
 
-import io
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,9 +77,9 @@ def chain_of(roots: list[Path], entry: _Entry, item: dict) -> list:
 
 
 def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
-                 cfg: CheckpointConfig) -> tuple[list, list]:
-    """Read the tensors ``wanted`` (manifest indices, ``total`` bytes) and the side file of
-    extras, every checksum verified; returns ``(tensors by index, extras)``. A tensor is read
+                 cfg: CheckpointConfig) -> list:
+    """Read the tensors ``wanted`` (manifest indices, ``total`` bytes), every checksum
+    verified; returns the tensors by index. A tensor is read
     into ``live[i]`` (an object's own tensor, no second copy) when its shape, dtype and layout
     allow, else into a fresh CPU tensor."""
     m = entry.manifest
@@ -86,7 +91,9 @@ def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
         with ThreadPoolExecutor(1) as pool, torch.no_grad():
             reader = _Reader(entry.path, cfg, pool, bar)
             try:
-                for i in wanted:
+                # tensors read into fresh memory first, each checked as it is read: a damaged
+                # one raises before any live tensor (checked beforehand, verify) is written
+                for i in sorted(wanted, key=lambda i: i in live):
                     e = m["tensors"][i]
                     shape, dtype = tuple(e["shape"]), _dtype(e["dtype"])
                     dst = live.get(i)
@@ -97,11 +104,10 @@ def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
                     tensors[i] = dst
             finally:
                 reader.close()
-        extras = read_extras(entry.path, m)
     finally:
         if bar is not None:
             bar.close()
-    return tensors, extras
+    return tensors
 
 
 def read_extras(path: Path, m: dict) -> list:
@@ -111,21 +117,122 @@ def read_extras(path: Path, m: dict) -> list:
     blob = (path / m["extras"]["file"]).read_bytes()
     if len(blob) != m["extras"]["bytes"] or zlib.crc32(blob) != m["extras"]["crc32"]:
         raise _Damaged(f"{m['extras']['file']}: checksum mismatch (file damaged)")
-    # A pickle from your own checkpoint directory (small values that JSON cannot hold).
-    return torch.load(io.BytesIO(blob), weights_only=False)
+    try:
+        return _tree.load_extras(blob)
+    except _tree.UnsafeValueError as e:
+        raise CheckpointError(
+            f"checkpoint {path} was not restored: its {m['extras']['file']} holds something "
+            f"that is not data ({e}). nbtools never writes that: the file was replaced. "
+            "Nothing was loaded or run, and nothing was changed.") from None
 
 
-def verify(entry: _Entry, cfg: CheckpointConfig) -> None:
-    """Read every byte of the checkpoint and check it (raises :class:`_Damaged`)."""
+def verify(entry: _Entry, cfg: CheckpointConfig, which=None) -> None:
+    """Read every byte of the checkpoint (or of the tensors ``which``: manifest indices) and
+    check it (raises :class:`_Damaged`)."""
     m = entry.manifest
     with ThreadPoolExecutor(1) as pool:
         reader = _Reader(entry.path, cfg, pool, None)
         try:
-            for e in m["tensors"]:
-                reader.read_tensor(e, None, f"tensor {e['path']!r}")
+            for i, e in enumerate(m["tensors"]):
+                if which is None or i in which:
+                    reader.read_tensor(e, None, f"tensor {e['path']!r}")
         finally:
             reader.close()
-    read_extras(entry.path, m)
+    if which is None:
+        read_extras(entry.path, m)
+
+
+def verify_chain(links: list, name: str, cfg: CheckpointConfig) -> None:
+    """Check every byte of disk table ``name``'s chain (its base and deltas) before any is
+    written."""
+    with ThreadPoolExecutor(1) as pool:
+        for root, link, e in links:
+            reader = _Reader(root, cfg, pool, None)
+            try:
+                reader.read_tensor(e, None, f"{root.name}: {link['kind']} of disk table {name!r}")
+            finally:
+                reader.close()
+
+
+_NOTHING_CHANGED = ("Nothing was restored: every table, optimizer state, parameter and RNG "
+                    "state is as it was.")
+
+
+def preflight(entry: _Entry, objects: dict, extras: list, matched: dict, half: bool) -> None:
+    """Raise :class:`CheckpointError` when the checkpoint's state for an object would not load
+    into it (another type, other keys, shapes or dtypes, another optimizer class or other
+    tables): checked on the decoded tree with shape-only tensors, before anything is read
+    into a live object. ``half``: the checkpoint's tables were saved in half precision (their
+    dtypes differ on purpose)."""
+    m = entry.manifest
+
+    def shaped(i, _):
+        e = m["tensors"][i]
+        return torch.empty(e["shape"], dtype=_dtype(e["dtype"]), device="meta")
+
+    def on_rows(node):
+        return _rows.view(node, matched[node["$rows"]])
+
+    for name, obj in objects.items():
+        saved = m["objects"][name]
+        problem = None
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        if saved.get("type") not in (None, kind):
+            problem = f"it was saved from a {saved['type']}, this is a {kind}"
+        else:
+            state = _tree.walk(saved["state"], shaped, extras, on_rows=on_rows)
+            problem = _mismatch(name, obj, state, half)
+        if problem:
+            raise CheckpointError(f"checkpoint {entry.path} (step {m['step']}) does not fit "
+                                  f"{name!r}: {problem}. {_NOTHING_CHANGED}")
+
+
+def _same_tensor(key: str, live, saved, half: bool) -> str | None:
+    if not isinstance(saved, torch.Tensor):
+        return f"{key}: the checkpoint holds a {type(saved).__name__}, expected a tensor"
+    if tuple(saved.shape) != tuple(live.shape):
+        return (f"{key}: the checkpoint holds shape {tuple(saved.shape)}, expected "
+                f"{tuple(live.shape)}")
+    if saved.dtype != live.dtype and not half:
+        return f"{key}: the checkpoint holds {saved.dtype}, expected {live.dtype}"
+    return None
+
+
+def _mismatch(name: str, obj, state, half: bool) -> str | None:
+    """What keeps ``state`` (tensors shape-only) from loading into ``obj``, or None. An
+    object that can say so itself has ``check_state_dict(state)`` (raises ValueError):
+    :class:`nbtools.OffloadOptimizer` does."""
+    if isinstance(obj, torch.Tensor):
+        return _same_tensor("the tensor", obj, state, half)
+    if isinstance(obj, dict):
+        return None if isinstance(state, dict) else \
+            f"the checkpoint holds a {type(state).__name__}, expected a dict"
+    if isinstance(obj, torch.nn.Module):
+        live = obj.state_dict()
+        missing = [k for k in live if k not in state]
+        extra = [k for k in state if k not in live]
+        if missing or extra:
+            return ("the checkpoint " + "; ".join(
+                p for p in (f"lacks {missing}" if missing else "",
+                            f"has keys this module does not, {extra}" if extra else "") if p))
+        for k, v in live.items():
+            if isinstance(v, torch.Tensor):
+                problem = _same_tensor(k, v, state[k], half)
+                if problem:
+                    return problem
+        return None
+    if callable(getattr(obj, "check_state_dict", None)):
+        try:
+            obj.check_state_dict(state)
+        except ValueError as e:
+            return str(e)
+        return None
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = state.get("param_groups") if isinstance(state, dict) else None
+        if groups is None or len(groups) != len(obj.param_groups) or any(
+                len(g["params"]) != len(h["params"]) for g, h in zip(groups, obj.param_groups)):
+            return "its parameter groups differ from this optimizer's"
+    return None
 
 
 def hand_over(m: dict, objects: dict, tensors: list, extras: list, matched: dict) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import os
 import shutil
 import socket
@@ -116,10 +115,8 @@ def plan(objects: dict, rng: bool, half: bool, cfg: CheckpointConfig, chains: di
                         "segments": None})
         total += nbytes
     extras_blob = None
-    if packer.extras:
-        buf = io.BytesIO()
-        torch.save(packer.extras, buf)
-        extras_blob = buf.getvalue()
+    if packer.extras:       # checked to load back as data only (restore never unpickles code)
+        extras_blob = _tree.dump_extras(packer.extras, packer.extra_paths)
     uid = uuid.uuid4().hex
     saved = _rows.plan(refs.used, chains, cfg, dir_name, uid, len(entries))
     for s in saved:

@@ -4,7 +4,11 @@ JSON keeps everything readable; a tensor becomes {"$tensor": i} (its bytes go to
 files), a view of a disk table's rows {"$rows": k, ...} (the rows are saved by reference:
 :mod:`nbtools.checkpoint.rows`), a tuple {"$tuple": [...]}, a dict with non-string keys (optimizer state is keyed by
 int) {"$items": [[k, v], ...]}, and anything else ({"$pickle": i}) goes through torch.save
-into the small side file, so nothing is ever lost to the format.
+into the small side file. That file is data, never code: it is read with
+``torch.load(weights_only=True)`` and an allowlist of the types nbtools writes (NumPy arrays,
+scalars and dtypes beside what torch allows: tensors, dtypes, devices, sets, bytes, ...), so a
+crafted side file cannot run anything on restore (:func:`load_extras`); a value outside it is
+refused when saving, naming its place (:func:`dump_extras`).
 
 >>> packer = Packer()
 >>> tree = packer.encode({"w": torch.zeros(2), "step": 3, "pair": (1, 2), 0: "x"}, "obj")
@@ -18,7 +22,11 @@ into the small side file, so nothing is ever lost to the format.
 from __future__ import annotations
 
 import collections
+import io
+import pickle
+import re
 
+import numpy as np
 import torch
 
 
@@ -34,6 +42,7 @@ class Packer:
     def __init__(self, ref=None):
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.extras: list = []
+        self.extra_paths: list[str] = []     # where each extra sits (for messages)
         self.ref = ref
 
     def encode(self, x, path: str):
@@ -63,6 +72,7 @@ class Packer:
                     out["$meta"] = self.encode(meta, f"{path}/<metadata>")
             return out
         self.extras.append(x)
+        self.extra_paths.append(path)
         return {"$pickle": len(self.extras) - 1}
 
 
@@ -139,3 +149,79 @@ def tensor_indices(*trees) -> list[int]:
         if tree is not None:
             walk(tree, lambda i, _: idx.add(i))
     return sorted(idx)
+
+
+class UnsafeValueError(ValueError):
+    """A value of the side file is not plain data (its type is outside the allowlist)."""
+
+
+def _safe_globals() -> list:
+    """The types beyond torch's own weights-only set that a side file may hold: NumPy arrays,
+    scalars and dtypes (a loader's or a user's state keeps them)."""
+    core = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG"}
+    return [core._reconstruct, core.scalar, np.ndarray, np.dtype, *sorted(dtypes, key=str)]
+
+
+def load_extras(blob: bytes) -> list:
+    """The side file's values, unpickled as data only: ``weights_only=True`` with
+    :func:`_safe_globals`. Anything else (a function, a class, ``os.system``) raises
+    :class:`UnsafeValueError` naming it; nothing of it runs."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        try:
+            return torch.load(io.BytesIO(blob), weights_only=True)
+        except pickle.UnpicklingError as e:
+            text = str(e)
+            # torch's message: a paragraph of advice, then the refused global, e.g.
+            # "Unsupported global: GLOBAL posix.system was not an allowed global by default"
+            found = re.search(r"(?:Unsupported global|Unsupported operand|GLOBAL)[^.\n]*", text)
+            why = found.group(0).strip() if found else \
+                (text.strip().splitlines() or [type(e).__name__])[-1]
+            names = _globals_in(blob)
+            raise UnsafeValueError(f"{why}; it refers to {', '.join(names)}" if names else why) \
+                from None
+
+
+def _globals_in(blob: bytes) -> list[str]:
+    """The ``module.name`` globals a pickle refers to, read by pickletools (nothing runs)."""
+    import pickletools
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(blob):
+            if op.name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:            # (a truncated or malformed pickle: what was found so far)
+        pass
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _safe_globals()}
+    return [n for n in dict.fromkeys(names) if n not in allowed and not n.startswith(
+        ("torch.", "collections.OrderedDict"))]
+
+
+def dump_extras(values: list, paths: list) -> bytes:
+    """``values`` as the side file's bytes, checked to load back through :func:`load_extras`:
+    a value that would not (an object of a class of its own, a lambda, ...) raises
+    TypeError naming its place and type, so no save makes a checkpoint restore refuses."""
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    blob = buf.getvalue()
+    try:
+        load_extras(blob)
+    except UnsafeValueError:
+        for value, path in zip(values, paths):
+            one = io.BytesIO()
+            torch.save([value], one)
+            try:
+                load_extras(one.getvalue())
+            except UnsafeValueError as e:
+                raise TypeError(
+                    f"cannot checkpoint {path!r}: a {type(value).__module__}."
+                    f"{type(value).__qualname__} is not plain data ({e}). Checkpoints hold "
+                    "tensors, numbers, strings, lists, tuples, dicts, sets, bytes, torch "
+                    "dtypes/devices and NumPy arrays/scalars; convert it to one of those in "
+                    "state_dict()") from None
+        raise
+    return blob

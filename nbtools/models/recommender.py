@@ -322,6 +322,27 @@ class MatrixFactorization(nn.Module):
         return torch.cat(out) if out else torch.empty(0, candidates.shape[1])
 
     @torch.no_grad()
+    def _nothing_left(self, users: torch.Tensor, k: int, excluded: int,
+                      exclude_seen: bool) -> torch.Tensor:
+        """[U, k]: True at the places past the items a user has left to recommend (where a -1
+        pad is expected, not a sign of non-finite scores)."""
+        left = torch.full((users.numel(),), self.num_items - excluded, dtype=torch.long)
+        if exclude_seen and self.seen is not None:
+            left -= self.seen.counts()[users.to(self.seen.device)].cpu()
+        return torch.arange(k)[None, :] >= left[:, None]
+
+    def _raise_nonfinite(self, users: torch.Tensor) -> None:
+        rows = []
+        for name, table in (("user", self.users), ("item", self.items)):
+            with torch.no_grad():
+                w = table.weight
+                bad = (~torch.isfinite(w)).any(1).nonzero().reshape(-1)
+            if bad.numel():
+                rows.append(f"{bad.numel():,} {name} rows (first: {name} {int(bad[0])})")
+        raise ValueError("recommend(): scores are not finite, because the model holds non-finite "
+                         f"values in {' and '.join(rows) or 'its head'}; retrain (a lower "
+                         "learning rate, or check the data) or restore a checkpoint")
+
     def recommend(self, users, k: int = 10, *, exclude=None, exclude_seen: bool = True,
                   batch_users: int = 1024, chunk_items: int = 65536):
         """The ``k`` best-scored items for one user or many at once.
@@ -373,6 +394,10 @@ class MatrixFactorization(nn.Module):
             ids_out.append(best_i.cpu())
             scores_out.append(best_s.cpu())
         ids, scores = torch.cat(ids_out), torch.cat(scores_out)
+        broken = torch.isnan(scores) | ((ids < 0) & ~self._nothing_left(
+            users, scores.shape[1], skip.numel(), exclude_seen))
+        if bool(broken.any()):
+            self._raise_nonfinite(users)
         if single:
             keep = ids[0] >= 0
             return ids[0][keep], scores[0][keep]
@@ -534,6 +559,36 @@ def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs
             "choice_s": time.perf_counter() - t0}
 
 
+def check_ratings(model: MatrixFactorization, data: Ratings) -> None:
+    """Refuse, before any training, interactions ``model`` cannot learn from: a user or item id
+    outside its tables, a rating that is NaN or infinite, or (``loss="mse"`` with
+    ``config.rating_range``) outside that range. The message names the first bad row."""
+    users, items, ratings = (torch.as_tensor(x) for x in data[:3])
+    n = users.numel()
+    if items.numel() != n or ratings.numel() != n:
+        raise ValueError(f"user_ids, item_ids and ratings must have one entry per interaction, "
+                         f"got {n:,}, {items.numel():,} and {ratings.numel():,}")
+
+    def first(bad: torch.Tensor, what: str, values: torch.Tensor, want: str):
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(f"interaction {row:,} has {what} {values[row].item()!r}: {want} "
+                             f"({int(bad.sum()):,} such rows in all). Fix or drop those rows "
+                             "before fit(): nothing was trained.")
+    first((users < 0) | (users >= model.num_users), "user id", users,
+          f"the model has users 0..{model.num_users - 1:,}")
+    first((items < 0) | (items >= model.num_items), "item id", items,
+          f"the model has items 0..{model.num_items - 1:,}")
+    first(~torch.isfinite(ratings), "rating", ratings, "ratings must be finite numbers")
+    low_high = model.config.rating_range
+    if model.config.loss == "mse" and low_high is not None:
+        lo, hi = low_high
+        first((ratings < lo) | (ratings > hi), "rating", ratings,
+              f"config.rating_range is {lo}..{hi}")
+    elif model.config.loss != "mse":
+        first(ratings < 0, "weight", ratings, "implicit losses read ratings as weights >= 0")
+
+
 def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: int = 256,
         lr: float = 0.003, lr_final: float | None = None, optimizer=torch.optim.Adam,
         dashboard=None, checkpoints=None, every: int = 1000, progress: bool = False,
@@ -563,6 +618,7 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
         included), and with ``choices`` ``"choice"`` (:func:`choose_config`'s answer).
     """
     t0 = time.perf_counter()
+    check_ratings(model, train)
     choice = None
     if choices:
         choice = choose_config(model, train, choices, epochs=choice_epochs,
