@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from .devices import on
 from .kernelbase import _pow2, triton_cdiv
 
 # Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
@@ -103,12 +104,13 @@ def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> 
     cap = ids.numel()
     k = _kernels()
     block = 1024
-    k["admit_count"][(triton_cdiv(cap, block),)](
-        ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
-        cache._best, cache.sets, cache.stats, HASH=CACHE_HASH, BLOCK=block)
-    width = cache.rows.shape[1]
-    k["admit_sets"][(cache.sets,)](
-        cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
-        cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
-        WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
+    with on(ids.device):
+        k["admit_count"][(triton_cdiv(cap, block),)](
+            ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
+            cache._best, cache.sets, cache.stats, HASH=CACHE_HASH, BLOCK=block)
+        width = cache.rows.shape[1]
+        k["admit_sets"][(cache.sets,)](
+            cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
+            cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
+            WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
 

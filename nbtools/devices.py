@@ -49,6 +49,40 @@ def resolve_device(device="auto") -> torch.device:
     return dev
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
+def on(device: torch.device):
+    """A context in which ``device`` is the current CUDA device, where it is a CUDA device other
+    than the current one; nothing (no cost) otherwise. Triton launches, CUDA graphs, streams
+    made without a device and zero-copy views use the *current* device: every entry point of
+    a table or an optimizer enters its table's device, so a table on ``cuda:1`` works while
+    ``cuda:0`` is current.
+
+    >>> with on(torch.device("cpu")):
+    ...     pass
+    """
+    if device.type != "cuda" or device.index is None or \
+            device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device)
+
+
+def on_tables(fn):
+    """Decorator of a method of an object with a ``device`` (a table) or ``tables`` (an
+    optimizer: the first table's device): the method runs with that device current (:func:`on`)."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        dev = getattr(self, "device", None)
+        if not isinstance(dev, torch.device):
+            dev = getattr(self, "guard_device", None)
+        if dev is None:
+            return fn(self, *args, **kwargs)
+        with on(dev):
+            return fn(self, *args, **kwargs)
+    return run
+
+
 class HostBudgetError(NbtoolsError, MemoryError):
     """An allocation would take nbtools past its host-memory budget (set_host_budget)."""
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 
+from .devices import on_tables
 from .tables import OffloadedEmbedding
 
 
@@ -121,6 +122,7 @@ class ShardedEmbedding(nn.Module):
         """The whole table (a single process) or this rank's rows (``local_ids()`` order)."""
         return self.shard.weight
 
+    @on_tables
     def load_full_weight(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows out of a full ``[num_embeddings, dim]`` table (e.g. to start
         every world size from the same initial table)."""
@@ -131,6 +133,7 @@ class ShardedEmbedding(nn.Module):
         with torch.no_grad():
             self.shard.weight.copy_(weight[self.rank::self.world])
 
+    @on_tables
     def gather_full(self, state: str | None = None) -> torch.Tensor:
         """The whole table (``state=None``) or one per-row optimizer state (e.g.
         ``"exp_avg"``) as a CPU tensor ``[num_embeddings, dim]`` (``[num_embeddings, 1]`` for a
@@ -152,6 +155,7 @@ class ShardedEmbedding(nn.Module):
         return full
 
     # --- lookups ----------------------------------------------------------------------------
+    @on_tables
     def _check_ids(self, flat: torch.Tensor, shape) -> None:
         """Raise IndexError on every rank when any rank's ids are out of range, before anything
         is exchanged (so no table changes and no rank waits for a peer that raised)."""
@@ -174,6 +178,7 @@ class ShardedEmbedding(nn.Module):
             f"table {self.name!r}: ids out of range on rank(s) {ranks} (see their error; valid "
             f"ids are 0 to {self.num_embeddings - 1:,}). No rank looked up or changed anything.")
 
+    @on_tables
     def forward(self, ids) -> torch.Tensor:
         if self.world == 1:
             return self.shard(ids)
@@ -213,14 +218,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, fn, world, port, args, results, timeout_s):
+def _worker(rank, fn, world, port, args, results, timeout_s, backend="gloo"):
     import datetime
     import os
     import sys
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    extra = {}
+    if backend == "nccl":           # one GPU a rank: cuda:rank, current in this process
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast off (docs/distributed.md)
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                            **extra)
     value = fn(rank, world, *args)
     results.put((rank, value))      # SimpleQueue: written before put returns
     dist.barrier()                  # every rank past its last collective
@@ -232,10 +243,14 @@ def _worker(rank, fn, world, port, args, results, timeout_s):
     os._exit(0)
 
 
-def spawn(fn, nprocs: int, args=(), timeout: float = 600.0) -> list:
-    """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine, each in a gloo
+def spawn(fn, nprocs: int, args=(), timeout: float = 600.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` processes on this machine, each in a
     process group (the default group, so ``ShardedEmbedding(...)`` shards over it), and return
     their return values in rank order.
+
+    ``backend``: ``"gloo"`` (CPU ranks, or GPU ranks exchanging through host memory) or
+    ``"nccl"`` (one GPU a rank: rank r computes on ``cuda:r``, made current in its process;
+    ``nprocs`` at most the GPUs visible).
 
     ``fn`` must be importable by the new processes: define it in a ``.py`` file (in a
     notebook, ``%%writefile job.py`` and ``from job import train``), not in a cell. A rank that
@@ -246,10 +261,15 @@ def spawn(fn, nprocs: int, args=(), timeout: float = 600.0) -> list:
 
     import torch.multiprocessing as mp
 
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and nprocs > torch.cuda.device_count():
+        raise ValueError(f"backend='nccl' runs one rank a GPU: {nprocs} ranks asked for, "
+                         f"{torch.cuda.device_count()} GPU(s) visible")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     job = mp.start_processes(_worker, args=(fn, nprocs, free_port(), tuple(args), results,
-                                            timeout), nprocs=nprocs, join=False,
+                                            timeout, backend), nprocs=nprocs, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

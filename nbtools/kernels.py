@@ -31,6 +31,7 @@ import math
 import torch
 
 from . import admission, segsum
+from .devices import on
 from .admission import CACHE_HASH, admit  # noqa: F401  (re-exported: nbtools.cache uses both)
 from .kernelbase import _pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (re-exported)
 from .segsum import SEGMENT_CHUNK, SEGMENT_PARTS, segment_sum  # noqa: F401  (re-exported)
@@ -550,12 +551,13 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     block_r, block_c, warps = _blocks(width, "gather")
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
-    _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
-                               out.stride(0), cap, width, cache if has_cache else src,
-                               cache.stride(0) if has_cache else 0,
-                               slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
-                               KEEP=keep,
-                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    with on(ids.device):
+        _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
+                                   out.stride(0), cap, width, cache if has_cache else src,
+                                   cache.stride(0) if has_cache else 0,
+                                   slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
+                                   KEEP=keep,
+                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return result
 
 
@@ -622,10 +624,11 @@ def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: tor
     block_r, block_c, warps = _blocks(width, "put")
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
-    _kernels()["put"][grid](dst, dst.stride(0), ids, count, count if guard is None else guard,
-                            dst.shape[0], src, src.stride(0), cap, width, row_blocks,
-                            HAS_GUARD=guard is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                            num_warps=warps)
+    with on(ids.device):
+        _kernels()["put"][grid](dst, dst.stride(0), ids, count, count if guard is None else guard,
+                                dst.shape[0], src, src.stride(0), cap, width, row_blocks,
+                                HAS_GUARD=guard is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                                num_warps=warps)
 
 
 def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_rows: int,
@@ -640,9 +643,10 @@ def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_ro
     block_r, block_c, warps = _blocks(width, "patch")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     steps = max(1, math.ceil(math.log2(src_ids.numel() + 1)))
-    _kernels()["patch"][grid](out, out.stride(0), ids, count, num_rows, src, src.stride(0),
-                              src_ids, src_count, width, steps, BLOCK_R=block_r,
-                              BLOCK_C=block_c, num_warps=warps)
+    with on(ids.device):
+        _kernels()["patch"][grid](out, out.stride(0), ids, count, num_rows, src, src.stride(0),
+                                  src_ids, src_count, width, steps, BLOCK_R=block_r,
+                                  BLOCK_C=block_c, num_warps=warps)
 
 
 def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
@@ -655,8 +659,9 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     (src, dst), (width,) = _as_vectors([src, dst], (width,), "copy")
     block_r, block_c, warps = _blocks(width, "copy")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
-    _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
-                             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    with on(sidx.device):
+        _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
+                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -671,8 +676,9 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch
         return out
     block_r, block_c, warps = _blocks(width, "take")
     grid = (triton_cdiv(n, block_r), triton_cdiv(width, block_c))
-    _kernels()["take"][grid](src, src.stride(0), idx, n, out, out.stride(0), width,
-                             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    with on(idx.device):
+        _kernels()["take"][grid](src, src.stride(0), idx, n, out, out.stride(0), width,
+                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
@@ -738,17 +744,18 @@ class FusedUpdate:
         t = target
         has_cache = t.cache is not None
         mode = 2 if t.rounding == "stochastic" else 1
-        _kernels()[self.kernel][grid](
-            rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
-            t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
-            t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
-            t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
-            t.slots if has_cache else ids,
-            t.num_rows if t.num_rows is not None else t.view.shape[0], cap, d, t.state_col, hyper,
-            ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
-            ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
-            HAS_CACHE=has_cache, IN_PLACE=t.in_place, BLOCK_R=block_r, BLOCK_C=block_c,
-            num_warps=warps, **consts)
+        with on(ids.device):
+            _kernels()[self.kernel][grid](
+                rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
+                t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
+                t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
+                t.cache_w if has_cache else t.view_w, t.cache_w.stride(0) if has_cache else 0,
+                t.slots if has_cache else ids,
+                t.num_rows if t.num_rows is not None else t.view.shape[0], cap, d, t.state_col, hyper,
+                ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
+                ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
+                HAS_CACHE=has_cache, IN_PLACE=t.in_place, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=warps, **consts)
 
 
 def _pad(values: list, seed: int) -> list:

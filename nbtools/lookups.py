@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import kernels
+from .devices import on_tables
 from .rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -254,6 +255,7 @@ class TableLookups:
 
     # --- prefetch ---------------------------------------------------------------------------
 
+    @on_tables
     def prefetch(self, ids) -> None:
         """Start the next training lookup of ``ids`` now, while the current step computes.
 
@@ -294,6 +296,7 @@ class TableLookups:
         rows = self._layout.weight(full)
         return rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
 
+    @on_tables
     def collect(self) -> StepRows | None:
         """The row protocol's step input: the rows looked up since the last call, their unique
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
@@ -358,6 +361,7 @@ class TableLookups:
             return self._grad_of(rec), None
         return grad.new_empty(rec[0].capacity, grad.shape[-1]), (grad, rec[0])
 
+    @on_tables
     def clear_pending(self) -> None:
         LookupGraphs.release(rec[5] for rec in self._pending)
         self._pending.clear()

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from . import NbtoolsError
-from .devices import deferred_interrupts, host_memory_bytes, human_bytes, resolve_device
+from .devices import (deferred_interrupts, host_memory_bytes, human_bytes, on_tables,
+                      resolve_device)
 from .units import positive_int
 from . import steps, streams
 from .placement import NoRoomError, auto_placement, disk_bytes
@@ -337,6 +338,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # --- what a training loop calls -----------------------------------------------------------
     @_step_with_hooks
+    @on_tables
     def step(self, closure=None):
         """Update the ordinary parameters and every table's touched rows.
 
@@ -546,6 +548,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for (slot, _), (_, count, sentinel) in zip(pending.collected, tables):
             slot.count_written(count, bool(sentinel))
 
+    @on_tables
     def synchronize(self) -> None:
         """Read the checks of the last step if they are still on their way (see
         ``OffloadConfig.checks``): raises the error of a bad step, else does nothing. Saving,
@@ -571,6 +574,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state["_graphs"] = steps.StepGraphs()
         return state
 
+    @on_tables
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._dense is not None:
             self._dense.zero_grad(set_to_none=set_to_none)
@@ -589,6 +593,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Table name -> table."""
         return {s.name: s.table for s in self._slots}
 
+    @property
+    def guard_device(self) -> torch.device | None:
+        """The device its steps run with current (devices.on): its first table's."""
+        return self._slots[0].table.device if self._slots else None
+
+    @on_tables
     def table_state(self, table) -> dict:
         """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
         return self._slot(table).row_state()
@@ -617,6 +627,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         raise KeyError(f"no table {table!r} in this optimizer; it has {list(self.tables)}")
 
     # --- checkpoints --------------------------------------------------------------------------
+    @on_tables
     def state_dict(self) -> dict:
         """Dense optimizer state plus, per table, hyper-parameters, scalar state and per-row
         state as the live host tensors (no copies)."""
@@ -654,6 +665,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 raise ValueError("state_dict's ordinary parameters are grouped differently from "
                                  "this optimizer's")
 
+    @on_tables
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_state_dict(state_dict)      # nothing is changed when it does not fit
         self._pending = None           # what is loaded replaces a step not read back yet

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from .devices import on
 from .kernelbase import _pow2, triton_cdiv
 
 
@@ -167,13 +168,14 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
     parts = torch.empty(2, chunks, d, dtype=out.dtype, device=out.device)
     warps = max(1, min(4, block_c // 32))
     k = _kernels()
-    k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
-                              out.stride(0), out.shape[0], parts[0], parts[1], d,
-                              out if found is None else found, CHUNK=SEGMENT_CHUNK,
-                              BLOCK_C=block_c, CHECK=found is not None, num_warps=warps)
-    k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
-                            out if found is None else found, CHUNK=SEGMENT_CHUNK,
-                            PARTS=SEGMENT_PARTS, BLOCK_C=block_c, CHECK=found is not None,
-                            num_warps=warps)
+    with on(out.device):
+        k["segment_chunks"][grid](src, src.stride(0), src.stride(1), order, slot, n, out,
+                                  out.stride(0), out.shape[0], parts[0], parts[1], d,
+                                  out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                                  BLOCK_C=block_c, CHECK=found is not None, num_warps=warps)
+        k["segment_join"][grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
+                                out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                                PARTS=SEGMENT_PARTS, BLOCK_C=block_c, CHECK=found is not None,
+                                num_warps=warps)
     return out
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .devices import resolve_device, synchronize
+from .devices import on_tables, resolve_device, synchronize
 from .hostmem import HostTensor
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
@@ -310,6 +310,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         first, so what you read is current. Write to it to initialise."""
         return self._current(keep_cache=False, state=None)
 
+    @on_tables
     def _current(self, keep_cache: bool, state) -> torch.Tensor:
         """The weights (``state`` None) or one state's columns of every row, current: cached
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
@@ -346,6 +347,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         emptied."""
         return self._current(keep_cache, self._state_names.index(name))
 
+    @on_tables
     def attach_state(self, names, initial: dict, owned: bool = True,
                      dims: dict | None = None) -> None:
         """Give every row room for per-row optimizer state, stored after its weight.
@@ -368,6 +370,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         """The GPU cache of hot rows (:class:`nbtools.cache.RowCache`), or None."""
         return self._rows.cache
 
+    @on_tables
     def warm_cache(self, counts) -> None:
         """Seed the cache's row counts with known frequencies (e.g. a word2vec vocabulary's
         word counts, ``counts[id]``) and load the most frequent rows now, so the first steps
@@ -430,6 +433,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         (CPU compute) or 'disk' (rows in a file, a RAM cache read zero-copy)."""
         return "disk" if self._disk is not None else self._rows.mode
 
+    @on_tables
     def set_grad_scale(self, weights) -> None:
         """Multiply each row's summed gradient by ``weights[id]`` before the optimizer step.
 
@@ -452,6 +456,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         host.tensor.copy_(weights.reshape(-1, 1))
         self._grad_scale = RowStore(host, self.device)
 
+    @on_tables
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         self._prefetch.drop()
@@ -482,6 +487,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         return dict(self.__dict__)
 
     # --- lookups: nbtools.lookups.TableLookups (ids, pending lookups, the step's input) -----
+    @on_tables
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)
         rows, inv = self._lookup(ids, id_order=self.ID_ORDER)
@@ -496,6 +502,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         # writes through .weight, which empties it first)
         destination[prefix + "weight"] = self._current(keep_cache=True, state=None)
 
+    @on_tables
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "weight"
@@ -570,6 +577,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.mode = mode
 
+    @on_tables
     def forward(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
         ids = self._prepare_ids(ids)
         if offsets is None:

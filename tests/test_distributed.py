@@ -66,6 +66,8 @@ def _loss(out, step, rank):
 
 
 def _train_worker(rank, world, device):
+    if device == "cuda:rank":               # NCCL: one GPU a rank
+        device = f"cuda:{rank}"
     for cls, hyper, options in CASES:
         torch.manual_seed(0)
         ref = OffloadedEmbedding(ROWS, DIM, device=device, name="t", **options)
@@ -172,6 +174,18 @@ def test_matches_single_process_table(world, device, request):
         _passed(request.getfixturevalue("on_ranks"), world, "train")
     else:
         _run(_train_worker, world, args=(device,), timeout=120.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_matches_single_process_table(world):
+    """One rank a GPU over NCCL (the GPU machine's kinds of 2 and 4 GPUs): the same checks."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs: run on the device tool's nvidia-h200-x{world} kind")
+    try:
+        spawn(_train_worker, world, args=("cuda:rank",), timeout=240.0, backend="nccl")
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 def _lookup_worker(rank, world):

@@ -86,7 +86,8 @@ def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
     tensors: list = [None] * len(m["tensors"])
     bar = progress_bar(total, f"restoring step {m['step']}", cfg.progress)
     if cuda_ok():
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):     # tables may be on any GPU
+            torch.cuda.synchronize(i)
     try:
         with ThreadPoolExecutor(1) as pool, torch.no_grad():
             reader = _Reader(entry.path, cfg, pool, bar)
