@@ -745,7 +745,9 @@ class LookupGraphs:
                 (batch.ids < n)
             cache.freq.index_add_(0, batch.ids, -2 * live.int())
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # the capture on a stream of this table's device: torch.cuda.graph's default capture
+        # stream is made once per process, on whichever device was current then
+        with torch.cuda.graph(graph, stream=side):
             batch, rows = lookup()
         return _Captured(graph, static, batch, rows)
 
