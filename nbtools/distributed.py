@@ -146,8 +146,11 @@ class ShardedEmbedding(nn.Module):
         most = (self.num_embeddings + self.world - 1) // self.world
         padded = local.new_zeros(most, local.shape[1])    # (a row-wise state: 1 column)
         padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded.to(self._comm_device), group=self.group)
+        send = padded.to(self._comm_device)
+        # the receive buffers where the send is: NCCL writes GPU memory (CPU buffers here
+        # were an illegal memory access)
+        parts = [torch.empty_like(send) for _ in range(self.world)]
+        dist.all_gather(parts, send, group=self.group)
         full = local.new_empty(self.num_embeddings, local.shape[1])
         for r, part in enumerate(parts):
             n = (self.num_embeddings - r + self.world - 1) // self.world
