@@ -24,6 +24,10 @@ from pathlib import Path
 from . import NbtoolsError
 
 MOUNT_POINT = Path("/content/drive")          # where Colab mounts Google Drive
+# The repository the notebooks' Colab badges open, and where their install cell installs from
+# until a release is on PyPI (the cell holds the same URL: tests/test_colab.py checks both).
+REPO_URL = "https://github.com/nbtools-dev/nbtools"
+DISTRIBUTION = "nbtools-offload"              # the PyPI name (nbtools is another project's)
 MY_DRIVE = "MyDrive"
 
 
@@ -93,3 +97,25 @@ def flush_drive(unmount: bool = True) -> None:
             return
     if hasattr(os, "sync"):
         os.sync()
+
+
+def install_spec(extra: str = "notebook", run=None) -> str:
+    """What the notebooks' install cell hands to ``%pip install``: the release on PyPI where
+    one exists (``pip index versions`` finds it), else the GitHub repository.
+
+    >>> from types import SimpleNamespace as R
+    >>> install_spec(run=lambda *a, **k: R(returncode=1, stdout=""))
+    'nbtools-offload[notebook] @ git+https://github.com/nbtools-dev/nbtools'
+    """
+    import subprocess
+    run = run or subprocess.run
+    found = run([sys.executable, "-m", "pip", "index", "versions", DISTRIBUTION],
+                capture_output=True, text=True)
+    spec = f"{DISTRIBUTION}[{extra}]"
+    return spec if found.returncode == 0 else f"{spec} @ git+{REPO_URL}"
+
+
+def badge_url(notebook: str) -> str:
+    """The Colab link that opens ``notebooks/<notebook>`` of :data:`REPO_URL`."""
+    repo = REPO_URL.removeprefix("https://github.com/")
+    return f"https://colab.research.google.com/github/{repo}/blob/main/notebooks/{notebook}"

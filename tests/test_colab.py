@@ -114,3 +114,67 @@ def test_background_copies_newest_and_reports_errors(tmp_path):
     with pytest.warns(RuntimeWarning, match="local copy is intact"):
         sync.submit(paths[0])                       # the next submit warns about it
     sync.wait(timeout=30)                           # reported once, not again
+
+
+# --- the notebooks' install cell ------------------------------------------------------------------
+
+def _install_cells():
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cells = {}
+    for p in sorted((root / "notebooks").glob("*.ipynb")):
+        nb = json.loads(p.read_text())
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        cells[p.name] = "".join(code[0]["source"])
+    return cells
+
+
+def _run_install_cell(source, released, tmp_path, monkeypatch):
+    """The cell as Colab runs it in a fresh runtime (nbtools not importable, no checkout),
+    pip mocked: returns what it would %pip install."""
+    import importlib.util
+    import subprocess
+    calls, installed = [], []
+
+    def fake_run(args, **kw):
+        calls.append(args)
+        return types.SimpleNamespace(returncode=0 if released else 1,
+                                     stdout="nbtools-offload (0.1.0)" if released else "")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    for line in source.splitlines():
+        if line.strip().startswith("%pip install"):
+            indent = line[: len(line) - len(line.lstrip())]
+            line = f"{indent}_installed.append(spec)"
+        lines.append(line)
+    exec("\n".join(lines), {"_installed": installed})
+    assert calls and calls[0][-3:] == ["index", "versions", "nbtools-offload"]
+    return installed
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_install_cell_picks_pypi_or_the_repository(released, tmp_path, monkeypatch):
+    cells = _install_cells()
+    assert len(cells) == 4 and len(set(cells.values())) == 1, "the four cells differ"
+    got = _run_install_cell(next(iter(cells.values())), released, tmp_path, monkeypatch)
+    want = colab.install_spec(run=lambda *a, **k: types.SimpleNamespace(
+        returncode=0 if released else 1, stdout=""))
+    assert got == [want]
+    assert want == ("nbtools-offload[notebook]" if released else
+                    "nbtools-offload[notebook] @ git+https://github.com/nbtools-dev/nbtools")
+
+
+def test_badges_and_install_cell_name_the_same_repository():
+    from pathlib import Path
+    import re
+    root = Path(__file__).resolve().parents[1]
+    cell = next(iter(_install_cells().values()))
+    assert f'REPO_URL = "{colab.REPO_URL}"' in cell
+    for path in [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]:
+        text = path.read_text()
+        for url in re.findall(r"https://colab\.research\.google\.com/github/[^)\s\"\\]+", text):
+            name = url.rsplit("/", 1)[-1]
+            assert url == colab.badge_url(name), f"{path.name}: {url}"
