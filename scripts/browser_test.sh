@@ -12,7 +12,7 @@
 #
 # Installs what it needs: Debian's chromium (apt), the Python packages (pip, into the current
 # python), and two npm packages (@jupyter-widgets/html-manager, requirejs) into a cache folder.
-# scripts/test.sh runs --prepare in the background while pip sets up Python; a run waits for a
+# tests/conftest.py runs --prepare in the background while the other tests run; a run waits for a
 # preparation under way (a lock in the cache folder) rather than starting a second apt-get.
 # Needs no internet at test time: Chromium resolves no name but localhost.
 # Exit status: 0 passed (or prepared), 1 failed, 77 skipped (chromium could not be installed).

@@ -5,27 +5,23 @@
 #
 #   bash scripts/main.sh                # notebooks/word2vec.ipynb
 #   bash scripts/main.sh recommender    # notebooks/recommender.ipynb
+#   bash scripts/main.sh dashboard      # notebooks/dashboard.ipynb
+#   bash scripts/main.sh disk           # notebooks/disk.ipynb
 #
 # Output: artifacts/<name>.ipynb (with every cell's output, plots included), each plot also as
 # artifacts/<name>-figures/cell-<n>.png, the dashboard's final image as
 # artifacts/<name>-dashboard.png, checkpoints under artifacts/runs/, and the "Google Drive"
-# copies under artifacts/drive/ (outside Colab, a local folder).
+# copies under artifacts/drive/ (outside Colab, a local folder). The smoke setting trains on
+# small samples bundled with nbtools (made-up text and ratings): its scores show that the
+# pipeline works and are not comparable with published figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name="${1:-word2vec}"
 if [ ! -f "notebooks/$name.ipynb" ]; then
-  echo "no notebooks/$name.ipynb; try: word2vec, recommender" >&2
+  echo "no notebooks/$name.ipynb; try one of: word2vec, recommender, dashboard, disk" >&2
   exit 2
 fi
-
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-. .venv/bin/activate
-# A pinned torch: on these CPU machines torch==2.13.0 is a CPU build already on disk; an
-# unpinned requirement would pull a multi-GB CUDA build. Never replace a torch that is there.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[dev]"
+. scripts/setup.sh
 
 mkdir -p artifacts
 # A fresh run each time: an earlier run's checkpoints would be restored and training skipped.
@@ -56,16 +52,14 @@ try:
 finally:
     nbformat.write(nb, out)         # also when a cell failed: the error is in the notebook
 seconds = time.perf_counter() - t0
-# The results, as the notebook shows them (the cells after training).
-shown = False
-for cell in nb.cells:
-    if cell.cell_type == "code" and "models.train(" in cell.source:
-        shown = True
-        continue
-    if shown and cell.cell_type == "code":
-        for o in cell.get("outputs", []):
-            if o.get("output_type") == "stream":
-                print(o["text"], end="")
+# What the notebook printed (each cell's last lines; not the install and set-up cells).
+code = [c for c in nb.cells if c.cell_type == "code"]
+for cell in code[2:]:
+    text = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    lines = [l for l in text.splitlines() if l.strip()]
+    if lines:
+        print("\n".join(lines[-12:]))
 print(f"\nexecuted {src} in {seconds:.1f} s -> {out.resolve()}")
 
 # Every plot as a PNG file too, and the dashboard's final image: the history plot inlined in the

@@ -144,7 +144,34 @@ def devices():
     return ["cpu", "cuda"] if cuda_ok() else ["cpu"]
 
 
+def _prepare_browser(config) -> None:
+    """In the run's first process: where the run includes the dashboard's headless-Chromium
+    test (tests/test_dashboard_browser.py), start its apt installs now, in the background, so
+    they overlap the other tests (the test waits for them: a lock in its cache folder)."""
+    import subprocess
+    if hasattr(config, "workerinput") or os.environ.get("NBTOOLS_SKIP_BROWSER") == "1":
+        return
+    if "not slow" in (config.option.markexpr or "") or config.option.keyword:
+        return
+    args = [str(a) for a in config.args]
+    if args and not any(a.rstrip("/").endswith("tests") or "browser" in a for a in args):
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(os.path.join(root, "artifacts"), exist_ok=True)
+    log = open(os.path.join(root, "artifacts", "browser_prepare.log"), "w")
+    config._nbtools_prepare = subprocess.Popen(
+        ["bash", os.path.join(root, "scripts", "browser_test.sh"), "--prepare"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def pytest_unconfigure(config):
+    job = getattr(config, "_nbtools_prepare", None)
+    if job is not None:
+        job.wait()
+
+
 def pytest_configure(config):
+    _prepare_browser(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return                  # pytest-xdist's controlling process: its workers run the tests
     # Without a GPU, Triton's interpreter runs the fused kernels on CPU tensors

@@ -1,7 +1,7 @@
 """The dashboard notebook rendered in headless Chromium (wraps scripts/browser_test.sh).
 
 Slow (~30-70 s: it executes two notebooks in a kernel and may apt-install chromium); CI can also
-call the script directly. Skipped only when chromium cannot be installed.
+call the script directly. Skipped when chromium cannot be installed, or with NBTOOLS_SKIP_BROWSER=1.
 """
 import os
 import pathlib
@@ -14,6 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("NBTOOLS_SKIP_BROWSER") == "1",
+                    reason="NBTOOLS_SKIP_BROWSER=1: the headless-Chromium test is skipped")
 def test_dashboard_renders_in_headless_chromium():
     # Screenshots stay in artifacts/ (CI keeps them) unless ARTIFACTS says elsewhere.
     out = pathlib.Path(os.environ.get("ARTIFACTS", ROOT / "artifacts"))

@@ -67,11 +67,16 @@ class _Plotter:
         div = 60.0 if minutes else 1.0
         x = [v / div for v in t]
         shown = [[], [], []]
+        seen = [False, False, False]        # a panel with a nonzero reading
         for i, key, scale, line in self.lines:
             y = [math.nan if r.get(key) is None else r[key] / scale for r in recs]
             line.set_data(x, y)
-            if any(v == v for v in y):     # a legend entry only for series with readings
+            finite = sum(v == v for v in y)
+            line.set_marker("o" if 0 < finite <= 3 else "")   # a short run: its few readings
+            line.set_markersize(3)
+            if finite:                     # a legend entry only for series with readings
                 shown[i].append(line)
+                seen[i] = seen[i] or any(v == v and v != 0 for v in y)
         for a, lines in zip(self.ax, shown):
             if lines:
                 a.legend(handles=lines, loc="upper left", fontsize=7, frameon=False, ncol=4)
@@ -81,6 +86,15 @@ class _Plotter:
             artist.remove()
         self._extra = [self.ax[k].axvline(r["time_s"] / div, color="#888", ls=":", lw=1)
                        for r in recs if r.get("resumed") for k in range(3)]
+        no_gpu = bool(recs) and not any(r.get("gpu_used_bytes") is not None for r in recs)
+        notes = {1: "N/A: no GPU here (a CPU run moves nothing over PCIe)" if no_gpu else
+                    "no PCIe traffic measured yet",
+                 2: "no throughput yet: it takes two readings (refresh_s apart)"}
+        for k, note in notes.items():
+            if not seen[k]:
+                self._extra.append(self.ax[k].text(0.5, 0.5, note, transform=self.ax[k].transAxes,
+                                                   ha="center", va="center", fontsize=8,
+                                                   color="#777"))
         link = link_bytes_per_s or next((r.get("link_bytes_per_s") for r in reversed(recs)
                                          if r.get("link_bytes_per_s")), None)
         if link:
