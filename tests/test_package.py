@@ -245,3 +245,41 @@ def test_no_new_import_cycles_through_lazy_imports():
     assert "nbtools.cache" not in graph["nbtools.kernels"]      # the hash lives in kernels now
     unexpected = [c for c in cycles(graph) if c not in _KNOWN_LAZY_CYCLES]
     assert unexpected == []
+
+
+# --- the README's snippets run as pasted ----------------------------------------------------------
+
+def _readme_snippets():
+    """The README's ```python blocks that a user runs (not the ``%pip`` install line)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return [b for b in blocks if not b.lstrip().startswith("%pip")]
+
+
+def test_readme_snippets_are_the_ones_tested():
+    snippets = _readme_snippets()
+    assert len(snippets) == 2
+    assert "OffloadOptimizer(torch.optim.Adam, model" in snippets[0]      # Sixty seconds
+    assert 'data.load("movielens-sample")' in snippets[1]                  # offline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["sixty-seconds", "recommender"])
+def test_readme_snippet_runs_as_pasted(which, tmp_path):
+    """Each snippet in a fresh interpreter; Sixty seconds within 2 GB of RAM (its peak RSS)."""
+    import os
+    import subprocess
+    import sys
+    code = _readme_snippets()[which] + (
+        "\nimport resource\nprint('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env={**os.environ, "NBTOOLS_DATA_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rss_kb = int(re.search(r"MAXRSS_KB (\d+)", out.stdout).group(1))
+    if which == 0:
+        assert "step 29" in out.stdout and "loss" in out.stdout
+        losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+        assert losses[-1] < losses[0], losses            # it trained
+        assert rss_kb < 2 * 2**20, f"peak RSS {rss_kb / 2**20:.2f} GiB"
+    else:
+        assert "hr@10" in out.stdout

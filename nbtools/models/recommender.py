@@ -67,7 +67,9 @@ class MFConfig:
 # the notebook and the benchmark use, so that a user starts from defaults that beat the baselines.
 # The ranking's recency weights were chosen on a validation split (each user's last training
 # interaction), never on the test items.
-RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=(1.0, 5.0)), dim=64,
+# (rating_range None: predictions clamped to the training ratings' own range, 1..5 on ML-100K,
+# 0.5..5 on MovieLens files with half stars)
+RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=None), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003, lr_final=0.0003))
 # Whether recency weights help depends on the data (MovieLens: yes; the synthetic sets, whose draw
 # order carries no drift of taste: no), so fit() chooses: 4 epochs with each setting (4 negatives:
@@ -584,7 +586,8 @@ def check_ratings(model: MatrixFactorization, data: Ratings) -> None:
     if model.config.loss == "mse" and low_high is not None:
         lo, hi = low_high
         first((ratings < lo) | (ratings > hi), "rating", ratings,
-              f"config.rating_range is {lo}..{hi}")
+              f"config.rating_range is {lo}..{hi} (rating_range=None: the training ratings' "
+              "own range)")
     elif model.config.loss != "mse":
         first(ratings < 0, "weight", ratings, "implicit losses read ratings as weights >= 0")
 
