@@ -227,7 +227,7 @@ def cache_budget(table) -> tuple[int | None, str]:
         return int(cfg.cache_bytes), "cache_bytes"
     if cfg.cache_rows is not None:
         return (RowCache.overhead_bytes(table.num_embeddings) + int(cfg.cache_rows)
-                * RowCache.slot_bytes(table._rows.row_bytes)), "cache_rows"
+                * RowCache.slot_bytes(table.rows.row_bytes)), "cache_rows"
     fraction = cfg.cache_fraction
     why = "cache_fraction"
     if fraction is None and table.requested_placement == "auto":
@@ -277,30 +277,25 @@ class CacheCounts:
                 "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
 
 
-def make_table_cache(table) -> None:
-    """Give ``table`` the GPU cache of hot rows its config asks for (when its optimizer
-    attaches: the rows' width, with their state, is known only then)."""
+def cache_capacity(table) -> tuple:
+    """``(rows, why)``: how many rows the GPU cache of hot rows ``table``'s config asks for
+    holds (None: no cache), and why (for its repr). Called when its optimizer attaches: the
+    rows' width, with their state, is known only then. The table attaches the cache itself."""
     budget, why = cache_budget(table)
-    table._cache_why = why
     if budget is None:
-        return
-    if table._rows.mode not in ("zero-copy", "host"):
-        warnings.warn(f"table {table.name!r}: no cache of hot rows for {table._rows.mode!r} "
+        return None, why
+    rows = table.rows
+    if rows.mode not in ("zero-copy", "host"):
+        warnings.warn(f"table {table.name!r}: no cache of hot rows for {rows.mode!r} "
                       "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
                       stacklevel=5)
-        return
+        return None, why
     n = table.num_embeddings
-    capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(
-        table._rows.row_bytes)
+    capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(rows.row_bytes)
     if capacity < 1:
         raise ValueError(
             f"table {table.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
             f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
-            f"row {human_bytes(RowCache.slot_bytes(table._rows.row_bytes))}; give "
+            f"row {human_bytes(RowCache.slot_bytes(rows.row_bytes))}; give "
             "cache_bytes more room or leave the cache off")
-    table._rows.attach_cache(min(capacity, n))
-    table._graphs.invalidate()
-    table._cache_counts = CacheCounts()
-    if table._warm_counts is not None:
-        table._rows.cache.warm(table._warm_counts, table._rows.view())
-        table._warm_counts = None
+    return min(capacity, n), why

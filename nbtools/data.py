@@ -657,9 +657,8 @@ def load(name_or_path, **kwargs):
     if entry is not None:
         path, kind = fetch(entry.name, **fetch_kw), entry.kind
         if kind in ("wordsim", "analogy"):
-            from .models import wordsim     # lazy: data does not need the models otherwise
 
-            return (wordsim.load_word_pairs if kind == "wordsim" else wordsim.load_analogies)(path)
+            return (load_word_pairs if kind == "wordsim" else load_analogies)(path)
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
@@ -725,3 +724,35 @@ def make_ratings_sample(path, users: int = 120, items: int = 90, per_user: int =
             rating = min(5.0, max(0.5, math.floor(score * 2 + 0.5) / 2))
             rows.append(f"{i + 1},{3 * j + 1},{rating},{1_000_000_000 + 3600 * (i * items + j)}")
     Path(path).write_text("\n".join(rows) + "\n")
+
+
+# --- word-vector evaluation files (nbtools.models.wordsim scores them) ---------------------------
+
+def load_word_pairs(path) -> list:
+    """``[(word1, word2, score), ...]`` from a WS353 / SimLex-999 file (tab separated, ``#``
+    comments)."""
+    pairs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        cols = line.split("\t")
+        if len(cols) < 3:
+            raise ValueError(f"{path}:{n}: expected 'word1<TAB>word2<TAB>score', got {line!r}")
+        pairs.append((cols[0].strip().lower(), cols[1].strip().lower(), float(cols[2])))
+    return pairs
+
+
+def load_analogies(path) -> list:
+    """``[(section, a, b, c, d), ...]`` from ``questions-words.txt`` (``a : b = c : d``)."""
+    out, section = [], ""
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.startswith(":"):
+            section = line[1:].strip()
+            continue
+        words = line.lower().split()
+        if len(words) != 4:
+            raise ValueError(f"{path}:{n}: expected four words 'a b c d', got {line!r}")
+        out.append((section, *words))
+    return out

@@ -724,7 +724,7 @@ def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarr
     read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
     compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
     count as :func:`nbtools.rows.unique_ids` gives them), and the slots as a host array."""
-    disk = table._disk
+    disk = table.disk
     n = table.num_embeddings
     p = disk.take_prepared(ids) or prepare(ids, n, table.padding_idx)
     slots = disk.resolve(p.uniq, training)

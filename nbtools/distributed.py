@@ -185,7 +185,7 @@ class ShardedEmbedding(nn.Module):
     def forward(self, ids) -> torch.Tensor:
         if self.world == 1:
             return self.shard(ids)
-        ids = self.shard._prepare_ids(ids)
+        ids = self.shard.prepare_ids(ids)
         flat = ids.reshape(-1).long()
         self._check_ids(flat, ids.shape)
         # each unique id is asked for once; owners get them grouped by rank

@@ -118,7 +118,7 @@ class TableLookups:
     """
 
     # --- lookups ----------------------------------------------------------------------------
-    def _prepare_ids(self, ids) -> torch.Tensor:
+    def prepare_ids(self, ids) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             try:
                 ids = torch.as_tensor(ids)
@@ -146,7 +146,7 @@ class TableLookups:
         """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
 
         Returns (rows [capacity, dim], inverse [ids.numel()]), or with ``id_order`` where
-        :meth:`_lookup_result` can, (rows in the order of the ids [ids.numel(), dim], None).
+        :meth:`lookup_result` can, (rows in the order of the ids [ids.numel(), dim], None).
         Ids are checked here when the
         lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
         is, the check runs on the device and the optimizer's step reads its verdict, with
@@ -178,9 +178,9 @@ class TableLookups:
                 # Training: whole rows now, so the optimizer step needs no second gather.
                 full = self._rows.gather_batch(batch, 0, width,
                                                admit=recording and self._owned)
-        return self._lookup_result(batch, full, flat, ids.shape, capture, recording, id_order)
+        return self.lookup_result(batch, full, flat, ids.shape, capture, recording, id_order)
 
-    def _lookup_result(self, batch, full, flat, shape, capture, recording: bool,
+    def lookup_result(self, batch, full, flat, shape, capture, recording: bool,
                        id_order: bool = False):
         """What a lookup returns from its gathered rows ``full``, ``(rows, inverse)``, and its
         pending record where it trains.
@@ -250,7 +250,7 @@ class TableLookups:
             full = self._rows.gather_batch(batch, 0, width)
         if not training:             # its slots may be reused once the gather has run
             self._disk.mark_used(slots)
-        return self._lookup_result(batch, full, ids.reshape(-1), ids.shape, None, recording,
+        return self.lookup_result(batch, full, ids.reshape(-1), ids.shape, None, recording,
                                    id_order)
 
     # --- prefetch ---------------------------------------------------------------------------
@@ -285,7 +285,7 @@ class TableLookups:
             raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
         if self._disk is not None:   # the rows the next step misses, read from the file now
-            self._disk.read_ahead(self._prepare_ids(ids), self.padding_idx)
+            self._disk.read_ahead(self.prepare_ids(ids), self.padding_idx)
             self._sync_slab()
             return
         self._prefetch.start(ids)
@@ -372,9 +372,9 @@ class TableLookups:
         """``ids`` on the compute device; for the very ids a prefetch was started with, the
         copy the prefetch made."""
         taken = self._prefetch.device_ids(ids)
-        return self._prepare_ids(ids) if taken is None else taken
+        return self.prepare_ids(ids) if taken is None else taken
 
-    # A table's forward asks for its rows in id order (:meth:`_lookup_result`); False: unique
+    # A table's forward asks for its rows in id order (:meth:`lookup_result`); False: unique
     # rows upcast, then reordered (before session 23; prefetch_overlap.py --toggle id_order).
     ID_ORDER = True
     # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are

@@ -51,11 +51,11 @@ def _disk_hint(nbytes: int) -> str:
             f"cache of the hot rows (host_cache_bytes=).")
 
 
-def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
+def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> "Regrown":
     """A disk table's rows read into new host rows of ``layout`` (state columns at
-    ``initial``), 64 MiB at a time; its file removed. The table is then a host table."""
+    ``initial``), 64 MiB at a time; its file removed: the rows of a host table."""
     n = table.num_embeddings
-    disk, dtype = table._disk, layout.unit
+    disk, dtype = table.disk, layout.unit
     init = _init_columns(layout, names, initial)
     pin = table.config.pin and table.device.type == "cuda"
     new = HostTensor((n, layout.width), dtype, pin=pin, name=table.name,
@@ -75,15 +75,12 @@ def _disk_to_host(table, layout: RowLayout, names: list, initial: dict) -> None:
         raise
     synchronize(table.device)          # lookups queued before may still read its RAM slots
     disk.close()
-    table._disk = None
-    table.placement = "host"
-    table.placement_reason = (f"auto: made on disk (Adam-sized state assumed), moved to host "
-                              f"RAM: {human_bytes(n * layout.width * dtype.itemsize)} of rows "
-                              f"with {', '.join(names)} fit")
+    reason = (f"auto: made on disk (Adam-sized state assumed), moved to host RAM: "
+              f"{human_bytes(n * layout.width * dtype.itemsize)} of rows with "
+              f"{', '.join(names)} fit")
     if layout.pad == 0 and row_padding(layout):
-        table.placement_reason += "; rows not padded to 32-byte sectors (padded, they would " \
-            "not fit)"
-    _install(table, new, names, layout)
+        reason += "; rows not padded to 32-byte sectors (padded, they would not fit)"
+    return Regrown(new, layout, None, "host", reason)
 
 
 def _init_columns(layout: RowLayout, names: list, initial: dict) -> list:
@@ -92,13 +89,17 @@ def _init_columns(layout: RowLayout, names: list, initial: dict) -> list:
              float(initial.get(k, 0.0))) for i, k in enumerate(names)]
 
 
-def _install(table, new, names: list, layout: RowLayout) -> None:
-    """``new`` rows of ``layout`` (with state ``names``) become the table's rows."""
-    table._host, table._state_names = new, names
-    table._rows = table._store()
-    table._layout = layout
-    table.clear_pending()
-    table._graphs.invalidate()
+@dataclasses.dataclass
+class Regrown:
+    """Where :func:`regrow_for_state` put a table's rows with their optimizer state: the new
+    memory, its layout, the disk table's file and slots (or None), the placement and why.
+    The table installs them (:meth:`nbtools.OffloadedEmbedding.install_rows`)."""
+
+    rows: object
+    layout: RowLayout
+    disk: object
+    placement: str
+    reason: str
 
 
 def fits_host(nbytes: int, reclaim: int = 0) -> bool:
@@ -251,19 +252,11 @@ def grow_host(old, shape, init, layout: RowLayout, pin: bool, name: str, device=
 
 
 
-def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> None:
-    """``table.attach_state``: its rows reallocated as ``[weight | state...]`` where its
-    placement is decided for good (``"auto"``), state columns at ``initial``; then the GPU
-    cache of hot rows its config asks for."""
-    from .cache import make_table_cache
-    if table._state_names:
-        raise ValueError(f"table {table.name!r} already carries optimizer state "
-                         f"{table._state_names}; use one OffloadOptimizer per table")
-    table._owned = owned
-    if not names:
-        make_table_cache(table)
-        return
-    old = table._host
+def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
+    """For ``table.attach_state``: the table's rows reallocated as ``[weight | state...]``
+    where its placement is decided for good (``"auto"``), state columns at ``initial``. The
+    old rows are released as they are copied; the table installs what this returns."""
+    old = table.storage
     state_dtype = table.config.storage_state_dtype
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
@@ -272,33 +265,31 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
     padded = dataclasses.replace(layout, pad=row_padding(layout))
     nbytes = n * padded.width * state_dtype.itemsize
-    was = table.placement
+    was = placement = table.placement
+    reason = table.placement_reason
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
-        table.placement, table.placement_reason = table._choose_placement(nbytes)
-        if table.placement == "disk" and padded.pad:
+        placement, reason = table.choose_placement(nbytes)
+        if placement == "disk" and padded.pad:
             # the padding must never be what sends a table that fits in RAM to disk
-            where, why = table._choose_placement(n * layout.width * state_dtype.itemsize)
+            where, why = table.choose_placement(n * layout.width * state_dtype.itemsize)
             if where != "disk":
-                table.placement, padded = where, layout
-                table.placement_reason = f"{why}; rows not padded to 32-byte sectors (padded, " \
-                    "they would not fit)"
-    elif table.placement == "host" and padded.pad and not fits_host(
+                placement, padded = where, layout
+                reason = f"{why}; rows not padded to 32-byte sectors (padded, they would not fit)"
+    elif placement == "host" and padded.pad and not fits_host(
             nbytes, reclaim=old.nbytes if was == "host" else 0):
         padded = layout              # as above: unpadded rows where padded ones do not fit
-    elif table.requested_placement == "auto" and was == "disk" and table._disk is not None:
+    elif table.requested_placement == "auto" and was == "disk" and table.disk is not None:
         # Placed on disk when made, its optimizer unknown (Adam-sized state assumed): where
         # this optimizer's rows fit in RAM, they move there (a file would make every step
         # wait for the disk)
         for lay in (padded, layout) if padded.pad else (padded,):
             if fits_host(n * lay.width * state_dtype.itemsize):
-                _disk_to_host(table, lay, names, initial)
-                make_table_cache(table)
-                return
-    if table.placement != "disk":
+                return _disk_to_host(table, lay, names, initial)
+    if placement != "disk":
         layout = padded
     nbytes = n * layout.width * state_dtype.itemsize
     width = layout.width
-    if table.placement == "host":
+    if placement == "host":
         check_fits(nbytes, f"table {table.name!r} with optimizer state ({', '.join(names)})",
                    "Use nbtools.plan(...) to size it, or an optimizer with less state "
                    "(SGD, nbtools.RowWiseAdagrad: one value per row).",
@@ -306,23 +297,23 @@ def regrow_for_state(table, names: list, initial: dict, owned: bool, dims) -> No
     if was == "host":
         synchronize(table.device)
     init = _init_columns(layout, names, initial)
-    if table.placement == "gpu":
+    disk_rows = None
+    if placement == "gpu":
         new = DeviceRows((n, width), state_dtype, table.device, table.name)
         copy_rows(new.tensor, old.tensor, init, layout)
         old.close()
-    elif table.placement == "disk":     # a file of the new rows; from host RAM under "auto"
+    elif placement == "disk":     # a file of the new rows; from host RAM under "auto"
         from . import disk
-        table._disk = disk.regrow(table, table._disk or old, layout, init, copy_rows)
-        new = table._disk.slab
+        disk_rows = disk.regrow(table, table.disk or old, layout, init, copy_rows)
+        new = disk_rows.slab
     else:
         pin = old.pinned if isinstance(old, HostTensor) else \
             (table.config.pin and table.device.type == "cuda")
         new = grow_host(old, (n, width), init, layout, pin, table.name,
                         table.device if table.device.type == "cuda" else None)
-    _install(table, new, names, layout)
-    make_table_cache(table)
+    return Regrown(new, layout, disk_rows, placement, reason)
 
 
-__all__ = ["HostMemoryError", "NoRoomError", "auto_placement", "check_fits", "copy_rows",
+__all__ = ["HostMemoryError", "NoRoomError", "Regrown", "auto_placement", "check_fits", "copy_rows",
            "copy_unless_same", "disk_bytes", "fits_host", "grow_host", "regrow_for_state",
            "release_pages"]

@@ -7,7 +7,7 @@ very same ids tensor takes the result (:meth:`Prefetcher.take`); rows that optim
 in between are read again first, so training is bit-identical to not prefetching.
 
 Nothing here imports :mod:`nbtools.tables`: the prefetcher reaches its table only through the
-attributes a table has (``_rows``, ``_graphs``, ``_prepare_ids``, ``_lookup_result``).
+what a table offers (``rows``, ``lookup_graphs``, ``prepare_ids``, ``lookup_result``).
 """
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ class Prefetcher:
         t = self.table
         origin = ids
         self.drop()
-        width = t._rows.width if t._state_names else t._layout.weight_cols
+        width = t.rows.width if t.state_names else t.layout.weight_cols
         if t.device.type != "cuda":            # the same work at once: no overlap, same results
-            ids = t._prepare_ids(ids)
+            ids = t.prepare_ids(ids)
             flat = ids.reshape(-1).long()
             with torch.no_grad():
                 batch = unique_ids(flat, t.num_embeddings, t.padding_idx)
-                rows = t._rows.gather_batch(batch, 0, width, admit=True)
+                rows = t.rows.gather_batch(batch, 0, width, admit=True)
             self.pending = Prefetched(ids, batch, rows, None, origin, None)
             return
         main = streams.current(t.device)
@@ -78,17 +78,17 @@ class Prefetcher:
         side = self.side_stream
         from_host = isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
         if not from_host:       # ids made on the GPU: ready once what is queued so far is
-            ids = t._prepare_ids(ids)
+            ids = t.prepare_ids(ids)
             side.wait_stream(main)
-        graphs = t.config.cuda_graphs and t._rows.direct and kernels.usable_on(t.device)
+        graphs = t.config.cuda_graphs and t.rows.direct and kernels.usable_on(t.device)
         captured = None
         with streams.entered(side), torch.no_grad():
             if from_host:       # copied and deduplicated at once, beside the GPU's work
-                ids = t._prepare_ids(ids)
+                ids = t.prepare_ids(ids)
             flat = ids.reshape(-1).long()
             if graphs:          # as one CUDA graph: the dedup (host ids: it alone), admission
                 # and gather, as for a lookup
-                captured = t._graphs.run(t._rows, flat, t.padding_idx,
+                captured = t.lookup_graphs.run(t.rows, flat, t.padding_idx,
                                          None if from_host else width,
                                          after=None if from_host else main)
             if captured is None:
@@ -101,7 +101,7 @@ class Prefetcher:
             with streams.entered(side), torch.no_grad():
                 # on its capped grid (RowStore.gather_batch) the gather's programs wait on
                 # PCIe without holding every SM: the step's own kernels run beside it
-                rows = t._rows.gather_batch(batch, 0, width, admit=True)
+                rows = t.rows.gather_batch(batch, 0, width, admit=True)
             made.append(rows)
         event = torch.cuda.Event()
         event.record(side)
@@ -150,14 +150,14 @@ class Prefetcher:
         read = []               # captures whose ids the current stream reads below
         with torch.no_grad():
             for written, captures in pre.written:   # sorted unique ids, then the sentinel
-                if t._rows.writing(written) and t._rows.before_gather():
+                if t.rows.writing(written) and t.rows.before_gather():
                     # from their GPU copy; between two captures' outputs, as a CUDA graph
                     # (aside: the next prefetch's dedup replays on the side stream)
-                    t._rows.patch(batch, full, capture=pre.capture, aside=True)
+                    t.rows.patch(batch, full, capture=pre.capture, aside=True)
                     continue
                 pos = torch.searchsorted(written, batch.ids).clamp_(max=written.numel() - 1)
                 again = (written.gather(0, pos) == batch.ids) & (batch.ids < n)
-                t._rows.gather_batch(          # only those rows, in place
+                t.rows.gather_batch(          # only those rows, in place
                     RowBatch(torch.where(again, batch.ids, n), batch.inverse, batch.meta, n),
                     0, full.shape[1], into=full, written="wait")
                 read.extend(captures)
@@ -166,4 +166,4 @@ class Prefetcher:
             # replays its dedup on the side stream at once, without waiting for this stream,
             # and must not overwrite those ids before they are read here.
             LookupGraphs.read_here(read, streams.current(t.device))
-        return t._lookup_result(batch, full, flat, shape, pre.capture, True, id_order)
+        return t.lookup_result(batch, full, flat, shape, pre.capture, True, id_order)

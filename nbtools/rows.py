@@ -762,12 +762,12 @@ class LookupGraphs:
         for cap in captures:
             cap.free.append(event)
 
-    @staticmethod
-    def release(captures) -> None:
+    @classmethod
+    def release(cls, captures) -> None:
         for cap in captures:
             if cap is not None:
                 cap.in_use = False
-                LookupGraphs._releases += 1
-                cap.released = LookupGraphs._releases
+                cls._releases += 1
+                cap.released = cls._releases
                 if cap.rows is None:          # a dedup alone: see _Captured
                     LookupGraphs.read_here([cap], streams.current(cap.flat.device))

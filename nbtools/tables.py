@@ -32,7 +32,7 @@ from .devices import on_tables, resolve_device, synchronize
 from .hostmem import HostTensor
 from .precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
-from .cache import CacheCounts
+from .cache import CacheCounts, cache_capacity
 from .prefetch import Prefetcher
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
                         copy_unless_same, regrow_for_state)
@@ -208,10 +208,10 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = self.num_embeddings * self.embedding_dim * itemsize
         try:
-            self.placement, self.placement_reason = self._choose_placement(
+            self.placement, self.placement_reason = self.choose_placement(
                 3 * nbytes, "Adam-sized state assumed until an optimizer attaches")
         except NoRoomError:          # the optimizer may keep less state: its attach decides
-            self.placement, self.placement_reason = self._choose_placement(
+            self.placement, self.placement_reason = self.choose_placement(
                 nbytes, "placed by its weights alone: with Adam-sized state it fits nowhere")
         if self.placement == "host":
             check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x "
@@ -260,7 +260,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         """What lookups return and updates compute in: float32 for low-precision storage."""
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
-    def _choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
+    def choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
         if self.requested_placement == "disk":
             return "disk", "asked for"
         if self.requested_placement == "gpu" and self.device.type != "cuda":
@@ -331,6 +331,28 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         return self._layout.state(self._host.tensor, state)
 
     @property
+    def storage(self):
+        """The memory the rows live in: a :class:`~nbtools.hostmem.HostTensor`, the GPU's
+        :class:`~nbtools.rows.DeviceRows`, or a disk table's RAM slots."""
+        return self._host
+
+    @property
+    def lookup_graphs(self) -> LookupGraphs:
+        """CUDA graphs of this table's training lookups (one per batch size)."""
+        return self._graphs
+
+    def install_rows(self, new, names: list, layout: RowLayout, disk=None) -> None:
+        """``new`` rows of ``layout`` (with state ``names``; for a disk table its
+        :class:`~nbtools.disk.DiskRows`, whose RAM slots ``new`` is) become this table's rows:
+        what :func:`nbtools.placement.regrow_for_state` made."""
+        self._disk = disk
+        self._host, self._state_names = new, list(names)
+        self._rows = self._store()
+        self._layout = layout
+        self.clear_pending()
+        self._graphs.invalidate()
+
+    @property
     def rows(self) -> RowStore:
         """Where the rows ``[weight | state...]`` live, as the compute device reaches them
         (the row protocol's store: gather, scatter, and the view fused kernels write to)."""
@@ -362,7 +384,28 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         ``table.weight`` taken before this point see the old memory: create the optimizer
         first.
         """
-        regrow_for_state(self, list(names), initial, owned, dims)
+        if self._state_names:
+            raise ValueError(f"table {self.name!r} already carries optimizer state "
+                             f"{self._state_names}; use one OffloadOptimizer per table")
+        self._owned = owned
+        if names:
+            got = regrow_for_state(self, list(names), initial, dims)
+            self.placement, self.placement_reason = got.placement, got.reason
+            self.install_rows(got.rows, list(names), got.layout, got.disk)
+        self._attach_cache()
+
+    def _attach_cache(self) -> None:
+        """The GPU cache of hot rows its config asks for (:func:`nbtools.cache.cache_capacity`:
+        once the optimizer attached, the rows' width with their state is known)."""
+        capacity, self._cache_why = cache_capacity(self)
+        if capacity is None:
+            return
+        self._rows.attach_cache(capacity)
+        self._graphs.invalidate()
+        self._cache_counts = CacheCounts()
+        if self._warm_counts is not None:
+            self._rows.cache.warm(self._warm_counts, self._rows.view())
+            self._warm_counts = None
 
     # --- the cache of hot rows --------------------------------------------------------------
     @property
@@ -579,7 +622,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     @on_tables
     def forward(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
-        ids = self._prepare_ids(ids)
+        ids = self.prepare_ids(ids)
         if offsets is None:
             if ids.dim() != 2:
                 raise ValueError(f"table {self.name!r}: without offsets, ids must be 2-D "
@@ -591,7 +634,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
             if ids.dim() != 1:
                 raise ValueError(f"table {self.name!r}: with offsets, ids must be 1-D; got shape "
                                  f"{tuple(ids.shape)}")
-            offsets = self._prepare_ids(offsets).long()
+            offsets = self.prepare_ids(offsets).long()
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
         flat = ids.reshape(-1)

@@ -200,10 +200,10 @@ def take_grad(table):
     m = count - sentinel
     if m == 0:
         return None, None, None, None
-    lay = table._layout
-    if got.has_state and table._state_names:
+    lay = table.layout
+    if got.has_state and table.state_names:
         state = torch.cat([lay.state(got.rows[:m], i).to(table.compute_dtype)
-                           for i in range(len(table._state_names))], dim=1)
+                           for i in range(len(table.state_names))], dim=1)
         weight = lay.weight(got.rows[:m]).to(table.compute_dtype)
     else:
         state, weight = None, got.rows[:m]

@@ -190,10 +190,10 @@ def test_rows_are_stored_as_weight_then_state(device):
     table = make_table(device, torch.randn(ROWS, DIM))
     pending = table(torch.tensor([1, 2], device=device))     # looked up before the optimizer
     opt = OffloadOptimizer(O.Adam, [table], lr=0.1)
-    assert table._host.tensor.shape == (ROWS, 3 * DIM)
+    assert table.storage.tensor.shape == (ROWS, 3 * DIM)
     table(torch.tensor([1, 2], device=device)).sum().backward()
     opt.step()
-    host = table._host.tensor
+    host = table.storage.tensor
     assert torch.equal(host[:, :DIM], table.weight)
     assert torch.equal(host[:, DIM:2 * DIM], opt.table_state(table)["exp_avg"])
     sd = opt.state_dict()["tables"]["t"]["row_state"]

@@ -98,7 +98,7 @@ class _InRam:
 
     def __init__(self, table):
         lay, self.table = table.layout, table
-        self.rows = table._host.tensor          # [num_rows, width] of the layout's unit
+        self.rows = table.storage.tensor          # [num_rows, width] of the layout's unit
         self.name, self.num_rows = table.name, table.num_embeddings
         self.dtype, self.width = lay.unit, lay.used
         self.row_bytes = lay.used * lay.unit.itemsize

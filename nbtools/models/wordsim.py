@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..data import load_analogies, load_word_pairs
+
 FILES = {"ws353": "wordsim353.tsv", "simlex": "simlex999.txt", "analogy": "questions-words.txt"}
 DATASETS = {"ws353": "ws353", "simlex": "simlex999", "analogy": "questions-words"}  # nbtools.data
 
@@ -45,38 +47,6 @@ def fetch_sets(*, sample: bool = False, **fetch_options) -> dict:
 
     suffix = "-sample" if sample else ""
     return {key: data.fetch(name + suffix, **fetch_options) for key, name in DATASETS.items()}
-
-
-# --- files --------------------------------------------------------------------------------------
-
-def load_word_pairs(path) -> list:
-    """``[(word1, word2, score), ...]`` from a WS353 / SimLex-999 file (tab separated, ``#``
-    comments)."""
-    pairs = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        cols = line.split("\t")
-        if len(cols) < 3:
-            raise ValueError(f"{path}:{n}: expected 'word1<TAB>word2<TAB>score', got {line!r}")
-        pairs.append((cols[0].strip().lower(), cols[1].strip().lower(), float(cols[2])))
-    return pairs
-
-
-def load_analogies(path) -> list:
-    """``[(section, a, b, c, d), ...]`` from ``questions-words.txt`` (``a : b = c : d``)."""
-    out, section = [], ""
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.startswith(":"):
-            section = line[1:].strip()
-            continue
-        words = line.lower().split()
-        if len(words) != 4:
-            raise ValueError(f"{path}:{n}: expected four words 'a b c d', got {line!r}")
-        out.append((section, *words))
-    return out
 
 
 # --- statistics ---------------------------------------------------------------------------------
