@@ -1,4 +1,4 @@
-"""Recommender quality and speed against the usual baselines (issue 15).
+"""Recommender quality and speed against the usual baselines.
 
 Protocols, the same data and the same candidates for every system:
   ratings   MovieLens-100K, 5 random folds (models.kfold, seed 0): RMSE and MAE of nbtools MF
@@ -16,36 +16,32 @@ Protocols, the same data and the same candidates for every system:
             fits under the same cap. GPU machine only.
 
 MovieLens-100K is read from recbole 1.2.1's wheel (its licence forbids committing it):
-    bash /work/shared/data/fetch_offline_eval.sh .scratch/offline_eval      # or --fetch here
+    bash /work/shared/data/fetch_offline_eval.sh .scratch/offline_eval
 
     python benchmarks/bench_recommender.py                  # ML-100K + synthetic (~3 min, GPU)
-    python benchmarks/bench_recommender.py --quick          # small synthetic, 1 fold: seconds
+    python benchmarks/bench_recommender.py --quick   # bundled movielens-sample (19 negatives),
+                                                     # a small synthetic set, 1 fold: seconds
     python benchmarks/bench_recommender.py --large --gpu-cap-gib 16       # GPU machine
 surprise and implicit are the `bench` extra (pip install "nbtools-offload[bench]"); a missing one
 is reported and skipped.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 
+import harness
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools import data, models  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.models import ranking as K  # noqa: E402
-from nbtools.models.recommender import RANKING_DEFAULTS, RATINGS_DEFAULTS  # noqa: E402
-from nbtools.models.synthetic import SyntheticConfig, gap_normalised, make_synthetic  # noqa: E402
+import nbtools
+from nbtools import models
+from nbtools.devices import synchronize
+from nbtools.models import ranking as K
+from nbtools.models.recommender import RANKING_DEFAULTS, RATINGS_DEFAULTS
+from nbtools.models.synthetic import SyntheticConfig, gap_normalised, make_synthetic
 
 ROWS = []          # (section, system, metrics dict, seconds) for the table at the end
 
@@ -59,40 +55,6 @@ def record(section, system, metrics, seconds):
 def missing(name):
     print(f"  ({name} is not installed: its baseline is skipped. pip install "
           f"'nbtools-offload[bench]' installs surprise and implicit)", flush=True)
-
-
-def fetch_ml100k(dest):
-    """recbole 1.2.1's wheel holds ML-100K as .inter: pip download it and pull the file out."""
-    os.makedirs(dest, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "recbole==1.2.1", "-d", tmp], check=True)
-        wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
-        with zipfile.ZipFile(wheel) as z:
-            member = "recbole/dataset_example/ml-100k/ml-100k.inter"
-            with open(os.path.join(dest, "ml-100k.inter"), "wb") as f:
-                f.write(z.read(member))
-
-
-# --- our model --------------------------------------------------------------------------------------
-
-def ours(r, train, defaults, device, seed=0, **overrides):
-    """nbtools MF with ``defaults`` (and ``overrides``); ``seed``: initial weights, negatives
-    and batch order."""
-    cfg = {**defaults["config"], "seed": seed, **overrides.pop("config", {})}
-    fit_kw = {**defaults["fit"], **overrides}
-    torch.manual_seed(seed)
-    model = models.MatrixFactorization(r.num_users, r.num_items, defaults["dim"],
-                                       config=models.MFConfig(**cfg), device=device)
-    t0 = time.perf_counter()
-    history = models.fit(model, train, seed=seed, **fit_kw)
-    synchronize(model.device)
-    if "choice" in history:       # fit chose a setting on a validation split: say which
-        c = history["choice"]
-        print(f"            chose {c['chosen']} (validation HR@10 "
-              + " / ".join(f"{v:.4f}" for v in c["valid_hr@10"]) + f" for {fit_kw['choices']}, "
-              f"{c['choice_s']:.1f} s)", flush=True)
-    return model, time.perf_counter() - t0
 
 
 # --- baselines --------------------------------------------------------------------------------------
@@ -153,7 +115,7 @@ def rating_protocol(section, r, folds, device, oracle=None, **overrides):
     times = {k: 0.0 for k in systems}
     for fold, (train, test) in enumerate(splits):
         print(f"  {section:<10}fold {fold + 1} of {len(splits)}", flush=True)
-        model, s = ours(r, train, RATINGS_DEFAULTS, device, **overrides)
+        model, s = harness.fit_mf(r, train, RATINGS_DEFAULTS, device, **overrides)
         systems["nbtools MF"].append(K.rating_metrics(model.predict(test.user_ids, test.item_ids),
                                                       test.ratings))
         times["nbtools MF"] += s
@@ -188,13 +150,12 @@ def rating_protocol(section, r, folds, device, oracle=None, **overrides):
     return out
 
 
-def ranking_protocol(section, r, device, oracle=None, seeds=1, variants=None, **overrides):
-    train, test = models.leave_last_out(r)
-    cand = models.sample_candidates(K.interactions_of(train, test), test.user_ids, test.item_ids,
-                                    99, seed=0)
+def ranking_protocol(section, r, device, oracle=None, seeds=1, variants=None, negatives=99,
+                     **overrides):
+    train, test, cand = harness.candidates(r, negatives)
     out, runs, seconds = {}, [], 0.0
     for seed in range(seeds):                 # the candidates stay fixed; the model's seed moves
-        model, s = ours(r, train, RANKING_DEFAULTS, device, seed=seed, **overrides)
+        model, s = harness.fit_mf(r, train, RANKING_DEFAULTS, device, seed=seed, **overrides)
         runs.append(K.ranking_metrics(model.score_candidates(test.user_ids, cand)))
         seconds += s
         if seeds > 1:
@@ -203,7 +164,7 @@ def ranking_protocol(section, r, device, oracle=None, seeds=1, variants=None, **
     out["nbtools MF (BCE)"] = mean_sd(runs)
     record(section, "nbtools MF (BCE)", out["nbtools MF (BCE)"], seconds / seeds)
     for name, extra in (variants or {}).items():
-        model, s = ours(r, train, RANKING_DEFAULTS, device, **extra)
+        model, s = harness.fit_mf(r, train, RANKING_DEFAULTS, device, **extra)
         out[name] = K.ranking_metrics(model.score_candidates(test.user_ids, cand))
         record(section, name, out[name], s)
     out["popularity"] = K.ranking_metrics(models.popularity_scores(train, cand))
@@ -350,16 +311,14 @@ def large_run(args, device):
 # --- main ------------------------------------------------------------------------------------------
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ml100k", default=".scratch/offline_eval/ml-100k",
+    ap = harness.parser(__doc__)
+    ap.add_argument("--ml100k", default=harness.ML100K,
                     help="directory or file with ML-100K (u.data or ml-100k.inter)")
-    ap.add_argument("--fetch", action="store_true", help="pip download recbole's wheel for ML-100K")
     ap.add_argument("--folds", type=int, default=5, help="RMSE folds on ML-100K (of 5)")
     ap.add_argument("--seeds", type=int, default=3,
                     help="ML-100K ranking: runs of nbtools MF (seeds 0..N-1), mean and sd")
     ap.add_argument("--synthetic-seeds", type=int, default=1,
                     help="synthetic ranking: runs of nbtools MF (seeds 0..N-1), mean and sd")
-    ap.add_argument("--quick", action="store_true", help="small synthetic set, 1 fold, no ML-100K")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--skip-ml100k", action="store_true")
     ap.add_argument("--large", action="store_true", help="only the 10M x 1M offloaded run")
@@ -372,28 +331,24 @@ def main():
     ap.add_argument("--large-steps", type=int, default=200)
     ap.add_argument("--large-warmup", type=int, default=10)
     ap.add_argument("--gpu-cap-gib", type=float, default=16.0)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=None, help="write DIR/recommender.json")
     args = ap.parse_args()
-    device = resolve_device(args.device)
+    device = harness.setup(args)
     print(f"device {device}; torch {torch.__version__}; {torch.get_num_threads()} threads", flush=True)
-    res = {"device": str(device)}
+    res = {"device": harness.device_name(device)}
     if args.large:
         res["large"] = large_run(args, device)
     else:
-        if not (args.quick or args.skip_ml100k):
-            if args.fetch and not os.path.exists(args.ml100k):
-                fetch_ml100k(args.ml100k)
-            if os.path.exists(args.ml100k):
-                r = data.load(args.ml100k)
-                print(f"ML-100K: {r.ratings.numel():,} ratings, {r.num_users} users, "
-                      f"{r.num_items} items", flush=True)
-                res["ml100k_ratings"] = rating_protocol("ML-100K", r, args.folds, device)
-                res["ml100k_ranking"] = ranking_protocol("ML-100K", r, device, seeds=args.seeds)
-            else:
-                print(f"ML-100K not found at {args.ml100k}: run bash "
-                      "/work/shared/data/fetch_offline_eval.sh .scratch/offline_eval, or pass "
-                      "--fetch (pip download of recbole's wheel)", flush=True)
+        quick = dict(epochs=2) if args.quick else {}     # fit's epochs
+        r = None if args.skip_ml100k else harness.ratings(args)
+        if r is not None:
+            name = "sample" if args.quick else "ML-100K"
+            print(f"{name}: {r.ratings.numel():,} ratings, {r.num_users} users, "
+                  f"{r.num_items} items", flush=True)
+            res["ml100k_ratings"] = rating_protocol(name, r, 1 if args.quick else args.folds,
+                                                    device, **quick)
+            res["ml100k_ranking"] = ranking_protocol(name, r, device,
+                                                     seeds=1 if args.quick else args.seeds,
+                                                     negatives=19 if args.quick else 99, **quick)
         if not args.skip_synthetic:
             cfg = (SyntheticConfig(num_users=600, num_items=400, per_user=40) if args.quick
                    else SyntheticConfig())
@@ -405,25 +360,23 @@ def main():
             # the same defaults as on ML-100K (batch 1,024 with lr 0.006 was faster, but reached
             # gap-normalised HR@10 0.73 against 0.79)
             res["synthetic_ratings"] = rating_protocol("synthetic", syn.ratings, 1, device,
-                                                       oracle=syn)
+                                                       oracle=syn, **quick)
             # the generator's draw order carries no drift of taste, so recency weights only thin
             # the data there; fit chooses them on a validation split (shown: recency without the choice)
             res["synthetic_ranking"] = ranking_protocol(
-                "synthetic", syn.ratings, device, oracle=syn, seeds=args.synthetic_seeds,
+                "synthetic", syn.ratings, device, oracle=syn, seeds=args.synthetic_seeds, **quick,
                 variants={} if args.quick else {
                     "MF (BCE), recency 16 always": dict(config=dict(recency_weight=16.0),
                                                         choices=None)})
             rmse = {k: v["rmse"] for k, v in res["synthetic_ratings"].items()}
             print(f"  synthetic RMSE / oracle RMSE: nbtools MF {rmse['nbtools MF'] / rmse['oracle']:.4f}, "
                   f"known-items floor {rmse['known-items floor'] / rmse['oracle']:.4f}")
-    print("\n## bench_recommender summary")
-    for section, system, metrics, seconds in ROWS:
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        print(f"{section:<10}{system:<26}{shown:<60}{seconds:8.1f} s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "recommender.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    metrics = sorted({k for _, _, m, _ in ROWS for k in m if not k.endswith("_sd")})
+    harness.print_table(["protocol", "system", *metrics, "seconds"],
+                        [[section, system, *(f"{m[k]:.4f}" if k in m else "" for k in metrics),
+                          f"{seconds:.1f}"] for section, system, m, seconds in ROWS],
+                        "bench_recommender summary")
+    harness.save(args, "recommender.json", res)
 
 
 if __name__ == "__main__":

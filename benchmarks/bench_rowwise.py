@@ -1,4 +1,4 @@
-"""Row-wise optimizers against Adam: quality of word2vec and of the recommender (issue 23, item 2).
+"""Row-wise optimizers against Adam: quality of word2vec and of the recommender.
 
 Same models, data and protocols as bench_word2vec.py and bench_recommender.py; only the optimizer
 and its learning rate change. Each (optimizer, lr) runs over several seeds; the table shows the
@@ -11,12 +11,12 @@ mean and the spread (sample sd) of each metric, and each metric's difference to 
                touched (the same candidates for every run); RANKING_DEFAULTS; HR@10, NDCG@10
   ratings      ML-100K, the first of 5 random folds; RATINGS_DEFAULTS; RMSE
 
-The issue's targets: the best row-wise optimizer within 0.02 of Adam on WS353 and SimLex, within
+The targets: the best row-wise optimizer within 0.02 of Adam on WS353 and SimLex, within
 1.5 points on the analogies, and within 0.01 on HR@10.
 
     python3 benchmarks/bench_rowwise.py --out DIR                     # GPU machine, ~5 minutes
     python3 benchmarks/bench_rowwise.py --parts ranking,ratings        # CPU is fine for these
-    python3 benchmarks/bench_rowwise.py --quick                        # plumbing, CPU, < 1 min
+    python3 benchmarks/bench_rowwise.py --quick      # bundled text8 and MovieLens samples, 1 seed
 
 Learning rates: a list per optimizer (``--w2v-lrs``, ``--rec-lrs``, "name:lr/lr/..."); every
 value is run, so the table shows how sensitive each rule is. Adam's values are the benchmarks'
@@ -24,27 +24,17 @@ defaults (0.02 for word2vec, 0.003 for the recommender).
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
 
-import torch
+import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, ".."))
-import bench_recommender as BR  # noqa: E402
-import bench_word2vec as BW  # noqa: E402
-from nbtools import data, models  # noqa: E402
-from nbtools.devices import resolve_device  # noqa: E402
-from nbtools.models import ranking as K  # noqa: E402
-from nbtools.models import wordsim  # noqa: E402
+from nbtools import models
+from nbtools.models import ranking as K
+from nbtools.models import wordsim
 
-ROOT = os.path.join(HERE, "..")
 W2V_LRS = "adam:0.02,rowwise_adagrad:0.1/0.2,partial_rowwise_adam:0.02"
 REC_LRS = "adam:0.003,rowwise_adagrad:0.03/0.1,partial_rowwise_adam:0.003"
 TARGETS = {"ws353": 0.02, "simlex": 0.02, "analogy": 1.5, "hr@10": 0.01}
@@ -54,9 +44,9 @@ def parse_lrs(text: str) -> list[tuple[str, float]]:
     out = []
     for part in text.split(","):
         name, _, lrs = part.strip().partition(":")
-        if name not in BW.OPTIMIZERS or not lrs:
+        if name not in harness.OPTIMIZERS or not lrs:
             sys.exit(f"bench_rowwise: {part!r} is not 'optimizer:lr[/lr...]' with an optimizer of "
-                     f"{', '.join(BW.OPTIMIZERS)}")
+                     f"{', '.join(harness.OPTIMIZERS)}")
         out += [(name, float(lr)) for lr in lrs.split("/")]
     return out
 
@@ -69,19 +59,18 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def word2vec_runs(args, device, lrs):
-    lines, tokens = BW.read_corpus(args.corpus, args.max_tokens)
-    ids, words, counts = BW.encode(lines, BW.HYPER["min_count"])
+    lines, tokens = harness.read_corpus(args.corpus, args.max_tokens)
+    ids, words, counts = harness.encode(lines, harness.W2V["min_count"])
     print(f"word2vec: {tokens:,} tokens, vocabulary {len(words):,}, {args.epochs} epochs, "
           f"{args.batch_size:,} pairs/step, placement {args.placement}, device {device}", flush=True)
     out = {}
     for name, lr in lrs:
         runs = []
         for seed in range(1, args.seeds + 1):
-            ns = argparse.Namespace(optimizer=name, lr=lr, seed=seed, epochs=args.epochs,
-                                    batch_size=args.batch_size, log_every=None)
-            model, _, train_s, history = BW.train_nbtools(ids, words, counts, ns, args.placement,
-                                                          device)
-            q = wordsim.evaluate(model, args.eval_dir)
+            model, _, train_s, history = harness.train_skipgram(
+                ids, words, counts, args.placement, device, optimizer=name, lr=lr, seed=seed,
+                epochs=args.epochs, batch_size=args.batch_size)
+            q = harness.word_scores(model, args.eval_dir)
             runs.append({"ws353": q["ws353"]["spearman"], "simlex": q["simlex"]["spearman"],
                          "analogy": 100 * q["analogy"]["accuracy"],
                          "last_loss": history["loss"][-1]})
@@ -94,15 +83,13 @@ def word2vec_runs(args, device, lrs):
 
 
 def ranking_runs(args, r, device, lrs):
-    train, test = models.leave_last_out(r)
-    cand = models.sample_candidates(K.interactions_of(train, test), test.user_ids, test.item_ids,
-                                    99, seed=0)
+    train, test, cand = harness.candidates(r, 19 if args.quick else 99)
     out = {}
     for name, lr in lrs:
         runs = []
         for seed in range(args.seeds):
-            model, s = BR.ours(r, train, models.RANKING_DEFAULTS, device, seed=seed,
-                               optimizer=BW.OPTIMIZERS[name], lr=lr)
+            model, s = harness.fit_mf(r, train, models.RANKING_DEFAULTS, device, seed=seed,
+                                    optimizer=harness.OPTIMIZERS[name], lr=lr)
             runs.append(K.ranking_metrics(model.score_candidates(test.user_ids, cand)))
             print(f"  {name:<22}lr {lr:<7g}seed {seed}: " + "  ".join(
                 f"{k} {v:.4f}" for k, v in runs[-1].items()) + f"  ({s:.1f} s)", flush=True)
@@ -117,8 +104,8 @@ def ratings_runs(args, r, device, lrs):
         runs = []
         for seed in range(args.seeds):
             # RATINGS_DEFAULTS decays the lr tenfold; the row-wise rules keep that shape
-            model, s = BR.ours(r, train, models.RATINGS_DEFAULTS, device, seed=seed,
-                               optimizer=BW.OPTIMIZERS[name], lr=lr, lr_final=lr / 10)
+            model, s = harness.fit_mf(r, train, models.RATINGS_DEFAULTS, device, seed=seed,
+                               optimizer=harness.OPTIMIZERS[name], lr=lr, lr_final=lr / 10)
             runs.append({"rmse": K.rating_metrics(model.predict(test.user_ids, test.item_ids),
                                                   test.ratings)["rmse"]})
             print(f"  {name:<22}lr {lr:<7g}seed {seed}: rmse {runs[-1]['rmse']:.4f}  "
@@ -127,7 +114,7 @@ def ratings_runs(args, r, device, lrs):
     return out
 
 
-def table(title: str, rows: dict, metrics: list[str], higher_better: dict) -> list[str]:
+def table(title: str, rows: dict, metrics: list[str]) -> list[str]:
     """Markdown table: mean ± sd per metric, and the difference to Adam's best row."""
     adam = [k for k in rows if k.startswith("adam ")]
     ref = rows[adam[0]] if adam else None
@@ -166,56 +153,43 @@ def verdicts(res: dict) -> list[str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--parts", default="word2vec,ranking,ratings")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--corpus", default=os.path.join(ROOT, ".scratch", "w2v", "corpus.txt.gz"))
-    ap.add_argument("--eval-dir", default=os.path.join(ROOT, ".scratch", "w2v", "eval"))
-    ap.add_argument("--ml100k", default=os.path.join(ROOT, ".scratch", "offline_eval", "ml-100k"))
+    ap.add_argument("--corpus", default=harness.W2V_CORPUS)
+    ap.add_argument("--eval-dir", default=harness.W2V_EVAL)
+    ap.add_argument("--ml100k", default=harness.ML100K)
     ap.add_argument("--epochs", type=int, default=5, help="word2vec epochs")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=131072, help="word2vec pairs per step")
-    ap.add_argument("--placement", default="gpu", help="word2vec tables: gpu or host (+modifiers, "
-                    "as bench_word2vec's systems)")
+    ap.add_argument("--placement", default=None, help="word2vec tables: gpu or host "
+                    "(+modifiers, as bench_word2vec's systems; default gpu on a GPU, else host)")
     ap.add_argument("--w2v-lrs", default=W2V_LRS)
     ap.add_argument("--rec-lrs", default=REC_LRS)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true", help="100K tokens, 1 epoch, 1 seed")
-    ap.add_argument("--out", default=None, help="write DIR/rowwise.json")
     args = ap.parse_args()
+    device = harness.setup(args)
+    args.placement = args.placement or ("gpu" if device.type == "cuda" else "host")
     if args.quick:
-        args.max_tokens, args.epochs, args.seeds = args.max_tokens or 100_000, 1, 1
-        args.batch_size = min(args.batch_size, 8192)
+        args.corpus, args.eval_dir = harness.QUICK_CORPUS, None
+        args.epochs, args.seeds, args.batch_size = 1, 1, min(args.batch_size, 4096)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    device = resolve_device(args.device)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    res, lines = {"device": str(device), "seeds": args.seeds}, []
+    res, lines = {"device": harness.device_name(device), "seeds": args.seeds}, []
     t0 = time.perf_counter()
     if "word2vec" in parts:
         res["word2vec"] = word2vec_runs(args, device, parse_lrs(args.w2v_lrs))
         lines += table(f"word2vec ({args.placement}, {args.seeds} seeds)", res["word2vec"],
-                       ["ws353", "simlex", "analogy"], {})
-    if {"ranking", "ratings"} & set(parts):
-        if not os.path.exists(args.ml100k):
-            sys.exit(f"bench_rowwise: no ML-100K at {args.ml100k} (bash "
-                     "/work/shared/data/fetch_offline_eval.sh .scratch/offline_eval)")
-        r = data.load(args.ml100k)
-        if "ranking" in parts:
-            res["ranking"] = ranking_runs(args, r, device, parse_lrs(args.rec_lrs))
-            lines += table(f"ML-100K ranking ({args.seeds} seeds)", res["ranking"],
-                           ["hr@10", "ndcg@10"], {})
-        if "ratings" in parts:
-            res["ratings"] = ratings_runs(args, r, device, parse_lrs(args.rec_lrs))
-            lines += table(f"ML-100K ratings, fold 1 ({args.seeds} seeds)", res["ratings"],
-                           ["rmse"], {})
+                       ["ws353", "simlex", "analogy"])
+    r = harness.ratings(args) if {"ranking", "ratings"} & set(parts) else None
+    if r is not None and "ranking" in parts:
+        res["ranking"] = ranking_runs(args, r, device, parse_lrs(args.rec_lrs))
+        lines += table(f"ranking ({args.seeds} seeds)", res["ranking"], ["hr@10", "ndcg@10"])
+    if r is not None and "ratings" in parts:
+        res["ratings"] = ratings_runs(args, r, device, parse_lrs(args.rec_lrs))
+        lines += table(f"ratings, fold 1 ({args.seeds} seeds)", res["ratings"], ["rmse"])
     res["verdicts"] = verdicts(res)
     print(f"\n## bench_rowwise ({device}, {time.perf_counter() - t0:.0f} s)")
     print("\n".join(lines + [""] + res["verdicts"]))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "rowwise.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "rowwise.json", res)
 
 
 if __name__ == "__main__":
