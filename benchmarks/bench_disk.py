@@ -47,7 +47,7 @@ import nbtools  # noqa: E402
 from nbtools import hostmem  # noqa: E402
 from nbtools.devices import resolve_device, synchronize  # noqa: E402
 
-READ_AHEAD = 8                   # steps read ahead (--ahead; nbtools.readahead.AHEAD)
+READ_AHEAD = 8                   # steps read ahead (--ahead; nbtools.disk.readahead.AHEAD)
 SETTLE = 10                      # steps of a timed loop before its clock starts (run_steps):
                                  # past the burst of a loop's first read-aheads (DEPTH + 2)
 TAIL = 8                         # and after it stops (the deepest read-ahead: run_steps)
@@ -288,14 +288,14 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
 
 
 def engines() -> list:
-    """RowFile's I/O engines on this machine (nbtools.fileio.RequestPool)."""
-    from nbtools.fileio import _aio
-    from nbtools.fileio import _kaio
+    """RowFile's I/O engines on this machine (nbtools.rowfile.fileio.RequestPool)."""
+    from nbtools.rowfile.fileio import _aio
+    from nbtools.rowfile.fileio import _kaio
     return ["threads"] + (["aio"] if _aio.ready() else []) + (["kaio"] if _kaio.ready() else [])
 
 
 # requests per lio_listio call the probes try (the aio engine), the best counting: the table's
-# own (nbtools.fileio.AIO_BATCH) and the earlier default, which a lone call may read faster with
+# own (nbtools.rowfile.fileio.AIO_BATCH) and the earlier default, which a lone call may read faster with
 PROBE_BATCHES = (1024, 4096)
 
 
@@ -473,17 +473,17 @@ def main():
                          "also time 1 step ahead when this is more")
     ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
                     default=[4, 6], help="other read-ahead depths the rounds time (comma-"
-                    "separated; default 4,6; at most nbtools.readahead.DEPTH, 8)")
+                    "separated; default 4,6; at most nbtools.disk.readahead.DEPTH, 8)")
     ap.add_argument("--also-depth", type=lambda v: [int(x) for x in v.split(",") if x],
                     default=[], help="reads in flight per read call (the table file's depth: "
                     "nbtools.disk.DISK_AIO_DEPTH) of extra read-ahead loops in each round, "
                     "comma-separated (default none)")
     ap.add_argument("--also-batch", type=lambda v: [int(x) for x in v.split(",") if x],
-                    default=[], help="requests per lio_listio call (nbtools.fileio.AIO_BATCH, "
+                    default=[], help="requests per lio_listio call (nbtools.rowfile.fileio.AIO_BATCH, "
                     "1,024) of extra read-ahead loops in each round, comma-separated (default "
                     "none; a batch at least a load's size hands each load to glibc at once)")
     ap.add_argument("--also-engine", type=lambda v: [x for x in v.split(",") if x],
-                    default=[], help="I/O engines (nbtools.fileio.ENGINES) of extra read-ahead "
+                    default=[], help="I/O engines (nbtools.rowfile.fileio.ENGINES) of extra read-ahead "
                     "loops in each round, comma-separated (default none)")
     ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
                     default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
@@ -535,7 +535,7 @@ def main():
     res["file_bytes"] = table.disk.file_bytes          # rows rounded up to the O_DIRECT block
     res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
     res["cache_rows"] = table.disk.capacity_rows
-    log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disklog)
+    log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disk.log)
     res["layout"] = "log (NBTOOLS_DISK_LAYOUT=log)" if log is not None else "in place"
     mem.mark("created")
     print(f"created {table!r} in {res['create_s']:.1f} s", flush=True)

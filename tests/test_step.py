@@ -22,7 +22,7 @@ from torch import nn
 import nbtools
 from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.optim import NonFiniteGradientError, OffloadConfig
-from nbtools.rows import unique_ids
+from nbtools.store.rows import unique_ids
 from test_optim import (CASES, DIM, ROWS, O, batches, frozen_reference, loss_of, make_table,
                         run_offloaded, targets)
 
@@ -928,7 +928,7 @@ def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
 def fake_available(monkeypatch, nbytes):
     fake = lambda: {"total": 2 * nbytes, "available": nbytes}
     monkeypatch.setattr(nbtools.placement, "host_memory_bytes", fake)
-    monkeypatch.setattr(nbtools.optim, "host_memory_bytes", fake)
+    monkeypatch.setattr(nbtools.optim.planner, "host_memory_bytes", fake)
 
 
 @pytest.mark.parametrize("rows,fits", [(2000, True), (2400, False)])

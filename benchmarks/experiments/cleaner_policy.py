@@ -1,7 +1,7 @@
 """How many rows the log file's cleaner copies per row written back, by victim policy
 (``NBTOOLS_DISK_CLEANER``: "greedy", the fewest live rows; "cost-benefit", LFS's free space
 per row copied times the segment's age). A count, not a time: no disk is touched (the file
-under :class:`nbtools.disklog.LogFile` is a stand-in that stores nothing), so it runs anywhere.
+under :class:`nbtools.disk.log.LogFile` is a stand-in that stores nothing), so it runs anywhere.
 
 The workload is a disk table's steady state: Zipf(1.1) ids over ``--rows`` rows, an LRU RAM
 cache of ``--cache`` rows, every evicted row dirty and appended. Hot ids either lie together
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import nbtools.disklog as dl  # noqa: E402
+import nbtools.disk.log as dl  # noqa: E402
 
 
 class _NoFile:

@@ -146,11 +146,11 @@ def _base(a):
 def inventory(table):
     """(path, kind, dtype, shape, nbytes of the array, nbytes of the buffer it keeps alive)."""
     from nbtools.disk import DiskRows
-    from nbtools.disklog import LogFile
-    from nbtools.readahead import ReadAhead, _Ahead
+    from nbtools.disk.log import LogFile
+    from nbtools.disk.readahead import ReadAhead, Ahead
     from nbtools.rowfile import RowFile
-    from nbtools.fileio import RequestPool
-    walk_types = (DiskRows, LogFile, ReadAhead, _Ahead, RowFile, RequestPool)
+    from nbtools.rowfile.fileio import RequestPool
+    walk_types = (DiskRows, LogFile, ReadAhead, Ahead, RowFile, RequestPool)
     rows, seen, seen_buf = [], set(), {}
 
     def visit(obj, path, depth):
@@ -296,7 +296,9 @@ def main():
         import numpy as np
         import torch
         import nbtools
-        from nbtools import disk as nbdisk, diskaccess, disklog, rowfile
+        from nbtools import disk as nbdisk, rowfile
+        from nbtools.disk import access as diskaccess
+        from nbtools.disk import log as disklog
     torch.manual_seed(0)
     gen = np.random.default_rng(0)
     os.makedirs(args.dir, exist_ok=True)
@@ -312,9 +314,9 @@ def main():
                    disklog.LogFile._clean, disklog.LogFile.read, disklog.LogFile.read_range,
                    disklog.LogFile._start_read,
                    rowfile.RowFile._io, rowfile.RowFile._check, hottest,
-                   nbdisk.lookup, nbtools.readahead.ReadAhead._find,
-                   nbtools.readahead.ReadAhead.start, nbtools.readahead.ReadAhead.fill,
-                   nbtools.readahead.prepare]
+                   nbdisk.lookup, nbtools.disk.readahead.ReadAhead._find,
+                   nbtools.disk.readahead.ReadAhead.start, nbtools.disk.readahead.ReadAhead.fill,
+                   nbtools.disk.readahead.prepare]
     line_reports = {}
 
     def traced(label):

@@ -19,7 +19,7 @@ alone and beside each of the things that run with them in a training loop:
   read+python     reads beside a thread running pure Python (holds the GIL between switches)
   read+numpy      reads beside a thread doing numpy work on ~2 MB arrays (sort, unique, take)
 
-Each cell runs with RowFile's two I/O engines (nbtools.fileio.RequestPool): "threads" (Python
+Each cell runs with RowFile's two I/O engines (nbtools.rowfile.fileio.RequestPool): "threads" (Python
 threads in os.preadv) and "aio" (glibc's lio_listio: one GIL-free call per batch).
 
 Rows/s of the reads in each cell (and of the writes where there are some), cells interleaved
@@ -197,7 +197,7 @@ def main():
     rf = f if args.shared else RowFile.open(path, threads=args.threads, writable=False, unclean_ok=True) \
         if "unclean_ok" in RowFile.open.__code__.co_varnames else \
         RowFile.open(path, threads=args.threads, writable=False)
-    from nbtools.fileio import _aio
+    from nbtools.rowfile.fileio import _aio
     engines = ["threads"] + (["aio"] if _aio.ready() else [])
     if not _aio.ready():
         print(f"aio engine unavailable: {_aio.why}")

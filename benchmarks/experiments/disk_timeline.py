@@ -6,7 +6,7 @@ Zipf steps on an aged log-structured table (bench_disk's setting, smaller by def
 each of these runs:
 
   find     the read-ahead thread's work for a coming step (its misses, slots, the load's start)
-  load     a read-ahead's reads (nbtools.readahead), on a loader thread
+  load     a read-ahead's reads (nbtools.disk.readahead), on a loader thread
   write    a write-back of evicted rows (and the log cleaner inside it), on the writer thread
   lookup   the training loop's lookup of a step's rows (waits for its load)
   sync     a lookup's own reads of misses that no read-ahead brought in
@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import bench_disk as bd  # noqa: E402
-from nbtools import disk as disk_mod, readahead  # noqa: E402
+from nbtools import disk as disk_mod
+from nbtools.disk import readahead  # noqa: E402
 from nbtools.devices import resolve_device  # noqa: E402
 
 EVENTS: list = []

@@ -25,7 +25,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import bench_step as bs  # noqa: E402
-from nbtools import optim, prefetch, rows, steps, tables  # noqa: E402
+from nbtools import optim, tables
+from nbtools.engine import prefetch
+from nbtools.store import rows
+from nbtools.engine import steps  # noqa: E402
 
 SPENT = collections.Counter()
 
@@ -64,10 +67,10 @@ def main():
     wraps = [(optim.OffloadOptimizer, "step", "opt.step"),
              (optim.OffloadOptimizer, "_queue", "  _queue (checks + updates)"),
              (optim.OffloadOptimizer, "_settle", "  _settle"),
-             (optim._TableSlot, "plan_fused", "    plan_fused"),
+             (optim.TableSlot, "plan_fused", "    plan_fused"),
              (steps.StepGraphs, "run", "    StepGraphs.run (replay)"),
              (steps, "queue_checks", "    queue_checks (eager)"),
-             (optim._TableSlot, "queue_fused", "    queue_fused (eager)"),
+             (optim.TableSlot, "queue_fused", "    queue_fused (eager)"),
              (tables.OffloadedEmbedding, "collect", "  collect"),
              (tables.OffloadedEmbedding, "forward", "table(ids)"),
              (rows.LookupGraphs, "run", "  LookupGraphs.run"),

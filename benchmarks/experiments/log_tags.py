@@ -1,9 +1,9 @@
 """A log file's RAM and append cost with each slot's id in the row's padding, against in RAM.
 
-A new disk table's log file (nbtools.disklog.create: rows of ``--row-bytes`` packed 32 bytes
+A new disk table's log file (nbtools.disk.log.create: rows of ``--row-bytes`` packed 32 bytes
 apart, the default 100% spare) takes ``--steps`` appends of about ``--batch`` rows, half of
 them Zipf(1.1) ids and half uniform, so that the spare fills and the cleaner copies rows;
-then :meth:`~nbtools.disklog.LogFile.identity` moves every row home. Run twice: with the ids
+then :meth:`~nbtools.disk.log.LogFile.identity` moves every row home. Run twice: with the ids
 in the rows' padding (tags, the default where a row has room), and with them in RAM (the
 ``owner`` map; RowFile.tagged forced off for the run). Prints the maps' RAM per row, the time
 per append with its cleaning, the cleaner's copies per row appended, and identity's time.
@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from nbtools import disklog, rowfile  # noqa: E402
+from nbtools import rowfile
+from nbtools.disk import log as disklog  # noqa: E402
 
 
 def run(rows: int, row_bytes: int, batch: int, steps: int, folder: str, tags: bool) -> str:

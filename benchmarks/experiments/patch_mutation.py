@@ -9,9 +9,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import nbtools.rows  # noqa: E402
+import nbtools.store.rows  # noqa: E402
 
-nbtools.rows.RowStore.patch = lambda self, batch, out, start=0, capture=None: None
+nbtools.store.rows.RowStore.patch = lambda self, batch, out, start=0, capture=None: None
 rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_step.py", "-k", "under_load"])
 print("MUTATION CHECK:", "ok, the test failed without the patch" if rc != 0 else
       "BAD: it passed without the patch")

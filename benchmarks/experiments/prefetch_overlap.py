@@ -3,7 +3,7 @@
 ``--toggle update_waits``: with ``Prefetcher.UPDATE_WAITS`` a prefetching step's update waits
 for the pending prefetch's gather; off (tables without a cache), the update and its write-back
 run beside it. ``--toggle fast_streams``: the current stream, side streams and events through
-torch's Python helpers, or through nbtools.streams (torch's C calls). (Session 22 also timed
+torch's Python helpers, or through nbtools.engine.streams (torch's C calls). (Session 22 also timed
 ``RowStore.DEFER_WRITE_BACK`` this way, a write-back started once the next lookup's gather was
 queued: it lost in every round, benchmarks/RESULTS.md, and is not in the tree; session 19's
 commit 8ff65de has it, and a ``TOGGLES`` entry for it times it again.)
@@ -44,9 +44,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))          # bench_step
 sys.path.insert(0, os.path.join(HERE, "..", ".."))    # nbtools
 import bench_step as bs  # noqa: E402
-from nbtools.lookups import TableLookups  # noqa: E402
-from nbtools.prefetch import Prefetcher  # noqa: E402
-from nbtools import kernels, streams  # noqa: E402
+from nbtools.engine.lookups import TableLookups  # noqa: E402
+from nbtools.engine.prefetch import Prefetcher  # noqa: E402
+from nbtools import kernels
+from nbtools.engine import streams  # noqa: E402
 from nbtools.optim import OffloadOptimizer  # noqa: E402
 
 # the step as torch.optim.Optimizer wraps every optimizer's (before session 24)
@@ -77,7 +78,7 @@ ALL_COPIES, VECTORS = kernels.ROW_COPIES, kernels.VECTOR_VIEWS     # (VECTORS: t
 TOGGLES = {"update_waits": (Prefetcher, "UPDATE_WAITS", (True, False),
                             ("update waits", "update beside")),
            "fast_streams": (streams, "FAST", (False, True), ("torch's stream helpers",
-                                                             "nbtools.streams")),
+                                                             "nbtools.engine.streams")),
            "vector_views": (kernels, "VECTOR_VIEWS", (frozenset(), VECTORS),
                             ("rows as their dtype", "rows as 16-value vectors")),
            "vector_puts": (kernels, "VECTOR_VIEWS", (ALL_COPIES, ALL_COPIES - {"put"}),

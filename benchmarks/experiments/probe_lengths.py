@@ -6,7 +6,7 @@ cloud disk may serve a short burst faster than it sustains: this writes a row fi
 rows in single calls of several lengths and depths (reads in flight), interleaved, for
 ``--rounds`` rounds, and prints rows/s per (length, depth): median and spread. With
 ``--batches``, each probe also runs with glibc's AIO handed that many requests per
-``lio_listio`` call (RequestPool.batch, default nbtools.fileio.AIO_BATCH), and with
+``lio_listio`` call (RequestPool.batch, default nbtools.rowfile.fileio.AIO_BATCH), and with
 ``--concurrent N`` as N calls at once from N threads sharing the file (a disk table's
 read-aheads). With ``--stream S`` every thread reads call after call for S seconds (a
 loop's read-aheads, which follow each other without a pause), and ``--append ROWS`` adds a
@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from nbtools import fileio  # noqa: E402
+from nbtools.rowfile import fileio  # noqa: E402
 from nbtools.rowfile import RowFile  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main():
                          "waits for its call, runs Python for this many ms (holding the GIL, "
                          "as a step's own work does), then issues step k + --concurrent's call")
     ap.add_argument("--engine", default=None,
-                    help="the file's I/O engine (nbtools.fileio.ENGINES; default: nbtools')")
+                    help="the file's I/O engine (nbtools.rowfile.fileio.ENGINES; default: nbtools')")
     ap.add_argument("--switch-ms", type=float, default=None,
                     help="sys.setswitchinterval (Python's default: 5 ms)")
     args = ap.parse_args()

@@ -6,7 +6,7 @@ reads and writes slowed by random sleeps, so that read-aheads, lookups, write-ba
 from queued write-backs and the cleaner interleave in ever new orders; the two tables must end
 with the same weights and optimizer state (torch.equal). Runs until --seconds have passed;
 exits 1 on the first difference, naming the run. Not a test (it runs for minutes): run it after a change to
-nbtools/readahead.py, nbtools/disk.py or nbtools/disklog.py.
+nbtools/disk/readahead.py, nbtools/disk/__init__.py or nbtools/disk/log.py.
 
     python3 benchmarks/experiments/readahead_stress.py --seconds 300
 """
@@ -22,7 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from nbtools import OffloadedEmbedding, readahead  # noqa: E402
+from nbtools import OffloadedEmbedding
+from nbtools.disk import readahead  # noqa: E402
 from nbtools.testing import train_reading_ahead  # noqa: E402
 
 N, D = 400, 8

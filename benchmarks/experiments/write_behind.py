@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from nbtools import hostmem, kernels  # noqa: E402
-from nbtools.rows import unique_ids  # noqa: E402
+from nbtools.store.rows import unique_ids  # noqa: E402
 
 N, D, IDS = 4_000_000, 128, 65_536
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,

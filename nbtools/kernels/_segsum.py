@@ -1,7 +1,7 @@
 """The fixed-order sum of each unique id's gradient rows (:func:`segment_sum`, two Triton
 kernels): no atomics, so the same inputs give the same bits on every run, whatever the GPU's
 scheduling (docs/reproducibility.md). An optimizer's ``collect`` sums a lookup's gradient rows
-with it (``nbtools.rows.sum_by_slot``).
+with it (``nbtools.store.rows.sum_by_slot``).
 
 Apart from the step's kernels (:mod:`nbtools.kernels`, which re-exports :func:`segment_sum`,
 :data:`SEGMENT_CHUNK` and :data:`SEGMENT_PARTS`) because it reads only gradients and a
@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from .devices import on
-from .kernelbase import _pow2, triton_cdiv
+from ..devices import on
+from ._common import pow2, triton_cdiv
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +163,7 @@ def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
     if n == 0 or d == 0:
         return out
     chunks = triton_cdiv(n, SEGMENT_CHUNK)
-    block_c = min(256, _pow2(d, 16))
+    block_c = min(256, pow2(d, 16))
     grid = (chunks, triton_cdiv(d, block_c))
     parts = torch.empty(2, chunks, d, dtype=out.dtype, device=out.device)
     warps = max(1, min(4, block_c // 32))

@@ -28,9 +28,9 @@ import warnings
 import torch
 
 from . import streams
-from .devices import after_failed_capture
-from .hostmem import HostTensor
-from .kernels import HYPER
+from ..devices import after_failed_capture
+from ..hostmem import HostTensor
+from ..kernels import HYPER
 
 
 class Turn:

@@ -133,7 +133,7 @@ class RequestPool:
         self.threads = max(1, int(threads))
         self.keep_bytes = keep_bytes
         self.name = name
-        self.engine = default_engine(direct) if engine is None else _check_engine(engine)
+        self.engine = default_engine(direct) if engine is None else check_engine(engine)
         self._pool = None
         self._closed = False
         self._lock = threading.Lock()
@@ -165,7 +165,7 @@ class RequestPool:
             _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
             return
         flat = memoryview(buf.reshape(-1))
-        op = _pwrite_all if write else _pread_all
+        op = pwrite_all if write else pread_all
         if workers <= 1:
             for j in range(jobs):
                 op(fd, flat[boff[j]:boff[j] + blen[j]], foff[j])
@@ -313,7 +313,7 @@ class Turns:
         self._cond.notify_all()
 
 
-def _check_engine(engine: str) -> str:
+def check_engine(engine: str) -> str:
     if engine not in ENGINES:
         raise ValueError(f"disk I/O engine {engine!r}: expected one of {', '.join(ENGINES)}")
     return engine
@@ -325,7 +325,7 @@ def default_engine(direct: bool = True) -> str:
     works, else ``"threads"``."""
     env = os.environ.get("NBTOOLS_DISK_ENGINE")
     if env:
-        return _check_engine(env)
+        return check_engine(env)
     if direct and _kaio.ready():
         return "kaio"
     return "aio" if _aio.ready() else "threads"
@@ -674,7 +674,7 @@ def _finish_plain(fd: int, base: int, boff, blen, foff, redo, done, errors, writ
                       f"{os.strerror(hard[0])}")
     mv = memoryview((ctypes.c_uint8 * int((boff + blen)[redo].max())).from_address(base))
     mv = mv.cast("B")
-    op = _pwrite_all if write else _pread_all
+    op = pwrite_all if write else pread_all
     for j, d in zip(redo, done):
         j, d = int(j), int(d)
         op(fd, mv[int(boff[j]) + d:int(boff[j] + blen[j])], int(foff[j]) + d)
@@ -719,7 +719,7 @@ def _aligned(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
 
 
-def _pread_all(fd: int, mv: memoryview, offset: int) -> None:
+def pread_all(fd: int, mv: memoryview, offset: int) -> None:
     n = os.preadv(fd, [mv], offset)
     while n < len(mv):                       # short reads: rare, but allowed
         if n <= 0:
@@ -729,7 +729,7 @@ def _pread_all(fd: int, mv: memoryview, offset: int) -> None:
         n = os.preadv(fd, [mv], offset)
 
 
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
     n = os.pwritev(fd, [mv], offset)
     while n < len(mv):
         mv, offset = mv[n:], offset + n

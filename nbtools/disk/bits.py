@@ -2,7 +2,7 @@
 
 A disk table marks the rows written since its last checkpoint (:class:`nbtools.disk.DiskRows`,
 12.5 MB at 100M rows instead of 100 MB), and a log file the slots in use while it moves rows
-home (:meth:`nbtools.disklog.LogFile.identity`).
+home (:meth:`nbtools.disk.log.LogFile.identity`).
 
 >>> b = BitSet(20)
 >>> b.add([3, 17]); b.add_range(5, 8); b.count(), b.members().tolist(), b.members(4, 10).tolist()

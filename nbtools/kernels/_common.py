@@ -2,7 +2,7 @@
 arithmetic of their launchers.
 
 The kernels themselves are in :mod:`nbtools.kernels` (a lookup's rows and the fused optimizer
-updates), :mod:`nbtools.admission` (the GPU cache's admission) and :mod:`nbtools.segsum` (the
+updates), :mod:`nbtools.kernels._admission` (the GPU cache's admission) and :mod:`nbtools.kernels._segsum` (the
 fixed-order gradient sum); this module is below all three, so that each can use these helpers
 and :mod:`nbtools.kernels` can re-export the others' names without an import cycle. It imports
 no Triton: :func:`triton_ok` tries on first call.
@@ -34,7 +34,7 @@ def usable_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pow2(n: int, least: int = 1) -> int:
+def pow2(n: int, least: int = 1) -> int:
     """The smallest power of two >= ``n`` (and >= ``least``)."""
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 

@@ -1,6 +1,6 @@
 """How a table's row ``[weight | state_1 | ... | state_k]`` sits in memory
 (:class:`RowLayout`), and the padding that rounds a row to whole 32-byte sectors
-(:func:`row_padding`). :mod:`nbtools.rows` re-exports both."""
+(:func:`row_padding`). :mod:`nbtools.store.rows` re-exports both."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +86,7 @@ class RowLayout:
     def pack(self, weight: torch.Tensor, states: list, rounding: str = "nearest",
              generator=None) -> torch.Tensor:
         """Rows [m, width] of ``unit`` from float32 ``weight`` [m, d] and ``states`` (each
-        [m, its width]), each rounded to its storage dtype (:func:`nbtools.precision.round_to`)."""
+        [m, its width]), each rounded to its storage dtype (:func:`nbtools.store.precision.round_to`)."""
         out = weight.new_zeros(weight.shape[0], self.width, dtype=self.unit)
         self.weight(out).copy_(round_to(weight, self.weight_dtype, rounding, generator))
         for i, st in enumerate(states):

@@ -1,4 +1,4 @@
-"""Triton kernels of the GPU row cache's admission (:class:`nbtools.cache.RowCache`): per
+"""Triton kernels of the GPU row cache's admission (:class:`nbtools.store.cache.RowCache`): per
 lookup, one pass over its unique ids (count them, stamp the hits, offer each miss to its set)
 and one over the sets (each set's most frequent miss takes its least frequent way), the same
 decisions as the cache's torch code.
@@ -14,11 +14,11 @@ import functools
 
 import torch
 
-from .devices import on
-from .kernelbase import _pow2, triton_cdiv
+from ..devices import on
+from ._common import pow2, triton_cdiv
 
 # Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
-# ratio); nbtools.cache's torch code and the admission kernel below must agree on it.
+# ratio); nbtools.store.cache's torch code and the admission kernel below must agree on it.
 CACHE_HASH = 2654435761
 
 
@@ -98,7 +98,7 @@ def _kernels():
 
 
 def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> None:
-    """A :class:`~nbtools.cache.RowCache`'s admission for one lookup's unique ``ids`` in two
+    """A :class:`~nbtools.store.cache.RowCache`'s admission for one lookup's unique ``ids`` in two
     kernels (one pass over the ids, one over the sets), the same decisions as its torch
     code; ``cache.tick`` has been advanced already."""
     cap = ids.numel()
@@ -112,5 +112,5 @@ def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> 
         k["admit_sets"][(cache.sets,)](
             cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
             cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
-            WAYS_P2=_pow2(cache.ways), BLOCK_C=min(1024, _pow2(width, 16)))
+            WAYS_P2=pow2(cache.ways), BLOCK_C=min(1024, pow2(width, 16)))
 

@@ -1,21 +1,21 @@
 """A table's part in an optimizer step: what happens to the rows the step touched.
 
-:class:`nbtools.OffloadOptimizer` keeps one :class:`_TableSlot` per table: the table's param group
+:class:`nbtools.OffloadOptimizer` keeps one :class:`TableSlot` per table: the table's param group
 (hyper-parameters, which LR schedulers change), its scalar state (Adam's ``step``, kept once per
 table as ``torch.optim.SparseAdam`` keeps it) and a scratch optimizer. In a step the slot gets
-the table's :class:`~nbtools.lookups.StepRows` (the unique ids, their summed gradients, the rows
+the table's :class:`~nbtools.engine.lookups.StepRows` (the unique ids, their summed gradients, the rows
 ``[weight | state...]`` as gathered) and updates those rows in one of two ways:
 
-* **fused** (:meth:`_TableSlot.plan_fused`, :meth:`_TableSlot.queue_fused`): one Triton kernel
+* **fused** (:meth:`TableSlot.plan_fused`, :meth:`TableSlot.queue_fused`): one Triton kernel
   (:mod:`nbtools.kernels`) reads the rows, computes the update in float32 and writes weight and
-  state back through the table's :class:`~nbtools.rows.RowStore`, or into the gathered rows for
+  state back through the table's :class:`~nbtools.store.rows.RowStore`, or into the gathered rows for
   the store to write behind the next step. It is queued before the host has read the step's
   checks and writes nothing when the device-side guard says the step must not go ahead;
-* **generic** (:meth:`_TableSlot.apply`): the stock optimizer steps a scratch parameter holding
+* **generic** (:meth:`TableSlot.apply`): the stock optimizer steps a scratch parameter holding
   only the touched rows and their state, and the rows are written back in one scatter.
 
-Neither path asks where the rows live: the store does (:mod:`nbtools.rows`; the table's side of
-the step is :mod:`nbtools.lookups`). The optimizer itself (:mod:`nbtools.optim`) runs the step
+Neither path asks where the rows live: the store does (:mod:`nbtools.store.rows`; the table's side of
+the step is :mod:`nbtools.engine.lookups`). The optimizer itself (:mod:`nbtools.optim`) runs the step
 around the slots: the checks, the one host synchronisation, errors and skips.
 """
 from __future__ import annotations
@@ -30,15 +30,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import kernels, steps
-from .lookups import StepRows
-from .placement import copy_unless_same
-from .probe import (_NOT_HYPER, UnsupportedOptimizerError, _check_hyper, _initial_row_state,
-                    _set_grad, probe_row_state)
-from .tables import OffloadedEmbedding
+from .. import kernels
+from ..engine import steps
+from ..engine.lookups import StepRows
+from ..placement import copy_unless_same
+from .probe import (NOT_HYPER, UnsupportedOptimizerError, check_hyper, initial_row_state,
+                    set_grad, probe_row_state)
+from ..tables import OffloadedEmbedding
 
 if TYPE_CHECKING:
-    from .optim import OffloadConfig
+    from .config import OffloadConfig
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ class _FusedPlan:
     steps: int = 0                  # the table's steps taken once this one goes ahead
 
 
-class _TableSlot:
+class TableSlot:
     """One table's share of an OffloadOptimizer: hyper-parameters, scalar state, scratch optimizer.
 
     Per-row state lives in the table itself, interleaved after each row's weight
@@ -64,7 +65,7 @@ class _TableSlot:
                  owner, index: int = 0):
         self.name, self.table, self.cls = name, table, cls
         self.index = index            # its row in a step's scalars (steps.Turn)
-        _check_hyper(cls, group)
+        check_hyper(cls, group)
         dtype = table.compute_dtype           # the math's dtype (float32 for bf16 storage)
         row_state, self.scalar_names, full, self.scalar_template, self.row_shapes = \
             probe_row_state(cls, group, table.embedding_dim, table.device, dtype,
@@ -78,7 +79,7 @@ class _TableSlot:
         self.group = {"params": [], **full, **group}   # what schedulers see and change
         self.sparse = issubclass(cls, torch.optim.SparseAdam)
         self.names = list(row_state)
-        table.attach_state(self.names, _initial_row_state(cls, self.group, self.names), owner,
+        table.attach_state(self.names, initial_row_state(cls, self.group, self.names), owner,
                            dims={k: math.prod(s) for k, s in self.row_shapes.items()})
         self.scalar_state = None      # created by the optimizer itself at the first step
         self._rounds = 0              # steps that went ahead (stochastic rounding's seeds)
@@ -92,7 +93,7 @@ class _TableSlot:
                              f"got {config.fused!r}")
 
     def hyper(self) -> dict:
-        return {k: v for k, v in self.group.items() if k not in _NOT_HYPER}
+        return {k: v for k, v in self.group.items() if k not in NOT_HYPER}
 
     def fused_update(self):
         """The fused kernel for this step, or None for the generic path (the stock optimizer
@@ -154,7 +155,7 @@ class _TableSlot:
 
     def writes_behind(self, got: StepRows, plan: "_FusedPlan | None") -> bool:
         """Whether this step's fused update writes the gathered rows in place, and the table
-        writes them back behind the next step (:meth:`nbtools.rows.RowStore.write_behind`)."""
+        writes them back behind the next step (:meth:`nbtools.store.rows.RowStore.write_behind`)."""
         wanted = self.table.config.write_behind
         return plan is not None and wanted is not False and got.has_state \
             and self.table.rows.can_write_behind(got.rows, forced=wanted is True)
@@ -238,7 +239,7 @@ class _TableSlot:
         stored = self.names or got.has_state        # rows as stored (else the lookup's values)
         weight = layout.weight(rows) if stored else rows
         p = nn.Parameter(weight.to(compute, copy=True))
-        _set_grad(p, grad.to(p.dtype), self.sparse)
+        set_grad(p, grad.to(p.dtype), self.sparse)
         if self.opt is None:
             self.opt = self.cls([p], **self.ctor_kwargs)
         else:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import NbtoolsError
-from .rowwise import RowWiseAdagrad
+from .. import NbtoolsError
+from ..rowwise import RowWiseAdagrad
 
 
 class UnsupportedOptimizerError(NbtoolsError, TypeError):
@@ -37,7 +37,7 @@ _NONZERO_INITIAL_STATE = {
 _REFUSED = tuple(c for c in (getattr(torch.optim, n, None) for n in ("LBFGS", "Adafactor", "Muon"))
                  if c is not None)
 
-_NOT_HYPER = ("params",)
+NOT_HYPER = ("params",)
 
 
 def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def _sparse_rows_grad(grad: torch.Tensor) -> torch.Tensor:
                                    check_invariants=False)
 
 
-def _set_grad(p: torch.Tensor, grad: torch.Tensor, sparse: bool) -> None:
+def set_grad(p: torch.Tensor, grad: torch.Tensor, sparse: bool) -> None:
     p.grad = _sparse_rows_grad(grad) if sparse else grad
 
 
@@ -59,7 +59,7 @@ def _step_rows(cls, hyper, weight, grad, sparse, steps=2):
     gen = torch.Generator(device="cpu").manual_seed(0)
     for _ in range(steps):
         noise = torch.randn((1, grad.shape[1]), generator=gen).to(grad)
-        _set_grad(p, grad * noise, sparse)
+        set_grad(p, grad * noise, sparse)
         opt.step()
     return p.detach(), opt
 
@@ -99,7 +99,7 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
     except Exception as e:
         raise UnsupportedOptimizerError(
             f"{cls.__name__}({hyper}) failed a probe step on a small parameter: {e}") from e
-    group = {k: v for k, v in probe_opt.param_groups[0].items() if k not in _NOT_HYPER}
+    group = {k: v for k, v in probe_opt.param_groups[0].items() if k not in NOT_HYPER}
     row_state, scalar_state = {}, []
     scalar_values, row_shapes = {}, {}
     for key, value in state.items():
@@ -126,7 +126,7 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
     return row_state, scalar_state, group, scalar_values, row_shapes
 
 
-def _initial_row_state(cls, group: dict, names) -> dict:
+def initial_row_state(cls, group: dict, names) -> dict:
     for base, init in _NONZERO_INITIAL_STATE.items():
         if issubclass(cls, base):
             values = init(group)
@@ -134,7 +134,7 @@ def _initial_row_state(cls, group: dict, names) -> dict:
     return {n: 0.0 for n in names}
 
 
-def _check_hyper(cls, hyper: dict) -> None:
+def check_hyper(cls, hyper: dict) -> None:
     if issubclass(cls, torch.optim.SGD) and hyper.get("momentum", 0) and hyper.get("dampening", 0):
         raise UnsupportedOptimizerError(
             "SGD with dampening > 0 is not supported for offloaded tables: torch starts each "

@@ -17,9 +17,9 @@ CPU) callers use the equivalent torch code. With ``TRITON_INTERPRET=1`` the same
 CPU tensors, which is how CPU CI checks them against ``torch.optim``.
 
 Two other kernel modules hold what shares nothing with a table's rows on the device, and this
-one re-exports their names: :mod:`nbtools.admission` (the GPU cache's admission, :func:`admit`,
-:data:`CACHE_HASH`) and :mod:`nbtools.segsum` (the fixed-order gradient sum,
-:func:`segment_sum`). :mod:`nbtools.kernelbase` holds what all three share (:func:`usable_on`,
+one re-exports their names: :mod:`nbtools.kernels._admission` (the GPU cache's admission, :func:`admit`,
+:data:`CACHE_HASH`) and :mod:`nbtools.kernels._segsum` (the fixed-order gradient sum,
+:func:`segment_sum`). :mod:`nbtools.kernels._common` holds what all three share (:func:`usable_on`,
 :func:`triton_ok`, the grid arithmetic).
 """
 from __future__ import annotations
@@ -30,11 +30,12 @@ import math
 
 import torch
 
-from . import admission, segsum
-from .devices import on
-from .admission import CACHE_HASH, admit  # noqa: F401  (re-exported: nbtools.cache uses both)
-from .kernelbase import _pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (re-exported)
-from .segsum import SEGMENT_CHUNK, SEGMENT_PARTS, segment_sum  # noqa: F401  (re-exported)
+from . import _admission as admission
+from . import _segsum as segsum
+from ..devices import on
+from ._admission import CACHE_HASH, admit  # noqa: F401  (re-exported: nbtools.store.cache uses both)
+from ._common import pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (re-exported)
+from ._segsum import SEGMENT_CHUNK, SEGMENT_PARTS, segment_sum  # noqa: F401  (re-exported)
 
 
 @functools.lru_cache(maxsize=None)
@@ -493,7 +494,7 @@ TILES: dict = {}
 def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
     if kind in TILES:
         return TILES[kind]
-    block_c = min(1024, _pow2(width, 16))
+    block_c = min(1024, pow2(width, 16))
     return max(1, 4096 // block_c), block_c, 4
 
 
@@ -736,7 +737,7 @@ class FusedUpdate:
         if cap == 0:
             return
         if self.whole_row:
-            block_c = _pow2(d, 16)          # the whole row; 4,096 values a program, as _blocks
+            block_c = pow2(d, 16)          # the whole row; 4,096 values a program, as _blocks
             block_r, warps = max(1, 4096 // block_c), (4 if block_c <= 2048 else 8)
         else:
             block_r, block_c, warps = _blocks(d, "update")
@@ -823,7 +824,7 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     Adam and AdamW (weight decay, amsgrad), SparseAdam, Adagrad, and nbtools' RowWiseAdagrad
     and PartialRowWiseAdam (every option).
     """
-    from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
+    from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad
     if dtype != torch.float32:
         return None
     if any(torch.is_tensor(v) for k, v in group.items() if k != "params"):

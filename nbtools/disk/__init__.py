@@ -4,7 +4,7 @@ A disk table keeps every row ``[weight | state...]`` in one preallocated file
 (:class:`nbtools.rowfile.RowFile`) and a bounded number of them in RAM, in *slots* of a pinned
 host buffer (the slab). A lookup deduplicates its ids on the CPU, finds each row's slot, reads
 the rows that are not in RAM from the file (sorted by offset, in parallel) into free slots, and
-hands the step a :class:`~nbtools.rows.RowBatch` whose ids are *slot numbers*. From there on the
+hands the step a :class:`~nbtools.store.rows.RowBatch` whose ids are *slot numbers*. From there on the
 step is the host placement's, unchanged: the GPU gathers the slots zero-copy, the optimizer's
 fused update writes them back into the slab, with the same checks and the same lazy rules. So
 a disk table trains bit-identically to the same table in host RAM.
@@ -20,7 +20,7 @@ Rules that keep it exact:
   host access) has run. Only slots neither locked nor busy are evicted; dirty ones are written
   to the file before their slot is reused, so a row not in RAM is always current on disk.
 * A read-ahead (:meth:`DiskRows.read_ahead`, from ``table.prefetch(next_ids)``) loads coming
-  steps' missing rows in the background by the same rules (:mod:`nbtools.readahead`); it only
+  steps' missing rows in the background by the same rules (:mod:`nbtools.disk.readahead`); it only
   moves rows between file and RAM, never changes a value, so results are bit-identical with and
   without it.
 * Anything that reads the file from outside a step (``table.weight``, ``state_dict``,
@@ -47,15 +47,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import NbtoolsError, disklog, streams
+from .. import NbtoolsError
+from . import log as disklog
+from ..engine import streams
 from .bits import BitSet
-from .devices import hold_host, host_memory_bytes, release_host
-from .diskaccess import WholeTable, _chunk_rows
-from .fileio import default_engine, uninterrupted
-from .hostmem import HostTensor, keep_freed_memory_small
-from .readahead import Prepared, ReadAhead, _Ahead, prepare  # noqa: F401  (Prepared: re-exported)
-from .rows import RowBatch
-from .units import human_bytes
+from ..devices import hold_host, host_memory_bytes, release_host
+from .access import WholeTable, chunk_rows
+from ..rowfile.fileio import default_engine, uninterrupted
+from ..hostmem import HostTensor, keep_freed_memory_small
+from .readahead import Prepared, ReadAhead, Ahead, prepare  # noqa: F401  (Prepared: re-exported)
+from ..store.rows import RowBatch
+from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
 # chosen: enough for the hot rows of most id streams, small next to Colab's 12.7 GB.
@@ -64,7 +66,7 @@ DEFAULT_HOST_CACHE_BYTES = 1 << 30
 # so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides):
 # 32 Python threads, or with an AIO engine (glibc's C threads, or the kernel's; a native AIO
 # file falling back to glibc's keeps this) 128 requests in flight in all, shared
-# by the table's read-aheads and write-backs (nbtools.fileio.RequestPool). On the GPU machine's
+# by the table's read-aheads and write-backs (nbtools.rowfile.fileio.RequestPool). On the GPU machine's
 # disk, 100M rows, eight steps ahead: 128 shared took 1.20x the disk floor (median of 5
 # rounds) where 64 shared took 1.38x (benchmarks/RESULTS.md "Session 16").
 DISK_THREADS = 32
@@ -93,7 +95,7 @@ def disk_counters() -> dict:
 
 
 def _count_clean(read_bytes: int, write_bytes: int) -> None:
-    """A log file's cleaner moved rows (nbtools.disklog): its disk traffic, in the counters."""
+    """A log file's cleaner moved rows (nbtools.disk.log): its disk traffic, in the counters."""
     _counters["read_bytes"] += read_bytes
     _counters["moved_read_bytes"] += read_bytes
     _counters["write_bytes"] += write_bytes
@@ -110,7 +112,7 @@ class DiskTableBrokenError(NbtoolsError, OSError):
 
 
 class _ReadsAhead:
-    """A disk table's read-ahead (:mod:`nbtools.readahead`) and the traffic counts it shares
+    """A disk table's read-ahead (:mod:`nbtools.disk.readahead`) and the traffic counts it shares
     with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
     steps use."""
 
@@ -118,7 +120,7 @@ class _ReadsAhead:
         """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
         are not in RAM, in the background, and deduplicating them for their lookup. Calls for
         several coming steps, in order, keep that many in flight (up to
-        :data:`nbtools.readahead.DEPTH`). Changes no value: only where rows are."""
+        :data:`nbtools.disk.readahead.DEPTH`). Changes no value: only where rows are."""
         self._ensure_init()
         self.ensure_slab()
         if self._readahead is None:
@@ -155,7 +157,7 @@ class _ReadsAhead:
             ra.settle_done()
             slots = self.slot_of[ids]
             with self._sparing(slots[slots >= 0]):
-                ra.start(_Ahead(None), ids[slots < 0])
+                ra.start(Ahead(None), ids[slots < 0])
             pending = ra.pending_for(ids)
         for f in pending:
             f.exception()                       # (raised where the load is settled)
@@ -547,7 +549,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         another thread meanwhile (the disk serves both at once; they touch different rows).
         Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):
         this lookup, which holds the table's lock, does not wait behind their write-backs.
-        (A read-ahead's loads are :mod:`nbtools.readahead`'s, outside the lock.)"""
+        (A read-ahead's loads are :mod:`nbtools.disk.readahead`'s, outside the lock.)"""
         writing = None
         if self._stash:
             stash, self._stash = self._stash, []
@@ -698,7 +700,7 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
     else:
         read = lambda a, b: old.tensor[a:b].cpu()      # noqa: E731
     new = new_rows(table, layout.width, layout.unit)
-    step = _chunk_rows(new)
+    step = chunk_rows(new)
     for start in range(0, table.num_embeddings, step):
         stop = min(table.num_embeddings, start + step)
         src = read(start, stop)          # (drawn on the compute device, rows are built there)
@@ -723,7 +725,7 @@ def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarr
     """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
     read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
     compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
-    count as :func:`nbtools.rows.unique_ids` gives them), and the slots as a host array."""
+    count as :func:`nbtools.store.rows.unique_ids` gives them), and the slots as a host array."""
     disk = table.disk
     n = table.num_embeddings
     p = disk.take_prepared(ids) or prepare(ids, n, table.padding_idx)

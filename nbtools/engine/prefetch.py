@@ -15,8 +15,9 @@ import dataclasses
 
 import torch
 
-from . import kernels, streams
-from .rows import LookupGraphs, RowBatch, unique_ids
+from .. import kernels
+from . import streams
+from ..store.rows import LookupGraphs, RowBatch, unique_ids
 
 
 @dataclasses.dataclass

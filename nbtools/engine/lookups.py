@@ -2,14 +2,14 @@
 row protocol (docs/step.md).
 
 A lookup (``table(ids)``) deduplicates its ids on the compute device
-(:func:`nbtools.rows.unique_ids`) and gathers only the unique rows from wherever the table
-keeps them (its :class:`~nbtools.rows.RowStore`; a disk table brings them into RAM slots
+(:func:`nbtools.store.rows.unique_ids`) and gathers only the unique rows from wherever the table
+keeps them (its :class:`~nbtools.store.rows.RowStore`; a disk table brings them into RAM slots
 first, :mod:`nbtools.disk`). A training lookup gathers whole rows ``[weight | state...]`` and
 stays *pending* until the optimizer's step calls :meth:`TableLookups.collect`, which turns the
 pending lookups into one :class:`StepRows`: the unique ids, their gradients summed per id, and
-the rows as gathered. With the optimizer's side (:mod:`nbtools.tablestep`: each table's update
+the rows as gathered. With the optimizer's side (:mod:`nbtools.optim.slot`: each table's update
 of those rows) this is what happens to a row in a step; where the rows live is below both, in
-:mod:`nbtools.rows`.
+:mod:`nbtools.store.rows`.
 
 :class:`TableLookups` is mixed into :class:`nbtools.OffloadedEmbedding` and imports nothing of
 :mod:`nbtools.tables`: it reaches its table through the attributes a table sets up (``_rows``,
@@ -24,13 +24,13 @@ import warnings
 import numpy as np
 import torch
 
-from . import kernels
-from .devices import on_tables
-from .rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
+from .. import kernels
+from ..devices import on_tables
+from ..store.rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
-_PENDING_WARN = 256
+PENDING_WARN = 256
 
 
 class UnconsumedGradientWarning(UserWarning):
@@ -39,7 +39,7 @@ class UnconsumedGradientWarning(UserWarning):
     parameters)."""
 
 
-def _ids_error_position(flat_bad: torch.Tensor, shape) -> str:
+def ids_error_position(flat_bad: torch.Tensor, shape) -> str:
     pos = int(flat_bad.nonzero()[0, 0])
     if len(shape) <= 1:
         return f"position {pos}"
@@ -52,7 +52,7 @@ class StepRows:
 
     Everything is on the compute device and nothing here needed a host synchronisation.
     Attributes:
-        batch: the unique ids (:class:`nbtools.rows.RowBatch`).
+        batch: the unique ids (:class:`nbtools.store.rows.RowBatch`).
         grad: [capacity, dim] gradients summed per unique id (per-row scale applied).
         rows: [capacity, width]: the rows as gathered, ``[weight | state...]`` when
             ``has_state`` (else only the weight).
@@ -83,7 +83,7 @@ class StepRows:
         """Queue the per-id sum into ``grad`` (on the current stream; inside a CUDA graph
         capture it becomes part of the graph). Does nothing where ``grad`` is written.
         Returns whether the sum also checked ``grad`` for inf/nan into ``found`` (a float [1]
-        set to 1.0 if so; :func:`nbtools.rows.sum_by_slot`), so that no other pass need."""
+        set to 1.0 if so; :func:`nbtools.store.rows.sum_by_slot`), so that no other pass need."""
         if self.summing is None:
             return False
         grad, batch = self.summing
@@ -139,7 +139,7 @@ class TableLookups:
         value = int(flat[bad.nonzero()[0, 0]])
         raise IndexError(
             f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
-            f"(first at {_ids_error_position(bad, shape)}); valid ids are 0 to "
+            f"(first at {ids_error_position(bad, shape)}); valid ids are 0 to "
             f"{self.num_embeddings - 1:,}")
 
     def _lookup(self, ids: torch.Tensor, id_order: bool = False):
@@ -229,7 +229,7 @@ class TableLookups:
     def _record(self, rec: tuple) -> None:
         """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""
         self._pending.append(rec)
-        if len(self._pending) > _PENDING_WARN and not self._warned_pending:
+        if len(self._pending) > PENDING_WARN and not self._warned_pending:
             self._warned_pending = True
             warnings.warn(
                 f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
@@ -240,7 +240,7 @@ class TableLookups:
                      id_order: bool = False):
         """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
         gathered from there like a host table's (nbtools.disk)."""
-        from . import disk
+        from .. import disk
         training = recording and self._owned
         batch, slots = disk.lookup(self, ids, training)
         self._sync_slab()
@@ -345,7 +345,7 @@ class TableLookups:
 
     def _grad_of(self, rec) -> torch.Tensor | None:
         """A pending lookup's gradient per unique row [capacity, d], or None: the gradient of
-        its rows in id order summed per id (:func:`nbtools.rows.sum_by_slot`: in a fixed order
+        its rows in id order summed per id (:func:`nbtools.store.rows.sum_by_slot`: in a fixed order
         on CUDA unless OffloadConfig(deterministic=False))."""
         grad = self._leaf_of(rec).grad
         if grad is None or rec[6] is None:

@@ -18,7 +18,7 @@ without it, at any depth. What keeps it so:
   one write-back thread, from a copy. Until that write is done no read of the row from the file
   starts: a lookup or read-ahead that misses it takes it from that copy instead (the newest, if
   it was evicted twice). So a lookup waits only for the reads of its own rows, never for a
-  write-back (a write-back may clean a segment of a log file, :mod:`nbtools.disklog`: tens of
+  write-back (a write-back may clean a segment of a log file, :mod:`nbtools.disk.log`: tens of
   ms now and then).
 * Whatever reads or writes the file or the slab from outside a step (``.weight``, checkpoints,
   a slab that grows) waits for every read-ahead first.
@@ -78,7 +78,7 @@ def _lookup(sorted_: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     return pos, sorted_[pos] == values
 
 
-class _Ahead:
+class Ahead:
     """One read-ahead: the ids it was given, its background task, the lookup's deduplication,
     and its load (rows -> slots, the loader's future; the evicted rows and their write-back's
     future)."""
@@ -101,9 +101,9 @@ class ReadAhead:
 
     def __init__(self, disk):
         self.disk = disk
-        self.queue: collections.deque[_Ahead] = collections.deque()
-        self.loads: list[_Ahead] = []
-        self.writes: collections.deque[_Ahead] = collections.deque()   # oldest first
+        self.queue: collections.deque[Ahead] = collections.deque()
+        self.loads: list[Ahead] = []
+        self.writes: collections.deque[Ahead] = collections.deque()   # oldest first
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
         self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
 
@@ -112,11 +112,11 @@ class ReadAhead:
         misses to be found when :data:`DEPTH` are queued)."""
         while len(self.queue) >= DEPTH:
             self.queue.popleft().task.result()
-        item = _Ahead(ids)
+        item = Ahead(ids)
         item.task = self._thread.submit(self._find, item, padding_idx)
         self.queue.append(item)
 
-    def _find(self, item: _Ahead, padding_idx) -> None:
+    def _find(self, item: Ahead, padding_idx) -> None:
         # The lookup's deduplication, then its misses from it: one sort of the ids (a sort
         # just for the misses first cost a 2-core machine's read-ahead thread ~5 ms a step of
         # 65,536 ids, and the reads are needed steps later anyway)
@@ -137,7 +137,7 @@ class ReadAhead:
             d.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK spares
             self.start(item, want[where < 0])   # them once more before its lookup
 
-    def start(self, item: _Ahead, miss: np.ndarray) -> None:
+    def start(self, item: Ahead, miss: np.ndarray) -> None:
         """Under the lock: start loading rows ``miss`` (sorted, not in RAM): slots taken
         (as many as free or evictable without waiting), rows still queued for write-back
         copied from there, the rest read on a loader thread; the rows it evicts written back."""
@@ -189,13 +189,13 @@ class ReadAhead:
     def track_write(self, stash: list, future) -> None:
         """Under the lock: a lookup's own write-back of the rows it evicted (``stash``, on
         the write-back thread as ``future``), kept like a read-ahead's until written."""
-        item = _Ahead(None)
+        item = Ahead(None)
         item.stash = stash
         item.evicted = np.sort(np.concatenate([i for i, _ in stash]))
         item.write = future
         self.writes.append(item)
 
-    def _load(self, item: _Ahead) -> None:
+    def _load(self, item: Ahead) -> None:
         """The load's reads (no lock; its evicted rows are written meanwhile, on the write-back
         thread)."""
         d = self.disk
@@ -203,7 +203,7 @@ class ReadAhead:
         d.file.read(item.rows, d._bytes, at=item.slots)
         d._count_read(item.rows, time.perf_counter() - t0)
 
-    def _settle(self, item: _Ahead) -> None:
+    def _settle(self, item: Ahead) -> None:
         """Under the lock: wait for ``item``'s load and make its rows ordinary RAM rows (on a
         failed load, the slots are freed again and the error raised)."""
         d = self.disk
@@ -221,7 +221,7 @@ class ReadAhead:
         d.locked[item.slots] = False
         d.ahead[item.slots] = True
 
-    def _written(self, upto: _Ahead | None = None) -> None:
+    def _written(self, upto: Ahead | None = None) -> None:
         """Under the lock: forget the finished write-backs (raising the first that failed);
         with ``upto``, wait for the write-backs up to that one first (the thread writes them
         in order)."""

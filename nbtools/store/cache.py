@@ -34,11 +34,11 @@ import warnings
 
 import torch
 
-from . import kernels
-from .devices import gpu_free_bytes
-from .hostmem import count_cache
-from .units import human_bytes
-from .kernels import CACHE_HASH as _HASH  # the admission kernel hashes ids the same way
+from .. import kernels
+from ..devices import gpu_free_bytes
+from ..hostmem import count_cache
+from ..units import human_bytes
+from ..kernels import CACHE_HASH as _HASH  # the admission kernel hashes ids the same way
 
 
 class RowCache:

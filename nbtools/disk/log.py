@@ -100,8 +100,9 @@ def packed() -> bool:
 def log_stride(row_bytes: int) -> int:
     """Bytes a row takes in a new log file: packed, or whole 512-byte sectors (a disk of
     larger blocks: the file's create refuses those, and the rows are tried in place)."""
-    from .rowfile import PACK, _round_up
-    return _round_up(row_bytes, PACK if packed() else 512)
+    from ..rowfile import PACK
+    from ..rowfile.format import round_up
+    return round_up(row_bytes, PACK if packed() else 512)
 
 
 def least_free_bytes(num_rows: int, row_bytes: int) -> int:
@@ -153,7 +154,7 @@ def map_bytes(num_rows: int, stride: int | None = None, free: int | None = None,
 
 def _tags_fit(num_rows: int, row_bytes: int) -> bool:
     """Whether a new log file of these rows keeps each slot's id in the row's padding."""
-    from .rowfile import TAG
+    from ..rowfile import TAG
     return packed() and log_stride(row_bytes) - row_bytes >= TAG and num_rows < TAGGED_IDS
 
 
@@ -161,7 +162,7 @@ def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, fre
     """The file of a new disk table: a :class:`LogFile` where the disk (``free`` bytes) has
     room for its spare slots, else a RowFile of the rows alone, written in place. Returns it
     and the RowFile under it."""
-    from .rowfile import DiskFullError, RowFile
+    from ..rowfile import DiskFullError, RowFile
     stride = log_stride(row_bytes)
     slots = file_rows(num_rows, stride, free)
     if slots != num_rows:

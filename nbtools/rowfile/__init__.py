@@ -16,7 +16,7 @@ Why it reads the way it does:
 * **Rows whole blocks, or packed.** By default the stride is the row rounded up to that block,
   so a write never reads its neighbours first (no read-modify-write): a 260-byte row takes 512
   bytes of file, a 1,536-byte row 1,536. A ``packed`` file (what a log file is,
-  :mod:`nbtools.disklog`) puts rows ``PACK`` (32) bytes apart: a 260-byte row takes 288. A
+  :mod:`nbtools.disk.log`) puts rows ``PACK`` (32) bytes apart: a 260-byte row takes 288. A
   read takes the one or two blocks a row touches (a cloud disk's cost is per request at these
   sizes); a write reads the blocks it shares with other rows first, except a ``fresh`` one (a
   log's appends at its head: nothing lives after them), which reads only a first block it
@@ -32,7 +32,7 @@ Why it reads the way it does:
   duplicates of the file's descriptor (glibc serialises one descriptor's requests). Where
   that is unavailable (not glibc, a forked child) the requests go to a pool of Python
   threads in ``os.preadv``, which need the GIL between two requests
-  (:class:`nbtools.fileio.RequestPool`; ``NBTOOLS_DISK_ENGINE=threads`` forces them).
+  (:class:`nbtools.rowfile.fileio.RequestPool`; ``NBTOOLS_DISK_ENGINE=threads`` forces them).
   Measured on the GPU machine's disk: see ``benchmarks/experiments/disk_mix.py``.
 * **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
   between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
@@ -56,8 +56,8 @@ Why it reads the way it does:
   and the first write to each one costs a metadata update. Fill a new file sequentially
   (:meth:`write_range`) before timing random I/O.
 
-The header, opening and housekeeping (:func:`leftovers`) are in :mod:`nbtools.rowfilefmt`, a
-packed file's reads and writes in :mod:`nbtools.packedio`; their names import from here too.
+The header, opening and housekeeping (:func:`leftovers`) are in :mod:`nbtools.rowfile.format`, a
+packed file's reads and writes in :mod:`nbtools.rowfile.packed`; their names import from here too.
 
 >>> import tempfile, os
 >>> f = RowFile.create(os.path.join(tempfile.mkdtemp(), "t.rows"), 100, 12, {"dtype": "uint8"})
@@ -80,15 +80,14 @@ import time
 
 import numpy as np
 
-from .fileio import RequestPool, _check_engine, fadvise
-from .packedio import TAG, _requests, packed_io, packed_range
-from .rowfilefmt import (BLOCKS, HEADER, DiskFullError, _checked_meta, _new_file_folder, _open,
-                         _reserve, _round_up, _write_header, _writer)
-from .units import human_bytes
-# importable from here as before (checkpoints, pretrained, disklog, tests and benchmarks)
-from .fileio import _aligned, _pread_all  # noqa: F401
-from .packedio import REQUEST  # noqa: F401
-from .rowfilefmt import MAGIC, VERSION, RowFileError, leftovers, remove_leftovers  # noqa: F401
+from .fileio import RequestPool, check_engine, fadvise
+from .packed import TAG, _requests, packed_io, packed_range
+from .format import (BLOCKS, HEADER, DiskFullError, checked_meta, new_file_folder, _open,
+                     reserve, round_up, write_header, _writer)
+from ..units import human_bytes
+# the package's public names that live in its modules
+from .packed import REQUEST  # noqa: F401
+from .format import MAGIC, VERSION, RowFileError, leftovers, remove_leftovers  # noqa: F401
 
 BOUNCE = 64 << 20              # bytes of aligned buffer per call, at most
 KEEP = 64 << 20                # bytes of bounce buffers kept between calls, per file
@@ -170,13 +169,13 @@ class RowFile:
             raise ValueError(f"a row file needs num_rows >= 0 and row_bytes >= 1, got "
                              f"num_rows={num_rows}, row_bytes={row_bytes}")
         path = os.path.abspath(os.fspath(path))
-        folder = _new_file_folder(path, overwrite)
+        folder = new_file_folder(path, overwrite)
         fd, existed = None, os.path.exists(path)
         try:
             fd, block = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct, fresh=True)
-            stride = (_round_up(row_bytes, PACK) if packed
-                      else _round_up(row_bytes, block) if block else row_bytes)
-            size = HEADER + (_round_up(num_rows * stride, BLOCKS[-1]) if packed
+            stride = (round_up(row_bytes, PACK) if packed
+                      else round_up(row_bytes, block) if block else row_bytes)
+            size = HEADER + (round_up(num_rows * stride, BLOCKS[-1]) if packed
                              else num_rows * stride)      # (packed: whole blocks at its end)
             free = shutil.disk_usage(folder).free
             if size > free:
@@ -185,11 +184,11 @@ class RowFile:
                     f"{stride} bytes) does not fit: {human_bytes(free)} ({free:,} bytes) free in "
                     f"{folder!r}. Free space, pick another disk_dir, or make rows smaller "
                     "(dtype=torch.bfloat16, an optimizer with less state)")
-            _reserve(fd, size, path)
+            reserve(fd, size, path)
             info = {"num_rows": num_rows, "row_bytes": row_bytes, "stride": stride,
                     **({"packed": True} if packed else {}),
                     "data_offset": HEADER, **(meta or {}), "clean": False, "writer": _writer()}
-            _write_header(fd, info)
+            write_header(fd, info)
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -220,13 +219,13 @@ class RowFile:
                 not closed cleanly (and ``unclean_ok`` is false).
         """
         path = os.fspath(path)
-        meta = _checked_meta(path, expect, unclean_ok)
+        meta = checked_meta(path, expect, unclean_ok)
         fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
                           stride=0 if meta.get("packed") else int(meta["stride"]))
         if writable:                 # this process writes it now: unclean until closed
             meta = {**meta, "clean": False, "writer": _writer()}
             try:
-                _write_header(fd, meta)
+                write_header(fd, meta)
             except BaseException:
                 os.close(fd)
                 raise
@@ -278,7 +277,7 @@ class RowFile:
     def tagged(self) -> bool:
         """Whether each row carries a tag, a uint32 kept in its padding: a packed file with at
         least TAG bytes of it a row (a log file keeps its ids of the rows there,
-        :mod:`nbtools.disklog`)."""
+        :mod:`nbtools.disk.log`)."""
         return self.packed and self.stride - self.row_bytes >= TAG
 
     def _tags_out(self, tags, n: int) -> None:
@@ -330,7 +329,7 @@ class RowFile:
             if self.writable and self.meta.get("clean") is False:
                 self.meta = {**self.meta, "clean": True}
                 try:
-                    _write_header(fd, self.meta)
+                    write_header(fd, self.meta)
                 except OSError:      # it stays marked unclean: the safe side
                     pass
             if not self.direct:
@@ -355,13 +354,13 @@ class RowFile:
     @property
     def engine(self) -> str:
         """How requests are issued: ``"aio"`` (glibc's AIO, no GIL), ``"threads"`` (Python
-        threads) or ``"kaio"`` (Linux's native AIO); see :class:`nbtools.fileio.RequestPool`.
+        threads) or ``"kaio"`` (Linux's native AIO); see :class:`nbtools.rowfile.fileio.RequestPool`.
         Settable."""
         return self._pool.engine
 
     @engine.setter
     def engine(self, value: str) -> None:
-        self._pool.engine = _check_engine(value)
+        self._pool.engine = check_engine(value)
 
     def __repr__(self):
         mode = f"O_DIRECT, {self.block}-byte blocks" if self.direct else "buffered"

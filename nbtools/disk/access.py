@@ -25,7 +25,7 @@ def _numpy_dtype(dtype: torch.dtype):
 WARM_CHUNK = 1 << 20       # ids warm() looks at at a time
 
 
-def _chunk_rows(disk) -> int:
+def chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
 
@@ -38,7 +38,7 @@ class WholeTable:
         initial, self.initial = self.initial, None
         if initial is None:
             return
-        step = _chunk_rows(self)
+        step = chunk_rows(self)
         for start in range(0, self.num_rows, step):
             stop = min(self.num_rows, start + step)
             self.write_range(start, initial(start, stop))
@@ -164,7 +164,7 @@ class WholeTable:
         and writes go through the page cache: for whole-table access, not steps. Without
         ``writable``, writes stay in this process's copy (copy-on-write), never the file.
         While a checkpoint holds a mapping (:meth:`hold_mapping`), that one is returned.
-        A log-structured file (:mod:`nbtools.disklog`) first moves every row back home (id
+        A log-structured file (:mod:`nbtools.disk.log`) first moves every row back home (id
         order); without ``ordered`` it does not, and the mapping's bytes are not the rows':
         for a caller that only needs its storage, never its values."""
         held = getattr(self, "_held", None)
@@ -189,10 +189,10 @@ class WholeTable:
         return t[:, : self.width]
 
     def _move_home(self) -> None:
-        """A log file's rows back in id order (:meth:`nbtools.disklog.LogFile.identity`), with
+        """A log file's rows back in id order (:meth:`nbtools.disk.log.LogFile.identity`), with
         a progress bar when many moved (random reads and writes of each: minutes for tens of
         millions of rows)."""
-        from .checkpoint.save import progress_bar
+        from ..checkpoint.save import progress_bar
         away = self.file.away
         bar = progress_bar(away * self.file.stride, f"table {self.name!r}: rows to id order",
                            None if away >= (1 << 20) else False)

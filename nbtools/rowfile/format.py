@@ -16,9 +16,9 @@ import socket
 
 import numpy as np
 
-from . import NbtoolsError
-from .fileio import _aligned, _pwrite_all
-from .units import human_bytes
+from .. import NbtoolsError
+from .fileio import _aligned, pwrite_all
+from ..units import human_bytes
 
 MAGIC = b"NBTROWS\x00"
 VERSION = 1
@@ -38,7 +38,7 @@ class DiskFullError(NbtoolsError, OSError):
     __module__ = "nbtools.rowfile"    # where users import it from, with RowFile
 
 
-def _new_file_folder(path: str, overwrite: bool) -> str:
+def new_file_folder(path: str, overwrite: bool) -> str:
     """The folder of a new row file at ``path``, created if missing and checked writable, and
     no file at ``path`` unless ``overwrite``: raises what :meth:`RowFile.create
     <nbtools.rowfile.RowFile.create>` says."""
@@ -56,7 +56,7 @@ def _new_file_folder(path: str, overwrite: bool) -> str:
     return folder
 
 
-def _checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
+def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
     """The header's JSON of the row file at ``path``, checked: raises what :meth:`RowFile.open
     <nbtools.rowfile.RowFile.open>` says."""
     if not os.path.exists(path):
@@ -132,11 +132,11 @@ def _alive(writer) -> bool:
     return started is None or writer.get("started") in (None, started)
 
 
-def _write_header(fd: int, info: dict) -> None:
+def write_header(fd: int, info: dict) -> None:
     head = _header(info)
     buf = _aligned(HEADER)
     buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    _pwrite_all(fd, memoryview(buf), 0)
+    pwrite_all(fd, memoryview(buf), 0)
 
 
 def _read_meta(path) -> dict | None:
@@ -191,7 +191,7 @@ def remove_leftovers(folder) -> int:
     return freed
 
 
-def _round_up(n: int, block: int) -> int:
+def round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
@@ -204,7 +204,7 @@ def _header(info: dict) -> bytes:
     return head
 
 
-def _reserve(fd: int, size: int, path: str) -> None:
+def reserve(fd: int, size: int, path: str) -> None:
     """Reserve ``size`` bytes (``posix_fallocate``; a sparse ``ftruncate`` where unsupported)."""
     try:
         if not hasattr(os, "posix_fallocate"):

@@ -15,7 +15,7 @@ A :class:`RowStore` is where rows live (placement):
 * ``staged``: pageable host memory with CUDA compute (``pin=False``): the CPU gathers, then copies.
 * ``host``: CPU compute.
 
-A zero-copy store may carry a :class:`~nbtools.cache.RowCache` of hot rows in GPU memory:
+A zero-copy store may carry a :class:`~nbtools.store.cache.RowCache` of hot rows in GPU memory:
 lookups read cached rows from it, updates write them there, and :meth:`RowStore.flush` writes
 them back before the host rows are read from outside a step.
 
@@ -33,11 +33,12 @@ import dataclasses
 import numpy as np
 import torch
 
-from . import kernels, streams
+from .. import kernels
+from ..engine import streams
 from .cache import RowCache
-from .rowlayout import ALIGN_BYTES, RowLayout, row_padding  # noqa: F401  (nbtools.rowlayout.RowLayout)
-from .devices import after_failed_capture, synchronize
-from .hostmem import count_transfer, gather_rows, scatter_rows
+from .layout import ALIGN_BYTES, RowLayout, row_padding  # noqa: F401  (nbtools.store.layout.RowLayout)
+from ..devices import after_failed_capture, synchronize
+from ..hostmem import count_transfer, gather_rows, scatter_rows
 
 
 @dataclasses.dataclass

@@ -25,68 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
 import warnings
 from collections import defaultdict
 
 import torch
 from torch import nn
 
-from . import NbtoolsError
-from .devices import (deferred_interrupts, host_memory_bytes, human_bytes, on_tables,
-                      resolve_device)
-from .units import positive_int
-from . import steps, streams
-from .placement import NoRoomError, auto_placement, disk_bytes
-from .rowwise import PartialRowWiseAdam, RowWiseAdagrad
-from .rowlayout import RowLayout, row_padding
-from .tables import OffloadedEmbedding
-# each table's part in a step, and the probe of an optimizer's per-row state; the names below
-# are importable from here as before
-from .probe import (_NONZERO_INITIAL_STATE, _NOT_HYPER, _REFUSED,  # noqa: F401
-                    UnsupportedOptimizerError, _check_hyper, _initial_row_state,
-                    _set_grad, _sparse_rows_grad, _step_rows, probe_row_state)
-from .tablestep import _FusedPlan, _TableSlot  # noqa: F401
-from .lookups import StepRows  # noqa: F401
+from .. import NbtoolsError
+from ..devices import deferred_interrupts, on_tables
+from ..engine import steps, streams
+from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad  # noqa: F401  (optimizers, in __all__)
+from ..tables import OffloadedEmbedding
+from .config import OffloadConfig
+from .planner import Plan, plan
+from .probe import UnsupportedOptimizerError, initial_row_state
+from .slot import TableSlot
 
 
 class NonFiniteGradientError(NbtoolsError, FloatingPointError):
     """A gradient held inf/nan; no parameter, table or optimizer state was changed."""
-
-
-@dataclasses.dataclass
-class OffloadConfig:
-    """nbtools-specific options of :class:`OffloadOptimizer` (not passed to the optimizer)."""
-
-    # What a step does when any gradient (a table's or an ordinary parameter's) holds inf/nan:
-    # "raise" a NonFiniteGradientError, or "skip" the whole step (counted in `skipped_steps`,
-    # warned about once). Either way every gradient is checked before anything is updated,
-    # so nothing changes.
-    nonfinite: str = "raise"
-    # Check on a tiny parameter that the optimizer updates rows independently (cheap; leave on).
-    probe: bool = True
-    # Fused Triton kernels for SGD, Adam/AdamW, SparseAdam, Adagrad, RowWiseAdagrad and
-    # PartialRowWiseAdam on float32 tables (float32, bf16 or fp16 storage):
-    # "auto" uses them where they run (CUDA with Triton), False always runs the stock optimizer
-    # on the gathered rows (the reference path), True insists (an error where none applies).
-    fused: object = "auto"
-    # When a step reads its checks back (the bad-id and inf/nan flags, computed on the GPU).
-    # "auto": one step late wherever that is safe (every table takes a fused kernel, all on
-    # one device, with no ordinary parameters, and nonfinite="raise"), so the host never
-    # waits for the GPU in steady state and the GPU never waits for the host; elsewhere, in
-    # the step itself. "every_step": always in the step itself (one host synchronisation per
-    # step). Read late or not, a bad step writes nothing: its kernels read the flags on the
-    # GPU; read late, the next step writes nothing either, and its step() raises the error
-    # (OffloadOptimizer.synchronize(), state_dict() and checkpoints read a pending check too).
-    checks: str = "auto"
-    # On CUDA, sum each id's gradient rows (an id looked up many times in a step) in a fixed
-    # order, so that identical runs, a resumed run and one whose bad step was skipped end
-    # bit-identical to their references (docs/step.md, "Reproducibility"). False: torch's
-    # atomic additions (index_add_), whose order, and so the last bits, change from run to
-    # run; kept as the fast path to compare with (benchmarks/bench_step.py --deterministic
-    # both). The CPU adds in a fixed order either way.
-    deterministic: bool = True
 
 
 def _is_param(x) -> bool:
@@ -266,7 +223,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """
 
     # The step's inf/nan check of a table's gradient is made by the fixed-order sum that
-    # writes it (nbtools.segsum.segment_sum's ``found``), where that kernel sums it: no pass
+    # writes it (nbtools.kernels._segsum.segment_sum's ``found``), where that kernel sums it: no pass
     # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
     # at 65,536 ids, H200). False: one multi-tensor check over every gradient, as before
     # session 24 (benchmarks/experiments/prefetch_overlap.py --toggle sums_check).
@@ -297,7 +254,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 f"parameters ({sum(len(g['params']) for g in dense_groups)} tensors). Use "
                 "torch.optim.Adam: on offloaded tables it is lazy like SparseAdam.")
         dense = optimizer_class(dense_groups, **optimizer_kwargs) if dense_groups else None
-        slots: list[_TableSlot] = []
+        slots: list[TableSlot] = []
         seen = set()
         for table, overrides, path in tables:
             if any(s.table is table for s in slots):
@@ -314,7 +271,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 k += 1
                 name = f"{base}_{k}"
             seen.add(name)
-            slots.append(_TableSlot(name, table, optimizer_class,
+            slots.append(TableSlot(name, table, optimizer_class,
                                     {**optimizer_kwargs, **overrides}, self.config, True,
                                     len(slots)))
             table.deterministic = self.config.deterministic    # its lookups' backward
@@ -433,7 +390,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Queue the step's checks (every table's ``[bad, count, sentinel]``, its cache's
         statistics, an inf/nan check of every gradient: its fixed-order sum checks a table's)
         and, where everything lives on one device, every fused update; as two CUDA graphs
-        when the step repeats one seen before (:mod:`nbtools.steps`). Returns the
+        when the step repeats one seen before (:mod:`nbtools.engine.steps`). Returns the
         :class:`_Verdict` and, per table that took a fused kernel, the scalar state to keep
         if the step goes ahead.
 
@@ -457,10 +414,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         before = ring.previous().guard
         linked = pending is not None and pending.verdict.guard is before
         plans = [slot.plan_fused(got) for slot, got in collected]
-        behind = [slot.writes_behind(got, plan) for (slot, got), plan in zip(collected, plans)]
-        for (slot, _), plan, back in zip(collected, plans, behind):
-            if plan is not None:
-                turn.scalars[slot.index] = plan.values
+        behind = [slot.writes_behind(got, fp) for (slot, got), fp in zip(collected, plans)]
+        for (slot, _), fp, back in zip(collected, plans, behind):
+            if fp is not None:
+                turn.scalars[slot.index] = fp.values
                 if not back:     # it writes host rows: after their write-backs (no graph may
                     slot.table.rows.settle()     # wait for an event from outside it)
         flags = [got.batch.meta for got in gots] + \
@@ -474,15 +431,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                                       len(gots), before if linked else None)
 
         def updates():
-            for (slot, got), plan, back in zip(collected, plans, behind):
-                if plan is not None:
-                    slot.queue_fused(got, plan, turn.guard, turn.hyper[slot.index], back)
+            for (slot, got), fp, back in zip(collected, plans, behind):
+                if fp is not None:
+                    slot.queue_fused(got, fp, turn.guard, turn.hyper[slot.index], back)
 
         n = None
         if device.type == "cuda" and all(p is not None for p in plans) and \
                 all(got.table.config.cuda_graphs for got in gots):
-            parts = [slot.graph_key(got, plan, back)
-                     for (slot, got), plan, back in zip(collected, plans, behind)]
+            parts = [slot.graph_key(got, fp, back)
+                     for (slot, got), fp, back in zip(collected, plans, behind)]
             key = (turn.index, linked, self.SUMS_CHECK, tuple(k for k, _ in parts),
                    tuple(steps.signature(g) for _, g in dense))
             n = self._graphs.run(key, checks, updates, turn, [keep for _, keep in parts])
@@ -607,11 +564,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Load one per-row state of ``table`` (e.g. ``"exp_avg"``, with ``step=`` the steps
         it has seen) from an array or ``.npy`` file, streamed in chunks: docs/speedtorch.md,
         :func:`nbtools.pretrained.load_row_state`."""
-        from .pretrained import load_row_state
+        from ..pretrained import load_row_state
         self.synchronize()
         slot = self._slot(table)
         load_row_state(slot, name, source, step=step, **options,
-                       initial=_initial_row_state(slot.cls, slot.group, [name])[name])
+                       initial=initial_row_state(slot.cls, slot.group, [name])[name])
 
     def skipped_steps(self, table=None) -> int:
         """How many steps were skipped for non-finite gradients (a skip skips every table
@@ -620,7 +577,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return self._slot(table).skipped_steps
         return self._skips
 
-    def _slot(self, table) -> _TableSlot:
+    def _slot(self, table) -> TableSlot:
         for s in self._slots:
             if s.table is table or s.name == table:
                 return s
@@ -684,161 +641,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             n = sum(p.numel() for g in self._dense.param_groups for p in g["params"])
             lines.append(f"  dense: {n:,} parameters")
         return "\n".join(lines) + ")"
-
-
-# --- planning -------------------------------------------------------------------------------
-# plan()'s names of the row-wise optimizers (besides the torch.optim class names)
-_ROWWISE_NAMES = {"rowwise_adagrad": RowWiseAdagrad, "rowwiseadagrad": RowWiseAdagrad,
-                  "partial_rowwise_adam": PartialRowWiseAdam,
-                  "partialrowwiseadam": PartialRowWiseAdam}
-
-@dataclasses.dataclass
-class Plan:
-    """What a table and its optimizer state need, computed before anything is allocated."""
-
-    num_rows: int
-    dim: int
-    dtype: str
-    optimizer: str
-    row_state: list
-    table_bytes: int
-    state_bytes: int
-    host_bytes: int            # table + state, all in (pinned) host memory
-    gpu_bytes_per_step: int    # rows, grads and state of one batch of unique ids on the GPU
-    host_available_bytes: int | None
-    fits: bool                 # in host RAM
-    placement: str = "host"    # where OffloadedEmbedding(placement="auto") would put it now:
-    placement_reason: str = ""  # "gpu", "host", "disk", or "none" (it fits on no tier)
-    disk_free_bytes: int | None = None   # free on the disk placement="disk" would use
-    disk_row_bytes: int | None = None    # a row as a disk table holds it (RAM rows are padded
-                                         # to 32-byte sectors: nbtools.rowlayout.row_padding)
-    pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
-
-    def _disk_file(self) -> str:
-        """The file a disk table of this plan makes: a log of packed rows with its spare slots
-        where the disk has room for them, else its rows in place in 512-byte sectors
-        (nbtools.disklog)."""
-        from . import disklog
-        row = self.disk_row_bytes or self.host_bytes // max(1, self.num_rows)
-        rows = disklog.file_rows(self.num_rows, disklog.log_stride(row), self.disk_free_bytes)
-        stride = disklog.log_stride(row) if rows != self.num_rows else disk_bytes(row, 1)
-        what = (f"log-structured, {rows / self.num_rows - 1:.0%} spare"
-                if rows != self.num_rows else "rows in place")
-        return f"a file of {human_bytes(rows * stride)} ({what})"
-
-    def __str__(self) -> str:
-        avail = human_bytes(self.host_available_bytes)
-        verdict = "fits" if self.fits else "does NOT fit"
-        return (f"{self.num_rows:,} x {self.dim} {self.dtype} with {self.optimizer} "
-                f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
-                f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
-                + (f" + sector padding {human_bytes(self.pad_bytes)}" if self.pad_bytes else "") +
-                f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
-                f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
-                f"  disk: {self._disk_file()}, {human_bytes(self.disk_free_bytes)} free for "
-                "placement='disk'\n"
-                f"  placement='auto' -> {self.placement} ({self.placement_reason})")
-
-
-def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
-         unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
-         disk_dir=None, **optimizer_kwargs) -> Plan:
-    """Size a table and its optimizer state before allocating anything.
-
-    Args:
-        num_rows, dim: table shape.
-        optimizer: optimizer class (or its name, e.g. ``"adam"``, ``"rowwise_adagrad"``,
-            ``"partial_rowwise_adam"``).
-        dtype: table dtype.
-        unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
-        device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
-            (:func:`~nbtools.placement.auto_placement`: the GPU when rows + state take at most
-            ``gpu_fraction`` of its free memory, else host RAM, else a file in ``disk_dir``).
-        **optimizer_kwargs: hyper-parameters that change the state (``amsgrad=True``, ...).
-
-    >>> p = plan(10_000_000, 128, "adam")
-    >>> p.row_state, p.host_bytes == 3 * 10_000_000 * 128 * 4
-    (['exp_avg', 'exp_avg_sq'], True)
-    >>> p = plan(10_000_000, 128, "rowwise_adagrad", dtype=torch.bfloat16)
-    >>> p.row_state, p.host_bytes // 10_000_000      # 256 weight + 4 state, padded to 288
-    (['sum'], 288)
-    """
-    num_rows = positive_int("num_rows", num_rows)
-    dim = positive_int("dim", dim)
-    unique_ids_per_step = positive_int("unique_ids_per_step", unique_ids_per_step)
-    if not isinstance(dtype, torch.dtype) or dtype not in (
-            torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got "
-                        f"{dtype!r}")
-    table_options = {"placement", "name", "device_ids", "padding_idx", "pin", "cache_bytes",
-                     "cache_fraction", "cache_rows", "host_cache_bytes", "state_dtype",
-                     "rounding", "write_behind", "cuda_graphs"} & set(optimizer_kwargs)
-    if table_options:
-        raise TypeError(f"plan() got table option(s) {sorted(table_options)}: plan() sizes "
-                        "the table and says where placement='auto' would put it "
-                        "(Plan.placement); pass placement and the other table options to "
-                        "OffloadedEmbedding. plan()'s other keywords are the optimizer's "
-                        "hyper-parameters (amsgrad=True, ...)")
-    if not isinstance(gpu_fraction, (int, float)) or isinstance(gpu_fraction, bool) \
-            or not 0 < gpu_fraction <= 1:
-        raise ValueError(f"gpu_fraction must be in (0, 1], got {gpu_fraction!r}")
-    if disk_dir is not None and os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
-        raise NotADirectoryError(f"disk_dir={disk_dir!r} is a file, not a folder")
-    if isinstance(optimizer, str):
-        lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-                  if isinstance(getattr(torch.optim, n), type)}
-        lookup.update(_ROWWISE_NAMES)
-        key = optimizer.lower().replace("-", "_")
-        if key not in lookup:
-            raise ValueError(f"unknown optimizer {optimizer!r}; use a torch.optim class or one of "
-                             f"{sorted(lookup)}")
-        optimizer = lookup[key]
-    optimizer_kwargs.setdefault("lr", 1e-3)
-    low = dtype in (torch.bfloat16, torch.float16)
-    row_state, _, _, _, shapes = probe_row_state(optimizer, optimizer_kwargs, dim,
-                                                 torch.device("cpu"),
-                                                 torch.float32 if low else dtype,
-                                                 check_separable=False)
-    # Rows as a table stores them (nbtools.rowlayout.RowLayout): state in the table's state dtype
-    # (float32 for bf16/fp16 weights), the weights packed into its columns.
-    layout = RowLayout(dim, dtype, torch.float32 if low and row_state else dtype,
-                       len(row_state), tuple(math.prod(s) for s in shapes.values()))
-    disk_row = layout.used * layout.unit.itemsize
-    if row_state:                          # rows with state are padded in RAM (not on disk)
-        layout = dataclasses.replace(layout, pad=row_padding(layout))
-    unit = layout.unit.itemsize
-    table_bytes = num_rows * layout.weight_cols * unit
-    state_bytes = num_rows * (layout.used - layout.weight_cols) * unit
-    pad_bytes = num_rows * layout.pad * unit
-    host = table_bytes + state_bytes + pad_bytes
-    unique = min(unique_ids_per_step, num_rows)
-    # gathered rows, the lookup's output and its gradient, and the optimizer's temporaries
-    rows = unique * dim * torch.empty((), dtype=dtype).element_size()
-    gpu_per_step = 3 * rows + 2 * unique * (layout.width - layout.weight_cols) * unit
-    available = host_memory_bytes()["available"]
-
-    def place(nbytes):
-        try:
-            return auto_placement(nbytes, resolve_device(device), gpu_fraction, disk_dir,
-                                  num_rows)
-        except NoRoomError as e:
-            return "none", str(e)
-    placement, why = place(host)
-    if pad_bytes and placement in ("disk", "none"):
-        # the padding never sends rows that fit in RAM to disk (placement.regrow_for_state)
-        where, reason = place(host - pad_bytes)
-        if where not in ("disk", "none"):
-            placement, pad_bytes, host = where, 0, host - pad_bytes
-            why = f"{reason}; rows not padded to 32-byte sectors (padded, they would not fit)"
-    from . import disk
-    return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
-                list(row_state), table_bytes, state_bytes, host,
-                gpu_bytes_per_step=gpu_per_step,
-                host_available_bytes=available,
-                fits=available is None or host <= 0.9 * available,
-                placement=placement, placement_reason=why,
-                disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()),
-                disk_row_bytes=disk_row, pad_bytes=pad_bytes)
 
 
 __all__ = ["OffloadOptimizer", "OffloadConfig", "Plan", "plan", "UnsupportedOptimizerError",
