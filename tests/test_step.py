@@ -880,8 +880,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_ba
     """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before, and
     every write-back held back ~5 ms on its stream: the next lookup reads host rows while
     the last write-back has not started, and must take every shared row from its GPU copy.
-    Bit-identical to writing host memory in the update (and not without the patch:
-    benchmarks/experiments/patch_mutation.py)."""
+    Bit-identical to writing host memory in the update."""
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []
