@@ -152,15 +152,21 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
         name: used in messages and in optimizer/checkpoint state.
         device: compute device, ``"auto"`` = CUDA when available, else CPU.
-        placement: where the rows (and their optimizer state) live: ``"host"`` = pinned host
-            RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU memory
-            (the same API, lazy semantics, optimizer and checkpoint format, at GPU speed);
+        placement: where the rows (and their optimizer state) live: ``"host"`` (default) =
+            pinned host RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU
+            memory (the same API, lazy semantics, optimizer and checkpoint format, at GPU
+            speed; needs CUDA compute); ``"disk"`` = a file on local disk (``disk_dir=``, by
+            default :func:`nbtools.disk.default_dir`) with a RAM cache of the hot rows
+            (``host_cache_bytes=``, default 1 GiB): for tables bigger than RAM;
             ``"auto"`` = the GPU when rows + optimizer state take at most
-            ``config.gpu_fraction`` of the free GPU memory, else the host (decided for good
-            when the optimizer attaches; ``repr(table)`` says what it chose and why). With
-            CPU compute every placement is host memory.
+            ``config.gpu_fraction`` of the free GPU memory, else host RAM when they take at
+            most 90% of what is available, else disk when it has room (decided for good when
+            the optimizer attaches; ``repr(table)`` says what it chose and why; a table that
+            fits nowhere raises :class:`~nbtools.placement.NoRoomError` before anything is
+            allocated). With CPU compute, ``"host"`` and ``"auto"`` use ordinary host memory.
         config: :class:`TableConfig`; its fields can also be passed by name (``dtype=``,
-            ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``).
+            ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``, ``cache_bytes=``, ``disk_dir=``,
+            ``host_cache_bytes=``, ...).
 
     ``table(ids)`` takes integer ids of any shape, on the compute device or the CPU, and
     returns ``ids.shape + (embedding_dim,)`` rows on the compute device.
