@@ -7,7 +7,7 @@ rank, the median time of the lookup alone, and the bytes one rank sends per step
 of docs/distributed.md with the unique ids counted.
 
     python benchmarks/bench_distributed.py --out DIR     # GPU machine: CUDA compute, gloo
-    python benchmarks/bench_distributed.py --quick       # 1 and 2 ranks, small, on a CPU
+    python benchmarks/bench_distributed.py --quick       # 2 ranks, small, on a CPU
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--worlds", default="1,2,4")
     args = ap.parse_args()
     if args.quick:
-        args.rows, args.dim, args.batch, args.steps, args.worlds = 20_000, 16, 1024, 3, "1,2"
+        args.rows, args.dim, args.batch, args.steps, args.worlds = 20_000, 16, 1024, 3, "2"
     device = str(harness.setup(args))
     result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "device": device,
               "worlds": {}}

@@ -372,10 +372,11 @@ def main():
             print(f"  synthetic RMSE / oracle RMSE: nbtools MF {rmse['nbtools MF'] / rmse['oracle']:.4f}, "
                   f"known-items floor {rmse['known-items floor'] / rmse['oracle']:.4f}")
     metrics = sorted({k for _, _, m, _ in ROWS for k in m if not k.endswith("_sd")})
-    harness.print_table(["protocol", "system", *metrics, "seconds"],
-                        [[section, system, *(f"{m[k]:.4f}" if k in m else "" for k in metrics),
-                          f"{seconds:.1f}"] for section, system, m, seconds in ROWS],
-                        "bench_recommender summary")
+    if ROWS:
+        harness.print_table(["protocol", "system", *metrics, "seconds"],
+                            [[section, system, *(f"{m[k]:.4f}" if k in m else "" for k in metrics),
+                              f"{seconds:.1f}"] for section, system, m, seconds in ROWS],
+                            "bench_recommender summary")
     harness.save(args, "recommender.json", res)
 
 

@@ -45,8 +45,7 @@ from nbtools import hostmem
 from nbtools.optim import OffloadConfig
 
 # --quick: these systems only (each in a process of its own, like a full run)
-QUICK = ("nbtools host", "nbtools host generic", "nbtools host bf16 rowwise prefetch",
-         "small nbtools host")
+QUICK = ("nbtools host", "nbtools host bf16 rowwise prefetch", "small nbtools host")
 
 
 def stored_row_bytes(table) -> int:
