@@ -1,4 +1,4 @@
-"""The GPU cache of hot rows (issue 12): step time against the cache's byte budget, every figure
+"""The GPU cache of hot rows: step time against the cache's byte budget, every figure
 a ratio within one run, and the seed-sized tables under a 16 GiB GPU cap.
 
 Sweep (the default run). Table 4,000,000 x 128, Adam, 65,536 ids per step, ids uniform and
@@ -8,11 +8,10 @@ Zipf(0.8, 1.1, 1.3):
                           host RAM, zero-copy, no cache
   nbtools fp32 cache 5%   the same with cache_bytes = 5% of the fp32 table + Adam state bytes
                           (1%, 5%, 20%, 50%: the same GPU bytes for fp32 and bf16 storage)
-  nbtools bf16 ...        dtype=torch.bfloat16 (with --state-dtype / --rounding where
-                          TableConfig has those fields; without them bf16 is bf16 everywhere)
-Zipf(s): rank r (1 = hottest) drawn with probability proportional to 1 / r^s, and mapped to a
-row id through a fixed random permutation, so hot rows lie scattered through the table as in
-real data (bench_step's Zipf uses id = rank: its figures are not comparable one to one).
+  nbtools bf16 ...        dtype=torch.bfloat16 (with --state-dtype, --rounding)
+Zipf(s): harness.IdStream, rank r (1 = hottest) drawn with probability proportional to 1 / r^s
+and mapped to a row id through a fixed random permutation, so hot rows lie scattered through
+the table as in real data (bench_step's Zipf uses id = rank: not comparable one to one).
 
 Warm-up. Before a cached system is timed on a distribution, its cache is emptied and its row
 counts zeroed (warm_cache with zero counts), then it trains on fresh batches, 25 steps at a
@@ -23,7 +22,7 @@ warm up for 10 steps (CUDA graph capture needs a batch size seen twice).
 
 Timing. 5 loops of 30 fresh batches each (never batches seen before: a repeated batch would hit
 a cache it has just filled), each loop timed with one synchronisation at its end (bench_step's
-loop_ms); the median loop. Hit rates are the timed steps' own (unique rows that were cache hits).
+harness.loop_ms); the median loop. Hit rates are the timed steps' own (unique rows that were cache hits).
 Each system runs in a process of its own; every system sees the same timed batches.
 
 Seed tables (--seed-tables): 2,829,853 x 400 and 14,886,544 x 188, Adam, 65,536 ids per step,
@@ -37,13 +36,12 @@ Zipf(1.1) and uniform, the process's GPU memory capped at 16 GiB
 
     python benchmarks/bench_cache.py --out DIR                 # GPU machine: the sweep, ~5 min
     python benchmarks/bench_cache.py --seed-tables --no-sweep --out DIR   # the seed tables
-    python benchmarks/bench_cache.py --quick                   # small, runs on a CPU
+    python benchmarks/bench_cache.py --quick      # small, fp32 only, one budget: on a CPU
     python benchmarks/bench_cache.py --plot DIR                # DIR/cache.png from DIR/cache.json
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -51,15 +49,12 @@ import statistics
 import sys
 import time
 
+import harness
 import torch
+from harness import IdStream, loop_ms, nbtools_step, torch_sparse_step
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_step import loop_ms, nbtools_step, report, run_child, torch_sparse_step  # noqa: E402
-from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device  # noqa: E402
-from nbtools.tables import TableConfig  # noqa: E402
-from nbtools.units import human_bytes  # noqa: E402
+from nbtools import hostmem
+from nbtools.units import human_bytes
 
 DISTS = ("uniform", "zipf0.8", "zipf1.1", "zipf1.3")
 FRACTIONS = (0.01, 0.05, 0.20, 0.50)
@@ -67,41 +62,6 @@ SEED_TABLES = {"2,829,853 x 400": (2_829_853, 400), "14,886,544 x 188": (14_886_
 SEED_DISTS = ("zipf1.1", "uniform")
 SEED_SYSTEMS = ("nbtools cache", "nbtools no cache", "torch sparse")
 ADAM_WIDTH = 3          # weight, exp_avg, exp_avg_sq per row
-
-
-# --- id streams ---------------------------------------------------------------------------------
-
-_ZIPF = {}   # (n, dist, device) -> (cdf over ranks, rank -> row id): one at a time
-
-
-def zipf_tables(n: int, dist: str, device):
-    key = (n, dist, str(device))
-    if key not in _ZIPF:
-        _ZIPF.clear()            # under the GPU cap, 16 bytes a row count
-        s = float(dist[len("zipf"):])
-        cdf = torch.cumsum(torch.arange(1, n + 1, device=device, dtype=torch.float64).pow_(-s), 0)
-        cdf /= cdf[-1].clone()
-        perm = torch.randperm(n, device=device, generator=torch.Generator(device=device).manual_seed(7))
-        _ZIPF[key] = cdf, perm
-    return _ZIPF[key]
-
-
-class IdStream:
-    """Batches of ``batch`` ids in ``[0, n)`` on ``device``: ``"uniform"``, or ``"zipf<s>"`` over
-    ranks mapped to row ids through a fixed random permutation (the same in every process)."""
-
-    def __init__(self, n: int, dist: str, batch: int, device, seed: int):
-        self.n, self.batch, self.device = n, batch, device
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.cdf = None
-        if dist != "uniform":
-            self.cdf, self.perm = zipf_tables(n, dist, device)
-
-    def next(self) -> torch.Tensor:
-        if self.cdf is None:
-            return torch.randint(self.n, (self.batch,), generator=self.gen, device=self.device)
-        u = torch.rand(self.batch, generator=self.gen, device=self.device, dtype=torch.float64)
-        return self.perm[torch.searchsorted(self.cdf, u).clamp_(max=self.n - 1)]
 
 
 # --- one system, in its own process -------------------------------------------------------------
@@ -239,27 +199,6 @@ def run_seed_system(name, args, device) -> dict:
 
 # --- which systems ------------------------------------------------------------------------------
 
-def has_field(name: str) -> bool:
-    return name in {f.name for f in dataclasses.fields(TableConfig)}
-
-
-def low_precision_options(args) -> tuple[dict, list]:
-    """Table options for bf16 storage beyond dtype, and notes on those TableConfig lacks."""
-    kw, notes = {}, []
-    for field, value in (("state_dtype", args.state_dtype), ("rounding", args.rounding)):
-        if value is None:
-            continue
-        if not has_field(field):
-            notes.append(f"--{field.replace('_', '-')} {value} skipped: TableConfig has no field "
-                         f"{field!r} yet")
-            continue
-        kw[field] = getattr(torch, value) if field == "state_dtype" else value
-    if not has_field("state_dtype"):
-        notes.append("TableConfig has no state_dtype: bf16 tables keep their Adam state in bf16 "
-                     "and do the update in bf16")
-    return kw, notes
-
-
 def table_state_bytes(n: int, dim: int) -> int:
     """fp32 rows + Adam state: what the budgets are fractions of."""
     return ADAM_WIDTH * n * dim * 4
@@ -272,7 +211,11 @@ def sweep_systems(args) -> dict:
     for storage in args.storage:
         kw = dict(placement="host")
         if storage == "bf16":
-            kw.update(dtype=torch.bfloat16, **low_precision_options(args)[0])
+            kw.update(dtype=torch.bfloat16)
+            if args.state_dtype:
+                kw["state_dtype"] = getattr(torch, args.state_dtype)
+            if args.rounding:
+                kw["rounding"] = args.rounding
         for frac in (None, *args.fractions):
             budget = "off" if frac is None else f"{frac:.0%}"
             out[f"nbtools {storage} cache {budget}"] = dict(
@@ -466,7 +409,7 @@ def run_part(part, names, args, device, res, t_start, path, figures, show) -> No
             print(f"{name:<40} skipped: the {args.budget_s:.0f} s budget is spent", flush=True)
             continue
         cmd = [sys.executable, __file__, "--child", part, "--system", name, *args.child_args]
-        got = run_child(name, cmd, timeout=left)
+        got = harness.run_child(name, cmd, timeout=left)
         if got is None:
             res["failed"].append(name)
             continue
@@ -480,7 +423,7 @@ def run_part(part, names, args, device, res, t_start, path, figures, show) -> No
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65536, help="ids per step")
@@ -494,9 +437,9 @@ def main():
                     help="cache budgets, as shares of the fp32 table + Adam state bytes")
     ap.add_argument("--storage", default="fp32,bf16")
     ap.add_argument("--state-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="bf16 tables' optimizer state (when TableConfig has state_dtype)")
+                    help="bf16 tables' optimizer state (TableConfig.state_dtype)")
     ap.add_argument("--rounding", choices=("nearest", "stochastic"), default=None,
-                    help="bf16 tables' rounding (when TableConfig has rounding)")
+                    help="bf16 tables' rounding (TableConfig.rounding)")
     ap.add_argument("--seed-tables", action="store_true",
                     help="also the 2.83M x 400 and 14.9M x 188 tables under the GPU cap")
     ap.add_argument("--no-sweep", action="store_true", help="skip the 4M x 128 sweep")
@@ -505,9 +448,6 @@ def main():
                     help="GPU memory under the cap left for the step's buffers (seed tables)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="start no system after this many seconds (gpu_suite.sh stops at 420)")
-    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
-    ap.add_argument("--out", default=None, help="write DIR/cache.json, DIR/cache.png "
-                    "(and DIR/cache_seed.json)")
     ap.add_argument("--plot", default=None, metavar="DIR", help="only draw DIR/cache.png")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)    # sweep | seed
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -518,26 +458,24 @@ def main():
         return
     args.child_args = [a for a in sys.argv[1:] if a not in ("--seed-tables", "--no-sweep")]
     if args.quick:
-        # tiny ops: on a busy few-core machine each of OpenMP's barriers can cost ~10-80 ms
-        torch.set_num_threads(1)
         args.rows, args.dim, args.ids, args.steps, args.repeats = 20_000, 16, 512, 4, 2
         args.warmup_min, args.warmup_max, args.warmup_chunk = 4, 12, 4
-        if "--fractions" not in sys.argv:
-            args.fractions = "0.05,0.5"
-        if "--dists" not in sys.argv:
-            args.dists = "uniform,zipf1.1"
+        for flag, value in (("--fractions", "0.05"), ("--dists", "uniform,zipf1.1"),
+                            ("--storage", "fp32")):
+            if flag not in sys.argv:
+                setattr(args, flag[2:], value)
     args.dists = args.dists.split(",")
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.storage = args.storage.split(",")
-    device = resolve_device("auto")
+    device = harness.setup(args)
     if args.child:
         args.part = args.child
         if args.part == "seed":
             args.dists = list(SEED_DISTS)
-        report(run_system(args.system, args, device))
+        harness.report(run_system(args.system, args, device))
         return
 
-    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    dev_name = harness.device_name(device)
     t_start = time.monotonic()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -546,15 +484,11 @@ def main():
               "warmup": {"min": args.warmup_min, "max": args.warmup_max, "chunk": args.warmup_chunk,
                          "stop": "hit rate of two successive chunks within 1 point"}}
     if not args.no_sweep:
-        notes = low_precision_options(args)[1] if "bf16" in args.storage else []
         res = dict(common, rows=args.rows, dim=args.dim, dists=args.dists,
                    fractions=args.fractions, storage=args.storage,
-                   table_state_bytes=table_state_bytes(args.rows, args.dim), notes=notes,
-                   quick=args.quick)
+                   table_state_bytes=table_state_bytes(args.rows, args.dim), quick=args.quick)
         print(f"# {dev_name}  table {args.rows:,} x {args.dim}, Adam, {args.ids:,} ids/step; "
               "each system in a process of its own", flush=True)
-        for note in notes:
-            print(f"note: {note}", flush=True)
         path = os.path.join(args.out, "cache.json") if args.out else None
         run_part("sweep", dict.fromkeys(sweep_systems(args)), args, device, res, t_start, path,
                  ratios, print_sweep)

@@ -13,30 +13,26 @@ Rows of the table printed at the end (GB = 1e9 bytes):
   crc32 in memory   zlib.crc32 over 1 GiB: the checksum's own ceiling
 
     python benchmarks/bench_checkpoint.py --size-gb 2 --dir /tmp/ckbench     # this machine
-    python benchmarks/bench_checkpoint.py --quick                            # < 1 min
+    python benchmarks/bench_checkpoint.py --quick                            # 50 MB
     python benchmarks/bench_checkpoint.py --out artifacts/gpu                # GPU machine: 4 GB
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import zlib
 
+import harness
 import numpy as np
 import torch
+from harness import dd
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
-from nbtools.devices import resolve_device  # noqa: E402
+import nbtools
+from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 
 GB = 1e9
 
@@ -52,24 +48,18 @@ def drop_caches() -> bool:
         return False
 
 
-def dd(args) -> float:
-    r = subprocess.run(["dd", *args], capture_output=True, text=True)
-    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", r.stderr)
-    if r.returncode or not m:
-        raise RuntimeError(f"dd {' '.join(args)} failed: {r.stderr.strip()}")
-    return int(m.group(1)) / float(m.group(2))
-
-
-def crc_rate() -> float:
-    buf = np.random.default_rng(0).integers(0, 255, size=1 << 30, dtype=np.uint8)
+def crc_rate(nbytes=1 << 30) -> float:
+    buf = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
     t0 = time.perf_counter()
     zlib.crc32(memoryview(buf))
     return buf.nbytes / (time.perf_counter() - t0)
 
 
-def one_round(root, work, table, objects, rows, torch_ref: bool, round_index: int) -> dict:
-    """Writes first (dd, nbtools, torch.save), then reads (dd, nbtools, torch.load), each read
-    after dropping the page cache, so that every read meets the disk in the same state."""
+def one_round(root, work, table, objects, rows, torch_ref: bool, round_index: int,
+              pause: float = 1.0) -> dict:
+    """Writes first (dd, nbtools, torch.save), ``pause`` seconds apart, then reads (dd, nbtools,
+    torch.load), each read after dropping the page cache, so that every read meets the disk in
+    the same state."""
     out = {}
     ddfile, ptfile = os.path.join(root, "nbtools-dd.tmp"), os.path.join(work, "table.pt")
     count = max(1, table.nbytes // (64 << 20))
@@ -101,8 +91,8 @@ def one_round(root, work, table, objects, rows, torch_ref: bool, round_index: in
     try:
         for w in writes:
             w()
-            time.sleep(1)
-        time.sleep(2)                                      # let the disk settle after writing
+            time.sleep(pause)
+        time.sleep(2 * pause)                              # let the disk settle after writing
 
         dropped = drop_caches()
         out["read_after"] = "drop_caches" if dropped else "iflag=direct"
@@ -133,19 +123,16 @@ def one_round(root, work, table, objects, rows, torch_ref: bool, round_index: in
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--size-gb", type=float, default=4.0, help="table size in GB (default 4)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--adam", action="store_true", help="also save Adam's two per-row states (3x bytes)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--no-torch-save", action="store_true", help="skip the torch.save/load reference")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of dd + save + restore (medians)")
-    ap.add_argument("--quick", action="store_true", help="0.25 GB: under a minute anywhere")
-    ap.add_argument("--out", default=None, help="write DIR/checkpoint.json")
     args = ap.parse_args()
-    size_gb = 0.25 if args.quick else args.size_gb
-    device = resolve_device(args.device)
+    size_gb = 0.05 if args.quick else args.size_gb
+    device = harness.setup(args)
     root = args.dir or tempfile.mkdtemp(prefix="nbtools-ckbench-")
     os.makedirs(root, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=root)
@@ -165,11 +152,11 @@ def main():
         res["pinned"] = table.pinned
         print(f"table {rows:,} x {args.dim} float32 = {table.nbytes / GB:.2f} GB on {device} "
               f"(pinned={table.pinned}) in {res['alloc_s']:.1f} s; writing to {root}", flush=True)
-        res["crc32_bytes_per_s"] = crc_rate()
+        res["crc32_bytes_per_s"] = crc_rate(1 << (26 if args.quick else 30))
         # The disk of a shared VM drifts from minute to minute: dd and the checkpoint are
         # measured in alternation, --repeat times, and medians are reported.
-        rounds = [one_round(root, work, table, objects, rows, not args.no_torch_save, r)
-                  for r in range(args.repeat)]
+        rounds = [one_round(root, work, table, objects, rows, not args.no_torch_save, r,
+                            pause=0.0 if args.quick else 1.0) for r in range(args.repeat)]
         for key in rounds[0]:
             values = [r[key] for r in rounds]
             if isinstance(values[0], float):
@@ -192,10 +179,7 @@ def main():
     print(f"{'torch.save (reference)':<32}{rate('torch_save_bytes_per_s'):>12}")
     print(f"{'torch.load + copy (reference)':<32}{rate('torch_load_bytes_per_s'):>12}")
     print(f"{'crc32 in memory':<32}{rate('crc32_bytes_per_s'):>12}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "checkpoint.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "checkpoint.json", res)
 
 
 if __name__ == "__main__":

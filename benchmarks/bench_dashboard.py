@@ -16,7 +16,7 @@ against nvidia-smi and torch's own counters.
 3. Costs of the parts: Meters.read(), Monitor.step() between refreshes, HTML, plot.
 
     python benchmarks/bench_dashboard.py              # GPU machine, about 3 minutes
-    python benchmarks/bench_dashboard.py --quick      # CPU, < 1 minute
+    python benchmarks/bench_dashboard.py --quick      # small, on a CPU in seconds
     python benchmarks/bench_dashboard.py --out DIR    # also DIR/dashboard.json, DIR/dashboard.html
 
 ``DIR/dashboard.html`` is the dashboard's static snapshot from the run; for the README:
@@ -24,23 +24,20 @@ against nvidia-smi and torch's own counters.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
+import harness
 import torch
+from harness import synchronize
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.meters import Meters, Monitor, MonitorConfig, PcieSampler, SystemBackend  # noqa: E402
+import nbtools
+from nbtools.dashboard import Dashboard, DashboardConfig, plot_history, render_html
+from nbtools.meters import Meters, Monitor, MonitorConfig, PcieSampler, SystemBackend
 
 MiB = 2**20
 
@@ -364,8 +361,8 @@ def part_costs(device, history):
         render_html(rec)
     out["render_html_ms"] = (time.perf_counter() - t0) / 100 * 1e3
     if widgets_available() and len(history) > 1:
-        from nbtools.dashboard import _Plotter
-        p = _Plotter("ids")
+        from nbtools.dashboard import Plotter
+        p = Plotter("ids")
         p.render(history)
         t = []
         for _ in range(5):
@@ -381,8 +378,7 @@ def fmt(v, digits=1):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65_536)
@@ -390,18 +386,15 @@ def main():
     ap.add_argument("--showcase-s", type=float, default=None,
                     help="seconds of the run shown in dashboard.html (10)")
     ap.add_argument("--rounds", type=int, default=None, help="paired rounds (14)")
-    ap.add_argument("--quick", action="store_true", help="small, CPU-friendly, < 1 minute")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=None, help="write DIR/dashboard.json and DIR/dashboard.html")
     args = ap.parse_args()
-    quick = {"block_s": 0.5, "rounds": 3, "showcase_s": 3.0}
+    quick = {"block_s": 0.2, "rounds": 2, "showcase_s": 1.0}
     full = {"block_s": 2.0, "rounds": 14, "showcase_s": 10.0}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:       # explicit values win over --quick
             setattr(args, k, v)
     if args.quick:
         args.rows, args.dim, args.ids = 100_000, 32, 1_024
-    device = resolve_device(args.device)
+    device = harness.setup(args)
     t_start = time.perf_counter()
     print(f"# {device}  table {args.rows:,} x {args.dim} fp32 + Adam state, {args.ids:,} ids/step",
           flush=True)
@@ -417,7 +410,7 @@ def main():
     loop = phase("setup", Loop, args.rows, args.dim, args.ids, device)
     modes = ["baseline", "text"] + (["widget"] if widgets_available() else [])
     overhead = phase("overhead", measure_overhead, loop, device, args.block_s, args.rounds, modes)
-    readings = phase("readings", check_readings, loop, device, 2 if args.quick else 3)
+    readings = phase("readings", check_readings, loop, device, 1 if args.quick else 3)
     last = phase("showcase", showcase, loop, device, args.showcase_s)
     costs = phase("costs", part_costs, device, last.history)
     res = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -458,10 +451,8 @@ def main():
     if readings["na_reasons"]:
         print("N/A because: " + "; ".join(readings["na_reasons"].values()))
     print(f"wall time {res['wall_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phase_s.items()) + ")")
+    harness.save(args, "dashboard.json", res)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "dashboard.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
         html = last.snapshot_html()
         if last._png is None and widgets_available():   # text mode: add the history plot
             html = render_html(last.record, state=last.state, title=last.title,

@@ -1,4 +1,4 @@
-"""placement="disk" (issue 25): capacity under a simulated Colab free tier, and steps that run
+"""placement="disk": capacity under a simulated Colab free tier, and steps that run
 at the disk's rate. Every figure is measured in this run; ratios are within it.
 
 A table of ``--rows`` x ``--dim`` (bf16 weights, the leanest optimizer state available) lives in
@@ -16,38 +16,32 @@ Sections:
                 best of 32, 64 and 128 reads in flight), probed before and after each loop. A
                 loop times its steps between the first SETTLE and the last TAIL (a long
                 loop's steady state: as many coming reads in flight when the clock stops as
-                when it starts). Variants timed in the same rounds: ``--also-ahead`` (other
-                read-ahead depths), ``--also-depth`` (reads in flight per call),
-                ``--also-batch`` (requests per lio_listio), ``--also-engine`` (I/O engines),
-                ``--also-switch-ms`` (GIL switch intervals). For a log file, the share of the
-                read-ahead loop's reads from appended segments and a probe of the newest ones
+                when it starts). ``--also-ahead``: other read-ahead depths timed in the same
+                rounds
   uniform       uniform ids: rows read per second against the probed rate
   memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
                 every 0.2 s from outside the training loop; max and a plot (memory.png)
 
     python benchmarks/bench_disk.py --out DIR                              # GPU machine
-    python benchmarks/bench_disk.py --quick                                # small, any machine
+    python benchmarks/bench_disk.py --quick            # 100,000 rows, 1 round: any machine
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import harness
 import numpy as np
 import torch
+from harness import synchronize
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
+import nbtools
+from nbtools import hostmem
 
-READ_AHEAD = 8                   # steps read ahead (--ahead; nbtools.readahead.AHEAD)
+READ_AHEAD = 8                   # steps read ahead (--ahead; nbtools.disk.readahead.AHEAD)
 SETTLE = 10                      # steps of a timed loop before its clock starts (run_steps):
                                  # past the burst of a loop's first read-aheads (DEPTH + 2)
 TAIL = 8                         # and after it stops (the deepest read-ahead: run_steps)
@@ -288,14 +282,14 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
 
 
 def engines() -> list:
-    """RowFile's I/O engines on this machine (nbtools.fileio.RequestPool)."""
-    from nbtools.fileio import _aio
-    from nbtools.fileio import _kaio
+    """RowFile's I/O engines on this machine (nbtools.rowfile.fileio.RequestPool)."""
+    from nbtools.rowfile.fileio import _aio
+    from nbtools.rowfile.fileio import _kaio
     return ["threads"] + (["aio"] if _aio.ready() else []) + (["kaio"] if _kaio.ready() else [])
 
 
 # requests per lio_listio call the probes try (the aio engine), the best counting: the table's
-# own (nbtools.fileio.AIO_BATCH) and the earlier default, which a lone call may read faster with
+# own (nbtools.rowfile.fileio.AIO_BATCH) and the earlier default, which a lone call may read faster with
 PROBE_BATCHES = (1024, 4096)
 
 
@@ -325,51 +319,6 @@ def probe(table, n: int, threads: int, gen, engine: str | None = None, draw=None
         rf.close()
 
 
-def recent_slots(table, gen):
-    """``draw(n)`` for :func:`probe`: n random slots of the log file's most recently written
-    segments (64n slots' worth of them, a few hundred MB: not so few that the disk's locality
-    flatters them; where a Zipf loop's rows evicted lately were appended), or None where the
-    file is not a log."""
-    log = table.disk.file
-    if not hasattr(log, "_stamp"):
-        return None
-
-    def draw(n):
-        newest = np.argsort(log._stamp, kind="stable")[::-1]
-        segs = newest[: max(1, -(-64 * n // log.seg))]
-        slots = (segs[:, None] * log.seg + np.arange(log.seg)).ravel()
-        return gen.choice(slots, min(n, len(slots)), replace=False)
-    return draw
-
-
-class SlotsRead:
-    """Records the file rows (slots) a log table reads while in a ``with`` block, and tells
-    what share of them lie in segments appended since ``since`` (a log clock value)."""
-
-    def __init__(self, table):
-        self.log = table.disk.file
-        self.slots = []
-
-    def __enter__(self):
-        rf = self.log.file
-        self._orig = rf.read
-
-        def read(slots, out, at=None):
-            self.slots.append(np.asarray(slots).copy())
-            return self._orig(slots, out, at=at)
-        rf.read = read
-        return self
-
-    def __exit__(self, *exc):
-        del self.log.file.read          # the instance attribute: the class's method again
-
-    def share_since(self, since: int) -> float | None:
-        if not self.slots:
-            return None
-        s = np.concatenate(self.slots)
-        return float(np.mean(self.log._stamp[s // self.log.seg] > since))
-
-
 def probe_steps(table, batch: int, count: int, threads: int, gen,
                 engine: str | None = None) -> float:
     """Rows per second of ``count`` back-to-back reads of ``batch`` random unique rows each
@@ -391,21 +340,6 @@ def probe_steps(table, batch: int, count: int, threads: int, gen,
         return sum(len(b) for b in batches) / (time.perf_counter() - t0)
     finally:
         rf.close()
-
-
-def file_pool(table):
-    """The request pool of the table's file (a RowFile's, or a log file's RowFile's)."""
-    f = table.disk.file
-    return getattr(f, "_pool", None) or f.file._pool
-
-
-def set_depth(table, depth: int | None) -> int:
-    """Set the table file's reads in flight per call (None: leave it); the old value."""
-    pool = file_pool(table)
-    old = pool.threads
-    if depth:
-        pool.threads = int(depth)
-    return old
 
 
 def age_by_copy(table, log, gen, go_on, block: int = 1 << 18) -> int:
@@ -451,7 +385,7 @@ def age_by_copy(table, log, gen, go_on, block: int = 1 << 18) -> int:
 
 def main():
     global READ_AHEAD
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=100_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65536)
@@ -473,25 +407,7 @@ def main():
                          "also time 1 step ahead when this is more")
     ap.add_argument("--also-ahead", type=lambda v: [int(x) for x in v.split(",") if x],
                     default=[4, 6], help="other read-ahead depths the rounds time (comma-"
-                    "separated; default 4,6; at most nbtools.readahead.DEPTH, 8)")
-    ap.add_argument("--also-depth", type=lambda v: [int(x) for x in v.split(",") if x],
-                    default=[], help="reads in flight per read call (the table file's depth: "
-                    "nbtools.disk.DISK_AIO_DEPTH) of extra read-ahead loops in each round, "
-                    "comma-separated (default none)")
-    ap.add_argument("--also-batch", type=lambda v: [int(x) for x in v.split(",") if x],
-                    default=[], help="requests per lio_listio call (nbtools.fileio.AIO_BATCH, "
-                    "1,024) of extra read-ahead loops in each round, comma-separated (default "
-                    "none; a batch at least a load's size hands each load to glibc at once)")
-    ap.add_argument("--also-engine", type=lambda v: [x for x in v.split(",") if x],
-                    default=[], help="I/O engines (nbtools.fileio.ENGINES) of extra read-ahead "
-                    "loops in each round, comma-separated (default none)")
-    ap.add_argument("--also-switch-ms", type=lambda v: [float(x) for x in v.split(",") if x],
-                    default=[], help="GIL switch intervals (ms) of extra read-ahead loops in "
-                    "each round, comma-separated (default none: the run's own, Python's default 5 ms "
-                    "unless --switch-interval)")
-    ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval for the run (seconds; Python's default 0.005): "
-                         "how long a reader thread may wait for the GIL")
+                    "separated; default 4,6; at most nbtools.disk.readahead.DEPTH, 8)")
     ap.add_argument("--clean-cache", dest="dirty", action="store_false",
                     help="skip training every row of the warmed RAM cache once before the "
                     "rounds (by default it is: a long run's steady state, where each miss "
@@ -506,23 +422,19 @@ def main():
                          "appends (one sequential pass over the file, the rows unchanged) "
                          "instead of training uniform steps: the same placement as uniform "
                          "steps' evictions, several times faster on a large table")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     READ_AHEAD = args.ahead
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
     if args.quick:
-        args.rows, args.dim, args.ids, args.steps = 200_000, 32, 4096, 6
-        args.cache_gib, args.uniform_steps, args.rounds = 0.002, 2, 2
+        args.rows, args.dim, args.ids, args.steps = 100_000, 32, 2048, 4
+        args.cache_gib, args.uniform_steps, args.rounds, args.also_ahead = 0.001, 2, 1, [4]
         args.host_compare = True
-    device = resolve_device()
+    device = harness.setup(args)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gib * (1 << 30) / total))
     nbtools.set_host_budget(int(args.budget_gib * (1 << 30)))   # every nbtools allocation
     res = {"args": vars(args), "device": str(device),
-           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+           "gpu": harness.device_name(device)}
     gen = np.random.default_rng(0)
     mem = MemorySampler()
     t0 = time.perf_counter()
@@ -535,7 +447,7 @@ def main():
     res["file_bytes"] = table.disk.file_bytes          # rows rounded up to the O_DIRECT block
     res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
     res["cache_rows"] = table.disk.capacity_rows
-    log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disklog)
+    log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disk.log)
     res["layout"] = "log (NBTOOLS_DISK_LAYOUT=log)" if log is not None else "in place"
     mem.mark("created")
     print(f"created {table!r} in {res['create_s']:.1f} s", flush=True)
@@ -625,54 +537,17 @@ def main():
         return (loop["misses_per_step"] - loop["from_write_back_per_step"]) \
             / loop["probe_rows_per_s"] * 1e3
 
-    # read-ahead loops at another setting, timed in every round: (key, its label in the round's
-    # line, in the table, the setting: reads in flight per call, GIL switch interval ms,
-    # requests a lio_listio, I/O engine)
-    variants = [(f"zipf_depth_{d}", f"depth {d}", f"{d} reads in flight per call",
-                 dict(depth=d)) for d in args.also_depth]
-    variants += [(f"zipf_switch_{ms:g}", f"switch {ms:g} ms", f"GIL switch interval {ms:g} ms",
-                  dict(switch_ms=ms)) for ms in args.also_switch_ms]
-    variants += [(f"zipf_batch_{b}", f"batch {b}", f"{b:,} requests a lio_listio",
-                  dict(batch=b)) for b in args.also_batch]
-    variants += [(f"zipf_engine_{e}", e, f"the {e} engine", dict(engine=e))
-                 for e in args.also_engine]
     rounds = []
-    clock0 = table.disk.file._clock if log is not None else 0
     for r in range(args.rounds):
         rnd = {}
         before = dict(log) if log is not None else None
-        # (steps ahead, key, setting)
-        loops = [(0, "zipf", {}), (args.ahead, "zipf_read_ahead", {})]
-        loops += [(k, f"zipf_read_ahead_{k}", {}) for k in args.also_ahead if k != args.ahead]
-        loops += [(args.ahead, key, setting) for key, _, _, setting in variants]
+        # (steps ahead, key)
+        loops = [(0, "zipf"), (args.ahead, "zipf_read_ahead")]
+        loops += [(k, f"zipf_read_ahead_{k}") for k in args.also_ahead if k != args.ahead]
         probes = [rate_now()]
-        recent = recent_slots(table, gen)
-        if recent is not None:          # the newest segments' rows, before the loops
-            rnd["probe_recent_rows_per_s"] = max(probe(table, 8192, t, gen, draw=recent)
-                                                 for t in PROBE_DEPTHS[1:])
-            rnd["probe_recent_x_probe"] = rnd["probe_recent_rows_per_s"] / probes[0]
-        for prefetch, key, setting in loops:
-            old = set_depth(table, setting.get("depth"))
-            pool = file_pool(table)
-            old_switch, old_batch, old_engine = sys.getswitchinterval(), pool.batch, pool.engine
-            if "switch_ms" in setting:
-                sys.setswitchinterval(setting["switch_ms"] / 1e3)
-            pool.batch = setting.get("batch", old_batch)
-            pool.engine = setting.get("engine", old_engine)
-            watch = SlotsRead(table) if log is not None and key == "zipf_read_ahead" else None
-            try:
-                with watch or contextlib.nullcontext():
-                    rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL),
-                                       device, prefetch)
-                if watch is not None:
-                    # where the loop's reads fell: rows appended since the file was made
-                    # (evicted some time), and since the rounds began (evicted lately)
-                    rnd[key]["read_share_appended"] = watch.share_since(0)
-                    rnd[key]["read_share_appended_in_rounds"] = watch.share_since(clock0)
-            finally:
-                set_depth(table, old)
-                sys.setswitchinterval(old_switch)
-                pool.batch, pool.engine = old_batch, old_engine
+        for prefetch, key in loops:
+            rnd[key] = measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device,
+                               prefetch)
             probes.append(rate_now())
             rnd[key]["probe_rows_per_s"] = (probes[-2] + probes[-1]) / 2
         rate = rnd["probe_rows_per_s"] = rnd["zipf_read_ahead"]["probe_rows_per_s"]
@@ -693,9 +568,7 @@ def main():
               f"{rnd['zipf_read_ahead']['ms_per_step']:.1f} ({args.ahead} ahead)"
               + "".join(f", {k} ahead {rnd[f'zipf_read_ahead_{k}']['ms_per_step']:.1f}"
                         for k in args.also_ahead if f"zipf_read_ahead_{k}" in rnd)
-              + "".join(f", {short} {rnd[key]['ms_per_step']:.1f}"
-                        for key, short, _, _ in variants) +
-              f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
+              + f", floor (b) {rnd['floor_b_ms']:.1f} (sustained {rnd['sustained_rows_per_s']:,.0f}"
               f" rows/s: {rnd['floor_b_sustained_ms']:.1f}), "
               f"misses {rnd['zipf_read_ahead']['misses_per_step']:,.0f} (from queued write-backs "
               f"{rnd['zipf_read_ahead']['from_write_back_per_step']:,.0f}), written back "
@@ -759,7 +632,6 @@ def main():
             print(f"host comparison skipped: {need / 2**30:.1f} GiB of rows, "
                   f"{avail / 2**30:.1f} GiB available", flush=True)
     host_ms = res.get("host_zipf_ms") or 0.0
-    res["switch_ms"] = sys.getswitchinterval() * 1e3
     res["zipf_x_bound_rounds"] = [rnd["zipf_read_ahead"]["ms_per_step"] /
                                   max(host_ms, rnd["floor_b_ms"]) for rnd in rounds]
     res["zipf_x_bound"] = med(res["zipf_x_bound_rounds"])
@@ -772,9 +644,6 @@ def main():
             res[f"zipf_ahead_{k}_x_bound_rounds"] = [
                 rnd[f"zipf_read_ahead_{k}"]["ms_per_step"] /
                 max(host_ms, floor_ms(rnd[f"zipf_read_ahead_{k}"])) for rnd in rounds]
-    for key, _, _, _ in variants:
-        res[f"{key}_x_bound_rounds"] = [
-            rnd[key]["ms_per_step"] / max(host_ms, floor_ms(rnd[key])) for rnd in rounds]
     res["zipf_no_read_ahead_x_bound_rounds"] = [
         rnd["zipf"]["ms_per_step"] / max(host_ms, rnd["floor_b_ms_no_read_ahead"])
         for rnd in rounds]
@@ -804,7 +673,6 @@ def main():
         *[(f"probe rows/s, {' / '.join(map(str, PROBE_DEPTHS))} in flight, {e} engine", " / ".join(
             f"{res[f'probe_{e}_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)) for e in engines()],
         ("the table's engine", res["engine"]),
-        ("GIL switch interval in the loops (ms)", f"{res['switch_ms']:g}"),
         (f"probe of 2,048 rows, rows/s, {' / '.join(map(str, PROBE_DEPTHS))}", " / ".join(
             f"{res[f'probe_small_rows_per_s_{t}']:,.0f}" for t in PROBE_DEPTHS)),
         (f"zipf ms/step, median of {args.rounds} rounds (no read-ahead / {args.ahead} ahead)",
@@ -832,21 +700,8 @@ def main():
         *[(f"zipf {k} step(s) ahead / max(a, b): rounds", ", ".join(
             f"{x:.2f}" for x in res[f"zipf_ahead_{k}_x_bound_rounds"]))
           for k in args.also_ahead if f"zipf_ahead_{k}_x_bound_rounds" in res],
-        *[(f"zipf {args.ahead} ahead, {label} / max(a, b): rounds",
-           ", ".join(f"{x:.2f}" for x in res[f"{key}_x_bound_rounds"]))
-          for key, _, label, _ in variants],
         ("zipf read-ahead loop: rows the disk read a second, whole loop, x probes around: "
          "rounds", ", ".join(f"{x:.2f}" for x in res["zipf_loop_x_probe_rounds"])),
-        *([("zipf read-ahead loop: share of its reads from segments appended since the file "
-            "was made / since the rounds began: rounds", ", ".join(
-                f"{rnd['zipf_read_ahead']['read_share_appended']:.2f} / "
-                f"{rnd['zipf_read_ahead']['read_share_appended_in_rounds']:.2f}"
-                for rnd in rounds)),
-           ("probe of the newest segments' rows, rows/s (x the probe before the loops): rounds",
-            ", ".join(f"{rnd['probe_recent_rows_per_s']:,.0f} ({rnd['probe_recent_x_probe']:.2f})"
-                      for rnd in rounds))]
-          if "probe_recent_rows_per_s" in rounds[0]
-          and rounds[0]["zipf_read_ahead"].get("read_share_appended") is not None else []),
         ("zipf rows read / misses per step (disk counters, read-ahead run)",
          f"{res['zipf_read_ahead']['disk_read_rows_per_step']:,.0f} / "
          f"{res['zipf_read_ahead']['misses_per_step']:,.0f}"),
@@ -877,9 +732,7 @@ def main():
     ]
     for k, v in rows:
         print(f"| {k} | {v} |")
-    if args.out:
-        with open(os.path.join(args.out, "bench_disk.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    harness.save(args, "bench_disk.json", res)
 
 
 if __name__ == "__main__":

@@ -7,22 +7,18 @@ rank, the median time of the lookup alone, and the bytes one rank sends per step
 of docs/distributed.md with the unique ids counted.
 
     python benchmarks/bench_distributed.py --out DIR     # GPU machine: CUDA compute, gloo
-    python benchmarks/bench_distributed.py --quick       # small, on a CPU in seconds
+    python benchmarks/bench_distributed.py --quick       # 1 and 2 ranks, small, on a CPU
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
+import harness
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
+import nbtools
+from nbtools.devices import resolve_device, synchronize
 
 
 def job(rank, world, rows, dim, batch, steps, device):
@@ -54,35 +50,28 @@ def job(rank, world, rows, dim, batch, steps, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=65_536)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--worlds", default="1,2,4")
-    ap.add_argument("--device", default="auto", help="compute device of every rank")
-    ap.add_argument("--out", default=None, help="write DIR/distributed.json")
     args = ap.parse_args()
     if args.quick:
-        args.rows, args.dim, args.batch, args.steps, args.worlds = 100_000, 32, 4096, 5, "1,2"
-    device = str(resolve_device(args.device))
+        args.rows, args.dim, args.batch, args.steps, args.worlds = 20_000, 16, 1024, 3, "1,2"
+    device = str(harness.setup(args))
     result = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "device": device,
               "worlds": {}}
-    print(f"{args.rows:,} x {args.dim} Adam, {args.batch:,} ids per rank per step, {device}, gloo")
-    print(f"{'ranks':>6}{'step ms (slowest)':>20}{'lookup ms':>12}{'MB sent/rank':>14}")
     for world in (int(w) for w in args.worlds.split(",")):
         per_rank = nbtools.distributed.spawn(
             job, world, args=(args.rows, args.dim, args.batch, args.steps, device), timeout=400)
-        worst = max(per_rank, key=lambda r: r["step_ms"])
-        result["worlds"][world] = worst
-        print(f"{world:>6}{worst['step_ms']:>20.2f}{worst['lookup_ms']:>12.2f}"
-              f"{worst['sent_MB']:>14.2f}", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "distributed.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        result["worlds"][world] = max(per_rank, key=lambda r: r["step_ms"])
+    harness.print_table(
+        ["ranks", "step ms (slowest)", "lookup ms", "MB sent/rank"],
+        [[w, f"{r['step_ms']:.2f}", f"{r['lookup_ms']:.2f}", f"{r['sent_MB']:.2f}"]
+         for w, r in result["worlds"].items()],
+        f"{args.rows:,} x {args.dim} Adam, {args.batch:,} ids per rank per step, {device}, gloo")
+    harness.save(args, "distributed.json", result)
 
 
 if __name__ == "__main__":

@@ -29,28 +29,26 @@ GPU idle fraction = 1 - (time the compute stream spent inside model steps, from 
 around each step) / wall time: waiting for data or for copies counts as idle.
 
     python benchmarks/bench_loader.py --out artifacts/gpu    # GPU machine, about 4 minutes
-    python benchmarks/bench_loader.py --quick                # small, runs on a CPU in < 1 min
+    python benchmarks/bench_loader.py --quick                # small, on a CPU in seconds
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
-import json
 import os
 import platform
 import sys
 import time
 
+import harness
 import torch
 import torch.nn.functional as F
+from harness import synchronize
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.loader import PinnedLoader  # noqa: E402
+from nbtools import hostmem
+from nbtools.loader import PinnedLoader
 
 
 # --- models: one step = forward, backward, optimizer step --------------------------------------
@@ -275,7 +273,7 @@ def print_table(name, res, device_name):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--images", type=int, default=60_000, help="image samples (28 x 28 uint8)")
     ap.add_argument("--image-batch", type=int, default=512)
     ap.add_argument("--pairs", type=int, default=100_000_000, help="id pairs (int64)")
@@ -289,18 +287,15 @@ def main():
                     help="timed epochs, alternating with the ceiling's (0: 10 images, 3 pairs)")
     ap.add_argument("--max-batches", type=int, default=200, help="DataLoader: batches timed at most")
     ap.add_argument("--window-s", type=float, default=2.5, help="DataLoader: seconds timed at most")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly (< 1 min)")
-    ap.add_argument("--out", default=None, help="write DIR/loader.json")
     args = ap.parse_args()
     if args.quick:
-        args.images, args.pairs, args.vocab, args.dim = 4_000, 400_000, 10_000, 16
-        args.pair_batch, args.workers, args.max_batches, args.window_s = 8_192, "0,2", 12, 0.3
+        args.images, args.pairs, args.vocab, args.dim = 2_000, 100_000, 10_000, 16
+        args.pair_batch, args.workers, args.max_batches, args.window_s = 8_192, "0,2", 6, 0.2
         args.pair_sweep = "32768"
     args.workers = [int(w) for w in args.workers.split(",")]
     args.dl_warmup = 3 if args.quick else 5
-    device = resolve_device(args.device)
-    device_name = f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "cpu"
+    device = harness.setup(args)
+    device_name = harness.device_name(device)
     t_start = time.perf_counter()
     res = {"device": device_name, "torch": torch.__version__, "cpu_count": os.cpu_count(),
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -348,10 +343,7 @@ def main():
           f"{p.get('pinned_vs_best_tuned', float('nan')):.2f}x the best tuned DataLoader")
     print(f"DataLoader rows: timed over a window after warm-up, epochs/s extrapolated from "
           f"batches/s. Total {res['total_s']:.0f} s.")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "loader.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "loader.json", res)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """from_pretrained of a memory-mapped .npy file into a host and a disk table: GB/s against the
 disk's own sequential read, and peak RSS growth against the table's bytes + 64 MiB.
 
-Issue 23's target: a 20 GB .npy into a host or a disk table with peak RSS growth <= the table's
-own RAM + 64 MiB, and a throughput figure against the disk's sequential read.
+The target: a 20 GB .npy into a host or a disk table with peak RSS growth <= the table's own RAM
++ 64 MiB, and a throughput figure against the disk's sequential read.
 
 Each load is preceded by its own `dd` read of the source (O_DIRECT, 64 MiB blocks): the disk's
 rate drifts from minute to minute on a shared VM, so each ratio uses the probe taken just before
@@ -21,15 +21,13 @@ every read meets the disk. Rows printed at the end (GB = 1e9 bytes):
                     charged with the driver's ~100 MiB
   page cache        the largest growth of the page cache (Cached in /proc/meminfo) during it
 
-    python benchmarks/bench_pretrained.py --size-gb 20 --dir /data/tmp    # the issue's target
-    python benchmarks/bench_pretrained.py --quick                         # 1 GB, < 1 min
+    python benchmarks/bench_pretrained.py --size-gb 20 --dir /data/tmp    # the target
+    python benchmarks/bench_pretrained.py --quick                         # 50 MB
     python benchmarks/bench_pretrained.py --out artifacts/gpu             # suite: 8 GB, ~1 min
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import re
 import shutil
@@ -38,15 +36,13 @@ import tempfile
 import threading
 import time
 
+import harness
 import numpy as np
 import torch
+from harness import dd
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import nbtools  # noqa: E402
-from nbtools.devices import resolve_device  # noqa: E402
-from nbtools.pretrained import EXTRA_BYTES  # noqa: E402
-from bench_checkpoint import dd  # noqa: E402
+import nbtools
+from nbtools.pretrained import EXTRA_BYTES
 
 GB = 1e9
 
@@ -170,20 +166,17 @@ def load(path: str, placement: str, device, folder: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--size-gb", type=float, default=8.0, help="source size in GB (default 8; "
-                    "the issue's target is 20: it needs 2x that on disk, 1x in RAM)")
+                    "the target is 20: it needs 2x that on disk, 1x in RAM)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--placements", default="host,disk")
     ap.add_argument("--dir", default=None, help="where the source and the disk table go "
                     "(default: a temp dir under the system's temporary folder)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true", help="1 GB")
-    ap.add_argument("--out", default=None, help="write DIR/pretrained.json")
     args = ap.parse_args()
-    size = (1.0 if args.quick else args.size_gb) * GB
+    size = (0.05 if args.quick else args.size_gb) * GB
     rows = max(1, int(size) // (args.dim * 4))
-    device = resolve_device(args.device)
+    device = harness.setup(args)
     placements = args.placements.split(",")
     root = args.dir or tempfile.gettempdir()
     os.makedirs(root, exist_ok=True)
@@ -256,10 +249,7 @@ def main():
                      f" {'ok' if res[p]['within_target'] and res[p]['exact'] else 'FAIL'}"
                      for p in placements)
     print(f"summary pretrained ({res['source_bytes'] / GB:.1f} GB .npy, {device}): {line}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "pretrained.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "pretrained.json", res)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The training step at GPU speed (issue 10's targets), every figure a ratio within one run.
+"""The training step at GPU speed, every figure a ratio within one run.
 
 Table 4,000,000 x 128 fp32, Adam, one lookup + a small loss + backward + optimizer step:
   nbtools host        OffloadedEmbedding(placement="host") + OffloadOptimizer(Adam): rows and
@@ -15,7 +15,7 @@ at 4,096 and 65,536 uniform ids per step, and 65,536 Zipf(1.1) ids. Plus:
 Steps are timed as loops (one synchronisation at the end, none between steps), median of
 several loops.
 
-The cost of determinism (issue 24): with ``--deterministic both``, the host and GPU placements
+The cost of determinism: with ``--deterministic both``, the host and GPU placements
 (and the small model) also run with OffloadConfig(deterministic=False), whose lookups' backward
 sums duplicate ids with torch's atomic index_add_ instead of the fixed-order segment sum, and
 "repeat diff" trains the same short run twice in each mode and reports how far apart the two
@@ -25,138 +25,28 @@ with atomics.
     python benchmarks/bench_step.py --out DIR          # GPU machine
     python benchmarks/bench_step.py --deterministic both \
         --only "nbtools host,nbtools gpu,small nbtools host,small nbtools gpu,repeat diff"
-    python benchmarks/bench_step.py --quick            # small, runs on a CPU
+    python benchmarks/bench_step.py --quick            # a few systems, small, on a CPU
     python benchmarks/bench_step.py --own-floors --only "nbtools host,nbtools host rowwise,\
 nbtools host bf16,nbtools host bf16 rowwise,nbtools host bf16+bf16 state,\
-nbtools host bf16 rowwise+bf16 state"     # issue 23: every storage combination vs its floor
+nbtools host bf16 rowwise+bf16 state"     # every storage combination vs its floor
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import time
-import warnings
 
+import harness
 import torch
+from harness import count_syncs, follow, loop_ms, nbtools_step, torch_sparse_step
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
-from nbtools.optim import OffloadConfig  # noqa: E402
+import nbtools
+from nbtools import hostmem
+from nbtools.optim import OffloadConfig
 
-
-def loop_ms(step, batches, device, repeats=5, warmup=3):
-    """Median ms per step over ``repeats`` loops through ``batches``."""
-    for ids in batches[:warmup]:
-        step(ids)
-    synchronize(device)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for ids in batches:
-            step(ids)
-        synchronize(device)
-        out.append((time.perf_counter() - t0) / len(batches) * 1e3)
-    return statistics.median(out)
-
-
-def count_syncs(step, batches, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    step(batches[0])
-    synchronize(device)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for ids in batches:
-                step(ids)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught) / len(batches)
-
-
-def loss_of(rows):
-    return rows.float().pow(2).sum() * 1e-3
-
-
-def cache_bytes_for(n, dim, share, states=2):
-    """cache_bytes that hold ``share`` of an n x dim fp32 table's rows with ``states`` state
-    tensors (what nbtools.cache sizes a cache by)."""
-    from nbtools.cache import RowCache
-    rows = int(share * n)
-    return RowCache.overhead_bytes(n) + rows * RowCache.slot_bytes(4 * dim * (1 + states))
-
-
-def nbtools_step(n, dim, device, placement="host", fused="auto", cache_share=None,
-                 prefetch=False, zero_copy_programs=None, deterministic=True, optimizer="adam",
-                 **table_kw):
-    if zero_copy_programs is not None:
-        from nbtools import kernels
-        kernels.ZERO_COPY_PROGRAMS = zero_copy_programs
-    if cache_share:
-        table_kw["cache_bytes"] = cache_bytes_for(n, dim, cache_share)
-    table = nbtools.OffloadedEmbedding(n, dim, device=device, name="t", placement=placement,
-                                       **table_kw)
-    opt_cls = {"adam": torch.optim.Adam, "rowwise_adagrad": nbtools.RowWiseAdagrad,
-               "partial_rowwise_adam": nbtools.PartialRowWiseAdam}[optimizer]
-    opt = nbtools.OffloadOptimizer(opt_cls, [table], lr=1e-3,
-                                   config=OffloadConfig(fused=fused, deterministic=deterministic))
-
-    nxt = {}             # id(batch) -> the batch after it (run_system fills it)
-
-    def step(ids):
-        rows = table(ids)
-        if prefetch:      # the next step's lookup runs on a side stream during this one
-            table.prefetch(nxt[id(ids)])
-        loss_of(rows).backward()
-        opt.step()
-        opt.zero_grad()
-    step.next = nxt
-    return step, (table, opt)
-
-
-def system_step(name, device, n=4_000_000, dim=128):
-    """``(step, keep)`` of one of SYSTEMS (or "torch sparse") on an n x dim table."""
-    if name == "torch sparse":
-        return torch_sparse_step(n, dim, device)
-    return nbtools_step(n, dim, device, **dict(SYSTEMS[name]))
-
-
-def follow(step, batches) -> None:
-    """Tell a prefetching ``step`` (nbtools_step's ``step.next``) which batch comes after each
-    of ``batches`` in a loop over them; other steps need nothing."""
-    getattr(step, "next", {}).update(
-        {id(b): batches[(i + 1) % len(batches)] for i, b in enumerate(batches)})
-
-
-def add_systems_arg(ap, default: str) -> None:
-    """An experiment's ``--systems``: comma-separated names of SYSTEMS (or "torch sparse")."""
-    ap.add_argument("--systems", default=default,
-                    help=f"comma-separated names from bench_step.SYSTEMS (default {default!r})")
-
-
-def uniform_batches(ids, device, count=20, n=4_000_000, seed=0):
-    """``count`` batches of ``ids`` uniform ids below ``n`` on ``device``."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, n, (ids,), generator=gen).to(device) for _ in range(count)]
-
-
-def torch_sparse_step(n, dim, device):
-    emb = nn.Embedding(n, dim, sparse=True).to(device)
-    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
-
-    def step(ids):
-        opt.zero_grad()
-        loss_of(emb(ids)).backward()
-        opt.step()
-    return step, (emb, opt)
+# --quick: these systems only (each in a process of its own, like a full run)
+QUICK = ("nbtools host", "nbtools host generic", "nbtools host bf16 rowwise prefetch",
+         "small nbtools host")
 
 
 def stored_row_bytes(table) -> int:
@@ -181,7 +71,7 @@ def traffic_floor_ms(n, dim, batches, device, width_factor=3):
 
 
 def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=100, steps=30,
-                   profile_to=None, deterministic=True):
+                   deterministic=True):
     """word2vec-sized step: input and output tables, with ``system`` one of "nbtools host",
     "nbtools gpu", "nbtools host cache", "torch sparse" (" atomics" after it:
     OffloadConfig(deterministic=False)). Returns (ms per step, host syncs per step)."""
@@ -207,7 +97,7 @@ def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=10
         placement = system.split()[1]
         kw = {}
         if system.endswith("cache"):       # a quarter of the rows in a GPU cache, warm from counts
-            kw["cache_bytes"] = cache_bytes_for(vocab, dim, 0.25)
+            kw["cache_bytes"] = harness.cache_bytes_for(vocab, dim, 0.25)
         a = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="in", placement=placement,
                                        **kw)
         b = nbtools.OffloadedEmbedding(vocab, dim, device=device, name="out", placement=placement,
@@ -223,28 +113,7 @@ def small_model_ms(device, system, pairs=4096, negatives=5, vocab=59_754, dim=10
         opt.zero_grad()
         sgns(a(batch[0]), b(batch[1])).backward()
         opt.step()
-    if profile_to:
-        profile(step, batches, device, profile_to)
     return loop_ms(step, batches, device), count_syncs(step, batches[:10], device)
-
-
-def profile(step, batches, device, path):
-    from torch.profiler import ProfilerActivity, profile as prof
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for ids in batches[:3]:
-        step(ids)
-    synchronize(device)
-    with prof(activities=acts) as p:
-        for ids in batches[:10]:
-            step(ids)
-        synchronize(device)
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = p.key_averages().table(sort_by=sort, row_limit=25)
-    cpu = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(table + "\n\n" + cpu)
-    print(table)
 
 
 SYSTEMS = {   # name -> table options (None: torch's own)
@@ -253,7 +122,7 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host generic": dict(placement="host", fused=False),
     "nbtools host eager": dict(placement="host", cuda_graphs=False),
     "nbtools gpu": dict(placement="gpu"),
-    # issue 12: a GPU cache of hot rows (a share of the rows), bf16 storage with fp32 math
+    # a GPU cache of hot rows (a share of the rows), bf16 storage with fp32 math
     "nbtools host cache5%": dict(placement="host", cache_share=0.05),
     "nbtools host cache25%": dict(placement="host", cache_share=0.25),
     "nbtools host bf16": dict(placement="host", dtype=torch.bfloat16),
@@ -263,11 +132,9 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     # ids handed over as pinned host tensors: the prefetch's copy and dedup run beside the
     # last update
     "nbtools host prefetch host-ids": dict(placement="host", prefetch=True, host_ids=True),
-    # the lookup's gather on one program per block of rows instead of a capped grid
-    "nbtools host uncapped": dict(placement="host", zero_copy_programs=0),
     # the update writes host memory itself, in series, instead of writing behind the next step
     "nbtools host write-through": dict(placement="host", write_behind=False),
-    # issue 23: row-wise optimizers (one fp32 accumulator per row; Adam's first moment per
+    # row-wise optimizers (one fp32 accumulator per row; Adam's first moment per
     # value and its second per row); bf16 weights with RowWiseAdagrad: 260 B a row at dim 128
     "nbtools host rowwise": dict(placement="host", optimizer="rowwise_adagrad"),
     "nbtools host bf16 rowwise": dict(placement="host", dtype=torch.bfloat16,
@@ -285,7 +152,7 @@ SYSTEMS = {   # name -> table options (None: torch's own)
     "nbtools host bf16 partial-rowwise": dict(placement="host", dtype=torch.bfloat16,
                                               optimizer="partial_rowwise_adam"),
 }
-# issue 23, item 3: every storage combination (fp32 weights take fp32 state only) and its own
+# every storage combination (fp32 weights take fp32 state only) and its own
 # traffic floor (--own-floors): weights, state, optimizer -> system
 COMBINATIONS = {
     ("fp32", "fp32", "Adam"): "nbtools host",
@@ -344,12 +211,14 @@ def repeat_diff(device, rows=200_000, dim=128, n=65536, steps=30) -> dict:
 
 
 def make_cases(args, device):
+    """The batches of each case, named by their full-size ids per step (--quick: 1/16 of them)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     zipf_p = 1.0 / torch.arange(1, min(args.rows, 1 << 24) + 1, dtype=torch.float64).pow(1.1)
+    small, large = (256, 4096) if args.quick else (4096, 65536)
     cases = {
-        "4,096 uniform": [torch.randint(0, args.rows, (4096,), generator=gen) for _ in range(args.steps)],
-        "65,536 uniform": [torch.randint(0, args.rows, (65536,), generator=gen) for _ in range(args.steps)],
-        "65,536 zipf1.1": [torch.multinomial(zipf_p, 65536, True, generator=gen) for _ in range(args.steps)],
+        "4,096 uniform": [torch.randint(0, args.rows, (small,), generator=gen) for _ in range(args.steps)],
+        "65,536 uniform": [torch.randint(0, args.rows, (large,), generator=gen) for _ in range(args.steps)],
+        "65,536 zipf1.1": [torch.multinomial(zipf_p, large, True, generator=gen) for _ in range(args.steps)],
     }
     return {k: [b.to(device) for b in v] for k, v in cases.items()}
 
@@ -368,18 +237,17 @@ def run_system(name, args, device) -> dict:
         out["65,536 uniform, bf16 rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device, width_factor=1.5)
         # bf16 weights + RowWiseAdagrad's one fp32 accumulator: 2 * dim + 4 bytes a row, as
-        # a host table stores it: padded to whole 32-byte sectors (nbtools.rowlayout.row_padding)
-        from nbtools.rowlayout import RowLayout, row_padding
+        # a host table stores it: padded to whole 32-byte sectors (nbtools.store.layout.row_padding)
+        from nbtools.store.layout import RowLayout, row_padding
         lay = RowLayout(args.dim, torch.bfloat16, torch.float32, 1, (1,))
         out["65,536 uniform, bf16 rowwise rows"] = traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device,
             width_factor=(lay.used + row_padding(lay)) / args.dim)
         return {"floor_ms": out}
     if name.startswith("small "):
-        prof = os.path.join(args.out or ".", "step_profile.txt") \
-            if args.profile and args.only and args.only.split(",")[0] == name else None
-        ms, syncs = small_model_ms(device, name[len("small "):], steps=10 if args.quick else 30,
-                                   profile_to=prof, deterministic=args.deterministic != "off")
+        ms, syncs = small_model_ms(device, name[len("small "):], steps=4 if args.quick else 30,
+                                   vocab=5_000 if args.quick else 59_754,
+                                   deterministic=args.deterministic != "off")
         return {"small_model": {name[len("small "):]: ms}, "syncs": {name: syncs}}
     kw = dict(SYSTEMS[name]) if SYSTEMS[name] is not None else None
     if kw is not None and args.deterministic == "off":
@@ -394,7 +262,8 @@ def run_system(name, args, device) -> dict:
     for batches in cases.values():        # a prefetching step needs each batch's successor
         follow(step, batches)
     for case, batches in cases.items():
-        out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device)
+        out["ms"][f"{name} | {case}"] = loop_ms(step, batches, device,
+                                                repeats=2 if args.quick else 5)
     out["syncs"][name] = count_syncs(step, cases["4,096 uniform"][:10], device)
     if args.own_floors and kw is not None and kw.get("placement") == "host":
         # this table's rows as it stores them (optimizer state and padding included), moved
@@ -404,45 +273,17 @@ def run_system(name, args, device) -> dict:
         out["own_floor"] = {name: {"row_bytes": row_bytes, "ms": traffic_floor_ms(
             args.rows, args.dim, cases["65,536 uniform"], device,
             width_factor=row_bytes / 4 / args.dim)}}
-    if args.profile and name == (args.only or "nbtools host").split(",")[0]:
-        profile(step, cases[args.profile_case], device,
-                os.path.join(args.out or ".", "step_profile.txt"))
     return out
 
 
-def report(result: dict) -> None:
-    """A child's figures, as the one line :func:`run_child` looks for."""
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-def run_child(name, cmd, timeout=None) -> dict | None:
-    """Run one system's process (``cmd``); the figures it reported, or None after printing why
-    there are none (a failure, or ``timeout`` seconds passed)."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        print(f"{name}: stopped after {timeout:.0f} s\n{(e.stdout or b'')[-2000:]!r}", flush=True)
-        return None
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not line:
-        print(f"{name}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
-        return None
-    return json.loads(line[-1][len("RESULT "):])
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of one case's step")
-    ap.add_argument("--profile-case", default="4,096 uniform",
-                    help="which case --profile profiles (default: 4,096 uniform)")
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)   # one system, in a child
     ap.add_argument("--only", default=None, help="run these systems only (comma-separated names, "
-                    "e.g. 'small nbtools gpu'); with --profile, profile the first")
-    ap.add_argument("--out", default=None, help="write DIR/step.json")
+                    "e.g. 'small nbtools gpu')")
     ap.add_argument("--own-floors", action="store_true",
                     help="each host system also times the traffic floor of its own rows (its "
                     "row bytes, state and padding included) over the 65,536 uniform ids")
@@ -451,18 +292,20 @@ def main():
                     "off (atomics), both (the host, GPU and small-model systems in each mode, "
                     "their time ratios, and 'repeat diff': how far two identical runs end apart)")
     args = ap.parse_args()
+    device = harness.setup(args)
     if args.quick:
-        args.rows, args.steps = 100_000, 4
-    device = resolve_device("auto")
+        args.rows, args.dim, args.steps = 100_000, 32, 3
+        args.only = args.only or ",".join(QUICK)
     if args.system:
-        report(run_system(args.system, args, device))
+        harness.report(run_system(args.system, args, device))
         return
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    res = {"device": harness.device_name(device),
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ms": {}, "syncs": {},
            "floor_ms": {}, "small_model": {}, "repeat_diff": {}, "own_floor": {},
            "deterministic": args.deterministic}
     print(f"# {res['device']}  table {args.rows:,} x {args.dim} fp32, Adam; each system in a "
-          "process of its own", flush=True)
+          "process of its own" + (" (--quick: 1/16 of the ids per step)" if args.quick else ""),
+          flush=True)
     both = args.deterministic == "both"
     names = [n for n in SYSTEMS if (device.type == "cuda" or SYSTEMS[n] is not None)
              and (both or not n.endswith(" atomics"))] + \
@@ -474,13 +317,10 @@ def main():
         names = [n for n in only if n in names]
     for name in names:
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
-               str(args.dim), "--steps", str(args.steps),
+               str(args.dim), "--steps", str(args.steps), "--device", args.device,
                "--deterministic", args.deterministic] + (["--quick"] if args.quick else []) + \
-            (["--own-floors"] if args.own_floors else []) + \
-            (["--profile", "--profile-case", args.profile_case, "--out", args.out]
-             if args.profile and args.out else []) + \
-            (["--only", args.only] if args.only else [])
-        got = run_child(name, cmd)
+            (["--own-floors"] if args.own_floors else [])
+        got = harness.run_child(name, cmd)
         if got is None:
             continue
         for key, value in got.items():
@@ -491,7 +331,7 @@ def main():
     print(f"\n## step time, {args.rows:,} x {args.dim}, Adam ({res['device']})")
     for k, v in ms.items():
         print(f"{k:<44}{v:9.3f} ms")
-    print("\n## issue 10 targets")
+    print("\n## ratios")
     ratios = {}
     get = lambda k: ms.get(k)
 
@@ -507,13 +347,11 @@ def main():
               res["floor_ms"].get(case))
         ratio(f"host prefetch / host, {case}", get(f"nbtools host prefetch | {case}"),
               get(f"nbtools host | {case}"))
-        ratio(f"host uncapped / traffic floor, {case}", get(f"nbtools host uncapped | {case}"),
-              res["floor_ms"].get(case))
         ratio(f"host write-through / traffic floor, {case}",
               get(f"nbtools host write-through | {case}"), res["floor_ms"].get(case))
         ratio(f"host prefetch host-ids / traffic floor, {case}",
               get(f"nbtools host prefetch host-ids | {case}"), res["floor_ms"].get(case))
-    # issue 23: RowWiseAdagrad with bf16 weights moves 260 of fp32 Adam's 1,536 bytes a row
+    # RowWiseAdagrad with bf16 weights moves 260 of fp32 Adam's 1,536 bytes a row
     for case in ("65,536 uniform", "65,536 zipf1.1"):
         ratio(f"host bf16 rowwise / host (fp32 Adam), {case} (target <= 0.3)",
               get(f"nbtools host bf16 rowwise | {case}"), get(f"nbtools host | {case}"))
@@ -569,7 +407,7 @@ def main():
     for k, v in res["floor_ms"].items():
         print(f"traffic floor {k:<30}{v:9.3f} ms")
     if res["own_floor"]:
-        print("\n## storage combinations, 65,536 uniform ids (issue 23, item 3)")
+        print("\n## storage combinations, 65,536 uniform ids")
         print(f"{'weights':<8}{'state':<7}{'optimizer':<16}{'row B':>6}{'step ms':>9}"
               f"{'floor ms':>10}{'ratio':>7}{'x fp32 Adam':>13}{'prefetch ms':>13}{'ratio':>7}")
         base = get("nbtools host | 65,536 uniform")
@@ -593,10 +431,7 @@ def main():
         print(f"small model {k:<32}{v:9.3f} ms")
     for k, v in res["repeat_diff"].items():
         print(f"two identical runs end apart by, {k:<32}{v:.3g}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "step.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "step.json", res)
 
 
 if __name__ == "__main__":

@@ -17,38 +17,16 @@ gather rates of zero-copy index_select.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
-import statistics
-import sys
 import time
 
+import harness
 import torch
+from harness import loss_of, step_ms, synchronize
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nbtools  # noqa: E402
-from nbtools import hostmem  # noqa: E402
-from nbtools.devices import resolve_device, synchronize  # noqa: E402
-
-
-def timed_steps(step, batches, device, warmup=3):
-    for ids in batches[:warmup]:
-        step(ids)
-    synchronize(device)
-    times = []
-    for ids in batches[warmup:]:
-        t0 = time.perf_counter()
-        step(ids)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def loss_of(rows):
-    return rows.float().pow(2).sum() * 1e-3
+import nbtools
+from nbtools import hostmem
 
 
 def bench_offload(n, dim, batches, device):
@@ -62,7 +40,7 @@ def bench_offload(n, dim, batches, device):
         loss_of(table(ids)).backward()
         opt.step()
 
-    ms = timed_steps(step, batches, device)
+    ms = step_ms(step, batches, device)
     table.close()
     del opt, table
     gc.collect()
@@ -79,7 +57,7 @@ def bench_torch_embedding(n, dim, batches, device, opt_cls, sparse, table_device
         loss_of(rows).backward()
         opt.step()
 
-    ms = timed_steps(step, batches, device)
+    ms = step_ms(step, batches, device)
     del opt, emb
     gc.collect()
     return ms
@@ -118,7 +96,7 @@ def bench_manual(n, dim, batches, device):
         for dst, buf in zip(host, bufs):
             dst.index_copy_(0, uniq, buf[:u])
 
-    ms = timed_steps(step, batches, device)
+    ms = step_ms(step, batches, device)
     del weight, state, bufs
     gc.collect()
     return ms
@@ -162,24 +140,22 @@ def gather_rates(device, n_ids=65536):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--ids", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sizes", default="1000000,10000000,50000000", help="rows for the flatness sweep")
-    ap.add_argument("--quick", action="store_true", help="small sizes, CPU-friendly")
-    ap.add_argument("--out", default=None, help="write DIR/tables.json")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.ids, args.steps, args.sizes = 100_000, 4096, 6, "10000,100000,400000"
-    device = resolve_device("auto")
+    device = harness.setup(args)
     gen = torch.Generator(device="cpu").manual_seed(0)
     def make_batches(n):
         return [torch.randint(0, n, (args.ids,), generator=gen).to(device) for _ in range(args.steps + 3)]
     batches = make_batches(args.rows)
 
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    res = {"device": harness.device_name(device),
            "torch": torch.__version__, "rows": args.rows, "dim": args.dim, "ids_per_step": args.ids,
            "step_ms": {}, "sweep_ms": {}, "sweep_alloc_s": {}}
     sm = res["step_ms"]
@@ -217,10 +193,7 @@ def main():
               f"(allocate+init {'-' if alloc is None else f'{alloc:.1f} s'})")
     for k, v in res.get("gather", {}).items():
         print(f"{k:<44}{v:8.1f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tables.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    harness.save(args, "tables.json", res)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ _LAZY = {
     "HostBudgetError": "nbtools.devices",
     "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",
-    "UnconsumedGradientWarning": "nbtools.lookups",
+    "UnconsumedGradientWarning": "nbtools.engine.lookups",
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).

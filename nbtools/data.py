@@ -682,7 +682,7 @@ def _not_found_message(name: str) -> str:
 
 # Topics of the bundled text8-like sample: sentences draw most words from one topic, so that a
 # smoke run of word2vec has structure to find (a word's neighbours are its topic's words).
-_SAMPLE_TOPICS = {
+SAMPLE_TOPICS = {
     "numbers": "one two three four five six seven eight nine zero",
     "hardware": "gpu host memory pinned cache page tensor index gather scatter",
     "text": "word rare book paper vector embedding vocabulary sentence corpus letter",
@@ -696,7 +696,7 @@ def make_text8_sample(path, words: int = 30000, seed: int = 0) -> None:
     """A text8-like corpus (lowercase words, one line) made of short topical sentences: each
     sentence mixes words of one topic with common glue words, Zipf-like within the topic."""
     rnd = random.Random(seed)
-    topics = [t.split() for t in _SAMPLE_TOPICS.values()]
+    topics = [t.split() for t in SAMPLE_TOPICS.values()]
     out = []
     while len(out) < words:
         topic = rnd.choice(topics)

@@ -10,7 +10,8 @@ import platform
 
 import torch
 
-from . import disk, fileio, hostmem
+from . import disk, hostmem
+from .rowfile import fileio
 from .devices import (cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes, memlock_limit,
                       resolve_device)
 from .units import human_bytes as _human
@@ -45,7 +46,7 @@ def describe(file=None) -> dict:
         "host_budget_bytes": host_budget(),          # nbtools.set_host_budget, or None
         "disk_dir": disk.default_dir(),              # where placement="disk" files go
         "disk_free_bytes": disk.free_bytes(disk.default_dir()),
-        # how a disk table's O_DIRECT file reads and writes rows (nbtools.fileio.default_engine)
+        # how a disk table's O_DIRECT file reads and writes rows (nbtools.rowfile.fileio.default_engine)
         "disk_engine": fileio.default_engine(direct=True),
     }
     if cuda_ok():

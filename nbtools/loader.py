@@ -41,7 +41,8 @@ import weakref
 
 import torch
 
-from . import hostmem, streams
+from . import hostmem
+from .engine import streams
 from .devices import resolve_device
 
 __all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
@@ -68,7 +69,7 @@ def _signed(c: int) -> int:
     return c - (1 << 64) if c >> 63 else c
 
 
-def _mix_int(x: int) -> int:
+def mix_int(x: int) -> int:
     """splitmix64 finalizer on a Python int (exact, mod 2**64)."""
     x &= _M64
     x = ((x ^ (x >> 30)) * _MUL1) & _M64
@@ -101,7 +102,7 @@ def permutation(num_samples: int, seed: int, epoch: int, device="cpu") -> torch.
     >>> sorted(permutation(6, seed=0, epoch=1).tolist())
     [0, 1, 2, 3, 4, 5]
     """
-    state = _mix_int(_mix_int(seed) + epoch)
+    state = mix_int(mix_int(seed) + epoch)
     keys = torch.arange(1, num_samples + 1, dtype=torch.int64, device=device)
     keys.mul_(_signed(_GOLDEN)).add_(_signed(state))   # the splitmix64 state of sample i
     return torch.argsort(_mix_(keys))

@@ -13,8 +13,8 @@ import torch
 from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
-from .rowlayout import RowLayout, row_padding
-from .rows import DeviceRows
+from .store.layout import RowLayout, row_padding
+from .store.rows import DeviceRows
 from .units import human_bytes
 
 
@@ -169,11 +169,11 @@ def disk_bytes(nbytes: int, num_rows: int | None) -> int:
     """The least free disk a table of ``nbytes`` in ``num_rows`` rows needs: its rows in place,
     each rounded up to a 512-byte sector (``O_DIRECT``; the file is made with the disk's own
     block, checked again then), or, where that is less, a log file of packed rows with the
-    least spare it takes (:func:`nbtools.disklog.file_rows`: 10%, and a share of the disk left
+    least spare it takes (:func:`nbtools.disk.log.file_rows`: 10%, and a share of the disk left
     free beside it)."""
     if not num_rows:
         return nbytes
-    from . import disklog
+    from .disk import log as disklog
     row = nbytes // num_rows
     in_place = num_rows * -(-row // 512) * 512
     if not (disklog.wanted() and disklog.packed()):
@@ -261,7 +261,7 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
                        tuple((dims or {}).get(k, d) for k in names))
-    # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.rowlayout.row_padding);
+    # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.store.layout.row_padding);
     # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
     padded = dataclasses.replace(layout, pad=row_padding(layout))
     nbytes = n * padded.width * state_dtype.itemsize

@@ -336,12 +336,12 @@ class _File:
 
     def start(self, a: int, out: np.ndarray) -> list:
         """Start reading ``out.nbytes`` bytes of rows from row ``a`` into ``out`` (uint8)."""
-        from .rowfile import _pread_all
+        from .rowfile.fileio import pread_all
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="nbtools-pretrained")
         flat = memoryview(out.reshape(-1))
         pos = self.offset + a * self.row_bytes
-        return [self._pool.submit(_pread_all, self.fd, flat[i:i + _REQUEST], pos + i)
+        return [self._pool.submit(pread_all, self.fd, flat[i:i + _REQUEST], pos + i)
                 for i in range(0, len(flat), _REQUEST)]
 
     def wait(self, reads: list, a: int, b: int) -> None:
@@ -483,7 +483,7 @@ def _fill(dst: _Target, value: float) -> None:
 
 def _copy(src: _Source, dst: _Target, *, allow_nonfinite: bool, progress, desc: str) -> None:
     """Stream every row of ``src`` into ``dst``, chunk by chunk (see the module docs)."""
-    from .checkpoint.manager import _progress_bar
+    from .checkpoint.save import progress_bar
     from .hostmem import HostTensor
     n = src.shape[0]
     src_row, dst_row = src.row_bytes, dst.cols * dst.dtype.itemsize
@@ -501,7 +501,7 @@ def _copy(src: _Source, dst: _Target, *, allow_nonfinite: bool, progress, desc: 
     staged = HostTensor((rows, dst.cols), dst.dtype, pin=False, name="from_pretrained rows") \
         if convert else None
     chunks = [(a, min(n, a + rows)) for a in range(0, n, rows)]
-    bar = _progress_bar(n * src_row, desc, progress)
+    bar = progress_bar(n * src_row, desc, progress)
 
     def begin(k: int):                          # start reading chunk k of a file
         if src.file is None or k >= len(chunks):

@@ -24,7 +24,7 @@ import uuid
 
 import torch
 
-from . import disklog
+from .disk import log as disklog
 from .units import human_bytes
 
 ROW_MAP_BYTES = 4.125  # RAM per row of a disk table: its int32 slot and its change mark (a bit)
@@ -89,7 +89,7 @@ def file_row_bytes(row_bytes: int, disk_dir) -> int:
     """Bytes one row of ``row_bytes`` takes in a disk table's file in ``disk_dir``: the
     ``O_DIRECT`` block it is rounded up to, probed with a one-row file (created and removed;
     the folder is created if missing), or the packed stride of a log file
-    (:func:`nbtools.disklog.log_stride`)."""
+    (:func:`nbtools.disk.log.log_stride`)."""
     from .rowfile import RowFile
     if disklog.wanted() and disklog.packed():
         os.makedirs(os.fspath(disk_dir), exist_ok=True)

@@ -5,7 +5,7 @@ Each lookup deduplicates the ids on the compute device, gathers only those rows 
 The gathered rows are the leaves autograd sees; :class:`nbtools.OffloadOptimizer` later takes
 their gradients, sums them per id and writes updated rows (and optimizer state) back. Step cost
 grows with the batch, never with the table. The lookups and the step input they hand the
-optimizer are in :mod:`nbtools.lookups`; this module holds the table itself: its options, where
+optimizer are in :mod:`nbtools.engine.lookups`; this module holds the table itself: its options, where
 its rows live, its cache of hot rows, its state dict and repr.
 
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
@@ -30,15 +30,15 @@ from torch import nn
 
 from .devices import on_tables, resolve_device, synchronize
 from .hostmem import HostTensor
-from .precision import LOW_PRECISION, check_rounding
+from .store.precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
-from .cache import CacheCounts, cache_capacity
-from .prefetch import Prefetcher
-from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
-                        copy_unless_same, regrow_for_state)
-from .rows import DeviceRows, LookupGraphs, RowLayout, RowStore
+from .store.cache import CacheCounts, cache_capacity
+from .engine.prefetch import Prefetcher
+from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_unless_same,
+                        regrow_for_state)
+from .store.rows import DeviceRows, LookupGraphs, RowLayout, RowStore
 # lookups and the step input they make; StepRows and the rest importable from here as before
-from .lookups import _PENDING_WARN, StepRows, TableLookups, _ids_error_position  # noqa: F401
+from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ class TableConfig:
     # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
     # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
     cuda_graphs: bool = True
-    # A GPU cache of hot rows (weight and optimizer state together, nbtools.cache) for a table
+    # A GPU cache of hot rows (weight and optimizer state together, nbtools.store.cache) for a table
     # in pinned host memory: its size in GPU bytes (the rows plus 8 bytes per table row for
     # the row -> slot map and the counts), or a share of the GPU memory free when the
     # optimizer attaches, or room for cache_rows rows. None, None, None: no cache, except under
@@ -71,7 +71,7 @@ class TableConfig:
     cache_fraction: float | None = None
     cache_rows: int | None = None
     # Write a step's updated rows back to pinned host memory behind the next step, on a side
-    # stream, so the link stays busy while the GPU computes (nbtools.rows, docs/step.md).
+    # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
     # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
     # kernel, in steps that write at least RowStore.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
     # never (the update writes host memory itself); True: wherever the update is fused, any
@@ -252,7 +252,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
 
     @property
     def layout(self) -> RowLayout:
-        """How each row ``[weight | state...]`` is stored (:class:`nbtools.rowlayout.RowLayout`)."""
+        """How each row ``[weight | state...]`` is stored (:class:`nbtools.store.layout.RowLayout`)."""
         return self._layout
 
     @property
@@ -333,7 +333,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     @property
     def storage(self):
         """The memory the rows live in: a :class:`~nbtools.hostmem.HostTensor`, the GPU's
-        :class:`~nbtools.rows.DeviceRows`, or a disk table's RAM slots."""
+        :class:`~nbtools.store.rows.DeviceRows`, or a disk table's RAM slots."""
         return self._host
 
     @property
@@ -395,7 +395,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._attach_cache()
 
     def _attach_cache(self) -> None:
-        """The GPU cache of hot rows its config asks for (:func:`nbtools.cache.cache_capacity`:
+        """The GPU cache of hot rows its config asks for (:func:`nbtools.store.cache.cache_capacity`:
         once the optimizer attached, the rows' width with their state is known)."""
         capacity, self._cache_why = cache_capacity(self)
         if capacity is None:
@@ -410,7 +410,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     # --- the cache of hot rows --------------------------------------------------------------
     @property
     def cache(self):
-        """The GPU cache of hot rows (:class:`nbtools.cache.RowCache`), or None."""
+        """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`), or None."""
         return self._rows.cache
 
     @on_tables
@@ -529,7 +529,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
             synchronize(self.device)
         return dict(self.__dict__)
 
-    # --- lookups: nbtools.lookups.TableLookups (ids, pending lookups, the step's input) -----
+    # --- lookups: nbtools.engine.lookups.TableLookups (ids, pending lookups, the step's input) -----
     @on_tables
     def forward(self, ids) -> torch.Tensor:
         ids = self._device_ids(ids)

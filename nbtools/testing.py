@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import collections
 
-from .meters.backends import (_PCIE_LANE_BYTES_PER_S, DISK_COUNTERS, DISK_KEYS, GPU_KEYS, HOST_KEYS,
-                              LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
+from .meters.backends import (PCIE_LANE_BYTES_PER_S, DISK_COUNTERS, DISK_KEYS, GPU_KEYS,
+                              HOST_KEYS, LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
 
 
 class FakeClock:
@@ -50,7 +50,7 @@ class FakeBackend:
         "nbtools_cache_lookup_rows": 0, "nbtools_cache_hit_rows": 0, "nbtools_cache_saved_bytes": 0,
         # no disk table: N/A until disk_io() pretends one moved rows
         **dict.fromkeys(DISK_KEYS),
-        "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * _PCIE_LANE_BYTES_PER_S[5],
+        "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * PCIE_LANE_BYTES_PER_S[5],
     }
 
     has_pcie = True

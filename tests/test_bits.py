@@ -1,8 +1,8 @@
-"""nbtools.bits.BitSet against a numpy bool array doing the same edits."""
+"""nbtools.disk.bits.BitSet against a numpy bool array doing the same edits."""
 import numpy as np
 import pytest
 
-from nbtools.bits import CHUNK, BitSet
+from nbtools.disk.bits import CHUNK, BitSet
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000, CHUNK + 13])

@@ -1,4 +1,4 @@
-"""The GPU cache of hot rows (nbtools.cache): exact against the same table without a cache, for
+"""The GPU cache of hot rows (nbtools.store.cache): exact against the same table without a cache, for
 every fused optimizer and the generic path, under id streams chosen to break it.
 
 On the CPU the cache is a second CPU tensor and the fused kernels run in Triton's interpreter
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
-from nbtools.cache import RowCache
+from nbtools.store.cache import RowCache
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.optim import OffloadConfig
 from test_optim import CASES as OPTIM_CASES, IDS as OPTIM_IDS
@@ -411,7 +411,7 @@ def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_i
     unheld it reads them before), and the next prefetch starts while the take still patches
     rows from the write-back: bit-identical either way. On CUDA also a GPU-placed table,
     whose update writes the rows the gather reads in place."""
-    from nbtools.prefetch import Prefetcher
+    from nbtools.engine.prefetch import Prefetcher
     monkeypatch.setattr(Prefetcher, "UPDATE_WAITS", waits)
     batches = unique_batches("overlap", 8)
     ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False)
@@ -429,7 +429,7 @@ def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_i
 def slow_takes(monkeypatch):
     """Every take of a prefetch held ~20 ms on the current stream before it reads anything
     (CUDA; on the CPU: no-op): the next prefetch's work on the side stream runs first."""
-    from nbtools.prefetch import Prefetcher
+    from nbtools.engine.prefetch import Prefetcher
     take = Prefetcher.take
 
     def slow_take(self, *args, **kwargs):
@@ -461,7 +461,7 @@ def test_a_take_reads_the_last_steps_ids_before_the_next_dedup_reuses_them(devic
 def slow_patches(monkeypatch):
     """Every patch from a write-back on the default stream held ~20 ms before it reads
     (CUDA; on the CPU: no-op): work on side streams runs first."""
-    from nbtools.rows import RowStore
+    from nbtools.store.rows import RowStore
     patch = RowStore.patch
 
     def slow_patch(self, *args, **kwargs):

@@ -158,7 +158,7 @@ def _resign(ck: Path, blob: bytes) -> None:
     (ck / m["extras"]["file"]).write_bytes(blob)
     m["extras"].update(bytes=len(blob), crc32=zlib.crc32(blob))
     m["files"][m["extras"]["file"]] = len(blob)
-    ckformat._write_manifest(ck, m, fsync=False)
+    ckformat.write_manifest(ck, m, fsync=False)
 
 
 def test_a_crafted_side_file_runs_nothing_and_changes_nothing(tmp_path):

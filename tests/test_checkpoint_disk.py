@@ -228,7 +228,7 @@ def test_save_moves_rows_file_to_file_not_through_ram(tmp_path):
     assert info["bytes"] >= table_bytes                     # the base is there, whole ...
     assert grew < table_bytes / 4, (grew, table_bytes)     # ... and never was in RAM
     # the checkpoint's own tensors (not rows) are tiny: no state_dict tensor of the table
-    m = ckformat._read_manifest(ck.directory / os.path.basename(info["path"]))
+    m = ckformat.read_manifest(ck.directory / os.path.basename(info["path"]))
     small = [e for e in m["tensors"] if not e["path"].startswith("<rows")]
     assert sum(e["bytes"] for e in small) < 4096, small
     fresh, fopt = _pair_member("disk", tmp_path, n=n, d=d, cache_rows=256, init=False)
@@ -360,7 +360,7 @@ def test_damaged_base_falls_back_to_an_older_chain(tmp_path):
         if s == 2:
             want = _rows(host, hopt)
     base = tmp_path / "ck" / "step-000000003"
-    m = ckformat._read_manifest(base)
+    m = ckformat.read_manifest(base)
     name, offset, nbytes, _ = next(e for e in m["tensors"] if e["path"].endswith("/base"))[
         "segments"][1]
     with open(base / name, "r+b") as f:           # flip a byte in the middle of the base

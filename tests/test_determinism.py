@@ -27,7 +27,7 @@ from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.devices import cuda_ok
 from nbtools.optim import OffloadConfig
-from nbtools.rows import sum_by_slot, unique_ids
+from nbtools.store.rows import sum_by_slot, unique_ids
 from nbtools.testing import take_grad
 
 GPU = pytest.mark.gpu

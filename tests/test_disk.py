@@ -238,7 +238,8 @@ def test_auto_counts_a_packed_log_where_it_needs_less_than_rows_in_place():
     """100M rows of 260 bytes: 51.2 GB in 512-byte sectors, but a log of packed rows (288 bytes)
     with its least spare fits in ~33 GB; the disk's need is that, and a disk with exactly
     that much free gets the log (much less: rows in place, which do not fit either)."""
-    from nbtools import disklog, placement
+    from nbtools import placement
+    from nbtools.disk import log as disklog
     n = 100_000_000
     need = placement.disk_bytes(260 * n, n)
     assert 31.7e9 < need < 34e9 < 512 * n
@@ -248,7 +249,8 @@ def test_auto_counts_a_packed_log_where_it_needs_less_than_rows_in_place():
 
 
 def test_plan_names_the_disk(tmp_path, monkeypatch):
-    from nbtools import disk, disklog
+    from nbtools import disk
+    from nbtools.disk import log as disklog
     p = nbtools.plan(1000, 8, "sgd", disk_dir=str(tmp_path))
     assert p.disk_free_bytes > 0 and "placement='disk'" in str(p)
     slots = disklog.slots_for(1000)
@@ -273,7 +275,7 @@ def test_warm_cache_loads_the_most_frequent_rows(tmp_path):
 @pytest.mark.parametrize("chunk", [2, 1 << 20])
 def test_warm_takes_the_first_new_rows_until_ram_is_full(tmp_path, monkeypatch, chunk):
     import numpy as np
-    from nbtools import diskaccess
+    from nbtools.disk import access as diskaccess
     from nbtools.disk import DiskRows
     monkeypatch.setattr(diskaccess, "WARM_CHUNK", chunk)
     d = DiskRows(str(tmp_path), 50, 2, torch.float32, cache_rows=4, device="cpu")
@@ -330,7 +332,7 @@ def test_attaching_state_needs_room_for_one_file_only(tmp_path, monkeypatch):
     for one file holds the table (a 100M-row table on a 64 GiB disk needs this)."""
     import collections
     import shutil
-    from nbtools import disklog
+    from nbtools.disk import log as disklog
     Usage = collections.namedtuple("Usage", "total used free")
     monkeypatch.setattr(disklog, "LEAVE", 0)      # (a disk of KiB: no GiB left free)
     torch.manual_seed(3)
@@ -449,7 +451,7 @@ def test_an_interrupt_while_a_lookup_waits_for_a_read_ahead_loses_nothing(tmp_pa
     """A KeyboardInterrupt while a lookup waits (outside the table's lock) for the loads of
     its rows, read-aheads running: the lookup raises, the loads go on, and the cell run again
     trains on, bit-identical to a host table that never stopped."""
-    from nbtools import readahead
+    from nbtools.disk import readahead
     tables, opts = _fresh_pair(tmp_path, cache_rows=120, prefix="w")
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, N, (64,), generator=gen) for _ in range(8)]

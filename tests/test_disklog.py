@@ -1,4 +1,4 @@
-"""The log-structured row file (nbtools.disklog): every read returns the newest row written,
+"""The log-structured row file (nbtools.disk.log): every read returns the newest row written,
 through appends, the cleaner, reads beside writes, and the move back to the identity layout.
 The reference is a plain numpy array of the rows as written."""
 import threading
@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from nbtools.disklog import LogFile, slots_for
+from nbtools.disk.log import LogFile, slots_for
 from nbtools.rowfile import RowFile
 
 RB, SEG = 24, 8
@@ -178,7 +178,7 @@ def test_bad_input(tmp_path, monkeypatch):
         _log(tmp_path / "b", 20)
     monkeypatch.setenv("NBTOOLS_DISK_LAYOUT", "journal")
     with pytest.raises(ValueError, match="NBTOOLS_DISK_LAYOUT"):
-        from nbtools.disklog import wanted
+        from nbtools.disk.log import wanted
         wanted()
 
 
@@ -293,7 +293,7 @@ def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypa
 def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch, tags):
     """Many rounds of a few rows, each scan starting where the last found rows away (chunks of
     8 ids): every row home, none skipped."""
-    import nbtools.disklog as disklog
+    import nbtools.disk.log as disklog
     orig = LogFile._scan
     monkeypatch.setattr(LogFile, "_scan", lambda self, limit, start=0: orig(self, limit, start,
                                                                            chunk=8))
@@ -321,7 +321,8 @@ def test_a_disk_without_room_for_the_spare_slots_holds_the_table_in_place(tmp_pa
     import torch
 
     import nbtools
-    from nbtools import disk, disklog
+    from nbtools import disk
+    from nbtools.disk import log as disklog
     n, d = 5000, 8
     stride = 512
     monkeypatch.setenv("NBTOOLS_DISK_PACKED", "0")      # (rows padded to sectors, as in place)
@@ -384,7 +385,8 @@ def test_a_disk_short_of_the_whole_spare_takes_a_smaller_one(tmp_path, monkeypat
     import torch
 
     import nbtools
-    from nbtools import disk, disklog
+    from nbtools import disk
+    from nbtools.disk import log as disklog
     n, stride = 100_000_000, 512
     monkeypatch.setenv("NBTOOLS_DISK_PACKED", "0")      # (the small table below: 512-byte rows)
     full = disklog.slots_for(n)
@@ -439,7 +441,7 @@ def test_a_damaged_tag_is_found_by_the_cleaner(tmp_path):
 def test_map_bytes_of_a_new_file(tmp_path, monkeypatch):
     """disklog.map_bytes (what sizing and plan count) is the maps a new log file keeps: no
     owner where the rows' padding keeps the ids."""
-    from nbtools import disklog
+    from nbtools.disk import log as disklog
     monkeypatch.setenv("NBTOOLS_DISK_SEGMENT_ROWS", "16")
     for row_bytes, tagged in ((260, True), (256, False), (28, True), (29, False)):
         n = 1000

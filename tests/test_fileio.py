@@ -1,4 +1,4 @@
-"""nbtools.fileio's I/O engines: glibc's AIO (one GIL-free lio_listio call per batch), Linux's
+"""nbtools.rowfile.fileio's I/O engines: glibc's AIO (one GIL-free lio_listio call per batch), Linux's
 native AIO (fileio._KernelAio: one io_submit and one io_getevents per call) and Python threads. The
 threads engine is the reference: every request set must read and write the same bytes through
 each."""
@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from nbtools import fileio
-from nbtools.fileio import RequestPool, _aio
-from nbtools.fileio import _kaio
+from nbtools.rowfile import fileio
+from nbtools.rowfile.fileio import RequestPool, _aio
+from nbtools.rowfile.fileio import _kaio
 from nbtools.rowfile import RowFile
 
 needs_aio = pytest.mark.skipif(not _aio.ready(), reason=f"glibc's AIO unavailable: {_aio.why}")
@@ -86,7 +86,7 @@ def test_a_read_past_the_end_is_an_error_not_zeros(tmp_path, engine):
 
 @needs_aio
 def test_a_forked_child_falls_back_to_threads():
-    code = ("import os, sys\nfrom nbtools.fileio import _aio\nassert _aio.ready()\n"
+    code = ("import os, sys\nfrom nbtools.rowfile.fileio import _aio\nassert _aio.ready()\n"
             "pid = os.fork()\nif pid == 0:\n    os._exit(0 if not _aio.ready() else 3)\n"
             "_, st = os.waitpid(pid, 0)\nsys.exit(os.waitstatus_to_exitcode(st))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nbtools import hostmem, loader as loader_mod
 from nbtools.hostmem import whole_range_pinned
-from nbtools.loader import (_GOLDEN, LoaderConfig, PinnedLoader, _mix_, _mix_int, _signed,
+from nbtools.loader import (_GOLDEN, LoaderConfig, PinnedLoader, _mix_, mix_int, _signed,
                             permutation)
 
 # the `device` fixture holds no state, so reusing it across hypothesis examples is fine
@@ -128,7 +128,7 @@ SPLITMIX_0 = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
 def test_splitmix_gives_the_published_outputs(device):
     for seed, want in ((1234567, SPLITMIX_1234567), (0, SPLITMIX_0)):
         states = [(seed + k * _GOLDEN) % 2**64 for k in range(1, len(want) + 1)]
-        assert [_mix_int(s) for s in states] == want
+        assert [mix_int(s) for s in states] == want
         got = _mix_(torch.tensor([_signed(s) for s in states], dtype=torch.int64, device=device))
         assert got.cpu().tolist() == [_signed(w) for w in want]
 
@@ -138,7 +138,7 @@ def test_splitmix_matches_python_reference(device):
     vals = [int(v) for v in rng.integers(-2**63, 2**63 - 1, size=2000, dtype=np.int64)]
     vals += [0, 1, -1, 2**63 - 1, -2**63]
     got = _mix_(torch.tensor(vals, dtype=torch.int64, device=device)).cpu().tolist()
-    assert got == [_signed(_mix_int(v)) for v in vals]
+    assert got == [_signed(mix_int(v)) for v in vals]
 
 
 @_settings

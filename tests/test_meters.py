@@ -767,7 +767,7 @@ def test_meters_and_dashboard_import_torch_only_when_a_reading_needs_it():
 
 def test_a_table_with_a_cache_counts_for_the_meters():
     import torch
-    from nbtools.cache import RowCache
+    from nbtools.store.cache import RowCache
     from nbtools.hostmem import cache_counters
     n, d = 200, 4
     room = RowCache.overhead_bytes(n) + 64 * RowCache.slot_bytes(12 * d)   # 64 rows + Adam state

@@ -8,7 +8,7 @@ import nbtools
 
 
 @pytest.mark.parametrize("name, module", [
-    ("OffloadConfig", "nbtools.optim"), ("NonFiniteGradientError", "nbtools.optim"),
+    ("OffloadConfig", "nbtools.optim.config"), ("NonFiniteGradientError", "nbtools.optim"),
     ("UnsupportedOptimizerError", "nbtools.optim"), ("HostMemoryError", "nbtools.placement"),
     ("PinningError", "nbtools.hostmem"), ("describe", "nbtools.env"),
     ("CheckpointManager", "nbtools.checkpoint.manager"),
@@ -62,7 +62,7 @@ _CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
 
 def resolve(dotted: str):
     """The object a dotted name such as ``nbtools.models.ranking.interactions_of`` names:
-    attributes first, then the submodule of that name (``nbtools.rows`` is not imported by
+    attributes first, then the submodule of that name (``nbtools.store.rows`` is not imported by
     ``import nbtools`` but is a real module a contributor doc names)."""
     parts = dotted.split(".")
     obj = importlib.import_module(parts[0])
@@ -231,7 +231,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles_among_module_level_imports():
     graph = import_graph(lazy=False)
-    assert "nbtools.kernels" in graph["nbtools.cache"]          # the graph sees `from . import x`
+    assert "nbtools.kernels" in graph["nbtools.store.cache"]          # the graph sees `from . import x`
     assert cycles(graph) == []
 
 
@@ -242,7 +242,7 @@ _KNOWN_LAZY_CYCLES = [["nbtools.data", "nbtools.models.wordsim"]]
 
 def test_no_new_import_cycles_through_lazy_imports():
     graph = import_graph(lazy=True)
-    assert "nbtools.cache" not in graph["nbtools.kernels"]      # the hash lives in kernels now
+    assert "nbtools.store.cache" not in graph["nbtools.kernels"]      # the hash lives in kernels now
     unexpected = [c for c in cycles(graph) if c not in _KNOWN_LAZY_CYCLES]
     assert unexpected == []
 

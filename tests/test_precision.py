@@ -1,4 +1,4 @@
-"""Low-precision storage with float32 math (nbtools.precision, TableConfig.dtype / state_dtype /
+"""Low-precision storage with float32 math (nbtools.store.precision, TableConfig.dtype / state_dtype /
 rounding): checked against an fp32 table whose stored values are rounded the same way after
 every step, and the stochastic rounding against its definition."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 from nbtools import OffloadedEmbedding, OffloadOptimizer, RowWiseAdagrad
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 from nbtools.optim import OffloadConfig
-from nbtools.precision import round_to, stochastic_round_bf16
+from nbtools.store.precision import round_to, stochastic_round_bf16
 from test_cache import CPU_KERNELS, FUSABLE, expect_fused, insist
 
 O = torch.optim
@@ -184,7 +184,7 @@ def test_sgd_on_bf16_weights_rounded_to_nearest_warns():
 
 def test_bf16_with_cache_and_stochastic_rounding_matches_without_cache(device):
     """The noise depends on the row, not on where it lives: a cache changes nothing."""
-    from nbtools.cache import RowCache
+    from nbtools.store.cache import RowCache
     steps = batches(8)
     outs = []
     row_bytes = 4 * (D // 2 + 2 * D)          # bf16 weights packed, fp32 Adam state

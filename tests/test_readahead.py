@@ -1,4 +1,4 @@
-"""Read-ahead of disk tables several steps deep (nbtools.readahead): training stays
+"""Read-ahead of disk tables several steps deep (nbtools.disk.readahead): training stays
 bit-identical to the same table in host RAM (itself tested against torch's optimizers), and a
 row a read-ahead evicts is never read back before its write-back is done."""
 import threading
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from nbtools import OffloadedEmbedding, OffloadOptimizer, readahead
+from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools.disk import readahead
 from nbtools.devices import resolve_device
 from nbtools.disk import DiskRows
 from nbtools.testing import train_reading_ahead
@@ -91,7 +92,7 @@ def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
 def test_every_io_engine_trains_as_host(tmp_path, monkeypatch, engine):
     """The default engine (glibc's AIO where it works) is what the test above runs; the others
     train the same bits through the same read-aheads and write-backs."""
-    from nbtools.fileio import _kaio
+    from nbtools.rowfile.fileio import _kaio
     if engine == "kaio" and not _kaio.ready():
         pytest.skip(f"native AIO unavailable: {_kaio.why}")
     monkeypatch.setenv("NBTOOLS_DISK_ENGINE", engine)

@@ -6,8 +6,11 @@ import shutil
 import numpy as np
 import pytest
 
+import nbtools.rowfile.packed as rowfile_packed
+
 from nbtools import NbtoolsError
-from nbtools import rowfile, rowfilefmt
+from nbtools import rowfile
+from nbtools.rowfile import format as rowfilefmt
 from nbtools.rowfile import DiskFullError, RowFile, RowFileError
 
 
@@ -98,7 +101,7 @@ def test_slots_and_unaligned_buffers(tmp_path):
 
 def test_requests_merge_neighbours_and_cut_long_runs():
     ids = np.array([0, 1, 2, 5, 7, 8, 9, 10, 11])
-    boff, blen, foff, pos = rowfile._requests(ids, 512, 4096, limit=3 * 512)
+    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 4096, limit=3 * 512)
     assert foff == [4096 + 512 * i for i in (0, 5, 7, 10)]
     assert blen == [3 * 512, 512, 3 * 512, 2 * 512]
     assert boff == [0, 3 * 512, 4 * 512, 7 * 512]
@@ -109,12 +112,12 @@ def test_reads_take_the_rows_between_near_ones():
     """A gap of up to ``gap`` rows joins two runs (the rows between read and dropped): one
     request instead of two; each asked row's place in the buffer follows the skipped ones."""
     ids = np.array([0, 3, 4, 20, 22, 40])
-    boff, blen, foff, pos = rowfile._requests(ids, 512, 0, gap=2)
+    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 0, gap=2)
     assert foff == [0, 20 * 512, 40 * 512]
     assert blen == [5 * 512, 3 * 512, 512]
     assert boff == [0, 5 * 512, 8 * 512]
     assert pos.tolist() == [0, 3, 4, 5, 7, 8]
-    boff, blen, foff, pos = rowfile._requests(ids, 512, 0, limit=2 * 512, gap=2)
+    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 0, limit=2 * 512, gap=2)
     assert foff == [0, 2 * 512, 4 * 512, 20 * 512, 22 * 512, 40 * 512]
     assert blen == [2 * 512, 2 * 512, 512, 2 * 512, 512, 512]
     assert pos.tolist() == [0, 3, 4, 5, 7, 8]
@@ -392,7 +395,7 @@ def test_rows_in_buffer_matches_a_byte_by_byte_copy(rb, stride, runs):
     """A packed file's rows in and out of a bounce buffer, scattered over whole blocks (each
     row at its file offset within its block) or in runs at the file's stride, against a
     copy made one row slice at a time."""
-    from nbtools.packedio import _rows_in_buffer
+    from nbtools.rowfile.packed import _rows_in_buffer
     rng = np.random.default_rng(rb)
     n, block = 300, 4096
     ids = np.arange(50, 50 + n) if runs else np.sort(rng.choice(10 ** 6, n, replace=False))

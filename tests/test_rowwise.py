@@ -10,7 +10,8 @@ from torch import nn
 
 import nbtools
 from nbtools import OffloadConfig, OffloadedEmbedding, OffloadOptimizer
-from nbtools.optim import PartialRowWiseAdam, RowWiseAdagrad, UnsupportedOptimizerError
+from nbtools.optim import UnsupportedOptimizerError
+from nbtools.rowwise import PartialRowWiseAdam, RowWiseAdagrad
 
 
 # --- the reference: the rules as written, one row at a time, in float64 --------------------
@@ -465,10 +466,10 @@ def test_exports_and_plan():
 
 
 def test_rows_in_ram_are_padded_to_sectors_and_the_padding_stays_zero():
-    """bf16 weights + one accumulator (260 B) sit in 288-byte rows in RAM (nbtools.rows
+    """bf16 weights + one accumulator (260 B) sit in 288-byte rows in RAM (nbtools.store.rows
     .row_padding: whole 32-byte sectors cross the link at ~1.3x the rate); the padding holds
     zeros through steps and never reaches the weights, the state or a state_dict."""
-    from nbtools.rowlayout import row_padding
+    from nbtools.store.layout import row_padding
     t = OffloadedEmbedding(50, 128, device="cpu", dtype=torch.bfloat16)
     opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
     assert t._layout.used == 65 and t._layout.pad == 7 == row_padding(t._layout)
@@ -497,7 +498,7 @@ def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, pla
     memory = {"total": 1 << 34, "available": 1 << 33}           # plenty, at creation
     fake = lambda: dict(memory)
     monkeypatch.setattr(nbtools.placement, "host_memory_bytes", fake)
-    monkeypatch.setattr(nbtools.optim, "host_memory_bytes", fake)
+    monkeypatch.setattr(nbtools.optim.planner, "host_memory_bytes", fake)
     t = OffloadedEmbedding(rows, 128, device="cpu", dtype=torch.bfloat16, placement=placement,
                            disk_dir=str(tmp_path))
     assert t.placement == "host"

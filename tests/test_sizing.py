@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import nbtools
-from nbtools import devices, disk, disklog
+from nbtools import devices, disk
+from nbtools.disk import log as disklog
 from nbtools.sizing import ROW_MAP_BYTES, file_row_bytes, rows_for
 
 

@@ -22,7 +22,7 @@ from torch import nn
 import nbtools
 from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.optim import NonFiniteGradientError, OffloadConfig
-from nbtools.rows import unique_ids
+from nbtools.store.rows import unique_ids
 from test_optim import (CASES, DIM, ROWS, O, batches, frozen_reference, loss_of, make_table,
                         run_offloaded, targets)
 
@@ -737,8 +737,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_ba
     """Steps of 8,192 ids on a 20,000-row table, half of each batch in the step before, and
     every write-back held back ~5 ms on its stream: the next lookup reads host rows while
     the last write-back has not started, and must take every shared row from its GPU copy.
-    Bit-identical to writing host memory in the update (and not without the patch:
-    benchmarks/experiments/patch_mutation.py)."""
+    Bit-identical to writing host memory in the update."""
     gen = torch.Generator().manual_seed(9)
     n, rows = 8192, 20_000
     out = []
@@ -785,7 +784,7 @@ def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
 def fake_available(monkeypatch, nbytes):
     fake = lambda: {"total": 2 * nbytes, "available": nbytes}
     monkeypatch.setattr(nbtools.placement, "host_memory_bytes", fake)
-    monkeypatch.setattr(nbtools.optim, "host_memory_bytes", fake)
+    monkeypatch.setattr(nbtools.optim.planner, "host_memory_bytes", fake)
 
 
 @pytest.mark.parametrize("rows,fits", [(2000, True), (2400, False)])

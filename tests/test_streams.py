@@ -1,9 +1,9 @@
-"""nbtools.streams against torch's own stream helpers (CUDA): the same current stream, the same
+"""nbtools.engine.streams against torch's own stream helpers (CUDA): the same current stream, the same
 stream inside and after a side-stream block, work queued there ordered as torch orders it."""
 import pytest
 import torch
 
-from nbtools import streams
+from nbtools.engine import streams
 
 
 def _same(a: torch.cuda.Stream, b: torch.cuda.Stream) -> bool:

@@ -221,7 +221,7 @@ def test_eval_under_no_grad_records_nothing():
 def test_describe_and_counters():
     info = nbtools.describe(file=open("/dev/null", "w"))
     assert info["torch"] == torch.__version__
-    from nbtools import fileio
+    from nbtools.rowfile import fileio
     assert info["disk_engine"] == fileio.default_engine(direct=True) and \
         info["disk_engine"] in fileio.ENGINES
     assert set(nbtools.transfer_counters()) == {"h2d_bytes", "d2h_bytes"}

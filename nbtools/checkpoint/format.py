@@ -26,7 +26,7 @@ FORMAT = "nbtools-checkpoint"
 FORMAT_VERSION = 2                # what this reads; checkpoints without disk tables are written as 1
 MANIFEST = "MANIFEST"
 EXTRAS = "extras.pt"
-_ALIGN = 64                       # every tensor starts at a multiple of this in its data file
+ALIGN = 64                       # every tensor starts at a multiple of this in its data file
 
 
 class CheckpointError(NbtoolsError, RuntimeError):
@@ -41,7 +41,7 @@ class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped, or a half-precision one was restored."""
 
 
-class _Damaged(Exception):
+class Damaged(Exception):
     """Internal: this checkpoint fails verification (the message says where)."""
 
 
@@ -68,11 +68,11 @@ class CheckpointConfig:
     base_fraction: float = 0.5
 
     def __post_init__(self):
-        if self.chunk_bytes < 4096 or self.chunk_bytes % _ALIGN:
-            raise ValueError(f"chunk_bytes must be a multiple of {_ALIGN} and >= 4096, "
+        if self.chunk_bytes < 4096 or self.chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes must be a multiple of {ALIGN} and >= 4096, "
                              f"got {self.chunk_bytes}")
-        if self.file_bytes < self.chunk_bytes or self.file_bytes % _ALIGN:
-            raise ValueError(f"file_bytes must be a multiple of {_ALIGN} and >= chunk_bytes, "
+        if self.file_bytes < self.chunk_bytes or self.file_bytes % ALIGN:
+            raise ValueError(f"file_bytes must be a multiple of {ALIGN} and >= chunk_bytes, "
                              f"got {self.file_bytes}")
         if self.half_dtype not in ("bfloat16", "float16"):
             raise ValueError(f"half_dtype must be 'bfloat16' or 'float16', got {self.half_dtype!r}")
@@ -89,15 +89,15 @@ class CheckpointConfig:
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise _Damaged(f"unknown dtype {name!r} in manifest")
+        raise Damaged(f"unknown dtype {name!r} in manifest")
     return dt
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _fsync_dir(path) -> None:
+def fsync_dir(path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -126,7 +126,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 # --- the data files -----------------------------------------------------------------------------
 
-class _DataWriter:
+class DataWriter:
     """Appends tensors to data-0000.bin, data-0001.bin, ... (rolling over at file_bytes).
 
     Each tensor's bytes become segments ``[file, offset, nbytes, crc32]``. The write of a
@@ -161,7 +161,7 @@ class _DataWriter:
     def begin_tensor(self) -> list:
         if self.f is None:
             self._open_next()
-        pad = (-self.offset) % _ALIGN
+        pad = (-self.offset) % ALIGN
         if pad and self.offset + pad < self.cfg.file_bytes:
             _write_all(self.f, memoryview(bytes(pad)))
             self.offset += pad
@@ -201,7 +201,7 @@ class _DataWriter:
         self._close()
 
 
-class _Staging:
+class Staging:
     """Reusable host buffers for chunks that cannot be read/written in place (pinned when CUDA
     is there, so GPU copies run at full speed)."""
 
@@ -213,7 +213,7 @@ class _Staging:
         return self.bufs[i % len(self.bufs)].view(dtype)[:numel]
 
 
-def _save_chunks(t: torch.Tensor, stored: torch.dtype, cfg: CheckpointConfig, staging):
+def save_chunks(t: torch.Tensor, stored: torch.dtype, cfg: CheckpointConfig, staging):
     """Yield the stored bytes of ``t`` chunk by chunk, never more than one chunk extra in RAM."""
     from ..hostmem import count_transfer
 
@@ -256,7 +256,7 @@ def _save_chunks(t: torch.Tensor, stored: torch.dtype, cfg: CheckpointConfig, st
         yield _byte_view(buf)
 
 
-class _Reader:
+class Reader:
     """Reads tensors back from the data files into destination tensors, verifying CRCs."""
 
     def __init__(self, root: Path, cfg: CheckpointConfig, pool, bar):
@@ -292,7 +292,7 @@ class _Reader:
         dst_flat = dst.view(-1) if dst is not None and dst.dim() else (
             dst.reshape(1) if dst is not None else None)
         if not direct and self.staging is None:
-            self.staging = _Staging(self.cfg.chunk_bytes, 2)
+            self.staging = Staging(self.cfg.chunk_bytes, 2)
         # The plan: reads of at most chunk_bytes, each inside one segment.
         plan = []                    # (segment index, file, offset, nbytes, position in tensor)
         pos = 0
@@ -302,7 +302,7 @@ class _Reader:
                 plan.append((si, name, off + a, n, pos))
                 pos += n
         if pos != entry["bytes"]:
-            raise _Damaged(f"{where}: segments hold {pos} bytes, manifest says {entry['bytes']}")
+            raise Damaged(f"{where}: segments hold {pos} bytes, manifest says {entry['bytes']}")
 
         def buffer(k):
             _, _, _, n, p = plan[k]
@@ -329,7 +329,7 @@ class _Reader:
             mv = buffer(k)
             got = fut.result()
             if got != n:
-                raise _Damaged(f"{where}: {name} is truncated (wanted {n} bytes at {off}, got {got})")
+                raise Damaged(f"{where}: {name} is truncated (wanted {n} bytes at {off}, got {got})")
             if k + 1 < len(plan):                  # read the next chunk while checking this one
                 fut = self.pool.submit(do_read, k + 1, buffer(k + 1))
             crcs[si] = zlib.crc32(mv, crcs[si])
@@ -344,13 +344,13 @@ class _Reader:
                 self.bar.update(n)
         for si, seg in enumerate(entry["segments"]):
             if crcs[si] != seg[3]:
-                raise _Damaged(f"{where}: checksum mismatch in {seg[0]} bytes {seg[1]}.."
+                raise Damaged(f"{where}: checksum mismatch in {seg[0]} bytes {seg[1]}.."
                                f"{seg[1] + seg[2]} (file damaged)")
 
 
 # --- manifests ----------------------------------------------------------------------------------
 
-def _write_manifest(root: Path, body: dict, fsync: bool) -> None:
+def write_manifest(root: Path, body: dict, fsync: bool) -> None:
     data = json.dumps(body, indent=1, allow_nan=True).encode()
     version = body.get("version", FORMAT_VERSION)
     head = f"{FORMAT} {version} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
@@ -361,35 +361,35 @@ def _write_manifest(root: Path, body: dict, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict:
     try:
         raw = (path / MANIFEST).read_bytes()
     except FileNotFoundError:
-        raise _Damaged("no MANIFEST (incomplete upload or copy)") from None
+        raise Damaged("no MANIFEST (incomplete upload or copy)") from None
     except OSError as e:
-        raise _Damaged(f"MANIFEST unreadable: {e}") from None
+        raise Damaged(f"MANIFEST unreadable: {e}") from None
     head, _, data = raw.partition(b"\n")
     m = re.fullmatch(rf"{FORMAT} (\d+) crc32=([0-9a-f]{{8}}) bytes=(\d+)".encode(), head)
     if not m:
-        raise _Damaged("MANIFEST has no valid header (empty or damaged file)")
+        raise Damaged("MANIFEST has no valid header (empty or damaged file)")
     if int(m.group(1)) > FORMAT_VERSION:
-        raise _Damaged(f"written by a newer nbtools (format {int(m.group(1))}); upgrade nbtools")
+        raise Damaged(f"written by a newer nbtools (format {int(m.group(1))}); upgrade nbtools")
     if len(data) != int(m.group(3)) or zlib.crc32(data) != int(m.group(2), 16):
-        raise _Damaged("MANIFEST checksum mismatch (file truncated or damaged)")
+        raise Damaged("MANIFEST checksum mismatch (file truncated or damaged)")
     try:
         return json.loads(data)
     except ValueError as e:
-        raise _Damaged(f"MANIFEST is not valid JSON: {e}") from None
+        raise Damaged(f"MANIFEST is not valid JSON: {e}") from None
 
 
-def _check_files(path: Path, manifest: dict) -> None:
+def check_files(path: Path, manifest: dict) -> None:
     """Cheap structural check: every file there with exactly its recorded size."""
     for name, size in manifest["files"].items():
         try:
             actual = (path / name).stat().st_size
         except FileNotFoundError:
-            raise _Damaged(f"{name} is missing") from None
+            raise Damaged(f"{name} is missing") from None
         if actual != size:
-            raise _Damaged(f"{name} has {actual:,} bytes, expected {size:,} (truncated or "
+            raise Damaged(f"{name} has {actual:,} bytes, expected {size:,} (truncated or "
                            "not fully uploaded)")
 

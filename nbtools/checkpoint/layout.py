@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from .format import _Damaged, _read_manifest
+from .format import Damaged, read_manifest
 
 _DIR_RE = re.compile(r"^step-(\d{9,})(?:-r(\d+))?$")
 _TMP_PREFIX = ".tmp-"
@@ -29,7 +29,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 @dataclasses.dataclass
-class _Entry:
+class Entry:
     path: Path
     step: int
     rev: int
@@ -41,7 +41,7 @@ class _Entry:
         return self.manifest["seq"] if self.manifest else -1
 
 
-def _scan(root: Path) -> list[_Entry]:
+def scan(root: Path) -> list[Entry]:
     """Checkpoint directories under ``root`` (complete or damaged), newest first."""
     out = []
     try:
@@ -53,10 +53,10 @@ def _scan(root: Path) -> list[_Entry]:
         if not m or not (root / name).is_dir():
             continue
         try:
-            manifest, error = _read_manifest(root / name), None
-        except _Damaged as e:
+            manifest, error = read_manifest(root / name), None
+        except Damaged as e:
             manifest, error = None, str(e)
-        out.append(_Entry(root / name, int(m.group(1)), int(m.group(2) or 0), manifest, error))
+        out.append(Entry(root / name, int(m.group(1)), int(m.group(2) or 0), manifest, error))
     out.sort(key=lambda e: (e.seq, e.step, e.rev), reverse=True)
     return out
 
@@ -74,7 +74,7 @@ def needs(manifest: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _remove_dir(path: Path) -> None:
+def remove_dir(path: Path) -> None:
     """Rename out of the way first (atomic), then delete: a crash mid-delete never leaves a
     half-deleted directory that looks like a checkpoint."""
     trash = path.parent / f"{_DEL_PREFIX}{path.name}-{os.getpid()}-{time.time_ns():x}"
@@ -85,7 +85,7 @@ def _remove_dir(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
+def clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
     """Remove temp directories of dead saves and interrupted deletions."""
     host = _host()
     try:
@@ -117,7 +117,7 @@ def _host() -> str:
     return socket.gethostname().replace("-", "_")
 
 
-def _tmp_name(final_name: str) -> str:
+def tmp_name(final_name: str) -> str:
     return f"{_TMP_PREFIX}{final_name}-{_host()}-{os.getpid()}-{time.time_ns():x}"
 
 
@@ -125,7 +125,7 @@ def prune(root, keep: int, protect=()) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints under ``root`` (and damaged ones
     older than all of those), except those a kept one needs (:func:`needs`). Paths in
     ``protect`` are left alone, and what they need. Returns what was deleted."""
-    entries = _scan(Path(root))
+    entries = scan(Path(root))
     good = [e for e in entries if e.manifest is not None]
     removed = []
     protect = {Path(p) for p in protect}
@@ -135,7 +135,7 @@ def prune(root, keep: int, protect=()) -> list[Path]:
             protect.update(Path(root) / name for name, _ in needs(e.manifest))
     for e in good[keep:]:
         if e.path not in protect:
-            _remove_dir(e.path)
+            remove_dir(e.path)
             removed.append(e.path)
     if len(good) >= keep and keep > 0:
         oldest_kept = good[keep - 1].manifest.get("created_unix", 0)
@@ -143,7 +143,7 @@ def prune(root, keep: int, protect=()) -> list[Path]:
             if e.manifest is None and e.path not in protect:
                 try:
                     if e.path.stat().st_mtime < oldest_kept:
-                        _remove_dir(e.path)
+                        remove_dir(e.path)
                         removed.append(e.path)
                 except OSError:
                     pass

@@ -23,11 +23,10 @@ from . import rows as _rows
 from . import save as _save
 from . import tree as _tree
 from .format import (CheckpointConfig, CheckpointError, CheckpointSpaceError, CheckpointWarning,
-                     _check_files, _Damaged)
-from .layout import _Entry, _scan, needs, prune
+                     check_files, Damaged)
+from .layout import Entry, scan, needs, prune
 from .mirror import DriveSync
 from .rng import set_rng_state
-from .save import progress_bar as _progress_bar  # noqa: F401  (nbtools.pretrained uses it)
 from .save import state_of
 
 
@@ -134,16 +133,16 @@ class CheckpointManager:
 
     def _final_path(self, step: int) -> Path:
         base = f"step-{step:09d}"
-        revs = [e.rev for e in _scan(self.directory) if e.step == step]
+        revs = [e.rev for e in scan(self.directory) if e.step == step]
         if not revs and not (self.directory / base).exists():
             return self.directory / base
         return self.directory / f"{base}-r{max(revs, default=0) + 1}"
 
-    def _entries(self) -> list[tuple[_Entry, str]]:
+    def _entries(self) -> list[tuple[Entry, str]]:
         """Checkpoints here and in the mirror, newest first; local first among equals."""
-        out = [(e, "local") for e in _scan(self.directory)]
+        out = [(e, "local") for e in scan(self.directory)]
         if self.sync is not None:
-            out += [(e, "mirror") for e in _scan(self.sync.target)]
+            out += [(e, "mirror") for e in scan(self.sync.target)]
         out.sort(key=lambda x: (x[0].seq, x[0].step, x[0].rev, x[1] == "local"), reverse=True)
         return out
 
@@ -190,10 +189,10 @@ class CheckpointManager:
                         f"checkpoint {entry.path} (step {m['step']}) stores its tables in "
                         f"{m.get('half_dtype')} (saved with half_tables=True): restoring it is "
                         "not exact. Pass allow_half=True to restore it anyway.")
-                _check_files(entry.path, m)
+                check_files(entry.path, m)
                 _restore.check_needs(self._roots(), entry.path, m)
                 nbytes = self._load(entry, objects, rng)
-            except _Damaged as e:
+            except Damaged as e:
                 failures.append(f"{label}: {e}")
                 warnings.warn(f"checkpoint {entry.path} is damaged ({e}); trying an older one",
                               CheckpointWarning, stacklevel=2)
@@ -218,7 +217,7 @@ class CheckpointManager:
                                  "do not train on them." if self._rows_touched else
                                  "\nNothing was restored: every object is as it was."))
 
-    def _load(self, entry: _Entry, objects: dict, rng: bool) -> int:
+    def _load(self, entry: Entry, objects: dict, rng: bool) -> int:
         m, cfg = entry.manifest, self.config
         # All or nothing: the side file (data only), the disk tables' chains and every object
         # checked against the checkpoint, and the checksums of every byte that goes into a
@@ -277,14 +276,14 @@ class CheckpointManager:
                    "needs": [name for name, _ in needs(m)] if m else [], "status": None}
             try:
                 if m is None:
-                    raise _Damaged(entry.error)
-                _check_files(entry.path, m)
+                    raise Damaged(entry.error)
+                check_files(entry.path, m)
                 _restore.check_needs(self._roots(), entry.path, m)
                 row["status"] = "ok"
                 if verify:
                     _restore.verify(entry, self.config)
                     row["status"] = "verified"
-            except _Damaged as e:
+            except Damaged as e:
                 row["status"] = f"damaged: {e}"
             out.append(row)
         return out

@@ -22,9 +22,9 @@ from pathlib import Path
 from .. import colab
 from ..colab import DriveError
 from ..units import human_bytes
-from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, _check_files, _Damaged,
-                     _fsync_dir, _read_manifest)
-from .layout import _remove_dir, _tmp_name, needs
+from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, check_files, Damaged,
+                     fsync_dir, read_manifest)
+from .layout import remove_dir, tmp_name, needs
 
 
 def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
@@ -36,19 +36,19 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
     final = dst_root / src.name
     if final.exists():
         try:
-            if _read_manifest(final) == _read_manifest(src):
-                _check_files(final, _read_manifest(final))
+            if read_manifest(final) == read_manifest(src):
+                check_files(final, read_manifest(final))
                 return final                     # already there and complete
-        except _Damaged:
+        except Damaged:
             pass
-        _remove_dir(final)
-    manifest = _read_manifest(src)
+        remove_dir(final)
+    manifest = read_manifest(src)
     need = sum(manifest["files"].values())
     free = shutil.disk_usage(dst_root).free
     if free < need:
         raise CheckpointSpaceError(errno.ENOSPC, f"copying {src.name} needs {human_bytes(need)}; "
                                    f"{human_bytes(free)} free on {dst_root}")
-    tmp = dst_root / _tmp_name(src.name)
+    tmp = dst_root / tmp_name(src.name)
     tmp.mkdir()
     try:
         for name in [*manifest["files"], MANIFEST]:
@@ -58,10 +58,10 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
                 if fsync:
                     os.fsync(fo.fileno())
         if fsync:
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         os.rename(tmp, final)
         if fsync:
-            _fsync_dir(dst_root)
+            fsync_dir(dst_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -72,9 +72,9 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
 def _complete(path: Path, uid: str) -> bool:
     """Whether ``path`` is the complete checkpoint of id ``uid``."""
     try:
-        m = _read_manifest(path)
-        _check_files(path, m)
-    except _Damaged:
+        m = read_manifest(path)
+        check_files(path, m)
+    except Damaged:
         return False
     return m.get("id") == uid
 
@@ -147,7 +147,7 @@ class DriveSync:
 
     def _copy(self, path: Path) -> None:
         t0 = time.perf_counter()
-        for name, uid in needs(_read_manifest(path)):      # the base and deltas first
+        for name, uid in needs(read_manifest(path)):      # the base and deltas first
             if _complete(self.target / name, uid):
                 continue
             if not _complete(path.parent / name, uid):

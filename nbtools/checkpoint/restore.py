@@ -26,9 +26,9 @@ import torch
 from ..devices import cuda_ok
 from . import rows as _rows
 from . import tree as _tree
-from .format import (CheckpointConfig, CheckpointError, _check_files, _Damaged, _dtype,
-                     _read_manifest, _Reader)
-from .layout import _Entry, needs
+from .format import (CheckpointConfig, CheckpointError, check_files, Damaged, _dtype,
+                     read_manifest, Reader)
+from .layout import Entry, needs
 from .save import progress_bar
 
 
@@ -38,26 +38,26 @@ def find_dir(roots: list[Path], first: Path, name: str, uid: str) -> tuple[Path,
     for root in [first] + [r for r in roots if r != first]:
         path = root / name
         try:
-            mm = _read_manifest(path)
+            mm = read_manifest(path)
             if mm.get("id") != uid:
                 continue
-            _check_files(path, mm)
-        except _Damaged:
+            check_files(path, mm)
+        except Damaged:
             continue
         return path, mm
     return None
 
 
 def check_needs(roots: list[Path], path: Path, m: dict) -> None:
-    """Raise :class:`_Damaged` when a base or delta the checkpoint at ``path`` needs is
+    """Raise :class:`Damaged` when a base or delta the checkpoint at ``path`` needs is
     missing or incomplete in every root."""
     for name, uid in needs(m):
         if find_dir(roots, path.parent, name, uid) is None:
-            raise _Damaged(f"it needs {name} (a base or delta of its disk tables), which is "
+            raise Damaged(f"it needs {name} (a base or delta of its disk tables), which is "
                            f"missing or incomplete in {' and '.join(map(str, roots))}")
 
 
-def chain_of(roots: list[Path], entry: _Entry, item: dict) -> list:
+def chain_of(roots: list[Path], entry: Entry, item: dict) -> list:
     """``(directory, link, tensor entry)`` of each link of a disk table's chain."""
     m, out = entry.manifest, []
     for link in item["chain"]:
@@ -66,17 +66,17 @@ def chain_of(roots: list[Path], entry: _Entry, item: dict) -> list:
         else:
             found = find_dir(roots, entry.path.parent, link["dir"], link["id"])
         if found is None:
-            raise _Damaged(f"it needs {link['dir']} (the {link['kind']} of disk table "
+            raise Damaged(f"it needs {link['dir']} (the {link['kind']} of disk table "
                            f"{item['name']!r}), which is missing or incomplete")
         tensors = found[1]["tensors"]
         if not 0 <= link["tensor"] < len(tensors):
-            raise _Damaged(f"{link['dir']} has no tensor {link['tensor']} (the "
+            raise Damaged(f"{link['dir']} has no tensor {link['tensor']} (the "
                            f"{link['kind']} of disk table {item['name']!r})")
         out.append((found[0], link, tensors[link["tensor"]]))
     return out
 
 
-def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
+def read_tensors(entry: Entry, wanted: list, live: dict, total: int,
                  cfg: CheckpointConfig) -> list:
     """Read the tensors ``wanted`` (manifest indices, ``total`` bytes), every checksum
     verified; returns the tensors by index. A tensor is read
@@ -90,7 +90,7 @@ def read_tensors(entry: _Entry, wanted: list, live: dict, total: int,
             torch.cuda.synchronize(i)
     try:
         with ThreadPoolExecutor(1) as pool, torch.no_grad():
-            reader = _Reader(entry.path, cfg, pool, bar)
+            reader = Reader(entry.path, cfg, pool, bar)
             try:
                 # tensors read into fresh memory first, each checked as it is read: a damaged
                 # one raises before any live tensor (checked beforehand, verify) is written
@@ -117,7 +117,7 @@ def read_extras(path: Path, m: dict) -> list:
         return []
     blob = (path / m["extras"]["file"]).read_bytes()
     if len(blob) != m["extras"]["bytes"] or zlib.crc32(blob) != m["extras"]["crc32"]:
-        raise _Damaged(f"{m['extras']['file']}: checksum mismatch (file damaged)")
+        raise Damaged(f"{m['extras']['file']}: checksum mismatch (file damaged)")
     try:
         return _tree.load_extras(blob)
     except _tree.UnsafeValueError as e:
@@ -127,12 +127,12 @@ def read_extras(path: Path, m: dict) -> list:
             "Nothing was loaded or run, and nothing was changed.") from None
 
 
-def verify(entry: _Entry, cfg: CheckpointConfig, which=None) -> None:
+def verify(entry: Entry, cfg: CheckpointConfig, which=None) -> None:
     """Read every byte of the checkpoint (or of the tensors ``which``: manifest indices) and
-    check it (raises :class:`_Damaged`)."""
+    check it (raises :class:`Damaged`)."""
     m = entry.manifest
     with ThreadPoolExecutor(1) as pool:
-        reader = _Reader(entry.path, cfg, pool, None)
+        reader = Reader(entry.path, cfg, pool, None)
         try:
             for i, e in enumerate(m["tensors"]):
                 if which is None or i in which:
@@ -148,7 +148,7 @@ def verify_chain(links: list, name: str, cfg: CheckpointConfig) -> None:
     written."""
     with ThreadPoolExecutor(1) as pool:
         for root, link, e in links:
-            reader = _Reader(root, cfg, pool, None)
+            reader = Reader(root, cfg, pool, None)
             try:
                 reader.read_tensor(e, None, f"{root.name}: {link['kind']} of disk table {name!r}")
             finally:
@@ -159,7 +159,7 @@ _NOTHING_CHANGED = ("Nothing was restored: every table, optimizer state, paramet
                     "state is as it was.")
 
 
-def preflight(entry: _Entry, objects: dict, extras: list, matched: dict, half: bool) -> None:
+def preflight(entry: Entry, objects: dict, extras: list, matched: dict, half: bool) -> None:
     """Raise :class:`CheckpointError` when the checkpoint's state for an object would not load
     into it (another type, other keys, shapes or dtypes, another optimizer class or other
     tables): checked on the decoded tree with shape-only tensors, before anything is read

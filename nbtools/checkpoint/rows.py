@@ -9,7 +9,7 @@ themselves, weights and optimizer state together, are saved once per table:
 
 * a **base**: every row, ``row_bytes`` each (not the file's 512-byte-aligned stride), read
   from the table file in blocks of at most ``chunk_bytes / 4`` while the previous block is
-  written, one checksum per block. A log-structured file (:mod:`nbtools.disklog`) whose rows
+  written, one checksum per block. A log-structured file (:mod:`nbtools.disk.log`) whose rows
   have left their home slots saves its base as records ``[id | row]`` in *file* order
   (link ``"records": true``): read sequentially, where id order would read every moved row
   at random;
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..units import human_bytes
-from .format import CheckpointError, _Damaged, _dtype, _dtype_name, _fadvise
+from .format import CheckpointError, Damaged, _dtype, dtype_name, _fadvise
 
 PIECE = 256 << 10          # bytes per checksummed piece of a delta (a restore holds one per delta)
 _ID = 8                    # bytes of a row id in a delta record
@@ -86,7 +86,7 @@ class SaveRows:
     def item(self) -> dict:
         d = self.table.disk
         return {"name": d.name, "keys": self.table.keys, "num_rows": d.num_rows,
-                "row_bytes": d.row_bytes, "width": d.width, "dtype": _dtype_name(d.dtype),
+                "row_bytes": d.row_bytes, "width": d.width, "dtype": dtype_name(d.dtype),
                 "kind": self.kind, "count": self.count, "chain": self.links}
 
 
@@ -203,7 +203,7 @@ class Refs:
         if t.index is None:
             t.index = len(self.used)
             self.used.append(t)
-        return {"$rows": t.index, "offset": offset, "dtype": _dtype_name(x.dtype),
+        return {"$rows": t.index, "offset": offset, "dtype": dtype_name(x.dtype),
                 "shape": list(x.shape), "stride": list(x.stride()[1:])}
 
 
@@ -237,7 +237,7 @@ def plan(used: list[Table], chains: dict, cfg, own_dir: str, own_id: str,
         index = first_index + sum(s.entry is not None for s in out)
         if (changed is None or len(chain.links) >= cfg.base_every
                 or chain.delta_rows + changed > cfg.base_fraction * d.num_rows):
-            # a log file whose rows left their home slots (nbtools.disklog): the base is
+            # a log file whose rows left their home slots (nbtools.disk.log): the base is
             # records (id, row) in file order, read sequentially (in id order it would be a
             # random read of every row that moved)
             records = getattr(d.file, "away", 0) > 0
@@ -263,7 +263,7 @@ def _entry(path: str, n: int, width: int) -> dict:
 
 def write(s: SaveRows, writer, chunk_bytes: int) -> None:
     """Stream one table's base or delta into the checkpoint's data files (``writer``)."""
-    from ..rowfile import _aligned
+    from ..rowfile.fileio import _aligned
     d = s.table.disk
     s.entry["segments"] = writer.begin_tensor()
     if s.kind == "base" and s.links[-1].get("records"):
@@ -374,7 +374,7 @@ def match(items: list[dict], wanted: set, tables: list[Table], where: str,
         if any(x is not t for x in live[1:]):
             raise CheckpointError(f"checkpoint {where}: {', '.join(item['keys'])} were one disk "
                                   "table when saved, and are different tables here")
-        have = (d.num_rows, d.row_bytes, d.width, _dtype_name(d.dtype))
+        have = (d.num_rows, d.row_bytes, d.width, dtype_name(d.dtype))
         want = (item["num_rows"], item["row_bytes"], item["width"], item["dtype"])
         if have != want:
             raise CheckpointError(
@@ -410,17 +410,17 @@ class _Stream:
             try:
                 fd = os.open(self.root / name, os.O_RDONLY)
             except OSError as e:
-                raise _Damaged(f"{self.what}: {name} unreadable ({e})") from None
+                raise Damaged(f"{self.what}: {name} unreadable ({e})") from None
             _fadvise(fd, "POSIX_FADV_SEQUENTIAL")
             self.files[name] = fd
         mv, got = memoryview(self.buf)[:n], 0
         while got < n:
             r = os.preadv(fd, [mv[got:]], off + got)
             if r <= 0:
-                raise _Damaged(f"{self.what}: {name} is truncated (wanted {n} bytes at {off})")
+                raise Damaged(f"{self.what}: {name} is truncated (wanted {n} bytes at {off})")
             got += r
         if zlib.crc32(mv) != crc:
-            raise _Damaged(f"{self.what}: checksum mismatch in {name} bytes {off}..{off + n} "
+            raise Damaged(f"{self.what}: checksum mismatch in {name} bytes {off}..{off + n} "
                            "(file damaged)")
         self.pos, self.end = 0, n
         self.read += n
@@ -431,7 +431,7 @@ class _Stream:
         while got < len(out):
             if self.pos == self.end:
                 if self.k == len(self.segs):
-                    raise _Damaged(f"{self.what}: ends early")
+                    raise Damaged(f"{self.what}: ends early")
                 self._next()
             take = min(len(out) - got, self.end - self.pos)
             out[got:got + take] = self.buf[self.pos:self.pos + take]
@@ -471,13 +471,13 @@ class _Delta:
                 self.pos = 0
                 if (self.ids[0] <= self.last or self.ids[-1] >= self.n
                         or (k > 1 and np.any(np.diff(self.ids) <= 0))):
-                    raise _Damaged(f"{self.stream.what}: row ids out of order or out of range")
+                    raise Damaged(f"{self.stream.what}: row ids out of order or out of range")
                 self.last = int(self.ids[-1])
             ids = self.ids[self.pos:]
             j = int(np.searchsorted(ids, b))
             if j:
                 if ids[0] < a:
-                    raise _Damaged(f"{self.stream.what}: row ids out of order")
+                    raise Damaged(f"{self.stream.what}: row ids out of order")
                 block[ids[:j] - a] = self.buf[self.pos:self.pos + j, _ID:]
                 self.pos += j
             if self.pos < len(self.ids):         # the next row is past this block
@@ -487,7 +487,7 @@ class _Delta:
 def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) -> int:
     """Rewrite every row of ``t``'s file from its chain: ``(directory, link, tensor entry)``
     for the base, then each delta, oldest first. Returns the checkpoint bytes read."""
-    from ..rowfile import _aligned
+    from ..rowfile.fileio import _aligned
     d = t.disk
     (base_dir, base_link, base_entry), deltas = links[0], links[1:]
     rb, n = d.row_bytes, d.num_rows
@@ -520,7 +520,7 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
         if writing is not None:
             writing.result()
         if not base.done() or any(x.left or x.pos < len(x.ids) for x in laid):
-            raise _Damaged(f"{base_dir.name}: the chain of disk table {d.name!r} holds more "
+            raise Damaged(f"{base_dir.name}: the chain of disk table {d.name!r} holds more "
                            "rows than the table")
     finally:
         pool.shutdown()
@@ -550,16 +550,16 @@ def _restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
                 stream.read_into(buf[:k])
                 ids = buf[:k, :_ID].copy().view("<i8").reshape(-1).astype(np.int64)
                 if ids.min() < 0 or ids.max() >= n or len(np.unique(ids)) != k:
-                    raise _Damaged(f"{stream.what}: row ids repeated or out of range")
+                    raise Damaged(f"{stream.what}: row ids repeated or out of range")
                 if is_base:
                     if seen[ids].any():
-                        raise _Damaged(f"{stream.what}: a row saved twice")
+                        raise Damaged(f"{stream.what}: a row saved twice")
                     seen[ids] = True
                 d.file.write(ids, np.ascontiguousarray(buf[:k, _ID:]))
             if not stream.done():
-                raise _Damaged(f"{stream.what}: holds more rows than recorded")
+                raise Damaged(f"{stream.what}: holds more rows than recorded")
             if is_base and not seen.all():
-                raise _Damaged(f"{stream.what}: {int((~seen).sum()):,} rows missing")
+                raise Damaged(f"{stream.what}: {int((~seen).sum()):,} rows missing")
     finally:
         for stream, _, _ in streams:
             stream.close()
@@ -568,7 +568,7 @@ def _restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
 
 def _check_shape(entry: dict, want: list, root: Path, name: str) -> None:
     if list(entry["shape"]) != want or entry["dtype"] != "uint8":
-        raise _Damaged(f"{root.name}: the rows of disk table {name!r} are {entry['shape']} "
+        raise Damaged(f"{root.name}: the rows of disk table {name!r} are {entry['shape']} "
                        f"{entry['dtype']}, expected {want} uint8")
 
 

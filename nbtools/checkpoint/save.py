@@ -29,10 +29,10 @@ from .. import __version__
 from ..units import human_bytes
 from . import rows as _rows
 from . import tree as _tree
-from .format import (_ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
-                     CheckpointSpaceError, _DataWriter, _dtype, _dtype_name, _fsync_dir,
-                     _save_chunks, _Staging, _write_manifest)
-from .layout import _clean_leftovers, _tmp_name
+from .format import (ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
+                     CheckpointSpaceError, DataWriter, _dtype, dtype_name, fsync_dir,
+                     save_chunks, Staging, write_manifest)
+from .layout import clean_leftovers, tmp_name
 from .rng import rng_state
 
 _RESERVED = ("rng", "half_tables", "allow_half")
@@ -110,7 +110,7 @@ def plan(objects: dict, rng: bool, half: bool, cfg: CheckpointConfig, chains: di
                 and t.numel() * t.element_size() >= cfg.half_min_bytes):
             stored = half_dtype
         nbytes = t.numel() * torch.empty((), dtype=stored).element_size()
-        entries.append({"path": path, "dtype": _dtype_name(t.dtype), "stored": _dtype_name(stored),
+        entries.append({"path": path, "dtype": dtype_name(t.dtype), "stored": dtype_name(stored),
                         "shape": list(t.shape), "bytes": nbytes, "device": str(t.device),
                         "segments": None})
         total += nbytes
@@ -124,7 +124,7 @@ def plan(objects: dict, rng: bool, half: bool, cfg: CheckpointConfig, chains: di
             entries.append(s.entry)
             total += s.entry["bytes"]
     segments = sum(s.entry["bytes"] // _rows.PIECE + 2 for s in saved if s.entry)
-    estimate = (total + (_ALIGN + 512) * len(entries) + 64 * segments
+    estimate = (total + (ALIGN + 512) * len(entries) + 64 * segments
                 + len(extras_blob or b"") + (64 << 10))
     return SavePlan(objects_tree, rng_tree, packer.tensors, entries, extras_blob, total,
                     half, estimate, saved, uid)
@@ -134,8 +134,8 @@ def write(directory: Path, plan: SavePlan, step: int, seq: int, final: Path,
           cfg: CheckpointConfig) -> dict:
     """Write the checkpoint under a temporary name in ``directory``, then rename it to
     ``final``; returns the manifest. On any failure the partial directory is removed."""
-    _clean_leftovers(directory)
-    tmp = directory / _tmp_name(final.name)
+    clean_leftovers(directory)
+    tmp = directory / tmp_name(final.name)
     bar = progress_bar(plan.total, f"saving step {step}", cfg.progress)
     try:
         tmp.mkdir()
@@ -153,7 +153,7 @@ def write(directory: Path, plan: SavePlan, step: int, seq: int, final: Path,
         }
         if plan.rows:
             body["rows"] = [s.item() for s in plan.rows]
-        _write_manifest(tmp, body, cfg.fsync)     # last: its presence marks completeness
+        write_manifest(tmp, body, cfg.fsync)     # last: its presence marks completeness
         _commit(tmp, final, cfg.fsync)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,7 +171,7 @@ def _write_tensors(tmp: Path, plan: SavePlan, cfg: CheckpointConfig, bar) -> dic
     """Stream every tensor into the data files (filling in its segments); returns
     ``{file name: bytes}``."""
     with ThreadPoolExecutor(1) as pool:
-        writer = _DataWriter(tmp, cfg, pool, bar)
+        writer = DataWriter(tmp, cfg, pool, bar)
         staging = None
         try:
             for e, (_, t) in zip(plan.entries, plan.tensors):
@@ -179,8 +179,8 @@ def _write_tensors(tmp: Path, plan: SavePlan, cfg: CheckpointConfig, bar) -> dic
                 stored = _dtype(e["stored"])
                 if staging is None and (t.is_cuda or stored != t.dtype
                                         or not t.is_contiguous()):
-                    staging = _Staging(cfg.chunk_bytes)
-                for mv in _save_chunks(t, stored, cfg, staging):
+                    staging = Staging(cfg.chunk_bytes)
+                for mv in save_chunks(t, stored, cfg, staging):
                     writer.write(mv)
             for s in plan.rows:                # disk tables: file to file
                 if s.entry is not None:
@@ -205,10 +205,10 @@ def _write_extras(tmp: Path, blob: bytes | None, files: dict, fsync: bool) -> di
 def _commit(tmp: Path, final: Path, fsync: bool) -> None:
     """Make the finished checkpoint visible, durably: fsync, then one rename."""
     if fsync:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     os.rename(tmp, final)
     if fsync:
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
 
 def _save_error(e: BaseException, step: int, estimate: int,

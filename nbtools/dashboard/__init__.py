@@ -50,8 +50,8 @@ import warnings
 
 from ..meters import History, Monitor, MonitorConfig, measure_bandwidth
 from ..units import fmt_count, fmt_seconds
-from .plot import _EXTRA, HistoryPlot, _Plotter, plot_history  # noqa: F401  (re-exported)
-from .render import (_STATE, _bandwidth_text, _frame_colour, render_bandwidth_html, render_html,
+from .plot import EXTRA, HistoryPlot, Plotter, plot_history  # noqa: F401  (re-exported)
+from .render import (STATE, bandwidth_text, frame_colour, render_bandwidth_html, render_html,
                      render_text, run_summary_text)
 
 
@@ -60,7 +60,7 @@ def _widgets():
         import ipywidgets
     except ImportError as e:
         raise ImportError(f"nbtools.Dashboard draws with ipywidgets in a notebook, which is not "
-                          f"installed: {_EXTRA} (or pass DashboardConfig(mode='text'))") from e
+                          f"installed: {EXTRA} (or pass DashboardConfig(mode='text'))") from e
     return ipywidgets
 
 
@@ -226,7 +226,7 @@ class Dashboard:
         W = _widgets()
         # the figure is made now, before the loop runs: making it (~0.4 s, fonts) is not a
         # per-step cost, and charging it would push the second plot far out
-        self._plotter = _Plotter(self.monitor.unit, self.config.width_px)
+        self._plotter = Plotter(self.monitor.unit, self.config.width_px)
         self._plotter.render(History())   # the first render is ~5x slower (fonts, layout caches)
         self._html = W.HTML(value=render_html({"unit": self.monitor.unit}, title=self.title,
                                               note="waiting for the first step", frame=False,
@@ -235,7 +235,7 @@ class Dashboard:
         self._image.layout.display = "none"   # until there is a plot
         # the frame goes around the HTML and the plot together (Layout works in 7.7 and 8.x)
         self.widget = W.VBox([self._html, self._image], layout=W.Layout(
-            border=f"2px solid {_frame_colour('running')}", padding="6px 10px",
+            border=f"2px solid {frame_colour('running')}", padding="6px 10px",
             max_width="924px"))
         if self.display:
             self._handle = _show(self.widget)
@@ -266,7 +266,7 @@ class Dashboard:
                                            warnings_=self.warnings, error=self.error,
                                            note=self._note(), frame=False,
                                            config=self.config)
-            self.widget.layout.border = f"2px solid {_frame_colour(self.state)}"
+            self.widget.layout.border = f"2px solid {frame_colour(self.state)}"
         else:
             self._draw_text(rec, final)
         self.monitor.add_overhead(time.perf_counter() - t0)
@@ -365,7 +365,7 @@ class Dashboard:
         before the first plot), to ``path`` as PNG; returns the path."""
         png = self._png
         if png is None:
-            png = _Plotter(self.monitor.unit, self.config.width_px).render(
+            png = Plotter(self.monitor.unit, self.config.width_px).render(
                 self.monitor.history, self.config.link_bytes_per_s)
         path = os.fspath(path)
         with open(path, "wb") as f:
@@ -383,7 +383,7 @@ class Dashboard:
 
     def _print_summary(self, rec: dict) -> None:
         f = self._file
-        lines = ["", f"[nbtools] {self.title}: {_STATE[self.state][2]} after "
+        lines = ["", f"[nbtools] {self.title}: {STATE[self.state][2]} after "
                  f"{fmt_seconds(rec.get('elapsed_s'))}, {rec.get('step', 0):,} steps, "
                  f"{fmt_count(rec.get('samples_total'))} {self.monitor.unit} "
                  f"({fmt_count(rec.get('mean_samples_per_s'))}/s mean)"]
@@ -432,8 +432,8 @@ def bandwidth_check(nbytes: int = 256 << 20, *, row_bytes: int = 512, device="au
     res = measure_bandwidth(nbytes, row_bytes=row_bytes, device=device, progress=progress)
     if notebook:
         handle.update({"text/html": render_bandwidth_html(res),
-                       "text/plain": _bandwidth_text(res)}, raw=True)
+                       "text/plain": bandwidth_text(res)}, raw=True)
         box.close()
     elif display:
-        print(_bandwidth_text(res), file=file or sys.stdout)
+        print(bandwidth_text(res), file=file or sys.stdout)
     return res

@@ -10,9 +10,9 @@ import math
 
 from ..meters import History
 from ..units import fmt_count
-from .render import _C
+from .render import C
 
-_EXTRA = "pip install 'nbtools-offload[notebook]'"
+EXTRA = "pip install 'nbtools-offload[notebook]'"
 
 
 def _matplotlib():
@@ -21,11 +21,11 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(f"the dashboard's history plot needs matplotlib: {_EXTRA}") from e
+        raise ImportError(f"the dashboard's history plot needs matplotlib: {EXTRA}") from e
     return matplotlib, Figure, FigureCanvasAgg
 
 
-class _Plotter:
+class Plotter:
     """Memory, PCIe and throughput on one time axis, drawn with Agg into PNG bytes. The figure
     and its lines are made once and updated, which keeps a redraw to a few tens of ms."""
 
@@ -37,15 +37,15 @@ class _Plotter:
         FigureCanvasAgg(self.fig)
         self.ax = self.fig.subplots(3, 1, sharex=True)
         series = (
-            (0, "gpu_used_bytes", 2**30, "GPU used", _C["gpu"], "-"),
-            (0, "torch_reserved_bytes", 2**30, "torch reserved", _C["cache"], "-"),
-            (0, "host_used_bytes", 2**30, "host used", _C["other"], "-"),
-            (0, "pinned_bytes", 2**30, "pinned", _C["pinned"], "-"),
-            (1, "pcie_rx_bytes_per_s", 1e9, "PCIe → GPU", _C["gpu"], "-"),
-            (1, "pcie_tx_bytes_per_s", 1e9, "PCIe → host", _C["compute"], "-"),
-            (1, "nbtools_h2d_bytes_per_s", 1e9, "nbtools → GPU", _C["pinned"], "--"),
-            (1, "nbtools_d2h_bytes_per_s", 1e9, "nbtools → host", _C["data"], "--"),
-            (2, "samples_per_s", 1.0, f"{unit}/s", _C["rate"], "-"),
+            (0, "gpu_used_bytes", 2**30, "GPU used", C["gpu"], "-"),
+            (0, "torch_reserved_bytes", 2**30, "torch reserved", C["cache"], "-"),
+            (0, "host_used_bytes", 2**30, "host used", C["other"], "-"),
+            (0, "pinned_bytes", 2**30, "pinned", C["pinned"], "-"),
+            (1, "pcie_rx_bytes_per_s", 1e9, "PCIe → GPU", C["gpu"], "-"),
+            (1, "pcie_tx_bytes_per_s", 1e9, "PCIe → host", C["compute"], "-"),
+            (1, "nbtools_h2d_bytes_per_s", 1e9, "nbtools → GPU", C["pinned"], "--"),
+            (1, "nbtools_d2h_bytes_per_s", 1e9, "nbtools → host", C["data"], "--"),
+            (2, "samples_per_s", 1.0, f"{unit}/s", C["rate"], "-"),
         )
         self.lines = []
         for i, key, scale, label, colour, style in series:
@@ -134,4 +134,4 @@ def plot_history(history, unit: str | None = None, *, width_px: int = 860) -> Hi
         history = History.load(history)
     if unit is None:
         unit = next((r["unit"] for r in reversed(history.records) if r.get("unit")), "samples")
-    return HistoryPlot(_Plotter(unit, width_px).render(history))
+    return HistoryPlot(Plotter(unit, width_px).render(history))

@@ -15,12 +15,12 @@ import html
 from ..meters import MonitorConfig
 from ..units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
-_C = {"gpu": "#1f77b4", "cache": "#9ecae1", "other": "#b0b0b0", "pinned": "#ff7f0e",
+C = {"gpu": "#1f77b4", "cache": "#9ecae1", "other": "#b0b0b0", "pinned": "#ff7f0e",
       "data": "#9467bd", "transfer": "#ff7f0e", "compute": "#2ca02c", "rate": "#d62728",
       "ok": "#2ca02c", "fail": "#d62728", "run": "#1f77b4", "warn_bg": "#fff4ce",
       "warn": "#7a5b00", "muted": "#666"}
-_STATE = {"running": ("●", _C["run"], "running"), "finished": ("✓", _C["ok"], "finished"),
-          "failed": ("✗", _C["fail"], "stopped")}
+STATE = {"running": ("●", C["run"], "running"), "finished": ("✓", C["ok"], "finished"),
+          "failed": ("✗", C["fail"], "stopped")}
 
 
 def _e(s) -> str:
@@ -32,10 +32,10 @@ def _badge(label, value, sub="", title="") -> str:
             'box-sizing:border-box;width:calc(20% - 6px);min-width:120px;margin:0 6px 6px 0;'
             'padding:5px 9px;border:1px solid #e2e2e2;border-radius:6px;background:#f7f8fa;'
             'vertical-align:top;white-space:nowrap;overflow:hidden">'
-            f'<div style="font-size:11px;color:{_C["muted"]}">{_e(label)}</div>'
+            f'<div style="font-size:11px;color:{C["muted"]}">{_e(label)}</div>'
             f'<div class="nbtools-value" style="font-size:17px;font-weight:600;color:#111">'
             f'{_e(value)}</div>'
-            f'<div style="font-size:11px;color:{_C["muted"]}">{_e(sub)}</div></div>')
+            f'<div style="font-size:11px;color:{C["muted"]}">{_e(sub)}</div></div>')
 
 
 def _bar(label, total, parts, text, alarm=False) -> str:
@@ -49,12 +49,12 @@ def _bar(label, total, parts, text, alarm=False) -> str:
                 room -= w
                 segs += (f'<div title="{_e(name)}" style="width:{w:.2f}%;background:{colour};'
                          'height:100%;float:left"></div>')
-    border = _C["fail"] if alarm else "#cfcfcf"
+    border = C["fail"] if alarm else "#cfcfcf"
     legend = " ".join(f'<span style="color:{c}">■</span>&nbsp;{_e(n)}' for n, v, c in parts
                       if v is not None)
     return ('<div class="nbtools-bar" style="margin:3px 0">'
             f'<div style="font-size:12px;color:#222"><b>{_e(label)}</b> {_e(text)}'
-            f'<span style="float:right;font-size:11px;color:{_C["muted"]}">{legend}</span></div>'
+            f'<span style="float:right;font-size:11px;color:{C["muted"]}">{legend}</span></div>'
             f'<div style="height:11px;border:1px solid {border};border-radius:3px;'
             f'background:#fff;overflow:hidden">{segs}</div></div>')
 
@@ -117,14 +117,14 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
     r = rec
     cfg = config or MonitorConfig()
     unit = r.get("unit", "samples")
-    mark, colour, word = _STATE[state]
+    mark, colour, word = STATE[state]
     elapsed = fmt_seconds(r.get("elapsed_s"))
     head = (f'<div style="font-size:14px;margin-bottom:6px"><span style="color:{colour}">{mark}'
-            f'</span> <b>{_e(title or "nbtools dashboard")}</b> <span style="color:{_C["muted"]}">'
+            f'</span> <b>{_e(title or "nbtools dashboard")}</b> <span style="color:{C["muted"]}">'
             f'· {word} · {elapsed} · step {r.get("step", 0):,}'
             f' · {fmt_count(r.get("samples_total"))} {_e(unit)}</span></div>')
     if error:
-        head += (f'<div class="nbtools-error" style="color:#fff;background:{_C["fail"]};'
+        head += (f'<div class="nbtools-error" style="color:#fff;background:{C["fail"]};'
                  f'padding:4px 8px;border-radius:4px;margin-bottom:6px">{_e(error)}</div>')
     link = r.get("link_bytes_per_s")
     of_link = f"of {fmt_rate(link)} link" if link else "link N/A"
@@ -185,47 +185,47 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
         ]) + "</div>"
     gt, gu = r.get("gpu_total_bytes"), r.get("gpu_used_bytes")
     ta, tr = r.get("torch_allocated_bytes"), r.get("torch_reserved_bytes")
-    bars = "" if gt is None else _bar("GPU memory", gt, [("torch allocated", ta, _C["gpu"]),
-                                   ("torch cache", _sub(tr, ta), _C["cache"]),
-                                   ("other", _sub(gu, tr) if tr is not None else gu, _C["other"])],
+    bars = "" if gt is None else _bar("GPU memory", gt, [("torch allocated", ta, C["gpu"]),
+                                   ("torch cache", _sub(tr, ta), C["cache"]),
+                                   ("other", _sub(gu, tr) if tr is not None else gu, C["other"])],
                 f"{fmt_bytes(gu)} / {fmt_bytes(gt)} ({_pct(gu, gt)})",
                 alarm=bool(gu and gt and gu >= cfg.gpu_warn_fraction * gt))
     ht, hu, pin = r.get("host_total_bytes"), r.get("host_used_bytes"), r.get("pinned_bytes")
-    bars += _bar("host RAM", ht, [("pinned", pin, _C["pinned"]),
+    bars += _bar("host RAM", ht, [("pinned", pin, C["pinned"]),
                                   ("other used", _sub(hu, pin) if pin is not None else hu,
-                                   _C["other"])],
+                                   C["other"])],
                  f"{fmt_bytes(hu)} / {fmt_bytes(ht)} ({_pct(hu, ht)}), {fmt_bytes(pin)} pinned",
                  alarm=bool(hu and ht and hu >= cfg.host_warn_fraction * ht))
-    phases = [("data wait", r.get("data_wait_s"), _C["data"]),
-              ("transfer", r.get("transfer_s"), _C["transfer"]),
-              ("compute", r.get("compute_s"), _C["compute"])]
+    phases = [("data wait", r.get("data_wait_s"), C["data"]),
+              ("transfer", r.get("transfer_s"), C["transfer"]),
+              ("compute", r.get("compute_s"), C["compute"])]
     if any(v is not None for _, v, _ in phases):
         bars += _bar("step", step, phases, fmt_seconds(step) + ": " + " · ".join(
             f"{n} {_pct(v, step)}" for n, v, _ in phases if v is not None)
             + (f" · {run_summary_text(r)}" if run and run_summary_text(r) else ""))
     diag = (f'<div class="nbtools-diagnosis" style="margin:6px 0 2px;font-size:13px">'
             f'<b>⚑ {_e(r.get("diagnosis", ""))}</b></div>')
-    warn = "".join(f'<div class="nbtools-warning" style="background:{_C["warn_bg"]};'
-                   f'color:{_C["warn"]};padding:3px 8px;margin:3px 0;border-radius:4px;'
+    warn = "".join(f'<div class="nbtools-warning" style="background:{C["warn_bg"]};'
+                   f'color:{C["warn"]};padding:3px 8px;margin:3px 0;border-radius:4px;'
                    f'font-size:12px">⚠ {_e(w)}</div>' for w in warnings_)
     img = ""
     if image_png:
         img = ('<img class="nbtools-plot" alt="nbtools history plot" style="max-width:100%" '
                f'src="data:image/png;base64,{base64.b64encode(image_png).decode()}"/>')
     over = r.get("overhead_percent")
-    foot = (f'<div style="font-size:11px;color:{_C["muted"]};margin-top:4px">'
+    foot = (f'<div style="font-size:11px;color:{C["muted"]};margin-top:4px">'
             f'refreshed at {fmt_seconds(r.get("time_s"))} · dashboard overhead '
             f'{"N/A" if over is None else f"{over:.2f}%"}{(" · " + _e(note)) if note else ""}'
             '</div>')
-    box = (f"border:2px solid {_frame_colour(state)};border-radius:8px;padding:8px 10px;"
+    box = (f"border:2px solid {frame_colour(state)};border-radius:8px;padding:8px 10px;"
            if frame else "")
     return (f'<div class="nbtools-dashboard nbtools-{state}" style="font-family:system-ui,'
             f'-apple-system,Segoe UI,Roboto,sans-serif;color:#222;background:#fff;{box}'
             f'max-width:900px">{head}<div>{badges}</div>{bars}{diag}{warn}{img}{foot}</div>')
 
 
-def _frame_colour(state: str) -> str:
-    return _C["fail"] if state == "failed" else "#d0d0d0"
+def frame_colour(state: str) -> str:
+    return C["fail"] if state == "failed" else "#d0d0d0"
 
 
 def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
@@ -234,7 +234,7 @@ def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
     unit = r.get("unit", "samples")
     step = r.get("step_s")
     run = bool(r.get("whole_run"))    # the summary on close: means over the run
-    parts = [f"[{title or 'nbtools'} {_STATE[state][2]} {fmt_seconds(r.get('elapsed_s'))}]",
+    parts = [f"[{title or 'nbtools'} {STATE[state][2]} {fmt_seconds(r.get('elapsed_s'))}]",
              f"{fmt_count(r.get('samples_per_s'))} {unit}/s"
              + (f" mean over {fmt_seconds(r.get('run_s'))} of steps" if run else ""),
              f"step {fmt_seconds(step)}" + (f" ({_breakdown(r)})" if run and _breakdown(r) else "")]
@@ -277,23 +277,23 @@ def render_bandwidth_html(res: dict, measuring: str = "") -> str:
     scale = link or max([r for r in rates if r] or [1.0])
     rows = ""
     for (key, label), rate in zip(_BW_ROWS, rates):
-        colour = _C["pinned"] if key.startswith("pinned") else (
-            _C["gpu"] if key.startswith("zero") else _C["other"])
+        colour = C["pinned"] if key.startswith("pinned") else (
+            C["gpu"] if key.startswith("zero") else C["other"])
         extra = f" (gather of {res.get('row_bytes')} B rows)" if key.startswith("zero") else ""
         status = "measuring…" if key == measuring else fmt_rate(rate)
         rows += _bar(label, scale, [(label, rate, colour)],
                      f"{status}{'' if rate is None or not link else f' of {fmt_rate(link)} ({rate / link:.0%})'}{extra}")
     head = (f'<div style="font-size:14px;margin-bottom:4px"><b>host ↔ GPU bandwidth</b> '
-            f'<span style="color:{_C["muted"]}">{fmt_bytes(res.get("nbytes"))} per copy · link '
+            f'<span style="color:{C["muted"]}">{fmt_bytes(res.get("nbytes"))} per copy · link '
             f'{fmt_rate(link) if link else "N/A"} theoretical</span></div>')
     note = res.get("note")
-    foot = f'<div style="font-size:11px;color:{_C["muted"]}">{_e(note)}</div>' if note else ""
+    foot = f'<div style="font-size:11px;color:{C["muted"]}">{_e(note)}</div>' if note else ""
     return (f'<div class="nbtools-bandwidth" style="font-family:system-ui,sans-serif;color:#222;'
             f'background:#fff;border:2px solid #d0d0d0;border-radius:8px;padding:8px 10px;'
             f'max-width:900px">{head}{rows}{foot}</div>')
 
 
-def _bandwidth_text(res: dict) -> str:
+def bandwidth_text(res: dict) -> str:
     link = res.get("link_bytes_per_s")
     lines = [f"host <-> GPU bandwidth ({fmt_bytes(res.get('nbytes'))} per copy, link "
              f"{fmt_rate(link)} theoretical)"]

@@ -36,8 +36,7 @@ from ._common import jit, pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401 
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
-# "copy", "update"); a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the
-# choices.
+# "copy", "update"); a kind left out uses _blocks.
 TILES: dict = {}
 
 
@@ -421,10 +420,10 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     return None
 
 
-# --- the GPU row cache's admission (nbtools.cache.RowCache) --------------------------------------
+# --- the GPU row cache's admission (nbtools.store.cache.RowCache) -------------------------------
 
 # Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
-# ratio); nbtools.cache's torch code and the admission kernel must agree on it.
+# ratio); nbtools.store.cache's torch code and the admission kernel must agree on it.
 CACHE_HASH = 2654435761
 
 
@@ -433,7 +432,7 @@ def admit(ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor, *, rows: t
           tick: torch.Tensor, best: torch.Tensor, stats: torch.Tensor, ways: int) -> None:
     """A GPU row cache's admission for one lookup's unique ``ids`` (sorted, sentinel-padded,
     ``count`` [1] in use) in two kernels, one pass over the ids and one over the sets: the
-    same decisions as :meth:`nbtools.cache.RowCache.admit`'s torch code.
+    same decisions as :meth:`nbtools.store.cache.RowCache.admit`'s torch code.
 
     The cache is given as its tensors, all on the device: ``rows`` [sets * ways, W] (the
     cached rows), ``tags`` (each slot's row, -1 empty), ``slot_of`` [N + 1] (each row's slot,

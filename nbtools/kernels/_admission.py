@@ -1,7 +1,7 @@
 """The ``@triton.jit`` functions of the GPU row cache's admission
-(:class:`nbtools.cache.RowCache`): per lookup, one pass over its unique ids (count them, stamp
-the hits, offer each miss to its set) and one over the sets (each set's most frequent miss
-takes its least frequent way), the same decisions as the cache's torch code (launched by
+(:class:`nbtools.store.cache.RowCache`): per lookup, one pass over its unique ids (count them,
+stamp the hits, offer each miss to its set) and one over the sets (each set's most frequent
+miss takes its least frequent way), the same decisions as the cache's torch code (launched by
 :func:`nbtools.kernels.admit`). Importing this module imports Triton: :mod:`nbtools.kernels`
 loads it on the first launch.
 """

@@ -10,7 +10,7 @@ import sys
 NA = None   # a reading that cannot be had
 
 # Usable bytes/s per lane and direction after line encoding, by PCIe generation.
-_PCIE_LANE_BYTES_PER_S = {1: 250e6, 2: 500e6, 3: 984.6e6, 4: 1969.2e6, 5: 3938.5e6, 6: 7877e6}
+PCIE_LANE_BYTES_PER_S = {1: 250e6, 2: 500e6, 3: 984.6e6, 4: 1969.2e6, 5: 3938.5e6, 6: 7877e6}
 
 # The keys each reader fills (None when N/A), so that every record has the same columns.
 GPU_KEYS = ("gpu_used_bytes", "gpu_total_bytes", "gpu_process_bytes", "gpu_util_percent")
@@ -24,7 +24,7 @@ LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
 DISK_COUNTERS = ("read_bytes", "write_bytes", "read_s", "write_s", "lookup_rows", "hit_rows",
                  "wait_s", "ahead_rows")
 DISK_KEYS = tuple(f"nbtools_disk_{k}" for k in DISK_COUNTERS)
-_READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
+READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
             "nbtools": NBTOOLS_KEYS, "disk": DISK_KEYS, "link": LINK_KEYS}
 
 
@@ -136,7 +136,7 @@ class SystemBackend:
         # the maximum the GPU *and* the slot allow: an idle link drops to gen 1 to save power
         out["pcie_gen"] = int(nv.nvmlDeviceGetMaxPcieLinkGeneration(h))
         out["pcie_width"] = int(nv.nvmlDeviceGetMaxPcieLinkWidth(h))
-        lane = _PCIE_LANE_BYTES_PER_S.get(out["pcie_gen"])
+        lane = PCIE_LANE_BYTES_PER_S.get(out["pcie_gen"])
         out["link_bytes_per_s"] = lane * out["pcie_width"] if lane else None
         return out
 
@@ -246,7 +246,7 @@ class SystemBackend:
             self._nvml = None
 
 
-def _safe(fn, keys, *args):
+def safe_reading(fn, keys, *args):
     """Call a reader; any failure reads as N/A for its keys (never a crash)."""
     try:
         got = fn(*args)

@@ -1,7 +1,7 @@
 """The machine check: host<->GPU copy and zero-copy gather rates against the link's maximum."""
 from __future__ import annotations
 
-from .backends import LINK_KEYS, SystemBackend, _safe
+from .backends import LINK_KEYS, SystemBackend, safe_reading
 
 
 def measure_bandwidth(nbytes: int = 256 << 20, *, row_bytes: int = 512, device="auto",
@@ -30,7 +30,7 @@ def measure_bandwidth(nbytes: int = 256 << 20, *, row_bytes: int = 512, device="
         out["note"] = "no CUDA device: host<->GPU bandwidth is N/A"
         return out
     backend = SystemBackend(dev)
-    out["link_bytes_per_s"] = _safe(backend.link, LINK_KEYS)["link_bytes_per_s"]
+    out["link_bytes_per_s"] = safe_reading(backend.link, LINK_KEYS)["link_bytes_per_s"]
     backend.close()
     dim = max(1, row_bytes // 4)
     rows = max(1, nbytes // (dim * 4))

@@ -8,8 +8,8 @@ import math
 import threading
 import time
 
-from .backends import (_PCIE_LANE_BYTES_PER_S, _READERS, DISK_KEYS, LINK_KEYS, SystemBackend,
-                       _safe)
+from .backends import (DISK_KEYS, LINK_KEYS, PCIE_LANE_BYTES_PER_S, READERS, SystemBackend,
+                       safe_reading)
 
 
 # nbtools' cumulative counters that Meters.read turns into per-interval figures
@@ -81,7 +81,7 @@ class PcieSampler:
         self.poll_s = poll_s
         # the counters cannot grow faster than the link; 25% margin (protocol bytes, rounding):
         # at Gen5 x16 a poll gap up to ~54 ms can be unwrapped
-        bound = 1.25 * (max_rate or 16 * _PCIE_LANE_BYTES_PER_S[6])
+        bound = 1.25 * (max_rate or 16 * PCIE_LANE_BYTES_PER_S[6])
         self._unwrap = (CounterUnwrapper(bits, bound), CounterUnwrapper(bits, bound))
         self._lock = threading.Lock()
         self._acc = [0, 0]          # bytes over trusted intervals since the last read()
@@ -198,7 +198,7 @@ class Meters:
             system = isinstance(self.backend, SystemBackend) and self.backend.has_pcie
             pcie = "thread" if system else "manual"
         self.clock = clock or time.monotonic
-        link = _safe(self.backend.link, LINK_KEYS)
+        link = safe_reading(self.backend.link, LINK_KEYS)
         self.link = link
         self.pcie = PcieSampler(self.backend, self.clock, max_rate=link["link_bytes_per_s"])
         self._pcie_mode = pcie
@@ -209,14 +209,14 @@ class Meters:
 
     def _reader(self, name, keys) -> dict:
         fn = getattr(self.backend, name, None)   # a backend without a reader: N/A
-        return dict.fromkeys(keys) if fn is None else _safe(fn, keys)
+        return dict.fromkeys(keys) if fn is None else safe_reading(fn, keys)
 
     def read(self) -> dict:
         if self._pcie_mode == "thread" and self.pcie._thread is None and self.pcie.source != "n/a":
             self.pcie.start()
         now = self.clock()
         rec = {"time_s": now}
-        for name, keys in _READERS.items():
+        for name, keys in READERS.items():
             if name == "link":
                 rec.update(self.link)
             else:

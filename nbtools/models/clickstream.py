@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import readahead
+from ..disk import readahead
 from ..devices import synchronize
 
 # Multipliers that map popularity ranks to ids (rank * P mod n is a bijection when P and n share
@@ -171,7 +171,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
 
     Each step looks its triples up, starts the read-ahead of a coming step's rows
     (``table.prefetch``: a disk table reads its misses while this step computes), and steps
-    the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.readahead.AHEAD`,
+    the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.disk.readahead.AHEAD`,
     8, the fastest measured on the GPU machine's disk; False or 0: none; tables not on disk prefetch
     one step, the one lookup their prefetch holds). ``dashboard``: a
     :class:`~nbtools.Dashboard`, stepped from this loop.

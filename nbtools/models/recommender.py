@@ -17,8 +17,7 @@ from torch import nn
 from ..data import Ratings
 from ..devices import resolve_device
 from ..tables import OffloadedEmbedding
-from .ranking import (Interactions, leave_last_out, ranking_metrics, recency,
-                      sample_candidates, take)
+from .ranking import Interactions, leave_last_out, ranking_metrics, recency, sample_candidates, take
 
 # --- recommender ------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import resolve_device
-from ..loader import _mix_int, check_resume, permutation
+from ..loader import mix_int, check_resume, permutation
 from ..tables import OffloadedEmbedding
 
 # --- word2vec ---------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class CorpusLoader:
 
     def _piece_args(self, epoch: int, piece: int):
         """(token ids, seeded generator, key) of one piece in ``epoch``."""
-        key = _mix_int(_mix_int(_mix_int(self.seed) + epoch) + piece)
+        key = mix_int(mix_int(mix_int(self.seed) + epoch) + piece)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(key & ((1 << 63) - 1))
         lo = piece * self.chunk_tokens

@@ -236,10 +236,10 @@ def make_samples(folder, seed: int = 0) -> None:
     pairs of one topic score 6-10, pairs across topics 0-4; an analogy question takes ``a b``
     from one topic and ``c d`` from another. Each file also holds one pair or question of words
     the sample lacks, so that coverage is below 1 as on real data."""
-    from ..data import _SAMPLE_TOPICS
+    from ..data import SAMPLE_TOPICS
 
     rnd = random.Random(seed)
-    topics = [t.split() for t in _SAMPLE_TOPICS.values()]
+    topics = [t.split() for t in SAMPLE_TOPICS.values()]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     made_up = ("# Made up for nbtools' smoke runs (nbtools.models.wordsim.make_samples): words of "

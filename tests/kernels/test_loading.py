@@ -12,7 +12,7 @@ from nbtools.rowwise import PartialRowWiseAdam, RowWiseAdagrad
 
 
 def test_importing_the_kernels_imports_no_triton():
-    code = ("import sys, nbtools, nbtools.kernels, nbtools.tables, nbtools.cache; "
+    code = ("import sys, nbtools, nbtools.kernels, nbtools.tables, nbtools.store.cache; "
             "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')"
             " or m.startswith('nbtools.kernels.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

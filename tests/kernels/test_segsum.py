@@ -6,7 +6,7 @@ import torch
 
 from nbtools import kernels
 from nbtools.devices import cuda_ok
-from nbtools.rows import unique_ids
+from nbtools.store.rows import unique_ids
 
 
 def _integer_rows(n: int, d: int, gen) -> torch.Tensor:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Every benchmark script's --quick run, one after the other, on any machine (a CPU is enough):
+# tiny sizes, the same code paths and tables as a full run. Fails at the first script that fails.
+#   bash benchmarks/smoke.sh [DIR]     # DIR (default: a temporary folder) gets each script's JSON
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+out=${1:-$(mktemp -d)}
+mkdir -p "$out"
+: > "$out/status.tsv"
+for script in benchmarks/bench_*.py; do
+  name=$(basename "$script" .py)
+  echo "=== $script --quick"
+  start=$(date +%s.%N)
+  python "$script" --quick --out "$out" > "$out/$name.log" 2>&1 || {
+    tail -40 "$out/$name.log"; echo "smoke: $script --quick failed (log: $out/$name.log)"; exit 1; }
+  seconds=$(python -c "import time; print(round(time.time() - $start, 1))")
+  printf '%s\t0\t%s\n' "${name#bench_}" "$seconds" >> "$out/status.tsv"
+  echo "    ok, ${seconds} s"
+done
+python benchmarks/summarize.py "$out"

@@ -1,0 +1,402 @@
+"""A table's lookups, and what an optimizer step takes from them: the table's side of the
+row protocol (docs/step.md).
+
+A lookup (``table(ids)``) deduplicates its ids on the compute device
+(:func:`nbtools.store.rows.unique_ids`) and gathers only the unique rows from wherever the table
+keeps them (its :class:`~nbtools.store.rows.RowStore`; a disk table brings them into RAM slots
+first, :mod:`nbtools.disk`). A training lookup gathers whole rows ``[weight | state...]`` and
+stays *pending* until the optimizer's step calls :meth:`TableLookups.collect`, which turns the
+pending lookups into one :class:`StepRows`: the unique ids, their gradients summed per id, and
+the rows as gathered. With the optimizer's side (:mod:`nbtools.optim.slot`: each table's update
+of those rows) this is what happens to a row in a step; where the rows live is below both, in
+:mod:`nbtools.store.rows`.
+
+:class:`TableLookups` is mixed into :class:`nbtools.OffloadedEmbedding` and imports nothing of
+:mod:`nbtools.tables`: it reaches its table through the attributes a table sets up (``_rows``,
+``_layout``, ``_disk``, ``_prefetch``, ``_graphs``, ``_pending``, ``_owned``, ``_grad_scale``,
+``_state_names``, ``_sync_slab``, ``compute_dtype`` and the table's shape and config).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import torch
+
+from .. import kernels
+from ..devices import on_tables
+from ..store.rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
+
+# A table warns once when this many lookups wait for an optimizer step: a loop that runs the
+# table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.
+PENDING_WARN = 256
+
+
+class UnconsumedGradientWarning(UserWarning):
+    """A table's gradients reached it but no :class:`nbtools.OffloadOptimizer` takes them:
+    the table does not train (a plain ``torch.optim`` optimizer updates only the other
+    parameters)."""
+
+
+def ids_error_position(flat_bad: torch.Tensor, shape) -> str:
+    pos = int(flat_bad.nonzero()[0, 0])
+    if len(shape) <= 1:
+        return f"position {pos}"
+    return f"position {tuple(int(i) for i in np.unravel_index(pos, tuple(shape)))}"
+
+
+@dataclasses.dataclass
+class StepRows:
+    """What an optimizer step needs from one table: the rows touched since the last step.
+
+    Everything is on the compute device and nothing here needed a host synchronisation.
+    Attributes:
+        batch: the unique ids (:class:`nbtools.store.rows.RowBatch`).
+        grad: [capacity, dim] gradients summed per unique id (per-row scale applied).
+        rows: [capacity, width]: the rows as gathered, ``[weight | state...]`` when
+            ``has_state`` (else only the weight).
+        has_state: ``rows`` carries the optimizer state too.
+        lookups: ``(ids, shape)`` of each lookup, to name a bad id in an error.
+        captures: the CUDA graph captures whose outputs ``rows`` may be: :meth:`release` them
+            once the step has used the rows.
+        table, cache_stats: the table, and its cache's ``[lookups, hits, admitted, evicted]``
+            (read with the step's flags), when it has a cache of hot rows.
+        summing: where ``grad`` is not written yet, the per-id sum that writes it: ``(the
+            lookup's gradient in id order [n, dim], the lookup's RowBatch)``. The optimizer
+            queues it with the step's checks (:meth:`queue_sum`), so that a step replayed as
+            a CUDA graph replays the sum too (no launches of its own); anything else reading
+            ``grad`` calls :meth:`sum_now` first.
+    """
+
+    batch: RowBatch
+    grad: torch.Tensor
+    rows: torch.Tensor
+    has_state: bool
+    lookups: list
+    captures: list = dataclasses.field(default_factory=list)
+    table: object = None            # the table (for its cache statistics)
+    cache_stats: torch.Tensor | None = None   # [4] on the device, when the table has a cache
+    summing: tuple | None = None
+
+    def queue_sum(self, found: torch.Tensor | None = None) -> bool:
+        """Queue the per-id sum into ``grad`` (on the current stream; inside a CUDA graph
+        capture it becomes part of the graph). Does nothing where ``grad`` is written.
+        Returns whether the sum also checked ``grad`` for inf/nan into ``found`` (a float [1]
+        set to 1.0 if so; :func:`nbtools.store.rows.sum_by_slot`), so that no other pass need."""
+        if self.summing is None:
+            return False
+        grad, batch = self.summing
+        checks = found is not None and sums_in_fixed_order(grad, self.table.deterministic)
+        sum_by_slot(grad, batch, self.table.deterministic, out=self.grad,
+                    found=found if checks else None)
+        return checks
+
+    def sum_now(self) -> None:
+        """Write ``grad`` now (for readers outside the optimizer's step)."""
+        self.queue_sum()
+        self.summing = None
+
+    def release(self) -> None:
+        LookupGraphs.release(self.captures)
+        self.captures = []
+
+    def nonfinite(self) -> bool:
+        """Whether the gradient holds inf/nan (a host sync: for error messages)."""
+        return not bool(torch.isfinite(self.grad).all())
+
+
+class TableLookups:
+    """A table's lookups and the step input they make (mixed into
+    :class:`nbtools.OffloadedEmbedding`).
+
+    Each pending training lookup is a record ``(RowBatch, its unique rows as the leaf or None,
+    full rows or None, flat ids, shape, the CUDA graph capture whose outputs these are or None,
+    the rows in id order where they are the gradient's leaf or None)`` in the table's
+    ``_pending`` list (one of the two leaves is None), until
+    :meth:`collect` or :meth:`clear_pending` takes it.
+    """
+
+    # --- lookups ----------------------------------------------------------------------------
+    def prepare_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(f"table {self.name!r}: ids must be an integer tensor, "
+                                f"got {type(ids).__name__}") from e
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"table {self.name!r}: ids must be integers, got dtype {ids.dtype}; "
+                            "convert with ids.long() if they are whole numbers")
+        if self._disk is not None:      # deduplicated on the CPU: host ids stay there
+            return ids
+        return ids.to(self.device, non_blocking=True)
+
+    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+        """Raise the IndexError that names the first out-of-range id of ``flat`` (a lookup of
+        ``shape``) and its position. A host sync: called once a check has found one."""
+        bad = (flat < 0) | (flat >= self.num_embeddings)
+        value = int(flat[bad.nonzero()[0, 0]])
+        raise IndexError(
+            f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
+            f"(first at {ids_error_position(bad, shape)}); valid ids are 0 to "
+            f"{self.num_embeddings - 1:,}")
+
+    def _lookup(self, ids: torch.Tensor, id_order: bool = False):
+        """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
+
+        Returns (rows [capacity, dim], inverse [ids.numel()]), or with ``id_order`` where
+        :meth:`lookup_result` can, (rows in the order of the ids [ids.numel(), dim], None).
+        Ids are checked here when the
+        lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
+        is, the check runs on the device and the optimizer's step reads its verdict, with
+        every other flag of the step, in one synchronisation, before anything is written.
+        """
+        flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
+        recording = torch.is_grad_enabled() and self.trainable
+        if recording and not self._owned and self._pending:
+            self._warn_unconsumed()
+        width = self._rows.width if (recording and self._state_names) else \
+            self._layout.weight_cols
+        if self._disk is not None:
+            return self._disk_lookup(ids, recording, width, id_order)
+        self._prefetch.wait()           # its cache admission comes before this lookup's
+        if recording and self._owned and self._prefetch.matches(ids, width):
+            return self._prefetch.take(flat, ids.shape, id_order)
+        captured = None
+        if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
+                and self.device.type == "cuda" and kernels.usable_on(self.device):
+            captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+        if captured is not None:
+            batch, full, capture = captured
+        else:
+            capture = None
+            batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
+            if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
+                self.raise_bad_ids(flat, ids.shape)
+            with torch.no_grad():
+                # Training: whole rows now, so the optimizer step needs no second gather.
+                full = self._rows.gather_batch(batch, 0, width,
+                                               admit=recording and self._owned)
+        return self.lookup_result(batch, full, flat, ids.shape, capture, recording, id_order)
+
+    def lookup_result(self, batch, full, flat, shape, capture, recording: bool,
+                       id_order: bool = False):
+        """What a lookup returns from its gathered rows ``full``, ``(rows, inverse)``, and its
+        pending record where it trains.
+
+        ``id_order`` (the caller wants the rows in the order of its ids): where the lookup
+        trains a table with optimizer state, or does not train, ``(rows in id order, None)``,
+        taken from ``full`` in its storage dtype and then upcast: for bf16 rows one small
+        copy instead of upcasting the unique rows and then reordering the upcast copy (twice
+        the bytes). Training, they are the leaf the gradient lands on (as
+        :meth:`_rows_of_ids` makes it)."""
+        state = recording and bool(self._state_names)
+        if id_order and (state or not recording):
+            weights = self._layout.weight(full)
+            if weights.dtype != self.compute_dtype and self.FUSED_TAKE \
+                    and kernels.usable_on(weights.device):
+                rows = kernels.take_rows(weights, batch.inverse, self.compute_dtype)
+            else:
+                rows = weights.index_select(0, batch.inverse)
+                if rows.dtype != self.compute_dtype:
+                    rows = rows.to(self.compute_dtype)
+            if state:
+                self._record((batch, None, full, flat, shape, capture,
+                              rows.requires_grad_(True)))
+            return rows, None
+        rows = self._leaf(full)
+        if not state:
+            full = None
+        if recording:
+            self._record((batch, rows.requires_grad_(True), full, flat, shape, capture, None))
+        return rows, batch.inverse
+
+    def _warn_unconsumed(self) -> None:
+        """Once per table: gradients of an earlier lookup reached it, and no OffloadOptimizer
+        steps it (none was made over this table), so nothing will ever apply them."""
+        if self._warned_unconsumed or self._leaf_of(self._pending[-1]).grad is None:
+            return
+        self._warned_unconsumed = True
+        warnings.warn(
+            f"table {self.name!r} received gradients, but no nbtools.OffloadOptimizer steps "
+            "it, so its rows never change (a plain torch.optim optimizer updates only the "
+            "model's other parameters). Make the optimizer with "
+            "opt = nbtools.OffloadOptimizer(torch.optim.Adam, model, lr=...): one optimizer "
+            "for the tables and the other parameters.", UnconsumedGradientWarning,
+            stacklevel=6)          # the model's forward that looked the table up
+
+    def _record(self, rec: tuple) -> None:
+        """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""
+        self._pending.append(rec)
+        if len(self._pending) > PENDING_WARN and not self._warned_pending:
+            self._warned_pending = True
+            warnings.warn(
+                f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
+                "optimizer step: run evaluation under torch.no_grad(), or call "
+                "optimizer.zero_grad()", RuntimeWarning, stacklevel=4)
+
+    def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int,
+                     id_order: bool = False):
+        """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
+        gathered from there like a host table's (nbtools.disk)."""
+        from .. import disk
+        training = recording and self._owned
+        batch, slots = disk.lookup(self, ids, training)
+        self._sync_slab()
+        if not training and bool(batch.bad):                # note: a sync point
+            self.raise_bad_ids(ids.reshape(-1), ids.shape)
+        with torch.no_grad():
+            full = self._rows.gather_batch(batch, 0, width)
+        if not training:             # its slots may be reused once the gather has run
+            self._disk.mark_used(slots)
+        return self.lookup_result(batch, full, ids.reshape(-1), ids.shape, None, recording,
+                                   id_order)
+
+    # --- prefetch ---------------------------------------------------------------------------
+
+    @on_tables
+    def prefetch(self, ids) -> None:
+        """Start the next training lookup of ``ids`` now, while the current step computes.
+
+        Call it right after this step's lookups, with the ids tensor the next step will look up
+        (the very same tensor object)::
+
+            rows = table(ids)
+            table.prefetch(next_ids)        # dedup, cache admission, row gather: side stream
+            loss(rows).backward(); opt.step(); opt.zero_grad()
+            rows = table(next_ids)          # takes the prefetched rows
+
+        The next step's ids are deduplicated, admitted to the cache of hot rows (if any) and
+        their rows gathered on a CUDA side stream, overlapping this step's forward and
+        backward (and, on a table without a cache, its update and write-back; with one, the
+        update waits for the prefetch's admission). The rows the step writes that the next
+        lookup also needs are read again when the next lookup takes them, so the result is
+        bit-identical to not prefetching. A lookup of other ids ignores the
+        prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
+        drops it. On the CPU the same work runs at once (no overlap, same results).
+
+        Ids on the GPU are ready only once the work queued before this call is done, which
+        includes the last step's update. Ids given as a host tensor are copied and
+        deduplicated on the side stream at once, beside that update; only the gather waits
+        for it. So where the ids come from the host, pass them as they are.
+        """
+        if not (self._owned and self.trainable):
+            raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
+                             "the OffloadOptimizer that steps this table first")
+        if self._disk is not None:   # the rows the next step misses, read from the file now
+            self._disk.read_ahead(self.prepare_ids(ids), self.padding_idx)
+            self._sync_slab()
+            return
+        self._prefetch.start(ids)
+
+    def _leaf(self, full: torch.Tensor) -> torch.Tensor:
+        """The weights of gathered rows as the leaf autograd sees: a fresh tensor (never a
+        capture's or a prefetch's buffer), in the compute dtype (upcast from bf16 storage)."""
+        rows = self._layout.weight(full)
+        return rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+
+    @on_tables
+    def collect(self) -> StepRows | None:
+        """The row protocol's step input: the rows looked up since the last call, their unique
+        ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
+        Clears the pending lookups. No host synchronisation. Called by the optimizer."""
+        if self._rows.cache is not None or self._prefetch.UPDATE_WAITS:
+            self._prefetch.wait()    # the update must not race the prefetch's admission
+        records = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
+        LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
+        self._pending.clear()
+        if self._disk is not None:   # the step's update of their slots is queued next
+            self._disk.step_queued()
+        if not records:
+            return None
+        lookups = [(r[3], r[4]) for r in records]
+        has_state = all(r[2] is not None for r in records)
+        summing = None
+        if len(records) == 1:
+            batch, leaf, full = records[0][:3]
+            if self.padding_idx is None and self._grad_scale is None:
+                grad, summing = self._deferred_grad(records[0])
+            else:
+                grad = self._grad_of(records[0])
+            rows = full if has_state else leaf.detach()
+        else:                        # several lookups this step: one more dedup across them
+            batch, grad, pick = merge([r[0] for r in records],
+                                      [self._grad_of(r) for r in records])
+            parts = [r[2] if has_state else r[1].detach() for r in records]
+            rows = torch.cat(parts).index_select(0, pick)
+        if self.padding_idx is not None:
+            # padding ids became the sentinel slot: its gradient is never applied, nor checked
+            grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
+        if self._grad_scale is not None:
+            grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
+        captures = [r[5] for r in records]
+        # a prefetch reads these rows again (batch.ids: a capture's output where one lookup)
+        self._prefetch.written(batch.ids, captures if len(records) == 1 else ())
+        cache = self._rows.cache
+        return StepRows(batch, grad, rows, has_state, lookups, captures, self,
+                        None if cache is None else cache.stats, summing)
+
+    @staticmethod
+    def _leaf_of(rec) -> torch.Tensor:
+        """The tensor a pending lookup's gradient lands on: its rows in id order where
+        :meth:`_rows_of_ids` made them the leaf, else its unique rows."""
+        return rec[1] if rec[6] is None else rec[6]
+
+    def _grad_of(self, rec) -> torch.Tensor | None:
+        """A pending lookup's gradient per unique row [capacity, d], or None: the gradient of
+        its rows in id order summed per id (:func:`nbtools.store.rows.sum_by_slot`: in a fixed order
+        on CUDA unless OffloadConfig(deterministic=False))."""
+        grad = self._leaf_of(rec).grad
+        if grad is None or rec[6] is None:
+            return grad
+        return sum_by_slot(grad, rec[0], self.deterministic)
+
+    def _deferred_grad(self, rec) -> tuple:
+        """``(grad, summing)`` of a step's only lookup: where its gradient is in id order,
+        an unwritten [capacity, d] buffer and what :meth:`StepRows.queue_sum` writes into it
+        (the optimizer queues that with the step's checks); else its gradient, None."""
+        grad = self._leaf_of(rec).grad
+        if rec[6] is None or grad is None or grad.requires_grad:
+            return self._grad_of(rec), None
+        return grad.new_empty(rec[0].capacity, grad.shape[-1]), (grad, rec[0])
+
+    @on_tables
+    def clear_pending(self) -> None:
+        LookupGraphs.release(rec[5] for rec in self._pending)
+        self._pending.clear()
+        if self._disk is not None:
+            self._disk.step_queued()
+
+    def _device_ids(self, ids) -> torch.Tensor:
+        """``ids`` on the compute device; for the very ids a prefetch was started with, the
+        copy the prefetch made."""
+        taken = self._prefetch.device_ids(ids)
+        return self.prepare_ids(ids) if taken is None else taken
+
+    # A table's forward asks for its rows in id order (:meth:`lookup_result`); False: unique
+    # rows upcast, then reordered (before session 23; prefetch_overlap.py --toggle id_order).
+    ID_ORDER = True
+    # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are
+    # stored narrower than they compute and the step's kernels run; False: index_select, then
+    # an upcast (before session 24; prefetch_overlap.py --toggle take_rows).
+    FUSED_TAKE = True
+
+    # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
+    # on CUDA the gradient of a training lookup is summed per id in a fixed order.
+    deterministic = True
+
+    def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """``rows[inv]``: a lookup's unique rows in the order of its ids. For a training
+        lookup these are the leaf its gradient lands on ([n, d], one row per id), summed per
+        unique row by the optimizer's step (:attr:`StepRows.summing`, queued with its checks,
+        inside its CUDA graph) with no second sort: in a fixed order on CUDA, where
+        index_select's own backward (index_add_) adds with atomics, whose order changes from
+        run to run. Not in autograd's backward: a Python backward runs on autograd's device
+        thread and cost ~0.2 ms of host time a lookup (docs/reproducibility.md)."""
+        rec = self._pending[-1] if self._pending else None
+        if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
+            return rows.index_select(0, inv)
+        out = rows.detach().index_select(0, inv).requires_grad_(True)
+        self._pending[-1] = rec[:6] + (out,)
+        return out

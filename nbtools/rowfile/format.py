@@ -1,0 +1,277 @@
+"""A row file's format and housekeeping, beside :mod:`nbtools.rowfile` (the file itself).
+
+What a file of rows is on disk and around it: the 4 KiB header (magic, format version, JSON)
+written, read and checked; who writes a file (``writer``) and whether that process still lives;
+the files killed runs left open (:func:`leftovers`, :func:`remove_leftovers`); and opening one,
+with ``O_DIRECT`` where the filesystem allows it (its block probed on the file itself), and
+reserving a new one's space. The errors and the names here are importable from
+:mod:`nbtools.rowfile` too.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+
+import numpy as np
+
+from .. import NbtoolsError
+from .fileio import _aligned, pwrite_all
+from ..units import human_bytes
+
+MAGIC = b"NBTROWS\x00"
+VERSION = 1
+HEADER = 4096                  # header bytes; data starts here (aligned for any block size)
+BLOCKS = (512, 4096)           # O_DIRECT alignments tried, smallest first
+
+
+class RowFileError(NbtoolsError, ValueError):
+    """A row file that is not one, is truncated, or does not match what was expected."""
+
+    __module__ = "nbtools.rowfile"    # where users import it from, with RowFile
+
+
+class DiskFullError(NbtoolsError, OSError):
+    """Not enough free disk space; nothing was written (or the partial file was removed)."""
+
+    __module__ = "nbtools.rowfile"    # where users import it from, with RowFile
+
+
+def new_file_folder(path: str, overwrite: bool) -> str:
+    """The folder of a new row file at ``path``, created if missing and checked writable, and
+    no file at ``path`` unless ``overwrite``: raises what :meth:`RowFile.create
+    <nbtools.rowfile.RowFile.create>` says."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except PermissionError as e:
+        raise PermissionError(f"cannot create the folder {folder!r} for a disk table "
+                              f"({e.strerror}): pick another disk_dir") from None
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"the folder {folder!r} is read-only: pick another disk_dir "
+                              "(a writable folder on local disk)")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path!r} exists already (overwrite=True replaces it)")
+    return folder
+
+
+def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
+    """The header's JSON of the row file at ``path``, checked: raises what :meth:`RowFile.open
+    <nbtools.rowfile.RowFile.open>` says."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, f"no row file at {path!r}", path)
+    with open(path, "rb") as f:
+        head = f.read(HEADER)
+    if len(head) < 16 or head[:8] != MAGIC:
+        raise RowFileError(f"{path!r} is not an nbtools row file (it does not start with "
+                           f"{MAGIC!r})")
+    version = int.from_bytes(head[8:12], "little")
+    if version != VERSION:
+        raise RowFileError(f"{path!r} is row-file format {version}; this nbtools reads "
+                           f"format {VERSION}")
+    n = int.from_bytes(head[12:16], "little")
+    try:
+        meta = json.loads(head[16:16 + n])
+        need = int(meta["data_offset"]) + int(meta["num_rows"]) * int(meta["stride"])
+        int(meta["row_bytes"])
+    except (ValueError, KeyError, TypeError):
+        raise RowFileError(f"{path!r}: its header is damaged") from None
+    have = os.path.getsize(path)
+    if have < need:
+        raise RowFileError(f"{path!r} is truncated: {have:,} bytes, its header says "
+                           f"{need:,} ({meta['num_rows']:,} rows of {meta['stride']} bytes "
+                           f"after {meta['data_offset']})")
+    wrong = [(k, v, meta.get(k, "missing")) for k, v in (expect or {}).items()
+             if meta.get(k, "missing") != v]
+    if wrong:
+        raise RowFileError(f"{path!r} does not match what was expected: " + ", ".join(
+            f"{k} is {got!r}, expected {want!r}" for k, want, got in wrong))
+    if meta.get("clean") is False and not unclean_ok and not _alive(meta.get("writer")):
+        w = meta.get("writer") or {}
+        raise RowFileError(
+            f"{path!r} was not closed cleanly: its writer (process {w.get('pid')} on "
+            f"{w.get('host')!r}) stopped while it was open (killed, crashed or out of "
+            "memory), so rows written just before may be stale or torn. Rebuild it from a "
+            "checkpoint (CheckpointManager.restore rewrites every row of a disk table), or "
+            "open it as it is with RowFile.open(path, unclean_ok=True); "
+            "nbtools.rowfile.leftovers(folder) lists such files, remove_leftovers deletes them")
+    return meta
+
+
+def _writer() -> dict:
+    """Who writes a row file: this process (pid, host, its start time)."""
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+
+
+def _started(pid: int):
+    """A process's start time in clock ticks since boot (Linux; None elsewhere): tells a live
+    writer from a later process that got its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(writer) -> bool:
+    """Whether ``writer`` (a header's) is a live process on this host."""
+    if not isinstance(writer, dict) or writer.get("host") != socket.gethostname():
+        return False
+    pid = writer.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = _started(pid)
+    return started is None or writer.get("started") in (None, started)
+
+
+def write_header(fd: int, info: dict) -> None:
+    head = _header(info)
+    buf = _aligned(HEADER)
+    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pwrite_all(fd, memoryview(buf), 0)
+
+
+def _read_meta(path) -> dict | None:
+    """The header's JSON of the row file at ``path``, or None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER)
+        if len(head) < 16 or head[:8] != MAGIC:
+            return None
+        n = int.from_bytes(head[12:16], "little")
+        meta = json.loads(head[16:16 + n])
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def leftovers(folder) -> list[dict]:
+    """Row files in ``folder`` that their writer left open when it died (killed, crashed):
+    ``{"path", "bytes", "writer"}`` each. A disk table's working file is removed when the
+    table is closed, so these are files of killed runs, taking disk space for nothing (their
+    rows may be torn: checkpoints are what a run resumes from).
+
+    >>> import tempfile
+    >>> leftovers(tempfile.mkdtemp())
+    []
+    """
+    out = []
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        meta = _read_meta(path)
+        if meta is not None and meta.get("clean") is False and not _alive(meta.get("writer")):
+            out.append({"path": path, "bytes": os.path.getsize(path),
+                        "writer": meta.get("writer")})
+    return out
+
+
+def remove_leftovers(folder) -> int:
+    """Delete the files :func:`leftovers` lists; returns the bytes freed."""
+    freed = 0
+    for f in leftovers(folder):
+        try:
+            os.remove(f["path"])
+            freed += f["bytes"]
+        except OSError:
+            pass
+    return freed
+
+
+def round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _header(info: dict) -> bytes:
+    body = json.dumps(info).encode()
+    head = MAGIC + VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body
+    if len(head) > HEADER:
+        raise ValueError(f"row-file header of {len(head):,} bytes exceeds {HEADER:,}: meta is "
+                         "too large")
+    return head
+
+
+def reserve(fd: int, size: int, path: str) -> None:
+    """Reserve ``size`` bytes (``posix_fallocate``; a sparse ``ftruncate`` where unsupported)."""
+    try:
+        if not hasattr(os, "posix_fallocate"):
+            raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"the disk filled while reserving "
+                                f"{human_bytes(size)} ({size:,} bytes) for {path!r}; the "
+                                "partial file was removed") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
+    """(fd, O_DIRECT block size or 0). ``direct``: True, False or "auto"."""
+    if direct not in (True, False, "auto"):
+        raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
+    if direct is not False and hasattr(os, "O_DIRECT"):
+        fd = None
+        try:
+            fd = os.open(path, flags | os.O_DIRECT)
+            if fresh:
+                os.ftruncate(fd, HEADER)     # something to probe (a hole: reads still check)
+            block = _probe_block(fd, stride)
+            if block:
+                return fd, block
+        except OSError:
+            pass
+        if fd is not None:
+            os.close(fd)
+        if direct is True:
+            why = (f"the row stride ({stride} bytes) is not a multiple of the disk's block"
+                   if stride and _probe_ok(path) else "the filesystem refuses O_DIRECT "
+                   "(tmpfs on older kernels, some network or FUSE filesystems)")
+            raise OSError(errno.EINVAL, f"cannot use O_DIRECT on {path!r}: {why}; pass "
+                          "direct='auto' or direct=False", path)
+        flags &= ~os.O_TRUNC                 # created (and truncated) above already
+    elif direct is True:
+        raise OSError(errno.EINVAL, f"O_DIRECT is not available on this platform; pass "
+                      f"direct='auto' or direct=False for {path!r}", path)
+    return os.open(path, flags), 0
+
+
+def _probe_block(fd: int, stride: int = 0) -> int:
+    """The smallest alignment at which an O_DIRECT read works on this file (0: none), among
+    those that divide ``stride`` (when given): ``block`` bytes at offset 0, into memory aligned
+    to exactly ``block`` (a device of 4 KiB sectors refuses the 512-byte read)."""
+    buf = _aligned(2 * BLOCKS[-1])
+    for block in BLOCKS:
+        if stride and stride % block:
+            continue
+        try:
+            if os.preadv(fd, [memoryview(buf)[block:2 * block]], 0) == block:
+                return block
+        except OSError:
+            pass
+    return 0
+
+
+def _probe_ok(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        return _probe_block(fd) > 0
+    finally:
+        os.close(fd)
