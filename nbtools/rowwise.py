@@ -42,10 +42,11 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 def _mean_sq(g: torch.Tensor) -> torch.Tensor:
     """[rows, 1]: each row's mean of g^2, as its sum divided by the row's length. The sum is
     a pairwise tree over neighbouring values (the row zero-padded to a power of two, at least
-    16): the fused kernels' order (nbtools.kernels ``_row_sum_sq``) whatever the rows' layout,
-    so a table trains to the same bits in RAM, on disk or behind a cache. (On CUDA the kernels
-    add each first pair as one FMA, ``fma(a, a, b * b)``, so this generic path can still differ
-    from them in the last bit; torch's own sum and mean reduce in an order of their own.)"""
+    16): the fused kernels' order (``nbtools.kernels._update._row_sum_sq``) whatever the rows'
+    layout, so a table trains to the same bits in RAM, on disk or behind a cache. (On CUDA the
+    kernels add each first pair as one FMA, ``fma(a, a, b * b)``, so this generic path can
+    still differ from them in the last bit; torch's own sum and mean reduce in an order of their
+    own.)"""
     n = g.shape[1]
     x = g.square()
     width = max(16, 1 << max(0, n - 1).bit_length())
@@ -166,6 +167,10 @@ class RowWiseAdagrad(_RowWise):
     ([1.0, 1.0], [0.0, 1.0, 1.0, 1.0])
     """
 
+    # the offloaded step's fused Triton update for this class (nbtools.kernels
+    # fused_update_for); a subclass names its own, or takes the generic path
+    fused_kernel = "rowwise_adagrad"
+
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, *, maximize: bool = False):
         _check(lr, eps, weight_decay)
@@ -236,6 +241,10 @@ class PartialRowWiseAdam(_RowWise):
     >>> [round(x, 4) for x in w[0].tolist()], opt.state[w]["exp_avg_sq"].shape
     ([-0.1, -0.1, -0.1], torch.Size([2, 1]))
     """
+
+    # the offloaded step's fused Triton update for this class (nbtools.kernels
+    # fused_update_for); a subclass names its own, or takes the generic path
+    fused_kernel = "partial_rowwise_adam"
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, maximize: bool = False):

@@ -16,11 +16,12 @@ Triton is imported on first use, so ``import nbtools`` stays light; without Trit
 CPU) callers use the equivalent torch code. With ``TRITON_INTERPRET=1`` the same kernels run on
 CPU tensors, which is how CPU CI checks them against ``torch.optim``.
 
-Two other kernel modules hold what shares nothing with a table's rows on the device, and this
-one re-exports their names: :mod:`nbtools.kernels._admission` (the GPU cache's admission, :func:`admit`,
-:data:`CACHE_HASH`) and :mod:`nbtools.kernels._segsum` (the fixed-order gradient sum,
-:func:`segment_sum`). :mod:`nbtools.kernels._common` holds what all three share (:func:`usable_on`,
-:func:`triton_ok`, the grid arithmetic).
+This module is the host side: the launchers and what callers pass them. The ``@triton.jit``
+functions live in one private module per family, each imported with Triton on its first launch
+(:func:`nbtools.kernels._common.jit`): ``_rows`` (gather, write-back, patch, copy, take),
+``_update`` (the fused updates: one kernel, a rule per optimizer family), ``_admission`` (the
+GPU cache's admission, :func:`admit`) and ``_segsum`` (the fixed-order gradient sum,
+:func:`segment_sum`).
 """
 from __future__ import annotations
 
@@ -30,464 +31,12 @@ import math
 
 import torch
 
-from . import _admission as admission
-from . import _segsum as segsum
 from ..devices import on
-from ._admission import CACHE_HASH, admit  # noqa: F401  (re-exported: nbtools.store.cache uses both)
-from ._common import pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (re-exported)
-from ._segsum import SEGMENT_CHUNK, SEGMENT_PARTS, segment_sum  # noqa: F401  (re-exported)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gather(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap, width,
-               cache, cache_stride, slots, row_blocks,
-               HAS_CACHE: tl.constexpr, KEEP: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr):
-        # out[r] = src[ids[r], col0:col0 + width] for r < count and 0 <= ids[r] < n_rows;
-        # zeros for every other row below cap. HAS_CACHE: rows with slots[r] >= 0 are read
-        # from cache[slots[r]] instead (the GPU copy of a hot row). Each program takes every
-        # num_programs(0)-th block of rows (one block each, unless the grid was capped).
-        # KEEP: rows not read are left as they are in out (not zeroed).
-        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
-            _gather_block(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap,
-                          width, cache, cache_stride, slots, rb, HAS_CACHE, KEEP, BLOCK_R,
-                          BLOCK_C)
-
-    @triton.jit
-    def _gather_block(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap,
-                      width, cache, cache_stride, slots, rb, HAS_CACHE: tl.constexpr,
-                      KEEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        count = tl.load(count_ptr)
-        live = r < count
-        idx = tl.load(ids + r, mask=live, other=-1)
-        ok = live & (idx >= 0) & (idx < n_rows)
-        cmask = c < width
-        if HAS_CACHE:
-            slot = tl.load(slots + r, mask=ok, other=-1).to(tl.int64)
-            hot = ok & (slot >= 0)
-            vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
-                           mask=(ok & (slot < 0))[:, None] & cmask[None, :], other=0.0)
-            hv = tl.load(cache + slot[:, None] * cache_stride + col0 + c[None, :],
-                         mask=hot[:, None] & cmask[None, :], other=0.0)
-            vals = tl.where(hot[:, None], hv, vals)
-        else:
-            vals = tl.load(src + idx[:, None] * src_stride + col0 + c[None, :],
-                           mask=ok[:, None] & cmask[None, :], other=0.0)
-        if KEEP:
-            tl.store(out + r[:, None] * out_stride + c[None, :], vals,
-                     mask=ok[:, None] & cmask[None, :])
-        else:
-            tl.store(out + r[:, None] * out_stride + c[None, :], vals,
-                     mask=(r < cap)[:, None] & cmask[None, :])
-
-    @triton.jit
-    def put(dst, dst_stride, ids, count_ptr, guard_ptr, n_rows, src, src_stride, cap, width,
-            row_blocks, HAS_GUARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # gather's mirror: dst[ids[r]] = src[r] for r < count and 0 <= ids[r] < n_rows (nothing
-        # when HAS_GUARD and the guard is set). Each program takes every num_programs(0)-th
-        # block of rows.
-        count = tl.load(count_ptr)
-        if HAS_GUARD:
-            count = tl.where(tl.load(guard_ptr) == 0, count, 0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = c < width
-        for rb in range(tl.program_id(0), row_blocks, tl.num_programs(0)):
-            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-            live = r < count
-            idx = tl.load(ids + r, mask=live, other=-1)
-            mask = (live & (idx >= 0) & (idx < n_rows))[:, None] & cmask[None, :]
-            vals = tl.load(src + r[:, None] * src_stride + c[None, :], mask=mask)
-            tl.store(dst + idx[:, None] * dst_stride + c[None, :], vals, mask=mask)
-
-    @triton.jit
-    def patch(out, out_stride, ids, count_ptr, n_rows, src, src_stride, src_ids, src_count_ptr,
-              width, steps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # out[r] = src[j] where src_ids[j] == ids[r], for r < count, ids in range and j <
-        # src_count; other rows of out untouched. src_ids is sorted: a binary search of
-        # ``steps`` halvings (steps >= log2(len(src_ids) + 1)).
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        live = r < tl.load(count_ptr)
-        x = tl.load(ids + r, mask=live, other=-1)
-        live = live & (x >= 0) & (x < n_rows)
-        m = tl.load(src_count_ptr)
-        lo = tl.zeros_like(x)
-        hi = lo + m
-        for _ in range(steps):
-            go = live & (lo < hi)
-            mid = (lo + hi) // 2
-            below = tl.load(src_ids + mid, mask=go, other=0) < x
-            lo = tl.where(go & below, mid + 1, lo)
-            hi = tl.where(go & ~below, mid, hi)
-        found = live & (lo < m)
-        found = found & (tl.load(src_ids + lo, mask=found, other=-1) == x)
-        mask = found[:, None] & (c < width)[None, :]
-        vals = tl.load(src + lo[:, None] * src_stride + c[None, :], mask=mask)
-        tl.store(out + r[:, None] * out_stride + c[None, :], vals, mask=mask)
-
-    @triton.jit
-    def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
-             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # dst[didx[r]] = src[sidx[r]] for r < cap where both are >= 0 (whole rows).
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        s = tl.load(sidx + r, mask=r < cap, other=-1).to(tl.int64)
-        t = tl.load(didx + r, mask=r < cap, other=-1).to(tl.int64)
-        mask = ((s >= 0) & (t >= 0))[:, None] & (c < width)[None, :]
-        vals = tl.load(src + s[:, None] * src_stride + c[None, :], mask=mask, other=0.0)
-        tl.store(dst + t[:, None] * dst_stride + c[None, :], vals, mask=mask)
-
-    @triton.jit
-    def take(src, src_stride, idx, n, out, out_stride, width,
-             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # out[r] = src[idx[r]] for r < n, converted to out's dtype (a lookup's rows in the
-        # order of its ids, upcast from their storage dtype in the same pass).
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        live = r < n
-        s = tl.load(idx + r, mask=live, other=0).to(tl.int64)
-        mask = live[:, None] & (c < width)[None, :]
-        vals = tl.load(src + s[:, None] * src_stride + c[None, :], mask=mask, other=0.0)
-        tl.store(out + r.to(tl.int64)[:, None] * out_stride + c[None, :],
-                 vals.to(out.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-              dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-              cache_w_stride, slots, n_rows, cap, d, HAS_CACHE: tl.constexpr,
-              MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr):
-        # This program's rows and columns: where to read the state (src, in the gathered rows)
-        # and where to write it (out, in the table; cout, in the cache for hot rows), the same
-        # for the weights (whose storage may be narrower: bf16 weights, fp32 state), which
-        # rows are live and go to the table (hmask) or to the cache (cmask), the weights and
-        # the gradients (fp32, negated to maximize).
-        # Rows past the count, the sentinel, and every row when the guard is set: untouched.
-        # IN_PLACE: the rows are written where they were read, the gathered rows in GPU
-        # memory (a write-back to the table follows: RowStore.write_behind).
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        idx = tl.load(ids + r, mask=r < cap, other=-1)
-        count = tl.where(tl.load(guard_ptr) == 0, tl.load(count_ptr), 0)
-        live = (r < count) & (idx >= 0) & (idx < n_rows)
-        mask = live[:, None] & (c < d)[None, :]
-        src = rows + r[:, None] * rows_stride + c[None, :]
-        if IN_PLACE:
-            out = src
-            out_w = rows_w + r[:, None] * rows_w_stride + c[None, :]
-        else:
-            out = dst + idx[:, None] * dst_stride + c[None, :]
-            out_w = dst_w + idx[:, None] * dst_w_stride + c[None, :]
-        if HAS_CACHE:
-            slot = tl.load(slots + r, mask=live, other=-1).to(tl.int64)
-            cout = cache + slot[:, None] * cache_stride + c[None, :]
-            cout_w = cache_w + slot[:, None] * cache_w_stride + c[None, :]
-            hmask = mask & (slot < 0)[:, None]
-            cmask = mask & (slot >= 0)[:, None]
-        else:
-            cout = out
-            cout_w = out_w
-            hmask = mask
-            cmask = mask
-        g = tl.load(grad + r[:, None] * grad_stride + c[None, :], mask=mask, other=0.0)
-        g = g.to(tl.float32)
-        if MAXIMIZE:
-            g = -g
-        p = tl.load(rows_w + r[:, None] * rows_w_stride + c[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        elem = idx[:, None] * d + c[None, :]          # each value's own index: rounding noise
-        return src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem
-
-    # An update's scalars (learning rate, betas, bias corrections, ...) and its rounding seed
-    # are read from memory, float64 [HYPER]: the host writes them each step where the kernel
-    # reads them (pinned host memory on CUDA), so a step queued once as a CUDA graph replays
-    # with this step's values. A float64 value cast to float32 here is the value a float
-    # argument would have been.
-    @triton.jit
-    def _scalar(hyper, i):
-        return tl.load(hyper + i).to(tl.float32)
-
-    @triton.jit
-    def _seed(hyper):
-        return tl.load(hyper + 7).to(tl.int32)
-
-    @triton.jit
-    def _put(out, cout, hmask, cmask, off, val, seed, salt, elem, ROUND: tl.constexpr,
-             HAS_CACHE: tl.constexpr):
-        # Write one column block of the rows, rounded to the storage dtype, to the table, or
-        # to the cache for hot rows. ROUND 0: a plain cast; 1: bf16, to nearest, ties to even
-        # (spelled out: Triton's interpreter truncates); 2: bf16, stochastic (up with
-        # probability = the fraction dropped; the noise depends on the row id, not on where
-        # the row lives, so a cache changes nothing).
-        if ROUND == 1:
-            bits = val.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            val = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-        if ROUND == 2:
-            noise = tl.randint(seed + salt, elem.to(tl.uint32)) & 0xFFFF
-            bits = val.to(tl.uint32, bitcast=True)
-            val = (((bits + noise) >> 16) << 16).to(tl.float32, bitcast=True)
-        val = val.to(out.dtype.element_ty)
-        tl.store(out + off, val, mask=hmask)
-        if HAS_CACHE:
-            tl.store(cout + off, val, mask=cmask)
-
-    # Triton resolves a kernel's callees among the module's globals (not this closure), and
-    # the kernels are made here so that Triton is imported only when first used.
-    globals()["_tile"] = _tile
-    globals()["_put"] = _put
-    globals()["_scalar"] = _scalar
-    globals()["_seed"] = _seed
-    globals()["_gather_block"] = _gather_block
-
-    # The updates. Every one reads the weights through rows_w and writes them through dst_w /
-    # cache_w (their storage dtype, maybe narrower than the state's), and the state k
-    # (1-based) at column s0 + (k - 1) * d of the [weight | state...] rows; ROUND_W /
-    # ROUND_S: how the weights / the state are rounded to their storage (see _put).
-    @triton.jit
-    def sgd(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
-            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper,
-            MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-            ROUND_W: tl.constexpr, ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_C: tl.constexpr):
-        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
-            BLOCK_C)
-        lr, momentum, wd = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
-        seed = _seed(hyper)
-        if HAS_WD:
-            g = g + wd * p
-        if MOMENTUM:
-            buf = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
-            buf = buf * momentum + g
-            _put(out, cout, hmask, cmask, s0, buf, seed, 1, elem, ROUND_S, HAS_CACHE)
-            if NESTEROV:
-                g = g + momentum * buf
-            else:
-                g = buf
-        p = p - lr * g
-        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-
-    @triton.jit
-    def adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
-            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper,
-             M_COL: tl.constexpr, V_COL: tl.constexpr, VMAX_COL: tl.constexpr,
-             DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, AMSGRAD: tl.constexpr,
-             SPARSE: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
-             HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_C: tl.constexpr):
-        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
-            BLOCK_C)
-        # Adam / AdamW as torch.optim.Adam computes them; SPARSE: as torch.optim.SparseAdam.
-        # M_COL etc.: which state (1-based) holds exp_avg, exp_avg_sq, max_exp_avg_sq. Every
-        # scalar torch derives in Python floats (1 - beta1, 1 - beta2, 1 - lr * wd, the bias
-        # corrections) comes from the host, computed in float64 (adam_scalars): in float32
-        # here, 1 - float32(0.999) would scale each g^2 by 0.00099998713, not 0.001.
-        one_minus_beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1)
-        one_minus_beta2, eps = _scalar(hyper, 2), _scalar(hyper, 3)
-        wd = _scalar(hyper, 4)          # L2: weight_decay; DECOUPLED: 1 - lr * weight_decay
-        step_size, bc2_sqrt = _scalar(hyper, 5), _scalar(hyper, 6)
-        seed = _seed(hyper)
-        ea = tl.load(src + s0 + (M_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
-        eq = tl.load(src + s0 + (V_COL - 1) * d, mask=mask, other=0.0).to(tl.float32)
-        if SPARSE:
-            ea = ea + (g - ea) * one_minus_beta1
-            eq = eq + (g * g - eq) * one_minus_beta2
-            p = p + (-step_size) * (ea / (tl.sqrt(eq) + eps))
-        else:
-            if HAS_WD:
-                if DECOUPLED:
-                    p = p * wd
-                else:
-                    g = g + wd * p
-            ea = ea + one_minus_beta1 * (g - ea)      # torch.lerp for weights below 0.5
-            eq = eq * beta2 + one_minus_beta2 * g * g     # torch.addcmul: value * t1 * t2
-            if AMSGRAD:
-                vmax = tl.load(src + s0 + (VMAX_COL - 1) * d, mask=mask,
-                               other=0.0).to(tl.float32)
-                vmax = tl.maximum(vmax, eq)
-                _put(out, cout, hmask, cmask, s0 + (VMAX_COL - 1) * d, vmax, seed, VMAX_COL,
-                     elem, ROUND_S, HAS_CACHE)
-                denom = tl.sqrt(vmax) / bc2_sqrt + eps
-            else:
-                denom = tl.sqrt(eq) / bc2_sqrt + eps
-            p = p + (-step_size) * (ea / denom)
-        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-        _put(out, cout, hmask, cmask, s0 + (M_COL - 1) * d, ea, seed, M_COL, elem, ROUND_S,
-             HAS_CACHE)
-        _put(out, cout, hmask, cmask, s0 + (V_COL - 1) * d, eq, seed, V_COL, elem, ROUND_S,
-             HAS_CACHE)
-
-    @triton.jit
-    def adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
-            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
-            slots, n_rows, cap, d, s0, hyper,
-                HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
-                HAS_CACHE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_C: tl.constexpr):
-        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
-            BLOCK_C)
-        clr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
-        seed = _seed(hyper)
-        s = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
-        if HAS_WD:
-            g = g + wd * p
-        s = s + g * g
-        p = p + (-clr) * (g / (tl.sqrt(s) + eps))
-        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-        _put(out, cout, hmask, cmask, s0, s, seed, 1, elem, ROUND_S, HAS_CACHE)
-
-    # The row-wise updates (nbtools.rowwise). A program holds whole rows, the row in one
-    # column block (FusedUpdate.whole_row), so a row's mean(g^2) is one sum over its tile,
-    # with no second pass and no exchange between programs. The per-row state is one column
-    # wide: read and written in the tile's first column only (FIRST).
-    @triton.jit
-    def _row_value(src, off, mask, first):
-        # [BLOCK_R] float32: each row's value at column `off` of its row (a one-column state)
-        return tl.sum(tl.load(src + off, mask=mask & first, other=0.0).to(tl.float32), 1)
-
-    globals()["_row_value"] = _row_value
-
-    @triton.jit
-    def _halve(x, R: tl.constexpr, C: tl.constexpr):
-        # [R, C] -> [R, C // 2]: each pair of neighbouring columns added (one addition each,
-        # so the result does not depend on how Triton lays the tile out over threads)
-        a, b = tl.split(tl.reshape(x, [R, C // 2, 2]))
-        return a + b
-
-    globals()["_halve"] = _halve
-
-    @triton.jit
-    def _row_sum_sq(g, R: tl.constexpr, C: tl.constexpr):
-        # [R] float32: each row's sum of g^2 as a pairwise tree over neighbouring columns
-        # (16 <= C <= 65536, a power of two; masked columns are zeros). tl.sum's order
-        # follows the tile's layout, which Triton picks from the strides of everything the
-        # kernel loads: a 260-byte disk row and a 288-byte padded RAM row summed the same
-        # gradient differently. nbtools.rowwise._mean_sq adds in this same order.
-        # the first level as an explicit FMA (a*a + b*b, a's square unrounded): left to the
-        # compiler, whether a square fuses into its addition depended on where Triton moved
-        # the tile between threads (a 100-wide row's state differed by an ulp between a disk
-        # table and the same table in RAM)
-        a, b = tl.split(tl.reshape(g, [R, C // 2, 2]))
-        x = tl.fma(a, a, b * b)
-        x = _halve(x, R, C // 2)
-        x = _halve(x, R, C // 4)
-        x = _halve(x, R, C // 8)
-        if C >= 32:
-            x = _halve(x, R, C // 16)
-        if C >= 64:
-            x = _halve(x, R, C // 32)
-        if C >= 128:
-            x = _halve(x, R, C // 64)
-        if C >= 256:
-            x = _halve(x, R, C // 128)
-        if C >= 512:
-            x = _halve(x, R, C // 256)
-        if C >= 1024:
-            x = _halve(x, R, C // 512)
-        if C >= 2048:
-            x = _halve(x, R, C // 1024)
-        if C >= 4096:
-            x = _halve(x, R, C // 2048)
-        if C >= 8192:
-            x = _halve(x, R, C // 4096)
-        if C >= 16384:
-            x = _halve(x, R, C // 8192)
-        if C >= 32768:
-            x = _halve(x, R, C // 16384)
-        if C >= 65536:
-            x = _halve(x, R, C // 32768)
-        return tl.reshape(x, [R])
-
-    globals()["_row_sum_sq"] = _row_sum_sq
-
-    @triton.jit
-    def rowwise_adagrad(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst,
-                        dst_stride, dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache,
-                        cache_stride, cache_w, cache_w_stride, slots, n_rows, cap, d, s0, hyper,
-                        HAS_WD: tl.constexpr, ROUND_W: tl.constexpr, ROUND_S: tl.constexpr,
-                        HAS_CACHE: tl.constexpr, MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # RowWiseAdagrad: s += sum(g^2) / d per row (state "sum", one column at s0), then
-        # w -= lr * g / (sqrt(s) + eps).
-        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
-            BLOCK_C)
-        lr, wd, eps = _scalar(hyper, 0), _scalar(hyper, 1), _scalar(hyper, 2)
-        seed = _seed(hyper)
-        first = (tl.arange(0, BLOCK_C) == 0)[None, :]
-        if HAS_WD:
-            g = g + wd * p
-        s = _row_value(src, s0, mask, first) + _row_sum_sq(g, BLOCK_R, BLOCK_C) / d
-        p = p + (-lr) * (g / (tl.sqrt(s)[:, None] + eps))
-        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-        _put(out, cout, hmask & first, cmask & first, s0, s[:, None] + tl.zeros_like(p), seed,
-             1, elem, ROUND_S, HAS_CACHE)
-
-    @triton.jit
-    def partial_rowwise_adam(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst,
-                             dst_stride, dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache,
-                             cache_stride, cache_w, cache_w_stride, slots, n_rows, cap, d, s0,
-                             hyper, HAS_WD: tl.constexpr, ROUND_W: tl.constexpr,
-                             ROUND_S: tl.constexpr, HAS_CACHE: tl.constexpr,
-                             MAXIMIZE: tl.constexpr, IN_PLACE: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # PartialRowWiseAdam, in the order of operations of nbtools.rowwise: exp_avg (d
-        # columns at s0) per value, exp_avg_sq (one column at s0 + d) per row.
-        src, out, cout, out_w, cout_w, mask, hmask, cmask, p, g, elem = _tile(
-            rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride,
-            dst_w, dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w,
-            cache_w_stride, slots, n_rows, cap, d, HAS_CACHE, MAXIMIZE, IN_PLACE, BLOCK_R,
-            BLOCK_C)
-        one_minus_beta1, beta2 = _scalar(hyper, 0), _scalar(hyper, 1)
-        one_minus_beta2, eps = _scalar(hyper, 2), _scalar(hyper, 3)
-        decay, step_size, bc2_sqrt = _scalar(hyper, 4), _scalar(hyper, 5), _scalar(hyper, 6)
-        seed = _seed(hyper)
-        first = (tl.arange(0, BLOCK_C) == 0)[None, :]
-        ea = tl.load(src + s0, mask=mask, other=0.0).to(tl.float32)
-        v = _row_value(src, s0 + d, mask, first)
-        if HAS_WD:
-            p = p * decay                              # decay = 1 - lr * weight_decay
-        ea = ea + one_minus_beta1 * (g - ea)          # torch.lerp for weights below 0.5
-        v = tl.fma(v, beta2, one_minus_beta2 * (_row_sum_sq(g, BLOCK_R, BLOCK_C) / d))
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p + (-step_size) * (ea / denom[:, None])
-        _put(out_w, cout_w, hmask, cmask, 0, p, seed, 0, elem, ROUND_W, HAS_CACHE)
-        _put(out, cout, hmask, cmask, s0, ea, seed, 1, elem, ROUND_S, HAS_CACHE)
-        _put(out, cout, hmask & first, cmask & first, s0 + d, v[:, None] + tl.zeros_like(p),
-             seed, 2, elem, ROUND_S, HAS_CACHE)
-
-    return {"gather": gather, "put": put, "patch": patch, "copy": copy, "take": take, "sgd": sgd,
-            "adam": adam, "adagrad": adagrad,
-            "rowwise_adagrad": rowwise_adagrad, "partial_rowwise_adam": partial_rowwise_adam,
-            **admission._kernels(), **segsum._kernels()}     # every kernel, by name
+from ._common import jit, pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (public names)
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
-# "copy", "update"); a kind left out uses _blocks. benchmarks/experiments/zero_copy_tiles.py times the
-# choices.
+# "copy", "update"); a kind left out uses _blocks.
 TILES: dict = {}
 
 
@@ -553,12 +102,12 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
     with on(ids.device):
-        _kernels()["gather"][grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
-                                   out.stride(0), cap, width, cache if has_cache else src,
-                                   cache.stride(0) if has_cache else 0,
-                                   slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
-                                   KEEP=keep,
-                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        jit("rows").gather[grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
+                                 out.stride(0), cap, width, cache if has_cache else src,
+                                 cache.stride(0) if has_cache else 0,
+                                 slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,
+                                 KEEP=keep,
+                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return result
 
 
@@ -626,10 +175,10 @@ def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: tor
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
     with on(ids.device):
-        _kernels()["put"][grid](dst, dst.stride(0), ids, count, count if guard is None else guard,
-                                dst.shape[0], src, src.stride(0), cap, width, row_blocks,
-                                HAS_GUARD=guard is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                                num_warps=warps)
+        jit("rows").put[grid](dst, dst.stride(0), ids, count, count if guard is None else guard,
+                              dst.shape[0], src, src.stride(0), cap, width, row_blocks,
+                              HAS_GUARD=guard is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                              num_warps=warps)
 
 
 def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_rows: int,
@@ -645,9 +194,9 @@ def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_ro
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     steps = max(1, math.ceil(math.log2(src_ids.numel() + 1)))
     with on(ids.device):
-        _kernels()["patch"][grid](out, out.stride(0), ids, count, num_rows, src, src.stride(0),
-                                  src_ids, src_count, width, steps, BLOCK_R=block_r,
-                                  BLOCK_C=block_c, num_warps=warps)
+        jit("rows").patch[grid](out, out.stride(0), ids, count, num_rows, src, src.stride(0),
+                                src_ids, src_count, width, steps, BLOCK_R=block_r,
+                                BLOCK_C=block_c, num_warps=warps)
 
 
 def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
@@ -661,8 +210,8 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     block_r, block_c, warps = _blocks(width, "copy")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     with on(sidx.device):
-        _kernels()["copy"][grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        jit("rows").copy[grid](src, src.stride(0), sidx, dst, dst.stride(0), didx, cap, width,
+                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -678,8 +227,8 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch
     block_r, block_c, warps = _blocks(width, "take")
     grid = (triton_cdiv(n, block_r), triton_cdiv(width, block_c))
     with on(idx.device):
-        _kernels()["take"][grid](src, src.stride(0), idx, n, out, out.stride(0), width,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        jit("rows").take[grid](src, src.stride(0), idx, n, out, out.stride(0), width,
+                               BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out
 
 
@@ -725,9 +274,12 @@ class FusedUpdate:
     write nothing), hyper (the [HYPER] values, where the device reads them) and the options.
     Count, guard and hyper are read on the device, so an update can be queued before the host
     knows whether the step may proceed, and replayed as a CUDA graph.
+
+    ``rule``: the family, as the update kernel's ``RULE`` names it ("sgd", "adam", "adagrad",
+    "rowwise_adagrad", "partial_rowwise_adam"); every family shares the kernel's arguments.
     """
 
-    kernel: str
+    rule: str
     scalars: object
     whole_row: bool = False     # a program holds whole rows (row-wise rules: a mean per row)
 
@@ -746,7 +298,7 @@ class FusedUpdate:
         has_cache = t.cache is not None
         mode = 2 if t.rounding == "stochastic" else 1
         with on(ids.device):
-            _kernels()[self.kernel][grid](
+            jit("update").update[grid](
                 rows, rows.stride(0), rows_w, rows_w.stride(0), grad, grad.stride(0), t.view,
                 t.view.stride(0), t.view_w, t.view_w.stride(0), ids, count, guard,
                 t.cache if has_cache else t.view, t.cache.stride(0) if has_cache else 0,
@@ -755,8 +307,8 @@ class FusedUpdate:
                 t.num_rows if t.num_rows is not None else t.view.shape[0], cap, d, t.state_col, hyper,
                 ROUND_W=mode if t.view_w.dtype == torch.bfloat16 else 0,
                 ROUND_S=mode if t.view.dtype == torch.bfloat16 else 0,
-                HAS_CACHE=has_cache, IN_PLACE=t.in_place, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=warps, **consts)
+                RULE=self.rule, HAS_CACHE=has_cache, IN_PLACE=t.in_place, BLOCK_R=block_r,
+                BLOCK_C=block_c, num_warps=warps, **consts)
 
 
 def _pad(values: list, seed: int) -> list:
@@ -822,9 +374,10 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
     (``dtype``) is float32 (float32, bfloat16 or float16 storage), for the optimizers and
     options whose arithmetic they reproduce exactly: SGD (momentum, nesterov, weight decay),
     Adam and AdamW (weight decay, amsgrad), SparseAdam, Adagrad, and nbtools' RowWiseAdagrad
-    and PartialRowWiseAdam (every option).
+    and PartialRowWiseAdam (every option). A class outside torch.optim names its family itself,
+    in its own body (``fused_kernel = "rowwise_adagrad"``): a subclass does not inherit it,
+    since it may change the arithmetic.
     """
-    from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad
     if dtype != torch.float32:
         return None
     if any(torch.is_tensor(v) for k, v in group.items() if k != "params"):
@@ -855,12 +408,97 @@ def fused_update_for(cls, group: dict, names: list, dtype: torch.dtype):
         if names != ["sum"]:
             return None
         return FusedUpdate("adagrad", adagrad_scalars)
-    if exact(RowWiseAdagrad):
+    own = vars(cls).get("fused_kernel")     # named by the class itself, not inherited
+    if own == "rowwise_adagrad":
         if names != ["sum"]:
             return None
         return FusedUpdate("rowwise_adagrad", rowwise_adagrad_scalars, whole_row=True)
-    if exact(PartialRowWiseAdam):
+    if own == "partial_rowwise_adam":
         if names != ["exp_avg", "exp_avg_sq"]:      # exp_avg_sq's column follows exp_avg's
             return None
         return FusedUpdate("partial_rowwise_adam", partial_rowwise_adam_scalars, whole_row=True)
     return None
+
+
+# --- the GPU row cache's admission (nbtools.store.cache.RowCache) -------------------------------
+
+# Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
+# ratio); nbtools.store.cache's torch code and the admission kernel must agree on it.
+CACHE_HASH = 2654435761
+
+
+def admit(ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor, *, rows: torch.Tensor,
+          tags: torch.Tensor, slot_of: torch.Tensor, freq: torch.Tensor, stamp: torch.Tensor,
+          tick: torch.Tensor, best: torch.Tensor, stats: torch.Tensor, ways: int) -> None:
+    """A GPU row cache's admission for one lookup's unique ``ids`` (sorted, sentinel-padded,
+    ``count`` [1] in use) in two kernels, one pass over the ids and one over the sets: the
+    same decisions as :meth:`nbtools.store.cache.RowCache.admit`'s torch code.
+
+    The cache is given as its tensors, all on the device: ``rows`` [sets * ways, W] (the
+    cached rows), ``tags`` (each slot's row, -1 empty), ``slot_of`` [N + 1] (each row's slot,
+    -1 in ``host``), ``freq`` [N + 1] (lookups per row), ``stamp`` (the tick a slot was last
+    used), ``tick`` [1] (this lookup's, advanced already), ``best`` [sets] (-1 between
+    lookups: each set's candidate during one) and ``stats`` [4] (lookups, hits, admitted,
+    evicted). ``host`` [N, W]: the table's rows, where evicted rows are written back and
+    admitted ones read from."""
+    cap = ids.numel()
+    sets = best.numel()
+    k = jit("admission")
+    block = 1024
+    with on(ids.device):
+        k.admit_count[(triton_cdiv(cap, block),)](
+            ids, count, cap, slot_of.numel() - 1, freq, slot_of, stamp, tick, best, sets, stats,
+            HASH=CACHE_HASH, BLOCK=block)
+        width = rows.shape[1]
+        k.admit_sets[(sets,)](
+            best, tags, stamp, freq, slot_of, tick, rows, rows.stride(0), host, host.stride(0),
+            width, stats, WAYS=ways, WAYS_P2=pow2(ways), BLOCK_C=min(1024, pow2(width, 16)))
+
+
+# --- the fixed-order gradient sum ----------------------------------------------------------------
+# segment_sum: positions per program of its first pass, and chunks summed per reduction of its
+# second (a run of r equal ids takes r / SEGMENT_CHUNK pieces, r / (SEGMENT_CHUNK *
+# SEGMENT_PARTS) rounds of the second pass: 4 for the hottest id of 65,536 Zipf(1.1) ids).
+SEGMENT_CHUNK = 32
+SEGMENT_PARTS = 64
+
+
+def segment_sum(src: torch.Tensor, order: torch.Tensor, slot: torch.Tensor,
+                out: torch.Tensor, found: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[slot[j]] = sum of src[order[j]]`` over each run of equal ``slot[j]``, in a fixed
+    order: the same bits on every run, whatever the GPU's scheduling (no atomics).
+
+    ``src`` [n, d] (any strides); ``order`` [n]: positions of ``src`` sorted by their slot
+    (stable: ascending within a slot); ``slot`` [n]: the slot of each sorted position,
+    nondecreasing, every slot below the last one present (a RowBatch's ``order`` and
+    ``slot``). ``out`` [cap, d] with a unit column stride, any contents: every row is written,
+    the rows of slots past the last one with zeros. Runs are summed in chunks of
+    :data:`SEGMENT_CHUNK` positions, in order within a chunk; a run spanning chunks adds its
+    chunks' sums by a fixed tree. The association is fixed by ``n`` and the runs, so it is
+    not ``index_add_``'s left-to-right order (it equals it for runs within one chunk).
+
+    ``found`` (a float [1] on the device): set to 1.0 where a sum written is inf or nan, and
+    left as it is otherwise, so the step's non-finite check needs no pass over ``out`` of its
+    own. A sum is inf or nan wherever one of its terms is (IEEE arithmetic keeps them), and
+    where finite terms overflow.
+    """
+    n, d = src.shape
+    if n == 0 or d == 0:
+        return out
+    chunks = triton_cdiv(n, SEGMENT_CHUNK)
+    block_c = min(256, pow2(d, 16))
+    grid = (chunks, triton_cdiv(d, block_c))
+    parts = torch.empty(2, chunks, d, dtype=out.dtype, device=out.device)
+    warps = max(1, min(4, block_c // 32))
+    k = jit("segsum")
+    with on(out.device):
+        k.segment_chunks[grid](src, src.stride(0), src.stride(1), order, slot, n, out,
+                               out.stride(0), out.shape[0], parts[0], parts[1], d,
+                               out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                               BLOCK_C=block_c, CHECK=found is not None, num_warps=warps)
+        k.segment_join[grid](slot, n, chunks, out, out.stride(0), parts[0], parts[1], d,
+                             out if found is None else found, CHUNK=SEGMENT_CHUNK,
+                             PARTS=SEGMENT_PARTS, BLOCK_C=block_c, CHECK=found is not None,
+                             num_warps=warps)
+    return out
+

@@ -1,116 +1,78 @@
-"""Triton kernels of the GPU row cache's admission (:class:`nbtools.store.cache.RowCache`): per
-lookup, one pass over its unique ids (count them, stamp the hits, offer each miss to its set)
-and one over the sets (each set's most frequent miss takes its least frequent way), the same
-decisions as the cache's torch code.
-
-Apart from the step's kernels (:mod:`nbtools.kernels`, which re-exports :func:`admit` and
-:data:`CACHE_HASH`) because they share nothing on the device: a cache of its own, no row
-layout, no optimizer. Triton is imported on first use (:func:`_kernels`); callers check
-:func:`nbtools.kernels.usable_on` first.
+"""The ``@triton.jit`` functions of the GPU row cache's admission
+(:class:`nbtools.store.cache.RowCache`): per lookup, one pass over its unique ids (count them,
+stamp the hits, offer each miss to its set) and one over the sets (each set's most frequent
+miss takes its least frequent way), the same decisions as the cache's torch code (launched by
+:func:`nbtools.kernels.admit`). Importing this module imports Triton: :mod:`nbtools.kernels`
+loads it on the first launch.
 """
-from __future__ import annotations
-
-import functools
-
-import torch
-
-from ..devices import on
-from ._common import pow2, triton_cdiv
-
-# Multiplier of the GPU row cache's id -> set hash (Knuth's multiplicative hashing, 2^32 / golden
-# ratio); nbtools.store.cache's torch code and the admission kernel below must agree on it.
-CACHE_HASH = 2654435761
+import triton
+import triton.language as tl
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    import triton
-    import triton.language as tl
+@triton.jit
+def admit_count(ids, count_ptr, cap, n_rows, freq, slot_of, stamp, tick_ptr, best, sets,
+                stats, HASH: tl.constexpr, BLOCK: tl.constexpr):
+    # The cache's admission, pass 1, over a lookup's unique ids (each at most once, so no
+    # two programs touch the same id): count each live id, stamp the slots of the hits
+    # (this lookup's rows are not evicted by it), and offer each miss to its set: the
+    # set's best[] keeps the largest (count << 32 | id), its most frequent miss.
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    count = tl.load(count_ptr)
+    idx = tl.load(ids + r, mask=r < cap, other=n_rows)
+    live = (r < count) & (idx >= 0) & (idx < n_rows)
+    f = tl.load(freq + idx, mask=live, other=0) + 1
+    tl.store(freq + idx, f, mask=live)
+    slot = tl.load(slot_of + idx, mask=live, other=-1)
+    hit = live & (slot >= 0)
+    tick = tl.load(tick_ptr)
+    tl.store(stamp + slot, tl.zeros_like(slot).to(tl.int64) + tick, mask=hit)
+    miss = live & (slot < 0)
+    key = (f.to(tl.int64) << 32) | idx.to(tl.int64)
+    s = (idx.to(tl.int64) * HASH) % sets
+    tl.atomic_max(best + s, key, mask=miss)
+    tl.atomic_add(stats + 0, tl.sum(live.to(tl.int64), 0))
+    tl.atomic_add(stats + 1, tl.sum(hit.to(tl.int64), 0))
 
-    @triton.jit
-    def admit_count(ids, count_ptr, cap, n_rows, freq, slot_of, stamp, tick_ptr, best, sets,
-                    stats, HASH: tl.constexpr, BLOCK: tl.constexpr):
-        # The cache's admission, pass 1, over a lookup's unique ids (each at most once, so no
-        # two programs touch the same id): count each live id, stamp the slots of the hits
-        # (this lookup's rows are not evicted by it), and offer each miss to its set: the
-        # set's best[] keeps the largest (count << 32 | id), its most frequent miss.
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        count = tl.load(count_ptr)
-        idx = tl.load(ids + r, mask=r < cap, other=n_rows)
-        live = (r < count) & (idx >= 0) & (idx < n_rows)
-        f = tl.load(freq + idx, mask=live, other=0) + 1
-        tl.store(freq + idx, f, mask=live)
-        slot = tl.load(slot_of + idx, mask=live, other=-1)
-        hit = live & (slot >= 0)
+
+@triton.jit
+def admit_sets(best, tags, stamp, freq, slot_of, tick_ptr, rows, rows_stride, host,
+               host_stride, width, stats, WAYS: tl.constexpr, WAYS_P2: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    # Pass 2, one program per set: its candidate (best[s], then reset to -1 for the next
+    # lookup) takes the set's least frequent way (the first one, on ties; empty ways
+    # count -1, this lookup's rows never lose theirs) when its count is higher; the
+    # evicted row is written back to host memory, the admitted one copied in.
+    s = tl.program_id(0)
+    key = tl.load(best + s)
+    tl.store(best + s, -1)
+    if key >= 0:
+        cand = key & 0xFFFFFFFF
+        f = key >> 32
+        w = tl.arange(0, WAYS_P2)
+        real = w < WAYS
+        tag = tl.load(tags + s * WAYS + w, mask=real, other=-1)
+        score = tl.where(tag >= 0, tl.load(freq + tag, mask=tag >= 0, other=0).to(tl.int64),
+                         -1)
         tick = tl.load(tick_ptr)
-        tl.store(stamp + slot, tl.zeros_like(slot).to(tl.int64) + tick, mask=hit)
-        miss = live & (slot < 0)
-        key = (f.to(tl.int64) << 32) | idx.to(tl.int64)
-        s = (idx.to(tl.int64) * HASH) % sets
-        tl.atomic_max(best + s, key, mask=miss)
-        tl.atomic_add(stats + 0, tl.sum(live.to(tl.int64), 0))
-        tl.atomic_add(stats + 1, tl.sum(hit.to(tl.int64), 0))
-
-    @triton.jit
-    def admit_sets(best, tags, stamp, freq, slot_of, tick_ptr, rows, rows_stride, host,
-                   host_stride, width, stats, WAYS: tl.constexpr, WAYS_P2: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-        # Pass 2, one program per set: its candidate (best[s], then reset to -1 for the next
-        # lookup) takes the set's least frequent way (the first one, on ties; empty ways
-        # count -1, this lookup's rows never lose theirs) when its count is higher; the
-        # evicted row is written back to host memory, the admitted one copied in.
-        s = tl.program_id(0)
-        key = tl.load(best + s)
-        tl.store(best + s, -1)
-        if key >= 0:
-            cand = key & 0xFFFFFFFF
-            f = key >> 32
-            w = tl.arange(0, WAYS_P2)
-            real = w < WAYS
-            tag = tl.load(tags + s * WAYS + w, mask=real, other=-1)
-            score = tl.where(tag >= 0, tl.load(freq + tag, mask=tag >= 0, other=0).to(tl.int64),
-                             -1)
-            tick = tl.load(tick_ptr)
-            taken = tl.load(stamp + s * WAYS + w, mask=real, other=0) == tick
-            score = tl.where(taken | ~real, 0x7FFFFFFFFFFFFFFF, score)
-            low = tl.min(score, 0)
-            way = tl.min(tl.where(score == low, w, WAYS), 0)
-            if f > low:
-                slot = s * WAYS + way
-                victim = tl.load(tags + slot)
-                for c0 in range(0, width, BLOCK_C):
-                    c = c0 + tl.arange(0, BLOCK_C)
-                    cm = c < width
-                    if victim >= 0:
-                        v = tl.load(rows + slot * rows_stride + c, mask=cm)
-                        tl.store(host + victim * host_stride + c, v, mask=cm)
-                    v = tl.load(host + cand * host_stride + c, mask=cm)
-                    tl.store(rows + slot * rows_stride + c, v, mask=cm)
+        taken = tl.load(stamp + s * WAYS + w, mask=real, other=0) == tick
+        score = tl.where(taken | ~real, 0x7FFFFFFFFFFFFFFF, score)
+        low = tl.min(score, 0)
+        way = tl.min(tl.where(score == low, w, WAYS), 0)
+        if f > low:
+            slot = s * WAYS + way
+            victim = tl.load(tags + slot)
+            for c0 in range(0, width, BLOCK_C):
+                c = c0 + tl.arange(0, BLOCK_C)
+                cm = c < width
                 if victim >= 0:
-                    tl.store(slot_of + victim, -1)
-                    tl.atomic_add(stats + 3, 1)
-                tl.store(slot_of + cand, slot.to(tl.int32))
-                tl.store(tags + slot, cand)
-                tl.store(stamp + slot, tick)
-                tl.atomic_add(stats + 2, 1)
-
-    return {"admit_count": admit_count, "admit_sets": admit_sets}
-
-
-def admit(cache, ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor) -> None:
-    """A :class:`~nbtools.store.cache.RowCache`'s admission for one lookup's unique ``ids`` in two
-    kernels (one pass over the ids, one over the sets), the same decisions as its torch
-    code; ``cache.tick`` has been advanced already."""
-    cap = ids.numel()
-    k = _kernels()
-    block = 1024
-    with on(ids.device):
-        k["admit_count"][(triton_cdiv(cap, block),)](
-            ids, count, cap, cache.num_rows, cache.freq, cache.slot_of, cache.stamp, cache.tick,
-            cache._best, cache.sets, cache.stats, HASH=CACHE_HASH, BLOCK=block)
-        width = cache.rows.shape[1]
-        k["admit_sets"][(cache.sets,)](
-            cache._best, cache.tags, cache.stamp, cache.freq, cache.slot_of, cache.tick, cache.rows,
-            cache.rows.stride(0), host, host.stride(0), width, cache.stats, WAYS=cache.ways,
-            WAYS_P2=pow2(cache.ways), BLOCK_C=min(1024, pow2(width, 16)))
-
+                    v = tl.load(rows + slot * rows_stride + c, mask=cm)
+                    tl.store(host + victim * host_stride + c, v, mask=cm)
+                v = tl.load(host + cand * host_stride + c, mask=cm)
+                tl.store(rows + slot * rows_stride + c, v, mask=cm)
+            if victim >= 0:
+                tl.store(slot_of + victim, -1)
+                tl.atomic_add(stats + 3, 1)
+            tl.store(slot_of + cand, slot.to(tl.int32))
+            tl.store(tags + slot, cand)
+            tl.store(stamp + slot, tick)
+            tl.atomic_add(stats + 2, 1)

@@ -1,17 +1,19 @@
-"""What the Triton kernel modules share: whether Triton runs for a device, and the grid
-arithmetic of their launchers.
+"""What the kernel families share on the host: whether Triton runs for a device, the grid
+arithmetic of their launchers, and :func:`jit`, which imports a family's ``@triton.jit``
+functions on their first launch.
 
-The kernels themselves are in :mod:`nbtools.kernels` (a lookup's rows and the fused optimizer
-updates), :mod:`nbtools.kernels._admission` (the GPU cache's admission) and :mod:`nbtools.kernels._segsum` (the
-fixed-order gradient sum); this module is below all three, so that each can use these helpers
-and :mod:`nbtools.kernels` can re-export the others' names without an import cycle. It imports
-no Triton: :func:`triton_ok` tries on first call.
+It imports no Triton: :func:`triton_ok` tries on first call, and the modules that define the
+kernels (``_rows``, ``_update``, ``_admission``, ``_segsum``) import it when :func:`jit` first
+loads them, so ``import nbtools.kernels`` works on a machine without Triton (a table on the
+CPU takes the torch path) and Triton reads ``TRITON_INTERPRET`` only once a kernel runs.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
+import types
 
 import torch
 
@@ -32,6 +34,14 @@ def usable_on(device: torch.device) -> bool:
     if not triton_ok():
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def jit(family: str) -> types.ModuleType:
+    """The module of one family's ``@triton.jit`` functions: ``"rows"`` (a lookup's row
+    copies), ``"update"`` (the fused optimizer updates), ``"admission"`` (the GPU cache's)
+    or ``"segsum"`` (the fixed-order gradient sum), imported with Triton on first use."""
+    return importlib.import_module(f"{__package__}._{family}")
 
 
 def pow2(n: int, least: int = 1) -> int:

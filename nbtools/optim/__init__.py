@@ -223,7 +223,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """
 
     # The step's inf/nan check of a table's gradient is made by the fixed-order sum that
-    # writes it (nbtools.kernels._segsum.segment_sum's ``found``), where that kernel sums it: no pass
+    # writes it (nbtools.kernels.segment_sum's ``found``), where that kernel sums it: no pass
     # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
     # at 65,536 ids, H200). False: one multi-tensor check over every gradient, as before
     # session 24 (benchmarks/experiments/prefetch_overlap.py --toggle sums_check).

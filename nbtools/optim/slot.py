@@ -191,7 +191,7 @@ class TableSlot:
             grad, batch = got.summing
             summing = (sig(grad), self.table.deterministic) + (
                 () if isinstance(looked, int) else (sig(batch.order), sig(batch.slot)))
-        key = (self.index, plan.fused.kernel, tuple(sorted(plan.consts.items())),
+        key = (self.index, plan.fused.rule, tuple(sorted(plan.consts.items())),
                self.table.config.rounding, got.has_state, self.table.layout.weight_cols,
                looked, sig(got.grad), summing, id(store.host), id(store.cache), in_place)
         return key, [caps[0] if caps else None, store.host, store.cache]

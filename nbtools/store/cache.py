@@ -115,7 +115,10 @@ class RowCache:
         step."""
         self.tick += 1
         if self.use_kernels and kernels.usable_on(self.device):
-            kernels.admit(self, ids, count, host)      # two kernels, the same decisions
+            # two kernels, the same decisions
+            kernels.admit(ids, count, host, rows=self.rows, tags=self.tags, slot_of=self.slot_of,
+                          freq=self.freq, stamp=self.stamp, tick=self.tick, best=self._best,
+                          stats=self.stats, ways=self.ways)
             return self.locate(ids)
         cap = ids.numel()
         n, ways = self.num_rows, self.ways
