@@ -442,7 +442,7 @@ def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
             opts[1].zero_grad()
         _step(tables[1], opts[1], ids)               # the cell run again
     resident = int((disk.id_of >= 0).sum())          # (before .weight empties the cache)
-    free = sum(len(part) for part in disk._free)
+    free = sum(len(part) for part in disk.free_slots)
     assert resident + free == disk.slots, (resident, free, disk.slots)
     _assert_same(tables)
 
@@ -503,7 +503,7 @@ def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
         for _ in range(10):          # until a lookup must evict
             tables[1](torch.randint(0, N, (64,), generator=gen)).sum().backward()
             opts[1].zero_grad()
-    assert disk._stash                 # (evicted, not written: the case under test)
+    assert disk.evicted_rows                 # (evicted, not written: the case under test)
     opts[1].zero_grad()
     _assert_same(tables)
 

@@ -414,7 +414,7 @@ def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
                 np.zeros(0, dtype=np.int64), np.arange(64)]
         asks += [np.unique(rng.integers(0, 64, k)) for k in (1, 5, 20, 40)]
         for ids in asks:
-            with d._lock:
+            with d.slots_lock:
                 got = ra._loads_of(ids)
                 want = [a for a in ra.loads if np.isin(a.rows, ids).any()]
             assert [id(a) for a in got] == [id(a) for a in want], ids

@@ -152,7 +152,7 @@ class _ReadsAhead:
         as one would, and waits for its loads outside the lock, so that a coming step's
         read-ahead starts its reads meanwhile. (Whatever changes before the lookup takes the
         lock again is settled under it, as without read-ahead.)"""
-        with self._lock:
+        with self.slots_lock:
             ra = self._readahead
             ra.settle_done()
             slots = self.slot_of[ids]
@@ -162,7 +162,7 @@ class _ReadsAhead:
         for f in pending:
             f.exception()                       # (raised where the load is settled)
 
-    def _drain(self, stash) -> None:
+    def drain(self, stash) -> None:
         """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread).
         If that fails, the file lacks their newest values: the table refuses every later
         use (:meth:`_intact`) rather than read or save stale rows."""
@@ -184,17 +184,17 @@ class _ReadsAhead:
                 "nothing more is read from or saved out of this table. Restore the last "
                 "checkpoint into a new table (CheckpointManager.restore).") from e
 
-    def _writer_pool(self) -> ThreadPoolExecutor:
+    def writer_pool(self) -> ThreadPoolExecutor:
         """The table's one write-back thread: write-backs run in the order given."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
         return self._writer
 
-    def _count_ahead(self, rows: int) -> None:
+    def count_ahead(self, rows: int) -> None:
         self.stats["read_ahead"] += rows
         _counters["ahead_rows"] += rows
 
-    def _count_read(self, ids: np.ndarray, seconds: float) -> None:
+    def count_read(self, ids: np.ndarray, seconds: float) -> None:
         _counters["read_s"] += seconds
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
@@ -224,7 +224,7 @@ class _Slots:
         self._events.append((self._event_index, event))
         self.busy[slots] = self._event_index
 
-    def _advance(self, wait_for: int = 0) -> None:
+    def advance_clock(self, wait_for: int = 0) -> None:
         """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
         while self._events:
             index, event = self._events[0]
@@ -245,7 +245,7 @@ class _Slots:
         finally:
             self.locked[hits] = was
 
-    def _take(self, k: int, wait: bool) -> np.ndarray:
+    def take_slots(self, k: int, wait: bool) -> np.ndarray:
         """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
         ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
         return fewer."""
@@ -255,26 +255,26 @@ class _Slots:
             for waiting in (False, True):
                 if not need or waiting and not wait:
                     break
-                self._advance(wait_for=self._event_index if waiting else 0)  # (a sync)
+                self.advance_clock(wait_for=self._event_index if waiting else 0)  # (a sync)
                 victims = self._sweep(need)
                 self._evict(victims)
                 got.append(victims)
                 need -= len(victims)
             if need and wait:
                 self._grow(need)
-                got.append(self._take(need, wait))
+                got.append(self.take_slots(need, wait))
         except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
-            self._free.append(np.concatenate(got))
+            self.free_slots.append(np.concatenate(got))
             raise
         return np.concatenate(got)
 
     def _take_free(self, k: int) -> np.ndarray:
         """Up to ``k`` slots that hold no row."""
         got, need = [], k
-        while need and self._free:
-            part = self._free.popleft()
+        while need and self.free_slots:
+            part = self.free_slots.popleft()
             if len(part) > need:
-                self._free.appendleft(part[need:])
+                self.free_slots.appendleft(part[need:])
                 part = part[:need]
             got.append(part)
             need -= len(part)
@@ -314,7 +314,7 @@ class _Slots:
         if len(dirty):
             ids = self.id_of[dirty]
             order = np.argsort(ids, kind="stable")
-            self._stash.append((ids[order], self._bytes[dirty[order]]))
+            self.evicted_rows.append((ids[order], self.slab_bytes[dirty[order]]))
             self.dirty[dirty] = False
         self.slot_of[self.id_of[slots]] = -1
         self.id_of[slots] = -1
@@ -365,9 +365,9 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             self.file.on_clean = _count_clean
         self._remove = weakref.finalize(self, _remove_file, raw, path)
         self._pin = pin and self.device.type == "cuda"
-        self._lock = threading.RLock()
+        self.slots_lock = threading.RLock()
         self._readahead = None                  # ReadAhead, from the first read_ahead
-        self._stash = []                        # evicted dirty rows (ids, bytes) to write
+        self.evicted_rows = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
         self._lost = None                       # (rows, error) of a write-back that failed
         self._release_slots = None              # the slot arrays' hold on the host budget
@@ -419,7 +419,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             slab.tensor[:keep].copy_(old.tensor)
         self.slab = slab
         self.slots = slots
-        self._bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
+        self.slab_bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
         if old is None:
             self.id_of = np.full(slots, -1, dtype=self.index_dtype)
             self.busy = np.zeros(slots, dtype=np.int64)
@@ -434,9 +434,9 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
                 setattr(self, name, np.concatenate((getattr(self, name),
                                                     np.zeros(grow, dtype=bool))))
         if old is None:
-            self._free = collections.deque([np.arange(slots, dtype=self.index_dtype)])
+            self.free_slots = collections.deque([np.arange(slots, dtype=self.index_dtype)])
         else:   # the old slots keep their free list (a _take that grows holds the rest)
-            self._free.append(np.arange(keep, slots, dtype=self.index_dtype))
+            self.free_slots.append(np.arange(keep, slots, dtype=self.index_dtype))
         self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
 
     @property
@@ -501,7 +501,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         self.ensure_slab()
         if self._readahead is not None:
             self._load_beside(ids)
-        with self._lock:
+        with self.slots_lock:
             if self._readahead is not None:     # (now quick; and whatever began meanwhile)
                 self._readahead.settle_for(ids)
             self._close_step()
@@ -519,7 +519,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             _counters["hit_rows"] += len(ids) - nmiss - early
             if nmiss:
                 with self._sparing(slots[~miss]):
-                    free = self._take(nmiss, wait=True)
+                    free = self.take_slots(nmiss, wait=True)
                 self._load(ids[miss], free)
                 slots[miss] = free
             self.ref[slots] = True
@@ -533,7 +533,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
     def _write_slots(self, slots: np.ndarray) -> None:
         ids = self.id_of[slots]
         order = np.argsort(ids, kind="stable")
-        self._write(ids[order], self._bytes, slots[order])
+        self._write(ids[order], self.slab_bytes, slots[order])
         self.dirty[slots] = False
 
     def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
@@ -551,9 +551,9 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         this lookup, which holds the table's lock, does not wait behind their write-backs.
         (A read-ahead's loads are :mod:`nbtools.disk.readahead`'s, outside the lock.)"""
         writing = None
-        if self._stash:
-            stash, self._stash = self._stash, []
-            writing = self._writer_pool().submit(self._drain, stash)
+        if self.evicted_rows:
+            stash, self.evicted_rows = self.evicted_rows, []
+            writing = self.writer_pool().submit(self.drain, stash)
             if self._readahead is not None:
                 self._readahead.track_write(stash, writing)
                 writing = None
@@ -563,19 +563,19 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         t0 = time.perf_counter()
         try:
             if len(rest):
-                self.file.read(rest, self._bytes, at=at)
+                self.file.read(rest, self.slab_bytes, at=at)
         except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
-            self._free.append(np.asarray(slots, dtype=self.index_dtype))
+            self.free_slots.append(np.asarray(slots, dtype=self.index_dtype))
             raise
         finally:
             if writing is not None:     # evicted rows on disk before any reader looks
                 uninterrupted(writing.result)
-        self._count_read(rest, time.perf_counter() - t0)
-        self._placed(ids, slots)
+        self.count_read(rest, time.perf_counter() - t0)
+        self.placed(ids, slots)
         if kept is not None:
             self.dirty[slots[kept]] = True      # (the file may not have them yet)
 
-    def _placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
+    def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
@@ -586,7 +586,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
     def ensure_slab(self) -> None:
         """Pin the RAM cache at its full size, the first time rows are needed (on the
         training loop's thread: the table then takes the new slab, ``slab``)."""
-        with self._lock:
+        with self.slots_lock:
             if self.slots < self._want:
                 self._resize(self._want)
 

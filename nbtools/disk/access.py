@@ -52,8 +52,8 @@ class WholeTable:
         self._ensure_init()
         self.ensure_slab()
         flat = np.asarray(ids).reshape(-1)
-        with self._lock:
-            room = sum(len(f) for f in self._free)
+        with self.slots_lock:
+            room = sum(len(f) for f in self.free_slots)
             want = np.zeros(self.num_rows, dtype=bool)          # the rows to load
             for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
                 if not room:
@@ -82,8 +82,8 @@ class WholeTable:
                     stop = min(self.num_rows, start + span)
                     buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
                     self.file.read_range(start, buf)
-                    self._bytes[free] = buf[part - start]
-                    self._placed(part, free)
+                    self.slab_bytes[free] = buf[part - start]
+                    self.placed(part, free)
                 else:
                     self._load(part, free)
                 loaded += len(part)
@@ -95,10 +95,10 @@ class WholeTable:
         ``drop``, also empty RAM of every row no pending lookup holds."""
         self.wait_read_ahead()
         self._ensure_init()
-        with self._lock:
+        with self.slots_lock:
             self._write_stash()
             self._close_step()
-            self._advance(wait_for=self._event_index)
+            self.advance_clock(wait_for=self._event_index)
             dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
             if len(dirty):
                 self._write_slots(dirty)
@@ -108,15 +108,15 @@ class WholeTable:
                 self.id_of[out] = -1
                 self.ref[out] = False
                 free = np.flatnonzero(self.id_of < 0)
-                self._free = collections.deque([free]) if len(free) else collections.deque()
+                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
 
     def _write_stash(self) -> None:
         """Write evicted rows a lookup did not get to write (it was interrupted): before
         anything reads the file, or writes rows the stash would then overwrite. Under the
         lock."""
-        if self._stash:
-            stash, self._stash = self._stash, []
-            self._drain(stash)
+        if self.evicted_rows:
+            stash, self.evicted_rows = self.evicted_rows, []
+            self.drain(stash)
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
@@ -124,21 +124,21 @@ class WholeTable:
         self._ensure_init()
         rows = rows.detach().to("cpu", self.dtype).contiguous()
         raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
-        with self._lock:
+        with self.slots_lock:
             self._write_stash()
             self.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed.add(ids)
             slots = self.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                self._bytes[slots[hot]] = raw[hot]
+                self.slab_bytes[slots[hot]] = raw[hot]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
         rows must not be cached in RAM, as at creation)."""
         rows = rows.detach().to("cpu", self.dtype).contiguous()
         self.wait_read_ahead()
-        with self._lock:
+        with self.slots_lock:
             self._write_stash()
             self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
                 rows.shape[0], self.row_bytes))
@@ -148,7 +148,7 @@ class WholeTable:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
         self.wait_read_ahead()
         self._ensure_init()
-        with self._lock:
+        with self.slots_lock:
             self._write_stash()
             out = torch.empty((stop - start, self.width), dtype=self.dtype)
             raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
@@ -156,7 +156,7 @@ class WholeTable:
             slots = self.slot_of[start:stop]
             hot = np.flatnonzero(slots >= 0)
             if len(hot):
-                raw[hot] = self._bytes[slots[hot]]
+                raw[hot] = self.slab_bytes[slots[hot]]
             return out
 
     def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
@@ -172,7 +172,7 @@ class WholeTable:
             return held
         if ordered and getattr(self.file, "away", 0):     # a log file: rows home first
             self.wait_read_ahead()
-            with self._lock:
+            with self.slots_lock:
                 self._write_stash()
                 self._move_home()
         self.file.flush()
@@ -210,18 +210,18 @@ class WholeTable:
             self.wait_read_ahead()      # rows read before the writes reach the file go below
             m.flush()
             self._map = None
-            with self._lock:     # rows cached in RAM may be older than what was written
+            with self.slots_lock:     # rows cached in RAM may be older than what was written
                 out = np.flatnonzero((self.id_of >= 0) & ~self.locked & ~self.dirty)
                 self.slot_of[self.id_of[out]] = -1
                 self.id_of[out] = -1
                 free = np.flatnonzero(self.id_of < 0)
-                self._free = collections.deque([free]) if len(free) else collections.deque()
+                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
 
     def take_changed(self) -> np.ndarray:
         """Sorted ids of the rows written to the file since the last call (every row the first
         time), after writing every dirty row back: what an incremental checkpoint saves."""
         self.flush()
-        with self._lock:
+        with self.slots_lock:
             ids = self.changed.members()
             self.changed.fill(False)
             self._checkpoint = None       # a checkpoint's next save cannot be a delta now
@@ -234,20 +234,20 @@ class WholeTable:
         checkpoint (another one came since, or none): the next save must copy every row."""
         self.flush()
         self.sync_mapped()
-        with self._lock:
+        with self.slots_lock:
             if token is None or getattr(self, "_checkpoint", None) != token:
                 return None
             return self.changed.count()
 
     def changed_ids(self, start: int, stop: int) -> np.ndarray:
         """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
-        with self._lock:
+        with self.slots_lock:
             return self.changed.members(start, stop)
 
     def mark_checkpointed(self, token) -> None:
         """The checkpoint ``token`` now holds every row as it is: count changes from here.
         (Called after the checkpoint is committed, so a failed save loses no change.)"""
-        with self._lock:
+        with self.slots_lock:
             self.changed.fill(False)
             self._checkpoint = token
 
@@ -255,11 +255,11 @@ class WholeTable:
         """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
         the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
         self.wait_read_ahead()
-        with self._lock:
+        with self.slots_lock:
             slots = self.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                out[hot] = self._bytes[slots[hot]]
+                out[hot] = self.slab_bytes[slots[hot]]
             if not hot.all():
                 cold = np.flatnonzero(~hot)
                 self.file.read(ids[cold], out, at=cold)
@@ -291,11 +291,11 @@ class WholeTable:
         Waits for the read-ahead and for GPU work on the slots first."""
         self.wait_read_ahead()
         self.sync_mapped()
-        with self._lock:
+        with self.slots_lock:
             self._close_step()
             self._step = []
-            self._advance(wait_for=self._event_index)
-            self._stash = []
+            self.advance_clock(wait_for=self._event_index)
+            self.evicted_rows = []
             if self._readahead is not None:
                 self._readahead.queue.clear()
             self.initial = None
@@ -303,6 +303,6 @@ class WholeTable:
             self.id_of[:] = -1
             for name in self.SLOT_FLAGS:
                 getattr(self, name)[:] = False
-            self._free = collections.deque([np.arange(self.slots, dtype=np.int64)])
+            self.free_slots = collections.deque([np.arange(self.slots, dtype=np.int64)])
             self.changed.fill(True)
             self._checkpoint = None

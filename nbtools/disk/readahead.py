@@ -97,7 +97,7 @@ class ReadAhead:
     """The read-aheads of one :class:`~nbtools.disk.DiskRows`: a queue of coming steps'
     (oldest first, until looked up) and the loads in flight (until settled under the table's
     lock), and the write-backs of the rows they evicted (until written). Everything that
-    touches the table's maps runs under ``disk._lock``; the loads' file I/O does not."""
+    touches the table's maps runs under ``disk.slots_lock``; the loads' file I/O does not."""
 
     def __init__(self, disk):
         self.disk = disk
@@ -129,9 +129,9 @@ class ReadAhead:
             except IndexError:              # (forgotten meanwhile by a lookup)
                 break
             oldest.write.exception()
-            with d._lock:
+            with d.slots_lock:
                 self._written()
-        with d._lock:
+        with d.slots_lock:
             self.settle_done()
             where = d.slot_of[want]
             d.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK spares
@@ -144,11 +144,11 @@ class ReadAhead:
         d = self.disk
         if not len(miss):
             return
-        d._advance()
-        free = d._take(len(miss), wait=False)
+        d.advance_clock()
+        free = d.take_slots(len(miss), wait=False)
         if len(free):
             rows = miss[: len(free)]
-            d._placed(rows, free)
+            d.placed(rows, free)
             kept = self.fill(rows, free)            # still queued for write-back: no read
             d.dirty[free[kept]] = True
             d.ahead[free[kept]] = True
@@ -156,12 +156,12 @@ class ReadAhead:
             item.sorted_slots = np.sort(item.slots)
             d.loading[item.slots] = True
             d.locked[item.slots] = True
-            d._count_ahead(len(free))
-        if d._stash:                                # the rows it evicted, written back
-            item.stash, d._stash = d._stash, []
+            d.count_ahead(len(free))
+        if d.evicted_rows:                                # the rows it evicted, written back
+            item.stash, d.evicted_rows = d.evicted_rows, []
             item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
             self.writes.append(item)
-            item.write = d._writer_pool().submit(d._drain, item.stash)
+            item.write = d.writer_pool().submit(d.drain, item.stash)
         if len(item.rows):
             self.loads.append(item)
             item.io = self._io.submit(self._load, item)
@@ -181,7 +181,7 @@ class ReadAhead:
                 pos, hit = _lookup(sid, ids)
                 hit &= ~got
                 if hit.any():
-                    d._bytes[slots[hit]] = rows[pos[hit]]
+                    d.slab_bytes[slots[hit]] = rows[pos[hit]]
                     got |= hit
         d.stats["from_write_back"] += int(got.sum())
         return got
@@ -200,8 +200,8 @@ class ReadAhead:
         thread)."""
         d = self.disk
         t0 = time.perf_counter()
-        d.file.read(item.rows, d._bytes, at=item.slots)
-        d._count_read(item.rows, time.perf_counter() - t0)
+        d.file.read(item.rows, d.slab_bytes, at=item.slots)
+        d.count_read(item.rows, time.perf_counter() - t0)
 
     def _settle(self, item: Ahead) -> None:
         """Under the lock: wait for ``item``'s load and make its rows ordinary RAM rows (on a
@@ -215,7 +215,7 @@ class ReadAhead:
             d.id_of[item.slots] = -1
             d.loading[item.slots] = False
             d.locked[item.slots] = False
-            d._free.append(item.slots)
+            d.free_slots.append(item.slots)
             raise
         d.loading[item.slots] = False
         d.locked[item.slots] = False
@@ -298,7 +298,7 @@ class ReadAhead:
             except BaseException as e:          # its deduplication is left to the lookup
                 self.queue.remove(item)
                 errors.append(e)
-        with self.disk._lock:
+        with self.disk.slots_lock:
             for item in list(self.loads):
                 try:
                     self._settle(item)
