@@ -203,7 +203,7 @@ class ShardedEmbedding(nn.Module):
         slot = torch.empty_like(order)
         slot[order] = torch.arange(order.numel(), device=order.device)
         # F.embedding, not index_select: its backward sums each id's rows in a fixed order
-        # (sort-based) where index_select's adds with atomics on CUDA (issue 24)
+        # (sort-based) where index_select's adds with atomics on CUDA (docs/reproducibility.md)
         return F.embedding(slot[inverse], got).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -375,11 +375,11 @@ class TableLookups:
         return self.prepare_ids(ids) if taken is None else taken
 
     # A table's forward asks for its rows in id order (:meth:`lookup_result`); False: unique
-    # rows upcast, then reordered (before session 23; prefetch_overlap.py --toggle id_order).
+    # rows upcast, then reordered (the earlier order; the probe prefetch_overlap.py --toggle id_order in git history).
     ID_ORDER = True
     # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are
     # stored narrower than they compute and the step's kernels run; False: index_select, then
-    # an upcast (before session 24; prefetch_overlap.py --toggle take_rows).
+    # an upcast (the earlier path; the probe prefetch_overlap.py --toggle take_rows in git history).
     FUSED_TAKE = True
 
     # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):

@@ -43,7 +43,7 @@ class Prefetcher:
     # one it always does: the update must not race the prefetch's admission). Without the
     # wait the update and its write-back run beside the prefetch's gather, and the rows they
     # write are made current when the prefetch is taken, as with the wait. Measured on an
-    # H200 (benchmarks/experiments/prefetch_overlap.py, 65,536 uniform ids, alternating
+    # H200 (prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py), 65,536 uniform ids, alternating
     # loops on one table): 0.90x the waiting step's time with fp32 Adam rows, 0.93x with bf16
     # Adam rows, 0.98-1.02x with row-wise rows (whose reads and writes barely share the link).
     UPDATE_WAITS = False

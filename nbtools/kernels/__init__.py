@@ -51,7 +51,7 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
 # and writes share the link: with a write-back running behind the next step's gather, their
 # shares follow their programs, and 32 gather programs beside 16 writing ones brought the
 # 65,536-id step to the traffic floor, where 264 beside 16 stayed 1.2x above it (sweep in
-# benchmarks/RESULTS.md, benchmarks/experiments/write_behind.py --real). 32 programs also
+# benchmarks/RESULTS.md, write_behind.py (git show dc87be8:benchmarks/experiments/write_behind.py) --real). 32 programs also
 # keep the link busy alone, and leave the SMs to kernels running beside them. A gather
 # through a cache of hot rows reads most rows from GPU memory, which takes more programs:
 # two per SM (word2vec with 75% of its rows cached: 0.71x the GPU-placed model's speed on 32
@@ -119,14 +119,14 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
 # accumulator, padded) are 72 fp32 values, not a multiple of 16, but 144 2-byte ones: as
 # those, 65,536 of them were gathered in 0.70x the time and written back in 0.87x; 544-byte
 # rows (fp32 RowWiseAdagrad) in 0.87x and 0.95x; 768- and 1,536-byte rows alike either way
-# (H200, benchmarks/experiments/gather_words.py, benchmarks/RESULTS.md session 23).
+# (H200, gather_words.py (git show dc87be8:benchmarks/experiments/gather_words.py), benchmarks/RESULTS.md session 23).
 #
 # VECTOR_VIEWS: the row copies that see rows this way; the others see them as their own dtype,
-# as before session 23 (2-byte rows written back as 4-byte words). Not the write-back: alone
+# as the earlier path did (2-byte rows written back as 4-byte words). Not the write-back: alone
 # it was faster as vectors too, but in the step, beside the next gather, the steps whose
 # write-back kept its old view were faster (alternating loops, H200, 4 rounds: bf16
 # RowWiseAdagrad 0.94x, fp32 0.86x, bf16 with bf16 state 0.97x). Both timed by
-# benchmarks/experiments/prefetch_overlap.py --toggle vector_views / vector_puts.
+# prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py) --toggle vector_views / vector_puts.
 _VECTOR_UNITS = (torch.int32, torch.int16)
 ROW_COPIES = frozenset({"gather", "put", "patch", "copy"})
 VECTOR_VIEWS = ROW_COPIES - {"put"}

@@ -160,7 +160,7 @@ def _step_with_hooks(step):
     post-hooks, global and per optimizer; the profiler's ``Optimizer.step#...`` scope), but
     with the profiler's scope only while a profiler runs, and grad mode turned off by two C
     calls instead of ``@torch.no_grad()``: torch's scope cost ~11 us of host time a step and
-    the decorator ~3 (H200 host, benchmarks/experiments/host_wrappers.py), on a step whose
+    the decorator ~3 (H200 host, host_wrappers.py (git show dc87be8:benchmarks/experiments/host_wrappers.py)), on a step whose
     host time is its limit on slow hosts. Marked ``hooked``, so torch does not wrap it again;
     where this torch keeps its hooks elsewhere, torch's own wrapper is left to do it."""
     try:
@@ -226,7 +226,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # writes it (nbtools.kernels.segment_sum's ``found``), where that kernel sums it: no pass
     # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
     # at 65,536 ids, H200). False: one multi-tensor check over every gradient, as before
-    # session 24 (benchmarks/experiments/prefetch_overlap.py --toggle sums_check).
+    # session 24 (prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py) --toggle sums_check).
     SUMS_CHECK = True
 
     def __init__(self, optimizer_class, model_or_params, *, config: OffloadConfig | None = None,

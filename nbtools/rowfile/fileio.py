@@ -46,7 +46,7 @@ ENGINES = ("aio", "threads", "kaio")
 # under its one lock: long queues slow everything. On the CPU machine's disk, 8 calls at once of
 # 49,152 random 512-byte reads over 128 shared descriptors: 98K rows/s in batches of 512-1,024,
 # 89K of 2,048, 69K of 4,096 (6 calls), and one call of 8,192 in one batch of 131,072 ~20K;
-# a single call of 8,192 reads ~100K either way (benchmarks/experiments/probe_lengths.py).
+# a single call of 8,192 reads ~100K either way (probe_lengths.py (git show dc87be8:benchmarks/experiments/probe_lengths.py)).
 AIO_BATCH = 1024
 
 
@@ -111,7 +111,7 @@ class RequestPool:
       kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
       waited for in ``io_getevents``: the GIL is needed only between those calls, and no
       thread pool runs them (``threads`` does not apply). The default for ``O_DIRECT`` files
-      since session 24: on the GPU machine's disk a 20M-row table's loop took 0.83-0.92x the
+      on the GPU machine's disk a 20M-row table's loop took 0.83-0.92x the
       time it took on ``"aio"`` (same rounds), on two CPU cores a 2M-row one 0.34-0.41x
       (benchmarks/RESULTS.md "Session 24"). Not for
       buffered files, where the kernel serves native AIO inside ``io_submit``, one request
