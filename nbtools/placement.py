@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+import numbers
 
 import torch
 
@@ -15,19 +16,56 @@ from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
 from .store.layout import RowLayout, row_padding
 from .store.rows import DeviceRows
-from .units import human_bytes
+from .units import human_bytes, positive_int
 
 
 class HostMemoryError(NbtoolsError, MemoryError):
     """A table or its optimizer state would not fit in host memory; nothing was allocated."""
 
 
-def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None:
+# What a table's arguments may be (check_table_args): where its rows go, and what they hold.
+PLACEMENTS = ("auto", "gpu", "host", "disk")
+TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_table_args(sizes: dict, dtype, placement: str = "auto", gpu_fraction=0.5,
+                     disk_dir=None) -> list:
+    """The checks a table's arguments pass, the same for :class:`nbtools.OffloadedEmbedding`
+    and :func:`nbtools.plan`: ``sizes`` (``{name: value}``, e.g. the rows and the dim)
+    positive ints (NumPy ints too, never a bool), a storage dtype a table takes, a known
+    placement, ``gpu_fraction`` in (0, 1] and a ``disk_dir`` that can be a folder
+    (:func:`nbtools.disk.check_dir`). Raises TypeError, ValueError or NotADirectoryError
+    naming the argument, what was passed and what it may be; returns the sizes as ints.
+
+    >>> check_table_args({"num_rows": 10, "dim": 4}, torch.bfloat16, placement="disk")
+    [10, 4]
+    """
+    out = [positive_int(name, value) for name, value in sizes.items()]
+    if not isinstance(dtype, torch.dtype) or dtype not in TABLE_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got "
+                        f"{dtype!r}")
+    if not isinstance(placement, str) or placement not in PLACEMENTS:
+        raise ValueError(f"placement must be 'auto', 'gpu', 'host' or 'disk', got "
+                         f"{placement!r}")
+    if isinstance(gpu_fraction, bool) or not isinstance(gpu_fraction, numbers.Real) \
+            or not 0 < gpu_fraction <= 1:
+        raise ValueError(f"gpu_fraction must be a number in (0, 1] (the share of the GPU's free "
+                         f"memory placement='auto' may take), got {gpu_fraction!r}")
+    if disk_dir is not None:
+        from . import disk
+        disk.check_dir(disk_dir)
+    return out
+
+
+def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0, *, disk_dir=None,
+               num_rows: int | None = None) -> None:
     """Refuse, before allocating, ``nbytes`` of host memory that this machine does not have.
 
     ``reclaim``: bytes the allocation frees as it goes (a table growing into its optimizer
     state hands its old rows back), counted as available. The rule is :func:`nbtools.plan`'s:
-    the final footprint must fit in 90% of what is available before any of it exists.
+    the final footprint must fit in 90% of what is available before any of it exists. Where
+    the rows (``num_rows`` of them) would fit on the disk of ``disk_dir`` (default
+    :func:`nbtools.disk.default_dir`), the error says so, with the disk's free space.
     """
     available = host_memory_bytes()["available"]
     if available is not None:
@@ -36,15 +74,15 @@ def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0) -> None
         raise HostMemoryError(
             f"{what} needs {human_bytes(nbytes)} of host memory but only "
             f"{human_bytes(available)} is available (nbtools keeps 10% free). {hint}".rstrip()
-            + (_disk_hint(nbytes) if what else ""))
+            + (_disk_hint(nbytes, disk_dir, num_rows) if what else ""))
 
 
-def _disk_hint(nbytes: int) -> str:
+def _disk_hint(nbytes: int, disk_dir, num_rows: int | None) -> str:
     """Where a table's rows would fit on local disk: the advice to place them there."""
     from . import disk
-    folder = disk.default_dir()
+    folder = disk_dir or disk.default_dir()
     free = disk.free_bytes(folder)
-    if free < nbytes * 1.1:
+    if free < disk_bytes(nbytes, num_rows):
         return ""
     return (f" It fits on local disk: placement='disk' keeps the rows in a file under "
             f"{folder} ({human_bytes(free)} free; disk_dir= picks another folder) with a RAM "
@@ -293,7 +331,8 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
         check_fits(nbytes, f"table {table.name!r} with optimizer state ({', '.join(names)})",
                    "Use nbtools.plan(...) to size it, or an optimizer with less state "
                    "(SGD, nbtools.RowWiseAdagrad: one value per row).",
-                   reclaim=old.nbytes if was == "host" else 0)
+                   reclaim=old.nbytes if was == "host" else 0, disk_dir=table.config.disk_dir,
+                   num_rows=n)
     if was == "host":
         synchronize(table.device)
     init = _init_columns(layout, names, initial)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import numbers
 import threading
 
 import torch
@@ -34,8 +34,8 @@ from .store.precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
 from .store.cache import CacheCounts, cache_capacity
 from .engine.prefetch import Prefetcher
-from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits, copy_unless_same,
-                        regrow_for_state)
+from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
+                        check_table_args, copy_unless_same, regrow_for_state)
 from .store.rows import DeviceRows, LookupGraphs, RowLayout, RowStore
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
@@ -91,14 +91,17 @@ class TableConfig:
             return self.state_dtype
         return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
 
-    def check(self, placement: str) -> None:
-        """Raise TypeError / ValueError naming the first field (or ``placement``) that is wrong."""
+    def check(self, placement: str, sizes: dict | None = None) -> list:
+        """Raise TypeError / ValueError naming the first field (or ``placement``, or one of
+        ``sizes``, ``{name: value}``) that is wrong; the sizes as ints. Shape, dtype,
+        placement, ``gpu_fraction`` and ``disk_dir`` are checked as :func:`nbtools.plan`
+        checks them (:func:`nbtools.placement.check_table_args`)."""
         dtype = self.dtype
-        for what, value in (("dtype", dtype), ("state_dtype", self.state_dtype or dtype)):
-            if not (value.is_floating_point if isinstance(value, torch.dtype) else False):
-                raise TypeError(f"{what} must be a floating torch.dtype, got {value!r}")
-        if dtype not in (torch.float32, torch.float64) + LOW_PRECISION:
-            raise TypeError(f"dtype must be float32, float64, bfloat16 or float16, got {dtype}")
+        out = check_table_args(sizes or {}, dtype, placement, self.gpu_fraction, self.disk_dir)
+        if self.state_dtype is not None and not (
+                isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point):
+            raise TypeError(f"state_dtype must be a floating torch.dtype, got "
+                            f"{self.state_dtype!r}")
         state_dtype = self.storage_state_dtype
         if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
                 and state_dtype != dtype:
@@ -106,18 +109,8 @@ class TableConfig:
                              f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
         for value in (dtype, state_dtype):
             check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
-        if placement not in ("auto", "gpu", "host", "disk"):
-            raise ValueError(f"placement must be 'auto', 'gpu', 'host' or 'disk', got "
-                             f"{placement!r}")
-        ram = self.host_cache_bytes
-        if ram is not None and (isinstance(ram, bool) or not isinstance(ram, int) or ram <= 0):
-            raise ValueError(f"host_cache_bytes must be a positive int (bytes of RAM for a disk "
-                             f"table's cached rows), got {ram!r}")
-        folder = self.disk_dir
-        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
-            raise NotADirectoryError(f"disk_dir={folder!r} is a file, not a folder: give the "
-                                     "folder a disk table's file should go in (a new one is "
-                                     "created)")
+        if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
+            positive_int("host_cache_bytes", self.host_cache_bytes)
         if placement == "disk" and any(getattr(self, k) is not None for k in
                                        ("cache_bytes", "cache_fraction", "cache_rows")):
             raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
@@ -126,6 +119,7 @@ class TableConfig:
         if self.write_behind not in (None, True, False):
             raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
                              f"memory), True or False, got {self.write_behind!r}")
+        return out
 
 
 _BUILDING = threading.local()
@@ -187,22 +181,19 @@ class OffloadedEmbedding(TableLookups, nn.Module):
                  device="auto", placement: str = "host", config: TableConfig | None = None,
                  **options):
         super().__init__()
-        for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            try:
-                positive_int(arg, value)
-            except TypeError as e:          # (a ValueError to the callers that catch it)
-                raise ValueError(str(e)) from None
         unknown = set(options) - {f.name for f in dataclasses.fields(TableConfig)}
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
                             f"padding_idx, name, device, placement, config, and the TableConfig "
                             f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
         self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
-        cfg.check(placement)
+        self.num_embeddings, self.embedding_dim = cfg.check(
+            placement, {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim})
         dtype = cfg.dtype
-        self.num_embeddings = int(num_embeddings)
-        self.embedding_dim = int(embedding_dim)
         if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+                raise TypeError(f"padding_idx must be an int row id or None, got "
+                                f"{padding_idx!r} ({type(padding_idx).__name__})")
             if not -self.num_embeddings <= padding_idx < self.num_embeddings:
                 raise ValueError(f"padding_idx={padding_idx} is out of range for "
                                  f"{self.num_embeddings:,} rows")
@@ -223,7 +214,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
             check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x "
                                f"{self.embedding_dim} {str(dtype).replace('torch.', '')})",
                        "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
-                       "dtype=torch.bfloat16 halves it.")
+                       "dtype=torch.bfloat16 halves it.", disk_dir=cfg.disk_dir,
+                       num_rows=self.num_embeddings)
         self._disk = None            # placement="disk": the file and its RAM slots (nbtools.disk)
         self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
         self._layout = RowLayout(self.embedding_dim, dtype, dtype)

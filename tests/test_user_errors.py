@@ -73,6 +73,58 @@ def test_no_warning_when_the_table_trains_or_accumulates_or_evaluates():
     assert not [w for w in caught if issubclass(w.category, UnconsumedGradientWarning)]
 
 
+def test_the_warning_names_the_users_line_and_comes_once_per_table():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.users = OffloadedEmbedding(10, 4, device="cpu", name="users")
+            self.bag = nbtools.OffloadedEmbeddingBag(10, 4, device="cpu", name="bag")
+
+        def forward(self, ids):
+            return (self.users(ids) * self.bag(ids[None])).sum()
+
+    model = Two()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.tensor([1, 2])).backward()
+    got = [w for w in caught if issubclass(w.category, UnconsumedGradientWarning)]
+    assert sorted(str(w.message).split("'")[1] for w in got) == ["bag", "users"]
+    assert {w.filename for w in got} == {__file__}      # the model's forward, not torch's
+
+
+def test_a_loop_that_never_trains_the_table_does_not_pile_up_lookups():
+    """Each step's lookup holds its rows and gradients until an optimizer takes them: a plain
+    optimizer never does, so they are dropped once they are known to be unconsumed (else
+    memory grows every step, and the warning for lookups waiting for a step comes next)."""
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(nbtools.tables.PENDING_WARN + 20):
+            model(torch.tensor([1, 2])).backward()
+            opt.step()
+            opt.zero_grad()
+    assert [w.category for w in caught] == [UnconsumedGradientWarning]
+
+
+def test_no_warning_where_gradients_are_dropped_or_a_step_is_skipped_on_purpose():
+    model = Model()
+    opt = OffloadOptimizer(torch.optim.Adam, model, lr=0.1,
+                           config=nbtools.OffloadConfig(nonfinite="skip"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.tensor([1, 2])).backward()
+        opt.zero_grad()                           # this batch's gradients thrown away
+        (model(torch.tensor([3])) * float("inf")).backward()
+        opt.step()                                # non-finite: the step is skipped
+        opt.zero_grad()
+        model(torch.tensor([1, 2])).backward()
+        opt.step()
+    assert [w for w in caught if issubclass(w.category, UnconsumedGradientWarning)] == []
+    assert opt.skipped_steps() == 1
+
+
 @pytest.mark.parametrize("rows,err,match", [
     (-5, ValueError, "num_rows must be a positive int, got -5"),
     (0, ValueError, "num_rows must be a positive int"),
@@ -94,6 +146,42 @@ def test_plan_takes_numpy_ints_and_names_table_options():
         nbtools.plan(1000, 8, "adam", dtype=torch.int64)
 
 
+@pytest.mark.parametrize("rows,dim,options,err,match", [
+    (10, 2.5, {}, TypeError, r"must be a positive int, got 2.5 \(float\)"),
+    (np.int64(-3), 4, {}, ValueError, r"must be a positive int, got (np.int64\()?-3"),
+    (10, True, {}, TypeError, "must be a positive int, got True"),
+    (10, 4, dict(dtype=torch.int64), TypeError, "dtype must be torch.float32, float64"),
+    (10, 4, dict(dtype="float32"), TypeError, "dtype must be torch.float32, float64"),
+    (10, 4, dict(gpu_fraction=1.5), ValueError, r"gpu_fraction must be a number in \(0, 1\]"),
+    (10, 4, dict(gpu_fraction=True), ValueError, "gpu_fraction must be a number"),
+    (10, 4, dict(disk_dir=7), TypeError, r"disk_dir must be a folder path.*got 7 \(int\)"),
+])
+def test_a_table_and_plan_refuse_the_same_arguments_alike(rows, dim, options, err, match):
+    """One checker for both: what OffloadedEmbedding refuses, plan() refuses with the same
+    type and words (each names its own arguments)."""
+    with pytest.raises(err, match=match):
+        OffloadedEmbedding(rows, dim, device="cpu", **options)
+    with pytest.raises(err, match=match):
+        nbtools.plan(rows, dim, "adam", **options)
+
+
+def test_a_table_takes_numpy_sizes_and_refuses_a_padding_idx_that_is_not_an_int():
+    t = OffloadedEmbedding(np.int64(10), np.int32(4), device="cpu", padding_idx=np.int64(2))
+    assert (t.num_embeddings, t.embedding_dim, t.padding_idx) == (10, 4, 2)
+    assert type(t.num_embeddings) is int
+    with pytest.raises(TypeError, match=r"padding_idx must be an int row id or None, got 1.0"):
+        OffloadedEmbedding(10, 4, device="cpu", padding_idx=1.0)
+
+
+def test_plan_names_keywords_that_the_optimizer_does_not_take():
+    with pytest.raises(TypeError, match=r"plan\(\) got keyword\(s\) \['beta'\].*Adam, which "
+                                        r"takes \['lr', 'betas'"):
+        nbtools.plan(1000, 8, "adam", beta=0.9)
+    with pytest.raises(TypeError, match=r"\['momentum'\].*RowWiseAdagrad"):
+        nbtools.plan(1000, 8, "rowwise_adagrad", momentum=0.9)
+    assert nbtools.plan(1000, 8, "adam", amsgrad=True).row_state[-1] == "max_exp_avg_sq"
+
+
 def test_gpu_placement_without_cuda_is_an_error():
     with pytest.raises(ValueError, match="placement='gpu'.*use placement='host' or 'auto'"):
         OffloadedEmbedding(10, 4, device="cpu", placement="gpu")
@@ -104,8 +192,19 @@ def test_disk_dir_that_is_a_file(tmp_path):
     f.write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file, not a folder"):
         OffloadedEmbedding(10, 4, device="cpu", placement="disk", disk_dir=str(f))
-    with pytest.raises(NotADirectoryError):
-        nbtools.plan(10, 4, "adam", disk_dir=str(f))
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder"):
+        nbtools.plan(10, 4, "adam", disk_dir=f)
+    under = f / "tables"                # a folder to be made, but below a file
+    for make in (lambda: OffloadedEmbedding(10, 4, device="cpu", placement="disk",
+                                            disk_dir=str(under)),
+                 lambda: nbtools.plan(10, 4, "adam", disk_dir=str(under))):
+        with pytest.raises(NotADirectoryError, match=f"lies under '{f}', which is a file"):
+            make()
+    assert f.read_text() == "x"
+    t = OffloadedEmbedding(10, 4, device="cpu", placement="disk",
+                           disk_dir=str(tmp_path / "new" / "folder"))      # made as needed
+    assert t.placement == "disk"
+    t.close()
 
 
 def test_host_memory_error_suggests_disk_where_it_fits(monkeypatch, tmp_path):
@@ -120,3 +219,9 @@ def test_host_memory_error_suggests_disk_where_it_fits(monkeypatch, tmp_path):
     with pytest.raises(HostMemoryError) as e:
         OffloadedEmbedding(100_000, 16, device="cpu", name="big")
     assert "placement='disk'" not in str(e.value)
+    # the disk asked for is the one judged (and named)
+    roomy = tmp_path / "roomy"
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 1 << 40 if str(folder) == str(roomy)
+                        else 1 << 10)
+    with pytest.raises(HostMemoryError, match=f"under {roomy} \\(1.0 TiB free"):
+        OffloadedEmbedding(100_000, 16, device="cpu", name="big", disk_dir=str(roomy))

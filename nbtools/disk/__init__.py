@@ -712,6 +712,23 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
     return new
 
 
+def check_dir(folder) -> None:
+    """Refuse a ``disk_dir`` that cannot hold a disk table's file, before anything is made:
+    TypeError where it is not a path, NotADirectoryError where it (or a folder above it) is a
+    file. A folder that does not exist yet is fine: the table creates it."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"disk_dir must be a folder path (str or os.PathLike), got {folder!r} "
+                        f"({type(folder).__name__})")
+    asked = path = os.path.abspath(os.fspath(folder))
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is a file" if path == asked else f"lies under {path!r}, which is a file"
+        raise NotADirectoryError(f"disk_dir={os.fspath(folder)!r} {where}, not a folder: give "
+                                 "the folder a disk table's file should go in (a missing one "
+                                 "is created)")
+
+
 def free_bytes(folder) -> int:
     """Free bytes on the disk that holds ``folder`` (its nearest existing parent)."""
     import shutil

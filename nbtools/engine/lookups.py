@@ -19,6 +19,8 @@ of those rows) this is what happens to a row in a step; where the rows live is b
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -37,6 +39,17 @@ class UnconsumedGradientWarning(UserWarning):
     """A table's gradients reached it but no :class:`nbtools.OffloadOptimizer` takes them:
     the table does not train (a plain ``torch.optim`` optimizer updates only the other
     parameters)."""
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first frame outside nbtools
+    and torch: the user's line that ran the model (however many modules and decorators lie
+    between)."""
+    inner = tuple(os.path.dirname(f) + os.sep for f in (os.path.dirname(__file__), torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inner):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def ids_error_position(flat_bad: torch.Tensor, shape) -> str:
@@ -213,18 +226,27 @@ class TableLookups:
         return rows, batch.inverse
 
     def _warn_unconsumed(self) -> None:
-        """Once per table: gradients of an earlier lookup reached it, and no OffloadOptimizer
-        steps it (none was made over this table), so nothing will ever apply them."""
-        if self._warned_unconsumed or self._leaf_of(self._pending[-1]).grad is None:
+        """A training lookup of a table no OffloadOptimizer steps (none was made over it, or
+        one was made over another model): the earlier lookups whose gradients arrived will
+        never be applied. Warns once per table, and drops those lookups, which would otherwise
+        pile up with their rows and gradients at every step of a loop that never trains the
+        table."""
+        stale = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
+        if not stale:                # no backward yet (this forward's earlier lookups)
+            return
+        self._pending = [rec for rec in self._pending if self._leaf_of(rec).grad is None]
+        LookupGraphs.release(rec[5] for rec in stale)
+        if self._warned_unconsumed:
             return
         self._warned_unconsumed = True
         warnings.warn(
             f"table {self.name!r} received gradients, but no nbtools.OffloadOptimizer steps "
             "it, so its rows never change (a plain torch.optim optimizer updates only the "
-            "model's other parameters). Make the optimizer with "
-            "opt = nbtools.OffloadOptimizer(torch.optim.Adam, model, lr=...): one optimizer "
+            "model's other parameters, and an OffloadOptimizer steps only the tables of the "
+            "model it was made with). Make the optimizer over this model: "
+            "opt = nbtools.OffloadOptimizer(torch.optim.Adam, model, lr=...), one optimizer "
             "for the tables and the other parameters.", UnconsumedGradientWarning,
-            stacklevel=6)          # the model's forward that looked the table up
+            stacklevel=caller_stacklevel())
 
     def _record(self, rec: tuple) -> None:
         """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""
@@ -234,7 +256,7 @@ class TableLookups:
             warnings.warn(
                 f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
                 "optimizer step: run evaluation under torch.no_grad(), or call "
-                "optimizer.zero_grad()", RuntimeWarning, stacklevel=4)
+                "optimizer.zero_grad()", RuntimeWarning, stacklevel=caller_stacklevel())
 
     def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int,
                      id_order: bool = False):

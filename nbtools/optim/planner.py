@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-import os
 
 import torch
 
 from ..devices import host_memory_bytes, resolve_device
-from ..placement import NoRoomError, auto_placement, disk_bytes
+from ..placement import NoRoomError, auto_placement, check_table_args, disk_bytes
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad
 from ..store.layout import RowLayout, row_padding
-from ..units import human_bytes, positive_int
+from ..units import human_bytes
 from .probe import probe_row_state
 
 # plan()'s names of the row-wise optimizers (besides the torch.optim class names)
@@ -68,6 +68,27 @@ class Plan:
                 f"  placement='auto' -> {self.placement} ({self.placement_reason})")
 
 
+def _check_hyperparameters(optimizer, kwargs: dict) -> None:
+    """Refuse, naming plan(), keywords that ``optimizer`` does not take (else its __init__
+    would be blamed for a slip in the call to plan())."""
+    if not isinstance(optimizer, type):
+        raise TypeError(f"optimizer must be an optimizer class (torch.optim.Adam, "
+                        f"nbtools.RowWiseAdagrad, ...) or its name, got {optimizer!r}")
+    try:
+        params = inspect.signature(optimizer.__init__).parameters
+    except (TypeError, ValueError):          # no signature to read: the optimizer judges
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        takes = [n for n, p in params.items() if n not in ("self", "params") and
+                 p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        raise TypeError(f"plan() got keyword(s) {unknown} that are neither its own (device, "
+                        f"gpu_fraction, disk_dir, dtype, unique_ids_per_step) nor "
+                        f"hyper-parameters of {optimizer.__name__}, which takes {takes}")
+
+
 def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
          unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
          disk_dir=None, **optimizer_kwargs) -> Plan:
@@ -91,13 +112,9 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     >>> p.row_state, p.host_bytes // 10_000_000      # 256 weight + 4 state, padded to 288
     (['sum'], 288)
     """
-    num_rows = positive_int("num_rows", num_rows)
-    dim = positive_int("dim", dim)
-    unique_ids_per_step = positive_int("unique_ids_per_step", unique_ids_per_step)
-    if not isinstance(dtype, torch.dtype) or dtype not in (
-            torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got "
-                        f"{dtype!r}")
+    num_rows, dim, unique_ids_per_step = check_table_args(
+        {"num_rows": num_rows, "dim": dim, "unique_ids_per_step": unique_ids_per_step}, dtype,
+        gpu_fraction=gpu_fraction, disk_dir=disk_dir)
     table_options = {"placement", "name", "device_ids", "padding_idx", "pin", "cache_bytes",
                      "cache_fraction", "cache_rows", "host_cache_bytes", "state_dtype",
                      "rounding", "write_behind", "cuda_graphs"} & set(optimizer_kwargs)
@@ -107,11 +124,6 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                         "(Plan.placement); pass placement and the other table options to "
                         "OffloadedEmbedding. plan()'s other keywords are the optimizer's "
                         "hyper-parameters (amsgrad=True, ...)")
-    if not isinstance(gpu_fraction, (int, float)) or isinstance(gpu_fraction, bool) \
-            or not 0 < gpu_fraction <= 1:
-        raise ValueError(f"gpu_fraction must be in (0, 1], got {gpu_fraction!r}")
-    if disk_dir is not None and os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
-        raise NotADirectoryError(f"disk_dir={disk_dir!r} is a file, not a folder")
     if isinstance(optimizer, str):
         lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                   if isinstance(getattr(torch.optim, n), type)}
@@ -121,6 +133,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
             raise ValueError(f"unknown optimizer {optimizer!r}; use a torch.optim class or one of "
                              f"{sorted(lookup)}")
         optimizer = lookup[key]
+    _check_hyperparameters(optimizer, optimizer_kwargs)
     optimizer_kwargs.setdefault("lr", 1e-3)
     low = dtype in (torch.bfloat16, torch.float16)
     row_state, _, _, _, shapes = probe_row_state(optimizer, optimizer_kwargs, dim,
