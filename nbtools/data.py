@@ -1,9 +1,12 @@
-"""Datasets the notebooks use: fetched with gdown, verified by hash, cached, turned into id tensors.
+"""Datasets the notebooks use: downloaded, verified by hash, cached, turned into id tensors.
 
 ``fetch(name_or_url)`` takes a registry name (``"ml-100k"``, ``"text8"``, ...), a Google Drive
-link or file id, or a plain URL. It downloads with gdown (5.2 as on Colab, or 6.x) into a
-temporary directory beside the cache, retries with exponential backoff, checks size and hash,
-and only then renames the file into the cache (on Google Drive in Colab, so that a new runtime
+link or file id, or a plain URL. A plain http(s) URL (every registry entry) downloads with the
+standard library (urllib, streamed, with a progress bar where tqdm is installed); a Google
+Drive link with gdown (5.2 as on Colab, or 6.x; the ``[notebook]`` extra), imported only then.
+Either way the file goes into a temporary directory beside the cache, failures are retried
+with exponential backoff, size and hash are checked, and only then is the file renamed into
+the cache (on Google Drive in Colab, so that a new runtime
 does not download it again). Drive's "too many users have viewed or downloaded this file"
 quota error gets its own message with the workaround.
 
@@ -580,6 +583,26 @@ def _read_inter(data: bytes, path) -> list:
     return [by_col[c] if c is not None else None for c in cols]
 
 
+def _refuse_missing(name: str, columns: dict) -> None:
+    """Refuse a numeric column with an empty or non-numeric field (read as NaN) or an infinite
+    one, naming the data row: renumbered, a NaN id would become an id of its own, and a NaN
+    rating would stop training at its first batch."""
+    for what, col in columns.items():
+        if col is None:
+            continue
+        try:
+            values = np.asarray(col, dtype=np.float64)
+        except ValueError:                   # RecBole tokens: ids need not be numbers
+            continue
+        bad = ~np.isfinite(values)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{name}: data row {row + 1:,} (counted from 1, header left out) "
+                             f"has {what} {float(values[row])!r}: an empty, non-numeric or infinite "
+                             f"field ({int(bad.sum()):,} such rows in all). Fix or drop those "
+                             "rows in the file.")
+
+
 def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating") -> Ratings:
     """Load interactions from a zip, a directory or the file itself.
 
@@ -606,6 +629,7 @@ def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating")
         table = _table(data, ",", True, tuple(c for c in cols if c is not None))
         users, items, rates = table[:, 0], table[:, 1], table[:, 2]
         times = table[:, 3] if cols[3] is not None else None
+    _refuse_missing(name, {"user": users, "item": items, "rating": rates, "timestamp": times})
     user_ids, num_users = _renumber(users)
     item_ids, num_items = _renumber(items)
     n = len(user_ids)

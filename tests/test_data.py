@@ -181,6 +181,12 @@ def test_registry_is_honest():
             assert d.hash_source, d.name
 
 
+def test_every_registry_download_is_a_plain_url():
+    """No named dataset needs gdown (Google Drive links are for files users bring)."""
+    for d in data.REGISTRY.values():
+        assert d.url is None or data._parse_source(d.url) == ("url", d.url), d.name
+
+
 # Known answers published independently of this code: RFC 1321 appendix A.5 (md5) and
 # FIPS 180-2 appendix B.1 (sha256) for "abc"; md5/sha256 of the empty string.
 @pytest.mark.parametrize("content, md5, sha256", [
@@ -262,6 +268,17 @@ def test_load_ratings_formats(tmp_path, fmt):
             times=fmt != "goodbooks")
 
 
+@pytest.mark.parametrize("line,what", [("2,3,nan", "rating nan"), ("2,3,inf", "rating inf"),
+                                       ("nan,3,4", "user nan")])
+def test_load_ratings_refuses_missing_or_infinite_values_naming_the_row(tmp_path, line, what):
+    """A NaN id would be renumbered into an id of its own, a NaN rating would stop training at
+    its first batch: the loader refuses them, naming the data row."""
+    path = tmp_path / "ratings.csv"
+    path.write_text(f"userId,movieId,rating\n1,2,4\n{line}\n3,4,5\n")
+    with pytest.raises(ValueError, match=f"ratings.csv: data row 2 .* has {what}"):
+        data.load_ratings(path)
+
+
 def test_load_inter_with_string_tokens_and_no_rating(tmp_path):
     # RecBole tokens may be any strings; ids follow their sorted order; no rating column -> 1.0
     path = tmp_path / "x.inter"
@@ -322,8 +339,11 @@ def test_eval_sets_are_pinned_with_hashes_and_sizes():
         "fa3334003a2c00a47810856c5813a990", 603_955)     # md5sum / stat of the wheel's copies
 
 
-def test_eval_sets_download_verified_and_cached(eval_server, tmp_path):
+def test_eval_sets_download_verified_and_cached(eval_server, tmp_path, monkeypatch):
     files, hits = eval_server
+    monkeypatch.setitem(sys.modules, "gdown", None)       # plain URLs: the standard library
+    monkeypatch.setitem(sys.modules, "requests", None)
+    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("used gdown"))
     for name in EVAL_SETS:
         d = data.REGISTRY[name]
         path = fetch(name, cache_dir=tmp_path, quiet=True)

@@ -618,6 +618,29 @@ def test_fit_refuses_bad_rows_before_training(users, items, ratings, config, mat
         assert torch.equal(v, m.state_dict()[k]), k
 
 
+def test_fit_refuses_ids_that_are_not_integers():
+    m = MatrixFactorization(5, 6, 4, device="cpu")
+    bad = Ratings(torch.tensor([0.0, 1.5]), torch.tensor([0, 1]), torch.tensor([4.0, 3.0]), 5, 6)
+    with pytest.raises(TypeError, match="user_ids must be integers, got dtype torch.float32"):
+        fit(m, bad, epochs=1, batch_size=2)
+    times = Ratings(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([4.0, 3.0]), 5, 6,
+                    torch.tensor([10.0, float("nan")]))
+    with pytest.raises(ValueError, match="interaction 1 has timestamp nan"):
+        fit(m, times, epochs=1, batch_size=2)
+
+
+def test_seen_pairs_refuse_ids_outside_their_ranges():
+    """A key ``user * num_items + item`` with an item past the range is another user's pair:
+    refused, naming the id and its position."""
+    with pytest.raises(IndexError, match=r"item id 4 at position 1 is outside 0\.\.3"):
+        K.Interactions(torch.tensor([0, 0]), torch.tensor([1, 4]), 2, 4)
+    with pytest.raises(IndexError, match=r"user id -1 at position 0"):
+        K.Interactions(torch.tensor([-1, 0]), torch.tensor([1, 2]), 2, 4)
+    m = MatrixFactorization(2, 4, 4, device="cpu")
+    with pytest.raises(IndexError, match="item id 7"):
+        m.set_seen(torch.tensor([0]), torch.tensor([7]))
+
+
 def test_recommend_says_when_rows_are_not_finite():
     m = MatrixFactorization(5, 20, 4, device="cpu", config=MFConfig(loss="bce"))
     fit(m, _ratings([0, 1, 2], [0, 1, 2], [1.0, 1.0, 1.0], ni=20), epochs=1, batch_size=2)

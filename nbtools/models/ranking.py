@@ -47,6 +47,12 @@ class Interactions:
         if users.numel() != items.numel():
             raise ValueError(f"{users.numel():,} user ids but {items.numel():,} item ids")
         self.num_users, self.num_items = int(num_users), int(num_items)
+        for what, ids, n in (("user", users, self.num_users), ("item", items, self.num_items)):
+            bad = (ids < 0) | (ids >= n)
+            if bool(bad.any()):          # a key users * num_items + items would be another pair's
+                pos = int(bad.nonzero()[0, 0])
+                raise IndexError(f"{what} id {int(ids[pos])} at position {pos:,} is outside "
+                                 f"0..{n - 1:,} ({int(bad.sum()):,} such ids)")
         self.keys = torch.unique(users * self.num_items + items)            # sorted
         counts = torch.bincount(self.keys // self.num_items, minlength=self.num_users)
         self.indptr = torch.zeros(self.num_users + 1, dtype=torch.long, device=device)

@@ -576,11 +576,19 @@ def check_ratings(model: MatrixFactorization, data: Ratings) -> None:
             raise ValueError(f"interaction {row:,} has {what} {values[row].item()!r}: {want} "
                              f"({int(bad.sum()):,} such rows in all). Fix or drop those rows "
                              "before fit(): nothing was trained.")
+    for what, ids in (("user_ids", users), ("item_ids", items)):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{what} must be integers, got dtype {ids.dtype}; convert with "
+                            ".long() where they are whole numbers. Nothing was trained.")
     first((users < 0) | (users >= model.num_users), "user id", users,
           f"the model has users 0..{model.num_users - 1:,}")
     first((items < 0) | (items >= model.num_items), "item id", items,
           f"the model has items 0..{model.num_items - 1:,}")
     first(~torch.isfinite(ratings), "rating", ratings, "ratings must be finite numbers")
+    times = getattr(data, "timestamps", None)
+    if times is not None and torch.as_tensor(times).is_floating_point():
+        times = torch.as_tensor(times)      # (recency weights and temporal splits read them)
+        first(~torch.isfinite(times), "timestamp", times, "timestamps must be finite numbers")
     low_high = model.config.rating_range
     if model.config.loss == "mse" and low_high is not None:
         lo, hi = low_high
