@@ -69,8 +69,8 @@ def on(device: torch.device):
 
 
 def on_tables(fn):
-    """Decorator of a method of an object with a ``device`` (a table) or ``tables`` (an
-    optimizer: the first table's device): the method runs with that device current (:func:`on`)."""
+    """Decorator of a method of an object with a ``device`` (a table) or a ``guard_device``
+    (an optimizer: its first table's): the method runs with that device current (:func:`on`)."""
     @functools.wraps(fn)
     def run(self, *args, **kwargs):
         dev = getattr(self, "device", None)
