@@ -61,12 +61,13 @@ class TableConfig:
     # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
     # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
     cuda_graphs: bool = True
-    # A GPU cache of hot rows (weight and optimizer state together, nbtools.store.cache) for a table
-    # in pinned host memory: its size in GPU bytes (the rows plus 8 bytes per table row for
-    # the row -> slot map and the counts), or a share of the GPU memory free when the
-    # optimizer attaches, or room for cache_rows rows. None, None, None: no cache, except under
-    # placement="auto" when the table goes to host memory, where the cache takes the
-    # gpu_fraction budget.
+    # A GPU cache of hot rows (weight and optimizer state together) for a table in pinned host
+    # memory (nbtools.store.cache) or on disk (nbtools.disk.gpu: a level above its RAM cache,
+    # holding other rows than RAM): its size in GPU bytes (the rows, plus for a host table 8
+    # bytes per table row for the row -> slot map and the counts), or a share of the GPU
+    # memory free when the optimizer attaches, or room for cache_rows rows. None, None, None:
+    # no cache, except under placement="auto" when the table goes to host memory or disk,
+    # where the cache takes the gpu_fraction budget.
     cache_bytes: int | None = None
     cache_fraction: float | None = None
     cache_rows: int | None = None
@@ -111,11 +112,6 @@ class TableConfig:
             check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
         if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
             positive_int("host_cache_bytes", self.host_cache_bytes)
-        if placement == "disk" and any(getattr(self, k) is not None for k in
-                                       ("cache_bytes", "cache_fraction", "cache_rows")):
-            raise ValueError("placement='disk' keeps its hot rows in RAM (host_cache_bytes); "
-                             "a GPU cache above a disk table is not supported: leave "
-                             "cache_bytes, cache_fraction and cache_rows unset")
         if self.write_behind not in (None, True, False):
             raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
                              f"memory), True or False, got {self.write_behind!r}")
@@ -282,6 +278,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         lookups address by slot; they never write behind, whose patches need sorted ids)."""
         store = RowStore(self._host, self.device)
         store.write_behind_ok = self._disk is None
+        if self._disk is not None:      # its GPU cache, if any (nbtools.disk.gpu)
+            store.cache = self._disk.above
         return store
 
     def _new_rows(self, shape, dtype):
@@ -398,6 +396,12 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         capacity, self._cache_why = cache_capacity(self)
         if capacity is None:
             return
+        if self._disk is not None:      # a GPU level above the RAM slots
+            from .disk.gpu import GpuLevel
+            self._disk.above = GpuLevel(self._disk, capacity, self.device)
+            self._rows = self._store()
+            self._graphs.invalidate()
+            return
         self._rows.attach_cache(capacity)
         self._graphs.invalidate()
         self._cache_counts = CacheCounts()
@@ -444,7 +448,10 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
-        saved (a hit reads and writes nothing over PCIe), capacity. Empty without a cache."""
+        saved (a hit reads and writes nothing over PCIe), capacity; for a disk table, also
+        RAM's lookups and hit rate below it. Empty without a cache."""
+        if self._disk is not None and self._disk.above is not None:
+            return self._disk.above.summary(self._rows.row_bytes)
         return self._cache_counts.summary(self._rows)
 
     @property
@@ -573,7 +580,9 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         if self._disk is not None:
             from . import disk
             s += ", " + disk.describe(self._disk)
-        if self._rows.cache is not None:
+        if self._disk is not None and self._disk.above is not None:
+            s += f", {self._disk.above.describe()} ({self._cache_why})"
+        elif self._rows.cache is not None:
             s += (f", cache={self._rows.cache.capacity:,} rows "
                   f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")
         return s

@@ -232,3 +232,13 @@ def train_reading_ahead(table, batches, depth: int, stray=None):
         opt.step()
         opt.zero_grad()
     return opt
+
+
+def assert_same_rows(expected, table) -> None:
+    """Assert that ``table``'s weights and every per-row state column are bit for bit those of
+    ``expected`` (the same model trained elsewhere: another placement, a resumed run)."""
+    import torch
+    assert torch.equal(expected.weight, table.weight), f"table {table.name!r}: weights differ"
+    for name in expected.state_names:
+        assert torch.equal(expected.state_columns(name), table.state_columns(name)), \
+            f"table {table.name!r}: state {name!r} differs"

@@ -156,7 +156,7 @@ class _ReadsAhead:
             ra = self._readahead
             ra.settle_done()
             slots = self.slot_of[ids]
-            with self._sparing(slots[slots >= 0]):
+            with self.sparing(slots[slots >= 0]):
                 ra.start(Ahead(None), ids[slots < 0])
             pending = ra.pending_for(ids)
         for f in pending:
@@ -206,6 +206,43 @@ def row_map_bytes(num_rows: int) -> int:
     return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
 
 
+def take_free(free: collections.deque, k: int) -> np.ndarray:
+    """Up to ``k`` slots from a free list (a deque of slot arrays), oldest first."""
+    got, need = [], k
+    while need and free:
+        part = free.popleft()
+        if len(part) > need:
+            free.appendleft(part[need:])
+            part = part[:need]
+        got.append(part)
+        need -= len(part)
+    return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+
+def clock_sweep(owner, need: int, size: int, usable) -> np.ndarray:
+    """CLOCK (second chance) over ``size`` slots of ``owner`` (its ``_hand``, ``ref`` and
+    ``locked`` arrays), vectorised over windows: up to ``need`` slots that ``usable(lo, hi)``
+    (a bool array of slots ``lo:hi``) allows and whose reference bit is clear, clearing the
+    bits of the usable slots it passes (two turns at most)."""
+    out, taken, passed = [], 0, 0
+    window = max(4 * need, 4096)
+    while taken < need and passed < 2 * size:
+        lo = owner._hand
+        hi = min(lo + window, size)
+        ok = usable(lo, hi)
+        pick = np.flatnonzero(ok & ~owner.ref[lo:hi])[: need - taken] + lo
+        end = pick[-1] + 1 if len(pick) and taken + len(pick) == need else hi
+        owner.ref[lo:end] &= ~ok[: end - lo]      # second chance spent
+        owner.locked[pick] = True                 # not picked twice on the next turn
+        out.append(pick)
+        taken += len(pick)
+        passed += end - lo
+        owner._hand = end % size
+    out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    owner.locked[out] = False
+    return out
+
+
 class _Slots:
     """Which RAM slot a missing row of a :class:`DiskRows` takes (its base class; the methods
     use its slot arrays under its lock): a free slot, else one CLOCK finds idle, never one
@@ -236,7 +273,7 @@ class _Slots:
             self._events.popleft()
 
     @contextlib.contextmanager
-    def _sparing(self, hits: np.ndarray):
+    def sparing(self, hits: np.ndarray):
         """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
         was = self.locked[hits].copy()
         self.locked[hits] = True
@@ -270,41 +307,12 @@ class _Slots:
 
     def _take_free(self, k: int) -> np.ndarray:
         """Up to ``k`` slots that hold no row."""
-        got, need = [], k
-        while need and self.free_slots:
-            part = self.free_slots.popleft()
-            if len(part) > need:
-                self.free_slots.appendleft(part[need:])
-                part = part[:need]
-            got.append(part)
-            need -= len(part)
-        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+        return take_free(self.free_slots, k)
 
     def _sweep(self, need: int) -> np.ndarray:
-        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear,
-        clearing the bits it passes (two turns at most)."""
-        out, taken, passed = [], 0, 0
-        window = max(4 * need, 4096)
-        while taken < need and passed < 2 * self.slots:
-            lo = self._hand
-            hi = min(lo + window, self.slots)
-            idx = np.arange(lo, hi)
-            ok = (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & \
-                (self.busy[lo:hi] <= self._done_upto)
-            pick = idx[ok & ~self.ref[lo:hi]][: need - taken]
-            if len(pick):
-                end = pick[-1] + 1 if taken + len(pick) == need else hi
-            else:
-                end = hi
-            self.ref[lo:end] &= ~ok[: end - lo]   # second chance spent
-            self.locked[pick] = True              # not picked twice on the next turn
-            out.append(pick)
-            taken += len(pick)
-            passed += end - lo
-            self._hand = end % self.slots
-        out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-        self.locked[out] = False
-        return out
+        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear."""
+        return clock_sweep(self, need, self.slots, lambda lo, hi: (
+            (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & (self.busy[lo:hi] <= self._done_upto)))
 
     def _evict(self, slots: np.ndarray) -> None:
         """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
@@ -366,6 +374,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         self._remove = weakref.finalize(self, _remove_file, raw, path)
         self._pin = pin and self.device.type == "cuda"
         self.slots_lock = threading.RLock()
+        self.above = None                       # a GPU cache of hot rows (nbtools.disk.gpu)
         self._readahead = None                  # ReadAhead, from the first read_ahead
         self.evicted_rows = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
@@ -481,6 +490,8 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         if self._step:
             self._written.append(np.concatenate(self._step))
             self._step = []
+        if self.above is not None:
+            self.above.step_queued()
 
     def _close_step(self) -> None:
         written, self._written = self._written, []
@@ -518,7 +529,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             _counters["lookup_rows"] += len(ids)
             _counters["hit_rows"] += len(ids) - nmiss - early
             if nmiss:
-                with self._sparing(slots[~miss]):
+                with self.sparing(slots[~miss]):
                     free = self.take_slots(nmiss, wait=True)
                 self._load(ids[miss], free)
                 slots[miss] = free
@@ -575,6 +586,25 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         if kept is not None:
             self.dirty[slots[kept]] = True      # (the file may not have them yet)
 
+    def write_evicted(self) -> None:
+        """Write the rows evicted so far (on the write-back thread; where read-aheads run,
+        theirs to track, else waited for here). Under the lock."""
+        if not self.evicted_rows:
+            return
+        stash, self.evicted_rows = self.evicted_rows, []
+        writing = self.writer_pool().submit(self.drain, stash)
+        if self._readahead is not None:
+            self._readahead.track_write(stash, writing)
+        else:
+            uninterrupted(writing.result)
+
+    def write_file(self, ids: np.ndarray, raw: np.ndarray) -> None:
+        """Write rows ``ids`` (sorted; not in RAM) as stored (uint8 ``[len(ids), row_bytes]``)
+        to the file, after the evicted rows still waiting. Under the lock, with no read-ahead
+        in flight."""
+        self._write_stash()
+        self._write(np.asarray(ids, dtype=np.int64), raw)
+
     def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""
         self.slot_of[ids] = slots
@@ -623,6 +653,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             self._readahead = self._writer = None
         self.slab.close()
         self._map = None
+        self.above = None
         self._remove()
         # the row maps leave the host budget now (the slab's pages when the table goes)
         self._release_maps()
@@ -742,14 +773,20 @@ def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarr
     """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
     read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
     compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
-    count as :func:`nbtools.store.rows.unique_ids` gives them), and the slots as a host array."""
+    count as :func:`nbtools.store.rows.unique_ids` gives them), and the RAM slots it reads as a
+    host array. With a GPU cache (:mod:`nbtools.disk.gpu`) the batch addresses GPU slots too,
+    and its sentinel is the cache's."""
     disk = table.disk
     n = table.num_embeddings
     p = disk.take_prepared(ids) or prepare(ids, n, table.padding_idx)
-    slots = disk.resolve(p.uniq, training)
-    m = len(slots)
+    if disk.above is not None:        # a GPU cache over the RAM slots: rows in either level
+        where, slots = disk.above.lookup(p.uniq, training)
+        n = disk.above.sentinel
+    else:
+        where = slots = disk.resolve(p.uniq, training)
+    m = len(where)
     local = torch.full((m + int(p.sentinel),), n, dtype=torch.long)
-    local[:m] = torch.from_numpy(slots)
+    local[:m] = torch.from_numpy(where)
     meta = torch.tensor([int(p.bad), m + int(p.sentinel), int(p.sentinel)])
     dev = table.device
     if dev.type == "cuda":        # from pinned memory: a pageable copy would wait for the GPU

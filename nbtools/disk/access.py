@@ -99,6 +99,8 @@ class WholeTable:
             self._write_stash()
             self._close_step()
             self.advance_clock(wait_for=self._event_index)
+            if self.above is not None:      # rows the GPU changed: into RAM or the file first
+                self.above.flush(drop)
             dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
             if len(dirty):
                 self._write_slots(dirty)
@@ -126,6 +128,8 @@ class WholeTable:
         raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
         with self.slots_lock:
             self._write_stash()
+            if self.above is not None:
+                self.above.forget_rows(ids)
             self.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed.add(ids)
             slots = self.slot_of[ids]
@@ -140,6 +144,8 @@ class WholeTable:
         self.wait_read_ahead()
         with self.slots_lock:
             self._write_stash()
+            if self.above is not None:
+                self.above.forget_rows(np.arange(start, start + rows.shape[0]))
             self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
                 rows.shape[0], self.row_bytes))
             self.changed.add_range(start, start + rows.shape[0])
@@ -150,6 +156,8 @@ class WholeTable:
         self._ensure_init()
         with self.slots_lock:
             self._write_stash()
+            if self.above is not None:
+                self.above.flush()
             out = torch.empty((stop - start, self.width), dtype=self.dtype)
             raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
             self.file.read_range(start, raw)
@@ -256,6 +264,8 @@ class WholeTable:
         the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
         self.wait_read_ahead()
         with self.slots_lock:
+            if self.above is not None:
+                self.above.flush()
             slots = self.slot_of[ids]
             hot = slots >= 0
             if hot.any():
@@ -296,6 +306,8 @@ class WholeTable:
             self._step = []
             self.advance_clock(wait_for=self._event_index)
             self.evicted_rows = []
+            if self.above is not None:
+                self.above.discard()
             if self._readahead is not None:
                 self._readahead.queue.clear()
             self.initial = None

@@ -133,6 +133,8 @@ class ReadAhead:
                 self._written()
         with d.slots_lock:
             self.settle_done()
+            if d.above is not None:         # rows in the GPU cache: never read from here
+                want = want[~d.above.holds(want)]
             where = d.slot_of[want]
             d.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK spares
             self.start(item, want[where < 0])   # them once more before its lookup

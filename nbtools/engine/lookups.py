@@ -349,7 +349,7 @@ class TableLookups:
             rows = torch.cat(parts).index_select(0, pick)
         if self.padding_idx is not None:
             # padding ids became the sentinel slot: its gradient is never applied, nor checked
-            grad = grad.masked_fill((batch.ids == self.num_embeddings).unsqueeze(1), 0)
+            grad = grad.masked_fill((batch.ids == batch.num_rows).unsqueeze(1), 0)
         if self._grad_scale is not None:
             grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
         captures = [r[5] for r in records]

@@ -78,7 +78,7 @@ def zero_copy_programs(device: torch.device, cached: bool = False) -> int | None
 def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: torch.Tensor,
                 col0: int = 0, cache: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, programs: int | None = None,
-                keep: bool = False) -> torch.Tensor:
+                keep: bool = False, num_rows: int | None = None) -> torch.Tensor:
     """``out[r] = src[ids[r], col0:col0 + out.shape[1]]`` for ``r < count`` and ids in range;
     zero rows elsewhere. ``count`` is a one-element tensor on the GPU: no host sync. With a
     ``cache``, rows whose ``slots[r] >= 0`` are read from ``cache[slots[r]]`` instead.
@@ -88,12 +88,14 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     rows. A gather from host memory spends its time waiting on PCIe; uncapped, its waiting
     programs fill every SM and kernels running beside it (a prefetch's gather beside the
     step's compute) cannot start until it ends. ``keep``: rows not read (past ``count``, out
-    of range) keep what ``out`` held instead of becoming zeros.
+    of range) keep what ``out`` held instead of becoming zeros. ``num_rows``: ids below it are
+    in range (default ``len(src)``; more where ids past ``src`` address ``cache`` rows).
     """
     cap, width = out.shape
     if cap == 0:
         return out
     result = out
+    num_rows = src.shape[0] if num_rows is None else num_rows
     has_cache = cache is not None
     (src, out, *cached), (col0, width) = _as_vectors(
         [src, out] + ([cache] if has_cache else []), (col0, width))
@@ -102,7 +104,7 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     row_blocks = triton_cdiv(cap, block_r)
     grid = (min(row_blocks, programs or row_blocks), triton_cdiv(width, block_c))
     with on(ids.device):
-        jit("rows").gather[grid](src, src.stride(0), col0, ids, count, src.shape[0], out,
+        jit("rows").gather[grid](src, src.stride(0), col0, ids, count, num_rows, out,
                                  out.stride(0), cap, width, cache if has_cache else src,
                                  cache.stride(0) if has_cache else 0,
                                  slots if has_cache else ids, row_blocks, HAS_CACHE=has_cache,

@@ -173,7 +173,8 @@ class TableSlot:
                                     rounding=table.config.rounding, in_place=True,
                                     num_rows=table.num_embeddings)
         else:
-            target = table.rows.target(got.batch.ids, layout, table.config.rounding)
+            target = table.rows.target(got.batch.ids, layout, table.config.rounding,
+                                       got.batch.num_rows)
         plan.fused(got.rows, rows_w, got.grad, target, got.batch.ids, got.batch.count, guard,
                    hyper, plan.consts)
 

@@ -223,7 +223,7 @@ def cache_budget(table) -> tuple[int | None, str]:
     if len(given) > 1:
         raise ValueError(f"table {table.name!r}: give one of cache_bytes, cache_fraction and "
                          f"cache_rows, not {' and '.join(given)}")
-    if table.placement != "host" or table.device.type != "cuda" and not (
+    if table.placement not in ("host", "disk") or table.device.type != "cuda" and not (
             cfg.cache_bytes or cfg.cache_rows):
         return None, ""
     if cfg.cache_bytes is not None:
@@ -294,6 +294,12 @@ def cache_capacity(table) -> tuple:
                       stacklevel=5)
         return None, why
     n = table.num_embeddings
+    if table.disk is not None:     # a disk table's GPU level: its maps are in host RAM
+        capacity = table.config.cache_rows or budget // rows.row_bytes
+        if capacity < 1:
+            raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
+                             f"hold one row of {human_bytes(rows.row_bytes)}")
+        return min(capacity, n), why
     capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(rows.row_bytes)
     if capacity < 1:
         raise ValueError(

@@ -464,8 +464,8 @@ class RowStore:
     def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
         """Rows ``idx`` (columns ``start:stop``) on the compute device; every id in range."""
         self.settle()
-        if self.cache is not None:
-            rows = self._gather_host(idx, start, stop)
+        if self.cache is not None:     # (ids past the host rows address the cache's: a disk
+            rows = self._gather_host(idx.clamp(max=self.num_rows - 1), start, stop)  # table's)
             return self._from_cache(rows, self.cache.locate(idx), start, stop)
         return self._gather_host(idx, start, stop)
 
@@ -524,7 +524,8 @@ class RowStore:
                 programs = kernels.zero_copy_programs(self.device, cached=slots is not None)
             return kernels.gather_rows(self.host.view(), batch.ids, batch.count, out, start,
                                        None if slots is None else self.cache.rows, slots,
-                                       programs, keep=into is not None)
+                                       programs, keep=into is not None,
+                                       num_rows=batch.num_rows)
         # torch path: the sentinel reads row 0 and is zeroed after (it is at most one slot per
         # unique value, and ids past count repeat it). It is batch.num_rows, which is past
         # every row here (a disk table's RAM slots are fewer than its rows).
@@ -532,18 +533,20 @@ class RowStore:
         rows = self._gather_host(safe, start, stop)
         if slots is not None:
             rows = self._from_cache(rows, slots, start, stop)
-        unused = (batch.ids >= self.num_rows).unsqueeze(1)
+        unused = (batch.ids >= batch.num_rows).unsqueeze(1)
         if into is not None:
             return into.copy_(torch.where(unused, into, rows))
         return rows.masked_fill_(unused, 0)
 
-    def target(self, ids: torch.Tensor, layout: RowLayout,
-               rounding: str = "nearest") -> kernels.Target:
+    def target(self, ids: torch.Tensor, layout: RowLayout, rounding: str = "nearest",
+               num_rows: int | None = None) -> kernels.Target:
         """Where a fused update of the rows ``ids`` writes: the table's view (and its weights as
-        ``layout`` stores them) and, with a cache, the cache and each id's slot in it."""
+        ``layout`` stores them) and, with a cache, the cache and each id's slot in it.
+        ``num_rows``: the batch's sentinel (ids below it are rows)."""
         self.settle()
         view = self.host.view()
-        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding)
+        t = kernels.Target(view, layout.weight(view), layout.weight_cols, rounding=rounding,
+                           num_rows=num_rows)
         if self.cache is not None:
             t.cache, t.cache_w = self.cache.rows, layout.weight(self.cache.rows)
             t.slots = self.cache.locate(ids)
