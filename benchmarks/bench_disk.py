@@ -19,6 +19,11 @@ Sections:
                 when it starts). ``--also-ahead``: other read-ahead depths timed in the same
                 rounds
   uniform       uniform ids: rows read per second against the probed rate
+  gpu cache     with ``--gpu-cache-gib``: the same table given a GPU cache above its RAM cache
+                (nbtools.disk.gpu), the GPU warmed with the hottest rows and RAM with the next
+                (RAM's rows marked changed: a long run's steady state), ``--gpu-settle`` steps
+                run, then the read-ahead loop's rounds again: rows read from disk per step and
+                ms/step against the rounds above (RAM cache only), in this run
   memory        RSS + pinned + page cache growth (and the cgroup's memory.current), sampled
                 every 0.2 s from outside the training loop; max and a plot (memory.png)
 
@@ -266,6 +271,43 @@ def measure(table, opt, batches, device, prefetch: int) -> dict:
                for key in ("read_s", "write_s", "wait_s")}}
 
 
+def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
+    """The section ``gpu cache``: the table's read-ahead loop again with a GPU cache above
+    its RAM cache (into ``res["gpu_cache"]``)."""
+    from nbtools.disk.gpu import attach
+    d = table.disk
+    level = attach(table, int(args.gpu_cache_gib * (1 << 30)) // d.row_bytes)
+    hot = hottest(args.rows, min(args.rows, level.capacity + d.capacity_rows))
+    t0 = time.perf_counter()
+    d.warm(hot, level=level)
+    t1 = time.perf_counter()
+    d.warm(hot)
+    t2 = time.perf_counter()
+    del hot
+    d.dirty[d.id_of >= 0] = True          # as after a long run: RAM's rows came down changed
+    level.dirty[level.id_of >= 0] = True
+    mem.mark("gpu cache warm")
+    run_steps(table, opt, zipf_batches(args.gpu_settle), device, prefetch=args.ahead)
+    before = dict(level.counts)
+    loops = [measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device, args.ahead)
+             for _ in range(args.rounds)]
+    mem.mark("gpu cache rounds")
+    hits = level.counts["hits"] - before["hits"]
+    med = lambda xs: float(np.median(xs))       # noqa: E731
+    g = res["gpu_cache"] = {
+        "rows": level.capacity, "gib": level.nbytes / 2**30, "warm_gpu_s": t1 - t0,
+        "warm_ram_s": t2 - t1, "loops": loops,
+        "disk_rows_per_step_rounds": [x["disk_read_rows_per_step"] for x in loops],
+        "ms_per_step_rounds": [x["ms_per_step"] for x in loops],
+        "gpu_hit_rate": hits / max(1, level.counts["lookups"] - before["lookups"]),
+        "ram_hit_rate": med([x["ram_hit_rate"] for x in loops])}
+    g["reads_x"] = med(g["disk_rows_per_step_rounds"]) / \
+        res["zipf_read_ahead"]["disk_read_rows_per_step"]
+    g["ms_x"] = med(g["ms_per_step_rounds"]) / res["zipf_read_ahead"]["ms_per_step"]
+    print(f"GPU cache {level.capacity:,} rows: disk rows/step {g['disk_rows_per_step_rounds']}, "
+          f"ms/step {g['ms_per_step_rounds']}, GPU hit rate {g['gpu_hit_rate']:.3f}", flush=True)
+
+
 def syncs_per_step(table, opt, batches, device) -> float | None:
     """Host synchronisations per step (torch.cuda.set_sync_debug_mode), read-ahead on."""
     if device.type != "cuda":
@@ -417,6 +459,9 @@ def main():
                     help="log layout (NBTOOLS_DISK_LAYOUT=log): train uniform steps for up to "
                          "this long before the rounds, until the spare slots are used and the "
                          "cleaner runs (its steady state)")
+    ap.add_argument("--gpu-cache-gib", type=float, default=0.0,
+                    help="after the rounds: a GPU cache of this size above the RAM cache")
+    ap.add_argument("--gpu-settle", type=int, default=40)
     ap.add_argument("--age-copy", action="store_true",
                     help="with --age-s: age by moving randomly chosen rows through the log's own "
                          "appends (one sequential pass over the file, the rows unchanged) "
@@ -428,6 +473,7 @@ def main():
         args.rows, args.dim, args.ids, args.steps = 100_000, 32, 2048, 4
         args.cache_gib, args.uniform_steps, args.rounds, args.also_ahead = 0.001, 2, 1, [4]
         args.host_compare = True
+        args.gpu_cache_gib = 0.002
     device = harness.setup(args)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -584,6 +630,8 @@ def main():
     res["syncs_per_step"] = syncs_per_step(table, opt, zipf_batches(4), device)
     floor_b = med([rnd["floor_b_ms"] for rnd in rounds])
     res["zipf_disk_floor_ms"] = floor_b
+    if args.gpu_cache_gib:
+        gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem)
 
     res["uniform_rounds"] = []
     for _ in range(args.uniform_rounds):
@@ -730,6 +778,21 @@ def main():
          f"{res['memory']['max_pinned_bytes'] / 2**30:.2f} / "
          f"{res['memory']['max_page_cache_growth_bytes'] / 2**30:.2f}"),
     ]
+    if "gpu_cache" in res:
+        g = res["gpu_cache"]
+        rows += [
+            ("GPU cache above RAM: rows, warmed (GPU / RAM) s",
+             f"{g['rows']:,} ({g['gib']:.1f} GiB), {g['warm_gpu_s']:.0f} / {g['warm_ram_s']:.0f}"),
+            ("GPU cache: rows read from disk a step, rounds (RAM cache only: median)", ", ".join(
+                f"{x:,.0f}" for x in g["disk_rows_per_step_rounds"])
+             + f" ({res['zipf_read_ahead']['disk_read_rows_per_step']:,.0f})"),
+            ("GPU cache: ms/step, rounds (RAM cache only: median)", ", ".join(
+                f"{x:.1f}" for x in g["ms_per_step_rounds"])
+             + f" ({res['zipf_read_ahead']['ms_per_step']:.1f})"),
+            ("GPU cache / RAM cache only: disk reads, step time (medians)",
+             f"**{g['reads_x']:.2f}x**, **{g['ms_x']:.2f}x**"),
+            ("GPU cache hit rate; RAM hit rate below it", f"{g['gpu_hit_rate']:.3f}; "
+                                                          f"{g['ram_hit_rate']:.3f}")]
     for k, v in rows:
         print(f"| {k} | {v} |")
     harness.save(args, "bench_disk.json", res)

@@ -397,8 +397,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         if capacity is None:
             return
         if self._disk is not None:      # a GPU level above the RAM slots
-            from .disk.gpu import GpuLevel
-            self._disk.above = GpuLevel(self._disk, capacity, self.device)
+            from .disk.gpu import attach
+            attach(self, capacity)
             self._rows = self._store()
             self._graphs.invalidate()
             return
@@ -427,10 +427,12 @@ class OffloadedEmbedding(TableLookups, nn.Module):
             raise ValueError(f"table {self.name!r}: counts must be a finite tensor of shape "
                              f"({self.num_embeddings},), got {tuple(counts.shape)}")
         counts = counts.round().long() if counts.is_floating_point() else counts.long()
-        if self._disk is not None:      # the RAM cache: the most frequent rows, read now
-            hot = torch.argsort(counts, descending=True, stable=True)
-            hot = hot[counts[hot] > 0][: self._disk.capacity_rows]
-            self._disk.warm(hot.numpy())
+        if self._disk is not None:      # the most frequent rows, read now: into the GPU
+            hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
+            hot = hot[counts[hot] > 0].numpy()
+            if self._disk.above is not None:
+                self._disk.warm(hot, level=self._disk.above)
+            self._disk.warm(hot)
             self._sync_slab()
             return
         if self._rows.cache is None:
@@ -520,8 +522,9 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._rows = self._store()
 
     def _sync_slab(self) -> None:
-        """A disk table's RAM cache was pinned or grew: its row store follows."""
-        if self._host is not self._disk.slab:
+        """A disk table's RAM cache was pinned or grew, or it got a GPU cache: its row store
+        follows."""
+        if self._host is not self._disk.slab or self._rows.cache is not self._disk.above:
             self._host = self._disk.slab
             self._rows = self._store()
 

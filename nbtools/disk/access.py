@@ -43,17 +43,24 @@ class WholeTable:
             stop = min(self.num_rows, start + step)
             self.write_range(start, initial(start, stop))
 
-    def warm(self, ids) -> int:
+    def warm(self, ids, level=None) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
         nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
         file (one in 16 or more) the stretch is read whole, sequentially, which beats random
-        reads of them. Beside the rows, RAM holds a byte a row and ~1M ids at a time."""
+        reads of them. Beside the rows, RAM holds a byte a row and ~1M ids at a time.
+        ``level``: load them into the free slots of the table's GPU cache instead
+        (:class:`nbtools.disk.gpu.GpuLevel`); rows the GPU holds are skipped either way."""
         self.wait_read_ahead()
         self._ensure_init()
         self.ensure_slab()
+        if level is not None:
+            self.flush()                    # the file as current as RAM: rows read from it
         flat = np.asarray(ids).reshape(-1)
+        above = self.above
         with self.slots_lock:
-            room = sum(len(f) for f in self.free_slots)
+            room = level.free_rows if level is not None else sum(len(f) for f in self.free_slots)
+            have = (lambda c: level.holds(c)) if level is not None else \
+                (lambda c: (self.slot_of[c] >= 0) | (above is not None and above.holds(c)))
             want = np.zeros(self.num_rows, dtype=bool)          # the rows to load
             for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
                 if not room:
@@ -62,7 +69,7 @@ class WholeTable:
                 if len(chunk) and (chunk.min() < 0 or chunk.max() >= self.num_rows):
                     raise ValueError(f"warm: row ids must be in [0, {self.num_rows}), got "
                                      f"{int(chunk.min())}..{int(chunk.max())}")
-                chunk = chunk[(self.slot_of[chunk] < 0) & ~want[chunk]]
+                chunk = chunk[~have(chunk) & ~want[chunk]]
                 first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
                 chunk = chunk[np.sort(first)][:room]
                 want[chunk] = True
@@ -73,15 +80,24 @@ class WholeTable:
                 part = np.flatnonzero(want[at:at + span]) + at
                 if not len(part):
                     continue
-                free = self._take_free(len(part))
-                part = part[: len(free)]
-                if not len(part):
-                    break
-                if len(part) * 16 >= span:
+                dense = len(part) * 16 >= span
+                if dense:
                     start = int(part[0]) // span * span
                     stop = min(self.num_rows, start + span)
                     buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
                     self.file.read_range(start, buf)
+                if level is not None:
+                    if not dense:
+                        buf, start = np.empty((len(part), self.row_bytes), dtype=np.uint8), None
+                        self.file.read(part, buf)
+                    level.place(part, buf[part - start] if dense else buf)
+                    loaded += len(part)
+                    continue
+                free = self._take_free(len(part))
+                part = part[: len(free)]
+                if not len(part):
+                    break
+                if dense:
                     self.slab_bytes[free] = buf[part - start]
                     self.placed(part, free)
                 else:

@@ -33,12 +33,13 @@ the GPU changed down (:meth:`GpuLevel.flush`); writes of the whole table drop th
 from __future__ import annotations
 
 import collections
+import weakref
 
 import numpy as np
 import torch
 
 from .. import kernels
-from ..devices import synchronize
+from ..devices import hold_host, release_host, synchronize
 from ..hostmem import count_cache, count_transfer
 from . import clock_sweep, take_free
 
@@ -80,7 +81,9 @@ class GpuLevel:
         self.device = torch.device(device)
         self.rows = torch.zeros(self.capacity, disk.width, dtype=disk.dtype, device=self.device)
         self.slot_of = np.full(disk.num_rows, -1, dtype=np.int32)
-        self.id_of = np.full(self.capacity, -1, dtype=np.int64)
+        self.id_of = np.full(self.capacity, -1, dtype=disk.index_dtype)
+        hold_host(self.host_bytes, f"table {disk.name!r}'s GPU cache maps")
+        self._release = weakref.finalize(self, release_host, self.host_bytes)
         for name in ("ref", "locked", "dirty"):
             setattr(self, name, np.zeros(self.capacity, dtype=bool))
         self._free = collections.deque([np.arange(self.capacity, dtype=np.int64)])
@@ -103,7 +106,7 @@ class GpuLevel:
     @property
     def host_bytes(self) -> int:
         """Host RAM of the maps: row -> slot, and per slot its row and flags."""
-        return self.slot_of.nbytes + self.id_of.nbytes + 3 * self.capacity
+        return 4 * self.disk.num_rows + (self.disk.index_dtype(0).itemsize + 3) * self.capacity
 
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address of a batch (int32; -1: a RAM slot, or the sentinel)."""
@@ -211,6 +214,29 @@ class GpuLevel:
         d.write_evicted()
 
     # --- outside a step -----------------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        return sum(len(f) for f in self._free)
+
+    def place(self, ids: np.ndarray, raw: np.ndarray) -> None:
+        """Rows ``ids`` (not held here), as stored (uint8 ``[len(ids), row_bytes]``, current:
+        the file after a flush), into free slots; their RAM slots are given back (clean
+        copies). Warming (:meth:`nbtools.disk.DiskRows.warm`), under the disk's lock."""
+        d = self.disk
+        slots = take_free(self._free, len(ids))
+        rows = torch.from_numpy(np.ascontiguousarray(raw)).view(d.dtype).view(len(ids), d.width)
+        self.rows[torch.from_numpy(slots).to(self.device)] = rows.to(self.device)
+        self.slot_of[ids] = slots
+        self.id_of[slots] = ids
+        self.ref[slots] = True
+        ram = d.slot_of[ids]
+        ram = ram[ram >= 0]
+        d.ref[ram] = False
+        ram = ram[~d.locked[ram]]           # (a pending lookup's: a stale copy until reclaimed)
+        d.slot_of[d.id_of[ram]] = -1
+        d.id_of[ram] = -1
+        d.free_slots.append(ram.astype(np.int64))
+
     def flush(self, drop: bool = False) -> None:
         """Copy every row the GPU changed down (into its RAM slot where it has one, else into
         the file); ``drop``: then forget every row no pending lookup holds. Under the disk's
@@ -277,3 +303,13 @@ class GpuLevel:
         from ..units import human_bytes
         return (f"GPU cache {self.capacity:,} rows ({human_bytes(self.nbytes)}, hit rate "
                 f"{rate})")
+
+
+def attach(table, capacity: int) -> GpuLevel:
+    """Give disk table ``table`` a GPU cache of ``capacity`` rows now (what its config's
+    ``cache_bytes``/``cache_rows``/``cache_fraction`` do when its optimizer attaches); its
+    next lookup uses it."""
+    d = table.disk
+    d.flush()
+    d.above = GpuLevel(d, capacity, table.device)
+    return d.above

@@ -196,3 +196,29 @@ def test_auto_gives_a_disk_table_a_gpu_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(t, "device", torch.device("cuda"), raising=False)
     budget, why = cache.cache_budget(t)
     assert budget == 1 << 18 and "cache_fraction" in why
+
+
+def test_warm_cache_fills_the_gpu_then_ram(tmp_path):
+    """Known frequencies load the hottest rows into the GPU's free slots, the next into RAM's;
+    training from there equals the host table."""
+    counts = torch.arange(N, 0, -1)               # row 0 the hottest
+    tables = []
+    for placement in ("host", "disk"):
+        torch.manual_seed(0)
+        extra = {} if placement == "host" else dict(
+            disk_dir=str(tmp_path), cache_rows=30, host_cache_bytes=40 * 3 * D * 4)
+        t = OffloadedEmbedding(N, D, name="t", device=DEVICE, placement=placement, **extra)
+        opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
+        t.warm_cache(counts)
+        if placement == "disk":
+            gpu, disk = t.disk.above, t.disk
+            assert sorted(np.flatnonzero(gpu.slot_of >= 0)) == list(range(30))
+            in_ram = np.flatnonzero(disk.slot_of >= 0)
+            assert sorted(in_ram.tolist()) == list(range(30, 70))
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(6):
+            t(_zipf(gen, 48)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        tables.append(t)
+    _same(tables)
