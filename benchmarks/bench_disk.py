@@ -39,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
+from harness import hottest, zipf_ids
 import numpy as np
 import torch
 from harness import synchronize
@@ -52,24 +53,6 @@ SETTLE = 10                      # steps of a timed loop before its clock starts
 TAIL = 8                         # and after it stops (the deepest read-ahead: run_steps)
 # reads in flight of the probes (the rate the floor (b) divides by: the best of all but the first)
 PROBE_DEPTHS = (16, 32, 64, 128)
-ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over the whole file
-
-
-def zipf_ids(gen: np.random.Generator, n_rows: int, size: int, a: float = 1.1) -> np.ndarray:
-    ranks = gen.zipf(a, size)
-    while (ranks > n_rows).any():
-        bad = ranks > n_rows
-        ranks[bad] = gen.zipf(a, int(bad.sum()))
-    return ((ranks - 1) * ZIPF_PRIME) % n_rows
-
-
-def hottest(n_rows: int, k: int) -> np.ndarray:
-    ids = np.arange(k, dtype=np.int64)        # (in place: one array of k ids at most)
-    ids *= ZIPF_PRIME
-    ids %= n_rows
-    return ids
-
-
 def _meminfo(key: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -138,6 +138,24 @@ def count_syncs(step, batches, device) -> float | None:
 
 # --- ids --------------------------------------------------------------------------------------
 
+ZIPF_PRIME = 1_000_000_007       # rank -> id: hot rows spread over a whole table (file)
+
+
+def zipf_ids(gen: np.random.Generator, n_rows: int, size: int, a: float = 1.1) -> np.ndarray:
+    ranks = gen.zipf(a, size)
+    while (ranks > n_rows).any():
+        bad = ranks > n_rows
+        ranks[bad] = gen.zipf(a, int(bad.sum()))
+    return ((ranks - 1) * ZIPF_PRIME) % n_rows
+
+
+def hottest(n_rows: int, k: int) -> np.ndarray:
+    ids = np.arange(k, dtype=np.int64)        # (in place: one array of k ids at most)
+    ids *= ZIPF_PRIME
+    ids %= n_rows
+    return ids
+
+
 def uniform_batches(n: int, ids: int, count: int, device, seed: int = 0) -> list:
     """``count`` batches of ``ids`` uniform ids below ``n`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)

@@ -42,7 +42,7 @@ import weakref
 import torch
 
 from . import hostmem
-from .engine import streams
+from .engine import ahead, streams
 from .devices import resolve_device
 
 __all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
@@ -235,6 +235,7 @@ class PinnedLoader:
         self._xform = None
         self._perm = None        # (epoch, order on the device, on the host if needed)
         self._token = None       # the iterator allowed to advance the loader now
+        self._ahead_perm = None  # (epoch, its order on the host): coming batches (coming)
 
     # --- host placement ------------------------------------------------------------------
     def _place(self, t: torch.Tensor, name: str, cuda: bool):
@@ -450,6 +451,23 @@ class PinnedLoader:
                 if t.is_cuda:
                     t.record_stream(main)
 
+    # --- the coming batches (nbtools.engine.ahead: a disk table reads their rows ahead) ------
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self)
+
+    def coming(self, epoch: int, b: int, column: int) -> torch.Tensor | None:
+        """Column ``column`` of batch ``b`` of ``epoch`` as a CPU tensor, gathered from host
+        memory (what the loop will get then, before it is on the device), or None past the
+        data."""
+        if b >= len(self) or column >= len(self._host):
+            return None
+        if self._ahead_perm is None or self._ahead_perm[0] != epoch:
+            self._ahead_perm = (epoch, self.permutation(epoch, "cpu"))
+        lo = b * self.batch_size
+        hi = min(lo + self.batch_size, self.num_samples)
+        return self._host[column].index_select(0, self._ahead_perm[1][lo:hi])
+
     def _consumer_stream(self):
         """The stream the loop body runs on now (None on the CPU)."""
         return None if self._side is None else streams.current(self.device)
@@ -518,6 +536,8 @@ class PinnedLoader:
             self.position = b + 1
             if bar is not None:
                 bar.update(1)
+            if self.transform is None:     # a disk table reads the coming batches' rows
+                ahead.handed(self, self.epoch, b, batch)
             yield batch
 
     def __repr__(self):

@@ -116,7 +116,7 @@ class _ReadsAhead:
     with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
     steps use."""
 
-    def read_ahead(self, ids: torch.Tensor, padding_idx=None) -> None:
+    def read_ahead(self, ids: torch.Tensor, padding_idx=None, key=None) -> None:
         """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
         are not in RAM, in the background, and deduplicating them for their lookup. Calls for
         several coming steps, in order, keep that many in flight (up to
@@ -125,14 +125,15 @@ class _ReadsAhead:
         self.ensure_slab()
         if self._readahead is None:
             self._readahead = ReadAhead(self)
-        self._readahead.submit(ids, padding_idx)
+        self._readahead.submit(ids, padding_idx, key)
 
-    def take_prepared(self, ids: torch.Tensor) -> "Prepared | None":
-        """The read-ahead's deduplication of these very ids (the same tensor object), once."""
+    def take_prepared(self, ids: torch.Tensor, key=None) -> "Prepared | None":
+        """The read-ahead's deduplication of these very ids (the same tensor object, or the
+        read-ahead submitted with ``key``: :mod:`nbtools.engine.ahead`), once."""
         if self._readahead is None:
             return None
         t0 = time.perf_counter()
-        p = self._readahead.take(ids)
+        p = self._readahead.take(ids, key)
         _counters["wait_s"] += time.perf_counter() - t0
         return p
 
@@ -769,7 +770,7 @@ def free_bytes(folder) -> int:
     return shutil.disk_usage(path).free
 
 
-def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarray]:
+def lookup(table, ids: torch.Tensor, training: bool, key=None) -> tuple[RowBatch, np.ndarray]:
     """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
     read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
     compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
@@ -778,7 +779,7 @@ def lookup(table, ids: torch.Tensor, training: bool) -> tuple[RowBatch, np.ndarr
     and its sentinel is the cache's."""
     disk = table.disk
     n = table.num_embeddings
-    p = disk.take_prepared(ids) or prepare(ids, n, table.padding_idx)
+    p = disk.take_prepared(ids, key) or prepare(ids, n, table.padding_idx)
     if disk.above is not None:        # a GPU cache over the RAM slots: rows in either level
         where, slots = disk.above.lookup(p.uniq, training)
         n = disk.above.sentinel

@@ -83,11 +83,12 @@ class Ahead:
     and its load (rows -> slots, the loader's future; the evicted rows and their write-back's
     future)."""
 
-    __slots__ = ("ids", "task", "prepared", "rows", "slots", "sorted_slots", "stash",
+    __slots__ = ("ids", "key", "task", "prepared", "rows", "slots", "sorted_slots", "stash",
                  "evicted", "io", "write")
 
-    def __init__(self, ids):
+    def __init__(self, ids, key=None):
         self.ids = ids
+        self.key = key          # what its lookup names it by (else the ids tensor itself)
         self.task = self.prepared = self.io = self.write = None
         self.rows = self.slots = self.sorted_slots = self.evicted = np.zeros(0, dtype=np.int64)
         self.stash = []
@@ -107,12 +108,13 @@ class ReadAhead:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
         self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
 
-    def submit(self, ids: torch.Tensor, padding_idx) -> None:
+    def submit(self, ids: torch.Tensor, padding_idx, key=None) -> None:
         """Start reading ahead for ``ids`` (waiting first for the oldest queued read-ahead's
-        misses to be found when :data:`DEPTH` are queued)."""
+        misses to be found when :data:`DEPTH` are queued); ``key``: what its lookup will name
+        it by (:meth:`take`), where that is not the same ids tensor."""
         while len(self.queue) >= DEPTH:
             self.queue.popleft().task.result()
-        item = Ahead(ids)
+        item = Ahead(ids, key)
         item.task = self._thread.submit(self._find, item, padding_idx)
         self.queue.append(item)
 
@@ -278,11 +280,12 @@ class ReadAhead:
                 if f is not None:
                     f.exception()          # (raised where the load is settled, the write forgotten)
 
-    def take(self, ids: torch.Tensor) -> Prepared | None:
-        """The deduplication of these very ids (the same tensor object) from their read-ahead,
-        once; read-aheads queued before it are dropped (their loads go on)."""
+    def take(self, ids: torch.Tensor, key=None) -> Prepared | None:
+        """The deduplication of these very ids (the same tensor object; or the read-ahead
+        submitted with ``key``) from their read-ahead, once; read-aheads queued before it are
+        dropped (their loads go on)."""
         for k, item in enumerate(self.queue):
-            if item.ids is ids:
+            if (item.ids is ids and item.key is None) or (key is not None and item.key == key):
                 for _ in range(k + 1):
                     self.queue.popleft()
                 item.task.result()          # (an error once: the next lookup goes on)

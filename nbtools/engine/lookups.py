@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import kernels
+from . import ahead
 from ..devices import on_tables
 from ..store.rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
@@ -264,7 +265,11 @@ class TableLookups:
         gathered from there like a host table's (nbtools.disk)."""
         from .. import disk
         training = recording and self._owned
-        batch, slots = disk.lookup(self, ids, training)
+        # ids a loader handed out: its coming batches are read ahead (nbtools.engine.ahead)
+        key = ahead.key_of(self, ids) if training else None
+        batch, slots = disk.lookup(self, ids, training, key)
+        if training:
+            ahead.follow(self, ids)
         self._sync_slab()
         if not training and bool(batch.bad):                # note: a sync point
             self.raise_bad_ids(ids.reshape(-1), ids.shape)
@@ -307,6 +312,7 @@ class TableLookups:
             raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
         if self._disk is not None:   # the rows the next step misses, read from the file now
+            ahead.explicit(self)
             self._disk.read_ahead(self.prepare_ids(ids), self.padding_idx)
             self._sync_slab()
             return
