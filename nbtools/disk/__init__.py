@@ -786,16 +786,19 @@ def lookup(table, ids: torch.Tensor, training: bool, key=None) -> tuple[RowBatch
     else:
         where = slots = disk.resolve(p.uniq, training)
     m = len(where)
-    local = torch.full((m + int(p.sentinel),), n, dtype=torch.long)
-    local[:m] = torch.from_numpy(where)
-    meta = torch.tensor([int(p.bad), m + int(p.sentinel), int(p.sentinel)])
+    k, inv = m + int(p.sentinel), p.inverse.reshape(-1)
     dev = table.device
-    if dev.type == "cuda":        # from pinned memory: a pageable copy would wait for the GPU
-        local, inverse, meta = (t.pin_memory().to(dev, non_blocking=True)
-                                for t in (local, p.inverse, meta))
-    else:
-        inverse = p.inverse
-    return RowBatch(local, inverse, meta, n), slots
+    # [addresses | meta | inverse] in one buffer: one pinned copy to the GPU (a pageable copy
+    # would wait for the GPU)
+    buf = torch.empty(k + 3 + inv.numel(), dtype=torch.long,
+                      pin_memory=dev.type == "cuda")
+    buf[:m] = torch.from_numpy(where)
+    buf[m:k] = n
+    buf[k:k + 3] = torch.tensor([int(p.bad), k, int(p.sentinel)])
+    buf[k + 3:] = inv
+    if dev.type == "cuda":
+        buf = buf.to(dev, non_blocking=True)
+    return RowBatch(buf[:k], buf[k + 3:].view(p.inverse.shape), buf[k:k + 3], n), slots
 
 
 def describe(disk: DiskRows) -> str:

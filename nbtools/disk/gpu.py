@@ -44,15 +44,19 @@ from ..hostmem import count_cache, count_transfer
 from . import clock_sweep, take_free
 
 
+BATCH_DOWN = 16384
+
+
 def copy_rows(src: torch.Tensor, sidx: np.ndarray, dst: torch.Tensor, didx: np.ndarray) -> None:
     """``dst[didx] = src[sidx]`` (whole rows; host index arrays), queued on the current stream
     where the kernels run (``src``/``dst``: GPU tensors or zero-copy views of host memory)."""
     if not len(sidx):
         return
     device = dst.device if dst.is_cuda else src.device
-    s, d = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in (sidx, didx))
-    if device.type == "cuda":
-        s, d = (t.pin_memory().to(device, non_blocking=True) for t in (s, d))
+    both = torch.from_numpy(np.stack((sidx, didx)).astype(np.int64, copy=False))
+    if device.type == "cuda":              # one pinned copy of both index lists
+        both = both.pin_memory().to(device, non_blocking=True)
+    s, d = both[0], both[1]
     if kernels.usable_on(device) and src.stride(1) == 1 and dst.stride(1) == 1:
         kernels.copy_rows(src, s, dst, d)
     else:
@@ -87,8 +91,12 @@ class GpuLevel:
         for name in ("ref", "locked", "dirty"):
             setattr(self, name, np.zeros(self.capacity, dtype=bool))
         self._free = collections.deque([np.arange(self.capacity, dtype=np.int64)])
+        # rows moved down at a time when the GPU is full (fewer, larger moves: each costs
+        # the host ~1 ms whatever its size; a 1/256 of the capacity at most stays free)
+        self.batch_down = max(1, min(BATCH_DOWN, self.capacity // 256))
         self._hand = 0
         self._held = []                            # GPU slots locked since the last step
+        self._located = None                       # (ids, their slots): locate's last answer
         # unique rows looked up in training, found in the GPU, copied up, copied down
         self.counts = {"lookups": 0, "hits": 0, "admitted": 0, "evicted": 0}
         self.stats = None      # (a RowCache's device counters: this level counts on the host)
@@ -109,9 +117,15 @@ class GpuLevel:
         return 4 * self.disk.num_rows + (self.disk.index_dtype(0).itemsize + 3) * self.capacity
 
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
-        """GPU slot of each address of a batch (int32; -1: a RAM slot, or the sentinel)."""
+        """GPU slot of each address of a batch (int32; -1: a RAM slot, or the sentinel);
+        for the same ids tensor again (the step's update after its gather), the same answer."""
+        last = self._located
+        if last is not None and last[0] is ids:
+            return last[1]
         hot = (ids >= self.num_ids) & (ids < self.sentinel)
-        return torch.where(hot, ids - self.num_ids, -1).int()
+        slots = torch.where(hot, ids - self.num_ids, -1).int()
+        self._located = (ids, slots)
+        return slots
 
     def admit(self, ids, count, host) -> torch.Tensor:
         """(Admission happens at the lookup, on the host: :meth:`lookup`.)"""
@@ -181,12 +195,15 @@ class GpuLevel:
         """Up to ``k`` GPU slots: free ones, else CLOCK's victims (rows of this step are never
         taken), whose rows are first copied down to RAM. Under the disk's lock."""
         got = take_free(self._free, k)
-        if len(got) < k:
-            victims = clock_sweep(self, k - len(got), self.capacity, lambda lo, hi: (
-                (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi]))
+        if len(got) < k:        # a batch of victims at a time: the rest wait in the free list
+            need = k - len(got)
+            victims = clock_sweep(self, max(need, self.batch_down), self.capacity,
+                                  lambda lo, hi: (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi])
             if len(victims):
                 self._move_down(victims)
-                got = np.concatenate((got, victims))
+                got = np.concatenate((got, victims[:need]))
+                if len(victims) > need:
+                    self._free.append(victims[need:])
         return got
 
     def _move_down(self, slots: np.ndarray) -> None:

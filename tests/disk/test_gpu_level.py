@@ -26,7 +26,8 @@ def _zipf(gen, k):
 
 
 def _train(tmp_path, opt_cls=torch.optim.Adam, opt_kwargs=None, steps=12, batch=48,
-           lookups=1, ram_rows=40, gpu_rows=30, prefetch=0, between=None, **table_kwargs):
+           lookups=1, ram_rows=40, gpu_rows=30, prefetch=0, between=None, batch_down=None,
+           **table_kwargs):
     """A host table and a disk table with a GPU level, trained on the same ids."""
     torch.manual_seed(0)
     init = torch.randn(N, D)
@@ -42,6 +43,8 @@ def _train(tmp_path, opt_cls=torch.optim.Adam, opt_kwargs=None, steps=12, batch=
         with torch.no_grad():
             t.weight.copy_(init.to(t.weight.dtype))
         opt = OffloadOptimizer(opt_cls, t, **(opt_kwargs or {"lr": 0.05}))
+        if batch_down and placement == "disk":
+            t.disk.above.batch_down = batch_down
         for i, step in enumerate(batches):
             if prefetch and placement == "disk":
                 for ahead in batches[i + 1:i + 1 + prefetch]:
@@ -96,6 +99,15 @@ def test_levels_hold_different_rows(tmp_path):
         if t.placement == "disk":
             _levels_hold_different_rows(t)
     tables, _ = _train(tmp_path, between=check)
+    _same(tables)
+
+
+def test_rows_moved_down_in_batches(tmp_path):
+    """More victims than a lookup needs: the rest wait in the free list."""
+    def check(t, i):
+        if t.placement == "disk":
+            _levels_hold_different_rows(t)
+    tables, _ = _train(tmp_path, batch_down=12, between=check, gpu_rows=40, ram_rows=60)
     _same(tables)
 
 
