@@ -352,7 +352,7 @@ def test_rows_in_ram_that_a_read_ahead_needs_get_a_second_chance(tmp_path):
     d = _table(tmp_path, 16, ahead=torch.arange(12, 14))      # read-aheads run
     d.resolve(np.arange(4), training=False)     # rows 0-3 in RAM
     d.ref[:] = False                            # idle long enough: all eviction candidates
-    d._hand = int(d.slot_of[0])                 # and row 0 the first the sweep meets
+    d.hand = int(d.slot_of[0])                 # and row 0 the first the sweep meets
     read, seen = d.file.read, []
     d.file.read = lambda ids, *a, **k: (seen.extend(np.asarray(ids).tolist()),
                                          read(ids, *a, **k))[1]

@@ -221,14 +221,14 @@ def take_free(free: collections.deque, k: int) -> np.ndarray:
 
 
 def clock_sweep(owner, need: int, size: int, usable) -> np.ndarray:
-    """CLOCK (second chance) over ``size`` slots of ``owner`` (its ``_hand``, ``ref`` and
+    """CLOCK (second chance) over ``size`` slots of ``owner`` (its ``hand``, ``ref`` and
     ``locked`` arrays), vectorised over windows: up to ``need`` slots that ``usable(lo, hi)``
     (a bool array of slots ``lo:hi``) allows and whose reference bit is clear, clearing the
     bits of the usable slots it passes (two turns at most)."""
     out, taken, passed = [], 0, 0
     window = max(4 * need, 4096)
     while taken < need and passed < 2 * size:
-        lo = owner._hand
+        lo = owner.hand
         hi = min(lo + window, size)
         ok = usable(lo, hi)
         pick = np.flatnonzero(ok & ~owner.ref[lo:hi])[: need - taken] + lo
@@ -238,7 +238,7 @@ def clock_sweep(owner, need: int, size: int, usable) -> np.ndarray:
         out.append(pick)
         taken += len(pick)
         passed += end - lo
-        owner._hand = end % size
+        owner.hand = end % size
     out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
     owner.locked[out] = False
     return out
@@ -435,7 +435,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             self.busy = np.zeros(slots, dtype=np.int64)
             for name in self.SLOT_FLAGS:
                 setattr(self, name, np.zeros(slots, dtype=bool))
-            self._hand = 0
+            self.hand = 0                       # CLOCK's hand (clock_sweep)
         else:
             grow = slots - keep
             self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=self.index_dtype)))

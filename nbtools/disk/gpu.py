@@ -94,7 +94,7 @@ class GpuLevel:
         # rows moved down at a time when the GPU is full (fewer, larger moves: each costs
         # the host ~1 ms whatever its size; a 1/256 of the capacity at most stays free)
         self.batch_down = max(1, min(BATCH_DOWN, self.capacity // 256))
-        self._hand = 0
+        self.hand = 0                              # CLOCK's hand (clock_sweep)
         self._held = []                            # GPU slots locked since the last step
         self._located = None                       # (ids, their slots): locate's last answer
         # unique rows looked up in training, found in the GPU, copied up, copied down
