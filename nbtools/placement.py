@@ -356,3 +356,26 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
 __all__ = ["HostMemoryError", "NoRoomError", "Regrown", "auto_placement", "check_fits", "copy_rows",
            "copy_unless_same", "disk_bytes", "fits_host", "grow_host", "regrow_for_state",
            "release_pages"]
+
+
+def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str]:
+    """``(placement, why)`` for ``table`` (its requested placement, device and config) with
+    rows of ``nbytes`` (:meth:`nbtools.OffloadedEmbedding.choose_placement`)."""
+    asked = table.requested_placement
+    if asked == "disk":
+        return "disk", "asked for"
+    if asked == "gpu" and table.device.type != "cuda":
+        from .devices import cuda_ok
+        raise ValueError(
+            f"table {table.name!r}: placement='gpu' keeps the rows in GPU memory, but this "
+            f"table computes on {table.device}"
+            + ("" if cuda_ok() else " (no CUDA device is visible)")
+            + ": use placement='host' or 'auto' (the same code then runs on the CPU)"
+            + (", or device='cuda'" if cuda_ok() else ""))
+    if table.device.type != "cuda" and asked != "auto":
+        return "host", "CPU compute"
+    if asked != "auto":
+        return asked, "asked for"
+    where, why = auto_placement(nbytes, table.device, table.config.gpu_fraction,
+                                table.config.disk_dir, table.num_embeddings)
+    return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")

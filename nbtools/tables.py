@@ -32,10 +32,9 @@ from .devices import on_tables, resolve_device, synchronize
 from .hostmem import HostTensor
 from .store.precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
-from .store.cache import CacheCounts, cache_capacity
-from .engine.prefetch import Prefetcher
+from .store.cache import TableCache
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
-                        check_table_args, copy_unless_same, regrow_for_state)
+                        check_table_args, choose_placement, copy_unless_same, regrow_for_state)
 from .store.rows import DeviceRows, LookupGraphs, RowLayout, RowStore
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
@@ -133,7 +132,7 @@ def rows_written_next():
         _BUILDING.rows_written_next = False
 
 
-class OffloadedEmbedding(TableLookups, nn.Module):
+class OffloadedEmbedding(nn.Module):
     """``nn.Embedding`` whose table lives in (pinned) host memory.
 
     Args:
@@ -218,15 +217,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._rows = self._store()
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
-        self._pending = []           # training lookups the next step takes (TableLookups)
-        self._graphs = LookupGraphs()
-        self._warned_pending = False
-        self._warned_unconsumed = False   # UnconsumedGradientWarning given (lookups)
-        self._owned = False          # an OffloadOptimizer steps this table
-        self._warm_counts = None     # warm_cache() before the cache exists
-        self._prefetch = Prefetcher(self)   # a training lookup started ahead (prefetch)
-        self._cache_counts = CacheCounts()   # its readings, as optimizer steps take them
-        self._cache_why = ""
+        self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
+        self.hot = TableCache()      # its GPU cache of hot rows: size, warm-up, readings
         self.trainable = True
         if getattr(_BUILDING, "rows_written_next", False):
             return                   # its builder writes every row next (from_pretrained)
@@ -255,23 +247,8 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
-        if self.requested_placement == "disk":
-            return "disk", "asked for"
-        if self.requested_placement == "gpu" and self.device.type != "cuda":
-            from .devices import cuda_ok
-            raise ValueError(
-                f"table {self.name!r}: placement='gpu' keeps the rows in GPU memory, but this "
-                f"table computes on {self.device}"
-                + ("" if cuda_ok() else " (no CUDA device is visible)")
-                + ": use placement='host' or 'auto' (the same code then runs on the CPU)"
-                + (", or device='cuda'" if cuda_ok() else ""))
-        if self.device.type != "cuda" and self.requested_placement != "auto":
-            return "host", "CPU compute"
-        if self.requested_placement != "auto":
-            return self.requested_placement, "asked for"
-        where, why = auto_placement(nbytes, self.device, self.config.gpu_fraction,
-                                    self.config.disk_dir, self.num_embeddings)
-        return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
+        """``(placement, why)`` for rows of ``nbytes`` (:func:`nbtools.placement.choose_placement`)."""
+        return choose_placement(self, nbytes, assumption)
 
     def _store(self) -> RowStore:
         """The row store over this table's memory (for a disk table: its RAM slots, which
@@ -311,7 +288,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         """The weights (``state`` None) or one state's columns of every row, current: cached
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
         that nothing writes through, such as saving)."""
-        self._prefetch.drop()           # a write through what is returned would make it stale
+        self.lookups.prefetcher.drop()           # a write through what is returned would make it stale
         if self._disk is not None:      # the file, mapped, once every dirty row is in it
             self._disk.flush(drop=not keep_cache)
             full = self._disk.mapped(writable=not keep_cache)
@@ -335,7 +312,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     @property
     def lookup_graphs(self) -> LookupGraphs:
         """CUDA graphs of this table's training lookups (one per batch size)."""
-        return self._graphs
+        return self.lookups.graphs
 
     def install_rows(self, new, names: list, layout: RowLayout, disk=None) -> None:
         """``new`` rows of ``layout`` (with state ``names``; for a disk table its
@@ -346,7 +323,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._rows = self._store()
         self._layout = layout
         self.clear_pending()
-        self._graphs.invalidate()
+        self.lookups.graphs.invalidate()
 
     @property
     def rows(self) -> RowStore:
@@ -383,7 +360,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         if self._state_names:
             raise ValueError(f"table {self.name!r} already carries optimizer state "
                              f"{self._state_names}; use one OffloadOptimizer per table")
-        self._owned = owned
+        self.lookups.owned = owned
         if names:
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
@@ -391,70 +368,34 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         self._attach_cache()
 
     def _attach_cache(self) -> None:
-        """The GPU cache of hot rows its config asks for (:func:`nbtools.store.cache.cache_capacity`:
-        once the optimizer attached, the rows' width with their state is known)."""
-        capacity, self._cache_why = cache_capacity(self)
-        if capacity is None:
-            return
-        if self._disk is not None:      # a GPU level above the RAM slots
-            from .disk.gpu import attach
-            attach(self, capacity)
-            self._rows = self._store()
-            self._graphs.invalidate()
-            return
-        self._rows.attach_cache(capacity)
-        self._graphs.invalidate()
-        self._cache_counts = CacheCounts()
-        if self._warm_counts is not None:
-            self._rows.cache.warm(self._warm_counts, self._rows.view())
-            self._warm_counts = None
+        self.hot.attach(self)
 
-    # --- the cache of hot rows --------------------------------------------------------------
+    # --- the cache of hot rows (self.hot: nbtools.store.cache.TableCache) -------------------
     @property
     def cache(self):
-        """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`), or None."""
+        """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`; a disk table's:
+        :class:`nbtools.disk.gpu.GpuLevel`), or None."""
         return self._rows.cache
 
     @on_tables
     def warm_cache(self, counts) -> None:
         """Seed the cache's row counts with known frequencies (e.g. a word2vec vocabulary's
         word counts, ``counts[id]``) and load the most frequent rows now, so the first steps
-        already hit. Before the optimizer attaches (no cache yet), the counts are kept and
-        used when it does."""
-        counts = torch.as_tensor(counts)
-        if counts.shape != (self.num_embeddings,) or counts.is_floating_point() \
-                and not torch.isfinite(counts).all():
-            raise ValueError(f"table {self.name!r}: counts must be a finite tensor of shape "
-                             f"({self.num_embeddings},), got {tuple(counts.shape)}")
-        counts = counts.round().long() if counts.is_floating_point() else counts.long()
-        if self._disk is not None:      # the most frequent rows, read now: into the GPU
-            hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
-            hot = hot[counts[hot] > 0].numpy()
-            if self._disk.above is not None:
-                self._disk.warm(hot, level=self._disk.above)
-            self._disk.warm(hot)
-            self._sync_slab()
-            return
-        if self._rows.cache is None:
-            self._warm_counts = counts
-            return
-        self._prefetch.drop()
-        self._rows.cache.warm(counts, self._rows.view())
-        self._graphs.invalidate()
+        already hit (a disk table: into its GPU cache, then RAM). Before the optimizer attaches
+        (no cache yet), the counts are kept and used when it does."""
+        self.hot.warm(self, counts)
 
     def record_cache_stats(self, stats) -> None:
         """Take the cache's cumulative ``[lookups, hits, admitted, evicted]`` as read by the
         optimizer's step, and count the bytes that crossed PCIe since the last reading."""
-        self._cache_counts.record(stats, self._rows)
+        self.hot.counts.record(stats, self._rows)
 
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
         saved (a hit reads and writes nothing over PCIe), capacity; for a disk table, also
         RAM's lookups and hit rate below it. Empty without a cache."""
-        if self._disk is not None and self._disk.above is not None:
-            return self._disk.above.summary(self._rows.row_bytes)
-        return self._cache_counts.summary(self._rows)
+        return self.hot.summary(self)
 
     @property
     def pinned(self) -> bool:
@@ -509,19 +450,19 @@ class OffloadedEmbedding(TableLookups, nn.Module):
     @on_tables
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
-        self._prefetch.drop()
+        self.lookups.prefetcher.drop()
         if self.placement == "host":
             self._rows.flush()
             synchronize(self.device)
         self.clear_pending()
-        self._graphs.invalidate()
+        self.lookups.graphs.invalidate()
         if self._disk is not None:
             synchronize(self.device)
             self._disk.close()          # the file goes with it: save a checkpoint first
         self._host.close()
         self._rows = self._store()
 
-    def _sync_slab(self) -> None:
+    def sync_slab(self) -> None:
         """A disk table's RAM cache was pinned or grew, or it got a GPU cache: its row store
         follows."""
         if self._host is not self._disk.slab or self._rows.cache is not self._disk.above:
@@ -537,14 +478,60 @@ class OffloadedEmbedding(TableLookups, nn.Module):
             synchronize(self.device)
         return dict(self.__dict__)
 
-    # --- lookups: nbtools.engine.lookups.TableLookups (ids, pending lookups, the step's input) -----
+    # --- lookups: self.lookups, a nbtools.engine.lookups.TableLookups ----------------------------
+    # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
+    # on CUDA the gradient of a training lookup is summed per id in a fixed order.
+    deterministic = True
+
     @on_tables
     def forward(self, ids) -> torch.Tensor:
-        ids = self._device_ids(ids)
-        rows, inv = self._lookup(ids, id_order=self.ID_ORDER)
+        look = self.lookups
+        ids = look.device_ids(ids)
+        rows, inv = look.lookup(ids, id_order=look.ID_ORDER)
         if inv is not None:
-            rows = self._rows_of_ids(rows, inv)
+            rows = look.rows_of_ids(rows, inv)
         return rows.view(*ids.shape, self.embedding_dim)
+
+    def prepare_ids(self, ids) -> torch.Tensor:
+        """``ids`` checked (integers) and on the compute device (a disk table's stay where they
+        are: it deduplicates them on the CPU)."""
+        return self.lookups.prepare_ids(ids)
+
+    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
+        self.lookups.raise_bad_ids(flat, shape)
+
+    def lookup_result(self, batch, full, flat, shape, capture, recording: bool,
+                      id_order: bool = False):
+        """What a lookup returns from its gathered rows (:meth:`TableLookups.result`)."""
+        return self.lookups.result(batch, full, flat, shape, capture, recording, id_order)
+
+    @on_tables
+    def prefetch(self, ids) -> None:
+        """Start the next training lookup of ``ids`` (the very tensor the next step will look
+        up) now, while this step computes: its ids deduplicated, admitted to the cache of hot
+        rows and gathered on a CUDA side stream (a disk table: its missing rows read from the
+        file); the next lookup of ``ids`` takes them. Bit-identical to not prefetching; a
+        lookup of other ids ignores it; ``.weight`` drops it; on the CPU it runs at once.
+        Host ids are copied and deduplicated beside the last update: pass them as they are.
+        docs/cache.md ("Prefetch") has the details; a disk table looked up with a
+        :class:`~nbtools.PinnedLoader`'s batches reads ahead by itself (docs/disk.md)."""
+        self.lookups.prefetch(ids)
+
+    @on_tables
+    def collect(self) -> StepRows | None:
+        """The rows looked up since the last call as one step's input (:class:`StepRows`), or
+        None; clears the pending lookups (:meth:`TableLookups.collect`). Called by the
+        optimizer."""
+        return self.lookups.collect()
+
+    @on_tables
+    def clear_pending(self) -> None:
+        self.lookups.clear()
+
+    @property
+    def grad_scale(self):
+        """The per-row gradient weights (a row store, :meth:`set_grad_scale`), or None."""
+        return self._grad_scale
 
     # --- state dict: 'weight' is the live table (no copy) -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -583,12 +570,7 @@ class OffloadedEmbedding(TableLookups, nn.Module):
         if self._disk is not None:
             from . import disk
             s += ", " + disk.describe(self._disk)
-        if self._disk is not None and self._disk.above is not None:
-            s += f", {self._disk.above.describe()} ({self._cache_why})"
-        elif self._rows.cache is not None:
-            s += (f", cache={self._rows.cache.capacity:,} rows "
-                  f"({human_bytes(self._rows.cache.nbytes)}, {self._cache_why})")
-        return s
+        return s + self.hot.describe(self)
 
     _rows_written_next = staticmethod(rows_written_next)   # (what from_pretrained builds in)
 
@@ -648,11 +630,11 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
         flat = ids.reshape(-1)
-        rows, inv = self._lookup(flat)
+        rows, inv = self.lookups.lookup(flat)
         if self.mode == "max" and rows.is_cuda and rows.requires_grad and self.deterministic:
             # max's backward adds each bag's gradient into its winning rows with atomics (bags
             # may share a row): one row per id instead, summed per unique row in a fixed order
-            rows, inv = self._rows_of_ids(rows, inv), torch.arange(flat.numel(),
+            rows, inv = self.lookups.rows_of_ids(rows, inv), torch.arange(flat.numel(),
                                                                    device=flat.device)
         padding = None
         if self.padding_idx is not None:

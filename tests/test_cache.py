@@ -343,7 +343,7 @@ def test_captured_lookups_count_each_row_once():
             table(ids.cuda()).square().sum().backward()
             opt.step()
         opt.synchronize()
-        captured = sum(len(c) for c in table._graphs._graphs.values())
+        captured = sum(len(c) for c in table.lookup_graphs._graphs.values())
         assert captured == (1 if graphs else 0)
         c = table.cache
         got.append((c.freq.cpu(), int(c.tick), table.cache_stats()["lookups"]))
@@ -561,5 +561,5 @@ def test_a_table_with_a_cache_and_a_pending_prefetch_copies(device):
     nxt = torch.tensor([1, 2, 3], device=table.device)
     table.prefetch(nxt)
     for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
-        assert clone._prefetch.pending is None and clone.cache.capacity == table.cache.capacity
+        assert clone.lookups.prefetcher.pending is None and clone.cache.capacity == table.cache.capacity
         assert torch.equal(clone.weight.cpu(), table.weight.cpu())

@@ -195,8 +195,8 @@ def test_nonfinite_anywhere_changes_nothing(where, fused, device):
         else:
             pass
     if where == "table":
-        rec = model.items._pending[0]
-        model.items._leaf_of(rec).grad[0, 1] = float("inf")
+        rec = model.items.lookups.pending[0]
+        rec.grad_leaf.grad[0, 1] = float("inf")
     with pytest.raises(NonFiniteGradientError) as err:
         opt.step()
     named = "parameter 'head.weight'" if where == "head" else "table 'items'"
@@ -443,7 +443,7 @@ def test_cuda_graph_lookups_train_like_eager_ones(placement, lookups):
             rows = torch.cat([table(part.cuda()) for part in ids])
             loss_of(rows, tgt.cuda()).backward()
             opt.step()
-        captured = sum(len(c) for c in table._graphs._graphs.values())
+        captured = sum(len(c) for c in table.lookup_graphs._graphs.values())
         assert captured == (min(lookups, 2) if graphs else 0)
         got.append((table.weight.cpu(), opt.table_state("t")["exp_avg_sq"].cpu()))
     for a, b in zip(*got):
@@ -869,12 +869,12 @@ def test_word_vectors_of_gpu_placed_tables():
 
 def test_copies_of_a_table_start_without_captured_graphs():
     table = OffloadedEmbedding(10, 2, device="cpu")
-    table._graphs._graphs[("fake",)] = [object()]       # stands for a capture (CUDA only)
-    table._graphs._seen[("fake",)] = 3
+    table.lookup_graphs._graphs[("fake",)] = [object()]       # stands for a capture (CUDA only)
+    table.lookup_graphs._seen[("fake",)] = 3
     for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
-        assert clone._graphs._graphs == {} and clone._graphs._seen == {}
-        assert clone._graphs.copies == table._graphs.copies
-    assert table._graphs._graphs                           # the original keeps its own
+        assert clone.lookup_graphs._graphs == {} and clone.lookup_graphs._seen == {}
+        assert clone.lookup_graphs.copies == table.lookup_graphs.copies
+    assert table.lookup_graphs._graphs                           # the original keeps its own
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

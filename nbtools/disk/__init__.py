@@ -51,6 +51,7 @@ from .. import NbtoolsError
 from . import log as disklog
 from ..engine import streams
 from .bits import BitSet
+from .slots import clock_sweep, take_free
 from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
@@ -205,43 +206,6 @@ def row_map_bytes(num_rows: int) -> int:
     maps): its row -> slot map (int32 where the rows fit, else int64) and its change marks
     (a bit a row)."""
     return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
-
-
-def take_free(free: collections.deque, k: int) -> np.ndarray:
-    """Up to ``k`` slots from a free list (a deque of slot arrays), oldest first."""
-    got, need = [], k
-    while need and free:
-        part = free.popleft()
-        if len(part) > need:
-            free.appendleft(part[need:])
-            part = part[:need]
-        got.append(part)
-        need -= len(part)
-    return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
-
-
-def clock_sweep(owner, need: int, size: int, usable) -> np.ndarray:
-    """CLOCK (second chance) over ``size`` slots of ``owner`` (its ``hand``, ``ref`` and
-    ``locked`` arrays), vectorised over windows: up to ``need`` slots that ``usable(lo, hi)``
-    (a bool array of slots ``lo:hi``) allows and whose reference bit is clear, clearing the
-    bits of the usable slots it passes (two turns at most)."""
-    out, taken, passed = [], 0, 0
-    window = max(4 * need, 4096)
-    while taken < need and passed < 2 * size:
-        lo = owner.hand
-        hi = min(lo + window, size)
-        ok = usable(lo, hi)
-        pick = np.flatnonzero(ok & ~owner.ref[lo:hi])[: need - taken] + lo
-        end = pick[-1] + 1 if len(pick) and taken + len(pick) == need else hi
-        owner.ref[lo:end] &= ~ok[: end - lo]      # second chance spent
-        owner.locked[pick] = True                 # not picked twice on the next turn
-        out.append(pick)
-        taken += len(pick)
-        passed += end - lo
-        owner.hand = end % size
-    out = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-    owner.locked[out] = False
-    return out
 
 
 class _Slots:

@@ -41,7 +41,7 @@ import torch
 from .. import kernels
 from ..devices import hold_host, release_host, synchronize
 from ..hostmem import count_cache, count_transfer
-from . import clock_sweep, take_free
+from .slots import clock_sweep, take_free
 
 
 BATCH_DOWN = 16384

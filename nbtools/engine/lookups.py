@@ -11,10 +11,11 @@ the rows as gathered. With the optimizer's side (:mod:`nbtools.optim.slot`: each
 of those rows) this is what happens to a row in a step; where the rows live is below both, in
 :mod:`nbtools.store.rows`.
 
-:class:`TableLookups` is mixed into :class:`nbtools.OffloadedEmbedding` and imports nothing of
-:mod:`nbtools.tables`: it reaches its table through the attributes a table sets up (``_rows``,
-``_layout``, ``_disk``, ``_prefetch``, ``_graphs``, ``_pending``, ``_owned``, ``_grad_scale``,
-``_state_names``, ``_sync_slab``, ``compute_dtype`` and the table's shape and config).
+:class:`TableLookups` is the object a table owns for this (``table.lookups``) and imports
+nothing of :mod:`nbtools.tables`: it reaches its table through the table's public surface
+(``rows``, ``layout``, ``disk``, ``state_names``, ``grad_scale``, ``sync_slab``,
+``compute_dtype``, ``deterministic`` and the table's shape and config). Each pending lookup is a
+named :class:`Pending` record.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from .. import kernels
 from . import ahead
-from ..devices import on_tables
+from .prefetch import Prefetcher
 from ..store.rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
@@ -120,82 +121,123 @@ class StepRows:
         return not bool(torch.isfinite(self.grad).all())
 
 
-class TableLookups:
-    """A table's lookups and the step input they make (mixed into
-    :class:`nbtools.OffloadedEmbedding`).
+@dataclasses.dataclass
+class Pending:
+    """A training lookup waiting for the optimizer's step (:meth:`TableLookups.collect`).
 
-    Each pending training lookup is a record ``(RowBatch, its unique rows as the leaf or None,
-    full rows or None, flat ids, shape, the CUDA graph capture whose outputs these are or None,
-    the rows in id order where they are the gradient's leaf or None)`` in the table's
-    ``_pending`` list (one of the two leaves is None), until
-    :meth:`collect` or :meth:`clear_pending` takes it.
+    ``batch``: its unique ids (:class:`~nbtools.store.rows.RowBatch`); ``leaf``: its unique
+    rows as the gradient's leaf, or ``by_id``: its rows in the order of its ids as the leaf (one
+    of the two is None); ``full``: the whole gathered rows ``[weight | state...]`` or None;
+    ``flat``/``shape``: its ids, to name a bad one; ``capture``: the CUDA graph capture whose
+    outputs these are, or None."""
+
+    batch: RowBatch
+    leaf: torch.Tensor | None
+    full: torch.Tensor | None
+    flat: torch.Tensor
+    shape: tuple
+    capture: object = None
+    by_id: torch.Tensor | None = None
+
+    @property
+    def grad_leaf(self) -> torch.Tensor:
+        """The tensor its gradient lands on."""
+        return self.leaf if self.by_id is None else self.by_id
+
+
+class TableLookups:
+    """A table's lookups and the step input they make: what ``table(ids)`` does, the
+    lookups pending until the optimizer's step (:class:`Pending` records), the CUDA graphs
+    of training lookups (``graphs``) and a lookup started ahead (``prefetcher``). One per
+    table (``table.lookups``); it reaches the table through its public surface (``rows``,
+    ``layout``, ``disk``, ``state_names``, ``grad_scale``, ``sync_slab``, ...).
     """
+
+    # A table's forward asks for its rows in id order (:meth:`result`); False: unique rows
+    # upcast, then reordered (the earlier order; the probe prefetch_overlap.py --toggle id_order
+    # in git history).
+    ID_ORDER = True
+    # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are
+    # stored narrower than they compute and the step's kernels run; False: index_select, then
+    # an upcast (the earlier path; the probe prefetch_overlap.py --toggle take_rows in git history).
+    FUSED_TAKE = True
+
+    def __init__(self, table):
+        self.table = table
+        self.pending: list[Pending] = []    # training lookups the next step takes
+        self.graphs = LookupGraphs()
+        self.prefetcher = Prefetcher(table)  # a training lookup started ahead (prefetch)
+        self.owned = False                  # an OffloadOptimizer steps the table
+        self.warned_pending = False
+        self.warned_unconsumed = False      # UnconsumedGradientWarning given
 
     # --- lookups ----------------------------------------------------------------------------
     def prepare_ids(self, ids) -> torch.Tensor:
+        t = self.table
         if not isinstance(ids, torch.Tensor):
             try:
                 ids = torch.as_tensor(ids)
             except (TypeError, ValueError, RuntimeError) as e:
-                raise TypeError(f"table {self.name!r}: ids must be an integer tensor, "
+                raise TypeError(f"table {t.name!r}: ids must be an integer tensor, "
                                 f"got {type(ids).__name__}") from e
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"table {self.name!r}: ids must be integers, got dtype {ids.dtype}; "
+            raise TypeError(f"table {t.name!r}: ids must be integers, got dtype {ids.dtype}; "
                             "convert with ids.long() if they are whole numbers")
-        if self._disk is not None:      # deduplicated on the CPU: host ids stay there
+        if t.disk is not None:          # deduplicated on the CPU: host ids stay there
             return ids
-        return ids.to(self.device, non_blocking=True)
+        return ids.to(t.device, non_blocking=True)
 
     def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
         """Raise the IndexError that names the first out-of-range id of ``flat`` (a lookup of
         ``shape``) and its position. A host sync: called once a check has found one."""
-        bad = (flat < 0) | (flat >= self.num_embeddings)
+        t = self.table
+        bad = (flat < 0) | (flat >= t.num_embeddings)
         value = int(flat[bad.nonzero()[0, 0]])
         raise IndexError(
-            f"table {self.name!r} has {self.num_embeddings:,} rows but ids contain {value:,} "
+            f"table {t.name!r} has {t.num_embeddings:,} rows but ids contain {value:,} "
             f"(first at {ids_error_position(bad, shape)}); valid ids are 0 to "
-            f"{self.num_embeddings - 1:,}")
+            f"{t.num_embeddings - 1:,}")
 
-    def _lookup(self, ids: torch.Tensor, id_order: bool = False):
+    def lookup(self, ids: torch.Tensor, id_order: bool = False):
         """Deduplicate ``ids`` (any shape) and gather the unique rows, without a host sync.
 
         Returns (rows [capacity, dim], inverse [ids.numel()]), or with ``id_order`` where
-        :meth:`lookup_result` can, (rows in the order of the ids [ids.numel(), dim], None).
+        :meth:`result` can, (rows in the order of the ids [ids.numel(), dim], None).
         Ids are checked here when the
         lookup is not training a table that an OffloadOptimizer steps (a host sync); when it
         is, the check runs on the device and the optimizer's step reads its verdict, with
         every other flag of the step, in one synchronisation, before anything is written.
         """
+        t = self.table
         flat = ids.reshape(-1).long()      # int64: index_copy_ (the write-back) takes no other
-        recording = torch.is_grad_enabled() and self.trainable
-        if recording and not self._owned and self._pending:
+        recording = torch.is_grad_enabled() and t.trainable
+        if recording and not self.owned and self.pending:
             self._warn_unconsumed()
-        width = self._rows.width if (recording and self._state_names) else \
-            self._layout.weight_cols
-        if self._disk is not None:
+        store = t.rows
+        width = store.width if (recording and t.state_names) else t.layout.weight_cols
+        if t.disk is not None:
             return self._disk_lookup(ids, recording, width, id_order)
-        self._prefetch.wait()           # its cache admission comes before this lookup's
-        if recording and self._owned and self._prefetch.matches(ids, width):
-            return self._prefetch.take(flat, ids.shape, id_order)
+        self.prefetcher.wait()          # its cache admission comes before this lookup's
+        if recording and self.owned and self.prefetcher.matches(ids, width):
+            return self.prefetcher.take(flat, ids.shape, id_order)
         captured = None
-        if recording and self._owned and self.config.cuda_graphs and self._rows.direct \
-                and self.device.type == "cuda" and kernels.usable_on(self.device):
-            captured = self._graphs.run(self._rows, flat, self.padding_idx, width)
+        if recording and self.owned and t.config.cuda_graphs and store.direct \
+                and t.device.type == "cuda" and kernels.usable_on(t.device):
+            captured = self.graphs.run(store, flat, t.padding_idx, width)
         if captured is not None:
             batch, full, capture = captured
         else:
             capture = None
-            batch = unique_ids(flat, self.num_embeddings, self.padding_idx)
-            if not (recording and self._owned) and bool(batch.bad):   # note: a sync point
+            batch = unique_ids(flat, t.num_embeddings, t.padding_idx)
+            if not (recording and self.owned) and bool(batch.bad):   # note: a sync point
                 self.raise_bad_ids(flat, ids.shape)
             with torch.no_grad():
                 # Training: whole rows now, so the optimizer step needs no second gather.
-                full = self._rows.gather_batch(batch, 0, width,
-                                               admit=recording and self._owned)
-        return self.lookup_result(batch, full, flat, ids.shape, capture, recording, id_order)
+                full = store.gather_batch(batch, 0, width, admit=recording and self.owned)
+        return self.result(batch, full, flat, ids.shape, capture, recording, id_order)
 
-    def lookup_result(self, batch, full, flat, shape, capture, recording: bool,
-                       id_order: bool = False):
+    def result(self, batch, full, flat, shape, capture, recording: bool,
+               id_order: bool = False):
         """What a lookup returns from its gathered rows ``full``, ``(rows, inverse)``, and its
         pending record where it trains.
 
@@ -204,26 +246,28 @@ class TableLookups:
         taken from ``full`` in its storage dtype and then upcast: for bf16 rows one small
         copy instead of upcasting the unique rows and then reordering the upcast copy (twice
         the bytes). Training, they are the leaf the gradient lands on (as
-        :meth:`_rows_of_ids` makes it)."""
-        state = recording and bool(self._state_names)
+        :meth:`rows_of_ids` makes it)."""
+        t = self.table
+        state = recording and bool(t.state_names)
+        compute = t.compute_dtype
         if id_order and (state or not recording):
-            weights = self._layout.weight(full)
-            if weights.dtype != self.compute_dtype and self.FUSED_TAKE \
+            weights = t.layout.weight(full)
+            if weights.dtype != compute and self.FUSED_TAKE \
                     and kernels.usable_on(weights.device):
-                rows = kernels.take_rows(weights, batch.inverse, self.compute_dtype)
+                rows = kernels.take_rows(weights, batch.inverse, compute)
             else:
                 rows = weights.index_select(0, batch.inverse)
-                if rows.dtype != self.compute_dtype:
-                    rows = rows.to(self.compute_dtype)
+                if rows.dtype != compute:
+                    rows = rows.to(compute)
             if state:
-                self._record((batch, None, full, flat, shape, capture,
-                              rows.requires_grad_(True)))
+                self._record(Pending(batch, None, full, flat, shape, capture,
+                                     rows.requires_grad_(True)))
             return rows, None
         rows = self._leaf(full)
         if not state:
             full = None
         if recording:
-            self._record((batch, rows.requires_grad_(True), full, flat, shape, capture, None))
+            self._record(Pending(batch, rows.requires_grad_(True), full, flat, shape, capture))
         return rows, batch.inverse
 
     def _warn_unconsumed(self) -> None:
@@ -232,189 +276,151 @@ class TableLookups:
         never be applied. Warns once per table, and drops those lookups, which would otherwise
         pile up with their rows and gradients at every step of a loop that never trains the
         table."""
-        stale = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
+        stale = [rec for rec in self.pending if rec.grad_leaf.grad is not None]
         if not stale:                # no backward yet (this forward's earlier lookups)
             return
-        self._pending = [rec for rec in self._pending if self._leaf_of(rec).grad is None]
-        LookupGraphs.release(rec[5] for rec in stale)
-        if self._warned_unconsumed:
+        self.pending = [rec for rec in self.pending if rec.grad_leaf.grad is None]
+        LookupGraphs.release(rec.capture for rec in stale)
+        if self.warned_unconsumed:
             return
-        self._warned_unconsumed = True
+        self.warned_unconsumed = True
         warnings.warn(
-            f"table {self.name!r} received gradients, but no nbtools.OffloadOptimizer steps "
-            "it, so its rows never change (a plain torch.optim optimizer updates only the "
+            f"table {self.table.name!r} received gradients, but no nbtools.OffloadOptimizer "
+            "steps it, so its rows never change (a plain torch.optim optimizer updates only the "
             "model's other parameters, and an OffloadOptimizer steps only the tables of the "
             "model it was made with). Make the optimizer over this model: "
             "opt = nbtools.OffloadOptimizer(torch.optim.Adam, model, lr=...), one optimizer "
             "for the tables and the other parameters.", UnconsumedGradientWarning,
             stacklevel=caller_stacklevel())
 
-    def _record(self, rec: tuple) -> None:
+    def _record(self, rec: Pending) -> None:
         """Keep a training lookup's record for the optimizer's step (:meth:`collect`)."""
-        self._pending.append(rec)
-        if len(self._pending) > PENDING_WARN and not self._warned_pending:
-            self._warned_pending = True
+        self.pending.append(rec)
+        if len(self.pending) > PENDING_WARN and not self.warned_pending:
+            self.warned_pending = True
             warnings.warn(
-                f"table {self.name!r} holds {len(self._pending)} lookups waiting for an "
+                f"table {self.table.name!r} holds {len(self.pending)} lookups waiting for an "
                 "optimizer step: run evaluation under torch.no_grad(), or call "
                 "optimizer.zero_grad()", RuntimeWarning, stacklevel=caller_stacklevel())
 
     def _disk_lookup(self, ids: torch.Tensor, recording: bool, width: int,
                      id_order: bool = False):
-        """:meth:`_lookup` for a disk table: its rows are brought into RAM slots first, then
-        gathered from there like a host table's (nbtools.disk)."""
+        """:meth:`lookup` for a disk table: its rows are brought into RAM slots first (or are
+        in its GPU cache), then gathered from there like a host table's (nbtools.disk)."""
         from .. import disk
-        training = recording and self._owned
+        t = self.table
+        training = recording and self.owned
         # ids a loader handed out: its coming batches are read ahead (nbtools.engine.ahead)
-        key = ahead.key_of(self, ids) if training else None
-        batch, slots = disk.lookup(self, ids, training, key)
+        key = ahead.key_of(t, ids) if training else None
+        batch, slots = disk.lookup(t, ids, training, key)
         if training:
-            ahead.follow(self, ids)
-        self._sync_slab()
+            ahead.follow(t, ids)
+        t.sync_slab()
         if not training and bool(batch.bad):                # note: a sync point
             self.raise_bad_ids(ids.reshape(-1), ids.shape)
         with torch.no_grad():
-            full = self._rows.gather_batch(batch, 0, width)
+            full = t.rows.gather_batch(batch, 0, width)
         if not training:             # its slots may be reused once the gather has run
-            self._disk.mark_used(slots)
-        return self.lookup_result(batch, full, ids.reshape(-1), ids.shape, None, recording,
-                                   id_order)
+            t.disk.mark_used(slots)
+        return self.result(batch, full, ids.reshape(-1), ids.shape, None, recording, id_order)
 
     # --- prefetch ---------------------------------------------------------------------------
-
-    @on_tables
     def prefetch(self, ids) -> None:
-        """Start the next training lookup of ``ids`` now, while the current step computes.
-
-        Call it right after this step's lookups, with the ids tensor the next step will look up
-        (the very same tensor object)::
-
-            rows = table(ids)
-            table.prefetch(next_ids)        # dedup, cache admission, row gather: side stream
-            loss(rows).backward(); opt.step(); opt.zero_grad()
-            rows = table(next_ids)          # takes the prefetched rows
-
-        The next step's ids are deduplicated, admitted to the cache of hot rows (if any) and
-        their rows gathered on a CUDA side stream, overlapping this step's forward and
-        backward (and, on a table without a cache, its update and write-back; with one, the
-        update waits for the prefetch's admission). The rows the step writes that the next
-        lookup also needs are read again when the next lookup takes them, so the result is
-        bit-identical to not prefetching. A lookup of other ids ignores the
-        prefetch (it is kept for a later lookup of ``ids``); reading or writing ``.weight``
-        drops it. On the CPU the same work runs at once (no overlap, same results).
-
-        Ids on the GPU are ready only once the work queued before this call is done, which
-        includes the last step's update. Ids given as a host tensor are copied and
-        deduplicated on the side stream at once, beside that update; only the gather waits
-        for it. So where the ids come from the host, pass them as they are.
-        """
-        if not (self._owned and self.trainable):
-            raise ValueError(f"table {self.name!r}: prefetch starts a training lookup; create "
+        """``table.prefetch(ids)``: :meth:`nbtools.OffloadedEmbedding.prefetch`."""
+        t = self.table
+        if not (self.owned and t.trainable):
+            raise ValueError(f"table {t.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
-        if self._disk is not None:   # the rows the next step misses, read from the file now
-            ahead.explicit(self)
-            self._disk.read_ahead(self.prepare_ids(ids), self.padding_idx)
-            self._sync_slab()
+        if t.disk is not None:       # the rows the next step misses, read from the file now
+            ahead.explicit(t)
+            t.disk.read_ahead(self.prepare_ids(ids), t.padding_idx)
+            t.sync_slab()
             return
-        self._prefetch.start(ids)
+        self.prefetcher.start(ids)
 
     def _leaf(self, full: torch.Tensor) -> torch.Tensor:
         """The weights of gathered rows as the leaf autograd sees: a fresh tensor (never a
         capture's or a prefetch's buffer), in the compute dtype (upcast from bf16 storage)."""
-        rows = self._layout.weight(full)
-        return rows.to(self.compute_dtype) if rows.dtype != self.compute_dtype else rows[:, :]
+        t = self.table
+        rows = t.layout.weight(full)
+        return rows.to(t.compute_dtype) if rows.dtype != t.compute_dtype else rows[:, :]
 
-    @on_tables
     def collect(self) -> StepRows | None:
         """The row protocol's step input: the rows looked up since the last call, their unique
         ids and summed gradients (:class:`StepRows`), or None when no row has a gradient.
         Clears the pending lookups. No host synchronisation. Called by the optimizer."""
-        if self._rows.cache is not None or self._prefetch.UPDATE_WAITS:
-            self._prefetch.wait()    # the update must not race the prefetch's admission
-        records = [rec for rec in self._pending if self._leaf_of(rec).grad is not None]
-        LookupGraphs.release(rec[5] for rec in self._pending if self._leaf_of(rec).grad is None)
-        self._pending.clear()
-        if self._disk is not None:   # the step's update of their slots is queued next
-            self._disk.step_queued()
+        t = self.table
+        store = t.rows
+        if store.cache is not None or self.prefetcher.UPDATE_WAITS:
+            self.prefetcher.wait()    # the update must not race the prefetch's admission
+        records = [rec for rec in self.pending if rec.grad_leaf.grad is not None]
+        LookupGraphs.release(rec.capture for rec in self.pending if rec.grad_leaf.grad is None)
+        self.pending.clear()
+        if t.disk is not None:       # the step's update of their slots is queued next
+            t.disk.step_queued()
         if not records:
             return None
-        lookups = [(r[3], r[4]) for r in records]
-        has_state = all(r[2] is not None for r in records)
+        lookups = [(r.flat, r.shape) for r in records]
+        has_state = all(r.full is not None for r in records)
         summing = None
+        scale = t.grad_scale
         if len(records) == 1:
-            batch, leaf, full = records[0][:3]
-            if self.padding_idx is None and self._grad_scale is None:
-                grad, summing = self._deferred_grad(records[0])
+            rec = records[0]
+            batch = rec.batch
+            if t.padding_idx is None and scale is None:
+                grad, summing = self._deferred_grad(rec)
             else:
-                grad = self._grad_of(records[0])
-            rows = full if has_state else leaf.detach()
+                grad = self._grad_of(rec)
+            rows = rec.full if has_state else rec.leaf.detach()
         else:                        # several lookups this step: one more dedup across them
-            batch, grad, pick = merge([r[0] for r in records],
+            batch, grad, pick = merge([r.batch for r in records],
                                       [self._grad_of(r) for r in records])
-            parts = [r[2] if has_state else r[1].detach() for r in records]
+            parts = [r.full if has_state else r.leaf.detach() for r in records]
             rows = torch.cat(parts).index_select(0, pick)
-        if self.padding_idx is not None:
+        if t.padding_idx is not None:
             # padding ids became the sentinel slot: its gradient is never applied, nor checked
             grad = grad.masked_fill((batch.ids == batch.num_rows).unsqueeze(1), 0)
-        if self._grad_scale is not None:
-            grad = grad * self._grad_scale.gather_batch(batch).to(grad.dtype)
-        captures = [r[5] for r in records]
+        if scale is not None:
+            grad = grad * scale.gather_batch(batch).to(grad.dtype)
+        captures = [r.capture for r in records]
         # a prefetch reads these rows again (batch.ids: a capture's output where one lookup)
-        self._prefetch.written(batch.ids, captures if len(records) == 1 else ())
-        cache = self._rows.cache
-        return StepRows(batch, grad, rows, has_state, lookups, captures, self,
+        self.prefetcher.written(batch.ids, captures if len(records) == 1 else ())
+        cache = store.cache
+        return StepRows(batch, grad, rows, has_state, lookups, captures, t,
                         None if cache is None else cache.stats, summing)
 
-    @staticmethod
-    def _leaf_of(rec) -> torch.Tensor:
-        """The tensor a pending lookup's gradient lands on: its rows in id order where
-        :meth:`_rows_of_ids` made them the leaf, else its unique rows."""
-        return rec[1] if rec[6] is None else rec[6]
-
-    def _grad_of(self, rec) -> torch.Tensor | None:
+    def _grad_of(self, rec: Pending) -> torch.Tensor | None:
         """A pending lookup's gradient per unique row [capacity, d], or None: the gradient of
-        its rows in id order summed per id (:func:`nbtools.store.rows.sum_by_slot`: in a fixed order
-        on CUDA unless OffloadConfig(deterministic=False))."""
-        grad = self._leaf_of(rec).grad
-        if grad is None or rec[6] is None:
+        its rows in id order summed per id (:func:`nbtools.store.rows.sum_by_slot`: in a fixed
+        order on CUDA unless OffloadConfig(deterministic=False))."""
+        grad = rec.grad_leaf.grad
+        if grad is None or rec.by_id is None:
             return grad
-        return sum_by_slot(grad, rec[0], self.deterministic)
+        return sum_by_slot(grad, rec.batch, self.table.deterministic)
 
-    def _deferred_grad(self, rec) -> tuple:
+    def _deferred_grad(self, rec: Pending) -> tuple:
         """``(grad, summing)`` of a step's only lookup: where its gradient is in id order,
         an unwritten [capacity, d] buffer and what :meth:`StepRows.queue_sum` writes into it
         (the optimizer queues that with the step's checks); else its gradient, None."""
-        grad = self._leaf_of(rec).grad
-        if rec[6] is None or grad is None or grad.requires_grad:
+        grad = rec.grad_leaf.grad
+        if rec.by_id is None or grad is None or grad.requires_grad:
             return self._grad_of(rec), None
-        return grad.new_empty(rec[0].capacity, grad.shape[-1]), (grad, rec[0])
+        return grad.new_empty(rec.batch.capacity, grad.shape[-1]), (grad, rec.batch)
 
-    @on_tables
-    def clear_pending(self) -> None:
-        LookupGraphs.release(rec[5] for rec in self._pending)
-        self._pending.clear()
-        if self._disk is not None:
-            self._disk.step_queued()
+    def clear(self) -> None:
+        """Drop the pending lookups (``zero_grad``, a skipped step)."""
+        LookupGraphs.release(rec.capture for rec in self.pending)
+        self.pending.clear()
+        if self.table.disk is not None:
+            self.table.disk.step_queued()
 
-    def _device_ids(self, ids) -> torch.Tensor:
+    def device_ids(self, ids) -> torch.Tensor:
         """``ids`` on the compute device; for the very ids a prefetch was started with, the
         copy the prefetch made."""
-        taken = self._prefetch.device_ids(ids)
+        taken = self.prefetcher.device_ids(ids)
         return self.prepare_ids(ids) if taken is None else taken
 
-    # A table's forward asks for its rows in id order (:meth:`lookup_result`); False: unique
-    # rows upcast, then reordered (the earlier order; the probe prefetch_overlap.py --toggle id_order in git history).
-    ID_ORDER = True
-    # ... reordered and upcast in one kernel (nbtools.kernels.take_rows) where the weights are
-    # stored narrower than they compute and the step's kernels run; False: index_select, then
-    # an upcast (the earlier path; the probe prefetch_overlap.py --toggle take_rows in git history).
-    FUSED_TAKE = True
-
-    # The OffloadConfig.deterministic of the optimizer that steps this table (it sets this):
-    # on CUDA the gradient of a training lookup is summed per id in a fixed order.
-    deterministic = True
-
-    def _rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    def rows_of_ids(self, rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """``rows[inv]``: a lookup's unique rows in the order of its ids. For a training
         lookup these are the leaf its gradient lands on ([n, d], one row per id), summed per
         unique row by the optimizer's step (:attr:`StepRows.summing`, queued with its checks,
@@ -422,9 +428,9 @@ class TableLookups:
         index_select's own backward (index_add_) adds with atomics, whose order changes from
         run to run. Not in autograd's backward: a Python backward runs on autograd's device
         thread and cost ~0.2 ms of host time a lookup (docs/reproducibility.md)."""
-        rec = self._pending[-1] if self._pending else None
-        if rec is None or rec[1] is not rows:      # not a training lookup: no gradient
+        rec = self.pending[-1] if self.pending else None
+        if rec is None or rec.leaf is not rows:      # not a training lookup: no gradient
             return rows.index_select(0, inv)
         out = rows.detach().index_select(0, inv).requires_grad_(True)
-        self._pending[-1] = rec[:6] + (out,)
+        rec.by_id = out
         return out

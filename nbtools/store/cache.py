@@ -308,3 +308,76 @@ def cache_capacity(table) -> tuple:
             f"row {human_bytes(RowCache.slot_bytes(rows.row_bytes))}; give "
             "cache_bytes more room or leave the cache off")
     return min(capacity, n), why
+
+
+class TableCache:
+    """A table's GPU cache of hot rows as the table sees it (``table.hot``): the size its
+    config asks for and why, counts given to :meth:`warm` before the cache exists, and the
+    readings optimizer steps take. The cache itself is the row store's (``table.rows.cache``:
+    a :class:`RowCache`, or for a disk table the GPU level above its RAM slots,
+    :class:`nbtools.disk.gpu.GpuLevel`)."""
+
+    def __init__(self):
+        self.why = ""                  # what sized it (for the table's repr)
+        self.counts = CacheCounts()    # its readings, as optimizer steps take them
+        self.warm_counts = None        # warm() before the cache exists
+
+    def attach(self, table) -> None:
+        """The cache ``table``'s config asks for (:func:`cache_capacity`: once its optimizer
+        attached, the rows' width with their state is known)."""
+        capacity, self.why = cache_capacity(table)
+        if capacity is None:
+            return
+        if table.disk is not None:      # a GPU level above the RAM slots
+            from ..disk.gpu import attach
+            attach(table, capacity)
+            table.sync_slab()
+        else:
+            table.rows.attach_cache(capacity)
+            self.counts = CacheCounts()
+            if self.warm_counts is not None:
+                table.rows.cache.warm(self.warm_counts, table.rows.view())
+                self.warm_counts = None
+        table.lookup_graphs.invalidate()
+
+    def warm(self, table, counts) -> None:
+        """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
+        counts = torch.as_tensor(counts)
+        if counts.shape != (table.num_embeddings,) or counts.is_floating_point() \
+                and not torch.isfinite(counts).all():
+            raise ValueError(f"table {table.name!r}: counts must be a finite tensor of shape "
+                             f"({table.num_embeddings},), got {tuple(counts.shape)}")
+        counts = counts.round().long() if counts.is_floating_point() else counts.long()
+        disk = table.disk
+        if disk is not None:            # the most frequent rows, read now: into the GPU
+            hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
+            hot = hot[counts[hot] > 0].numpy()
+            if disk.above is not None:
+                disk.warm(hot, level=disk.above)
+            disk.warm(hot)
+            table.sync_slab()
+            return
+        cache = table.rows.cache
+        if cache is None:
+            self.warm_counts = counts
+            return
+        table.lookups.prefetcher.drop()
+        cache.warm(counts, table.rows.view())
+        table.lookup_graphs.invalidate()
+
+    def summary(self, table) -> dict:
+        """:meth:`nbtools.OffloadedEmbedding.cache_stats`."""
+        disk = table.disk
+        if disk is not None and disk.above is not None:
+            return disk.above.summary(table.rows.row_bytes)
+        return self.counts.summary(table.rows)
+
+    def describe(self, table) -> str:
+        """What ``repr(table)`` says of its cache ("" without one)."""
+        disk = table.disk
+        if disk is not None and disk.above is not None:
+            return f", {disk.above.describe()} ({self.why})"
+        cache = table.rows.cache
+        if cache is None:
+            return ""
+        return f", cache={cache.capacity:,} rows ({human_bytes(cache.nbytes)}, {self.why})"
