@@ -253,11 +253,10 @@ class OffloadedEmbedding(nn.Module):
     def _store(self) -> RowStore:
         """The row store over this table's memory (for a disk table: its RAM slots, which
         lookups address by slot; they never write behind, whose patches need sorted ids)."""
-        store = RowStore(self._host, self.device)
-        store.write_behind_ok = self._disk is None
-        if self._disk is not None:      # its GPU cache, if any (nbtools.disk.gpu)
-            store.cache = self._disk.above
-        return store
+        if self._disk is not None:      # its RAM slots (and GPU cache), rows from the file
+            from .disk import DiskStore
+            return DiskStore(self._disk, self.device)
+        return RowStore(self._host, self.device)
 
     def _new_rows(self, shape, dtype):
         """Memory for ``shape`` rows where this table is placed (zero-filled)."""
@@ -288,20 +287,9 @@ class OffloadedEmbedding(nn.Module):
         """The weights (``state`` None) or one state's columns of every row, current: cached
         rows are written back first, and the cache is emptied unless ``keep_cache`` (a read
         that nothing writes through, such as saving)."""
-        self.lookups.prefetcher.drop()           # a write through what is returned would make it stale
-        if self._disk is not None:      # the file, mapped, once every dirty row is in it
-            self._disk.flush(drop=not keep_cache)
-            full = self._disk.mapped(writable=not keep_cache)
-            if state is None:
-                return self._layout.weight(full)
-            return self._layout.state(full, state)
-        if self.placement == "host":
-            self._rows.settle()         # lookups stop patching from write-backs in flight
-            self._rows.flush(drop=not keep_cache)
-            synchronize(self.device)
-        if state is None:
-            return self._layout.weight(self._host.tensor)
-        return self._layout.state(self._host.tensor, state)
+        self.lookups.prefetcher.drop()  # a write through what is returned would make it stale
+        full = self._rows.rows_now(keep_cache)
+        return self._layout.weight(full) if state is None else self._layout.state(full, state)
 
     @property
     def storage(self):
@@ -404,14 +392,12 @@ class OffloadedEmbedding(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of rows (and optimizer state) where the table lives: host RAM, GPU or disk."""
-        return self._disk.nbytes if self._disk is not None else self._host.nbytes
+        return self._rows.nbytes
 
     @property
     def ram_bytes(self) -> int:
         """Host RAM the rows take: the table itself, or a disk table's cache of hot rows."""
-        if self._disk is not None:
-            return self._disk.ram_bytes
-        return 0 if self.placement == "gpu" else self._host.nbytes
+        return self._rows.ram_bytes
 
     @property
     def disk(self):
@@ -422,7 +408,7 @@ class OffloadedEmbedding(nn.Module):
     def transfer_mode(self) -> str:
         """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA), 'host'
         (CPU compute) or 'disk' (rows in a file, a RAM cache read zero-copy)."""
-        return "disk" if self._disk is not None else self._rows.mode
+        return self._rows.kind
 
     @on_tables
     def set_grad_scale(self, weights) -> None:
@@ -451,21 +437,15 @@ class OffloadedEmbedding(nn.Module):
     def close(self) -> None:
         """Release the pinned registration now (the CPU tensor stays valid as plain memory)."""
         self.lookups.prefetcher.drop()
-        if self.placement == "host":
-            self._rows.flush()
-            synchronize(self.device)
         self.clear_pending()
         self.lookups.graphs.invalidate()
-        if self._disk is not None:
-            synchronize(self.device)
-            self._disk.close()          # the file goes with it: save a checkpoint first
-        self._host.close()
+        self._rows.close()
         self._rows = self._store()
 
     def sync_slab(self) -> None:
         """A disk table's RAM cache was pinned or grew, or it got a GPU cache: its row store
         follows."""
-        if self._host is not self._disk.slab or self._rows.cache is not self._disk.above:
+        if not self._rows.current_for(self._disk):
             self._host = self._disk.slab
             self._rows = self._store()
 

@@ -52,12 +52,12 @@ from . import log as disklog
 from ..engine import streams
 from .bits import BitSet
 from .slots import clock_sweep, take_free
-from ..devices import hold_host, host_memory_bytes, release_host
+from ..devices import hold_host, host_memory_bytes, release_host, synchronize
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..hostmem import HostTensor, keep_freed_memory_small
 from .readahead import Prepared, ReadAhead, Ahead, prepare  # noqa: F401  (Prepared: re-exported)
-from ..store.rows import RowBatch
+from ..store.rows import RowBatch, RowStore
 from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
@@ -633,6 +633,62 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
                 f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
+
+class DiskStore(RowStore):
+    """A disk table's row store: the row store over its RAM slots (the slab, read zero-copy as
+    a host table's rows; its GPU cache, if any, as the store's cache), whose lookups bring
+    rows in from the file first (:func:`lookup`), which reads coming steps ahead, and whose
+    rows as a whole are the file's. The table and its lookups use it as any row store."""
+
+    keeps_host_ids = True
+
+    def __init__(self, disk: DiskRows, device):
+        super().__init__(disk.slab, device)
+        self.disk = disk
+        self.write_behind_ok = False    # its batches are slots, not the sorted ids patches need
+        self.cache = disk.above
+
+    @property
+    def kind(self) -> str:
+        return "disk"
+
+    def current_for(self, disk: DiskRows) -> bool:
+        """Whether this store still is ``disk``'s (its slab and GPU cache as they are now)."""
+        return self.host is disk.slab and self.cache is disk.above
+
+    def step_queued(self) -> None:
+        self.disk.step_queued()
+
+    def batch_of(self, table, ids, training: bool, key=None):
+        """A lookup's :class:`RowBatch` of slots, its rows brought into RAM (:func:`lookup`),
+        and the RAM slots it reads."""
+        return lookup(table, ids, training, key)
+
+    def used(self, slots) -> None:
+        """GPU work queued so far reads ``slots`` (an evaluation lookup's gather)."""
+        self.disk.mark_used(slots)
+
+    def read_ahead(self, ids, padding_idx=None) -> bool:
+        self.disk.read_ahead(ids, padding_idx)
+        return True
+
+    def rows_now(self, keep_cache: bool) -> torch.Tensor:
+        self.disk.flush(drop=not keep_cache)            # the file, mapped, once every dirty
+        return self.disk.mapped(writable=not keep_cache)    # row is in it
+
+    @property
+    def nbytes(self) -> int:
+        return self.disk.nbytes
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.disk.ram_bytes
+
+    def close(self) -> None:
+        synchronize(self.device)
+        self.disk.close()               # the file goes with it: save a checkpoint first
+        self.host.close()
+
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"

@@ -183,7 +183,7 @@ class TableLookups:
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise TypeError(f"table {t.name!r}: ids must be integers, got dtype {ids.dtype}; "
                             "convert with ids.long() if they are whole numbers")
-        if t.disk is not None:          # deduplicated on the CPU: host ids stay there
+        if t.rows.keeps_host_ids:       # deduplicated on the CPU: host ids stay there
             return ids
         return ids.to(t.device, non_blocking=True)
 
@@ -215,7 +215,7 @@ class TableLookups:
             self._warn_unconsumed()
         store = t.rows
         width = store.width if (recording and t.state_names) else t.layout.weight_cols
-        if t.disk is not None:
+        if store.keeps_host_ids:        # a disk table: rows brought in from the file first
             return self._disk_lookup(ids, recording, width, id_order)
         self.prefetcher.wait()          # its cache admission comes before this lookup's
         if recording and self.owned and self.prefetcher.matches(ids, width):
@@ -307,21 +307,21 @@ class TableLookups:
                      id_order: bool = False):
         """:meth:`lookup` for a disk table: its rows are brought into RAM slots first (or are
         in its GPU cache), then gathered from there like a host table's (nbtools.disk)."""
-        from .. import disk
         t = self.table
         training = recording and self.owned
         # ids a loader handed out: its coming batches are read ahead (nbtools.engine.ahead)
         key = ahead.key_of(t, ids) if training else None
-        batch, slots = disk.lookup(t, ids, training, key)
+        batch, slots = t.rows.batch_of(t, ids, training, key)
         if training:
             ahead.follow(t, ids)
-        t.sync_slab()
+        t.sync_slab()                # (the RAM cache may have grown: a new store)
         if not training and bool(batch.bad):                # note: a sync point
             self.raise_bad_ids(ids.reshape(-1), ids.shape)
+        store = t.rows
         with torch.no_grad():
-            full = t.rows.gather_batch(batch, 0, width)
+            full = store.gather_batch(batch, 0, width)
         if not training:             # its slots may be reused once the gather has run
-            t.disk.mark_used(slots)
+            store.used(slots)
         return self.result(batch, full, ids.reshape(-1), ids.shape, None, recording, id_order)
 
     # --- prefetch ---------------------------------------------------------------------------
@@ -331,9 +331,9 @@ class TableLookups:
         if not (self.owned and t.trainable):
             raise ValueError(f"table {t.name!r}: prefetch starts a training lookup; create "
                              "the OffloadOptimizer that steps this table first")
-        if t.disk is not None:       # the rows the next step misses, read from the file now
+        store = t.rows     # a disk table: the rows the next step misses, read from the file now
+        if store.keeps_host_ids and store.read_ahead(self.prepare_ids(ids), t.padding_idx):
             ahead.explicit(t)
-            t.disk.read_ahead(self.prepare_ids(ids), t.padding_idx)
             t.sync_slab()
             return
         self.prefetcher.start(ids)
@@ -356,8 +356,7 @@ class TableLookups:
         records = [rec for rec in self.pending if rec.grad_leaf.grad is not None]
         LookupGraphs.release(rec.capture for rec in self.pending if rec.grad_leaf.grad is None)
         self.pending.clear()
-        if t.disk is not None:       # the step's update of their slots is queued next
-            t.disk.step_queued()
+        store.step_queued()          # (a disk table: the update of their slots comes next)
         if not records:
             return None
         lookups = [(r.flat, r.shape) for r in records]
@@ -411,8 +410,7 @@ class TableLookups:
         """Drop the pending lookups (``zero_grad``, a skipped step)."""
         LookupGraphs.release(rec.capture for rec in self.pending)
         self.pending.clear()
-        if self.table.disk is not None:
-            self.table.disk.step_queued()
+        self.table.rows.step_queued()
 
     def device_ids(self, ids) -> torch.Tensor:
         """``ids`` on the compute device; for the very ids a prefetch was started with, the

@@ -257,6 +257,54 @@ class RowStore:
         self._older = None        # event: every write-back queued before it is done
         self._put_stream = None
 
+    # --- what a table asks of its rows, whatever tier holds them (the disk tier's store,
+    # nbtools.disk.DiskStore, answers otherwise) ---------------------------------------------
+    keeps_host_ids = False   # lookups deduplicate ids on the CPU (ids stay where they are)
+
+    @property
+    def kind(self) -> str:
+        """How the compute device reaches the rows: the table's ``transfer_mode``."""
+        return self.mode
+
+    def step_queued(self) -> None:
+        """The optimizer took the table's lookups; their update is queued next."""
+
+    def current_for(self, disk) -> bool:
+        """Whether this store still serves the table's rows (a disk table's changes when its
+        RAM cache grows or gets a GPU cache above it)."""
+        return True
+
+    def read_ahead(self, ids, padding_idx=None) -> bool:
+        """Start reading the rows of a coming step where the tier reads ahead itself
+        (False: it does not; the table's prefetch gathers them instead)."""
+        return False
+
+    def rows_now(self, keep_cache: bool) -> torch.Tensor:
+        """Every row ``[N, width]``, current (written back from caches and write-backs in
+        flight; the cache emptied unless ``keep_cache``)."""
+        if self.mode != "gpu":
+            self.settle()           # lookups stop patching from write-backs in flight
+            self.flush(drop=not keep_cache)
+            synchronize(self.device)
+        return self.host.tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows where they live."""
+        return self.host.nbytes
+
+    @property
+    def ram_bytes(self) -> int:
+        """Host RAM the rows take."""
+        return 0 if self.mode == "gpu" else self.host.nbytes
+
+    def close(self) -> None:
+        """Write everything back and release the memory's pinning."""
+        if self.mode != "gpu":
+            self.flush()
+            synchronize(self.device)
+        self.host.close()
+
     def __getstate__(self) -> dict:
         # Write-backs in flight belong to this process's CUDA work: a copy waits for them.
         if self._back is not None:
