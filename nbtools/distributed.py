@@ -45,15 +45,18 @@ class _RowsToRequesters(torch.autograd.Function):
     the shard's lookup sums them per row."""
 
     @staticmethod
-    def forward(ctx, rows, asked, served, group, comm_device):
+    def forward(ctx, rows, asked, served, group, comm_device, scale):
         ctx.asked, ctx.served, ctx.group, ctx.comm_device = asked, served, group, comm_device
+        ctx.scale = scale
         return _exchange(rows, sum(asked), asked, served, group, comm_device)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.scale != 1.0:           # data-parallel: the ranks' gradients averaged
+            grad = grad * ctx.scale
         back = _exchange(grad, sum(ctx.served), ctx.served, ctx.asked, ctx.group,
                          ctx.comm_device)
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 class ShardedEmbedding(nn.Module):
@@ -108,6 +111,9 @@ class ShardedEmbedding(nn.Module):
         self.shard = OffloadedEmbedding(rows, embedding_dim, padding_idx=local_padding,
                                         name=self.name, **options)
         self.device = self.shard.device
+        # False: a row's gradient is the sum of every rank's (each rank's loss its own);
+        # True (data_parallel): their mean, as DistributedDataParallel averages dense ones
+        self.average_grads = False
         backend = dist.get_backend(self.group) if self.world > 1 else None
         # gloo exchanges CPU tensors; NCCL (not tested yet) those on the GPU
         self._comm_device = torch.device("cpu") if backend == "gloo" else self.device
@@ -199,7 +205,8 @@ class ShardedEmbedding(nn.Module):
         wanted = _exchange(uniq[order] // self.world, sum(served), served, asked, self.group,
                            self._comm_device)
         rows = self.shard(wanted)              # one lookup: duplicates across ranks merge here
-        got = _RowsToRequesters.apply(rows, asked, served, self.group, self._comm_device)
+        got = _RowsToRequesters.apply(rows, asked, served, self.group, self._comm_device,
+                                      1.0 / self.world if self.average_grads else 1.0)
         slot = torch.empty_like(order)
         slot[order] = torch.arange(order.numel(), device=order.device)
         # F.embedding, not index_select: its backward sums each id's rows in a fixed order
@@ -211,7 +218,79 @@ class ShardedEmbedding(nn.Module):
                 f"rank={self.rank}, world={self.world}")
 
 
+# --- data-parallel training -------------------------------------------------------------------
+def _has_table(module: nn.Module) -> bool:
+    return any(isinstance(m, (OffloadedEmbedding, ShardedEmbedding)) for m in module.modules())
+
+
+def data_parallel(model: nn.Module, **ddp_options) -> nn.Module:
+    """Make ``model`` (built the same on every rank, its tables :class:`ShardedEmbedding`)
+    train data-parallel over the default process group, each rank on its own slice of the data
+    (``PinnedLoader(..., rank=rank, world=world)``); returns ``model``, changed in place.
+
+    Every submodule with trainable dense parameters and no table is wrapped in torch's
+    :class:`~torch.nn.parallel.DistributedDataParallel` (its parameters copied from rank 0 and
+    their gradients averaged over the ranks in backward), and every ShardedEmbedding averages
+    its rows' gradients the same way, so a step over the ranks' batches is a step over their
+    concatenation with a mean loss. ``ddp_options`` go to DistributedDataParallel (GPU
+    modules get ``device_ids=[their device]``). One process (no process group): ``model`` as
+    it is. Parameters held directly by a module that also holds a table cannot be wrapped:
+    move them into a submodule (a ValueError names them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model
+    for m in model.modules():
+        if isinstance(m, ShardedEmbedding):
+            m.average_grads = True
+
+    def wrap(module: nn.Module, path: str) -> None:
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            raise ValueError(f"data_parallel: {path or 'the model'} holds parameters {own} "
+                             "beside its tables; move them into a submodule (e.g. an "
+                             "nn.Linear) so that it can be wrapped in DistributedDataParallel")
+        for name, child in module.named_children():
+            if isinstance(child, (DistributedDataParallel, OffloadedEmbedding, ShardedEmbedding)):
+                continue
+            if _has_table(child):
+                wrap(child, f"{path}.{name}" if path else name)
+            elif any(p.requires_grad for p in child.parameters()):
+                device = next(child.parameters()).device
+                opts = dict(ddp_options)
+                if device.type == "cuda":
+                    opts.setdefault("device_ids", [device])
+                setattr(module, name, DistributedDataParallel(child, **opts))
+    wrap(model, "")
+    return model
+
+
 # --- launching a small job from a notebook or a test --------------------------------------
+def init(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group a launcher set up, from its environment (``torchrun
+    --nproc_per_node=N train.py`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); returns ``(rank, world)``. ``backend``: default ``"nccl"`` where CUDA is
+    available (rank r on ``cuda:LOCAL_RANK``, made current), else ``"gloo"``. Without a
+    launcher's environment (one process): ``(0, 1)`` and no process group. Already joined
+    (:func:`spawn`'s workers): the group's rank and size."""
+    import os
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    extra = {}
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast off (docs/distributed.md)
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        extra["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend, **extra)
+    return dist.get_rank(), dist.get_world_size()
+
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     import socket

@@ -140,6 +140,12 @@ class LoaderConfig:
     drop_last: bool = False    # skip the last, smaller batch of each epoch
     seed: int = 0              # the order of epoch e depends only on (seed, e)
     progress: bool = False     # a tqdm bar per epoch
+    # A data-parallel job (docs/distributed.md): rank `rank` of `world` gets its own slice of
+    # every global batch (global batch b is the ranks' batches b, in rank order, and batch_size
+    # is per rank); every rank gets the same number of batches (samples past the last whole
+    # global batch are not visited that epoch). Every rank uses the same data and seed.
+    rank: int = 0
+    world: int = 1
 
 
 def check_resume(state: dict, mine: dict, settings, kind: str, what: str) -> None:
@@ -214,6 +220,16 @@ class PinnedLoader:
         self.seed = int(seed)
         self.progress = bool(progress)
         self.num_samples = int(tensors[0].shape[0])
+        for key, value in (("world", cfg.world), ("rank", cfg.rank)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{key} must be an int, got {value!r}")
+        if cfg.world < 1 or not 0 <= cfg.rank < cfg.world:
+            raise ValueError(f"rank must be in 0..world-1 and world at least 1, got rank="
+                             f"{cfg.rank}, world={cfg.world}")
+        self.rank, self.world = int(cfg.rank), int(cfg.world)
+        # the samples this rank visits in an epoch
+        self.epoch_samples = self.num_samples if self.world == 1 else \
+            self.num_samples // (self.batch_size * self.world) * self.batch_size
         self.epoch = 0
         self.position = 0        # batches of `epoch` already handed out
         self._holders = []       # keep our registrations (pin_tensor) alive
@@ -293,8 +309,8 @@ class PinnedLoader:
     def __len__(self) -> int:
         """Batches per epoch."""
         if self.drop_last:
-            return self.num_samples // self.batch_size
-        return math.ceil(self.num_samples / self.batch_size)
+            return self.epoch_samples // self.batch_size
+        return math.ceil(self.epoch_samples / self.batch_size)
 
     def permutation(self, epoch: int | None = None, device="cpu") -> torch.Tensor:
         """Sample indices in the order of ``epoch`` (default: the current one), on ``device``.
@@ -303,8 +319,13 @@ class PinnedLoader:
         """
         epoch = self.epoch if epoch is None else int(epoch)
         if not self.shuffle:
-            return torch.arange(self.num_samples, device=device)
-        return permutation(self.num_samples, self.seed, epoch, device)
+            order = torch.arange(self.num_samples, device=device)
+        else:
+            order = permutation(self.num_samples, self.seed, epoch, device)
+        if self.world > 1:          # this rank's slice of each global batch
+            bs, n = self.batch_size, self.epoch_samples
+            order = order[: n * self.world].view(-1, self.world, bs)[:, self.rank].reshape(-1)
+        return order
 
     def _load_permutation(self, epoch: int) -> None:
         """Make ``self._perm = (epoch, order on the device, order on the host or None)``."""
@@ -340,12 +361,14 @@ class PinnedLoader:
         next batch."""
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "batch_size": self.batch_size, "num_samples": self.num_samples,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "rank": self.rank, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
         check_resume(state, self.state_dict(),
-                     ("num_samples", "batch_size", "shuffle", "drop_last"), "PinnedLoader", "data")
+                     ("num_samples", "batch_size", "shuffle", "drop_last", "rank", "world"),
+                     "PinnedLoader", "data")
         position = int(state["position"])
         if not 0 <= position <= len(self):
             raise ValueError(f"saved position {position} is outside 0..{len(self)} "
@@ -357,7 +380,7 @@ class PinnedLoader:
     def _chunk_rows(self, c: int, nb: int) -> tuple[int, int]:
         """Positions ``[lo, hi)`` in the epoch's order that chunk ``c`` covers."""
         k, bs = self._chunk_batches, self.batch_size
-        return c * k * bs, min(min((c + 1) * k, nb) * bs, self.num_samples)
+        return c * k * bs, min(min((c + 1) * k, nb) * bs, self.epoch_samples)
 
     def _gather_chunk(self, c: int, nb: int, main):
         """``(rows, event)``: the rows of chunk ``c`` (one tensor per input) and, on CUDA, an
@@ -409,7 +432,7 @@ class PinnedLoader:
         if self._slab is None or self._slab[0] != slab:
             self._slab = None
             s_lo = slab * per_slab * size
-            s_hi = min(s_lo + per_slab * size, min(nb * self.batch_size, self.num_samples))
+            s_hi = min(s_lo + per_slab * size, min(nb * self.batch_size, self.epoch_samples))
             perm = self._perm[1][s_lo:s_hi]
             local = torch.arange(s_hi - s_lo, device=perm.device) // size   # chunk in the slab
             keys, where = torch.sort((local << 40) | perm.long())    # ids < 2^40, chunks < 2^22
@@ -465,7 +488,7 @@ class PinnedLoader:
         if self._ahead_perm is None or self._ahead_perm[0] != epoch:
             self._ahead_perm = (epoch, self.permutation(epoch, "cpu"))
         lo = b * self.batch_size
-        hi = min(lo + self.batch_size, self.num_samples)
+        hi = min(lo + self.batch_size, self.epoch_samples)
         return self._host[column].index_select(0, self._ahead_perm[1][lo:hi])
 
     def _consumer_stream(self):
@@ -542,8 +565,9 @@ class PinnedLoader:
 
     def __repr__(self):
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in self._host)
+        ranks = f", rank={self.rank} of {self.world}" if self.world > 1 else ""
         return (f"PinnedLoader([{shapes}], batch_size={self.batch_size}, shuffle={self.shuffle}, "
-                f"drop_last={self.drop_last}, device={self.device}, seed={self.seed}, "
+                f"drop_last={self.drop_last}, device={self.device}, seed={self.seed}{ranks}, "
                 f"epoch={self.epoch}, position={self.position}/{len(self)})")
 
 

@@ -1,0 +1,125 @@
+"""Data-parallel training on gloo: two ranks, each on its own slice of every batch
+(PinnedLoader rank/world), tables sharded (ShardedEmbedding), the dense head in
+DistributedDataParallel (nbtools.distributed.data_parallel), the shared training loop
+(nbtools.models.train) with checkpoints; against one process trained on the whole batches
+(their concatenation, a mean loss), and against itself resumed from a checkpoint."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nbtools
+from nbtools import OffloadedEmbedding, OffloadOptimizer, PinnedLoader
+from nbtools.distributed import ShardedEmbedding, data_parallel, spawn
+from nbtools.models import TrainConfig, train
+
+ROWS, DIM, B, SAMPLES = 40, 4, 6, 7 * 12 + 5       # 7 global batches of 12 (5 samples left over)
+
+
+class Net(nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+        self.head = nn.Sequential(nn.Linear(DIM, 1))
+
+    def loss(self, ids, y):
+        return (self.head(self.table(ids)).squeeze(-1) - y).pow(2).mean()
+
+
+def _data():
+    g = torch.Generator().manual_seed(4)
+    return torch.randint(0, ROWS, (SAMPLES,), generator=g), torch.randn(SAMPLES, generator=g)
+
+
+def _model(table):
+    torch.manual_seed(2)
+    net = Net(table)
+    w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+    if isinstance(table, ShardedEmbedding):
+        table.load_full_weight(w)
+    else:
+        with torch.no_grad():
+            table.weight.copy_(w)
+    return net
+
+
+def _result(net):
+    table = net.table
+    full = table.gather_full() if isinstance(table, ShardedEmbedding) else table.weight.clone()
+    head = net.head.module if hasattr(net.head, "module") else net.head
+    # NumPy arrays: they travel back from a rank by value (a tensor would by shared memory)
+    return full.numpy().copy(), [p.detach().numpy().copy() for p in head.parameters()]
+
+
+def job(rank, world, epochs, ckpt, stop_after):
+    net = data_parallel(_model(ShardedEmbedding(ROWS, DIM, name="t", device="cpu")))
+    opt = OffloadOptimizer(torch.optim.Adam, net, lr=0.05)
+    loader = PinnedLoader(*_data(), batch_size=B, device="cpu", seed=1, rank=rank, world=world)
+    manager = None if ckpt is None else nbtools.CheckpointManager(f"{ckpt}/rank{rank}")
+    cfg = TrainConfig(every=3, progress=False)
+    if stop_after:           # an interrupted run: the first epoch only, checkpoints on
+        train(net, loader, opt, epochs=stop_after, config=cfg, checkpoints=manager)
+        net = data_parallel(_model(ShardedEmbedding(ROWS, DIM, name="t", device="cpu")))
+        opt = OffloadOptimizer(torch.optim.Adam, net, lr=0.05)
+        loader = PinnedLoader(*_data(), batch_size=B, device="cpu", seed=1, rank=rank,
+                              world=world)
+    train(net, loader, opt, epochs=epochs, config=cfg, checkpoints=manager)
+    return _result(net)
+
+
+def _single(epochs):
+    net = _model(OffloadedEmbedding(ROWS, DIM, name="t", device="cpu"))
+    opt = OffloadOptimizer(torch.optim.Adam, net, lr=0.05)
+    loader = PinnedLoader(*_data(), batch_size=2 * B, device="cpu", seed=1, drop_last=True)
+    train(net, loader, opt, epochs=epochs, config=TrainConfig(progress=False))
+    return _result(net)
+
+
+def _close(a, b):
+    (ta, ha), (tb, hb) = a, b
+    assert np.abs(ta - tb).max() <= 1e-6, np.abs(ta - tb).max()
+    for x, y in zip(ha, hb):
+        assert np.abs(x - y).max() <= 1e-6, np.abs(x - y).max()
+
+
+def test_two_ranks_train_as_one_process_on_the_whole_batches(tmp_path):
+    try:
+        ranks = spawn(job, 2, args=(2, None, 0), timeout=120)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    one = _single(2)
+    for r in ranks:
+        _close(r, one)
+    # and it trained: the rows differ from the start
+    start = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)).numpy()
+    assert np.abs(one[0] - start).max() > 1e-2
+
+
+def test_a_resumed_data_parallel_run_equals_an_uninterrupted_one(tmp_path):
+    try:
+        whole = spawn(job, 2, args=(2, str(tmp_path / "a"), 0), timeout=120)
+        resumed = spawn(job, 2, args=(2, str(tmp_path / "b"), 1), timeout=120)
+    except TimeoutError as e:
+        pytest.fail(str(e))
+    for a, b in zip(whole, resumed):
+        assert np.array_equal(a[0], b[0])
+        assert all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_loader_ranks_split_every_global_batch():
+    ids, y = _data()
+    whole = PinnedLoader(ids, y, batch_size=2 * B, device="cpu", seed=1, drop_last=True)
+    parts = [PinnedLoader(ids, y, batch_size=B, device="cpu", seed=1, rank=r, world=2)
+             for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) == len(whole) == 7
+    for (g, _), (a, _), (b, _) in zip(whole, *parts):
+        assert torch.equal(g, torch.cat((a, b)))
+    with pytest.raises(ValueError, match="rank"):
+        PinnedLoader(ids, batch_size=B, device="cpu", rank=2, world=2)
+    with pytest.raises(ValueError, match="cannot resume"):
+        parts[0].load_state_dict({**parts[1].state_dict()})
+
+
+def test_data_parallel_is_nothing_in_one_process_and_names_stray_parameters():
+    net = Net(OffloadedEmbedding(ROWS, DIM, device="cpu"))
+    assert data_parallel(net) is net and isinstance(net.head, nn.Sequential)
