@@ -46,7 +46,7 @@ run() {
   [ "$rc" = 0 ] || status=$rc
 }
 
-files=(tests/test_*.py)
+mapfile -t files < <(find tests -name 'test_*.py' | sort)   # (tests/<wing>/ too)
 half=$(( (${#files[@]} + 1) / 2 ))
 case "$what" in
   tests1) TESTS=${TESTS:-"${files[*]:0:$half}"}; what=tests ;;

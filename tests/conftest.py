@@ -210,6 +210,7 @@ def _same_params(nodeid: str) -> str:
 # another. The multi-process tests each pick a free port and start several processes, so they
 # run one after another rather than beside each other.
 GROUPS = {"test_distributed.py": lambda nodeid: "processes",
+          "test_data_parallel.py": lambda nodeid: "processes",
           "test_determinism.py": _same_params}
 
 

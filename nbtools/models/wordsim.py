@@ -224,7 +224,7 @@ def format_scores(scores: dict) -> str:
     return "  ".join(parts)
 
 
-# --- bundled samples (tests/test_word2vec.py regenerates them to prove they are what this makes) --
+# --- bundled samples (tests/models/test_word2vec.py regenerates them to prove they are what this makes) --
 
 _SAMPLE_FILES = {"ws353": "wordsim353-sample.tsv", "simlex": "simlex999-sample.txt",
                  "analogy": "questions-words-sample.txt"}
