@@ -18,6 +18,9 @@ def _execute(name: str, drive: Path):
     run_dir = NOTEBOOKS / "runs" / f"{name}-smoke"
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "NBTOOLS_DRIVE_DIR": str(drive), "MPLBACKEND": "Agg"}
+    # as a user's machine runs it: the fused kernels in Triton's interpreter are the kernel
+    # tests' (tests/conftest.py sets TRITON_INTERPRET on a CPU), not the notebooks' (10x slower)
+    env.pop("TRITON_INTERPRET", None)
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     try:
