@@ -450,7 +450,7 @@ def test_row_file_left_open_by_a_killed_process_is_detected(tmp_path):
 
 # --- SIGKILL at random points of steps, write-backs and saves ------------------------------------
 
-KILLS = int(os.environ.get("NBTOOLS_DISK_KILLS", "21"))
+KILLS = int(os.environ.get("NBTOOLS_DISK_KILLS", "12"))   # 4 aimed at each phase
 KN, KD, KBATCH, KSAVE = 20_000, 16, 512, 3          # rows, dim, ids per step, steps per save
 KCFG = CheckpointConfig(chunk_bytes=1 << 20, file_bytes=1 << 20, base_every=4, **QUIET)
 STEP, WRITEBACK, SAVE = 1, 2, 3
