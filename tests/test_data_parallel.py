@@ -31,10 +31,10 @@ def _data():
     return torch.randint(0, ROWS, (SAMPLES,), generator=g), torch.randn(SAMPLES, generator=g)
 
 
-def _model(table):
-    torch.manual_seed(2)
+def _model(table, seed=3):
+    torch.manual_seed(seed - 1)
     net = Net(table)
-    w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed))
     if isinstance(table, ShardedEmbedding):
         table.load_full_weight(w)
     else:
@@ -51,20 +51,36 @@ def _result(net):
     return full.numpy().copy(), [p.detach().numpy().copy() for p in head.parameters()]
 
 
-def job(rank, world, epochs, ckpt, stop_after):
-    net = data_parallel(_model(ShardedEmbedding(ROWS, DIM, name="t", device="cpu")))
+def _build(rank, world, seed=3):
+    net = data_parallel(_model(ShardedEmbedding(ROWS, DIM, name="t", device="cpu"), seed))
     opt = OffloadOptimizer(torch.optim.Adam, net, lr=0.05)
     loader = PinnedLoader(*_data(), batch_size=B, device="cpu", seed=1, rank=rank, world=world)
-    manager = None if ckpt is None else nbtools.CheckpointManager(f"{ckpt}/rank{rank}")
+    return net, opt, loader
+
+
+def job(rank, world, epochs, ckpt):
+    """Two runs on each rank: one straight through ``epochs``, and one stopped after the first
+    epoch (checkpoints every 3 steps) and resumed in new objects from its checkpoints."""
     cfg = TrainConfig(every=3, progress=False)
-    if stop_after:           # an interrupted run: the first epoch only, checkpoints on
-        train(net, loader, opt, epochs=stop_after, config=cfg, checkpoints=manager)
-        net = data_parallel(_model(ShardedEmbedding(ROWS, DIM, name="t", device="cpu")))
-        opt = OffloadOptimizer(torch.optim.Adam, net, lr=0.05)
-        loader = PinnedLoader(*_data(), batch_size=B, device="cpu", seed=1, rank=rank,
-                              world=world)
+    net, opt, loader = _build(rank, world)
+    train(net, loader, opt, epochs=epochs, config=cfg)
+    whole = _result(net)
+    manager = nbtools.CheckpointManager(f"{ckpt}/rank{rank}")
+    net, opt, loader = _build(rank, world)
+    train(net, loader, opt, epochs=1, config=cfg, checkpoints=manager)
+    # built anew (with other initial weights: only the restore can give the right rows)
+    net, opt, loader = _build(rank, world, seed=30)
     train(net, loader, opt, epochs=epochs, config=cfg, checkpoints=manager)
-    return _result(net)
+    return whole, _result(net)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both runs on 2 ranks, one start of the processes for the tests below."""
+    try:
+        return spawn(job, 2, args=(2, str(tmp_path_factory.mktemp("ckpt"))), timeout=120)
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 def _single(epochs):
@@ -82,28 +98,19 @@ def _close(a, b):
         assert np.abs(x - y).max() <= 1e-6, np.abs(x - y).max()
 
 
-def test_two_ranks_train_as_one_process_on_the_whole_batches(tmp_path):
-    try:
-        ranks = spawn(job, 2, args=(2, None, 0), timeout=120)
-    except TimeoutError as e:
-        pytest.fail(str(e))
+def test_two_ranks_train_as_one_process_on_the_whole_batches(ranks):
     one = _single(2)
-    for r in ranks:
-        _close(r, one)
+    for whole, _ in ranks:
+        _close(whole, one)
     # and it trained: the rows differ from the start
     start = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)).numpy()
     assert np.abs(one[0] - start).max() > 1e-2
 
 
-def test_a_resumed_data_parallel_run_equals_an_uninterrupted_one(tmp_path):
-    try:
-        whole = spawn(job, 2, args=(2, str(tmp_path / "a"), 0), timeout=120)
-        resumed = spawn(job, 2, args=(2, str(tmp_path / "b"), 1), timeout=120)
-    except TimeoutError as e:
-        pytest.fail(str(e))
-    for a, b in zip(whole, resumed):
-        assert np.array_equal(a[0], b[0])
-        assert all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+def test_a_resumed_data_parallel_run_equals_an_uninterrupted_one(ranks):
+    for whole, resumed in ranks:
+        assert np.array_equal(whole[0], resumed[0])
+        assert all(np.array_equal(x, y) for x, y in zip(whole[1], resumed[1]))
 
 
 def test_loader_ranks_split_every_global_batch():
