@@ -26,6 +26,15 @@ class Net(nn.Module):
         return (self.head(self.table(ids)).squeeze(-1) - y).pow(2).mean()
 
 
+class Stray(nn.Module):
+    """A table and a parameter of its own beside it: data_parallel cannot wrap that."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = ShardedEmbedding(ROWS, DIM, device="cpu")
+        self.scale = nn.Parameter(torch.ones(1))
+
+
 def _data():
     g = torch.Generator().manual_seed(4)
     return torch.randint(0, ROWS, (SAMPLES,), generator=g), torch.randn(SAMPLES, generator=g)
@@ -71,7 +80,12 @@ def job(rank, world, epochs, ckpt):
     # built anew (with other initial weights: only the restore can give the right rows)
     net, opt, loader = _build(rank, world, seed=30)
     train(net, loader, opt, epochs=epochs, config=cfg, checkpoints=manager)
-    return whole, _result(net)
+    try:
+        data_parallel(Stray())
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return whole, _result(net), refused
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +114,7 @@ def _close(a, b):
 
 def test_two_ranks_train_as_one_process_on_the_whole_batches(ranks):
     one = _single(2)
-    for whole, _ in ranks:
+    for whole, _, _ in ranks:
         _close(whole, one)
     # and it trained: the rows differ from the start
     start = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(3)).numpy()
@@ -108,9 +122,14 @@ def test_two_ranks_train_as_one_process_on_the_whole_batches(ranks):
 
 
 def test_a_resumed_data_parallel_run_equals_an_uninterrupted_one(ranks):
-    for whole, resumed in ranks:
+    for whole, resumed, _ in ranks:
         assert np.array_equal(whole[0], resumed[0])
         assert all(np.array_equal(x, y) for x, y in zip(whole[1], resumed[1]))
+
+
+def test_parameters_beside_a_table_are_named(ranks):
+    for _, _, refused in ranks:
+        assert "['scale']" in refused and "submodule" in refused, refused
 
 
 def test_loader_ranks_split_every_global_batch():
@@ -127,6 +146,10 @@ def test_loader_ranks_split_every_global_batch():
         parts[0].load_state_dict({**parts[1].state_dict()})
 
 
-def test_data_parallel_is_nothing_in_one_process_and_names_stray_parameters():
+def test_in_one_process_data_parallel_and_init_change_nothing(monkeypatch):
     net = Net(OffloadedEmbedding(ROWS, DIM, device="cpu"))
     assert data_parallel(net) is net and isinstance(net.head, nn.Sequential)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert nbtools.distributed.init() == (0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert nbtools.distributed.init() == (0, 1)
