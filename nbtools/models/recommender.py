@@ -16,6 +16,8 @@ from torch import nn
 
 from ..data import Ratings
 from ..devices import resolve_device
+from ..distributed import ShardedEmbedding, _world_of
+from ..loader import mix_int
 from ..tables import OffloadedEmbedding
 from .ranking import Interactions, leave_last_out, ranking_metrics, recency, sample_candidates, take
 
@@ -83,23 +85,42 @@ RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=8, l2=0.01, recency_we
 
 
 @torch.no_grad()
-def _init_rows(table: OffloadedEmbedding, dim: int, std: float, generator: torch.Generator,
+def _init_rows(table, dim: int, std: float, generator: torch.Generator,
                chunk_rows: int = 1 << 19) -> None:
     """Rows ``[N(0, std²) factors | 0 bias]``, drawn from ``generator`` (on the table's compute
     device). For host rows of a CUDA table the numbers are drawn on the GPU, ``chunk_rows``
     rows at a time, and copied over: the CPU's ``normal_`` is one thread at ~100M numbers/s, so
-    10M x 129 rows would take ~15 s there."""
-    w = table.weight
-    if table.device.type != "cuda" or w.is_cuda:
+    10M x 129 rows would take ~15 s there. A :class:`~nbtools.distributed.ShardedEmbedding`
+    draws the whole table that way, a chunk at a time, and keeps its rows (``rank, rank +
+    world, ...``)."""
+    rank, world = getattr(table, "rank", 0), getattr(table, "world", 1)
+    w, n = table.weight, table.num_embeddings
+    if world == 1 and (table.device.type != "cuda" or w.is_cuda):
         w[:, :dim].normal_(0.0, std, generator=generator)
         w[:, dim].zero_()
         return
-    block = torch.empty(min(chunk_rows, w.shape[0]), dim + 1, device=table.device)
-    for start in range(0, w.shape[0], chunk_rows):
-        rows = block[: min(chunk_rows, w.shape[0] - start)]
+    block = torch.empty(min(chunk_rows, n), dim + 1, device=table.device)
+    for start in range(0, n, chunk_rows):
+        rows = block[: min(chunk_rows, n - start)]
         rows[:, :dim].normal_(0.0, std, generator=generator)
         rows[:, dim].zero_()
-        w[start:start + rows.shape[0]].copy_(rows)     # note: a CPU-GPU sync point per chunk
+        first = start + (rank - start) % world        # this rank's first row in the chunk
+        mine = rows[first - start::world]
+        # note: a CPU-GPU sync point per chunk
+        w[first // world:first // world + mine.shape[0]].copy_(mine)
+
+
+class _GlobalBias(nn.Module):
+    """``μ`` of a sharded model, in a module of its own: ``data_parallel`` wraps it in
+    DistributedDataParallel (a parameter beside the tables could not be), whose forward must
+    run for its gradient to be averaged over the ranks."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros((), device=device))
+
+    def forward(self) -> torch.Tensor:
+        return self.value
 
 
 class MatrixFactorization(nn.Module):
@@ -116,13 +137,24 @@ class MatrixFactorization(nn.Module):
     instead of two; a 4-byte bias row alone would waste most of each transfer). ``μ``
     (:attr:`global_bias`) and the MLP are ordinary parameters on the compute device, trained
     by the same :class:`~nbtools.OffloadOptimizer`.
+
+    Several processes (``process_group``, or ``torch.distributed`` initialised: a data-parallel
+    job, docs/distributed.md): both tables are
+    :class:`~nbtools.distributed.ShardedEmbedding` over the group, ``μ`` lives in a submodule
+    (``model.mu``) so that ``data_parallel`` can wrap it with the MLP, and each rank draws its
+    negatives from a stream of its own (rank 0's is the one-process stream). :func:`fit` then
+    trains data-parallel: every rank passes the whole training set, each trains on its slice
+    of every batch. Lookups are collectives: call ``predict``, ``recommend`` and the metrics on
+    every rank with the same arguments.
     """
 
     def __init__(self, num_users: int, num_items: int, dim: int, *,
-                 config: MFConfig | None = None, device="auto"):
+                 config: MFConfig | None = None, device="auto", process_group=None):
         super().__init__()
         self.config = cfg = config or MFConfig()
         self.device = resolve_device(device)
+        self.group = process_group
+        self.rank, self.world = _world_of(process_group)
         self.dim = dim
         kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
                   device=self.device, pin=cfg.pin)
@@ -130,12 +162,21 @@ class MatrixFactorization(nn.Module):
         # the same model, and building one leaves the caller's stream as it was (the tables'
         # own N(0, 1) rows, drawn from it, are overwritten below)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
-            self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
+            if self.world == 1:
+                self.users = OffloadedEmbedding(num_users, dim + 1, name="users", **kw)
+                self.items = OffloadedEmbedding(num_items, dim + 1, name="items", **kw)
+            else:
+                self.users = ShardedEmbedding(num_users, dim + 1, name="users",
+                                              process_group=process_group, **kw)
+                self.items = ShardedEmbedding(num_items, dim + 1, name="items",
+                                              process_group=process_group, **kw)
         init = torch.Generator(device=self.device).manual_seed(cfg.seed)
         for table in (self.users, self.items):
             _init_rows(table, dim, cfg.init_std, init)
-        self.global_bias = nn.Parameter(torch.zeros((), device=self.device))
+        if self.world == 1:
+            self.global_bias = nn.Parameter(torch.zeros((), device=self.device))
+        else:
+            self.mu = _GlobalBias(self.device)
         self.observed_range: tuple | None = None     # fit(): lowest and highest training rating
         self.mlp = None
         if cfg.mlp_hidden:
@@ -158,7 +199,15 @@ class MatrixFactorization(nn.Module):
         self.seen: Interactions | None = None       # set_seen(): excluded from negatives, recommend
         self.register_buffer("_item_cdf", None, persistent=False)
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(cfg.seed)
+        self.generator.manual_seed(cfg.seed if self.rank == 0 else
+                                   mix_int(mix_int(cfg.seed) + self.rank) & ((1 << 63) - 1))
+
+    def _mu(self) -> torch.Tensor:
+        """``μ``: the parameter, or (sharded) its module's output, through DDP once wrapped."""
+        return self.global_bias if self.world == 1 else self.mu()
+
+    def _mu_parameter(self) -> nn.Parameter:
+        return self.global_bias if self.world == 1 else getattr(self.mu, "module", self.mu).value
 
     @property
     def num_users(self) -> int:
@@ -174,7 +223,7 @@ class MatrixFactorization(nn.Module):
         ``config.rating_range``, predictions are clamped to them."""
         ratings = torch.as_tensor(ratings, dtype=torch.float64)
         with torch.no_grad():
-            self.global_bias.fill_(float(ratings.mean()))
+            self._mu_parameter().fill_(float(ratings.mean()))
         if ratings.numel():
             self.observed_range = (float(ratings.min()), float(ratings.max()))
 
@@ -245,7 +294,7 @@ class MatrixFactorization(nn.Module):
     def _score(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Predictions from rows ``[factors | bias]`` of matching shapes [..., dim + 1]."""
         d = self.dim
-        pred = (p[..., :d] * q[..., :d]).sum(-1) + p[..., d] + q[..., d] + self.global_bias
+        pred = (p[..., :d] * q[..., :d]).sum(-1) + p[..., d] + q[..., d] + self._mu()
         if self.mlp is not None:
             pf, qf = torch.broadcast_tensors(p[..., :d], q[..., :d])
             pred = pred + self.mlp(torch.cat((pf, qf), -1)).squeeze(-1)
@@ -494,8 +543,12 @@ def _train(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_siz
         if model.config.recency_weight:
             tensors += (recency_weights(train, model.config.recency_weight,
                                         model.config.recency_half_life),)
+    if model.world > 1:                  # sharded: the dense parameters in DDP
+        from ..distributed import data_parallel
+        data_parallel(model)
     opt = OffloadOptimizer(optimizer, model, lr=lr)
-    loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device)
+    loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device,
+                          rank=model.rank, world=model.world)    # this rank's slice
     if lr_final is not None:
         opt = _EpochDecay(opt, loader, lr, lr_final, epochs)
     return train_loop(model, loader, opt, epochs=epochs, **loop)
@@ -550,7 +603,8 @@ def choose_config(model: MatrixFactorization, train: Ratings, choices, *, epochs
         config = dataclasses.replace(model.config, **{**(trial or {}), **change})
         with torch.random.fork_rng(devices=[]):    # the trial leaves the caller's stream
             run = MatrixFactorization(model.num_users, model.num_items, model.dim,
-                                      config=config, device=model.device)
+                                      config=config, device=model.device,
+                                      process_group=model.group)
             _train(run, part, epochs=epochs, batch_size=batch_size, lr=lr, lr_final=None,
                    optimizer=optimizer, seed=seed, progress=False)
         scores.append(ranking_metrics(run.score_candidates(valid.user_ids, cand))["hr@10"])
@@ -622,6 +676,11 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
     of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
     from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
     so a resumed run gets the same rates; a resumed run also makes the same choice again).
+
+    A sharded model (built in a process group) trains data-parallel: every rank calls ``fit``
+    with the same ``train``; the model goes through ``nbtools.distributed.data_parallel`` and
+    each rank trains on its slice of every global batch (``batch_size`` interactions per rank;
+    the interactions past the last whole global batch wait for another epoch's order).
 
     Returns:
         The training history, plus ``"fit_s"``: wall seconds of this call (the choice

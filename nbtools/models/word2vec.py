@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import resolve_device
+from ..distributed import ShardedEmbedding, _world_of
 from ..loader import mix_int, check_resume, permutation
 from ..tables import OffloadedEmbedding
 
@@ -143,6 +144,14 @@ class CorpusLoader:
         device: where pairs are made and batches live (``"auto"``: the GPU when there is one).
         chunk_tokens: tokens per piece.
 
+        rank, world: a data-parallel job (docs/distributed.md): rank ``rank`` of ``world`` gets
+            its own slice of every global batch. Every rank builds the loader from the same
+            ids and seed and makes the same pairs; global batch ``b`` is the ranks' batches
+            ``b`` in rank order (``batch_size`` is per rank), so ``world`` ranks of
+            ``batch_size`` see the batches of one loader of ``world * batch_size``. The last
+            global batch of an epoch is split evenly (its last ``< world`` pairs are left out):
+            every rank gets the same number of batches, of the same size.
+
     The loop protocol is :class:`~nbtools.PinnedLoader`'s (``epoch``, ``position``,
     ``len()``, ``set_epoch``, ``state_dict``), so :func:`~nbtools.models.train` takes either.
 
@@ -154,7 +163,7 @@ class CorpusLoader:
     """
 
     def __init__(self, ids, batch_size: int, *, window: int = 5, keep_prob=None, seed: int = 0,
-                 device="auto", chunk_tokens: int = 1 << 22):
+                 device="auto", chunk_tokens: int = 1 << 22, rank: int = 0, world: int = 1):
         ids = torch.as_tensor(ids)
         if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
             raise TypeError(f"ids must be a 1-D integer tensor, got {ids.dtype} of shape "
@@ -165,6 +174,11 @@ class CorpusLoader:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (rank, world)) \
+                or world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank must be in 0..world-1 and world at least 1, got rank="
+                             f"{rank!r}, world={world!r}")
+        self.rank, self.world = rank, world
         self.device = resolve_device(device)
         if ids.numel() and int(ids.max()) >= 2**31:
             raise ValueError(f"ids go up to {int(ids.max()):,}; CorpusLoader keeps int32 ids")
@@ -226,8 +240,17 @@ class CorpusLoader:
         return sum(self.piece_sizes())
 
     def __len__(self) -> int:
-        """Batches in the current epoch."""
-        return -(-self.num_samples // self.batch_size)
+        """Batches in the current epoch (the same on every rank)."""
+        n, step = self.num_samples, self.batch_size * self.world
+        return n // step + (n % step >= self.world)
+
+    def _bounds(self, b: int, total: int) -> tuple[int, int]:
+        """Pairs ``[lo, hi)`` of the epoch's ``total`` that this rank's batch ``b`` holds: its
+        slice of global batch ``b`` (the last one split evenly over the ranks)."""
+        start = b * self.batch_size * self.world
+        size = min(self.batch_size, (total - start) // self.world)
+        lo = start + self.rank * size
+        return lo, lo + size
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next iteration."""
@@ -238,11 +261,13 @@ class CorpusLoader:
         ``position`` counts the batches of ``epoch`` already handed out."""
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "batch_size": self.batch_size, "window": self.window,
-                "tokens": self.ids.numel(), "chunk_tokens": self.chunk_tokens}
+                "tokens": self.ids.numel(), "chunk_tokens": self.chunk_tokens,
+                "rank": self.rank, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
-        check_resume(state, self.state_dict(), ("batch_size", "window", "tokens", "chunk_tokens"),
+        check_resume(state, self.state_dict(),
+                     ("batch_size", "window", "tokens", "chunk_tokens", "rank", "world"),
                      "CorpusLoader", "corpus")
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self.position = int(state["position"])
@@ -258,7 +283,7 @@ class CorpusLoader:
         for n in sizes:
             starts.append(starts[-1] + n)
         while b < nb:
-            lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, starts[-1])
+            lo, hi = self._bounds(b, starts[-1])
             parts = []
             for p in range(len(sizes)):           # the pieces this batch overlaps
                 if starts[p] < hi and lo < starts[p + 1]:
@@ -273,8 +298,9 @@ class CorpusLoader:
         self.epoch, self.position = epoch + 1, 0
 
     def __repr__(self):
+        ranks = f", rank={self.rank} of {self.world}" if self.world > 1 else ""
         return (f"CorpusLoader({self.ids.numel():,} tokens, batch_size={self.batch_size}, "
-                f"window={self.window}, device={self.device}, seed={self.seed}, "
+                f"window={self.window}, device={self.device}, seed={self.seed}{ranks}, "
                 f"epoch={self.epoch}, position={self.position})")
 
 
@@ -297,16 +323,21 @@ class SkipGramConfig:
 
 
 @torch.no_grad()
-def _uniform_rows(table: OffloadedEmbedding, bound: float, generator: torch.Generator,
+def _uniform_rows(table, bound: float, generator: torch.Generator,
                   chunk_rows: int = 1 << 18) -> None:
     """Rows uniform in ``±bound``, drawn in float32 on the CPU from ``generator``, ``chunk_rows``
-    rows at a time: the same values whatever the table's placement, device and dtype."""
-    w = table.weight
-    block = torch.empty(min(chunk_rows, w.shape[0]), w.shape[1])
-    for start in range(0, w.shape[0], chunk_rows):
-        rows = block[: min(chunk_rows, w.shape[0] - start)]
+    rows at a time: the same values whatever the table's placement, device and dtype. A
+    :class:`~nbtools.distributed.ShardedEmbedding` keeps its rows of the whole table's draw
+    (global rows ``rank, rank + world, ...``): the same vectors on any number of ranks."""
+    rank, world = getattr(table, "rank", 0), getattr(table, "world", 1)
+    w, n = table.weight, table.num_embeddings
+    block = torch.empty(min(chunk_rows, n), w.shape[1])
+    for start in range(0, n, chunk_rows):
+        rows = block[: min(chunk_rows, n - start)]
         rows.uniform_(-bound, bound, generator=generator)
-        w[start:start + rows.shape[0]].copy_(rows)
+        first = start + (rank - start) % world        # this rank's first row in the chunk
+        mine = rows[first - start::world]
+        w[first // world:first // world + mine.shape[0]].copy_(mine)
 
 
 class SkipGram(nn.Module):
@@ -325,14 +356,24 @@ class SkipGram(nn.Module):
     ``-log σ(u_ctx·v_c) - Σ_k log σ(-u_neg_k·v_c)``, with ``v`` from the input table and ``u``
     from the output table. Input vectors start uniform in ±0.5/dim, output vectors at zero, as
     in word2vec, drawn from ``config.seed`` (as the negatives are). The word vectors are
-    ``model.input.weight`` (host memory).
+    ``model.input.weight`` (host memory), or :meth:`vectors`.
+
+    Several processes (``process_group``, or ``torch.distributed`` initialised: a data-parallel
+    job, docs/distributed.md): both tables are
+    :class:`~nbtools.distributed.ShardedEmbedding` over the group, each rank holding every
+    ``world``-th word; the initial vectors are the one-process model's. Each rank draws the
+    negatives of the whole global batch and keeps its slice, so ``world`` ranks of ``B`` pairs
+    (``CorpusLoader(..., rank=, world=)``, ``nbtools.distributed.data_parallel(model)``) train
+    as one process on their ``world * B`` pairs. :meth:`vectors` gathers the vectors (every
+    rank calls it); :meth:`most_similar` and :meth:`analogy` need one process.
     """
 
     def __init__(self, vocab_size: int, dim: int, *, counts=None, words=None,
-                 config: SkipGramConfig | None = None, device="auto"):
+                 config: SkipGramConfig | None = None, device="auto", process_group=None):
         super().__init__()
         self.config = cfg = config or SkipGramConfig()
         self.device = resolve_device(device)
+        self.rank, self.world = _world_of(process_group)
         if words is not None and len(words) != vocab_size:
             raise ValueError(f"words has {len(words):,} entries but vocab_size is {vocab_size:,}")
         self.words = list(words) if words is not None else None
@@ -342,13 +383,20 @@ class SkipGram(nn.Module):
         if cfg.cache_share is not None:
             if not 0 < cfg.cache_share <= 1:
                 raise ValueError(f"cache_share must be in (0, 1], got {cfg.cache_share!r}")
-            kw["cache_rows"] = max(1, int(cfg.cache_share * vocab_size))
+            shard_rows = len(range(self.rank, vocab_size, self.world))
+            kw["cache_rows"] = max(1, int(cfg.cache_share * shard_rows))
         # initial vectors from the config's seed, not torch's global stream: the same seed makes
         # the same model on every placement and device, and building one leaves the caller's
         # stream as it was (the tables' own N(0, 1) rows, drawn from it, are overwritten)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
-            self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
+            if self.world == 1:
+                self.input = OffloadedEmbedding(vocab_size, dim, name="input", **kw)
+                self.output = OffloadedEmbedding(vocab_size, dim, name="output", **kw)
+            else:
+                self.input = ShardedEmbedding(vocab_size, dim, name="input",
+                                              process_group=process_group, **kw)
+                self.output = ShardedEmbedding(vocab_size, dim, name="output",
+                                               process_group=process_group, **kw)
         _uniform_rows(self.input, 0.5 / dim, torch.Generator().manual_seed(cfg.seed))
         with torch.no_grad():
             self.output.weight.zero_()
@@ -361,8 +409,9 @@ class SkipGram(nn.Module):
             raise ValueError(f"counts must hold {vocab_size:,} non-negative numbers, not all "
                              f"zero; got shape {tuple(counts.shape)}")
         if cfg.cache_share is not None:     # the cache starts with the most frequent words
-            self.input.warm_cache(counts.round().long())
-            self.output.warm_cache(counts.round().long())
+            mine = counts.round().long()[self.rank::self.world]     # this rank's words
+            for table in (self.input, self.output):
+                getattr(table, "shard", table).warm_cache(mine)
         noise = counts.pow(cfg.noise_power)
         # Inverse-CDF sampling: one uniform and one binary search per negative, on the device.
         # Exact for any vocabulary size, and driven by our own generator, so a resumed run
@@ -383,6 +432,10 @@ class SkipGram(nn.Module):
     def sample_negatives(self, *shape) -> torch.Tensor:
         """Ids drawn from the noise distribution (unigram ** 0.75), on the compute device."""
         u = torch.rand(shape, generator=self.generator, dtype=torch.float64, device=self.device)
+        return self._noise_ids(u)
+
+    def _noise_ids(self, u: torch.Tensor) -> torch.Tensor:
+        """The noise distribution's ids at uniforms ``u`` (inverse CDF)."""
         ids = torch.searchsorted(self._noise_cdf, u, right=True)
         return ids.clamp_(max=self.vocab_size - 1)     # u within rounding of 1.0
 
@@ -398,7 +451,13 @@ class SkipGram(nn.Module):
         contexts = contexts.to(self.device).long().reshape(-1, 1)
         keep = None
         if negatives is None:
-            negatives = self.sample_negatives(centers.shape[0], self.config.negatives)
+            n, k = centers.shape[0], self.config.negatives
+            if self.world == 1:
+                negatives = self.sample_negatives(n, k)
+            else:       # the global batch's draws, this rank's rows: one process's negatives
+                u = torch.rand((n * self.world, k), generator=self.generator,
+                               dtype=torch.float64, device=self.device)
+                negatives = self._noise_ids(u[self.rank * n:(self.rank + 1) * n])
             if self.config.skip_context_negatives:
                 keep = negatives != contexts                             # [B, k]
                 # A skipped negative looks up its pair's context instead: that row is read
@@ -424,6 +483,21 @@ class SkipGram(nn.Module):
         self.generator.set_state(state["generator"].cpu())
 
     # --- looking at the vectors ---------------------------------------------------------------
+    def vectors(self) -> torch.Tensor:
+        """Every word's input vector, ``[vocab_size, dim]`` float32 on the CPU (a copy). A
+        sharded model gathers them from every rank: a collective, call it on every rank
+        (``wordsim.evaluate((model.words, model.vectors()))``)."""
+        if self.world > 1:
+            return self.input.gather_full().float()
+        return self.input.weight.detach().float().cpu().clone()
+
+    def _one_process(self, what: str) -> None:
+        if self.world > 1:
+            raise RuntimeError(
+                f"{what}: this model's vectors are split over {self.world} ranks; gather them "
+                "with model.vectors() (on every rank) and look words up in one process, e.g. "
+                "wordsim.evaluate((model.words, vectors)), or restore a checkpoint there")
+
     def _id(self, word) -> int:
         if isinstance(word, str):
             if self.words is None:
@@ -444,6 +518,7 @@ class SkipGram(nn.Module):
 
     def vector(self, word_or_id) -> torch.Tensor:
         """The input vector of one word (a float32 CPU copy)."""
+        self._one_process("vector()")
         return self.input.weight[self._id(word_or_id)].float().cpu().clone()
 
     def most_similar(self, word_or_id, k: int = 10, *, chunk_rows: int = 65536) -> list:
@@ -452,6 +527,7 @@ class SkipGram(nn.Module):
         ``word_or_id``: a word, an id, or a vector. Computed on the host table in chunks of
         ``chunk_rows`` rows (never a full copy). Returns ``[(word or id, cosine), ...]``.
         """
+        self._one_process("most_similar()")
         if isinstance(word_or_id, torch.Tensor) and word_or_id.dim() == 1 and \
                 word_or_id.is_floating_point():
             query, exclude = word_or_id.float().cpu(), []
@@ -463,6 +539,7 @@ class SkipGram(nn.Module):
     def analogy(self, a, b, c, k: int = 5, *, chunk_rows: int = 65536) -> list:
         """``a`` is to ``b`` as ``c`` is to ...? (3CosAdd: nearest to ``b - a + c``, unit
         vectors; ``a``, ``b``, ``c`` themselves excluded). ``analogy("man", "king", "woman")``."""
+        self._one_process("analogy()")
         ids = [self._id(w) for w in (a, b, c)]
         va, vb, vc = (F.normalize(self.vector(i), dim=0) for i in ids)
         return self._nearest(vb - va + vc, k, ids, chunk_rows)
