@@ -379,3 +379,13 @@ def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str
     where, why = auto_placement(nbytes, table.device, table.config.gpu_fraction,
                                 table.config.disk_dir, table.num_embeddings)
     return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
+
+
+def make_store(table):
+    """The row store (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement
+    made it: a disk table's RAM slots (and GPU cache above them), else its host or GPU rows."""
+    if table.disk is not None:      # rows from the file, through RAM slots
+        from .disk import DiskStore
+        return DiskStore(table.disk, table.device)
+    from .store.rows import RowStore
+    return RowStore(table.storage, table.device)

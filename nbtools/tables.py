@@ -34,7 +34,8 @@ from .store.precision import LOW_PRECISION, check_rounding
 from .units import human_bytes, positive_int
 from .store.cache import TableCache
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
-                        check_table_args, choose_placement, copy_unless_same, regrow_for_state)
+                        check_table_args, choose_placement, copy_unless_same, make_store,
+                        regrow_for_state)
 from .store.rows import DeviceRows, LookupGraphs, RowLayout, RowStore
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
@@ -251,12 +252,8 @@ class OffloadedEmbedding(nn.Module):
         return choose_placement(self, nbytes, assumption)
 
     def _store(self) -> RowStore:
-        """The row store over this table's memory (for a disk table: its RAM slots, which
-        lookups address by slot; they never write behind, whose patches need sorted ids)."""
-        if self._disk is not None:      # its RAM slots (and GPU cache), rows from the file
-            from .disk import DiskStore
-            return DiskStore(self._disk, self.device)
-        return RowStore(self._host, self.device)
+        """The row store over this table's memory (:func:`nbtools.placement.make_store`)."""
+        return make_store(self)
 
     def _new_rows(self, shape, dtype):
         """Memory for ``shape`` rows where this table is placed (zero-filled)."""
