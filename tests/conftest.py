@@ -211,6 +211,7 @@ def _same_params(nodeid: str) -> str:
 # run one after another rather than beside each other.
 GROUPS = {"test_distributed.py": lambda nodeid: "processes",
           "test_data_parallel.py": lambda nodeid: "processes",
+          "test_train_distributed.py": lambda nodeid: "processes",
           "test_determinism.py": _same_params}
 
 
