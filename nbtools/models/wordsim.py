@@ -99,6 +99,8 @@ def _vectors(vectors):
     if hasattr(vectors, "input") and hasattr(vectors, "words"):     # a SkipGram
         if vectors.words is None:
             raise ValueError("this SkipGram has no words; build it with words=[...]")
+        if getattr(vectors, "world", 1) > 1:    # sharded over ranks: gathered (a collective)
+            return list(vectors.words), vectors.vectors()
         return list(vectors.words), vectors.input.weight.detach().float().cpu()
     try:
         words, matrix = vectors
