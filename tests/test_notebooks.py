@@ -87,6 +87,10 @@ def test_recommender_notebook_runs(tmp_path):
                       out.split("test RMSE ")[1].split(")")[0].replace("(predicting the mean:", "")
                       .split())
     assert rmse < baseline, out
+    # ranking: the model's HR@10 on the held-out items well above popularity's
+    hr = {name: float(out.split(f"\n{name}")[1].split("HR@10 ")[1].split()[0])
+          for name in ("nbtools MF", "popularity")}
+    assert hr["nbtools MF"] > hr["popularity"] + 0.05, hr
     assert any((tmp_path / "nbtools" / "recommender-smoke").glob("step-*"))
 
 
