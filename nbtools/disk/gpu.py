@@ -171,10 +171,11 @@ class GpuLevel:
                 d.mark_used(from_slots)
                 self.counts["admitted"] += k
                 out[rest[:k]] = self.num_ids + new
-        moved = (len(rest) - k) * 2 + k                   # RAM rows read and written, rows up
-        count_transfer(h2d=(len(rest)) * d.row_bytes, d2h=(len(rest) - k) * d.row_bytes)
-        count_cache(len(uniq), int(hit.sum()), (2 * int(hit.sum()) - moved + len(rest))
-                    * d.row_bytes)
+        # over PCIe: the rows from RAM read once (up, or gathered), those left in RAM written
+        # back; saved: a hit's read and write, an admitted row's write
+        hits = int(hit.sum())
+        count_transfer(h2d=len(rest) * d.row_bytes, d2h=(len(rest) - k) * d.row_bytes)
+        count_cache(len(uniq), hits, (2 * hits + k) * d.row_bytes)
         return out, ram
 
     def _lock(self, slots: np.ndarray) -> None:
