@@ -97,7 +97,7 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
     result = out
     num_rows = src.shape[0] if num_rows is None else num_rows
     has_cache = cache is not None
-    (src, out, *cached), (col0, width) = _as_vectors(
+    (src, out, *cached), (col0, width) = as_vectors(
         [src, out] + ([cache] if has_cache else []), (col0, width))
     cache = cached[0] if has_cache else None
     block_r, block_c, warps = _blocks(width, "gather")
@@ -134,7 +134,7 @@ ROW_COPIES = frozenset({"gather", "put", "patch", "copy"})
 VECTOR_VIEWS = ROW_COPIES - {"put"}
 
 
-def _as_vectors(tensors: list, cols: tuple = (), kind: str = "gather") -> tuple[list, tuple]:
+def as_vectors(tensors: list, cols: tuple = (), kind: str = "gather") -> tuple[list, tuple]:
     """``tensors`` (2-D rows of one dtype, unit column stride) seen as the first of
     :data:`_VECTOR_UNITS` in which every row stride is a multiple of 16 values, and ``cols``
     (column offsets and counts) in that unit (``kind``: which copy, "gather", "put", "patch"
@@ -171,7 +171,7 @@ def put_rows(dst: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, src: tor
     cap, width = src.shape
     if cap == 0:
         return
-    (dst, src), _ = _as_vectors([dst, src], kind="put")
+    (dst, src), _ = as_vectors([dst, src], kind="put")
     width = src.shape[1]
     block_r, block_c, warps = _blocks(width, "put")
     row_blocks = triton_cdiv(cap, block_r)
@@ -191,7 +191,7 @@ def patch_rows(out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, num_ro
     cap, width = out.shape
     if cap == 0 or src_ids.numel() == 0:
         return
-    (out, src), (width,) = _as_vectors([out, src], (width,), "patch")
+    (out, src), (width,) = as_vectors([out, src], (width,), "patch")
     block_r, block_c, warps = _blocks(width, "patch")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     steps = max(1, math.ceil(math.log2(src_ids.numel() + 1)))
@@ -208,7 +208,7 @@ def copy_rows(src: torch.Tensor, sidx: torch.Tensor, dst: torch.Tensor,
     cap, width = sidx.numel(), dst.shape[1]
     if cap == 0:
         return
-    (src, dst), (width,) = _as_vectors([src, dst], (width,), "copy")
+    (src, dst), (width,) = as_vectors([src, dst], (width,), "copy")
     block_r, block_c, warps = _blocks(width, "copy")
     grid = (triton_cdiv(cap, block_r), triton_cdiv(width, block_c))
     with on(sidx.device):

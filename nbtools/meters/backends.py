@@ -31,46 +31,60 @@ READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
 class SystemBackend:
     """Real readings: NVML (``nvidia-ml-py``), torch's CUDA allocator, psutil (or /proc) and
     nbtools' own pinned-memory and transfer counters. Any part that is missing reads as N/A;
-    :attr:`na_reasons` says why."""
+    :attr:`na_reasons` says why.
 
-    def __init__(self, device="auto"):
+    Args:
+        device: the compute device whose GPU is read (``"auto"``).
+        nvml: ``None`` (default) reads NVML on a CUDA device; ``True`` tries ``pynvml`` on any
+            device, ``False`` never; or a module standing in for ``pynvml`` (tests), used on
+            any device (device 0's handle where the device is not CUDA).
+        psutil: False reads the host from /proc even where psutil is installed.
+    """
+
+    def __init__(self, device="auto", *, nvml=None, psutil: bool = True):
         from ..devices import resolve_device   # torch import: keep it out of module import
         self.device = resolve_device(device)
         self.na_reasons: dict[str, str] = {}
         self._nvml = self._handle = None
         self.has_pcie = False
         self._counters_ok = True
-        self._process = None
-        try:
-            import psutil
-            self._psutil = psutil
-            self._process = psutil.Process()
-        except ImportError:
-            self._psutil = None
-            self.na_reasons["psutil"] = "psutil not installed: host readings from /proc"
-        if self.device.type == "cuda":
-            self._init_nvml()
+        self._process = self._psutil = None
+        if psutil:
+            try:
+                import psutil as ps
+                self._psutil = ps
+                self._process = ps.Process()
+            except ImportError:
+                self.na_reasons["psutil"] = "psutil not installed: host readings from /proc"
+        if nvml is None:
+            nvml = self.device.type == "cuda"
+        if nvml is not False:
+            self._init_nvml(None if nvml is True else nvml)
         else:
-            self.na_reasons["gpu"] = "no CUDA device"
+            self.na_reasons["gpu"] = ("no CUDA device" if self.device.type != "cuda"
+                                      else "NVML not read (nvml=False)")
 
     # NVML ------------------------------------------------------------------------------------
-    def _init_nvml(self):
+    def _init_nvml(self, nv=None):
+        if nv is None:
+            try:
+                import pynvml as nv
+            except ImportError:
+                self.na_reasons["gpu"] = "NVML unavailable: pip install nvidia-ml-py"
+                return
         try:
-            import pynvml
-        except ImportError:
-            self.na_reasons["gpu"] = "NVML unavailable: pip install nvidia-ml-py"
-            return
-        try:
-            pynvml.nvmlInit()
-            self._handle = self._find_handle(pynvml)
-            self._nvml = pynvml
+            nv.nvmlInit()
+            self._handle = self._find_handle(nv)
+            self._nvml = nv
             self.has_pcie = True
         except Exception as e:   # NVMLError, driver/library mismatch, no device
             self.na_reasons["gpu"] = f"NVML failed: {e}"
 
     def _find_handle(self, nv):
         """The NVML handle of the torch device: by UUID, then PCI bus id, then index (the CUDA
-        index differs from NVML's under CUDA_VISIBLE_DEVICES)."""
+        index differs from NVML's under CUDA_VISIBLE_DEVICES); device 0's off a CUDA device."""
+        if self.device.type != "cuda":
+            return nv.nvmlDeviceGetHandleByIndex(0)
         import torch
         index = self.device.index or 0
         props = torch.cuda.get_device_properties(index)

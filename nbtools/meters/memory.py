@@ -160,6 +160,11 @@ class MemorySampler:
             self.sample()
             self._stop.wait(self.period_s)
 
+    @property
+    def running(self) -> bool:
+        """True while the sampling thread is alive (from :meth:`start` to :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> "MemorySampler":
         if self._thread is None:
             self._stop.clear()

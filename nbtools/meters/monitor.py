@@ -378,7 +378,7 @@ class Monitor:
         self._last_refresh = (self._t0, 0)   # (clock, steps) at the previous refresh
         # (steps, the disk counters' cumulative wait_s) at the previous refresh, the run's
         # (seconds waited, steps) from the end of the first step on, and the latest per-step wait
-        self._disk_mark = (0, self.meters._disk_start["nbtools_disk_wait_s"])
+        self._disk_mark = (0, self.meters.disk_at_start["nbtools_disk_wait_s"])
         self._disk_run = [0.0, 0]
         self._disk_wait = None
 
@@ -395,6 +395,12 @@ class Monitor:
     @property
     def unit(self) -> str:
         return self.throughput.unit
+
+    @property
+    def next_refresh(self) -> float:
+        """The clock reading from which :meth:`step` refreshes again (moved out by
+        :meth:`add_overhead` when refreshing is expensive)."""
+        return self._next
 
     def step(self, n=1):
         """Count one step of ``n`` samples. Returns the new record when a refresh was due (at

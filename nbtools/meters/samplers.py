@@ -138,7 +138,14 @@ class PcieSampler:
         src = self.source if self.source in ("counters", "throughput") else None
         return {"pcie_rx_bytes_per_s": rx, "pcie_tx_bytes_per_s": tx, "pcie_source": src}
 
+    @property
+    def running(self) -> bool:
+        """True while the polling thread is alive (it ends by itself where nothing can be read,
+        and at :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
+        """Poll on a daemon thread until :meth:`stop` (nothing when started already)."""
         if self._thread is not None:
             return
         self._stop.clear()
@@ -173,7 +180,8 @@ class Meters:
     rows disk tables looked up that were already in their RAM cache). The disk rates are N/A
     until disk tables have looked up rows or moved bytes since these meters were made
     (:attr:`disk_in_use`), so a run without them shows no disk tier, even in a process where
-    ``nbtools.disk`` was imported or used before.
+    ``nbtools.disk`` was imported or used before; :attr:`disk_at_start` holds the disk
+    counters as they were when the meters were made.
 
     Args:
         backend: where readings come from (default :class:`SystemBackend` for ``device``).
@@ -204,7 +212,7 @@ class Meters:
         self._pcie_mode = pcie
         self._last = None   # (t, {counter: value}) for nbtools' rates
         # the disk counters now: a disk tier is shown once they move (N/A: not imported, = 0)
-        self._disk_start = self._reader("disk", DISK_KEYS)
+        self.disk_at_start = self._reader("disk", DISK_KEYS)
         self.disk_in_use = False
 
     def _reader(self, name, keys) -> dict:
@@ -212,8 +220,8 @@ class Meters:
         return dict.fromkeys(keys) if fn is None else safe_reading(fn, keys)
 
     def read(self) -> dict:
-        if self._pcie_mode == "thread" and self.pcie._thread is None and self.pcie.source != "n/a":
-            self.pcie.start()
+        if self._pcie_mode == "thread" and self.pcie.source != "n/a":
+            self.pcie.start()                # once: nothing when it runs already
         now = self.clock()
         rec = {"time_s": now}
         for name, keys in READERS.items():
@@ -241,7 +249,7 @@ class Meters:
         rec["cache_hit_percent"] = 100.0 * hit / looked if looked and hit is not None else None
         # the disk tier, once disk tables have been used since these meters started
         if not self.disk_in_use:
-            self.disk_in_use = any(rec[k] is not None and rec[k] > (self._disk_start[k] or 0)
+            self.disk_in_use = any(rec[k] is not None and rec[k] > (self.disk_at_start[k] or 0)
                                    for k in _DISK_USE)
         use = self.disk_in_use
         for k in ("nbtools_disk_read_bytes", "nbtools_disk_write_bytes",
@@ -325,6 +333,12 @@ class ThroughputMeter:
         return (self.total - n_old) / (now - t_old)
 
     @property
+    def kept_points(self) -> int:
+        """How many (time, total) checkpoints the window holds: about 50 a window whatever
+        the step rate (the meter's memory)."""
+        return len(self._points)
+
+    @property
     def first_step_time(self):
         """Clock reading at the end of the first step (None before it)."""
         return None if self._first is None else self._first[0]
@@ -347,19 +361,20 @@ class ThroughputMeter:
 
 
 class _Phase:
-    """Context manager timing one phase of a step (see :class:`StepTimer`)."""
+    """Context manager timing one phase of a step (see :class:`StepTimer`): ``begin()`` on
+    entry, ``end(name, start)`` on exit."""
 
-    __slots__ = ("timer", "name", "_start")
+    __slots__ = ("begin", "end", "name", "_start")
 
-    def __init__(self, timer, name):
-        self.timer, self.name = timer, name
+    def __init__(self, begin, end, name):
+        self.begin, self.end, self.name = begin, end, name
 
     def __enter__(self):
-        self._start = self.timer._begin()
+        self._start = self.begin()
         return self
 
     def __exit__(self, *exc):
-        self.timer._end(self.name, self._start)
+        self.end(self.name, self._start)
         return False
 
 
@@ -416,14 +431,26 @@ class StepTimer:
             for k, v in sums.items():
                 acc[k] += v
 
+    @property
+    def pending_events(self) -> int:
+        """How many timed phases wait for the GPU to reach their end event (at most
+        :attr:`MAX_PENDING`: beyond it a step is not timed)."""
+        return len(self._pending)
+
+    @property
+    def open_steps(self) -> int:
+        """How many timed steps are not folded into the readings yet (the one running now
+        counts; the others wait for their phases' events)."""
+        return len(self._open)
+
     # phases ----------------------------------------------------------------------------------
     def transfer(self) -> _Phase:
         """``with timer.transfer():`` around host<->GPU copies."""
-        return _Phase(self, "transfer")
+        return _Phase(self._begin, self._end, "transfer")
 
     def compute(self) -> _Phase:
         """``with timer.compute():`` around forward/backward/optimizer step."""
-        return _Phase(self, "compute")
+        return _Phase(self._begin, self._end, "compute")
 
     def data(self, iterable):
         """Yield from ``iterable``, timing each ``next()`` as data wait."""

@@ -75,23 +75,23 @@ def test_row_copies_see_rows_as_vectors_where_the_row_stride_allows():
     values (Triton's wide loads), with their column offsets and counts in it; else as they
     are (a write-back: 2-byte rows as 4-byte words where it can)."""
     f32, bf16 = torch.float32, torch.bfloat16
-    (v,), cols = kernels._as_vectors([torch.zeros(4, 72)], (0, 64))      # 288-byte rows
+    (v,), cols = kernels.as_vectors([torch.zeros(4, 72)], (0, 64))      # 288-byte rows
     assert v.dtype == torch.int16 and v.stride(0) == 144 and cols == (0, 128)
-    (v,), cols = kernels._as_vectors([torch.zeros(4, 384)], (2, 10))     # 1,536-byte rows
+    (v,), cols = kernels.as_vectors([torch.zeros(4, 384)], (2, 10))     # 1,536-byte rows
     assert v.dtype == torch.int32 and cols == (2, 10)
-    (v,), _ = kernels._as_vectors([torch.zeros(4, 144, dtype=bf16)])
+    (v,), _ = kernels.as_vectors([torch.zeros(4, 144, dtype=bf16)])
     assert v.dtype == torch.int16
-    (v,), cols = kernels._as_vectors([torch.zeros(4, 300)], (0, 100))    # 1,200 bytes: neither
+    (v,), cols = kernels.as_vectors([torch.zeros(4, 300)], (0, 100))    # 1,200 bytes: neither
     assert v.dtype == f32 and cols == (0, 100)
-    (v,), _ = kernels._as_vectors([torch.zeros(4, 100, dtype=bf16)])
+    (v,), _ = kernels.as_vectors([torch.zeros(4, 100, dtype=bf16)])
     assert v.dtype == bf16
-    (v,), _ = kernels._as_vectors([torch.zeros(4, 100, dtype=bf16)], kind="put")
+    (v,), _ = kernels.as_vectors([torch.zeros(4, 100, dtype=bf16)], kind="put")
     assert v.dtype == torch.int32 and v.shape == (4, 50)
-    (v,), cols = kernels._as_vectors([torch.zeros(4, 72)], (1, 3))       # odd columns: int16
+    (v,), cols = kernels.as_vectors([torch.zeros(4, 72)], (1, 3))       # odd columns: int16
     assert v.dtype == torch.int16 and cols == (2, 6)
     a, b = torch.zeros(4, 72), torch.zeros(4, 72, dtype=torch.int32)     # mixed dtypes: as is
-    assert kernels._as_vectors([a, b])[0][0] is a
-    assert kernels._as_vectors([torch.zeros(4, 72), torch.zeros(4, 75)])[0][0].dtype == f32
+    assert kernels.as_vectors([a, b])[0][0] is a
+    assert kernels.as_vectors([torch.zeros(4, 72), torch.zeros(4, 75)])[0][0].dtype == f32
 
 
 @needs_triton
@@ -104,7 +104,7 @@ def test_row_copies_see_rows_as_vectors_where_the_row_stride_allows():
     (torch.float32, 75, 0, 75)])      # no vector view: as they are
 def test_gather_and_put_move_every_bit_whatever_view_they_take(dtype, width, col0, cols):
     """The gather and the write-back move rows bit for bit (NaN payloads included) however
-    they see them (:func:`nbtools.kernels._as_vectors`), against torch's indexing."""
+    they see them (:func:`nbtools.kernels.as_vectors`), against torch's indexing."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(3)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32

@@ -3,6 +3,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -76,8 +77,7 @@ def test_system_backend_on_cpu_reads_host_and_na_for_gpu():
 
 
 def test_host_readings_without_psutil_come_from_proc(monkeypatch):
-    b = SystemBackend("cpu")
-    b._psutil = None
+    b = SystemBackend("cpu", psutil=False)
     out = b.host()
     assert out["host_total_bytes"] > 0 and out["process_rss_bytes"] > 0
     assert out["host_used_bytes"] == out["host_total_bytes"] - out["host_available_bytes"]
@@ -111,8 +111,7 @@ def _fake_pynvml(fail_init=False, field_ret=0, value_type=1):
 
 
 def test_system_backend_nvml_paths_with_a_fake_pynvml(monkeypatch):
-    b = SystemBackend("cpu")
-    b._nvml, b._handle = _fake_pynvml(), "handle"
+    b = SystemBackend("cpu", nvml=_fake_pynvml())
     gpu = b.gpu()
     assert gpu["gpu_used_bytes"] == 3 << 30 and gpu["gpu_util_percent"] == 77.0
     assert gpu["gpu_process_bytes"] is None            # our pid is not in the list: N/A
@@ -133,8 +132,7 @@ def test_gpu_memory_prefers_nvml_v2_which_leaves_out_the_driver_reserve():
         raise nv.NVMLError("Function Not Found")
 
     nv.nvmlDeviceGetMemoryInfo, nv.nvmlMemory_v2 = memory_info, "v2"
-    b = SystemBackend("cpu")
-    b._nvml, b._handle = nv, "handle"
+    b = SystemBackend("cpu", nvml=nv)
     assert b.gpu()["gpu_used_bytes"] == 3 << 30          # what nvidia-smi shows
     nv.nvmlMemory_v2 = "v3"                                # the driver refuses this version
     assert b.gpu()["gpu_used_bytes"] == (3 << 30) + reserve   # falls back to version 1
@@ -143,22 +141,27 @@ def test_gpu_memory_prefers_nvml_v2_which_leaves_out_the_driver_reserve():
 
 
 def test_unsupported_pcie_counters_stop_being_asked():
-    b = SystemBackend("cpu")
-    b._nvml, b._handle = _fake_pynvml(field_ret=3), "handle"   # NVML_ERROR_NOT_SUPPORTED
-    assert b.pcie_counters() is None
-    assert not b._counters_ok and "pcie_counters" in b.na_reasons
+    nv = _fake_pynvml(field_ret=3)                               # NVML_ERROR_NOT_SUPPORTED
+    asked = []
+    nv.nvmlDeviceGetFieldValues = lambda h, ids, ask=nv.nvmlDeviceGetFieldValues: \
+        asked.append(ids) or ask(h, ids)
+    b = SystemBackend("cpu", nvml=nv)
+    assert b.pcie_counters() is None and len(asked) == 1
+    assert "pcie_counters" in b.na_reasons
+    assert b.pcie_counters() is None and len(asked) == 1       # not asked again
 
 
 def test_nvml_missing_or_failing_is_na_not_a_crash(monkeypatch):
     import sys
-    b = SystemBackend("cpu")
     monkeypatch.setitem(sys.modules, "pynvml", None)          # not installed
-    b._init_nvml()
-    assert "nvidia-ml-py" in b.na_reasons["gpu"] and b._nvml is None
+    b = SystemBackend("cpu", nvml=True)
+    assert "nvidia-ml-py" in b.na_reasons["gpu"] and not b.has_pcie
+    assert b.gpu() == dict.fromkeys(meters.GPU_KEYS) and b.pcie_counters() is None
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
-    b._init_nvml()
-    assert b.na_reasons["gpu"].startswith("NVML failed") and b._nvml is None
-    assert b.gpu() == dict.fromkeys(meters.GPU_KEYS)
+    b = SystemBackend("cpu", nvml=True)
+    assert b.na_reasons["gpu"].startswith("NVML failed") and not b.has_pcie
+    assert b.gpu() == dict.fromkeys(meters.GPU_KEYS) and b.pcie_counters() is None
+    assert b.link() == dict.fromkeys(meters.LINK_KEYS)
 
 
 # --- PCIe counters ------------------------------------------------------------------------------
@@ -232,8 +235,10 @@ def test_pcie_sampler_na_when_nothing_is_available():
     assert s.read() == {"pcie_rx_bytes_per_s": None, "pcie_tx_bytes_per_s": None,
                         "pcie_source": None}
     s.start()                 # the thread sees nothing to read and ends by itself
-    s._thread.join(timeout=2)
-    assert not s._thread.is_alive()
+    deadline = time.monotonic() + 2
+    while s.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not s.running
     s.stop()
 
 
@@ -242,12 +247,12 @@ def test_pcie_sampler_thread_polls_in_the_background():
     s = PcieSampler(b, poll_s=0.001)
     s.start()
     try:
-        deadline = __import__("time").monotonic() + 5
-        while b.calls["pcie_counters"] < 5 and __import__("time").monotonic() < deadline:
-            __import__("time").sleep(0.005)
+        deadline = time.monotonic() + 5
+        while b.calls["pcie_counters"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
     finally:
         s.stop()
-    assert b.calls["pcie_counters"] >= 5 and s._thread is None
+    assert b.calls["pcie_counters"] >= 5 and not s.running
 
 
 def test_nbtools_transfer_rates():
@@ -425,7 +430,7 @@ def test_throughput_window_follows_a_rate_change():
     assert r["samples_per_s"] == pytest.approx(3000, rel=1e-6)
     assert r["mean_samples_per_s"] == pytest.approx((80_000 - 100) / 39.9, rel=1e-9)
     assert r["samples_total"] == 80_000 and r["unit"] == "words"
-    assert len(tm._points) <= 60  # bounded memory
+    assert tm.kept_points <= 60  # bounded memory
 
 
 def test_throughput_ignores_the_wait_before_the_first_step():
@@ -495,7 +500,7 @@ def test_step_timer_cuda_events_resolve_lazily_without_sync():
     b.gpu_done()                             # now it has
     r = st.read()
     assert r["transfer_s"] == pytest.approx(0.002) and r["compute_s"] == pytest.approx(0.005)
-    assert not st._pending and len(st._open) == 1      # only the step running now
+    assert st.pending_events == 0 and st.open_steps == 1      # only the step running now
     n = len(b.events)
     steps(1)
     assert len(b.events) == n                # resolved events are reused
@@ -509,7 +514,7 @@ def test_step_timer_times_at_most_one_step_per_interval():
         with st.compute():
             clock.advance(0.001)
         st.step()
-    assert 9 <= len(st._pending) <= 11
+    assert 9 <= st.pending_events <= 11
 
 
 def test_step_timer_never_queues_without_bound():
@@ -520,7 +525,7 @@ def test_step_timer_never_queues_without_bound():
         with st.compute():
             clock.advance(0.001)
         st.step()
-    assert len(st._pending) == StepTimer.MAX_PENDING and len(st._open) <= StepTimer.MAX_PENDING
+    assert st.pending_events == StepTimer.MAX_PENDING and st.open_steps <= StepTimer.MAX_PENDING
 
 
 # --- the monitor: throttling, overhead, history -------------------------------------------------
@@ -541,11 +546,11 @@ def test_monitor_backs_off_when_refreshing_is_expensive():
     mon, b, clock = monitor(refresh_s=1.0, max_overhead=0.01)
     mon.step()
     mon.add_overhead(0.05)        # a 50 ms refresh may only run every 5 s
-    nxt = mon._next               # (plus what the refresh itself cost)
+    nxt = mon.next_refresh        # (plus what the refresh itself cost)
     assert clock() + 5.0 <= nxt < clock() + 6.0
     before = mon.overhead_s
     mon.add_overhead(1.0, reschedule=False)   # the plot schedules itself
-    assert mon._next == nxt and mon.overhead_s == pytest.approx(before + 1.0)
+    assert mon.next_refresh == nxt and mon.overhead_s == pytest.approx(before + 1.0)
 
 
 def test_monitor_diagnosis_and_warnings_in_the_record():
