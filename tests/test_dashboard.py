@@ -19,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def make(mode="text", unit="rows", backend=None, clock=None, display=True, history=None, **cfg):
     """A dashboard on the fake backend; text mode writes to ``dash.out``."""
     out = io.StringIO()
-    config = DashboardConfig(mode=mode, pcie="manual", file=out, **cfg)
+    config = DashboardConfig(mode=mode, pcie="manual", **{"file": out, **cfg})
     clock = clock or FakeClock()
     mon = Monitor(unit, backend=backend or FakeBackend(clock=clock), clock=clock, config=config,
                   history=history)
@@ -73,8 +73,7 @@ def test_tty_rewrites_one_line():
     class Tty(io.StringIO):
         def isatty(self):
             return True
-    dash = make()
-    dash._file = tty = Tty()
+    dash = make(file=(tty := Tty()))
     run(dash, steps=30)
     assert tty.getvalue().count("\r") >= 2 and "\n" not in tty.getvalue()
 
@@ -96,13 +95,21 @@ def test_turns_red_and_reraises(exc):
     assert "nbtools-failed" in dash.snapshot_html()
 
 
-def test_a_failing_notebook_cell_turns_it_red():
+def test_a_failing_notebook_cell_turns_it_red(monkeypatch):
+    ipython = pytest.importorskip("IPython")
+    hooks = {}
+    events = types.SimpleNamespace(register=lambda name, f: hooks.setdefault(name, []).append(f),
+                                   unregister=lambda name, f: hooks[name].remove(f))
+    monkeypatch.setattr(dashmod, "in_notebook", lambda: True)      # a kernel's IPython
+    monkeypatch.setattr(ipython, "get_ipython", lambda: types.SimpleNamespace(events=events))
     dash = make()
     run(dash, steps=5)
-    dash._after_cell(types.SimpleNamespace(error_in_exec=None))
+    after_cell, = hooks["post_run_cell"]
+    after_cell(types.SimpleNamespace(error_in_exec=None))
     assert dash.state == "running"
-    dash._after_cell(types.SimpleNamespace(error_in_exec=ZeroDivisionError("x")))
+    after_cell(types.SimpleNamespace(error_in_exec=ZeroDivisionError("x")))
     assert dash.state == "failed" and "ZeroDivisionError" in dash.error
+    assert hooks["post_run_cell"] == []            # closed: the hook is gone
 
 
 # --- widget view ---------------------------------------------------------------------------------
@@ -115,14 +122,15 @@ def test_widget_updates_throttled_with_badges_bars_and_plot():
     # took over 10 ms of real time (a busy CI machine) put the next one off by its cost / 1%
     dash = make(mode="widget", display=False, plot_every_s=2.0, max_overhead=1.0)
     values = []
-    dash._html.observe(lambda ch: values.append(ch["new"]), "value")
+    text, image = dash.widget.children            # the HTML above the plot
+    text.observe(lambda ch: values.append(ch["new"]), "value")
     run(dash, steps=100, dt=0.05)       # 5 s of fake time: 5-6 refreshes
     assert 5 <= len(values) <= 6
-    html = dash._html.value
+    html = text.value
     assert html.count('class="nbtools-badge"') == 10 and "5.12k" in html
     assert "GPU memory</b> 6.0 GiB / 80.0 GiB (8%)" in html
     assert "⚑" in html and "border:2px" not in html          # the VBox draws the frame
-    assert bytes(dash._image.value).startswith(PNG) and dash._image.layout.display == ""
+    assert bytes(image.value).startswith(PNG) and image.layout.display == ""
     assert "#d0d0d0" in dash.widget.layout.border
     dash.close()
     assert dash.state == "finished"
@@ -135,7 +143,7 @@ def test_widget_turns_red_on_failure():
             run(dash, steps=10)
             raise RuntimeError("CUDA out of memory")
     assert "#d62728" in dash.widget.layout.border
-    assert "stopped by RuntimeError: CUDA out of memory at step 10" in dash._html.value
+    assert "stopped by RuntimeError: CUDA out of memory at step 10" in dash.widget.children[0].value
 
 
 class FakeHandle:
@@ -191,7 +199,7 @@ def test_bad_mode_is_refused():
 def test_thread_mode_refreshes_while_the_loop_is_stalled():
     import time
     dash = make(display=False, thread=True, refresh_s=0.01)
-    assert dash._thread is not None
+    assert dash.thread_running
     dash.step(10)                        # the loop only counts ...
     deadline = time.monotonic() + 5
     while len(dash.history) < 3 and time.monotonic() < deadline:
@@ -205,7 +213,7 @@ def test_thread_mode_refreshes_while_the_loop_is_stalled():
         dash.step(1)                     # ... and the loop's thread never samples
     assert dash.monitor.meters.backend.calls["gpu"] == calls
     dash.close()
-    assert not dash._thread.is_alive()
+    assert not dash.thread_running
 
 
 def test_thread_mode_is_refused_in_colab(monkeypatch):
@@ -213,7 +221,7 @@ def test_thread_mode_is_refused_in_colab(monkeypatch):
     assert dashmod.thread_mode_supported()[0] is False
     with pytest.warns(UserWarning, match="Colab"):
         dash = make(display=False, thread=True)
-    assert dash._thread is None
+    assert not dash.thread_running
     dash.close()
 
 

@@ -212,6 +212,12 @@ class Dashboard:
     def history(self) -> History:
         return self.monitor.history
 
+    @property
+    def thread_running(self) -> bool:
+        """True while the background thread refreshes the dashboard (``DashboardConfig(thread=
+        True)`` where :func:`thread_mode_supported`; it ends at :meth:`close`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def save_history(self, path) -> None:
         """Write the whole history as JSONL (atomically) next to the checkpoints."""
         self.monitor.history.save(path)
