@@ -17,6 +17,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.optim import NonFiniteGradientError, OffloadConfig, UnsupportedOptimizerError
+from nbtools.engine import stepper
 
 ROWS, DIM = 40, 8
 O = torch.optim
@@ -420,7 +421,6 @@ def test_an_interrupt_during_the_step_lands_after_it(fused, device, monkeypatch)
     on while its step count did not, and every later bias correction was off by one)."""
     import os
     import signal
-    from nbtools import optim as optim_mod
     init = torch.randn(ROWS, DIM)
     id_batches, tgts = batches(6), targets(6)
 
@@ -431,17 +431,17 @@ def test_an_interrupt_during_the_step_lands_after_it(fused, device, monkeypatch)
         for t, (ids, tgt) in enumerate(zip(id_batches, tgts)):
             loss_of(table(ids.to(device)), tgt.to(device)).backward()
             if t == interrupt_at:
-                read = optim_mod._Verdict.read
+                read = stepper.Verdict.read
 
                 def read_interrupted(self):
-                    monkeypatch.setattr(optim_mod._Verdict, "read", read)
+                    monkeypatch.setattr(stepper.Verdict, "read", read)
                     os.kill(os.getpid(), signal.SIGINT)      # arrives during the wait
                     return read(self)
-                monkeypatch.setattr(optim_mod._Verdict, "read", read_interrupted)
+                monkeypatch.setattr(stepper.Verdict, "read", read_interrupted)
                 with pytest.raises(KeyboardInterrupt):
                     opt.step()
                     opt.step()      # (a check read one step late: the next step reads it)
-                assert optim_mod._Verdict.read is read
+                assert stepper.Verdict.read is read
             else:
                 opt.step()
             opt.zero_grad()

@@ -63,7 +63,7 @@ def train_lowp(device, cls, kw, steps, fused="auto", **table_kw):
     table = OffloadedEmbedding(N, D, device=device, name="t", **table_kw)
     table.weight.copy_(init())
     opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=insist(cls, fused)), **kw)
-    assert (opt._slots[0].fused_update() is not None) == expect_fused(cls, fused, device)
+    assert (opt.slot(next(iter(opt.tables))).fused_update() is not None) == expect_fused(cls, fused, device)
     for ids in steps:
         opt.zero_grad()
         out = table(ids.to(device))
@@ -124,7 +124,7 @@ def test_updates_below_bf16_resolution(device, fused):
         table.weight.fill_(1.0)
         opt = OffloadOptimizer(O.SGD, [table], config=OffloadConfig(fused=insist(O.SGD, fused)),
                                lr=2 ** -10)
-        assert (opt._slots[0].fused_update() is not None) == expect_fused(O.SGD, fused, device)
+        assert (opt.slot(next(iter(opt.tables))).fused_update() is not None) == expect_fused(O.SGD, fused, device)
         for _ in range(4):
             opt.zero_grad()
             table(ids.to(device)).sum().backward()      # gradient 1: a step of -2^-10

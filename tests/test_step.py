@@ -289,7 +289,7 @@ def test_late_checks_train_exactly_as_checks_every_step(device):
         u, i = torch.randint(0, 30, (9,), generator=gen), torch.randint(0, 20, (9,), generator=gen)
         train_step(model, late, device, u.tolist(), i.tolist())
         train_step(twin, every, device, u.tolist(), i.tolist())
-    assert late._pending is not None and every._pending is None
+    assert late.engine.pending is not None and every.engine.pending is None
     assert_tables_equal(tables_of(late), tables_of(every))
     assert scalar_steps(late) == scalar_steps(every) == {"users": 4, "items": 4}
 
@@ -331,7 +331,7 @@ def test_synchronize_and_state_dict_read_a_last_bad_step(device):
     opt = fused_opt(model, device)
     train_step(model, opt, device, [1, 2], [3, 4])
     opt.synchronize()                                   # a good step: nothing to say
-    assert opt._pending is None
+    assert opt.engine.pending is None
     train_step(model, opt, device, [1, 2], [3, 4], scale=float("nan"))
     with pytest.raises(NonFiniteGradientError, match="one step late"):
         opt.state_dict()
@@ -350,11 +350,11 @@ def test_checks_are_read_in_the_step_where_late_is_not_safe(device):
     train_step(model, opt, device, [1, 2], [3, 4])
     with pytest.warns(RuntimeWarning, match="skipped an optimizer step"):
         train_step(model, opt, device, [1, 2], [3, 4], scale=float("inf"))
-    assert opt.skipped_steps() == 1 and opt._pending is None
+    assert opt.skipped_steps() == 1 and opt.engine.pending is None
     model = Model(device)
     opt = fused_opt(model, device)
     train_step(model, opt, device, [1, 2], [3, 4])
-    assert opt._pending is None
+    assert opt.engine.pending is None
     with pytest.raises(ValueError, match="checks must be 'auto' or 'every_step'"):
         fused_opt(Dot(device), device, checks="later")
 
@@ -543,7 +543,7 @@ def test_step_graphs_train_exactly_as_eager_steps(placement, kind):
         else:
             opt = OffloadOptimizer(O.AdamW, [users, items], lr=0.05, weight_decay=0.1)
         if not graphs:
-            opt._graphs.max_graphs = 0
+            opt.engine.graphs.max_graphs = 0
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
         for u, i in batches:
             opt.zero_grad()
@@ -551,8 +551,8 @@ def test_step_graphs_train_exactly_as_eager_steps(placement, kind):
             opt.step()
             sched.step()
         opt.synchronize()
-        assert (opt._graphs.replays >= 8) if graphs else (opt._graphs.replays == 0), \
-            opt._graphs.replays
+        assert (opt.engine.graphs.replays >= 8) if graphs else (opt.engine.graphs.replays == 0), \
+            opt.engine.graphs.replays
         out.append(tables_of(opt))
     assert_tables_equal(*out)
 
@@ -569,7 +569,7 @@ def test_step_graphs_still_stop_a_bad_step(fault):
     model = Dot("cuda")
     twin = copy.deepcopy(model)
     opt, ref = fused_opt(model, "cuda"), fused_opt(twin, "cuda")
-    ref._graphs.max_graphs = 0
+    ref.engine.graphs.max_graphs = 0
 
     def step(m, o, ids=i, scale=1.0):
         o.zero_grad()
@@ -582,15 +582,15 @@ def test_step_graphs_still_stop_a_bad_step(fault):
     for _ in range(200):
         step(model, opt)
         step(twin, ref)
-        if opt._graphs.replays >= 6:
+        if opt.engine.graphs.replays >= 6:
             break
-    replays = opt._graphs.replays
-    assert replays >= 6, (replays, opt._graphs.errors)
+    replays = opt.engine.graphs.replays
+    assert replays >= 6, (replays, opt.engine.graphs.errors)
     if fault == "id":
         step(model, opt, ids=bad_i)
     else:
         step(model, opt, scale=float("inf"))
-    assert opt._graphs.replays == replays + 1          # the bad step itself ran as a graph
+    assert opt.engine.graphs.replays == replays + 1          # the bad step itself ran as a graph
     with pytest.raises(IndexError if fault == "id" else NonFiniteGradientError,
                        match="one step late"):
         step(model, opt)
@@ -747,7 +747,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_ba
                                    cuda_graphs=graphs)
         opt = OffloadOptimizer(O.Adam, [table], lr=0.01)
         if not graphs:
-            opt._graphs.max_graphs = 0
+            opt.engine.graphs.max_graphs = 0
         gen.manual_seed(9)
         ids = torch.randint(0, rows, (n,), generator=gen)
         for _ in range(30):

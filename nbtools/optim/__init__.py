@@ -23,7 +23,6 @@ probe checks, on a tiny parameter, that updating rows together equals updating t
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections import defaultdict
@@ -31,19 +30,14 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .. import NbtoolsError
 from ..devices import deferred_interrupts, on_tables
-from ..engine import steps, streams
+from ..engine.stepper import NonFiniteGradientError, StepEngine
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad  # noqa: F401  (optimizers, in __all__)
 from ..tables import OffloadedEmbedding
 from .config import OffloadConfig
 from .planner import Plan, plan
 from .probe import UnsupportedOptimizerError, initial_row_state
 from .slot import TableSlot
-
-
-class NonFiniteGradientError(NbtoolsError, FloatingPointError):
-    """A gradient held inf/nan; no parameter, table or optimizer state was changed."""
 
 
 def _is_param(x) -> bool:
@@ -96,49 +90,6 @@ def _split_groups(model_or_params):
     if loose:
         dense.insert(0, {"params": loose})
     return tables, dense
-
-
-class _Verdict:
-    """A step's checks, queued on the device; :meth:`read` brings them to the host (the
-    step's one synchronisation)."""
-
-    def __init__(self, collected, guard, host, event, found_at):
-        self.collected, self.guard, self.host, self.event = collected, guard, host, event
-        self.found_at = found_at
-
-    def read(self):
-        """``([bad, count, sentinel] per table, any non-finite gradient)``; each cached
-        table's statistics go to the table (:meth:`OffloadedEmbedding.record_cache_stats`)."""
-        if self.found_at is not None:             # several devices: one read each
-            tables = [got.batch.meta.tolist() for got in self.collected]
-            for got in self.collected:
-                if got.cache_stats is not None:
-                    got.table.record_cache_stats(got.cache_stats.tolist())
-            return tables, any(bool(f.item()) for f in self.found_at.values())
-        if self.host is None:
-            return [], False
-        if self.event is not None:
-            self.event.synchronize()
-        values = self.host.tolist()
-        k = len(self.collected)
-        tables = [values[3 * i:3 * i + 3] for i in range(k)]
-        at = 3 * k
-        for got in self.collected:
-            if got.cache_stats is not None:
-                got.table.record_cache_stats(values[at:at + 4])
-                at += 4
-        return tables, bool(values[-1])
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A step whose checks are still on their way to the host (OffloadConfig.checks): what
-    reading them needs, and each table's scalar state from before the step, to restore when
-    they say the step must not have happened."""
-
-    verdict: _Verdict
-    collected: list                 # (slot, StepRows) of the step
-    before: dict                    # id(slot) -> its scalar state before the step (saved())
 
 
 def _warn_if_sgd_rounds_away(table, optimizer_class) -> None:
@@ -222,13 +173,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
     >>> opt.step(); opt.zero_grad()
     """
 
-    # The step's inf/nan check of a table's gradient is made by the fixed-order sum that
-    # writes it (nbtools.kernels.segment_sum's ``found``), where that kernel sums it: no pass
-    # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
-    # at 65,536 ids, H200). False: one multi-tensor check over every gradient, as before
-    # session 24 (prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py) --toggle sums_check).
-    SUMS_CHECK = True
-
     def __init__(self, optimizer_class, model_or_params, *, config: OffloadConfig | None = None,
                  **optimizer_kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -284,14 +228,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.param_groups = (list(self._dense.param_groups) if self._dense else []) + \
             [s.group for s in self._slots]
         self.state = self._dense.state if self._dense else defaultdict(dict)
-        self._warned_skip = False
-        self._skips = 0
-        self._rings = {}            # device -> steps.StepRing: a step's host buffers, in turns
-        self._graphs = steps.StepGraphs()     # CUDA graphs of steps' checks and updates
-        self._pending: _Pending | None = None     # a step whose checks are read late
-        self._param_names = {}
+        names = {}
         if isinstance(model_or_params, nn.Module):
-            self._param_names = {id(p): n for n, p in model_or_params.named_parameters()}
+            names = {id(p): n for n, p in model_or_params.named_parameters()}
+        #: the step's engine: rings, graphs, the step whose checks are read late, skips
+        self.engine = StepEngine(slots, self.config, names)
 
     # --- what a training loop calls -----------------------------------------------------------
     @_step_with_hooks
@@ -321,59 +262,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with deferred_interrupts():
             collected = [(slot, slot.table.collect()) for slot in self._slots]
             collected = [(slot, got) for slot, got in collected if got is not None]
-            pending, self._pending = self._pending, None
             try:
-                dense = self._dense_grads()
-                # Checks and fused updates are queued now, before the host has read the
-                # checks: each update reads the guard on the device and writes nothing when
-                # the step must not go ahead, so the GPU works on while the host waits.
-                verdict, fused = self._queue(collected, dense, pending)
-                if pending is not None:
-                    self._settle(pending)      # the last step's checks: raises if it was bad
-                if self._may_read_late(collected, dense, fused, verdict):
-                    self._pending = _Pending(verdict, collected,
-                                             {id(slot): slot.saved() for slot, _ in collected})
-                    for slot, got in collected:  # as if it went ahead; _settle undoes it if not
-                        slot.went_ahead(fused[id(slot)])
-                        got.rows = None        # queued kernels hold them; nothing else needs them
-                    return loss
-                tables, nonfinite = verdict.read()          # note: the step's CPU-GPU sync point
-                for (slot, got), (bad, _, _) in zip(collected, tables):
-                    if bad:
-                        for flat, shape in got.lookups:
-                            if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                                slot.table.raise_bad_ids(flat, shape)
-                if nonfinite:
-                    culprits = [f"table {slot.name!r}" for slot, got in collected
-                                if got.nonfinite()]
-                    culprits += self._nonfinite_params(dense)
-                    if self.config.nonfinite == "skip":
-                        self._skips += 1
-                        for slot in self._slots:
-                            slot.skipped_steps += 1
-                        if not self._warned_skip:
-                            self._warned_skip = True
-                            warnings.warn(f"skipped an optimizer step: inf/nan gradients in "
-                                          f"{', '.join(culprits)}; later skips are counted in "
-                                          "optimizer.skipped_steps() without a warning",
-                                          RuntimeWarning, stacklevel=2)
-                        return loss
-                    raise NonFiniteGradientError(
-                        f"inf/nan gradients in {', '.join(culprits)}; nothing was updated: every "
-                        "parameter, table and optimizer state was left unchanged. Lower the "
-                        "learning rate, check the loss, or pass "
-                        "config=OffloadConfig(nonfinite='skip').")
-                if self._dense is not None:
-                    self._dense.step()
-                for (slot, got), (_, count, sentinel) in zip(collected, tables):
-                    if id(slot) in fused:
-                        slot.commit_fused(fused[id(slot)], count, bool(sentinel))
-                    else:
-                        slot.apply(got, count, bool(sentinel))
-                return loss
+                self.engine.run(collected, self._dense_grads(),
+                                self._dense.step if self._dense is not None else None)
             finally:      # captured lookups' buffers may be reused from now on
                 for _, got in collected:
                     got.release()
+        return loss
 
     def _dense_grads(self) -> list:
         """(parameter, gradient values) of the ordinary parameters that have a gradient."""
@@ -386,138 +281,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     out.append((p, p.grad._values() if p.grad.is_sparse else p.grad))
         return out
 
-    def _queue(self, collected: list, dense: list, pending: "_Pending | None"):
-        """Queue the step's checks (every table's ``[bad, count, sentinel]``, its cache's
-        statistics, an inf/nan check of every gradient: its fixed-order sum checks a table's)
-        and, where everything lives on one device, every fused update; as two CUDA graphs
-        when the step repeats one seen before (:mod:`nbtools.engine.steps`). Returns the
-        :class:`_Verdict` and, per table that took a fused kernel, the scalar state to keep
-        if the step goes ahead.
-
-        The updates read the guard (nonzero when the step must not go ahead) on the device;
-        it includes the guard of ``pending``, a step whose checks the host has not read yet
-        (a bad step stops the one after it too)."""
-        gots = [got for _, got in collected]
-        grads = [got.grad for got in gots] + [g for _, g in dense]
-        devices = {g.device for g in grads}
-        if not devices:
-            return _Verdict([], None, None, None, None), {}
-        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
-            for got in gots:
-                got.sum_now()
-            return self._verdict_per_device(gots, grads, devices), {}
-        (device,) = devices
-        ring = self._rings.get(device)
-        if ring is None:
-            ring = self._rings[device] = steps.StepRing(device, len(self._slots))
-        turn = ring.next()
-        before = ring.previous().guard
-        linked = pending is not None and pending.verdict.guard is before
-        plans = [slot.plan_fused(got) for slot, got in collected]
-        behind = [slot.writes_behind(got, fp) for (slot, got), fp in zip(collected, plans)]
-        for (slot, _), fp, back in zip(collected, plans, behind):
-            if fp is not None:
-                turn.scalars[slot.index] = fp.values
-                if not back:     # it writes host rows: after their write-backs (no graph may
-                    slot.table.rows.settle()     # wait for an event from outside it)
-        flags = [got.batch.meta for got in gots] + \
-            [got.cache_stats for got in gots if got.cache_stats is not None]
-
-        def checks():     # first the tables' per-id gradient sums (StepRows.summing)
-            turn.found.zero_()
-            found = turn.found if self.SUMS_CHECK else None
-            checked = {id(got.grad) for got in gots if got.queue_sum(found)}
-            return steps.queue_checks(turn, [g for g in grads if id(g) not in checked], flags,
-                                      len(gots), before if linked else None)
-
-        def updates():
-            for (slot, got), fp, back in zip(collected, plans, behind):
-                if fp is not None:
-                    slot.queue_fused(got, fp, turn.guard, turn.hyper[slot.index], back)
-
-        n = None
-        if device.type == "cuda" and all(p is not None for p in plans) and \
-                all(got.table.config.cuda_graphs for got in gots):
-            parts = [slot.graph_key(got, fp, back)
-                     for (slot, got), fp, back in zip(collected, plans, behind)]
-            key = (turn.index, linked, self.SUMS_CHECK, tuple(k for k, _ in parts),
-                   tuple(steps.signature(g) for _, g in dense))
-            n = self._graphs.run(key, checks, updates, turn, [keep for _, keep in parts])
-        if n is None:
-            n = checks()
-            if turn.checked is not None:
-                streams.record(turn.checked, device)
-            updates()
-        for got in gots:           # queued (or replayed) with the checks
-            got.summing = None
-        for (slot, got), back in zip(collected, behind):
-            if back:     # (a lookup capture's outputs, unless several lookups were merged)
-                caps = got.captures if len(got.captures) == 1 else []
-                slot.table.rows.write_behind(got.batch, got.rows, caps)
-        if turn.done is not None:
-            streams.record(turn.done, device)
-        fused = {id(slot): plan for (slot, _), plan in zip(collected, plans)
-                 if plan is not None}
-        return _Verdict(gots, turn.guard, turn.flags[:n], turn.checked, None), fused
-
-    @staticmethod
-    def _verdict_per_device(gots: list, grads: list, devices) -> "_Verdict":
-        found_at = {}
-        for device in devices:
-            found = torch.zeros(1, device=device)
-            steps.find_nonfinite([g for g in grads if g.device == device], found,
-                                 torch.ones(1, device=device))
-            found_at[device] = found.long()
-        return _Verdict(gots, None, None, None, found_at)
-
-    def _may_read_late(self, collected, dense, fused, verdict) -> bool:
-        """Whether this step's checks may be read at the next step (OffloadConfig.checks)."""
-        return (self.config.checks == "auto" and self.config.nonfinite == "raise"
-                and not dense and bool(collected) and len(fused) == len(collected)
-                and verdict.guard is not None)
-
-    def _settle(self, pending: _Pending) -> None:
-        """Read the checks of a step queued earlier; if it was bad, put back every table's
-        scalar state from before it and raise (its rows and state were never written)."""
-        tables, nonfinite = pending.verdict.read()
-        if any(bad for bad, _, _ in tables) or nonfinite:
-            for slot, _ in pending.collected:
-                slot.restore(pending.before[id(slot)])
-            late = ("; found one step late (OffloadConfig.checks='auto'): neither that step "
-                    "nor the one after it wrote anything")
-            for (slot, got), (bad, _, _) in zip(pending.collected, tables):
-                if bad:
-                    for flat, shape in got.lookups:
-                        if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
-                            try:
-                                slot.table.raise_bad_ids(flat, shape)
-                            except IndexError as e:
-                                raise IndexError(f"{e}{late}") from None
-                    raise IndexError(f"table {slot.name!r}: an out-of-range id in the step "
-                                     f"before this one (its ids changed since){late}")
-            culprits = [f"table {slot.name!r}" for slot, got in pending.collected
-                        if got.nonfinite()]
-            raise NonFiniteGradientError(
-                f"inf/nan gradients in {', '.join(culprits) or 'the step before this one'}; "
-                f"nothing was updated: every parameter, table and optimizer state was left "
-                f"unchanged{late}. Lower the learning rate, check the loss, or pass "
-                "config=OffloadConfig(nonfinite='skip').")
-        for (slot, _), (_, count, sentinel) in zip(pending.collected, tables):
-            slot.count_written(count, bool(sentinel))
-
     @on_tables
     def synchronize(self) -> None:
         """Read the checks of the last step if they are still on their way (see
         ``OffloadConfig.checks``): raises the error of a bad step, else does nothing. Saving,
         loading and ``state_dict`` call it; call it after a training loop to learn whether
         its last step went ahead."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._settle(pending)
-
-    def _nonfinite_params(self, dense: list) -> list:
-        return [f"parameter {self._param_names.get(id(p), tuple(p.shape))!r}"
-                for p, g in dense if not bool(torch.isfinite(g).all())]
+        self.engine.synchronize()
 
     def __getstate__(self) -> dict:
         # torch.optim.Optimizer pickles only defaults, state and param_groups; this optimizer's
@@ -527,8 +297,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.synchronize()
         state = dict(self.__dict__)
         state.pop("step", None)
-        state["_rings"] = {}
-        state["_graphs"] = steps.StepGraphs()
         return state
 
     @on_tables
@@ -558,7 +326,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @on_tables
     def table_state(self, table) -> dict:
         """Per-row state host tensors of one table (by name or object), e.g. ``exp_avg``."""
-        return self._slot(table).row_state()
+        return self.slot(table).row_state()
 
     def load_row_state(self, table, name: str, source, *, step=None, **options) -> None:
         """Load one per-row state of ``table`` (e.g. ``"exp_avg"``, with ``step=`` the steps
@@ -566,7 +334,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         :func:`nbtools.pretrained.load_row_state`."""
         from ..pretrained import load_row_state
         self.synchronize()
-        slot = self._slot(table)
+        slot = self.slot(table)
         load_row_state(slot, name, source, step=step, **options,
                        initial=initial_row_state(slot.cls, slot.group, [name])[name])
 
@@ -574,10 +342,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """How many steps were skipped for non-finite gradients (a skip skips every table
         and parameter; ``table`` is accepted for compatibility)."""
         if table is not None:
-            return self._slot(table).skipped_steps
-        return self._skips
+            return self.slot(table).skipped_steps
+        return self.engine.skips
 
-    def _slot(self, table) -> TableSlot:
+    def slot(self, table) -> TableSlot:
+        """The slot (its per-row state, scalar state and update) of one table, by name or object."""
         for s in self._slots:
             if s.table is table or s.name == table:
                 return s
@@ -625,7 +394,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @on_tables
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_state_dict(state_dict)      # nothing is changed when it does not fit
-        self._pending = None           # what is loaded replaces a step not read back yet
+        self.engine.forget()           # what is loaded replaces a step not read back yet
         for slot in self._slots:
             slot.load_state_dict(state_dict["tables"][slot.name])     # waits for the GPU first
         if self._dense is not None:

@@ -79,7 +79,7 @@ def train_and_compare(cls, kw, device, placement):
     torch.manual_seed(0)
     table = OffloadedEmbedding(N, D, device=device, placement=placement, name="t")
     opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=True), **kw)
-    assert opt._slots[0].fused_update() is not None, "the fused path must be the one tested"
+    assert opt.slot(next(iter(opt.tables))).fused_update() is not None, "the fused path must be the one tested"
     state0 = {k: v.clone() for k, v in opt.table_state(table).items()}
     ref = Reference(cls, kw, table.weight.clone().cpu(), {k: v.cpu() for k, v in state0.items()})
     gen = torch.Generator().manual_seed(1)

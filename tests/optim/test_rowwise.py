@@ -299,7 +299,7 @@ def test_cuda_fused_matches_generic(cls, kw, where):
         torch.manual_seed(0)
         t = OffloadedEmbedding(500, 40, device="cuda", placement=placement, name="t", **opts)
         opt = OffloadOptimizer(cls, [t], config=OffloadConfig(fused=fused), **kw)
-        assert (opt._slots[0].fused_update() is not None) == (fused == "auto")
+        assert (opt.slot(next(iter(opt.tables))).fused_update() is not None) == (fused == "auto")
         g2 = torch.Generator().manual_seed(7)
         for ids in steps:
             ids = torch.tensor(ids, device="cuda")
