@@ -172,8 +172,10 @@ _DRIVE_ID = re.compile(r"^[A-Za-z0-9_-]{25,}$")
 _DRIVE_URL = re.compile(r"https?://(?:drive|docs)\.google\.com/.*?(?:/d/|[?&]id=)([A-Za-z0-9_-]{25,})")
 
 
-def _parse_source(s: str):
-    """-> ("drive", id) | ("url", url). Drive links are parsed here: gdown 6 dropped fuzzy=."""
+def parse_source(s: str):
+    """What :func:`fetch` makes of a source that is not a dataset name: ``("drive", id)`` for a
+    Google Drive link, ``gdrive:<id>`` or bare file id, ``("url", url)`` for an http(s)/ftp URL;
+    ValueError else. Drive links are parsed here: gdown 6 dropped fuzzy=."""
     m = _DRIVE_URL.match(s)
     if m:
         return "drive", m.group(1)
@@ -377,11 +379,11 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
     if entry is not None:
         if entry.url is None:
             return SAMPLES_DIR / entry.filename
-        kind, source = _parse_source(entry.url)
+        kind, source = parse_source(entry.url)
         md5, sha256 = md5 or entry.md5, sha256 or entry.sha256
         filename, expected_bytes, key = filename or entry.filename, entry.bytes, entry.name
     else:
-        kind, source = _parse_source(name_or_url)
+        kind, source = parse_source(name_or_url)
         if kind == "drive":
             key = f"drive-{source}"
         else:

@@ -76,7 +76,7 @@ from .devices import cuda_ok
 CHUNK_BYTES = 16 << 20          # rows per chunk: this many bytes of the wider of source and table
 EXTRA_BYTES = 64 << 20          # the promise: memory beyond the table that a load may take
 _SPARE = 8 << 20                # of which this much is left for small temporaries
-_REQUEST = 4 << 20              # bytes per pread of a file source
+REQUEST_BYTES = 4 << 20         # bytes per pread of a file source
 _READERS = 4                    # preads in flight
 _FLOATS = {2: torch.float16, 4: torch.float32, 8: torch.float64}
 _CUPY_INSTALL = ('pip install "nbtools-offload[cupy]" (CuPy for CUDA 12: cupy-cuda12x; for '
@@ -341,8 +341,8 @@ class _File:
             self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="nbtools-pretrained")
         flat = memoryview(out.reshape(-1))
         pos = self.offset + a * self.row_bytes
-        return [self._pool.submit(pread_all, self.fd, flat[i:i + _REQUEST], pos + i)
-                for i in range(0, len(flat), _REQUEST)]
+        return [self._pool.submit(pread_all, self.fd, flat[i:i + REQUEST_BYTES], pos + i)
+                for i in range(0, len(flat), REQUEST_BYTES)]
 
     def wait(self, reads: list, a: int, b: int) -> None:
         """Wait for ``reads``; rows ``a:b`` then leave the page cache."""

@@ -140,13 +140,13 @@ def test_drive_quota_page_gets_the_workaround(server, tmp_path):
 def test_drive_quota_exception_from_gdown(tmp_path, monkeypatch):
     gdown = pytest.importorskip("gdown")
 
-    def refuse(kind, source, output, quiet):
-        assert kind == "drive" and source == "1AbCdEfGhIjKlMnOpQrStUvWxYz012345"
+    def refuse(id=None, **kwargs):                 # gdown's own error for Drive's quota
+        assert id == "1AbCdEfGhIjKlMnOpQrStUvWxYz012345"
         raise gdown.exceptions.FileURLRetrievalError(
             "Failed to retrieve file url:\n\n\tToo many users have viewed or downloaded this file "
             "recently. Please try accessing the file again later.")
 
-    monkeypatch.setattr(data, "_gdown_download", refuse)
+    monkeypatch.setattr(gdown, "download", refuse)
     with pytest.raises(DriveQuotaError, match="24 h"):
         fetch("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view?usp=sharing",
               cache_dir=tmp_path, quiet=True, sleep=lambda s: None)
@@ -164,7 +164,7 @@ def test_drive_quota_exception_from_gdown(tmp_path, monkeypatch):
      ("url", "https://files.grouplens.org/datasets/movielens/ml-1m.zip")),
 ])
 def test_sources_are_recognised(source, expected):
-    assert data._parse_source(source) == expected
+    assert data.parse_source(source) == expected
 
 
 def test_bad_source_says_what_is_accepted():
@@ -184,7 +184,7 @@ def test_registry_is_honest():
 def test_every_registry_download_is_a_plain_url():
     """No named dataset needs gdown (Google Drive links are for files users bring)."""
     for d in data.REGISTRY.values():
-        assert d.url is None or data._parse_source(d.url) == ("url", d.url), d.name
+        assert d.url is None or data.parse_source(d.url) == ("url", d.url), d.name
 
 
 # Known answers published independently of this code: RFC 1321 appendix A.5 (md5) and
@@ -342,8 +342,7 @@ def test_eval_sets_are_pinned_with_hashes_and_sizes():
 def test_eval_sets_download_verified_and_cached(eval_server, tmp_path, monkeypatch):
     files, hits = eval_server
     monkeypatch.setitem(sys.modules, "gdown", None)       # plain URLs: the standard library
-    monkeypatch.setitem(sys.modules, "requests", None)
-    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("used gdown"))
+    monkeypatch.setitem(sys.modules, "requests", None)    # (using either raises ImportError)
     for name in EVAL_SETS:
         d = data.REGISTRY[name]
         path = fetch(name, cache_dir=tmp_path, quiet=True)
@@ -374,8 +373,10 @@ def test_eval_set_with_a_wrong_hash_or_size_is_refused(eval_server, tmp_path, mo
 def test_missing_downloader_names_gdown_and_the_install_line(tmp_path, monkeypatch, missing):
     if missing == "requests":       # (where gdown itself is missing, the message names gdown)
         pytest.importorskip("gdown")
+    if missing == "requests":       # gdown is there: it must not be called
+        monkeypatch.setattr(sys.modules["gdown"], "download",
+                            lambda **kw: pytest.fail("tried to download"))
     monkeypatch.setitem(sys.modules, missing, None)     # `import gdown` now raises ImportError
-    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("tried to download"))
     with pytest.raises(ImportError) as err:           # a Google Drive link needs gdown
         data.fetch("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view",
                    cache_dir=tmp_path)
@@ -388,9 +389,8 @@ def test_plain_urls_need_no_gdown(server, tmp_path, monkeypatch):
     """The evaluation sets and MovieLens are plain http(s) URLs: the standard library fetches
     them, retries included, with gdown and requests not importable."""
     base, _ = server
-    monkeypatch.setitem(sys.modules, "gdown", None)
+    monkeypatch.setitem(sys.modules, "gdown", None)      # using either raises ImportError
     monkeypatch.setitem(sys.modules, "requests", None)
-    monkeypatch.setattr(data, "_gdown_download", lambda *a: pytest.fail("used gdown"))
     path, _ = _get(f"{base}/ok.bin", tmp_path, md5=MD5)
     assert path.read_bytes() == PAYLOAD
     with pytest.raises(data.DownloadError, match="HTTP 404"):

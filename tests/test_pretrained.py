@@ -30,7 +30,7 @@ KINDS = ["torch", "numpy", "memmap", "path"]
 def small_chunks(monkeypatch):
     """~2 KiB chunks: a 300-row source is ~10 chunks, file reads in 1 KiB requests."""
     monkeypatch.setattr(pretrained, "CHUNK_BYTES", 2048)
-    monkeypatch.setattr(pretrained, "_REQUEST", 1024)
+    monkeypatch.setattr(pretrained, "REQUEST_BYTES", 1024)
 
 
 def _weights(n=N, d=D, seed=0, dtype=torch.float32):

@@ -94,7 +94,8 @@ class RowCache:
                 + self.tags.numel() * 8 + self.stamp.numel() * 8
                 + self.slot_of.numel() * 4 + self.freq.numel() * 4)
 
-    def _set_of(self, ids: torch.Tensor) -> torch.Tensor:
+    def set_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The set each id hashes to: a row is cached only in one of its set's ``ways``."""
         return torch.remainder(ids * _HASH, self.sets)
 
     # --- the step --------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class RowCache:
         self.stamp.scatter_(0, torch.where(hit, slot, self.capacity), self.tick.expand(cap))
         miss = live & (slot < 0)
         f = self.freq.index_select(0, ids).long()
-        sets = self._set_of(ids)
+        sets = self.set_of(ids)
         # each set's candidate: its most frequent miss (ties: the larger id)
         key = torch.where(miss, (f << 32) | ids, -1)
         best = self._best.scatter_reduce_(0, sets, key, "amax")   # all -1 between lookups
@@ -193,7 +194,7 @@ class RowCache:
         self.freq[: self.num_rows] = counts.clamp(0, torch.iinfo(torch.int32).max).int()
         ids = torch.arange(self.num_rows, device=self.device)
         f = self.freq[: self.num_rows].long()
-        sets = self._set_of(ids)
+        sets = self.set_of(ids)
         key, order = torch.sort(sets * (1 << 31) + ((1 << 31) - 1 - f))
         s_sets = sets[order]
         pos = torch.arange(self.num_rows, device=self.device)

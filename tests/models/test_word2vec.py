@@ -1,5 +1,6 @@
 """word2vec's recipe: per-epoch pairs, skipped negatives, linear lr decay, evaluation, resume."""
 import math
+import sys
 
 import pytest
 import torch
@@ -398,7 +399,7 @@ def test_a_cache_of_frequent_words_changes_nothing(dtype):
             assert cache.capacity == 50 and cache.ways == 1    # a small cache: direct-mapped
             # warm: each set holds its most frequent word
             slots = cache.locate(torch.arange(vocab)).long()
-            sets = cache._set_of(torch.arange(vocab))
+            sets = cache.set_of(torch.arange(vocab))
             for s in sets.unique()[:10]:
                 words = (sets == s).nonzero().flatten()
                 assert slots[words[0]] >= 0 and (slots[words[1:]] < 0).all()
@@ -438,11 +439,12 @@ def test_evaluate_without_a_folder_fetches_the_registry_sets(eval_server, tmp_pa
 
 
 def test_evaluate_on_the_bundled_samples_needs_no_network(monkeypatch):
-    from nbtools import data
+    import urllib.request
 
     def no_network(*args, **kwargs):
         raise AssertionError("the bundled samples must not be downloaded")
-    monkeypatch.setattr(data, "_gdown_download", no_network)
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)      # plain URLs
+    monkeypatch.setitem(sys.modules, "gdown", None)                 # Drive links
     r = wordsim.evaluate(_sample_vectors(), sample=True)
     assert (r["ws353"]["pairs"], r["simlex"]["pairs"], r["analogy"]["questions"]) == (30, 30, 24)
     assert r["ws353"]["coverage"] == pytest.approx(30 / 31)
