@@ -132,7 +132,10 @@ def _check(err, what: str, nbytes: int) -> None:
         "other pinned memory first.")
 
 
-def _register(ptr: int, nbytes: int) -> None:
+def cuda_register(ptr: int, nbytes: int) -> None:
+    """cudaHostRegister of ``[ptr, ptr + nbytes)`` (portable, mapped); PinningError when CUDA
+    refuses. The one call that locks pages (tests replace it, with :func:`cuda_unregister`,
+    to record what would be registered)."""
     err = torch.cuda.cudart().cudaHostRegister(
         ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
     _check(err, "cudaHostRegister", nbytes)
@@ -152,7 +155,7 @@ class _Registration:
             if self.holders > 0:
                 return
             _regions.pop((self.ptr, self.nbytes), None)
-            if _capturing():
+            if capturing():
                 # a garbage collection inside a CUDA graph capture: synchronising or
                 # unregistering now would invalidate the capture and, failing, leave the range
                 # registered after its memory is freed (the next registration of those
@@ -162,7 +165,9 @@ class _Registration:
         _unregister_quietly(self.ptr)
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (then a let-go range is unregistered
+    later, before the next registration); False without CUDA."""
     try:
         return cuda_ok() and torch.cuda.is_current_stream_capturing()
     except Exception:
@@ -171,7 +176,7 @@ def _capturing() -> bool:
 
 def _unregister_quietly(ptr: int) -> None:
     try:
-        _unregister(ptr)
+        cuda_unregister(ptr)
     except Exception:     # interpreter shutdown: the CUDA context may already be gone
         pass
 
@@ -182,7 +187,9 @@ def _flush_deferred() -> None:
         _unregister_quietly(_deferred.pop())
 
 
-def _unregister(ptr: int) -> None:
+def cuda_unregister(ptr: int) -> None:
+    """cudaHostUnregister of the range registered at ``ptr``, after a device sync (no kernel may
+    still use its pages)."""
     torch.cuda.synchronize()     # no kernel may still read or write these pages
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -192,11 +199,11 @@ def _hold(owner, ptr: int, nbytes: int, name: str) -> weakref.finalize:
     share the registration nbtools already holds for exactly this range (a second
     cudaHostRegister of it would fail). Returns the finalizer that lets go early (idempotent)."""
     with _lock:   # held while registering: two holders of one range must not both register it
-        if _deferred and not _capturing():
+        if _deferred and not capturing():
             _flush_deferred()
         reg = _regions.get((ptr, nbytes))
         if reg is None:
-            _register(ptr, nbytes)
+            cuda_register(ptr, nbytes)
             reg = _regions[(ptr, nbytes)] = _Registration(ptr, nbytes, name)
         reg.holders += 1
     return weakref.finalize(owner, reg.release)

@@ -48,22 +48,22 @@ from .devices import resolve_device
 __all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
 
 _M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15   # splitmix64 increment (odd: i -> i * golden is a bijection)
+GOLDEN = 0x9E3779B97F4A7C15    # splitmix64 increment (odd: i -> i * golden is a bijection)
 _MUL1 = 0xBF58476D1CE4E5B9     # splitmix64 finalizer constants
 _MUL2 = 0x94D049BB133111EB
 # Smaller contiguous tensors are copied into pages of their own rather than registered in place:
 # registering them would lock the pages they share with neighbouring allocations.
 _IN_PLACE_MIN_BYTES = 1 << 20
 _SORT_MIN_ROWS = 4096       # chunks at least this large are gathered in address order,
-_SLAB_ROWS = 1 << 22        # sorted ~4M positions at a time
+SLAB_ROWS = 1 << 22         # sorted ~4M positions at a time
 # Batches are gathered several at a time, up to this many rows, bytes and batches per chunk:
 # the loader's Python and launch cost per batch then falls below the model's own indexing
-_CHUNK_ROWS = 1 << 18
+CHUNK_ROWS = 1 << 18
 _CHUNK_BYTES = 16 << 20
 _CHUNK_BATCHES = 64
 
 
-def _signed(c: int) -> int:
+def signed64(c: int) -> int:
     """The int64 with the same 64 bits as the unsigned ``c`` (torch has no full uint64 math)."""
     c &= _M64
     return c - (1 << 64) if c >> 63 else c
@@ -77,8 +77,9 @@ def mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finalizer in place on an int64 tensor: same bits on every device.
+def mix_(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer in place on an int64 tensor: same bits on every device (the bits
+    of :func:`mix_int`, as :func:`signed64` writes them).
 
     int64 multiplication wraps mod 2**64; ``>>`` is arithmetic on signed ints, so each shift is
     masked to make it logical.
@@ -86,7 +87,7 @@ def _mix_(x: torch.Tensor) -> torch.Tensor:
     for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
         x ^= (x >> shift) & ((1 << (64 - shift)) - 1)
         if mul is not None:
-            x.mul_(_signed(mul))
+            x.mul_(signed64(mul))
     return x
 
 
@@ -104,8 +105,8 @@ def permutation(num_samples: int, seed: int, epoch: int, device="cpu") -> torch.
     """
     state = mix_int(mix_int(seed) + epoch)
     keys = torch.arange(1, num_samples + 1, dtype=torch.int64, device=device)
-    keys.mul_(_signed(_GOLDEN)).add_(_signed(state))   # the splitmix64 state of sample i
-    return torch.argsort(_mix_(keys))
+    keys.mul_(signed64(GOLDEN)).add_(signed64(state))   # the splitmix64 state of sample i
+    return torch.argsort(mix_(keys))
 
 
 def _page_copy(t: torch.Tensor):
@@ -244,7 +245,7 @@ class PinnedLoader:
             self._views.append(view.reshape(view.shape[0], row) if view.dim() > 1 else view)
         self._row_bytes = sum(n * t.element_size() for n, t in zip(self._row_numel, self._host))
         # batches are gathered several at a time (chunks of up to 256K rows and 16 MiB)
-        self._chunk_batches = max(1, min(_CHUNK_BATCHES, _CHUNK_ROWS // self.batch_size,
+        self._chunk_batches = max(1, min(_CHUNK_BATCHES, CHUNK_ROWS // self.batch_size,
                                          _CHUNK_BYTES // max(1, self.batch_size * self._row_bytes)))
         self._slab = None        # (slab, first position, ids, places): address order of chunks
         self._side = None        # CUDA side streams, made on first use
@@ -291,6 +292,12 @@ class PinnedLoader:
             return host, host
         self._holders.append(holder)
         return host, hostmem.cuda_alias(host, self.device)
+
+    @property
+    def chunk_batches(self) -> int:
+        """Batches gathered together as one chunk (at most :data:`CHUNK_ROWS` rows, 16 MiB and
+        64 batches): one launch and one hand-over for all of them."""
+        return self._chunk_batches
 
     @property
     def tensors(self) -> tuple:
@@ -382,6 +389,17 @@ class PinnedLoader:
         k, bs = self._chunk_batches, self.batch_size
         return c * k * bs, min(min((c + 1) * k, nb) * bs, self.epoch_samples)
 
+    def address_order(self, c: int) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
+        """``((lo, hi), ids, places)`` for chunk ``c`` of the epoch being iterated (start a loop
+        first): the positions ``lo:hi`` of :meth:`permutation` it covers, their sample ids in
+        increasing order and where each goes in the chunk. A CUDA loader reads a chunk of at
+        least 4,096 rows from host memory in this order."""
+        if self._perm is None:
+            raise RuntimeError("address_order() reads the epoch being iterated: start a loop first")
+        nb = len(self)
+        lo, hi = self._chunk_rows(c, nb)
+        return (lo, hi), *self._address_order(c, nb, lo, hi)
+
     def _gather_chunk(self, c: int, nb: int, main):
         """``(rows, event)``: the rows of chunk ``c`` (one tensor per input) and, on CUDA, an
         event on the side stream that fires when they are gathered."""
@@ -427,7 +445,7 @@ class PinnedLoader:
         the chunk. Sorted a slab of chunks at a time: one ``torch.sort`` costs ~80 us of CPU,
         more than the rest of a chunk's work."""
         size = self._chunk_batches * self.batch_size
-        per_slab = max(1, _SLAB_ROWS // size)
+        per_slab = max(1, SLAB_ROWS // size)
         slab = c // per_slab
         if self._slab is None or self._slab[0] != slab:
             self._slab = None

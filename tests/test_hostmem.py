@@ -1,5 +1,6 @@
 """The one pinning mechanism of nbtools.hostmem, on the CPU with CUDA registration faked:
 registration per address range, shared by its holders, counted once, undone by the last."""
+import ctypes
 import gc
 import mmap
 
@@ -14,7 +15,7 @@ from nbtools.hostmem import HostTensor, page_aligned, pin_tensor, pinned_bytes, 
 def fake_cuda(monkeypatch):
     """cudaHostRegister / Unregister recorded instead of done; nothing reads as pinned."""
     calls = {"register": [], "unregister": []}
-    real_unregister = hostmem._unregister
+    real_unregister = hostmem.cuda_unregister
     # Memory earlier tests really registered may be let go while the fakes are in place: it
     # must really be unregistered, or CUDA keeps the range registered after numpy frees it and
     # a later registration of reused addresses fails (cudaErrorHostMemoryAlreadyRegistered)
@@ -26,8 +27,8 @@ def fake_cuda(monkeypatch):
         else:
             real_unregister(ptr)
     monkeypatch.setattr(hostmem, "cuda_ok", lambda: True)
-    monkeypatch.setattr(hostmem, "_register", lambda ptr, n: calls["register"].append((ptr, n)))
-    monkeypatch.setattr(hostmem, "_unregister", unregister)
+    monkeypatch.setattr(hostmem, "cuda_register", lambda ptr, n: calls["register"].append((ptr, n)))
+    monkeypatch.setattr(hostmem, "cuda_unregister", unregister)
     monkeypatch.setattr(hostmem, "whole_range_pinned", lambda t: False)
     before = pinned_bytes()
     yield calls
@@ -64,7 +65,7 @@ def test_a_range_let_go_during_a_capture_is_unregistered_before_the_next_registr
     the next registration of those addresses failed with 'already registered'). The range is
     unregistered before the next registration instead."""
     capturing = [True]
-    monkeypatch.setattr(hostmem, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(hostmem, "capturing", lambda: capturing[0])
     a = pin_tensor(torch.zeros(1000), name="a")
     ptr = fake_cuda["register"][0][0]
     a.close()                                           # let go while "capturing"
@@ -83,7 +84,7 @@ def test_host_tensor_registers_its_pages_and_close_undoes_it(fake_cuda):
     assert ptr == h.tensor.data_ptr() and n == mmap.PAGESIZE     # whole pages
     assert pinned_bytes() - base == mmap.PAGESIZE
     # a pin_tensor over exactly those pages shares the registration
-    pages = torch.from_numpy(h._raw)
+    pages = torch.frombuffer((ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8)
     p = pin_tensor(pages, name="pages")
     assert len(fake_cuda["register"]) == 1 and pinned_bytes() - base == mmap.PAGESIZE
     h.close()
@@ -108,12 +109,12 @@ def test_a_refused_registration_leaves_later_cuda_calls_working():
     PinningError and cleared, so the next kernel torch launches does not report it."""
     buf = page_aligned(1 << 16)
     ptr = buf.ctypes.data
-    hostmem._register(ptr, buf.nbytes)
+    hostmem.cuda_register(ptr, buf.nbytes)
     try:
         with pytest.raises(hostmem.PinningError, match="cudaHostRegister"):
-            hostmem._register(ptr, buf.nbytes)
+            hostmem.cuda_register(ptr, buf.nbytes)
         x = torch.ones(8, device="cuda") * 2          # a launch checked for errors
         torch.cuda.synchronize()
         assert x.sum().item() == 16
     finally:
-        hostmem._unregister(ptr)
+        hostmem.cuda_unregister(ptr)

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nbtools import hostmem, loader as loader_mod
 from nbtools.hostmem import whole_range_pinned
-from nbtools.loader import (_GOLDEN, LoaderConfig, PinnedLoader, _mix_, mix_int, _signed,
-                            permutation)
+from nbtools.loader import (GOLDEN, LoaderConfig, PinnedLoader, mix_, mix_int, permutation,
+                            signed64)
 
 # the `device` fixture holds no state, so reusing it across hypothesis examples is fine
 _settings = settings(max_examples=25, deadline=None,
@@ -81,19 +81,21 @@ def test_batches_match_cpu_reference(device, n, batch_size):
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_address_order_of_every_chunk(device, monkeypatch, drop_last):
     """Chunks are read in increasing id order and put back in the epoch's order, slab by slab."""
-    monkeypatch.setattr(loader_mod, "_CHUNK_ROWS", 1400)             # 2 batches per chunk
-    monkeypatch.setattr(loader_mod, "_SLAB_ROWS", 3 * 1400)          # 3 chunks per slab
+    monkeypatch.setattr(loader_mod, "CHUNK_ROWS", 1400)              # 2 batches per chunk
+    monkeypatch.setattr(loader_mod, "SLAB_ROWS", 3 * 1400)           # 3 chunks per slab
     loader = PinnedLoader(torch.arange(10_007), batch_size=700, device=device, seed=3,
                           drop_last=drop_last)
-    assert loader._chunk_batches == 2
+    assert loader.chunk_batches == 2
     nb = len(loader)
+    with pytest.raises(RuntimeError, match="start a loop first"):
+        loader.address_order(0)
     next(iter(loader))                       # makes the streams and epoch 0's order
-    perm = loader._perm[1]
+    perm = loader.permutation(0, device)
     ends = []
     for c in list(range(-(-nb // 2))) + [0]:                         # and back to the first slab
-        lo, hi = loader._chunk_rows(c, nb)
+        (lo, hi), ids, places = loader.address_order(c)
         ends.append(hi)
-        ids, places = loader._address_order(c, nb, lo, hi)
+        ids, places = ids.long(), places.long()
         assert torch.equal(ids, torch.sort(perm[lo:hi]).values)
         assert torch.equal(torch.empty_like(ids).index_copy_(0, places, ids), perm[lo:hi])
     assert ends[-2] == (nb * 700 if drop_last else 10_007)        # the last chunk is partial
@@ -127,18 +129,18 @@ SPLITMIX_0 = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
 
 def test_splitmix_gives_the_published_outputs(device):
     for seed, want in ((1234567, SPLITMIX_1234567), (0, SPLITMIX_0)):
-        states = [(seed + k * _GOLDEN) % 2**64 for k in range(1, len(want) + 1)]
+        states = [(seed + k * GOLDEN) % 2**64 for k in range(1, len(want) + 1)]
         assert [mix_int(s) for s in states] == want
-        got = _mix_(torch.tensor([_signed(s) for s in states], dtype=torch.int64, device=device))
-        assert got.cpu().tolist() == [_signed(w) for w in want]
+        got = mix_(torch.tensor([signed64(s) for s in states], dtype=torch.int64, device=device))
+        assert got.cpu().tolist() == [signed64(w) for w in want]
 
 
 def test_splitmix_matches_python_reference(device):
     rng = np.random.default_rng(0)
     vals = [int(v) for v in rng.integers(-2**63, 2**63 - 1, size=2000, dtype=np.int64)]
     vals += [0, 1, -1, 2**63 - 1, -2**63]
-    got = _mix_(torch.tensor(vals, dtype=torch.int64, device=device)).cpu().tolist()
-    assert got == [_signed(mix_int(v)) for v in vals]
+    got = mix_(torch.tensor(vals, dtype=torch.int64, device=device)).cpu().tolist()
+    assert got == [signed64(mix_int(v)) for v in vals]
 
 
 @_settings
@@ -331,7 +333,7 @@ def test_cuda_two_loaders_share_one_tensor():
     b = PinnedLoader(x, batch_size=8192, device="cuda", seed=3)
     a.close()
     del a
-    assert x.is_pinned() and len(b._holders) == 1   # b still holds the one registration
+    assert x.is_pinned() and ("loader[0]", x.nbytes) in hostmem.pinned_regions()   # b holds it
     got = torch.cat([t for (t,) in b]).cpu()
     assert torch.equal(got, b.permutation(0))
     already = torch.arange(100).pin_memory()   # pinned by torch: aliased, not registered again
@@ -365,11 +367,11 @@ def test_cuda_batches_survive_a_slow_consumer(transform, batch_size, monkeypatch
     loader's streams too early (record_stream), nor read before it is gathered or transformed
     (events), whether batches come several per chunk or one per gather."""
     if batch_size > 1000:
-        monkeypatch.setattr(loader_mod, "_CHUNK_ROWS", 1)   # one batch per chunk (sorted)
+        monkeypatch.setattr(loader_mod, "CHUNK_ROWS", 1)    # one batch per chunk (sorted)
     tensors = _dataset(600 if batch_size < 100 else 4 * batch_size + 123)
     loader = PinnedLoader(*tensors, batch_size=batch_size, device="cuda", seed=2,
                           transform=transform)
-    assert (loader._chunk_batches == 1) == (batch_size > 1000)
+    assert (loader.chunk_batches == 1) == (batch_size > 1000)
     want = _cpu_reference(loader, tensors, 0)
     got = []
     for batch in loader:
