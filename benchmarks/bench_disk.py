@@ -308,9 +308,9 @@ def syncs_per_step(table, opt, batches, device) -> float | None:
 
 def engines() -> list:
     """RowFile's I/O engines on this machine (nbtools.rowfile.fileio.RequestPool)."""
-    from nbtools.rowfile.fileio import _aio
-    from nbtools.rowfile.fileio import _kaio
-    return ["threads"] + (["aio"] if _aio.ready() else []) + (["kaio"] if _kaio.ready() else [])
+    from nbtools.rowfile.fileio import glibc_aio, native_aio
+    return ["threads"] + (["aio"] if glibc_aio.ready() else []) + \
+        (["kaio"] if native_aio.ready() else [])
 
 
 # requests per lio_listio call the probes try (the aio engine), the best counting: the table's

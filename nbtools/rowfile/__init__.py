@@ -81,7 +81,7 @@ import time
 import numpy as np
 
 from .fileio import RequestPool, check_engine, fadvise
-from .packed import TAG, _requests, packed_io, packed_range
+from .packed import TAG, row_requests, packed_io, packed_range
 from .format import (BLOCKS, HEADER, DiskFullError, checked_meta, new_file_folder, _open,
                      reserve, round_up, write_header, _writer)
 from ..units import human_bytes
@@ -314,6 +314,12 @@ class RowFile:
             fadvise(fd, "POSIX_FADV_DONTNEED")
 
     @property
+    def unsynced_bytes(self) -> int:
+        """Bytes written through the page cache (buffered mode) since the last ``fdatasync``
+        (:meth:`flush`, :meth:`drop_cache`, or every ``DIRTY_LIMIT`` bytes)."""
+        return self._unsynced
+
+    @property
     def ram_bytes(self) -> int:
         """Bytes of bounce buffers held between calls."""
         return self._pool.kept_bytes
@@ -433,7 +439,7 @@ class RowFile:
                 for a in range(0, k, per):
                     part, where = ids[a:a + per], dst[a:a + per]
                     n = len(part)
-                    boff, blen, foff, pos = _requests(part, stride, self.data_offset, gap=gap)
+                    boff, blen, foff, pos = row_requests(part, stride, self.data_offset, gap=gap)
                     need = (int(pos[-1]) + 1) * stride
                     buf = self.at_least(buf, need)
                     if write:

@@ -50,17 +50,18 @@ ENGINES = ("aio", "threads", "kaio")
 AIO_BATCH = 1024
 
 
-# Descriptors the pools' duplicates may hold in all: at most half the process's limit (raised
-# to its hard limit, up to 65,536, the first time duplicates are made), so that a process with
-# several disk tables keeps descriptors for everything else (checkpoints, notebooks, sockets)
-_DUPS = {"held": 0, "limit": None}
-_DUPS_LOCK = threading.Lock()
+# Descriptors the pools' duplicates hold in all ("held") and may hold ("limit"): at most half
+# the process's limit (raised to its hard limit, up to 65,536, the first time duplicates are
+# made), so that a process with several disk tables keeps descriptors for everything else
+# (checkpoints, notebooks, sockets)
+DUPLICATES = {"held": 0, "limit": None}
+_DUPLICATES_LOCK = threading.Lock()
 
 
 def _dup_room(want: int) -> int:
     """How many of ``want`` more duplicates the pools may hold now (reserves them)."""
-    with _DUPS_LOCK:
-        if _DUPS["limit"] is None:
+    with _DUPLICATES_LOCK:
+        if DUPLICATES["limit"] is None:
             try:
                 import resource
                 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -71,17 +72,17 @@ def _dup_room(want: int) -> int:
                         soft = goal
                     except (ValueError, OSError):
                         pass
-                _DUPS["limit"] = 1 << 20 if soft == resource.RLIM_INFINITY else soft // 2
+                DUPLICATES["limit"] = 1 << 20 if soft == resource.RLIM_INFINITY else soft // 2
             except (ImportError, ValueError, OSError):
-                _DUPS["limit"] = 512
-        room = max(0, min(want, _DUPS["limit"] - _DUPS["held"]))
-        _DUPS["held"] += room
+                DUPLICATES["limit"] = 512
+        room = max(0, min(want, DUPLICATES["limit"] - DUPLICATES["held"]))
+        DUPLICATES["held"] += room
         return room
 
 
 def _dups_closed(n: int) -> None:
-    with _DUPS_LOCK:
-        _DUPS["held"] = max(0, _DUPS["held"] - n)
+    with _DUPLICATES_LOCK:
+        DUPLICATES["held"] = max(0, DUPLICATES["held"] - n)
 
 
 class RequestPool:
@@ -107,7 +108,7 @@ class RequestPool:
       ``"threads"`` from then on).
     * ``"threads"``: Python threads in ``os.preadv`` / ``os.pwritev`` (which release the GIL
       during the system call, but need it between two).
-    * ``"kaio"``: Linux's native AIO (:class:`_KernelAio`): a call's requests handed to the
+    * ``"kaio"``: Linux's native AIO (:class:`NativeAio`): a call's requests handed to the
       kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
       waited for in ``io_getevents``: the GIL is needed only between those calls, and no
       thread pool runs them (``threads`` does not apply). The default for ``O_DIRECT`` files
@@ -152,17 +153,17 @@ class RequestPool:
         done (a slow request delays only its own thread)."""
         jobs = len(boff)
         workers = min(self.threads, jobs)
-        if jobs > 1 and self.engine == "kaio" and _kaio.ready():
+        if jobs > 1 and self.engine == "kaio" and native_aio.ready():
             try:
-                _kaio.run(fd, buf, boff, blen, foff, write, self.batch, turn=self._turns.turn)
+                native_aio.run(fd, buf, boff, blen, foff, write, self.batch, turn=self._turns.turn)
                 return
             except NoContextError as e:         # nothing was handed over: another engine
-                self.engine = "aio" if _aio.ready() else "threads"
+                self.engine = "aio" if glibc_aio.ready() else "threads"
                 warnings.warn(f"{self.name}: Linux's native AIO refused a context ({e}); "
                               f"this file's reads and writes go on with the {self.engine!r} "
                               "engine", RuntimeWarning, stacklevel=2)
-        if workers > 1 and self.engine == "aio" and _aio.ready():
-            _aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
+        if workers > 1 and self.engine == "aio" and glibc_aio.ready():
+            glibc_aio.run(self._descriptors(fd), buf, boff, blen, foff, write, self.batch)
             return
         flat = memoryview(buf.reshape(-1))
         op = pwrite_all if write else pread_all
@@ -258,6 +259,12 @@ class RequestPool:
                     break
 
     @property
+    def duplicates(self) -> int:
+        """Duplicates of the file's descriptor the pool holds ("aio": made at its first call,
+        as many as ``threads`` while :data:`DUPLICATES` has room; closed by :meth:`close`)."""
+        return len(self._dups)
+
+    @property
     def kept_bytes(self) -> int:
         """Bytes of buffers held between calls."""
         return sum(b.nbytes for b in self._spare)
@@ -279,13 +286,19 @@ class RequestPool:
 
 class Turns:
     """Callers take turns in the order they asked (a ticket lock): ``with turns.turn(): ...``.
-    A caller interrupted while waiting gives its turn up (the next one is not held up)."""
+    A caller interrupted while waiting gives its turn up (the next one is not held up).
+    ``condition``: the ``threading.Condition`` they wait on (default a new one)."""
 
-    def __init__(self):
-        self._cond = threading.Condition()
+    def __init__(self, condition: threading.Condition | None = None):
+        self._cond = condition or threading.Condition()
         self._next = 0                  # the next ticket handed out
         self._serving = 0               # the ticket whose turn it is
         self._gone = set()              # tickets given up while waiting
+
+    @property
+    def asked(self) -> int:
+        """How many turns were asked for so far (tickets handed out)."""
+        return self._next
 
     @contextlib.contextmanager
     def turn(self):
@@ -326,16 +339,17 @@ def default_engine(direct: bool = True) -> str:
     env = os.environ.get("NBTOOLS_DISK_ENGINE")
     if env:
         return check_engine(env)
-    if direct and _kaio.ready():
+    if direct and native_aio.ready():
         return "kaio"
-    return "aio" if _aio.ready() else "threads"
+    return "aio" if glibc_aio.ready() else "threads"
 
 
-# struct aiocb of glibc on 64-bit Linux (x86_64, aarch64): the fields used, by offset; 168 bytes
-_AIOCB = np.dtype({"names": ["fd", "op", "buf", "nbytes", "notify", "error", "ret", "offset"],
+# struct aiocb of glibc on 64-bit Linux (x86_64, aarch64): the fields used, by offset; 168 bytes;
+# its op is LIO_READ or LIO_WRITE
+AIOCB = np.dtype({"names": ["fd", "op", "buf", "nbytes", "notify", "error", "ret", "offset"],
                    "formats": ["<i4", "<i4", "<u8", "<u8", "<i4", "<i4", "<i8", "<i8"],
                    "offsets": [0, 4, 16, 24, 44, 112, 120, 128], "itemsize": 168})
-_LIO_READ, _LIO_WRITE, _LIO_WAIT, _SIGEV_NONE = 0, 1, 0, 1
+LIO_READ, LIO_WRITE, _LIO_WAIT, _SIGEV_NONE = 0, 1, 0, 1
 # An aiocb's error field before the call: glibc writes EINPROGRESS into it once the request is
 # queued, then the request's outcome; a request it could not queue (no memory for its entry)
 # keeps this value, so it is neither waited for nor mistaken for one in flight
@@ -348,10 +362,12 @@ class _AioInit(ctypes.Structure):
                                             "aio_reserved")]
 
 
-class _Aio:
+class GlibcAio:
     """glibc's POSIX AIO through ctypes (see :class:`RequestPool`): loaded and self-tested
     once per process; a forked child (whose copy of glibc's AIO state names threads it does
-    not have) falls back to threads."""
+    not have) falls back to threads. :data:`glibc_aio` is the process's one instance; once
+    loaded, its ``lio_listio`` and ``aio_suspend`` are glibc's functions (ctypes; tests stand
+    in for them), which get control blocks laid out as :data:`AIOCB`."""
 
     THREADS = 128                # glibc's AIO threads at most (its default is 20)
 
@@ -381,9 +397,10 @@ class _Aio:
             libc = ctypes.CDLL(None, use_errno=True)
             if not hasattr(libc, "lio_listio"):          # glibc < 2.34: in librt
                 libc = ctypes.CDLL("librt.so.1", use_errno=True)
-            self._lio, self._suspend = libc.lio_listio, libc.aio_suspend
-            self._lio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            self._suspend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            self.lio_listio, self.aio_suspend = libc.lio_listio, libc.aio_suspend
+            self.lio_listio.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                        ctypes.c_void_p]
+            self.aio_suspend.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
             # (aio_num: requests glibc expects at once, a hint for its allocations)
             libc.aio_init(ctypes.byref(_AioInit(self.THREADS, 16384, 0, 0, 0, 0, 1, 0)))
             self._ok = True
@@ -419,18 +436,18 @@ class _Aio:
 
     def _batch(self, fds: list, base: int, boff, blen, foff, write: bool) -> None:
         k = len(boff)
-        cb = np.zeros(k, dtype=_AIOCB)
+        cb = np.zeros(k, dtype=AIOCB)
         cb["fd"] = np.asarray(fds, dtype=np.int32)[np.arange(k) % len(fds)]
-        cb["op"] = _LIO_WRITE if write else _LIO_READ
+        cb["op"] = LIO_WRITE if write else LIO_READ
         cb["buf"] = base + boff
         cb["nbytes"] = blen
         cb["offset"] = foff
         cb["notify"] = _SIGEV_NONE
         cb["error"] = _UNQUEUED
-        ptrs = cb.ctypes.data + np.arange(k, dtype=np.uint64) * np.uint64(_AIOCB.itemsize)
+        ptrs = cb.ctypes.data + np.arange(k, dtype=np.uint64) * np.uint64(AIOCB.itemsize)
         rc = None
         try:
-            rc = self._lio(_LIO_WAIT, ptrs.ctypes.data, k, None)
+            rc = self.lio_listio(_LIO_WAIT, ptrs.ctypes.data, k, None)
         finally:
             if rc != 0:
                 # interrupted (a signal: a KeyboardInterrupt is raised as the call returns),
@@ -455,14 +472,14 @@ class _Aio:
                 busy = np.flatnonzero(cb["error"] == errno.EINPROGRESS)
                 if not len(busy):
                     return
-                self._suspend(ptrs[busy].ctypes.data, len(busy), None)
+                self.aio_suspend(ptrs[busy].ctypes.data, len(busy), None)
         uninterrupted(wait)
 
 
-_aio = _Aio()
+glibc_aio = GlibcAio()
 
 
-# io_setup, io_destroy, io_getevents, io_submit
+# io_setup, io_destroy, io_getevents, io_submit (NativeAio.CALLS)
 _CALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 # struct iocb (linux/aio_abi.h, little-endian 64-bit): the fields used, by offset; 64 bytes
 _IOCB = np.dtype({"names": ["data", "opcode", "fildes", "buf", "nbytes", "offset"],
@@ -476,7 +493,7 @@ _PREAD, _PWRITE = 0, 1
 KAIO_DEPTH = 4096
 
 
-class _KernelAio:
+class NativeAio:
     """Linux's native AIO (the ``"kaio"`` engine of :class:`RequestPool`).
 
     glibc's POSIX AIO (the ``"aio"`` engine) runs every request on one of its own threads and hands
@@ -491,11 +508,15 @@ class _KernelAio:
 
     The system calls go through libc's ``syscall()`` (no library to install): x86_64 and aarch64
     Linux only, checked by a self-test at first use; anything unexpected leaves the engine unused
-    (:attr:`_KernelAio.why`). Each thread keeps one context (``io_setup``: 1,024 events, more if a
+    (:attr:`NativeAio.why`). Each thread keeps one context (``io_setup``: 1,024 events, more if a
     call asks) for its life: destroying one waits for an RCU grace period, milliseconds that a
     context per call paid on every read (the table's loop ran at half its speed). The system-wide
     limit (``fs.aio-max-nr``, 65,536 events by default) bounds how many threads may hold one.
+    :data:`native_aio` is the process's one instance; every system call goes through
+    :meth:`call`.
     """
+
+    CALLS = ("io_setup", "io_destroy", "io_getevents", "io_submit")   # the calls it makes
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -519,7 +540,7 @@ class _KernelAio:
             libc = ctypes.CDLL(None, use_errno=True)
             self._syscall = libc.syscall
             self._syscall.restype = ctypes.c_long
-            self._setup_nr, self._destroy_nr, self._getevents_nr, self._submit_nr = calls
+            self._nr = dict(zip(self.CALLS, calls))
             self._ok = True
             self._selftest()
         except Exception as e:                            # noqa: BLE001 (any failure: unused)
@@ -537,14 +558,22 @@ class _KernelAio:
 
     def io_setup(self, size: int, ctx_address: int) -> int:
         """``io_setup(size, ctx)``: 0, or minus the errno."""
-        return self._call(self._setup_nr, size, ctx_address)
+        return self.call("io_setup", size, ctx_address)
 
     def io_destroy(self, ctx: int) -> int:
-        return self._call(self._destroy_nr, ctx)
+        return self.call("io_destroy", ctx)
 
-    def _call(self, *args) -> int:
-        r = self._syscall(*[ctypes.c_long(a) for a in args])
+    def call(self, name: str, *args) -> int:
+        """The system call ``name`` (one of :attr:`CALLS`) with ``args``: its result, or minus
+        the errno. Every call to the kernel goes through here (tests wrap it to refuse or cut
+        short some)."""
+        r = self._syscall(ctypes.c_long(self._nr[name]), *[ctypes.c_long(a) for a in args])
         return r if r >= 0 else -ctypes.get_errno()
+
+    def drop_context(self) -> None:
+        """Let this thread's context go (destroyed once nothing holds it); its next call makes
+        a new one."""
+        self._local.__dict__.pop("ctx", None)
 
     def _selftest(self) -> None:
         def run(*args):
@@ -587,7 +616,7 @@ class _KernelAio:
         state = {"sent": 0, "got": 0, "refused": False}
 
         def reap(least: int) -> None:
-            r = self._call(self._getevents_nr, ctx, least, depth, events.ctypes.data, 0)
+            r = self.call("io_getevents", ctx, least, depth, events.ctypes.data, 0)
             if r == -errno.EINTR:
                 return
             if r < 0:
@@ -602,7 +631,7 @@ class _KernelAio:
                 if room < max(1, depth // 4) and state["sent"] > state["got"]:
                     reap(min(state["sent"] - state["got"], max(1, depth // 4)))
                     continue
-                r = self._call(self._submit_nr, ctx, min(room, n - state["sent"]),
+                r = self.call("io_submit", ctx, min(room, n - state["sent"]),
                                int(ptrs.ctypes.data) + 8 * state["sent"])
                 if r > 0:
                     state["sent"] += r
@@ -622,7 +651,7 @@ class _KernelAio:
         try:
             uninterrupted(work)
         except BaseException:
-            self._local.__dict__.pop("ctx", None)
+            self.drop_context()
             raise
         redo = np.flatnonzero(res != blen)
         _finish_plain(fd, base, boff, blen, foff, redo, np.maximum(res[redo], 0),
@@ -638,7 +667,7 @@ class _Context:
     """One thread's AIO context (``io_setup``), destroyed with the thread's locals or when
     replaced; a forked child makes its own (the parent's is not its)."""
 
-    def __init__(self, aio: _KernelAio, size: int):
+    def __init__(self, aio: NativeAio, size: int):
         ctx = ctypes.c_ulong(0)
         r = aio.io_setup(size, ctypes.addressof(ctx))
         if r < 0:
@@ -654,12 +683,12 @@ class _Context:
             pass
 
 
-_kaio = _KernelAio()
+native_aio = NativeAio()
 
 
 def native_aio_why() -> str:
     """Why Linux's native AIO is not in use here (None where it is usable)."""
-    return _kaio.why
+    return native_aio.why
 
 
 def _finish_plain(fd: int, base: int, boff, blen, foff, redo, done, errors, write: bool) -> None:

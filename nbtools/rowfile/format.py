@@ -230,7 +230,7 @@ def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
             fd = os.open(path, flags | os.O_DIRECT)
             if fresh:
                 os.ftruncate(fd, HEADER)     # something to probe (a hole: reads still check)
-            block = _probe_block(fd, stride)
+            block = probe_block(fd, stride)
             if block:
                 return fd, block
         except OSError:
@@ -250,7 +250,7 @@ def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
     return os.open(path, flags), 0
 
 
-def _probe_block(fd: int, stride: int = 0) -> int:
+def probe_block(fd: int, stride: int = 0) -> int:
     """The smallest alignment at which an O_DIRECT read works on this file (0: none), among
     those that divide ``stride`` (when given): ``block`` bytes at offset 0, into memory aligned
     to exactly ``block`` (a device of 4 KiB sectors refuses the 512-byte read)."""
@@ -272,6 +272,6 @@ def _probe_ok(path: str) -> bool:
     except OSError:
         return False
     try:
-        return _probe_block(fd) > 0
+        return probe_block(fd) > 0
     finally:
         os.close(fd)

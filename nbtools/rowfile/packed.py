@@ -1,10 +1,10 @@
 """A row file's requests, and a packed row file's reads and writes, beside :mod:`nbtools.rowfile`.
 
-:func:`_requests` turns sorted rows (or blocks) into requests over runs of neighbours, for every
+:func:`row_requests` turns sorted rows (or blocks) into requests over runs of neighbours, for every
 row file. A packed file (rows ``PACK`` bytes apart, sharing blocks; see :mod:`nbtools.rowfile`)
 is read and written in whole blocks through its :class:`~nbtools.rowfile.RowFile`'s bounce
 buffers: :func:`packed_io` for rows by id, :func:`packed_range` for a range of rows, the rows
-copied between the caller's array and the blocks by :func:`_rows_in_buffer`. The two take the
+copied between the caller's array and the blocks by :func:`rows_in_buffer`. The two take the
 file itself (its bounce-buffer I/O: :meth:`~nbtools.rowfile.RowFile.submit`, buffers and counters) and rowfile's ``BOUNCE`` and
 ``GAP`` from the caller, read there at each call (tests patch them on :mod:`nbtools.rowfile`).
 """
@@ -26,8 +26,8 @@ def _tag_values(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view("<u4")[:, 0]
 
 
-def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
-              gap: int = 0):
+def row_requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUEST,
+                 gap: int = 0):
     """Sorted row numbers -> requests over runs of consecutive rows, each at most ``limit``
     bytes: (offset in the bounce buffer, bytes, file offset), as Python lists, and each row's
     place in the bounce buffer (in rows). With ``gap``, two rows at most ``gap`` rows apart
@@ -55,8 +55,8 @@ def _requests(ids: np.ndarray, stride: int, data_offset: int, limit: int = REQUE
             (data_offset + fstart * stride).tolist(), pos)
 
 
-def _rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
-                    stride: int, write: bool) -> None:
+def rows_in_buffer(buf: np.ndarray, at: np.ndarray, rows: np.ndarray, where: np.ndarray,
+                   stride: int, write: bool) -> None:
     """Copy rows between the caller's ``rows`` and a packed file's bounce buffer (1-D bytes),
     where row ``where[i]`` starts at byte ``at[i]``: into the buffer for a write, out of it
     for a read. Rows that follow each other in the buffer at the file's stride (a log's
@@ -109,7 +109,7 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
             blocks = np.repeat(first, span) + (np.arange(int(span.sum()))
                                                - np.repeat(np.cumsum(span) - span, span))
             blocks = np.unique(blocks)
-            boff, blen, foff, pos = _requests(blocks, u, f.data_offset, gap=gap)
+            boff, blen, foff, pos = row_requests(blocks, u, f.data_offset, gap=gap)
             need = (int(pos[-1]) + 1) * u
             buf = f.at_least(buf, need)
             at = pos[np.searchsorted(blocks, first)] * u + (off - first * u)  # in buf
@@ -131,17 +131,17 @@ def packed_io(f, ids: np.ndarray, dst: np.ndarray, rows: np.ndarray, write: bool
                 else:                                  # keep the rows sharing the blocks
                     f.submit(buf, boff, blen, foff, False)
                     f.count_reads(need)
-                _rows_in_buffer(buf, at, rows, where, stride, write=True)
+                rows_in_buffer(buf, at, rows, where, stride, write=True)
                 if tags is not None:          # (the buffer seen from the rows' ends)
-                    _rows_in_buffer(buf[rb:], at, _tag_bytes(tags[a:a + per]),
+                    rows_in_buffer(buf[rb:], at, _tag_bytes(tags[a:a + per]),
                                     np.arange(len(part)), stride, write=True)
                 f.submit(buf, boff, blen, foff, True)
             else:
                 f.submit(buf, boff, blen, foff, False)
-                _rows_in_buffer(buf, at, rows, where, stride, write=False)
+                rows_in_buffer(buf, at, rows, where, stride, write=False)
                 if tags is not None:
                     got = np.empty((len(part), TAG), dtype=np.uint8)
-                    _rows_in_buffer(buf[rb:], at, got, np.arange(len(part)), stride,
+                    rows_in_buffer(buf[rb:], at, got, np.arange(len(part)), stride,
                                     write=False)
                     tags[a:a + per] = _tag_values(got)
             moved += need

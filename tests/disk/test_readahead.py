@@ -92,9 +92,9 @@ def test_deep_read_ahead_trains_as_host(tmp_path, depth, cache_rows):
 def test_every_io_engine_trains_as_host(tmp_path, monkeypatch, engine):
     """The default engine (glibc's AIO where it works) is what the test above runs; the others
     train the same bits through the same read-aheads and write-backs."""
-    from nbtools.rowfile.fileio import _kaio
-    if engine == "kaio" and not _kaio.ready():
-        pytest.skip(f"native AIO unavailable: {_kaio.why}")
+    from nbtools.rowfile.fileio import native_aio
+    if engine == "kaio" and not native_aio.ready():
+        pytest.skip(f"native AIO unavailable: {native_aio.why}")
     monkeypatch.setenv("NBTOOLS_DISK_ENGINE", engine)
     gen = torch.Generator().manual_seed(7)
     batches = _zipf_batches(9, 48, gen)

@@ -1,5 +1,5 @@
 """nbtools.rowfile.fileio's I/O engines: glibc's AIO (one GIL-free lio_listio call per batch), Linux's
-native AIO (fileio._KernelAio: one io_submit and one io_getevents per call) and Python threads. The
+native AIO (fileio.NativeAio: one io_submit and one io_getevents per call) and Python threads. The
 threads engine is the reference: every request set must read and write the same bytes through
 each."""
 import os
@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from nbtools.rowfile import fileio
-from nbtools.rowfile.fileio import RequestPool, _aio
-from nbtools.rowfile.fileio import _kaio
+from nbtools.rowfile.fileio import RequestPool, glibc_aio, native_aio
 from nbtools.rowfile import RowFile
 
-needs_aio = pytest.mark.skipif(not _aio.ready(), reason=f"glibc's AIO unavailable: {_aio.why}")
-needs_kaio = pytest.mark.skipif(not _kaio.ready(), reason=f"native AIO unavailable: {_kaio.why}")
+needs_aio = pytest.mark.skipif(not glibc_aio.ready(),
+                               reason=f"glibc's AIO unavailable: {glibc_aio.why}")
+needs_kaio = pytest.mark.skipif(not native_aio.ready(),
+                                reason=f"native AIO unavailable: {native_aio.why}")
 ASYNC = [pytest.param("aio", marks=needs_aio), pytest.param("kaio", marks=needs_kaio)]
 
 
@@ -37,7 +38,7 @@ def _random_file(tmp_path, rng, n_blocks: int):
 @pytest.mark.parametrize("k", [2, 37, 5000])   # 5,000: more than one lio_listio batch, or io_submit
 def test_async_engines_read_and_write_what_threads_do(tmp_path, engine, k, monkeypatch):
     used = []                   # the engine itself ran the requests (no silent fallback)
-    impl = {"aio": _aio, "kaio": _kaio}[engine]
+    impl = {"aio": glibc_aio, "kaio": native_aio}[engine]
     run = impl.run
     monkeypatch.setattr(impl, "run", lambda *a, **kw: used.append(1) or run(*a, **kw))
     rng = np.random.default_rng(k)
@@ -86,8 +87,9 @@ def test_a_read_past_the_end_is_an_error_not_zeros(tmp_path, engine):
 
 @needs_aio
 def test_a_forked_child_falls_back_to_threads():
-    code = ("import os, sys\nfrom nbtools.rowfile.fileio import _aio\nassert _aio.ready()\n"
-            "pid = os.fork()\nif pid == 0:\n    os._exit(0 if not _aio.ready() else 3)\n"
+    code = ("import os, sys\nfrom nbtools.rowfile.fileio import glibc_aio\n"
+            "assert glibc_aio.ready()\npid = os.fork()\n"
+            "if pid == 0:\n    os._exit(0 if not glibc_aio.ready() else 3)\n"
             "_, st = os.waitpid(pid, 0)\nsys.exit(os.waitstatus_to_exitcode(st))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
@@ -110,8 +112,8 @@ def test_rowfile_engines_agree(tmp_path):
     try:
         ids = np.unique(rng.integers(0, 3000, 900))
         rows = rng.integers(0, 256, (len(ids), 260), dtype=np.uint8)
-        engines = ["threads"] + (["aio"] if _aio.ready() else []) + \
-            (["kaio"] if _kaio.ready() else [])
+        engines = ["threads"] + (["aio"] if glibc_aio.ready() else []) + \
+            (["kaio"] if native_aio.ready() else [])
         for i, engine in enumerate(engines):
             f.engine = engine
             f.write(ids, rows if i == 0 else rows[::-1].copy())
@@ -133,10 +135,10 @@ def test_rowfile_engines_agree(tmp_path):
 def test_aio_is_used_where_it_should_work(tmp_path):
     # a broken engine would otherwise fail its self-test and fall back to threads silently;
     # an O_DIRECT file takes Linux's native AIO where it works, a buffered one glibc's
-    assert _aio.ready(), _aio.why
+    assert glibc_aio.ready(), glibc_aio.why
     forced = os.environ.get("NBTOOLS_DISK_ENGINE")
     assert fileio.default_engine(direct=False) == (forced or "aio")
-    assert fileio.default_engine() == (forced or ("kaio" if _kaio.ready() else "aio"))
+    assert fileio.default_engine() == (forced or ("kaio" if native_aio.ready() else "aio"))
     for direct in (True, False):
         f = RowFile.create(tmp_path / f"{direct}.rows", 10, 260, {"dtype": "uint8"},
                            direct=direct)
@@ -155,10 +157,10 @@ def test_native_aio_refusing_a_context_goes_on_with_another_engine(tmp_path, mon
     import errno as E
     rng = np.random.default_rng(5)
     path, data = _random_file(tmp_path, rng, 300)
-    real = _kaio._call
-    monkeypatch.setattr(_kaio, "_call", lambda nr, *a: -E.EAGAIN if nr == _kaio._setup_nr
-                        else real(nr, *a))
-    monkeypatch.setattr(_kaio._local, "ctx", None, raising=False)   # this thread: none yet
+    real = native_aio.call
+    monkeypatch.setattr(native_aio, "call", lambda name, *a: -E.EAGAIN if name == "io_setup"
+                        else real(name, *a))
+    native_aio.drop_context()                                            # this thread: none yet
     pool = RequestPool(8, 1 << 20, "test", engine="kaio")
     fd = os.open(path, os.O_RDWR)
     try:
@@ -167,7 +169,7 @@ def test_native_aio_refusing_a_context_goes_on_with_another_engine(tmp_path, mon
         with pytest.warns(RuntimeWarning, match="refused a context.*'(aio|threads)' engine"):
             pool.run(fd, buf, boff, blen, foff, write=False)
         assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
-        assert pool.engine == ("aio" if _aio.ready() else "threads")
+        assert pool.engine == ("aio" if glibc_aio.ready() else "threads")
         new = rng.integers(0, 256, 50 * 512, dtype=np.uint8)
         pool.run(fd, new, boff, blen, foff, write=True)
     finally:
@@ -190,13 +192,13 @@ class _PartialLio:
         import errno
         self.calls += 1
         ptrs = np.frombuffer((ctypes.c_uint64 * k).from_address(ptrs_addr), dtype=np.uint64)
-        size = fileio._AIOCB.itemsize
+        size = fileio.AIOCB.itemsize
         cbs = np.frombuffer((ctypes.c_char * (k * size)).from_address(int(ptrs[0])),
-                            dtype=fileio._AIOCB)
+                            dtype=fileio.AIOCB)
         for j in range(0, k, 2):
             cb = cbs[j]
             mv = memoryview((ctypes.c_char * int(cb["nbytes"])).from_address(int(cb["buf"])))
-            if cb["op"] == fileio._LIO_WRITE:
+            if cb["op"] == fileio.LIO_WRITE:
                 n = os.pwrite(int(cb["fd"]), mv, int(cb["offset"]))
             else:
                 n = os.preadv(int(cb["fd"]), [mv], int(cb["offset"]))
@@ -213,7 +215,7 @@ def test_aio_finishes_requests_glibc_could_not_queue(tmp_path, monkeypatch):
     n, k = 400, 37
     path, data = _random_file(tmp_path, rng, n)
     fake = _PartialLio()
-    monkeypatch.setattr(_aio, "_lio", fake)
+    monkeypatch.setattr(glibc_aio, "lio_listio", fake)
     suspended = []
 
     def suspend(*args):     # aio_suspend returns at once for a request glibc does not hold
@@ -221,7 +223,7 @@ def test_aio_finishes_requests_glibc_could_not_queue(tmp_path, monkeypatch):
         if len(suspended) > 100:
             raise RuntimeError("waiting for a request that was never queued")
         return 0
-    monkeypatch.setattr(_aio, "_suspend", suspend)
+    monkeypatch.setattr(glibc_aio, "aio_suspend", suspend)
     fd = os.open(path, os.O_RDWR)
     try:
         boff, blen, foff = _requests(rng, n, k)
@@ -253,9 +255,9 @@ def test_an_interrupted_aio_call_returns_only_once_its_requests_are_done(tmp_pat
 
     def lio(mode, ptrs_addr, count, sig):       # queues everything, then the call is interrupted
         ptrs = np.frombuffer((ctypes.c_uint64 * count).from_address(ptrs_addr), dtype=np.uint64)
-        size = fileio._AIOCB.itemsize
+        size = fileio.AIOCB.itemsize
         cbs = np.frombuffer((ctypes.c_char * (count * size)).from_address(int(ptrs[0])),
-                            dtype=fileio._AIOCB)
+                            dtype=fileio.AIOCB)
         cbs["error"] = errno.EINPROGRESS
 
         def io():                               # glibc's threads, a little later
@@ -270,8 +272,8 @@ def test_an_interrupted_aio_call_returns_only_once_its_requests_are_done(tmp_pat
         workers.append(t)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_aio, "_lio", lio)
-    monkeypatch.setattr(_aio, "_suspend", lambda *a: time.sleep(0.005) or 0)
+    monkeypatch.setattr(glibc_aio, "lio_listio", lio)
+    monkeypatch.setattr(glibc_aio, "aio_suspend", lambda *a: time.sleep(0.005) or 0)
     fd = os.open(path, os.O_RDONLY)
     try:
         boff, blen, foff = _requests(rng, n, k)
@@ -350,7 +352,7 @@ def test_aio_calls_at_once_share_the_pools_descriptors(tmp_path):
         for t in threads:
             t.join()
         assert not errors, errors[0]
-        assert len(pool._dups) == 8 and open_fds() == before + 8
+        assert pool.duplicates == 8 and open_fds() == before + 8
     finally:
         pool.close()
     assert open_fds() == before
@@ -395,7 +397,7 @@ def test_aio_pools_hold_no_more_duplicates_than_their_share(tmp_path, monkeypatc
     import gc
     gc.collect()                  # (other tests' pools, closed now and not in the middle)
     gc.disable()
-    monkeypatch.setitem(fileio._DUPS, "limit", fileio._DUPS["held"] + 10)
+    monkeypatch.setitem(fileio.DUPLICATES, "limit", fileio.DUPLICATES["held"] + 10)
     pools = [RequestPool(8, 0, "test", engine="aio") for _ in range(3)]
     try:
         for pool in pools:
@@ -403,10 +405,10 @@ def test_aio_pools_hold_no_more_duplicates_than_their_share(tmp_path, monkeypatc
             buf = np.zeros(k * 512, dtype=np.uint8)
             pool.run(fd, buf, boff, blen, foff, write=False)
             assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
-        assert [len(p._dups) for p in pools] == [8, 2, 0]
+        assert [p.duplicates for p in pools] == [8, 2, 0]
         pools[0].close()
         pools[2].run(fd, buf, boff, blen, foff, write=False)
-        assert len(pools[2]._dups) == 8
+        assert pools[2].duplicates == 8
     finally:
         gc.enable()
         for pool in pools:
@@ -423,30 +425,30 @@ def test_native_aio_in_parts_with_partial_submits_and_interrupted_waits(tmp_path
     rng = np.random.default_rng(11)
     n, k = 400, 97
     path, data = _random_file(tmp_path, rng, n)
-    real = _kaio._call
+    real = native_aio.call
     seen = {"submits": 0, "eintr": 0, "refused": 0}
 
-    def call(nr, *args):
-        if nr == _kaio._submit_nr:
+    def call(name, *args):
+        if name == "io_submit":
             seen["submits"] += 1
             if seen["submits"] % 7 == 0:            # now and then: the rest refused
                 seen["refused"] += 1
                 return -E.EINVAL
             ctx, count, ptrs = args
-            return real(nr, ctx, min(count, 3), ptrs)
-        if nr == _kaio._getevents_nr and seen["eintr"] < 3:
+            return real(name, ctx, min(count, 3), ptrs)
+        if name == "io_getevents" and seen["eintr"] < 3:
             seen["eintr"] += 1
             return -E.EINTR
-        return real(nr, *args)
-    monkeypatch.setattr(_kaio, "_call", call)
+        return real(name, *args)
+    monkeypatch.setattr(native_aio, "call", call)
     fd = os.open(path, os.O_RDWR)
     try:
         boff, blen, foff = _requests(rng, n, k)
         buf = np.zeros(k * 512, dtype=np.uint8)
-        _kaio.run(fd, buf, boff, blen, foff, write=False, depth=20)
+        native_aio.run(fd, buf, boff, blen, foff, write=False, depth=20)
         assert np.array_equal(buf, np.concatenate([data[o:o + 512] for o in foff]))
         new = rng.integers(0, 256, k * 512, dtype=np.uint8)
-        _kaio.run(fd, new, boff, blen, foff, write=True, depth=20)
+        native_aio.run(fd, new, boff, blen, foff, write=True, depth=20)
     finally:
         os.close(fd)
     now = np.frombuffer(path.read_bytes(), dtype=np.uint8)
@@ -459,16 +461,16 @@ def test_native_aio_failures_are_raised_by_name(tmp_path, monkeypatch):
     import errno as E
     path = tmp_path / "f"
     path.write_bytes(bytes(8192))
-    real = _kaio._call
+    real = native_aio.call
 
-    def call(nr, *args):                           # io_setup refused (fs.aio-max-nr reached)
-        return -E.EAGAIN if nr == _kaio._setup_nr else real(nr, *args)
-    monkeypatch.setattr(_kaio, "_call", call)
-    _kaio._local.__dict__.pop("ctx", None)         # this thread's context: made anew
+    def call(name, *args):                         # io_setup refused (fs.aio-max-nr reached)
+        return -E.EAGAIN if name == "io_setup" else real(name, *args)
+    monkeypatch.setattr(native_aio, "call", call)
+    native_aio.drop_context()                           # this thread's context: made anew
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="io_setup.*aio-max-nr"):
-            _kaio.run(fd, np.zeros(8192, dtype=np.uint8), [0, 4096], [4096, 4096], [0, 4096],
+            native_aio.run(fd, np.zeros(8192, dtype=np.uint8), [0, 4096], [4096, 4096], [0, 4096],
                       write=False)
     finally:
         os.close(fd)
@@ -477,14 +479,13 @@ def test_native_aio_failures_are_raised_by_name(tmp_path, monkeypatch):
 def test_turns_go_in_the_order_asked_and_one_who_leaves_holds_no_one_up():
     import threading
     import time
-    turns = fileio.Turns()
-    real_wait = turns._cond.wait
 
-    def wait(*a):                       # the thread named "leaver" is interrupted as it waits
-        if threading.current_thread().name == "leaver":
-            raise KeyboardInterrupt
-        return real_wait(*a)
-    turns._cond.wait = wait
+    class Condition(threading.Condition):
+        def wait(self, *a):             # the thread named "leaver" is interrupted as it waits
+            if threading.current_thread().name == "leaver":
+                raise KeyboardInterrupt
+            return super().wait(*a)
+    turns = fileio.Turns(Condition())
     order = []
 
     def take(name):
@@ -501,7 +502,7 @@ def test_turns_go_in_the_order_asked_and_one_who_leaves_holds_no_one_up():
         th.start()
         threads.append(th)
         deadline = time.monotonic() + 5
-        while turns._next < len(threads) + 1 and time.monotonic() < deadline:
+        while turns.asked < len(threads) + 1 and time.monotonic() < deadline:
             time.sleep(0.001)           # its ticket taken before the next one asks
     first.__exit__(None, None, None)
     for th in threads:
@@ -514,16 +515,16 @@ def test_native_aio_keeps_a_context_per_thread(tmp_path, monkeypatch):
     """io_destroy waits for an RCU grace period (milliseconds): a thread's calls share one
     context instead of making one each."""
     path, data = _random_file(tmp_path, np.random.default_rng(5), 64)
-    real = _kaio._call
+    real = native_aio.call
     setups = []
-    monkeypatch.setattr(_kaio, "_call", lambda nr, *a: (
-        setups.append(1) if nr == _kaio._setup_nr else None) or real(nr, *a))
-    _kaio._local.__dict__.pop("ctx", None)
+    monkeypatch.setattr(native_aio, "call", lambda name, *a: (
+        setups.append(1) if name == "io_setup" else None) or real(name, *a))
+    native_aio.drop_context()
     fd = os.open(path, os.O_RDONLY)
     try:
         for _ in range(5):
             buf = np.zeros(2 * 512, dtype=np.uint8)
-            _kaio.run(fd, buf, [0, 512], [512, 512], [512, 4096], write=False)
+            native_aio.run(fd, buf, [0, 512], [512, 512], [512, 4096], write=False)
             assert np.array_equal(buf, np.concatenate([data[512:1024], data[4096:4608]]))
     finally:
         os.close(fd)
@@ -536,8 +537,8 @@ def test_native_aio_that_the_kernel_refuses_is_not_used():
     not used, rather than finishing every request one by one the plain way."""
     import errno as E
 
-    class Refusing(fileio._KernelAio):
-        def _call(self, nr, *args):
-            return -E.ENOSYS if nr == self._submit_nr else super()._call(nr, *args)
+    class Refusing(fileio.NativeAio):
+        def call(self, name, *args):
+            return -E.ENOSYS if name == "io_submit" else super().call(name, *args)
     k = Refusing()
     assert not k.ready() and "did not take" in k.why

@@ -101,7 +101,7 @@ def test_slots_and_unaligned_buffers(tmp_path):
 
 def test_requests_merge_neighbours_and_cut_long_runs():
     ids = np.array([0, 1, 2, 5, 7, 8, 9, 10, 11])
-    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 4096, limit=3 * 512)
+    boff, blen, foff, pos = rowfile_packed.row_requests(ids, 512, 4096, limit=3 * 512)
     assert foff == [4096 + 512 * i for i in (0, 5, 7, 10)]
     assert blen == [3 * 512, 512, 3 * 512, 2 * 512]
     assert boff == [0, 3 * 512, 4 * 512, 7 * 512]
@@ -112,12 +112,12 @@ def test_reads_take_the_rows_between_near_ones():
     """A gap of up to ``gap`` rows joins two runs (the rows between read and dropped): one
     request instead of two; each asked row's place in the buffer follows the skipped ones."""
     ids = np.array([0, 3, 4, 20, 22, 40])
-    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 0, gap=2)
+    boff, blen, foff, pos = rowfile_packed.row_requests(ids, 512, 0, gap=2)
     assert foff == [0, 20 * 512, 40 * 512]
     assert blen == [5 * 512, 3 * 512, 512]
     assert boff == [0, 5 * 512, 8 * 512]
     assert pos.tolist() == [0, 3, 4, 5, 7, 8]
-    boff, blen, foff, pos = rowfile_packed._requests(ids, 512, 0, limit=2 * 512, gap=2)
+    boff, blen, foff, pos = rowfile_packed.row_requests(ids, 512, 0, limit=2 * 512, gap=2)
     assert foff == [0, 2 * 512, 4 * 512, 20 * 512, 22 * 512, 40 * 512]
     assert blen == [2 * 512, 2 * 512, 512, 2 * 512, 512, 512]
     assert pos.tolist() == [0, 3, 4, 5, 7, 8]
@@ -160,7 +160,7 @@ def test_buffered_cache_stays_small(tmp_path):
         f.read(np.arange(0, 2000, 3), np.zeros((667, 512), dtype=np.uint8))
         f.drop_cache()
         f.flush()
-        assert f._unsynced == 0
+        assert f.unsynced_bytes == 0
 
 
 def test_errors_name_the_file(tmp_path):
@@ -251,7 +251,7 @@ def test_folders(tmp_path, monkeypatch):
 
 
 def test_direct_true_refused_says_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(rowfilefmt, "_probe_block", lambda fd, stride=0: 0)
+    monkeypatch.setattr(rowfilefmt, "probe_block", lambda fd, stride=0: 0)
     with pytest.raises(OSError, match="O_DIRECT.*direct='auto' or direct=False"):
         RowFile.create(tmp_path / "t.rows", 10, 8, direct=True)
     assert os.listdir(tmp_path) == []
@@ -395,7 +395,7 @@ def test_rows_in_buffer_matches_a_byte_by_byte_copy(rb, stride, runs):
     """A packed file's rows in and out of a bounce buffer, scattered over whole blocks (each
     row at its file offset within its block) or in runs at the file's stride, against a
     copy made one row slice at a time."""
-    from nbtools.rowfile.packed import _rows_in_buffer
+    from nbtools.rowfile.packed import rows_in_buffer
     rng = np.random.default_rng(rb)
     n, block = 300, 4096
     ids = np.arange(50, 50 + n) if runs else np.sort(rng.choice(10 ** 6, n, replace=False))
@@ -407,10 +407,10 @@ def test_rows_in_buffer_matches_a_byte_by_byte_copy(rb, stride, runs):
     where = rng.permutation(n)
     got = np.zeros((len(blocks) + 1) * block, np.uint8)
     want = got.copy()
-    _rows_in_buffer(got, at, rows, where, stride, write=True)
+    rows_in_buffer(got, at, rows, where, stride, write=True)
     for i in range(n):
         want[at[i]:at[i] + rb] = rows[where[i]]
     assert np.array_equal(got, want)
     back = np.zeros_like(rows)
-    _rows_in_buffer(got, at, back, where, stride, write=False)
+    rows_in_buffer(got, at, back, where, stride, write=False)
     assert np.array_equal(back, rows)
