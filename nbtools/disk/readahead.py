@@ -245,16 +245,16 @@ class ReadAhead:
         that bring in one of them. (Those of them still queued for write-back are copied from
         the write's rows, :meth:`fill`: a lookup never waits for a write-back.)"""
         self.settle_done()
-        for item in self._loads_of(ids):
+        for item in self.loads_of(ids):
             self._settle(item)
 
     def pending_for(self, ids: np.ndarray) -> list:
         """Under the lock: the loads' futures a lookup of ``ids`` (sorted, unique) would wait
         for, for the lookup to wait for *outside* the lock: a coming step's read-ahead then
         starts its reads meanwhile, instead of queueing for the lock behind this wait."""
-        return [a.io for a in self._loads_of(ids) if not a.io.done()]
+        return [a.io for a in self.loads_of(ids) if not a.io.done()]
 
-    def _loads_of(self, ids: np.ndarray) -> list:
+    def loads_of(self, ids: np.ndarray) -> list:
         """Under the lock: the loads in flight that bring in one of ``ids``. (Quick: the
         lock is held meanwhile, and a step's lookup asks with ~20K ids against up to
         DEPTH loads of ~2K rows each: only the ids' loading slots are looked for, each in

@@ -385,7 +385,7 @@ def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
 def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
     """With several read-aheads' loads in flight, the loads a lookup must wait for are those
     that bring in one of its rows, no more and no fewer (the quick search under the lock:
-    ReadAhead._loads_of, against a plain check of every load's rows)."""
+    ReadAhead.loads_of, against a plain check of every load's rows)."""
     d = DiskRows(str(tmp_path), 64, 2, torch.float32, cache_rows=48, device="cpu")
     d.write_rows(np.arange(64), torch.arange(128.).view(64, 2))
     d.resolve(np.arange(56, 60), False)             # rows in RAM, loaded by nobody
@@ -415,7 +415,7 @@ def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
         asks += [np.unique(rng.integers(0, 64, k)) for k in (1, 5, 20, 40)]
         for ids in asks:
             with d.slots_lock:
-                got = ra._loads_of(ids)
+                got = ra.loads_of(ids)
                 want = [a for a in ra.loads if np.isin(a.rows, ids).any()]
             assert [id(a) for a in got] == [id(a) for a in want], ids
     finally:
