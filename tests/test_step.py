@@ -443,7 +443,7 @@ def test_cuda_graph_lookups_train_like_eager_ones(placement, lookups):
             rows = torch.cat([table(part.cuda()) for part in ids])
             loss_of(rows, tgt.cuda()).backward()
             opt.step()
-        captured = sum(len(c) for c in table.lookup_graphs._graphs.values())
+        captured = table.lookup_graphs.captured
         assert captured == (min(lookups, 2) if graphs else 0)
         got.append((table.weight.cpu(), opt.table_state("t")["exp_avg_sq"].cpu()))
     for a, b in zip(*got):
@@ -644,7 +644,7 @@ def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
             out = table(ids.to(device))
         (out.float() - 0.3).square().sum().backward()
         opt.step()
-        wrote_behind += table.rows._back is not None
+        wrote_behind += table.rows.write_back_queued
         with torch.no_grad():   # an evaluation lookup right after the step
             seen.append(table(ids[:5].to(device)).float().cpu())
         if t == 7:              # read and written through .weight mid-training
@@ -696,7 +696,7 @@ def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs)
             opt.zero_grad()
             table(ids.to(device)).sin().sum().backward()
             opt.step()
-            assert (table.rows._back is not None) == (switching and t % 3 != 2)
+            assert table.rows.write_back_queued == (switching and t % 3 != 2)
         opt.synchronize()
         out.append(tables_of(opt))
     assert_tables_equal(*out)
@@ -715,7 +715,7 @@ def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_wr
     opt, ref = fused_opt(model, device), fused_opt(twin, device, checks="every_step")
     for m, o in ((model, opt), (twin, ref)):
         train_step(m, o, device, [1, 2, 3], [4, 5, 4])
-    assert model.items.rows._back is not None
+    assert model.items.rows.write_back_queued
     before = tables_of(ref)
     if fault == "id":
         train_step(model, opt, device, [1, 2], [3, 25])
@@ -755,7 +755,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_ba
             opt.zero_grad()
             table(ids.cuda()).square().sum().backward()
             opt.step()
-        assert (table.rows._back is not None) == behind
+        assert table.rows.write_back_queued == behind
         opt.synchronize()
         out.append((table.weight.clone(), opt.table_state(table)["exp_avg_sq"].clone()))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
@@ -771,7 +771,7 @@ def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
         opt = OffloadOptimizer(O.Adam, [table], lr=0.01)
         table(torch.randint(0, 20_000, (n,), device="cuda")).sum().backward()
         opt.step()
-        return table.rows._back is not None
+        return table.rows.write_back_queued
     big = 8 * 2 ** 20 // (64 * 3 * 4) + 1           # ids whose rows take just over 8 MiB
     assert behind_after_a_step(big, placement="host")
     assert not behind_after_a_step(big - 2, placement="host")
@@ -869,12 +869,14 @@ def test_word_vectors_of_gpu_placed_tables():
 
 def test_copies_of_a_table_start_without_captured_graphs():
     table = OffloadedEmbedding(10, 2, device="cpu")
-    table.lookup_graphs._graphs[("fake",)] = [object()]       # stands for a capture (CUDA only)
-    table.lookup_graphs._seen[("fake",)] = 3
+    graphs = table.lookup_graphs
+    for size in (3, 4):             # two batch sizes counted towards a capture (CUDA only)
+        assert graphs.run(table.rows, torch.arange(size), None, None) is None
+    assert graphs.shapes_seen == 2
     for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
-        assert clone.lookup_graphs._graphs == {} and clone.lookup_graphs._seen == {}
+        assert clone.lookup_graphs.shapes_seen == 0 and clone.lookup_graphs.captured == 0
         assert clone.lookup_graphs.copies == table.lookup_graphs.copies
-    assert table.lookup_graphs._graphs                           # the original keeps its own
+    assert graphs.shapes_seen == 2                               # the original keeps its own
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -888,6 +890,6 @@ def test_tables_grown_past_256_mib_copy_and_pickle(device):
         for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table))):
             assert torch.equal(clone.weight.cpu(), table.weight.cpu())
             assert clone.pinned == table.pinned
-            assert clone.rows.host is clone._host
+            assert clone.rows.host is clone.storage
             assert clone.weight.data_ptr() != table.weight.data_ptr()
         del opt, table

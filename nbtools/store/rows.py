@@ -400,6 +400,12 @@ class RowStore:
         return back is not None and back.event is not None and stream != back.stream and \
             any(c is cap for c in back.captures)
 
+    @property
+    def write_back_queued(self) -> bool:
+        """Whether the last update wrote behind (its write-back queued on a stream) and no
+        :meth:`settle` has ordered the current stream after it yet."""
+        return self._back is not None
+
     def writing(self, ids: torch.Tensor) -> bool:
         """Whether the last write-back queued is of the rows ``ids`` (that very tensor)."""
         return self._back is not None and self._back.ids is ids
@@ -706,6 +712,17 @@ class LookupGraphs:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
+
+    @property
+    def captured(self) -> int:
+        """How many captures the table holds now, over every batch size."""
+        return sum(len(caps) for caps in self._graphs.values())
+
+    @property
+    def shapes_seen(self) -> int:
+        """How many lookup shapes (batch size, width) were counted since the last
+        :meth:`invalidate`, captured or not yet seen ``after`` times."""
+        return len(self._seen)
 
     def invalidate(self) -> None:
         """Forget every capture (the table's memory moved)."""
