@@ -160,7 +160,7 @@ def test_native_aio_refusing_a_context_goes_on_with_another_engine(tmp_path, mon
     real = native_aio.call
     monkeypatch.setattr(native_aio, "call", lambda name, *a: -E.EAGAIN if name == "io_setup"
                         else real(name, *a))
-    native_aio.drop_context()                                            # this thread: none yet
+    native_aio.drop_context()                # this thread: none yet
     pool = RequestPool(8, 1 << 20, "test", engine="kaio")
     fd = os.open(path, os.O_RDWR)
     try:
