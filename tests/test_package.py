@@ -8,7 +8,7 @@ import nbtools
 
 
 @pytest.mark.parametrize("name, module", [
-    ("OffloadConfig", "nbtools.optim.config"), ("NonFiniteGradientError", "nbtools.optim"),
+    ("OffloadConfig", "nbtools.optim.config"), ("NonFiniteGradientError", "nbtools.engine.stepper"),
     ("UnsupportedOptimizerError", "nbtools.optim"), ("HostMemoryError", "nbtools.placement"),
     ("PinningError", "nbtools.hostmem"), ("describe", "nbtools.env"),
     ("CheckpointManager", "nbtools.checkpoint.manager"),

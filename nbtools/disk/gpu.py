@@ -40,27 +40,59 @@ import torch
 
 from .. import kernels
 from ..devices import hold_host, release_host, synchronize
-from ..hostmem import count_cache, count_transfer
+from ..engine import streams
+from ..hostmem import HostTensor, count_cache, count_transfer
 from .slots import clock_sweep, take_free
 
 
 BATCH_DOWN = 16384
 
 
-def copy_rows(src: torch.Tensor, sidx: np.ndarray, dst: torch.Tensor, didx: np.ndarray) -> None:
-    """``dst[didx] = src[sidx]`` (whole rows; host index arrays), queued on the current stream
-    where the kernels run (``src``/``dst``: GPU tensors or zero-copy views of host memory)."""
-    if not len(sidx):
-        return
-    device = dst.device if dst.is_cuda else src.device
-    both = torch.from_numpy(np.stack((sidx, didx)).astype(np.int64, copy=False))
-    if device.type == "cuda":              # one pinned copy of both index lists
-        both = both.pin_memory().to(device, non_blocking=True)
-    s, d = both[0], both[1]
-    if kernels.usable_on(device) and src.stride(1) == 1 and dst.stride(1) == 1:
-        kernels.copy_rows(src, s, dst, d)
-    else:
-        dst.index_copy_(0, d.to(dst.device), src.index_select(0, s.to(src.device)).to(dst.device))
+class IndexLists:
+    """The index lists of the level's row copies, handed to the copy kernel where it reads
+    them in place: pinned host memory in a few turns, each reused once the copy that read it
+    has run (an event). A list copied to the device per call cost the host ~1 ms a lookup
+    (a pinned allocation, a copy and its launch) on a step that is host-bound."""
+
+    TURNS = 4
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bufs = [None] * self.TURNS
+        self.events = [None] * self.TURNS
+        self.turn = 0
+
+    def copy(self, src: torch.Tensor, sidx: np.ndarray, dst: torch.Tensor,
+             didx: np.ndarray) -> None:
+        """``dst[didx] = src[sidx]`` (whole rows; host index arrays), queued on the current
+        stream where the kernels run (``src``/``dst``: GPU tensors or zero-copy views of host
+        memory)."""
+        n = len(sidx)
+        if not n:
+            return
+        if self.device.type != "cuda" or not kernels.usable_on(self.device) or \
+                src.stride(1) != 1 or dst.stride(1) != 1:
+            s = torch.from_numpy(np.asarray(sidx, dtype=np.int64)).to(src.device)
+            d = torch.from_numpy(np.asarray(didx, dtype=np.int64)).to(dst.device)
+            dst.index_copy_(0, d, src.index_select(0, s).to(dst.device))
+            return
+        i = self.turn
+        self.turn = (i + 1) % self.TURNS
+        if self.events[i] is not None:
+            self.events[i].synchronize()      # (long done: TURNS copies ago)
+        buf = self.bufs[i]
+        if buf is None or buf.tensor.shape[1] < n:
+            if buf is not None:
+                buf.close()
+            buf = self.bufs[i] = HostTensor((2, max(n, 1 << 14)), torch.int64,
+                                            name="GPU cache index lists", device=self.device)
+            self.events[i] = torch.cuda.Event()
+        host = buf.tensor.numpy()
+        host[0, :n] = sidx
+        host[1, :n] = didx
+        both = buf.view()
+        kernels.copy_rows(src, both[0, :n], dst, both[1, :n])
+        streams.record(self.events[i], self.device)
 
 
 class GpuLevel:
@@ -100,6 +132,7 @@ class GpuLevel:
         # unique rows looked up in training, found in the GPU, copied up, copied down
         self.counts = {"lookups": 0, "hits": 0, "admitted": 0, "evicted": 0}
         self.stats = None      # (a RowCache's device counters: this level counts on the host)
+        self.index_lists = IndexLists(self.device)
 
     # --- what the row store asks of a cache of hot rows ----------------------------------
     @property
@@ -165,9 +198,12 @@ class GpuLevel:
                 self.slot_of[up] = new
                 self.id_of[new] = up
                 self._lock(new)
-                copy_rows(d.slab.view(), from_slots, self.rows, new)
-                # stale from now on: reclaimed first (once the copy has run), never read
-                d.dirty[from_slots] = d.ref[from_slots] = d.locked[from_slots] = False
+                self.index_lists.copy(d.slab.view(), from_slots, self.rows, new)
+                # stale from now on: reclaimed first (once the copy has run), never read.
+                # They stay locked until the step is queued: the step's list of slots holds
+                # them and unlocks them then (unlocked now, CLOCK could hand one to a
+                # read-ahead's row, whose slot the step would unlock while it loads)
+                d.dirty[from_slots] = d.ref[from_slots] = False
                 d.mark_used(from_slots)
                 self.counts["admitted"] += k
                 out[rest[:k]] = self.num_ids + new
@@ -222,7 +258,7 @@ class GpuLevel:
         d.id_of[ram] = ids
         for flag, value in (("dirty", True), ("ref", True), ("ahead", False)):
             getattr(d, flag)[ram] = value
-        copy_rows(self.rows, slots, d.slab.view(), ram)
+        self.index_lists.copy(self.rows, slots, d.slab.view(), ram)
         d.mark_used(ram)
         count_transfer(d2h=len(slots) * d.row_bytes)
         self.slot_of[ids] = -1
