@@ -208,11 +208,12 @@ def _same_params(nodeid: str) -> str:
 
 # Tests that share a pytest-xdist worker, by file: a group's tests run on one worker, one after
 # another. The multi-process tests each pick a free port and start several processes, so they
-# run one after another rather than beside each other.
+# run one after another rather than beside each other; the notebooks share a Jupyter kernel.
 GROUPS = {"test_distributed.py": lambda nodeid: "processes",
           "test_data_parallel.py": lambda nodeid: "processes",
           "test_train_distributed.py": lambda nodeid: "processes",
-          "test_determinism.py": _same_params}
+          "test_determinism.py": _same_params,
+          "test_notebooks.py": lambda nodeid: "notebooks"}
 
 
 def group_of(nodeid: str) -> str:

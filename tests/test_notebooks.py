@@ -10,26 +10,90 @@ nbformat = pytest.importorskip("nbformat")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
+# Notebooks after which their kernel runs the next one: they set nothing process-wide (the
+# disk notebook sets a host budget, so its kernel ends with it).
+REUSE_AFTER = {"word2vec", "recommender"}
+# Between two notebooks in one kernel: the names, figures and objects of the one before gone.
+RESET = ("%reset -f\n"
+         "import gc, sys\n"
+         "if 'matplotlib.pyplot' in sys.modules: sys.modules['matplotlib.pyplot'].close('all')\n"
+         "gc.collect()")
 
-def _execute(name: str, drive: Path):
-    """Run ``notebooks/{name}.ipynb`` with cwd = notebooks/; return the executed notebook."""
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    # smoke runs must start fresh: a checkpoint left by an earlier run would skip training
-    run_dir = NOTEBOOKS / "runs" / f"{name}-smoke"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    env = {**os.environ, "NBTOOLS_DRIVE_DIR": str(drive), "MPLBACKEND": "Agg"}
-    # as a user's machine runs it: the fused kernels in Triton's interpreter are the kernel
-    # tests' (tests/conftest.py sets TRITON_INTERPRET on a CPU), not the notebooks' (10x slower)
-    env.pop("TRITON_INTERPRET", None)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
-    try:
-        client.execute(env=env)     # keyword arguments go to the kernel manager
-    finally:
+
+class Kernel:
+    """The Jupyter kernel the notebook tests of a process share, one notebook after another
+    (they are one pytest-xdist group, tests/conftest.py): starting a kernel and importing
+    torch, nbtools and matplotlib in it was ~5 s of each notebook's run. Every notebook still
+    runs whole, from its first cell, after a ``%reset -f`` of the one before; a kernel that
+    died, or that ran a notebook not in REUSE_AFTER, is replaced by a new one."""
+
+    def __init__(self, drive: Path):
+        # the notebooks' "Google Drive": each writes under nbtools/<its name>-smoke there
+        self.drive = drive
+        self.env = {**os.environ, "NBTOOLS_DRIVE_DIR": str(drive), "MPLBACKEND": "Agg"}
+        # as a user's machine runs them: the fused kernels in Triton's interpreter are the kernel
+        # tests' (tests/conftest.py sets TRITON_INTERPRET on a CPU), not the notebooks' (10x
+        # slower)
+        self.env.pop("TRITON_INTERPRET", None)
+        self.km = None
+
+    def _client(self, nb):
+        return nbclient.NotebookClient(nb, km=self.km, kernel_name="python3", timeout=300,
+                                       resources={"metadata": {"path": str(NOTEBOOKS)}})
+
+    def _run(self, nb) -> None:
+        client = self._client(nb)
+        try:
+            client.execute(env=self.env)    # starts the kernel (cwd = notebooks/) if not yet
+        finally:
+            if client.kc is not None:
+                client.kc.stop_channels()
+
+    def execute(self, name: str):
+        """Run ``notebooks/{name}.ipynb`` with cwd = notebooks/; return the executed notebook."""
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        if self.km is not None and not _sync(self.km.is_alive)():
+            self.shutdown()
+        if self.km is None:
+            self.km = self._client(nb).create_kernel_manager()
+        else:
+            self._run(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(RESET)]))
+        # smoke runs must start fresh: a checkpoint left by an earlier run would skip training
+        run_dir = NOTEBOOKS / "runs" / f"{name}-smoke"
         shutil.rmtree(run_dir, ignore_errors=True)
-        if run_dir.parent.is_dir() and not any(run_dir.parent.iterdir()):
-            run_dir.parent.rmdir()
-    return nb
+        try:
+            self._run(nb)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if run_dir.parent.is_dir() and not any(run_dir.parent.iterdir()):
+                run_dir.parent.rmdir()
+            if name not in REUSE_AFTER:
+                self.shutdown()
+        return nb
+
+    def shutdown(self) -> None:
+        if self.km is None:
+            return
+        km, self.km = self.km, None
+        if _sync(km.is_alive)():
+            _sync(km.shutdown_kernel)(now=True)
+        _sync(km.cleanup_resources)()
+
+
+def _sync(method):
+    """A kernel manager's method, called as a plain function (nbclient's managers are async)."""
+    from jupyter_core.utils import ensure_async, run_sync
+
+    async def call(*args, **kwargs):
+        return await ensure_async(method(*args, **kwargs))
+    return run_sync(call)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    shared = Kernel(tmp_path_factory.mktemp("drive"))
+    yield shared
+    shared.shutdown()
 
 
 def _outputs(nb) -> str:
@@ -69,19 +133,20 @@ def test_notebook_is_committed_clean(name):
 
 
 @pytest.mark.slow
-def test_word2vec_notebook_runs(tmp_path):
-    nb = _execute("word2vec", tmp_path)
+def test_word2vec_notebook_runs(kernel):
+    nb = kernel.execute("word2vec")
     out = _outputs(nb)
     assert "pairs" in out and "is to" in out
     # quality on the bundled made-up sets, offline: three scores with their coverage
     scores = out.split("nbtools (this run):")[1].splitlines()[0]
     assert all(k in scores for k in ("WS353", "SimLex", "analogy", "coverage")), scores
-    assert any((tmp_path / "nbtools" / "word2vec-smoke").glob("step-*")), "no checkpoint on 'Drive'"
+    assert any((kernel.drive / "nbtools" / "word2vec-smoke").glob("step-*")), \
+        "no checkpoint on 'Drive'"
 
 
 @pytest.mark.slow
-def test_recommender_notebook_runs(tmp_path):
-    nb = _execute("recommender", tmp_path)
+def test_recommender_notebook_runs(kernel):
+    nb = kernel.execute("recommender")
     out = _outputs(nb)
     rmse, baseline = (float(x) for x in
                       out.split("test RMSE ")[1].split(")")[0].replace("(predicting the mean:", "")
@@ -91,15 +156,15 @@ def test_recommender_notebook_runs(tmp_path):
     hr = {name: float(out.split(f"\n{name}")[1].split("HR@10 ")[1].split()[0])
           for name in ("nbtools MF", "popularity")}
     assert hr["nbtools MF"] > hr["popularity"] + 0.05, hr
-    assert any((tmp_path / "nbtools" / "recommender-smoke").glob("step-*"))
+    assert any((kernel.drive / "nbtools" / "recommender-smoke").glob("step-*"))
 
 
 @pytest.mark.slow
-def test_disk_notebook_runs(tmp_path):
+def test_disk_notebook_runs(kernel):
     """The smoke run sizes a table 5x its 4 MiB host budget, which placement="auto" puts on
     disk; it trains (loss down, accuracy and the planted topics up from chance) and nbtools
     stays within the budget, the table's file out of the page cache."""
-    nb = _execute("disk", tmp_path)
+    nb = kernel.execute("disk")
     out = _outputs(nb)
     assert "= 5.0x the host budget (4.0 MiB)" in out, out
     assert "placement='auto' -> disk" in out and "placement: disk" in out, out
