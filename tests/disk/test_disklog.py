@@ -155,7 +155,7 @@ def test_reads_beside_writes_and_cleaning(tmp_path, monkeypatch, cleaner, tags):
     for t in threads:
         t.start()
     try:
-        for _ in range(100):
+        for _ in range(40):                       # ~2,000 reads, ~2,000 rows cleaned
             ids = np.sort(gen.choice(moving, 30, replace=False))
             log.write(ids, _rows(gen, 30))
     finally:
