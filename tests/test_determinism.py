@@ -57,9 +57,10 @@ ROWS_A, ROWS_B, DIM = 300, 200, 8
 def sizes(device: str) -> tuple[int, int]:
     """(ids per lookup, steps): small on the CPU; on CUDA the issue's 60 steps, with batches
     whose hottest Zipf ids repeat across many segment_sum chunks. On the CPU (Triton's
-    interpreter: a cache or write-behind step ~0.05-0.1 s) 16 steps: a cache of 64 rows has
-    evicted ~80 rows of each table before the resume at step 8 and ~25 more after it."""
-    return (4096, 60) if device == "cuda" else (256, 16)
+    interpreter: a cache or write-behind step ~0.05-0.1 s) 10 steps of 128 ids: a cache of 64
+    rows has evicted ~40-50 rows of each table before the resume at step 5 and ~15-25 more
+    after it."""
+    return (4096, 60) if device == "cuda" else (128, 10)
 
 
 def draw(n: int, rows: int, zipf: bool, gen: torch.Generator) -> torch.Tensor:
