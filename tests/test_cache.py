@@ -98,7 +98,7 @@ def assert_same(a: dict, b: dict):
 
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=OPT_IDS)
 def test_cache_equals_no_cache_for_every_optimizer(device, cls, kw):
-    batches = stream("zipf", 6)
+    batches = stream("zipf", 4)              # the 32-row cache hits and evicts from step 2 on
     ref = final_state(*train(device, cls, kw, batches))
     table, opt = train(device, cls, kw, batches, cache_rows=32)
     stats = table.cache_stats()
@@ -201,8 +201,9 @@ def test_admission_follows_the_reference_policy(capacity, n, draws, use_kernels)
     the policy spelled out row by row (ReferenceLFU), on Zipf-like and uniform ids, for the
     torch code and the Triton kernels: one-way sets (8 and 40 of them), then 64 sets of 3 and
     of 5 ways (not powers of two), the last with lookups of over 1,024 distinct ids (more than
-    one program of the kernels' first pass). 14 steps: every case evicts in most of them (the
-    Triton interpreter runs one program per set and step, so each step costs)."""
+    one program of the kernels' first pass). 10 steps: every case evicts in 4 to 9 of them
+    once its sets have filled (the Triton interpreter runs one program per set and step, so
+    each step costs)."""
     gen = torch.Generator().manual_seed(capacity)
     host = torch.randn(n, 3, generator=gen)
     truth = host.clone()
@@ -210,7 +211,7 @@ def test_admission_follows_the_reference_policy(capacity, n, draws, use_kernels)
     cache.use_kernels = use_kernels
     ref = ReferenceLFU(n, cache.sets, cache.ways)
     evicting, widest = 0, 0
-    for step in range(14):
+    for step in range(10):
         draw = ((torch.rand(draws, generator=gen) ** 3 * n).long() if step % 2
                 else torch.randint(0, n, (60,), generator=gen))
         ids = torch.unique(draw)
@@ -234,7 +235,7 @@ def test_admission_follows_the_reference_policy(capacity, n, draws, use_kernels)
         assert cache.stats.tolist() == ref.stats
         cache.rows[held >= 0] += 1                 # an update of the cached rows
         truth[held[held >= 0]] += 1
-    assert evicting >= 8 and (widest > 1024) == (n == 3000), (evicting, widest)  # all was tested
+    assert evicting >= 4 and (widest > 1024) == (n == 3000), (evicting, widest)  # all was tested
 
 
 def test_warm_cache_loads_the_most_frequent_rows_and_stays_exact(device):
@@ -394,7 +395,7 @@ def train_prefetch(device, cls, kw, batches, prefetch, cache_bytes=None, write_a
                          ids=["Adam", "RMSprop"])
 @pytest.mark.parametrize("cache", [None, 16, N], ids=["nocache", "cache16", "cacheall"])
 def test_prefetch_is_bit_identical_to_no_prefetch(device, kind, cls, kw, cache):
-    batches = unique_batches(kind, 8)
+    batches = unique_batches(kind, 5)
     cb = None if cache is None else cache_for(cache, 2)
     ref = train_prefetch(device, cls, kw, batches, False, cb)
     got = train_prefetch(device, cls, kw, batches, True, cb)
@@ -413,7 +414,7 @@ def test_prefetch_beside_the_steps_update_is_bit_identical(device, waits, host_i
     whose update writes the rows the gather reads in place."""
     from nbtools.engine.prefetch import Prefetcher
     monkeypatch.setattr(Prefetcher, "UPDATE_WAITS", waits)
-    batches = unique_batches("overlap", 8)
+    batches = unique_batches("overlap", 5)
     ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False)
     runs = [dict(write_behind=False), dict(write_behind=True)]
     if device.type == "cuda":
@@ -512,7 +513,7 @@ def test_lookups_beside_untaken_prefetches_patch_from_the_rows_written(device, p
 def test_prefetch_of_host_ids_is_bit_identical_to_no_prefetch(device, cache):
     """Ids handed over as host tensors: the prefetch copies and deduplicates them beside the
     last step's update, and the lookup of the same tensor takes that copy."""
-    batches = unique_batches("overlap", 8)
+    batches = unique_batches("overlap", 5)
     cb = None if cache is None else cache_for(cache, 2)
     ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False, cb)
     got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, True, cb, host_ids=True)
@@ -526,7 +527,7 @@ def test_prefetch_with_write_behind_is_bit_identical_to_writing_through(device, 
     """A prefetch's gather waits for the write-backs still on their way (here held ~5 ms
     each); the rows the step after it writes are taken from that step's GPU copy when the
     prefetch is taken."""
-    batches = unique_batches("overlap", 8)
+    batches = unique_batches("overlap", 5)
     ref = train_prefetch(device, O.Adam, dict(lr=0.05), batches, False, write_behind=False)
     for prefetch in (False, True):
         got = train_prefetch(device, O.Adam, dict(lr=0.05), batches, prefetch,
