@@ -196,7 +196,8 @@ def pytest_configure(config):
 # (xdist hands out the groups of several tests (GROUPS) first, the largest first, then the
 # other tests in this order.)
 FIRST = {"test_dashboard_browser.py": 0, "test_notebooks.py": 1, "test_distributed.py": 2,
-         "test_cache.py": 3, "test_step.py": 4}
+         "test_checkpoint_disk.py": 3, "test_checkpoint_faults.py": 4, "test_package.py": 5,
+         "test_cache.py": 6, "test_step.py": 7}
 
 
 def _same_params(nodeid: str) -> str:
