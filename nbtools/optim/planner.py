@@ -41,6 +41,11 @@ class Plan:
     disk_row_bytes: int | None = None    # a row as a disk table holds it (RAM rows are padded
                                          # to 32-byte sectors: nbtools.store.layout.row_padding)
     pad_bytes: int = 0         # of host_bytes: that padding (in state_bytes' place before)
+    # a disk table's levels under placement="auto": rows its RAM cache holds by default
+    # (host_cache_bytes), and rows its GPU cache holds (gpu_fraction of the free GPU memory;
+    # None without CUDA). The levels hold different rows.
+    ram_cache_rows: int | None = None
+    gpu_cache_rows: int | None = None
 
     def _disk_file(self) -> str:
         """The file a disk table of this plan makes: a log of packed rows with its spare slots
@@ -65,7 +70,20 @@ class Plan:
                 f"  GPU per step (batch of unique ids): {human_bytes(self.gpu_bytes_per_step)}\n"
                 f"  disk: {self._disk_file()}, {human_bytes(self.disk_free_bytes)} free for "
                 "placement='disk'\n"
-                f"  placement='auto' -> {self.placement} ({self.placement_reason})")
+                f"  placement='auto' -> {self.placement} ({self.placement_reason})"
+                + self._levels())
+
+    def _levels(self) -> str:
+        """A disk table's levels, hottest first (only where placement='auto' picks disk)."""
+        if self.placement != "disk" or self.ram_cache_rows is None:
+            return ""
+        row = self.host_bytes // max(1, self.num_rows)
+        gpu = ("no GPU cache (no CUDA)" if not self.gpu_cache_rows else
+               f"GPU cache {self.gpu_cache_rows:,} rows ({human_bytes(self.gpu_cache_rows * row)})")
+        held = (self.gpu_cache_rows or 0) + self.ram_cache_rows
+        return (f"\n  levels: {gpu}, then RAM cache {self.ram_cache_rows:,} rows "
+                f"({human_bytes(self.ram_cache_rows * row)}, host_cache_bytes), then the file: "
+                f"{min(1.0, held / max(1, self.num_rows)):.0%} of the rows off the disk")
 
 
 def _check_hyperparameters(optimizer, kwargs: dict) -> None:
@@ -172,6 +190,15 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
             placement, pad_bytes, host = where, 0, host - pad_bytes
             why = f"{reason}; rows not padded to 32-byte sectors (padded, they would not fit)"
     from .. import disk
+    levels = {}
+    if placement == "disk":
+        row = host // max(1, num_rows)
+        target = resolve_device(device)
+        levels["ram_cache_rows"] = min(num_rows, disk.DEFAULT_HOST_CACHE_BYTES // row)
+        if target.type == "cuda":
+            from ..devices import gpu_free_bytes
+            levels["gpu_cache_rows"] = min(num_rows, int(gpu_fraction * gpu_free_bytes(target))
+                                           // row)
     return Plan(num_rows, dim, str(dtype).replace("torch.", ""), optimizer.__name__,
                 list(row_state), table_bytes, state_bytes, host,
                 gpu_bytes_per_step=gpu_per_step,
@@ -179,4 +206,4 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                 fits=available is None or host <= 0.9 * available,
                 placement=placement, placement_reason=why,
                 disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()),
-                disk_row_bytes=disk_row, pad_bytes=pad_bytes)
+                disk_row_bytes=disk_row, pad_bytes=pad_bytes, **levels)

@@ -210,6 +210,25 @@ def test_auto_places_on_disk_when_ram_is_short(tmp_path, monkeypatch):
     assert p.placement == "none" and "fit nowhere" in str(p)
 
 
+def test_plan_names_a_disk_tables_levels(tmp_path, monkeypatch):
+    """Where placement='auto' picks disk, plan() says what each level holds: the RAM cache's
+    default rows (host_cache_bytes of rows as RAM holds them), the GPU cache's (none on the
+    CPU), and the share of rows off the disk."""
+    from nbtools import disk, placement
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: {"total": 1 << 20,
+                                                                 "available": 1000})
+    monkeypatch.setattr(disk, "DEFAULT_HOST_CACHE_BYTES", 288 * 250_000)
+    p = nbtools.plan(10 ** 6, 128, "rowwise_adagrad", dtype=torch.bfloat16, device="cpu",
+                     disk_dir=str(tmp_path))
+    assert p.placement == "disk" and p.host_bytes == 288 * 10 ** 6
+    assert p.ram_cache_rows == 250_000 and p.gpu_cache_rows is None
+    assert "RAM cache 250,000 rows" in str(p) and "25% of the rows off the disk" in str(p)
+    assert "no GPU cache" in str(p)
+    monkeypatch.undo()
+    small = nbtools.plan(1000, 8, "sgd", device="cpu", disk_dir=str(tmp_path))
+    assert small.placement != "disk" and "levels" not in str(small)
+
+
 def test_auto_counts_rows_rounded_up_to_sectors_on_disk(tmp_path, monkeypatch):
     """260-byte rows (bf16 x 128 and a row-wise accumulator) take 512 bytes each in the file:
     a disk with room for the rows but not for their sectors is refused, with both numbers."""
