@@ -39,7 +39,7 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1)
 
 
-def _mean_sq(g: torch.Tensor) -> torch.Tensor:
+def mean_square(g: torch.Tensor) -> torch.Tensor:
     """[rows, 1]: each row's mean of g^2, as its sum divided by the row's length. The sum is
     a pairwise tree over neighbouring values (the row zero-padded to a power of two, at least
     16): the fused kernels' order (``nbtools.kernels._update._row_sum_sq``) whatever the rows'
@@ -195,13 +195,13 @@ class RowWiseAdagrad(_RowWise):
         if idx is None:
             if wd:
                 g = g.add(w, alpha=wd)
-            s.add_(_mean_sq(g))
+            s.add_(mean_square(g))
             w.addcdiv_(g, s.sqrt().add_(eps), value=-lr)
             return
         rows = w.index_select(0, idx)
         if wd:
             g = g.add(rows, alpha=wd)
-        s_rows = s.index_select(0, idx).add_(_mean_sq(g))
+        s_rows = s.index_select(0, idx).add_(mean_square(g))
         s.index_copy_(0, idx, s_rows)
         w.index_copy_(0, idx, rows.addcdiv_(g, s_rows.sqrt().add_(eps), value=-lr))
 
@@ -277,7 +277,7 @@ class PartialRowWiseAdam(_RowWise):
         if wd:
             rows.mul_(1 - lr * wd)
         m_rows.lerp_(g, 1 - beta1)
-        v_rows.mul_(beta2).add_(_mean_sq(g), alpha=1 - beta2)
+        v_rows.mul_(beta2).add_(mean_square(g), alpha=1 - beta2)
         denom = (v_rows.sqrt() / bc2_sqrt).add_(eps)
         rows.addcdiv_(m_rows, denom, value=-step_size)
         if idx is not None:

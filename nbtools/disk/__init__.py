@@ -128,6 +128,12 @@ class _ReadsAhead:
             self._readahead = ReadAhead(self)
         self._readahead.submit(ids, padding_idx, key)
 
+    @property
+    def reader(self) -> "ReadAhead | None":
+        """The table's read-ahead (:class:`~nbtools.disk.readahead.ReadAhead`: its queue of
+        coming steps and the write-backs it tracks); None until a read-ahead starts."""
+        return self._readahead
+
     def take_prepared(self, ids: torch.Tensor, key=None) -> "Prepared | None":
         """The read-ahead's deduplication of these very ids (the same tensor object, or the
         read-ahead submitted with ``key``: :mod:`nbtools.engine.ahead`), once."""
@@ -281,7 +287,7 @@ class _Slots:
 
     def _evict(self, slots: np.ndarray) -> None:
         """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
-        :meth:`_load`, beside its reads, before the lock is released: no reader of the file
+        :meth:`load_rows`, beside its reads, before the lock is released: no reader of the file
         can see a row between its eviction and its write."""
         dirty = slots[self.dirty[slots]]
         if len(dirty):
@@ -496,7 +502,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             if nmiss:
                 with self.sparing(slots[~miss]):
                     free = self.take_slots(nmiss, wait=True)
-                self._load(ids[miss], free)
+                self.load_rows(ids[miss], free)
                 slots[miss] = free
             self.ref[slots] = True
             if training:
@@ -520,7 +526,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         _counters["write_bytes"] += len(ids) * self.row_bytes
         self.stats["written_back"] += len(ids)
 
-    def _load(self, ids: np.ndarray, slots: np.ndarray) -> None:
+    def load_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
         another thread meanwhile (the disk serves both at once; they touch different rows).
         Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):

@@ -101,7 +101,7 @@ class WholeTable:
                     self.slab_bytes[free] = buf[part - start]
                     self.placed(part, free)
                 else:
-                    self._load(part, free)
+                    self.load_rows(part, free)
                 loaded += len(part)
         return loaded
 

@@ -56,7 +56,9 @@ def explicit(table) -> None:
     _next[table] = ("explicit", AHEAD + 2)
 
 
-def _explicit(table) -> bool:
+def reads_ahead_itself(table) -> bool:
+    """Whether ``table``'s loop calls ``prefetch`` itself (lately): then the loaders' batches
+    start no read-ahead of their own for it."""
     state = _next.get(table)
     return state is not None and state[0] == "explicit"
 
@@ -65,7 +67,7 @@ def key_of(table, ids):
     """The key of the read-ahead a disk table's training lookup of ``ids`` takes its
     deduplication from, where ``ids`` is a loader's batch as handed out (else None)."""
     src = _source(ids)
-    if src is None or _explicit(table):
+    if src is None or reads_ahead_itself(table):
         return None
     feed, epoch, b, j = src
     return feed, epoch * max(1, feed.batches_per_epoch) + b, j

@@ -4,7 +4,7 @@ time torch's own helpers take.
 A training step of an offloaded table asks for the current stream, enters a side stream for its
 write-back and records events several times a step. torch's Python helpers resolve their
 arguments in Python on every call; measured on the H200 machine
-(``stream_calls.py`` (a probe kept in git: ``git show dc87be8:stream_calls.py (git show dc87be8:benchmarks/experiments/stream_calls.py)``), torch 2.11): ``torch.cuda.current_stream(device)``
+(``stream_calls.py`` (a probe kept in git: ``git show dc87be8:benchmarks/experiments/stream_calls.py``), torch 2.11): ``torch.cuda.current_stream(device)``
 3.3 µs (8.3 µs without a device), ``with torch.cuda.stream(s)`` 17.6 µs, ``event.record()``
 10.2 µs, against 0.4 µs for the C call underneath. A small step is bound by the host, so these
 add up to a few percent of it.
@@ -13,7 +13,7 @@ add up to a few percent of it.
 the stream is on the current device; anywhere else (an older torch, another device) they fall
 back to torch's own helpers, which do the same thing more slowly. ``FAST = False`` (or
 ``NBTOOLS_FAST_STREAMS=0`` in the environment) turns the shortcut off
-(``prefetch_overlap.py --toggle fast_streams`` (a probe kept in git: ``git show dc87be8:prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py)``) times both).
+(``prefetch_overlap.py --toggle fast_streams`` (a probe kept in git: ``git show dc87be8:benchmarks/experiments/prefetch_overlap.py``) times both).
 """
 from __future__ import annotations
 
@@ -25,36 +25,36 @@ import torch
 FAST = os.environ.get("NBTOOLS_FAST_STREAMS", "1") != "0"
 _C = torch._C
 _get_stream = getattr(_C, "_cuda_getCurrentStream", None)
-_set_stream = getattr(_C, "_cuda_setStream", None)
+c_set_stream = getattr(_C, "_cuda_setStream", None)
 _get_device = getattr(_C, "_cuda_getDevice", None)
-_ready = None         # None: not asked yet; True: the C calls answered as torch's own did
+fast_ready = None         # None: not asked yet; True: the C calls answered as torch's own did
 
 
-def _check(index: int) -> bool:
+def fast_ok(index: int) -> bool:
     """Once: initialise CUDA through torch's helper and confirm the C calls take the
     arguments they are given here and agree with it (torch versions differ)."""
-    global _ready
-    if _ready is not None:
-        return _ready
-    if None in (_get_stream, _set_stream, _get_device):
-        _ready = False
+    global fast_ready
+    if fast_ready is not None:
+        return fast_ready
+    if None in (_get_stream, c_set_stream, _get_device):
+        fast_ready = False
         return False
     try:
         ours = torch.cuda.current_stream(index)
         sid, dev, kind = _get_stream(index)
-        _ready = (sid, dev, kind) == (ours.stream_id, ours.device_index, ours.device_type)
-        if _ready and _get_device() == index:     # (sets the stream it is already on)
-            _set_stream(stream_id=sid, device_index=dev, device_type=kind)
+        fast_ready = (sid, dev, kind) == (ours.stream_id, ours.device_index, ours.device_type)
+        if fast_ready and _get_device() == index:     # (sets the stream it is already on)
+            c_set_stream(stream_id=sid, device_index=dev, device_type=kind)
     except (RuntimeError, TypeError, AttributeError, ValueError):
-        _ready = False
-    return _ready
+        fast_ready = False
+    return fast_ready
 
 
 def current(device) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` for a ``torch.device`` with an index (what
     :func:`nbtools.devices.resolve_device` gives) or a device index."""
     index = device.index if isinstance(device, torch.device) else device
-    if FAST and index is not None and _check(index):
+    if FAST and index is not None and fast_ok(index):
         sid, dev, kind = _get_stream(index)
         return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
     return torch.cuda.current_stream(device)
@@ -65,16 +65,16 @@ def entered(stream: torch.cuda.Stream):
     """``with torch.cuda.stream(stream)``: work queued inside goes to ``stream``; the current
     stream is the one before again afterwards."""
     index = stream.device_index
-    if not (FAST and _check(index) and _get_device() == index):
+    if not (FAST and fast_ok(index) and _get_device() == index):
         with torch.cuda.stream(stream):
             yield
         return
     sid, dev, kind = _get_stream(index)
-    _set_stream(stream_id=stream.stream_id, device_index=index, device_type=stream.device_type)
+    c_set_stream(stream_id=stream.stream_id, device_index=index, device_type=stream.device_type)
     try:
         yield
     finally:
-        _set_stream(stream_id=sid, device_index=dev, device_type=kind)
+        c_set_stream(stream_id=sid, device_index=dev, device_type=kind)
 
 
 def record(event: torch.cuda.Event, device) -> None:

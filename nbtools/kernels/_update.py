@@ -116,7 +116,7 @@ def _row_sum_sq(g, R: tl.constexpr, C: tl.constexpr):
     # (16 <= C <= 65536, a power of two; masked columns are zeros). tl.sum's order
     # follows the tile's layout, which Triton picks from the strides of everything the
     # kernel loads: a 260-byte disk row and a 288-byte padded RAM row summed the same
-    # gradient differently. nbtools.rowwise._mean_sq adds in this same order.
+    # gradient differently. nbtools.rowwise.mean_square adds in this same order.
     # the first level as an explicit FMA (a*a + b*b, a's square unrounded): left to the
     # compiler, whether a square fuses into its addition depended on where Triton moved
     # the tile between threads (a 100-wide row's state differed by an ulp between a disk

@@ -506,12 +506,12 @@ def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
     reads the whole table next (``.weight``, a checkpoint) finds them written."""
     tables, opts = _pair(tmp_path, host_cache_bytes=100 * 3 * D * 4, steps=4)
     disk = tables[1].disk
-    load = disk._load
+    load = disk.load_rows
 
     def interrupted(ids, slots):
-        disk._load = load
+        disk.load_rows = load
         raise KeyboardInterrupt
-    disk._load = interrupted
+    disk.load_rows = interrupted
     gen = torch.Generator().manual_seed(7)
     with pytest.raises(KeyboardInterrupt):
         for _ in range(10):          # until a lookup must evict

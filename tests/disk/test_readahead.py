@@ -200,7 +200,7 @@ def test_a_row_evicted_twice_while_written_back_comes_back_newest(tmp_path):
     d.resolve(np.arange(4, 8), False)           # evicts rows 0-3 (100+): write 1, held
     _train_rows(d, [3], 1000.0)                 # row 3 from write 1's copy, trained: 1106
     d.resolve(np.arange(8, 12), False)          # evicts row 3 again: write 2, queued
-    assert len(d._readahead.writes) == 2
+    assert len(d.reader.writes) == 2
     got = d.resolve(np.array([3]), False)
     assert d.slab.tensor[int(got[0])].tolist() == [1106.0, 1107.0]
     release.set()
@@ -374,7 +374,7 @@ def test_read_aheads_queue_no_deeper_than_depth(tmp_path):
     batches = [torch.arange(8 * k, 8 * k + 8) for k in range(readahead.DEPTH + 3)]
     for ids in batches:
         d.read_ahead(ids)
-        assert len(d._readahead.queue) <= readahead.DEPTH
+        assert len(d.reader.queue) <= readahead.DEPTH
     p = d.take_prepared(batches[-1])         # the last one: the ones before it are dropped
     last = len(batches) - 1
     assert p is not None and p.uniq.tolist() == list(range(8 * last, 8 * last + 8))
@@ -405,7 +405,7 @@ def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
         deadline = time.time() + 5
         while len(started) < len(steps) and time.time() < deadline:
             time.sleep(0.01)
-        ra = d._readahead
+        ra = d.reader
         for item in list(ra.queue):
             item.task.result()
         assert len(ra.loads) == len(steps)

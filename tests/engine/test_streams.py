@@ -65,8 +65,8 @@ def test_work_in_entered_and_recorded_events_keep_their_order(fast):
 
 def test_a_torch_without_the_c_calls_takes_torchs_helpers(monkeypatch):
     """Where torch lacks a C call the shortcut uses, the answer is no, once, and kept."""
-    monkeypatch.setattr(streams, "_ready", None)
-    monkeypatch.setattr(streams, "_set_stream", None)
-    assert streams._check(0) is False and streams._ready is False
-    monkeypatch.setattr(streams, "_set_stream", lambda **kw: None)
-    assert streams._check(0) is False                     # decided once, not asked again
+    monkeypatch.setattr(streams, "fast_ready", None)
+    monkeypatch.setattr(streams, "c_set_stream", None)
+    assert streams.fast_ok(0) is False and streams.fast_ready is False
+    monkeypatch.setattr(streams, "c_set_stream", lambda **kw: None)
+    assert streams.fast_ok(0) is False                     # decided once, not asked again

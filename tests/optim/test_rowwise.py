@@ -472,8 +472,8 @@ def test_rows_in_ram_are_padded_to_sectors_and_the_padding_stays_zero():
     from nbtools.store.layout import row_padding
     t = OffloadedEmbedding(50, 128, device="cpu", dtype=torch.bfloat16)
     opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
-    assert t._layout.used == 65 and t._layout.pad == 7 == row_padding(t._layout)
-    host = t._host.tensor
+    assert t.layout.used == 65 and t.layout.pad == 7 == row_padding(t.layout)
+    host = t.storage.tensor
     assert host.shape == (50, 72)
     for _ in range(3):
         t(torch.tensor([1, 7, 7, 49])).square().sum().backward()
@@ -509,7 +509,7 @@ def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, pla
         assert (p.placement, p.pad_bytes, p.host_bytes) == ("host", 0, rows * 260)
         assert "not padded" in p.placement_reason
     opt = OffloadOptimizer(RowWiseAdagrad, [t], lr=0.1)
-    assert t.placement == "host" and t._layout.pad == 0 and t.rows.row_bytes == 260
+    assert t.placement == "host" and t.layout.pad == 0 and t.rows.row_bytes == 260
     if placement == "auto":
         assert "not padded" in t.placement_reason
     t(torch.tensor([3, 5])).sum().backward()
@@ -525,7 +525,7 @@ def test_padding_never_costs_a_table_its_place_in_ram(tmp_path, monkeypatch, pla
 @pytest.mark.parametrize("cls,kw", [CASES[0], CASES[3]], ids=["adagrad", "adam-wd-max"])
 @pytest.mark.parametrize("d", [128, 100, 40, 300])
 def test_a_rows_mean_square_does_not_depend_on_its_layout(device, tmp_path, cls, kw, d):
-    """A row's mean(g^2) is summed in one fixed order (a pairwise tree, nbtools.rowwise._mean_sq)
+    """A row's mean(g^2) is summed in one fixed order (a pairwise tree, nbtools.rowwise.mean_square)
     by the fused kernels and the generic path alike. On CUDA, Triton's own tl.sum ordered the
     sum by the tile's layout, which follows the strides of the rows: a disk table (260-byte
     rows) and the same table in RAM (padded to 288 bytes) trained apart by an ulp of the
@@ -565,11 +565,11 @@ def test_a_rows_mean_square_does_not_depend_on_its_layout(device, tmp_path, cls,
 
 
 def test_mean_square_is_a_pairwise_tree():
-    """_mean_sq's order, spelled out: neighbours first, the row zero-padded to 16 values."""
-    from nbtools.rowwise import _mean_sq
+    """mean_square's order, spelled out: neighbours first, the row zero-padded to 16 values."""
+    from nbtools.rowwise import mean_square
     g = torch.randn(5, 20, dtype=torch.float32)
     x = torch.cat([g.square(), torch.zeros(5, 12)], 1)
     for _ in range(5):
         x = torch.stack([x[:, i] + x[:, i + 1] for i in range(0, x.shape[1], 2)], 1)
-    assert torch.equal(_mean_sq(g), x / 20)
-    assert torch.allclose(_mean_sq(g), g.double().square().mean(1, keepdim=True).float())
+    assert torch.equal(mean_square(g), x / 20)
+    assert torch.allclose(mean_square(g), g.double().square().mean(1, keepdim=True).float())
