@@ -96,6 +96,35 @@ GAP = 4096                     # reads: rows at most this many bytes apart share
 DIRTY_LIMIT = 64 << 20         # buffered mode: fdatasync once this much was written
 
 
+def checked_request(f, ids, rows: np.ndarray, at) -> tuple[np.ndarray, np.ndarray | None]:
+    """A read's or write's arguments as :class:`RowFile` uses them (int64 ids, int64 places in
+    ``rows`` or None), or the error that names what is wrong: ids that are not integers or
+    outside file ``f``'s rows, ``rows`` not uint8 ``[k, row_bytes]``, ``at`` out of ``rows``."""
+    ids = np.asarray(ids).reshape(-1)
+    if ids.dtype.kind not in "iu" and len(ids):
+        raise TypeError(f"ids must be integers, got {ids.dtype}")
+    ids = ids.astype(np.int64, copy=False)
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2 \
+            or rows.shape[1] != f.row_bytes or (at is None and len(rows) != len(ids)):
+        got = (f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, np.ndarray)
+               else type(rows).__name__)
+        want = len(ids) if at is None else "k"
+        raise ValueError(f"rows must be a uint8 numpy array [{want}, {f.row_bytes}], "
+                         f"got {got}")
+    dst = None
+    if at is not None:
+        dst = np.asarray(at).reshape(-1).astype(np.int64, copy=False)
+        if len(dst) != len(ids):
+            raise ValueError(f"at has {len(dst)} entries for {len(ids)} ids")
+        if len(dst) and (dst.min() < 0 or dst.max() >= len(rows)):
+            raise IndexError(f"at ranges {dst.min()}..{dst.max()}; rows has {len(rows):,}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= f.num_rows):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= f.num_rows))[0])
+        raise IndexError(f"{f.path!r} has {f.num_rows:,} rows but ids contain "
+                         f"{int(ids[bad]):,} (first at position {bad})")
+    return ids, dst
+
+
 class RowFile:
     """One preallocated file of ``num_rows`` rows of ``row_bytes`` bytes (see module docs).
 
@@ -385,30 +414,7 @@ class RowFile:
         self._live()
         if write and not self.writable:
             raise PermissionError(f"{self.path!r} was opened read-only (writable=False)")
-        ids = np.asarray(ids).reshape(-1)
-        if ids.dtype.kind not in "iu" and len(ids):
-            raise TypeError(f"ids must be integers, got {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
-        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.ndim != 2 \
-                or rows.shape[1] != self.row_bytes or (at is None and len(rows) != len(ids)):
-            got = (f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, np.ndarray)
-                   else type(rows).__name__)
-            want = len(ids) if at is None else "k"
-            raise ValueError(f"rows must be a uint8 numpy array [{want}, {self.row_bytes}], "
-                             f"got {got}")
-        if at is None:
-            dst = None
-        else:
-            dst = np.asarray(at).reshape(-1).astype(np.int64, copy=False)
-            if len(dst) != len(ids):
-                raise ValueError(f"at has {len(dst)} entries for {len(ids)} ids")
-            if len(dst) and (dst.min() < 0 or dst.max() >= len(rows)):
-                raise IndexError(f"at ranges {dst.min()}..{dst.max()}; rows has {len(rows):,}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_rows):
-            bad = int(np.flatnonzero((ids < 0) | (ids >= self.num_rows))[0])
-            raise IndexError(f"{self.path!r} has {self.num_rows:,} rows but ids contain "
-                             f"{int(ids[bad]):,} (first at position {bad})")
-        return ids, dst
+        return checked_request(self, ids, rows, at)
 
     def _io(self, ids, rows: np.ndarray, write: bool, at=None, fresh: bool = False,
             tags=None) -> None:
