@@ -14,6 +14,7 @@ out=${OUT:-artifacts/gpu}/regress
 systems=${2:-"nbtools host,nbtools host prefetch,nbtools host bf16 rowwise,nbtools host bf16 rowwise prefetch,nbtools gpu bf16 rowwise"}
 export PYTHONUNBUFFERED=1
 new=$PWD
+failed=0
 IFS=, read -r -a names <<< "$systems"
 for s in "${names[@]}"; do
   for side in old new; do
@@ -22,7 +23,7 @@ for s in "${names[@]}"; do
     mkdir -p "$dir"
     (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 150 python3 benchmarks/bench_step.py ${ARGS:-} \
       --only "$s" --out "$(cd "$new" && realpath "$dir")" > "$(cd "$new" && realpath "$dir")/log" 2>&1) \
-      || echo "$side $s: failed (see $dir/log)"
+      || { echo "$side $s: failed (see $dir/log)"; failed=1; }
   done
 done
 if [ -f .scratch/w2v/corpus.txt.gz ]; then
@@ -33,7 +34,7 @@ if [ -f .scratch/w2v/corpus.txt.gz ]; then
     (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 200 python3 benchmarks/bench_word2vec.py \
       --corpus "$new/.scratch/w2v/corpus.txt.gz" --eval-dir "$new/.scratch/w2v/eval" \
       --systems host,gpu --epochs 1 --max-tokens 4000000 --out "$dir" > "$dir/log" 2>&1) \
-      || echo "$side word2vec: failed (see $dir/log)"
+      || { echo "$side word2vec: failed (see $dir/log)"; failed=1; }
   done
 fi
 python3 - "$out" <<'EOF'
@@ -54,3 +55,4 @@ print(f"{'figure':<60} {'old':>10} {'new':>10} {'new/old':>8}")
 for k in sorted(set(old) & set(new)):
     print(f"{k:<60} {old[k]:>10.4g} {new[k]:>10.4g} {new[k] / old[k]:>8.3f}")
 EOF
+exit $failed

@@ -19,4 +19,7 @@ for script in benchmarks/bench_*.py; do
   printf '%s\t0\t%s\n' "${name#bench_}" "$seconds" >> "$out/status.tsv"
   echo "    ok, ${seconds} s"
 done
+echo "=== benchmarks/regress.sh (this tree against itself, --quick)"
+OUT=$out ARGS=--quick bash benchmarks/regress.sh . "nbtools host" > "$out/regress.log" 2>&1 || {
+  tail -40 "$out/regress.log"; echo "smoke: benchmarks/regress.sh failed"; exit 1; }
 python benchmarks/summarize.py "$out"
