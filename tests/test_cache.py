@@ -71,7 +71,7 @@ def train(device, cls, kw, batches, cache_bytes=None, fused="auto", init_seed=1,
     if warm is not None:
         table.warm_cache(warm)
     opt = OffloadOptimizer(cls, [table], config=OffloadConfig(fused=insist(cls, fused)), **kw)
-    assert (opt._slots[0].fused_update() is not None) == expect_fused(cls, fused, device)
+    assert (opt.slot(next(iter(opt.tables))).fused_update() is not None) == expect_fused(cls, fused, device)
     w = torch.arange(1, D + 1, dtype=torch.float32, device=device)
     for lookups in batches:
         opt.zero_grad()
@@ -344,7 +344,7 @@ def test_captured_lookups_count_each_row_once():
             table(ids.cuda()).square().sum().backward()
             opt.step()
         opt.synchronize()
-        captured = sum(len(c) for c in table.lookup_graphs._graphs.values())
+        captured = table.lookup_graphs.captured
         assert captured == (1 if graphs else 0)
         c = table.cache
         got.append((c.freq.cpu(), int(c.tick), table.cache_stats()["lookups"]))

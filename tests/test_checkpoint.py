@@ -304,7 +304,7 @@ def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
     ck = manager(tmp_path)
     ck.save(1, x={"w": torch.arange(5000.0)})
     calls = {"n": 0}
-    real = ckformat._write_all
+    real = ckformat.write_all
 
     def failing(f, mv):
         calls["n"] += 1
@@ -312,7 +312,7 @@ def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(f, mv)
 
-    monkeypatch.setattr(ckformat, "_write_all", failing)
+    monkeypatch.setattr(ckformat, "write_all", failing)
     with pytest.raises(CheckpointSpaceError, match="disk full"):
         ck.save(2, x={"w": torch.arange(5000.0) * 2})
     monkeypatch.undo()

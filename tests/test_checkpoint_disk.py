@@ -252,14 +252,14 @@ def test_failed_save_loses_no_change(tmp_path, monkeypatch):
         _train(host, hopt, [s])
         _train(disk, dopt, [s])
     calls = {"n": 0}
-    real = ckformat._write_all
+    real = ckformat.write_all
 
     def failing(f, mv):
         calls["n"] += 1
         if calls["n"] > 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(f, mv)
-    monkeypatch.setattr(ckformat, "_write_all", failing)
+    monkeypatch.setattr(ckformat, "write_all", failing)
     with pytest.raises(CheckpointSpaceError, match="disk full while saving step 4.*intact"):
         ck.save(4, model=disk, opt=dopt)
     monkeypatch.undo()
@@ -485,7 +485,7 @@ def _trainer(directory, disk_dir, phase, conn) -> None:
     saying in ``phase`` what it is doing (a step, a write-back of evicted rows, a save)."""
     import nbtools.disk as nbdisk
     torch.set_num_threads(1)
-    write = nbdisk.DiskRows._write
+    write = nbdisk.DiskRows.file_write
 
     def traced(self, *args, **kwargs):              # write-backs: evictions and flushes
         was, phase.value = phase.value, WRITEBACK
@@ -493,7 +493,7 @@ def _trainer(directory, disk_dir, phase, conn) -> None:
             return write(self, *args, **kwargs)
         finally:
             phase.value = was
-    nbdisk.DiskRows._write = traced
+    nbdisk.DiskRows.file_write = traced
     t, opt = _kill_table(disk_dir)
     ck = CheckpointManager(directory, keep=2, config=KCFG)
     step = ck.restore(model=t, opt=opt)

@@ -113,7 +113,9 @@ def fsync_dir(path) -> None:
 _fadvise = fadvise         # (one implementation: nbtools.rowfile's)
 
 
-def _write_all(f, mv) -> None:
+def write_all(f, mv) -> None:
+    """Write every byte of ``mv`` to file object ``f`` (a short write goes on where it
+    stopped): a checkpoint's one way to its files (tests put a fault here)."""
     while len(mv):
         n = f.write(mv)
         mv = mv[n:]
@@ -163,7 +165,7 @@ class DataWriter:
             self._open_next()
         pad = (-self.offset) % ALIGN
         if pad and self.offset + pad < self.cfg.file_bytes:
-            _write_all(self.f, memoryview(bytes(pad)))
+            write_all(self.f, memoryview(bytes(pad)))
             self.offset += pad
             self.files[self.name] = self.offset
         elif pad:
@@ -185,7 +187,7 @@ class DataWriter:
             if not self.segments or self.segments[-1][0] != self.name:
                 self.segments.append([self.name, self.offset, 0, 0])
             seg = self.segments[-1]
-            fut = self.pool.submit(_write_all, self.f, piece)
+            fut = self.pool.submit(write_all, self.f, piece)
             seg[3] = zlib.crc32(piece, seg[3])
             fut.result()
             n = len(piece)

@@ -267,7 +267,7 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
     d = s.table.disk
     s.entry["segments"] = writer.begin_tensor()
     if s.kind == "base" and s.links[-1].get("records"):
-        _write_records_base(s, d, writer, chunk_bytes)
+        write_records_base(s, d, writer, chunk_bytes)
         return
     if s.kind == "base":
         per = max(1, (chunk_bytes // 4) // max(d.row_bytes, d.file.stride))
@@ -316,7 +316,7 @@ def _emit(writer, buf: np.ndarray, ids: np.ndarray, rows: np.ndarray, per: int) 
         writer.write(memoryview(buf[c:min(m, c + per)].reshape(-1)))
 
 
-def _write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
+def write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
     """A log file's base: every live slot's (id, row), in file order, read in large
     sequential pieces (the file's dead slots are read and skipped)."""
     log, rb = d.file, d.row_bytes
@@ -497,7 +497,7 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
         _check_shape(entry, [link["count"], _ID + rb], root, d.name)
     d.discard_cache()                      # its RAM rows are older than the checkpoint's
     if records:
-        return _restore_records(d, base_dir, base_entry, deltas, chunk_bytes)
+        return restore_records(d, base_dir, base_entry, deltas, chunk_bytes)
     base = _Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table {d.name!r}")
     laid = [_Delta(_Stream(root, e, f"{root.name}: delta of disk table {d.name!r}"),
                    link["count"], rb, n) for root, link, e in deltas]
@@ -529,7 +529,7 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
     return base.read + sum(x.stream.read for x in laid)
 
 
-def _restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
+def restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
                      chunk_bytes: int) -> int:
     """A base of records (a log file's, in file order) and its deltas, written row by row
     through ``d.file.write`` (appended, in a log file), oldest first: each row ends as the

@@ -176,7 +176,7 @@ class _ReadsAhead:
         use (:meth:`_intact`) rather than read or save stale rows."""
         try:
             for ids, rows in stash:
-                self._write(ids, rows)
+                self.file_write(ids, rows)
         except BaseException as e:
             if self._lost is None:
                 self._lost = (sum(len(i) for i, _ in stash), e)
@@ -515,10 +515,12 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
     def _write_slots(self, slots: np.ndarray) -> None:
         ids = self.id_of[slots]
         order = np.argsort(ids, kind="stable")
-        self._write(ids[order], self.slab_bytes, slots[order])
+        self.file_write(ids[order], self.slab_bytes, slots[order])
         self.dirty[slots] = False
 
-    def _write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
+    def file_write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
+        """Rows ``ids`` (sorted), as stored (``src``, or its rows ``at``), into the file,
+        counted; every write of the table's file goes through here."""
         t0 = time.perf_counter()
         self.file.write(ids, src, at=at)
         self.changed.add(ids)
@@ -574,7 +576,7 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         to the file, after the evicted rows still waiting. Under the lock, with no read-ahead
         in flight."""
         self._write_stash()
-        self._write(np.asarray(ids, dtype=np.int64), raw)
+        self.file_write(np.asarray(ids, dtype=np.int64), raw)
 
     def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` now sit, clean, in ``slots``."""

@@ -332,9 +332,9 @@ class LogFile:
         score[live > self.seg] = -1.0
         return int(np.argmax(score))
 
-    def _clean(self, need: int = 0) -> None:
+    def clean(self, need: int = 0) -> None:
         """Until ``need`` slots and RESERVE more segments are free: move the live rows of the
-        :meth:`_victim` segment to the head. Under the write lock."""
+        :meth:`_victim` segment to the head. Under the write lock (the log's cleaner; tests call it)."""
         while True:
             with self._map:
                 if self._room() >= need + RESERVE * self.seg:
@@ -452,7 +452,7 @@ class LogFile:
                 part = ids[a:a + most]
                 where = (np.arange(a, a + len(part)) if at is None
                          else np.asarray(at).reshape(-1)[a:a + len(part)])
-                self._clean(len(part))
+                self.clean(len(part))
                 slots = self._allocate(len(part))
                 self._write(slots, src, part, at=where, fresh=True)
                 self._point(part, slots)
@@ -507,7 +507,7 @@ class LogFile:
         """identity()'s rounds, under its locks: the rows moved."""
         moved, start = 0, 0
         while self.away:
-            ready, stuck, start = self._scan(BATCH_ROWS, start)
+            ready, stuck, start = self.scan(BATCH_ROWS, start)
             if len(ready):
                 rows = np.empty((len(ready), self.file.row_bytes), dtype=np.uint8)
                 self.file.read(self.where[ready].astype(np.int64), rows)
@@ -531,7 +531,7 @@ class LogFile:
                 if not ok.all() or not np.array_equal(self.where[ids], stuck):
                     raise RuntimeError(f"{self.file.path!r}: a slot's tag names an id that "
                                        "lives elsewhere (a damaged log file)")
-            self._clean(len(ids))
+            self.clean(len(ids))
             new = self._allocate(len(ids))
             self._write(new, rows, ids)
             self._point(ids, new)
@@ -544,7 +544,7 @@ class LogFile:
             bits.add(self.where[a:a + (1 << 22)])
         return bits
 
-    def _scan(self, limit: int, start: int = 0,
+    def scan(self, limit: int, start: int = 0,
               chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray, int]:
         """Up to ``limit`` ids away from home whose home is free, up to ``limit`` whose home is
         taken, and where the next scan may start (every id before it is home): scanned from

@@ -115,7 +115,7 @@ def test_write_range_after_moves_writes_where_rows_live(tmp_path, tags):
     ref[10:20] = _rows(gen, 10)          # the moved rows, consecutive: one range, away
     log.write_range(10, ref[10:20])      # from home (their tags written again with them)
     log.write(np.arange(20, 40), _rows(gen, 20))
-    log._clean(log.slots)                # every segment the cleaner may take, cleaned
+    log.clean(log.slots)                # every segment the cleaner may take, cleaned
     assert np.array_equal(_live_ids(log), np.arange(n))
     ref[20:40] = log_rows(log, np.arange(20, 40))
     _check_all(log, ref)
@@ -260,10 +260,10 @@ def test_a_log_tables_checkpoints_restore_exactly(tmp_path, log_layout, monkeypa
     import nbtools.checkpoint.rows as ckrows
     from nbtools.checkpoint import CheckpointManager
     calls = {"save": 0, "restore": 0}
-    save, restore = ckrows._write_records_base, ckrows._restore_records
-    monkeypatch.setattr(ckrows, "_write_records_base",
+    save, restore = ckrows.write_records_base, ckrows.restore_records
+    monkeypatch.setattr(ckrows, "write_records_base",
                         lambda *a: (calls.__setitem__("save", calls["save"] + 1), save(*a))[1])
-    monkeypatch.setattr(ckrows, "_restore_records",
+    monkeypatch.setattr(ckrows, "restore_records",
                         lambda *a: (calls.__setitem__("restore", calls["restore"] + 1),
                                     restore(*a))[1])
     host, hopt = C._pair_member("host", tmp_path)
@@ -294,8 +294,8 @@ def test_identity_in_small_rounds_and_scan_chunks(tmp_path, monkeypatch, tags):
     """Many rounds of a few rows, each scan starting where the last found rows away (chunks of
     8 ids): every row home, none skipped."""
     import nbtools.disk.log as disklog
-    orig = LogFile._scan
-    monkeypatch.setattr(LogFile, "_scan", lambda self, limit, start=0: orig(self, limit, start,
+    orig = LogFile.scan
+    monkeypatch.setattr(LogFile, "scan", lambda self, limit, start=0: orig(self, limit, start,
                                                                            chunk=8))
     monkeypatch.setattr(disklog, "BATCH_ROWS", 5)
     n, gen = 120, np.random.default_rng(6)
@@ -435,7 +435,7 @@ def test_a_damaged_tag_is_found_by_the_cleaner(tmp_path):
     others = np.setdiff1d(np.arange(40), [7])
     with pytest.raises(RuntimeError, match="damaged"):
         log.write(others, _rows(gen, len(others)))   # id 7 alone in its segment then
-        log._clean(log.slots)
+        log.clean(log.slots)
 
 
 def test_map_bytes_of_a_new_file(tmp_path, monkeypatch):
