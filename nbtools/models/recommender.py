@@ -353,6 +353,8 @@ class MatrixFactorization(nn.Module):
         out = torch.cat([self(users[s:s + batch_size], items[s:s + batch_size]).float().cpu()
                          for s in range(0, users.numel(), batch_size)]) if users.numel() else \
             torch.empty(0)
+        if not bool(torch.isfinite(out).all()):
+            self._raise_nonfinite("predict()")
         if self.clamp_range is not None:
             out.clamp_(*self.clamp_range)
         return out
@@ -369,7 +371,10 @@ class MatrixFactorization(nn.Module):
         out = [self._score(self.users(users[s:s + batch_size].to(self.device))[:, None, :],
                            self.items(candidates[s:s + batch_size].to(self.device))).float().cpu()
                for s in range(0, users.numel(), batch_size)]
-        return torch.cat(out) if out else torch.empty(0, candidates.shape[1])
+        out = torch.cat(out) if out else torch.empty(0, candidates.shape[1])
+        if not bool(torch.isfinite(out).all()):
+            self._raise_nonfinite("score_candidates()")
+        return out
 
     @torch.no_grad()
     def _nothing_left(self, users: torch.Tensor, k: int, excluded: int,
@@ -381,7 +386,9 @@ class MatrixFactorization(nn.Module):
             left -= self.seen.counts()[users.to(self.seen.device)].cpu()
         return torch.arange(k)[None, :] >= left[:, None]
 
-    def _raise_nonfinite(self, users: torch.Tensor) -> None:
+    def _raise_nonfinite(self, caller: str = "recommend()") -> None:
+        """Raise the ValueError that names the rows holding inf/nan (a diverged model):
+        scores made from them are not finite."""
         rows = []
         for name, table in (("user", self.users), ("item", self.items)):
             with torch.no_grad():
@@ -389,7 +396,7 @@ class MatrixFactorization(nn.Module):
                 bad = (~torch.isfinite(w)).any(1).nonzero().reshape(-1)
             if bad.numel():
                 rows.append(f"{bad.numel():,} {name} rows (first: {name} {int(bad[0])})")
-        raise ValueError("recommend(): scores are not finite, because the model holds non-finite "
+        raise ValueError(f"{caller}: scores are not finite, because the model holds non-finite "
                          f"values in {' and '.join(rows) or 'its head'}; retrain (a lower "
                          "learning rate, or check the data) or restore a checkpoint")
 
@@ -447,7 +454,7 @@ class MatrixFactorization(nn.Module):
         broken = torch.isnan(scores) | ((ids < 0) & ~self._nothing_left(
             users, scores.shape[1], skip.numel(), exclude_seen))
         if bool(broken.any()):
-            self._raise_nonfinite(users)
+            self._raise_nonfinite()
         if single:
             keep = ids[0] >= 0
             return ids[0][keep], scores[0][keep]

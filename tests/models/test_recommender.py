@@ -642,15 +642,24 @@ def test_seen_pairs_refuse_ids_outside_their_ranges():
 
 
 def test_recommend_says_when_rows_are_not_finite():
+    """recommend(), predict() and score_candidates() of a diverged model raise, naming the
+    rows that hold inf/nan, instead of returning NaN scores (clamping keeps a NaN)."""
     m = MatrixFactorization(5, 20, 4, device="cpu", config=MFConfig(loss="bce"))
     fit(m, _ratings([0, 1, 2], [0, 1, 2], [1.0, 1.0, 1.0], ni=20), epochs=1, batch_size=2)
     ids, _ = m.recommend(torch.tensor([0, 1]), k=5)        # healthy: no pads
     assert (ids >= 0).all()
+    assert torch.isfinite(m.predict(torch.tensor([0, 1]), torch.tensor([4, 5]))).all()
     with torch.no_grad():
         w = m.items.weight
         w[3:13] = float("nan")
     with pytest.raises(ValueError, match=r"not finite.*10 item rows \(first: item 3\)"):
         m.recommend(torch.tensor([0, 1]), k=10)
+    assert torch.isfinite(m.predict(torch.tensor([0, 1]), torch.tensor([0, 14]))).all()
+    with pytest.raises(ValueError, match=r"predict\(\): scores are not finite.*item 3"):
+        m.predict(torch.tensor([0, 1]), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"score_candidates\(\): .*10 item rows"):
+        m.score_candidates(torch.tensor([0]), torch.tensor([[1, 5]]))
+    assert torch.isfinite(m.score_candidates(torch.tensor([0]), torch.tensor([[1, 15]]))).all()
     # a user with fewer items left than k gets -1 pads, which are not an error
     m2 = MatrixFactorization(2, 3, 4, device="cpu", config=MFConfig(loss="bce"))
     fit(m2, _ratings([0, 0, 1], [0, 1, 2], [1.0, 1.0, 1.0], nu=2, ni=3), epochs=1, batch_size=2)
