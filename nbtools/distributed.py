@@ -164,17 +164,11 @@ class ShardedEmbedding(nn.Module):
         return full
 
     # --- lookups ----------------------------------------------------------------------------
-    @on_tables
-    def _check_ids(self, flat: torch.Tensor, shape) -> None:
-        """Raise IndexError on every rank when any rank's ids are out of range, before anything
-        is exchanged (so no table changes and no rank waits for a peer that raised)."""
-        bad = (flat < 0) | (flat >= self.num_embeddings)
-        flags = torch.zeros(self.world, dtype=torch.int64, device=self._comm_device)
-        flags[self.rank] = int(bad.any())           # note: a sync point
-        dist.all_reduce(flags, group=self.group)
-        if not bool(flags.any()):
-            return
-        if bool(flags[self.rank]):
+    def _raise_bad_ids(self, flat: torch.Tensor, shape, bad_ranks: list) -> None:
+        """Raise IndexError (on every rank) where ranks ``bad_ranks`` had ids out of range:
+        this rank's names its first bad id, the others name those ranks."""
+        if self.rank in bad_ranks:
+            bad = (flat < 0) | (flat >= self.num_embeddings)
             pos = int(bad.nonzero()[0, 0])
             where = tuple(int(i) for i in torch.unravel_index(torch.tensor(pos), tuple(shape))) \
                 if len(shape) > 1 else pos
@@ -182,10 +176,10 @@ class ShardedEmbedding(nn.Module):
                 f"table {self.name!r} has {self.num_embeddings:,} rows but rank {self.rank}'s "
                 f"ids contain {int(flat[pos]):,} (first at position {where}); valid ids are 0 "
                 f"to {self.num_embeddings - 1:,}. No rank looked up or changed anything.")
-        ranks = flags.nonzero().flatten().tolist()
         raise IndexError(
-            f"table {self.name!r}: ids out of range on rank(s) {ranks} (see their error; valid "
-            f"ids are 0 to {self.num_embeddings - 1:,}). No rank looked up or changed anything.")
+            f"table {self.name!r}: ids out of range on rank(s) {bad_ranks} (see their error; "
+            f"valid ids are 0 to {self.num_embeddings - 1:,}). No rank looked up or changed "
+            "anything.")
 
     @on_tables
     def forward(self, ids) -> torch.Tensor:
@@ -193,15 +187,22 @@ class ShardedEmbedding(nn.Module):
             return self.shard(ids)
         ids = self.shard.prepare_ids(ids)
         flat = ids.reshape(-1).long()
-        self._check_ids(flat, ids.shape)
         # each unique id is asked for once; owners get them grouped by rank
         uniq, inverse = torch.unique(flat, return_inverse=True)
         owner = uniq % self.world
         order = torch.argsort(owner, stable=True)
         asked = torch.bincount(owner, minlength=self.world)
-        served = _exchange(asked, self.world, [1] * self.world, [1] * self.world, self.group,
-                           self._comm_device)
-        asked, served = asked.tolist(), served.tolist()   # note: the split sizes, a sync point
+        # One exchange tells every rank how many ids each rank asks of it and whether any
+        # rank's ids are out of range: a bad id on any rank raises on every rank before ids or
+        # rows move (no table changes, no rank waits for a peer that raised)
+        bad = ((flat < 0) | (flat >= self.num_embeddings)).any().long()
+        told = _exchange(torch.stack([asked, bad.expand(self.world)], 1), self.world,
+                         [1] * self.world, [1] * self.world, self.group, self._comm_device)
+        told = told.tolist()                   # note: the step's one sync point here
+        bad_ranks = [r for r, (_, b) in enumerate(told) if b]
+        if bad_ranks:
+            self._raise_bad_ids(flat, ids.shape, bad_ranks)
+        asked, served = asked.tolist(), [n for n, _ in told]
         wanted = _exchange(uniq[order] // self.world, sum(served), served, asked, self.group,
                            self._comm_device)
         rows = self.shard(wanted)              # one lookup: duplicates across ranks merge here
