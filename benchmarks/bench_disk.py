@@ -633,9 +633,10 @@ def main():
         u["loop_x_probe_around"] = u["loop_disk_rows_per_s"] / (sum(around) / 2)
         res["uniform_rounds"].append(u)
         print("uniform", u, flush=True)
-    # the round of the median whole-loop rate stands for them (all are in uniform_rounds)
+    # the round of the median whole-loop rate stands for them (all are in uniform_rounds;
+    # --uniform-rounds 0: none, as the GPU-cache comparison runs)
     order = sorted(res["uniform_rounds"], key=lambda x: x["loop_x_probe_around"])
-    res["uniform"] = order[len(order) // 2]
+    res["uniform"] = order[len(order) // 2] if order else None
     mem.mark("uniform")
     if log is not None:
         res["log"] = dict(log)
@@ -739,21 +740,6 @@ def main():
         ("zipf steps/s (read-ahead)", f"{1e3 / res['zipf_read_ahead']['ms_per_step']:.1f}"),
         ("host syncs/step: disk / host table", f"{res['syncs_per_step']} / "
                                                 f"{res.get('host_syncs_per_step')}"),
-        ("uniform rows/s (x first probe; x probes around the loop)",
-         f"{res['uniform']['rows_per_s']:,.0f} ({res['uniform']['x_probe']:.2f}; "
-         f"{res['uniform']['x_probe_around']:.2f})"),
-        ("uniform rows the disk read a second (its counters), probes around",
-         f"{res['uniform']['disk_rows_per_s']:,.0f}, " + " / ".join(
-             f"{x:,.0f}" for x in res['uniform']['probes_rows_per_s'])),
-        ("uniform, the whole loop: rows the disk read a second (x probes around), the median "
-         "loop; every loop's x probes around",
-         f"{res['uniform']['loop_disk_rows_per_s']:,.0f} "
-         f"({res['uniform']['loop_x_probe_around']:.2f}); " + ", ".join(
-             f"{u['loop_x_probe_around']:.2f}" for u in res["uniform_rounds"])),
-        ("gaps between step starts, ms p10 / p50 / p90 / max: zipf read-ahead (round 0); "
-         "uniform", " / ".join(f"{x:.1f}" for x in rounds[0]["zipf_read_ahead"][
-             "step_gap_ms_p10_p50_p90_max"]) + "; " + " / ".join(
-             f"{x:.1f}" for x in res["uniform"]["step_gap_ms_p10_p50_p90_max"])),
         ("max RSS + page cache growth (GiB)",
          f"{res['memory']['max_rss_plus_page_cache_bytes'] / 2**30:.2f} "
          f"(budget {args.budget_gib})"),
@@ -761,6 +747,22 @@ def main():
          f"{res['memory']['max_pinned_bytes'] / 2**30:.2f} / "
          f"{res['memory']['max_page_cache_growth_bytes'] / 2**30:.2f}"),
     ]
+    if res["uniform"] is not None:
+        u = res["uniform"]
+        rows += [
+            ("uniform rows/s (x first probe; x probes around the loop)",
+             f"{u['rows_per_s']:,.0f} ({u['x_probe']:.2f}; {u['x_probe_around']:.2f})"),
+            ("uniform rows the disk read a second (its counters), probes around",
+             f"{u['disk_rows_per_s']:,.0f}, " + " / ".join(
+                 f"{x:,.0f}" for x in u['probes_rows_per_s'])),
+            ("uniform, the whole loop: rows the disk read a second (x probes around), the "
+             "median loop; every loop's x probes around",
+             f"{u['loop_disk_rows_per_s']:,.0f} ({u['loop_x_probe_around']:.2f}); " + ", ".join(
+                 f"{x['loop_x_probe_around']:.2f}" for x in res["uniform_rounds"])),
+            ("gaps between step starts, ms p10 / p50 / p90 / max: zipf read-ahead (round 0); "
+             "uniform", " / ".join(f"{x:.1f}" for x in rounds[0]["zipf_read_ahead"][
+                 "step_gap_ms_p10_p50_p90_max"]) + "; " + " / ".join(
+                 f"{x:.1f}" for x in u["step_gap_ms_p10_p50_p90_max"]))]
     if "gpu_cache" in res:
         g = res["gpu_cache"]
         rows += [
