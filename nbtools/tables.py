@@ -133,6 +133,56 @@ def rows_written_next():
         _BUILDING.rows_written_next = False
 
 
+def _padding_row(padding_idx, num_rows: int) -> int | None:
+    """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
+    the TypeError / ValueError that says what is wrong with it."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(f"padding_idx must be an int row id or None, got "
+                        f"{padding_idx!r} ({type(padding_idx).__name__})")
+    if not -num_rows <= padding_idx < num_rows:
+        raise ValueError(f"padding_idx={padding_idx} is out of range for {num_rows:,} rows")
+    return int(padding_idx) % num_rows
+
+
+def _first_placement(table, dtype) -> tuple[str, str]:
+    """Where a new table's rows go before its optimizer is known (Adam-sized state assumed;
+    its weights alone where that fits nowhere), and why; a host table that does not fit
+    raises HostMemoryError naming what to change."""
+    nbytes = table.num_embeddings * table.embedding_dim * torch.empty((), dtype=dtype).element_size()
+    try:
+        where = table.choose_placement(3 * nbytes, "Adam-sized state assumed until an "
+                                                   "optimizer attaches")
+    except NoRoomError:          # the optimizer may keep less state: its attach decides
+        where = table.choose_placement(nbytes, "placed by its weights alone: with Adam-sized "
+                                               "state it fits nowhere")
+    if where[0] == "host":
+        check_fits(nbytes, f"table {table.name!r} ({table.num_embeddings:,} x "
+                           f"{table.embedding_dim} {str(dtype).replace('torch.', '')})",
+                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
+                   "dtype=torch.bfloat16 halves it.", disk_dir=table.config.disk_dir,
+                   num_rows=table.num_embeddings)
+    return where
+
+
+@torch.no_grad()
+def _init_normal(table) -> None:
+    """nn.Embedding's default initialisation, N(0, 1), the padding row zero. Pinned rows are
+    drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and written over
+    PCIe, ~50x faster than the single CPU thread of Tensor.normal_."""
+    if table.disk is not None:
+        from . import disk
+        disk.init_normal(table.disk, table.padding_idx, table.device)
+        return
+    rows = table.storage.view()
+    rows.normal_()
+    if table.padding_idx is not None:
+        rows[table.padding_idx].zero_()
+    if rows.is_cuda and table.placement == "host":
+        torch.cuda.synchronize(rows.device)   # the host copy is read from now on
+
+
 class OffloadedEmbedding(nn.Module):
     """``nn.Embedding`` whose table lives in (pinned) host memory.
 
@@ -186,32 +236,11 @@ class OffloadedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = cfg.check(
             placement, {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim})
         dtype = cfg.dtype
-        if padding_idx is not None:
-            if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
-                raise TypeError(f"padding_idx must be an int row id or None, got "
-                                f"{padding_idx!r} ({type(padding_idx).__name__})")
-            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
-                raise ValueError(f"padding_idx={padding_idx} is out of range for "
-                                 f"{self.num_embeddings:,} rows")
-            padding_idx = int(padding_idx) % self.num_embeddings
-        self.padding_idx = padding_idx
+        self.padding_idx = _padding_row(padding_idx, self.num_embeddings)
         self.name = name or type(self).__name__
         self.device = resolve_device(device)
         self.requested_placement = placement
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = self.num_embeddings * self.embedding_dim * itemsize
-        try:
-            self.placement, self.placement_reason = self.choose_placement(
-                3 * nbytes, "Adam-sized state assumed until an optimizer attaches")
-        except NoRoomError:          # the optimizer may keep less state: its attach decides
-            self.placement, self.placement_reason = self.choose_placement(
-                nbytes, "placed by its weights alone: with Adam-sized state it fits nowhere")
-        if self.placement == "host":
-            check_fits(nbytes, f"table {self.name!r} ({self.num_embeddings:,} x "
-                               f"{self.embedding_dim} {str(dtype).replace('torch.', '')})",
-                       "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
-                       "dtype=torch.bfloat16 halves it.", disk_dir=cfg.disk_dir,
-                       num_rows=self.num_embeddings)
+        self.placement, self.placement_reason = _first_placement(self, dtype)
         self._disk = None            # placement="disk": the file and its RAM slots (nbtools.disk)
         self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
         self._layout = RowLayout(self.embedding_dim, dtype, dtype)
@@ -223,19 +252,7 @@ class OffloadedEmbedding(nn.Module):
         self.trainable = True
         if getattr(_BUILDING, "rows_written_next", False):
             return                   # its builder writes every row next (from_pretrained)
-        with torch.no_grad():        # nn.Embedding's default initialisation: N(0, 1)
-            if self._disk is not None:
-                from . import disk
-                disk.init_normal(self._disk, padding_idx, self.device)
-                return
-            # pinned: drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and
-            # written over PCIe, ~50x faster than the single CPU thread of Tensor.normal_
-            rows = self._host.view()
-            rows.normal_()
-            if padding_idx is not None:
-                rows[padding_idx].zero_()
-            if rows.is_cuda and self.placement == "host":
-                torch.cuda.synchronize(rows.device)   # the host copy is read from now on
+        _init_normal(self)
 
     @property
     def layout(self) -> RowLayout:
