@@ -68,10 +68,7 @@ def train_gensim(lines, args):
 
 def main():
     ap = harness.parser(__doc__)
-    ap.add_argument("--corpus", default=harness.W2V_CORPUS)
-    ap.add_argument("--eval-dir", default=harness.W2V_EVAL)
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=None, help="use the corpus' first N tokens")
+    harness.corpus_args(ap)
     ap.add_argument("--systems", default="host,gpu,gensim",
                     help="comma list of gensim and nbtools systems (host, gpu, with modifiers)")
     ap.add_argument("--batch-size", type=int, default=131072, help="pairs per nbtools step")

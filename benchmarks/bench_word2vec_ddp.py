@@ -69,10 +69,7 @@ def job(rank, world, a):
 
 def main():
     ap = harness.parser(__doc__)
-    ap.add_argument("--corpus", default=harness.W2V_CORPUS)
-    ap.add_argument("--eval-dir", default=harness.W2V_EVAL)
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=None, help="use the corpus' first N tokens")
+    harness.corpus_args(ap)
     ap.add_argument("--system", default="host", help="a bench_word2vec system (host, gpu, ...)")
     ap.add_argument("--batch-size", type=int, default=131072, help="pairs a step, all ranks")
     ap.add_argument("--per-rank", action="store_true", help="--batch-size pairs for each rank")

@@ -52,6 +52,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def corpus_args(ap: argparse.ArgumentParser) -> None:
+    """The word2vec benchmarks' corpus flags: --corpus, --eval-dir, --epochs, --max-tokens."""
+    ap.add_argument("--corpus", default=W2V_CORPUS)
+    ap.add_argument("--eval-dir", default=W2V_EVAL)
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=None, help="use the corpus' first N tokens")
+
+
 def setup(args) -> torch.device:
     """The compute device of ``args.device``. A --quick run uses one CPU thread: on a busy
     few-core machine tiny ops lose more to OpenMP's barriers than they gain from threads."""
