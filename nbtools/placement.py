@@ -385,7 +385,7 @@ def make_store(table):
     """The row store (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement
     made it: a disk table's RAM slots (and GPU cache above them), else its host or GPU rows."""
     if table.disk is not None:      # rows from the file, through RAM slots
-        from .disk import DiskStore
+        from .disk.store import DiskStore
         return DiskStore(table.disk, table.device)
     from .store.rows import RowStore
     return RowStore(table.storage, table.device)

@@ -52,12 +52,11 @@ from . import log as disklog
 from ..engine import streams
 from .bits import BitSet
 from .slots import clock_sweep, take_free
-from ..devices import hold_host, host_memory_bytes, release_host, synchronize
+from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..hostmem import HostTensor, keep_freed_memory_small
-from .readahead import Prepared, ReadAhead, Ahead, prepare  # noqa: F401  (Prepared: re-exported)
-from ..store.rows import RowBatch, RowStore
+from .readahead import Prepared, ReadAhead, Ahead  # noqa: F401  (Prepared: re-exported)
 from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
@@ -642,62 +641,6 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
                 f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
 
-class DiskStore(RowStore):
-    """A disk table's row store: the row store over its RAM slots (the slab, read zero-copy as
-    a host table's rows; its GPU cache, if any, as the store's cache), whose lookups bring
-    rows in from the file first (:func:`lookup`), which reads coming steps ahead, and whose
-    rows as a whole are the file's. The table and its lookups use it as any row store."""
-
-    keeps_host_ids = True
-
-    def __init__(self, disk: DiskRows, device):
-        super().__init__(disk.slab, device)
-        self.disk = disk
-        self.write_behind_ok = False    # its batches are slots, not the sorted ids patches need
-        self.cache = disk.above
-
-    @property
-    def kind(self) -> str:
-        return "disk"
-
-    def current_for(self, disk: DiskRows) -> bool:
-        """Whether this store still is ``disk``'s (its slab and GPU cache as they are now)."""
-        return self.host is disk.slab and self.cache is disk.above
-
-    def step_queued(self) -> None:
-        self.disk.step_queued()
-
-    def batch_of(self, table, ids, training: bool, key=None):
-        """A lookup's :class:`RowBatch` of slots, its rows brought into RAM (:func:`lookup`),
-        and the RAM slots it reads."""
-        return lookup(table, ids, training, key)
-
-    def used(self, slots) -> None:
-        """GPU work queued so far reads ``slots`` (an evaluation lookup's gather)."""
-        self.disk.mark_used(slots)
-
-    def read_ahead(self, ids, padding_idx=None) -> bool:
-        self.disk.read_ahead(ids, padding_idx)
-        return True
-
-    def rows_now(self, keep_cache: bool) -> torch.Tensor:
-        self.disk.flush(drop=not keep_cache)            # the file, mapped, once every dirty
-        return self.disk.mapped(writable=not keep_cache)    # row is in it
-
-    @property
-    def nbytes(self) -> int:
-        return self.disk.nbytes
-
-    @property
-    def ram_bytes(self) -> int:
-        return self.disk.ram_bytes
-
-    def close(self) -> None:
-        synchronize(self.device)
-        self.disk.close()               # the file goes with it: save a checkpoint first
-        self.host.close()
-
-
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
 
@@ -796,37 +739,6 @@ def free_bytes(folder) -> int:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return shutil.disk_usage(path).free
-
-
-def lookup(table, ids: torch.Tensor, training: bool, key=None) -> tuple[RowBatch, np.ndarray]:
-    """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
-    read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
-    compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
-    count as :func:`nbtools.store.rows.unique_ids` gives them), and the RAM slots it reads as a
-    host array. With a GPU cache (:mod:`nbtools.disk.gpu`) the batch addresses GPU slots too,
-    and its sentinel is the cache's."""
-    disk = table.disk
-    n = table.num_embeddings
-    p = disk.take_prepared(ids, key) or prepare(ids, n, table.padding_idx)
-    if disk.above is not None:        # a GPU cache over the RAM slots: rows in either level
-        where, slots = disk.above.lookup(p.uniq, training)
-        n = disk.above.sentinel
-    else:
-        where = slots = disk.resolve(p.uniq, training)
-    m = len(where)
-    k, inv = m + int(p.sentinel), p.inverse.reshape(-1)
-    dev = table.device
-    # [addresses | meta | inverse] in one buffer: one pinned copy to the GPU (a pageable copy
-    # would wait for the GPU)
-    buf = torch.empty(k + 3 + inv.numel(), dtype=torch.long,
-                      pin_memory=dev.type == "cuda")
-    buf[:m] = torch.from_numpy(where)
-    buf[m:k] = n
-    buf[k:k + 3] = torch.tensor([int(p.bad), k, int(p.sentinel)])
-    buf[k + 3:] = inv
-    if dev.type == "cuda":
-        buf = buf.to(dev, non_blocking=True)
-    return RowBatch(buf[:k], buf[k + 3:].view(p.inverse.shape), buf[k:k + 3], n), slots
 
 
 def describe(disk: DiskRows) -> str:

@@ -2,7 +2,7 @@
 
 Every tier gives a table the same :class:`RowTier`: :class:`~nbtools.store.rows.RowStore` for
 rows in GPU memory, pinned or pageable host memory and CPU tables, and
-:class:`nbtools.disk.DiskStore` (a RowStore over a disk table's RAM slots) for rows in a file.
+:class:`nbtools.disk.store.DiskStore` (a RowStore over a disk table's RAM slots) for rows in a file.
 :func:`nbtools.placement.make_store` turns a placement into one; the table and its lookups use
 only what the protocol names, never which tier it is.
 """

@@ -258,7 +258,7 @@ class RowStore:
         self._put_stream = None
 
     # --- what a table asks of its rows, whatever tier holds them (the disk tier's store,
-    # nbtools.disk.DiskStore, answers otherwise) ---------------------------------------------
+    # nbtools.disk.store.DiskStore, answers otherwise) ---------------------------------------------
     keeps_host_ids = False   # lookups deduplicate ids on the CPU (ids stay where they are)
 
     @property
