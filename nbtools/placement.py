@@ -382,10 +382,17 @@ def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str
 
 
 def make_store(table):
-    """The row store (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement
-    made it: a disk table's RAM slots (and GPU cache above them), else its host or GPU rows."""
+    """The tier (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement made
+    it: a disk table's RAM slots, under its GPU level where it has one; rows in host memory,
+    written back behind the next step (:mod:`nbtools.store.tiers`); or GPU rows. (A cache of
+    hot rows over host rows comes once the optimizer's state is known:
+    :func:`nbtools.store.tiers.with_cache`.)"""
+    from .store.rows import RowStore
+    from .store.tiers import Cached, WriteBehind
     if table.disk is not None:      # rows from the file, through RAM slots
         from .disk.store import DiskStore
-        return DiskStore(table.disk, table.device)
-    from .store.rows import RowStore
-    return RowStore(table.storage, table.device)
+        tier = DiskStore(table.disk, table.device)
+        above = table.disk.above
+        return tier if above is None else Cached(tier, above, writes_back=False)
+    tier = RowStore(table.storage, table.device)
+    return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

@@ -36,7 +36,10 @@ from .store.cache import TableCache
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
                         check_table_args, choose_placement, copy_unless_same, make_store,
                         regrow_for_state)
-from .store.rows import DeviceRows, LookupGraphs, RowLayout, RowStore
+from .engine.capture import LookupGraphs
+from .store import RowTier
+from .store.rows import DeviceRows, RowLayout, RowStore
+from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
 
@@ -74,7 +77,7 @@ class TableConfig:
     # Write a step's updated rows back to pinned host memory behind the next step, on a side
     # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
     # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
-    # kernel, in steps that write at least RowStore.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
+    # kernel, in steps that write at least WriteBehind.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
     # never (the update writes host memory itself); True: wherever the update is fused, any
     # size, a CPU table too (where the write runs at once: tests use it).
     write_behind: bool | None = None
@@ -268,8 +271,8 @@ class OffloadedEmbedding(nn.Module):
         """``(placement, why)`` for rows of ``nbytes`` (:func:`nbtools.placement.choose_placement`)."""
         return choose_placement(self, nbytes, assumption)
 
-    def _store(self) -> RowStore:
-        """The row store over this table's memory (:func:`nbtools.placement.make_store`)."""
+    def _store(self) -> RowTier:
+        """The tiers over this table's memory (:func:`nbtools.placement.make_store`)."""
         return make_store(self)
 
     def _new_rows(self, shape, dtype):
@@ -328,9 +331,10 @@ class OffloadedEmbedding(nn.Module):
         self.lookups.graphs.invalidate()
 
     @property
-    def rows(self) -> RowStore:
+    def rows(self) -> RowTier:
         """Where the rows ``[weight | state...]`` live, as the compute device reaches them
-        (the row protocol's store: gather, scatter, and the view fused kernels write to)."""
+        (the row protocol's tiers, :mod:`nbtools.store`: gather, scatter, and the view fused
+        kernels write to)."""
         return self._rows
 
     @property
@@ -371,6 +375,11 @@ class OffloadedEmbedding(nn.Module):
 
     def _attach_cache(self) -> None:
         self.hot.attach(self)
+
+    def stack_cache(self, capacity: int) -> None:
+        """Keep up to ``capacity`` hot rows in a GPU cache above this table's rows in host
+        memory (:func:`nbtools.store.tiers.with_cache`; what ``cache_rows`` asks for)."""
+        self._rows = with_cache(self._rows, capacity)
 
     # --- the cache of hot rows (self.hot: nbtools.store.cache.TableCache) -------------------
     @property

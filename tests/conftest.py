@@ -252,7 +252,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def slow_write_backs(monkeypatch):
-    """Every write-back behind a step (RowStore.write_behind) held ~5 ms on its CUDA stream
+    """Every write-back behind a step (WriteBehind.write_behind) held ~5 ms on its CUDA stream
     before it writes: work queued after it that read host rows without waiting or patching
     would read rows it has not written yet. (On the CPU write-backs run at once: no-op.)"""
     import torch

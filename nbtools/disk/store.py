@@ -23,16 +23,16 @@ class DiskStore(RowStore):
     def __init__(self, disk: DiskRows, device):
         super().__init__(disk.slab, device)
         self.disk = disk
-        self.write_behind_ok = False    # its batches are slots, not the sorted ids patches need
-        self.cache = disk.above
 
     @property
     def kind(self) -> str:
         return "disk"
 
-    def current_for(self, disk: DiskRows) -> bool:
-        """Whether this store still is ``disk``'s (its slab and GPU cache as they are now)."""
-        return self.host is disk.slab and self.cache is disk.above
+    def current_for(self, disk: DiskRows, cache=None) -> bool:
+        """Whether this store (under ``cache``) still is ``disk``'s (its slab and GPU level as
+        they are now). It is never written behind: its batches are slots, not the sorted ids
+        patches need."""
+        return self.host is disk.slab and cache is disk.above
 
     def step_queued(self) -> None:
         self.disk.step_queued()

@@ -30,7 +30,8 @@ import torch
 from .. import kernels
 from . import ahead
 from .prefetch import Prefetcher
-from ..store.rows import LookupGraphs, RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
+from .capture import LookupGraphs
+from ..store.rows import RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the
 # table with autograd on but never steps (evaluation without torch.no_grad) would grow forever.

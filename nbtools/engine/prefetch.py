@@ -17,7 +17,8 @@ import torch
 
 from .. import kernels
 from . import streams
-from ..store.rows import LookupGraphs, RowBatch, unique_ids
+from .capture import LookupGraphs
+from ..store.rows import RowBatch, unique_ids
 
 
 @dataclasses.dataclass

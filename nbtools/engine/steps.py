@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from . import streams
-from ..devices import after_failed_capture
+from .capture import capture
 from ..hostmem import HostTensor
 from ..kernels import HYPER
 
@@ -170,7 +170,6 @@ class StepGraphs:
                 entry = self._capture(checks, updates, turn, keep)
             except RuntimeError as e:
                 # this kind of step runs eagerly from now on (slower, not wrong); say why once
-                after_failed_capture()
                 self._failed.add(key)
                 if not self.errors:
                     warnings.warn(f"nbtools: an optimizer step could not be captured as a CUDA "
@@ -187,23 +186,5 @@ class StepGraphs:
 
     @staticmethod
     def _capture(checks, updates, turn: Turn, keep) -> _Graphs:
-        # capture_begin/end rather than torch.cuda.graph(), which empties the allocator's
-        # cache: the blocks this loop's tensors come back to would move
-        main = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(main)
-        graphs = []
-        flags = None
-        with torch.cuda.stream(side):
-            for part in (checks, updates):
-                g = torch.cuda.CUDAGraph()
-                g.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = part()
-                finally:
-                    g.capture_end()
-                if part is checks:
-                    flags = out
-                graphs.append(g)
-        main.wait_stream(side)
-        return _Graphs(graphs[0], graphs[1], keep, flags)
+        (first, second), (flags, _) = capture(checks, updates, device=turn.device)
+        return _Graphs(first, second, keep, flags)

@@ -58,7 +58,7 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
 # programs, 0.85-0.91x on two per SM).
 ZERO_COPY_PROGRAMS = 32       # a gather from pinned host memory
 CACHED_PER_SM = 2             # ... through a cache of hot rows, programs per SM
-WRITE_BEHIND_PROGRAMS = 16    # a write-back behind the next step (RowStore.write_behind)
+WRITE_BEHIND_PROGRAMS = 16    # a write-back behind the next step (WriteBehind.write_behind)
 
 
 @functools.lru_cache(maxsize=None)

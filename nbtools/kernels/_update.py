@@ -20,7 +20,7 @@ def _tile(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_
     # the gradients (fp32, negated to maximize).
     # Rows past the count, the sentinel, and every row when the guard is set: untouched.
     # IN_PLACE: the rows are written where they were read, the gathered rows in GPU
-    # memory (a write-back to the table follows: RowStore.write_behind).
+    # memory (a write-back to the table follows: WriteBehind.write_behind).
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     idx = tl.load(ids + r, mask=r < cap, other=-1)

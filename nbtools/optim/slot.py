@@ -155,7 +155,7 @@ class TableSlot:
 
     def writes_behind(self, got: StepRows, plan: "_FusedPlan | None") -> bool:
         """Whether this step's fused update writes the gathered rows in place, and the table
-        writes them back behind the next step (:meth:`nbtools.store.rows.RowStore.write_behind`)."""
+        writes them back behind the next step (:meth:`nbtools.store.tiers.WriteBehind.write_behind`)."""
         wanted = self.table.config.write_behind
         return plan is not None and wanted is not False and got.has_state \
             and self.table.rows.can_write_behind(got.rows, forced=wanted is True)

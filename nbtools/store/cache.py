@@ -334,7 +334,7 @@ class TableCache:
             attach(table, capacity)
             table.sync_slab()
         else:
-            table.rows.attach_cache(capacity)
+            table.stack_cache(capacity)
             self.counts = CacheCounts()
             if self.warm_counts is not None:
                 table.rows.cache.warm(self.warm_counts, table.rows.view())

@@ -35,10 +35,10 @@ def _train(tmp_path, placement, loop, epochs=2, **kw):
 
 
 def test_a_plain_loop_reads_ahead_and_trains_as_host(tmp_path, monkeypatch):
-    from nbtools import disk
+    from nbtools.disk import store
     own = []
-    real = disk.prepare
-    monkeypatch.setattr(disk, "prepare", lambda *a, **k: own.append(1) or real(*a, **k))
+    real = store.prepare
+    monkeypatch.setattr(store, "prepare", lambda *a, **k: own.append(1) or real(*a, **k))
     on_disk = _train(tmp_path, "disk", lambda ids: ids)
     stats = on_disk.disk.stats
     assert stats["read_ahead"] > 0 and stats["ahead_hits"] > 0
