@@ -273,7 +273,7 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
     run_steps(table, opt, zipf_batches(args.gpu_settle), device, prefetch=args.ahead)
     before = dict(level.counts)
     loops = [measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device, args.ahead)
-             for _ in range(args.rounds)]
+             for _ in range(args.gpu_rounds or args.rounds)]
     mem.mark("gpu cache rounds")
     hits = level.counts["hits"] - before["hits"]
     med = lambda xs: float(np.median(xs))       # noqa: E731
@@ -444,7 +444,11 @@ def main():
                          "cleaner runs (its steady state)")
     ap.add_argument("--gpu-cache-gib", type=float, default=0.0,
                     help="after the rounds: a GPU cache of this size above the RAM cache")
-    ap.add_argument("--gpu-settle", type=int, default=40)
+    ap.add_argument("--gpu-settle", type=int, default=40,
+                    help="steps trained with the GPU cache before its rounds (the rows both "
+                         "levels came down dirty with are written back meanwhile)")
+    ap.add_argument("--gpu-rounds", type=int, default=0,
+                    help="rounds with the GPU cache (default: --rounds)")
     ap.add_argument("--age-copy", action="store_true",
                     help="with --age-s: age by moving randomly chosen rows through the log's own "
                          "appends (one sequential pass over the file, the rows unchanged) "

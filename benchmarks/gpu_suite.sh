@@ -92,7 +92,8 @@ if [ "$what" = disk ]; then
     tiers)   # a 10 GiB GPU cache above the 7 GiB RAM cache, against RAM alone, in one run
       run tiers/disk 580 env NBTOOLS_DISK_SPARE=0.25 python3 benchmarks/bench_disk.py \
         --rows 100000000 --steps 32 --rounds 2 --cache-gib 7 --gpu-cache-gib 10 --dir "$dir" \
-        --age-s 90 --age-copy --also-ahead "" --uniform-rounds 0 \
+        --age-s 90 --age-copy --also-ahead "" --uniform-rounds 0 --gpu-rounds 3 \
+        --gpu-settle 300 \
         --out "$out/tiers" ;;
     sizes)   # the cache the 100M run has (7 GiB of 100M rows), scaled with the rows
       for rows in 1000000 10000000; do
