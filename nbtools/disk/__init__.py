@@ -33,8 +33,6 @@ the batch).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import tempfile
 import threading
@@ -49,14 +47,13 @@ import torch
 
 from .. import NbtoolsError
 from . import log as disklog
-from ..engine import streams
 from .bits import BitSet
-from .slots import clock_sweep, take_free
+from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..hostmem import HostTensor, keep_freed_memory_small
-from .readahead import Prepared, ReadAhead, Ahead  # noqa: F401  (Prepared: re-exported)
+from .readahead import Ahead, Prepared, ReadAhead
 from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
@@ -162,8 +159,8 @@ class _ReadsAhead:
         with self.slots_lock:
             ra = self._readahead
             ra.settle_done()
-            slots = self.slot_of[ids]
-            with self.sparing(slots[slots >= 0]):
+            slots = self.ram.slot_of[ids]
+            with self.ram.sparing(slots[slots >= 0]):
                 ra.start(Ahead(None), ids[slots < 0])
             pending = ra.pending_for(ids)
         for f in pending:
@@ -182,7 +179,7 @@ class _ReadsAhead:
             raise
 
     def _intact(self) -> None:
-        """Raise if a write-back failed (see :meth:`_drain`)."""
+        """Raise if a write-back failed (see :meth:`drain`)."""
         if self._lost is not None:
             rows, e = self._lost
             raise DiskTableBrokenError(
@@ -213,94 +210,16 @@ def row_map_bytes(num_rows: int) -> int:
     return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
 
 
-class _Slots:
-    """Which RAM slot a missing row of a :class:`DiskRows` takes (its base class; the methods
-    use its slot arrays under its lock): a free slot, else one CLOCK finds idle, never one
-    a lookup of this step holds, a read-ahead is loading, or GPU work queued so far still
-    reads or writes (a CUDA event per use). An evicted dirty row is copied aside to be written
-    back beside the step's reads."""
-
-    def mark_used(self, slots: np.ndarray) -> None:
-        """The GPU work queued so far reads or writes ``slots``: they are not reused before it
-        has run (a CUDA event; nothing to wait for on the CPU)."""
-        if self.device.type != "cuda" or len(slots) == 0:
-            return
-        event = torch.cuda.Event()
-        streams.record(event, self.device)
-        self._event_index += 1
-        self._events.append((self._event_index, event))
-        self.busy[slots] = self._event_index
-
-    def advance_clock(self, wait_for: int = 0) -> None:
-        """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
-        while self._events:
-            index, event = self._events[0]
-            if index <= wait_for:
-                event.synchronize()
-            elif not event.query():
-                break
-            self._done_upto = index
-            self._events.popleft()
-
-    @contextlib.contextmanager
-    def sparing(self, hits: np.ndarray):
-        """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
-        was = self.locked[hits].copy()
-        self.locked[hits] = True
-        try:
-            yield
-        finally:
-            self.locked[hits] = was
-
-    def take_slots(self, k: int, wait: bool) -> np.ndarray:
-        """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
-        ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
-        return fewer."""
-        got = [self._take_free(k)]
-        need = k - len(got[0])
-        try:
-            for waiting in (False, True):
-                if not need or waiting and not wait:
-                    break
-                self.advance_clock(wait_for=self._event_index if waiting else 0)  # (a sync)
-                victims = self._sweep(need)
-                self._evict(victims)
-                got.append(victims)
-                need -= len(victims)
-            if need and wait:
-                self._grow(need)
-                got.append(self.take_slots(need, wait))
-        except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
-            self.free_slots.append(np.concatenate(got))
-            raise
-        return np.concatenate(got)
-
-    def _take_free(self, k: int) -> np.ndarray:
-        """Up to ``k`` slots that hold no row."""
-        return take_free(self.free_slots, k)
-
-    def _sweep(self, need: int) -> np.ndarray:
-        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear."""
-        return clock_sweep(self, need, self.slots, lambda lo, hi: (
-            (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & (self.busy[lo:hi] <= self._done_upto)))
-
-    def _evict(self, slots: np.ndarray) -> None:
-        """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
-        :meth:`load_rows`, beside its reads, before the lock is released: no reader of the file
-        can see a row between its eviction and its write."""
-        dirty = slots[self.dirty[slots]]
-        if len(dirty):
-            ids = self.id_of[dirty]
-            order = np.argsort(ids, kind="stable")
-            self.evicted_rows.append((ids[order], self.slab_bytes[dirty[order]]))
-            self.dirty[dirty] = False
-        self.slot_of[self.id_of[slots]] = -1
-        self.id_of[slots] = -1
-        self.stats["evicted"] += len(slots)
-
-
-class DiskRows(WholeTable, _ReadsAhead, _Slots):
+class DiskRows(WholeTable, _ReadsAhead):
     """The rows of one table in a file, and the RAM slots that cache them.
+
+    It owns the file (``file``), the RAM cache (``ram``, :class:`~nbtools.disk.slots.RamSlots`:
+    the slab, the row -> slot map and every slot's state), the read-ahead (``reader``,
+    :class:`~nbtools.disk.readahead.ReadAhead`, from the first :meth:`read_ahead`), the
+    write-back thread of evicted rows, and the table's lock (``slots_lock``), and runs a
+    lookup's path from the file into RAM (:meth:`resolve`). Whole-table access (``.weight``,
+    checkpoints, warming) is its base class :class:`~nbtools.disk.access.WholeTable`. A GPU
+    cache above the slots is ``above``.
 
     Args:
         directory: folder for the table file (created if missing); the file is removed when
@@ -318,11 +237,6 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
     [[6.0, 7.0], [14.0, 15.0]]
     >>> d.close()
     """
-
-    # Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a
-    # lookup's until its step is queued, or a read-ahead's while loading), ahead (brought in by
-    # a read-ahead, not looked up since), loading (a read-ahead's read in flight).
-    SLOT_FLAGS = ("dirty", "ref", "locked", "ahead", "loading")
 
     def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
                  cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
@@ -342,104 +256,42 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         if isinstance(self.file, disklog.LogFile):
             self.file.on_clean = _count_clean
         self._remove = weakref.finalize(self, _remove_file, raw, path)
-        self._pin = pin and self.device.type == "cuda"
         self.slots_lock = threading.RLock()
         self.above = None                       # a GPU cache of hot rows (nbtools.disk.gpu)
         self._readahead = None                  # ReadAhead, from the first read_ahead
-        self.evicted_rows = []                        # evicted dirty rows (ids, bytes) to write
         self._writer = None
         self._lost = None                       # (rows, error) of a write-back that failed
-        self._release_slots = None              # the slot arrays' hold on the host budget
-        # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
-        self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
-        # the two maps below (and a log file's): counted in the host budget
+        # the row -> slot map and the change marks (and a log file's maps): in the host budget
         maps = row_map_bytes(self.num_rows) + getattr(self.file, "map_bytes", 0)
         hold_host(maps, f"table {name!r}'s row maps")
         self._release_maps = weakref.finalize(self, release_host, maps)
         keep_freed_memory_small()
-        self.slot_of = np.full(self.num_rows, -1, dtype=self.index_dtype)  # row -> slot, -1: on disk
-        # rows written to the file since the last checkpoint took them (incremental saves)
-        self.changed = BitSet(self.num_rows, full=True)
-        # the RAM cache is pinned when first needed: a table whose optimizer attaches at once
-        # (and so moves to a file of wider rows) never pins the first one's
-        self._want = max(1, min(int(cache_rows), self.num_rows))
-        self._alloc(1)
-        self._events = collections.deque()      # (index, CUDA event) of GPU uses of slots
-        self._event_index = 0
-        self._done_upto = 0                     # every use up to this index has run
-        self._step = []                         # slots a training lookup locked since a step
-        self._written = []                      # slots a step has queued writes to (unmarked)
-        self._grew_warned = False
-        # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
-        self.initial = None
         # hits: rows found in RAM that no read-ahead brought in (those count as ahead_hits:
         # read from disk all the same, only earlier)
         self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
                       "read_ahead": 0, "ahead_hits": 0, "from_write_back": 0}
-
-    # --- the slab -------------------------------------------------------------------------
-    def _alloc(self, slots: int, old=None) -> None:
-        """(Re)allocate ``slots`` RAM slots, keeping the first ``len(old)`` slots' rows."""
-        held = slots * self.slot_bytes              # the slot arrays, counted in the host budget
-        hold_host(held, f"table {self.name!r}'s RAM slots")
-        try:
-            slab = HostTensor((slots, self.width), self.dtype, pin=self._pin,
-                              name=f"{self.name} (RAM cache)",
-                              device=self.device if self.device.type == "cuda" else None)
-        except BaseException:
-            release_host(held)
-            raise
-        if self._release_slots is not None:
-            self._release_slots()
-        self._release_slots = weakref.finalize(self, release_host, held)
-        keep = 0
-        if old is not None:
-            keep = old.tensor.shape[0]
-            slab.tensor[:keep].copy_(old.tensor)
-        self.slab = slab
-        self.slots = slots
-        self.slab_bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
-        if old is None:
-            self.id_of = np.full(slots, -1, dtype=self.index_dtype)
-            self.busy = np.zeros(slots, dtype=np.int64)
-            for name in self.SLOT_FLAGS:
-                setattr(self, name, np.zeros(slots, dtype=bool))
-            self.hand = 0                       # CLOCK's hand (clock_sweep)
-        else:
-            grow = slots - keep
-            self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=self.index_dtype)))
-            self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
-            for name in self.SLOT_FLAGS:
-                setattr(self, name, np.concatenate((getattr(self, name),
-                                                    np.zeros(grow, dtype=bool))))
-        if old is None:
-            self.free_slots = collections.deque([np.arange(slots, dtype=self.index_dtype)])
-        else:   # the old slots keep their free list (a _take that grows holds the rest)
-            self.free_slots.append(np.arange(keep, slots, dtype=self.index_dtype))
-        self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
+        self.ram = RamSlots(self.num_rows, self.width, dtype,
+                            want=max(1, min(int(cache_rows), self.num_rows)),
+                            device=self.device, pin=pin and self.device.type == "cuda",
+                            name=name, counts=self.stats)
+        # rows written to the file since the last checkpoint took them (incremental saves)
+        self.changed = BitSet(self.num_rows, full=True)
+        self._grew_warned = False
+        # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
+        self.initial = None
 
     @property
-    def capacity_rows(self) -> int:
-        """Rows the RAM cache holds (once pinned; more if a step needed it)."""
-        return max(self.slots, self._want)
-
-    @property
-    def pinned(self) -> bool:
-        return self.slab.pinned
+    def slab(self) -> HostTensor:
+        """The RAM cache's rows ``[slots, width]`` (``ram.slab``; a new one when it grows)."""
+        return self.ram.slab
 
     @property
     def ram_bytes(self) -> int:
         """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
-        if self.slot_of is None:                # closed
+        if self.ram.slot_of is None:            # closed
             return 0
-        return (self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes
-                + self.slots * self.slot_bytes + getattr(self.file, "map_bytes", 0))
-
-    @property
-    def slot_bytes(self) -> int:
-        """RAM a slot takes beside its row: its row number, its last use, its flags and its
-        place in the free list."""
-        return 2 * np.dtype(self.index_dtype).itemsize + 8 + len(self.SLOT_FLAGS)
+        return (self.ram.ram_bytes + self.changed.nbytes
+                + getattr(self.file, "map_bytes", 0))
 
     @property
     def nbytes(self) -> int:
@@ -457,18 +309,13 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         """The optimizer has taken this table's lookups (its update is queued after this):
         their slots are marked used at the next host access. Lock-free: the step's Python
         never waits for a read-ahead."""
-        if self._step:
-            self._written.append(np.concatenate(self._step))
-            self._step = []
+        self.ram.step_queued()
         if self.above is not None:
             self.above.step_queued()
 
-    def _close_step(self) -> None:
-        written, self._written = self._written, []
-        if written:
-            slots = np.concatenate(written)
-            self.mark_used(slots)
-            self.locked[slots] = False
+    def mark_used(self, slots: np.ndarray) -> None:
+        """The GPU work queued so far reads or writes RAM ``slots`` (:meth:`RamSlots.mark_used`)."""
+        self.ram.mark_used(slots)
 
     # --- rows in and out of RAM -----------------------------------------------------------
     def resolve(self, ids: np.ndarray, training: bool) -> np.ndarray:
@@ -482,16 +329,17 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         self.ensure_slab()
         if self._readahead is not None:
             self._load_beside(ids)
+        ram = self.ram
         with self.slots_lock:
             if self._readahead is not None:     # (now quick; and whatever began meanwhile)
                 self._readahead.settle_for(ids)
-            self._close_step()
-            slots = self.slot_of[ids]
+            ram.close_step()
+            slots = ram.slot_of[ids]
             miss = slots < 0
             nmiss = int(miss.sum())
             found = slots[~miss]
-            early = int(self.ahead[found].sum())     # rows a read-ahead brought in
-            self.ahead[found] = False
+            early = int(ram.ahead[found].sum())     # rows a read-ahead brought in
+            ram.ahead[found] = False
             self.stats["lookups"] += len(ids)
             self.stats["misses"] += nmiss
             self.stats["hits"] += len(ids) - nmiss - early
@@ -499,23 +347,15 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             _counters["lookup_rows"] += len(ids)
             _counters["hit_rows"] += len(ids) - nmiss - early
             if nmiss:
-                with self.sparing(slots[~miss]):
-                    free = self.take_slots(nmiss, wait=True)
+                with ram.sparing(slots[~miss]):
+                    free = ram.take_slots(nmiss, wait=True, grow=self.grow)
                 self.load_rows(ids[miss], free)
                 slots[miss] = free
-            self.ref[slots] = True
+            ram.ref[slots] = True
             if training:
-                self.locked[slots] = True
-                self.dirty[slots] = True
-                self._step.append(slots)
+                ram.lock_for_step(slots)
         _counters["wait_s"] += time.perf_counter() - t0
         return slots
-
-    def _write_slots(self, slots: np.ndarray) -> None:
-        ids = self.id_of[slots]
-        order = np.argsort(ids, kind="stable")
-        self.file_write(ids[order], self.slab_bytes, slots[order])
-        self.dirty[slots] = False
 
     def file_write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
         """Rows ``ids`` (sorted), as stored (``src``, or its rows ``at``), into the file,
@@ -533,9 +373,10 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):
         this lookup, which holds the table's lock, does not wait behind their write-backs.
         (A read-ahead's loads are :mod:`nbtools.disk.readahead`'s, outside the lock.)"""
+        ram = self.ram
         writing = None
-        if self.evicted_rows:
-            stash, self.evicted_rows = self.evicted_rows, []
+        if ram.evicted_rows:
+            stash = ram.take_evicted()
             writing = self.writer_pool().submit(self.drain, stash)
             if self._readahead is not None:
                 self._readahead.track_write(stash, writing)
@@ -546,24 +387,24 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         t0 = time.perf_counter()
         try:
             if len(rest):
-                self.file.read(rest, self.slab_bytes, at=at)
+                self.file.read(rest, ram.slab_bytes, at=at)
         except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
-            self.free_slots.append(np.asarray(slots, dtype=self.index_dtype))
+            ram.free_slots.append(np.asarray(slots, dtype=ram.index_dtype))
             raise
         finally:
             if writing is not None:     # evicted rows on disk before any reader looks
                 uninterrupted(writing.result)
         self.count_read(rest, time.perf_counter() - t0)
-        self.placed(ids, slots)
+        ram.placed(ids, slots)
         if kept is not None:
-            self.dirty[slots[kept]] = True      # (the file may not have them yet)
+            ram.dirty[slots[kept]] = True      # (the file may not have them yet)
 
     def write_evicted(self) -> None:
         """Write the rows evicted so far (on the write-back thread; where read-aheads run,
         theirs to track, else waited for here). Under the lock."""
-        if not self.evicted_rows:
+        if not self.ram.evicted_rows:
             return
-        stash, self.evicted_rows = self.evicted_rows, []
+        stash = self.ram.take_evicted()
         writing = self.writer_pool().submit(self.drain, stash)
         if self._readahead is not None:
             self._readahead.track_write(stash, writing)
@@ -577,43 +418,35 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
         self._write_stash()
         self.file_write(np.asarray(ids, dtype=np.int64), raw)
 
-    def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Rows ``ids`` now sit, clean, in ``slots``."""
-        self.slot_of[ids] = slots
-        self.id_of[slots] = ids
-        self.dirty[slots] = False
-        self.ahead[slots] = False
-        self.ref[slots] = True
-
+    # --- the slab's size ------------------------------------------------------------------
     def ensure_slab(self) -> None:
         """Pin the RAM cache at its full size, the first time rows are needed (on the
         training loop's thread: the table then takes the new slab, ``slab``)."""
         with self.slots_lock:
-            if self.slots < self._want:
-                self._resize(self._want)
+            if self.ram.slots < self.ram.want:
+                self._resize(self.ram.want)
 
     def _resize(self, slots: int) -> None:
         if self._readahead is not None:         # reads in flight write into the old slab
             self._readahead.wait_io()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)     # queued kernels read the old slab
-        old = self.slab
-        self._alloc(slots, old)
-        old.close()
+        self.ram.resize(slots)
 
-    def _grow(self, need: int) -> None:
-        """One step touches more rows than the slab holds: make room (a host sync)."""
-        slots = self.slots + max(need, self.slots // 4)
+    def grow(self, need: int) -> None:
+        """One step touches more rows than the slab holds: make room for ``need`` more (a
+        host sync; what :meth:`RamSlots.take_slots` calls when waiting frees too few)."""
+        ram = self.ram
+        slots = ram.slots + max(need, ram.slots // 4)
         if not self._grew_warned:
             self._grew_warned = True
             warnings.warn(
                 f"table {self.name!r}: one step touches more distinct rows than its RAM cache "
-                f"holds ({self.slots:,} rows, {human_bytes(self.slab.nbytes)}); growing it to "
+                f"holds ({ram.slots:,} rows, {human_bytes(ram.slab.nbytes)}); growing it to "
                 f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
                 "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
         self._resize(slots)
 
-    # --- read-ahead -----------------------------------------------------------------------
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
@@ -623,14 +456,12 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             if self._writer is not None:
                 self._writer.shutdown()
             self._readahead = self._writer = None
-        self.slab.close()
+        self.ram.close()                # (its slot arrays leave the host budget now)
         self._map = None
         self.above = None
         self._remove()
-        # the row maps leave the host budget now (the slab's pages when the table goes)
-        self._release_maps()
-        self._release_slots()
-        self.slot_of = self.changed = None
+        self._release_maps()            # the row maps leave the host budget now
+        self.changed = None
 
     def __reduce__(self):
         raise TypeError(f"table {self.name!r} lives on disk and cannot be copied or pickled; "
@@ -638,8 +469,9 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
 
     def __repr__(self):
         return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
-                f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
+                f"row_bytes={self.row_bytes}, ram={self.ram.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
+
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
@@ -750,5 +582,6 @@ def describe(disk: DiskRows) -> str:
         f", log-structured ({disk.file.slots - disk.num_rows:,} spare slots; "
         f"{log['appended']:,} rows appended, {log['cleaned']:,} moved by the cleaner)")
     return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}{layout}), RAM cache "
-            f"{disk.capacity_rows:,} rows ({human_bytes(disk.capacity_rows * disk.row_bytes)}, "
+            f"{disk.ram.capacity_rows:,} rows "
+            f"({human_bytes(disk.ram.capacity_rows * disk.row_bytes)}, "
             f"hit rate {rate})")

@@ -11,7 +11,6 @@ Each first waits for the read-ahead, so no read of the file overlaps a write of 
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import numpy as np
@@ -31,7 +30,7 @@ def chunk_rows(disk) -> int:
 
 class WholeTable:
     """Whole-table access to a :class:`~nbtools.disk.DiskRows` (its base class: the methods
-    use its file, slots and lock)."""
+    use its file, RAM slots (``ram``) and lock)."""
 
     def _ensure_init(self) -> None:
         """Write the initial rows to the file the first time any row is needed."""
@@ -58,9 +57,10 @@ class WholeTable:
         flat = np.asarray(ids).reshape(-1)
         above = self.above
         with self.slots_lock:
-            room = level.free_rows if level is not None else sum(len(f) for f in self.free_slots)
+            room = level.free_rows if level is not None else \
+                sum(len(f) for f in self.ram.free_slots)
             have = (lambda c: level.holds(c)) if level is not None else \
-                (lambda c: (self.slot_of[c] >= 0) | (above is not None and above.holds(c)))
+                (lambda c: (self.ram.slot_of[c] >= 0) | (above is not None and above.holds(c)))
             want = np.zeros(self.num_rows, dtype=bool)          # the rows to load
             for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
                 if not room:
@@ -93,13 +93,13 @@ class WholeTable:
                     level.place(part, buf[part - start] if dense else buf)
                     loaded += len(part)
                     continue
-                free = self._take_free(len(part))
+                free = self.ram.take_free(len(part))
                 part = part[: len(free)]
                 if not len(part):
                     break
                 if dense:
-                    self.slab_bytes[free] = buf[part - start]
-                    self.placed(part, free)
+                    self.ram.slab_bytes[free] = buf[part - start]
+                    self.ram.placed(part, free)
                 else:
                     self.load_rows(part, free)
                 loaded += len(part)
@@ -111,30 +111,34 @@ class WholeTable:
         ``drop``, also empty RAM of every row no pending lookup holds."""
         self.wait_read_ahead()
         self._ensure_init()
+        ram = self.ram
         with self.slots_lock:
             self._write_stash()
-            self._close_step()
-            self.advance_clock(wait_for=self._event_index)
+            ram.close_step()
+            ram.advance_clock(wait_for=ram.last_use)
             if self.above is not None:      # rows the GPU changed: into RAM or the file first
                 self.above.flush(drop)
-            dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
+            dirty = np.flatnonzero(ram.dirty & (ram.id_of >= 0))
             if len(dirty):
                 self._write_slots(dirty)
             if drop:
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                self.ref[out] = False
-                free = np.flatnonzero(self.id_of < 0)
-                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
+                out = np.flatnonzero((ram.id_of >= 0) & ~ram.locked)
+                ram.ref[out] = False
+                ram.forget(out)
+
+    def _write_slots(self, slots: np.ndarray) -> None:
+        ram = self.ram
+        ids = ram.id_of[slots]
+        order = np.argsort(ids, kind="stable")
+        self.file_write(ids[order], ram.slab_bytes, slots[order])
+        ram.dirty[slots] = False
 
     def _write_stash(self) -> None:
         """Write evicted rows a lookup did not get to write (it was interrupted): before
         anything reads the file, or writes rows the stash would then overwrite. Under the
         lock."""
-        if self.evicted_rows:
-            stash, self.evicted_rows = self.evicted_rows, []
-            self.drain(stash)
+        if self.ram.evicted_rows:
+            self.drain(self.ram.take_evicted())
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
@@ -148,10 +152,10 @@ class WholeTable:
                 self.above.forget_rows(ids)
             self.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed.add(ids)
-            slots = self.slot_of[ids]
+            slots = self.ram.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                self.slab_bytes[slots[hot]] = raw[hot]
+                self.ram.slab_bytes[slots[hot]] = raw[hot]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
@@ -177,10 +181,10 @@ class WholeTable:
             out = torch.empty((stop - start, self.width), dtype=self.dtype)
             raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
             self.file.read_range(start, raw)
-            slots = self.slot_of[start:stop]
+            slots = self.ram.slot_of[start:stop]
             hot = np.flatnonzero(slots >= 0)
             if len(hot):
-                raw[hot] = self.slab_bytes[slots[hot]]
+                raw[hot] = self.ram.slab_bytes[slots[hot]]
             return out
 
     def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
@@ -234,12 +238,9 @@ class WholeTable:
             self.wait_read_ahead()      # rows read before the writes reach the file go below
             m.flush()
             self._map = None
+            ram = self.ram
             with self.slots_lock:     # rows cached in RAM may be older than what was written
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked & ~self.dirty)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                free = np.flatnonzero(self.id_of < 0)
-                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
+                ram.forget(np.flatnonzero((ram.id_of >= 0) & ~ram.locked & ~ram.dirty))
 
     def take_changed(self) -> np.ndarray:
         """Sorted ids of the rows written to the file since the last call (every row the first
@@ -282,10 +283,10 @@ class WholeTable:
         with self.slots_lock:
             if self.above is not None:
                 self.above.flush()
-            slots = self.slot_of[ids]
+            slots = self.ram.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                out[hot] = self.slab_bytes[slots[hot]]
+                out[hot] = self.ram.slab_bytes[slots[hot]]
             if not hot.all():
                 cold = np.flatnonzero(~hot)
                 self.file.read(ids[cold], out, at=cold)
@@ -318,19 +319,11 @@ class WholeTable:
         self.wait_read_ahead()
         self.sync_mapped()
         with self.slots_lock:
-            self._close_step()
-            self._step = []
-            self.advance_clock(wait_for=self._event_index)
-            self.evicted_rows = []
+            self.ram.discard()
             if self.above is not None:
                 self.above.discard()
             if self._readahead is not None:
                 self._readahead.queue.clear()
             self.initial = None
-            self.slot_of[:] = -1
-            self.id_of[:] = -1
-            for name in self.SLOT_FLAGS:
-                getattr(self, name)[:] = False
-            self.free_slots = collections.deque([np.arange(self.slots, dtype=np.int64)])
             self.changed.fill(True)
             self._checkpoint = None
