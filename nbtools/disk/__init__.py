@@ -53,7 +53,7 @@ from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..hostmem import HostTensor, keep_freed_memory_small
-from .readahead import Ahead, Prepared, ReadAhead
+from .readahead import Prepared, ReadAhead
 from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
@@ -108,101 +108,6 @@ class DiskTableBrokenError(NbtoolsError, OSError):
     later use; its last checkpoint is intact."""
 
 
-class _ReadsAhead:
-    """A disk table's read-ahead (:mod:`nbtools.disk.readahead`) and the traffic counts it shares
-    with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
-    steps use."""
-
-    def read_ahead(self, ids: torch.Tensor, padding_idx=None, key=None) -> None:
-        """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
-        are not in RAM, in the background, and deduplicating them for their lookup. Calls for
-        several coming steps, in order, keep that many in flight (up to
-        :data:`nbtools.disk.readahead.DEPTH`). Changes no value: only where rows are."""
-        self._ensure_init()
-        self.ensure_slab()
-        if self._readahead is None:
-            self._readahead = ReadAhead(self)
-        self._readahead.submit(ids, padding_idx, key)
-
-    @property
-    def reader(self) -> "ReadAhead | None":
-        """The table's read-ahead (:class:`~nbtools.disk.readahead.ReadAhead`: its queue of
-        coming steps and the write-backs it tracks); None until a read-ahead starts."""
-        return self._readahead
-
-    def take_prepared(self, ids: torch.Tensor, key=None) -> "Prepared | None":
-        """The read-ahead's deduplication of these very ids (the same tensor object, or the
-        read-ahead submitted with ``key``: :mod:`nbtools.engine.ahead`), once."""
-        if self._readahead is None:
-            return None
-        t0 = time.perf_counter()
-        p = self._readahead.take(ids, key)
-        _counters["wait_s"] += time.perf_counter() - t0
-        return p
-
-    def wait_read_ahead(self) -> None:
-        """Wait for every read-ahead in flight (before the file or the slab is used from
-        outside a step); raise if a write-back ever failed (:meth:`_intact`)."""
-        if self._readahead is not None:
-            try:
-                self._readahead.wait()
-            except Exception:
-                self._intact()              # a failed write-back is what to report
-                raise
-        self._intact()
-
-    def _load_beside(self, ids: np.ndarray) -> None:
-        """Where read-aheads run, a lookup of ``ids`` loads the rows no read-ahead brought in
-        as one would, and waits for its loads outside the lock, so that a coming step's
-        read-ahead starts its reads meanwhile. (Whatever changes before the lookup takes the
-        lock again is settled under it, as without read-ahead.)"""
-        with self.slots_lock:
-            ra = self._readahead
-            ra.settle_done()
-            slots = self.ram.slot_of[ids]
-            with self.ram.sparing(slots[slots >= 0]):
-                ra.start(Ahead(None), ids[slots < 0])
-            pending = ra.pending_for(ids)
-        for f in pending:
-            f.exception()                       # (raised where the load is settled)
-
-    def drain(self, stash) -> None:
-        """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread).
-        If that fails, the file lacks their newest values: the table refuses every later
-        use (:meth:`_intact`) rather than read or save stale rows."""
-        try:
-            for ids, rows in stash:
-                self.file_write(ids, rows)
-        except BaseException as e:
-            if self._lost is None:
-                self._lost = (sum(len(i) for i, _ in stash), e)
-            raise
-
-    def _intact(self) -> None:
-        """Raise if a write-back failed (see :meth:`drain`)."""
-        if self._lost is not None:
-            rows, e = self._lost
-            raise DiskTableBrokenError(
-                f"table {self.name!r}: writing {rows:,} evicted rows back to "
-                f"{self.file.path!r} failed ({e}); the file lacks their newest values, so "
-                "nothing more is read from or saved out of this table. Restore the last "
-                "checkpoint into a new table (CheckpointManager.restore).") from e
-
-    def writer_pool(self) -> ThreadPoolExecutor:
-        """The table's one write-back thread: write-backs run in the order given."""
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
-        return self._writer
-
-    def count_ahead(self, rows: int) -> None:
-        self.stats["read_ahead"] += rows
-        _counters["ahead_rows"] += rows
-
-    def count_read(self, ids: np.ndarray, seconds: float) -> None:
-        _counters["read_s"] += seconds
-        _counters["read_bytes"] += len(ids) * self.row_bytes
-
-
 def row_map_bytes(num_rows: int) -> int:
     """RAM a disk table of ``num_rows`` rows keeps whatever its cache (beside a log file's
     maps): its row -> slot map (int32 where the rows fit, else int64) and its change marks
@@ -210,7 +115,7 @@ def row_map_bytes(num_rows: int) -> int:
     return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
 
 
-class DiskRows(WholeTable, _ReadsAhead):
+class DiskRows(WholeTable):
     """The rows of one table in a file, and the RAM slots that cache them.
 
     It owns the file (``file``), the RAM cache (``ram``, :class:`~nbtools.disk.slots.RamSlots`:
@@ -328,7 +233,7 @@ class DiskRows(WholeTable, _ReadsAhead):
         self._ensure_init()
         self.ensure_slab()
         if self._readahead is not None:
-            self._load_beside(ids)
+            self._readahead.load_beside(ids)
         ram = self.ram
         with self.slots_lock:
             if self._readahead is not None:     # (now quick; and whatever began meanwhile)
@@ -446,6 +351,81 @@ class DiskRows(WholeTable, _ReadsAhead):
                 f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
                 "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
         self._resize(slots)
+
+    # --- read-ahead and write-back --------------------------------------------------------
+    def read_ahead(self, ids: torch.Tensor, padding_idx=None, key=None) -> None:
+        """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
+        are not in RAM, in the background, and deduplicating them for their lookup. Calls for
+        several coming steps, in order, keep that many in flight (up to
+        :data:`nbtools.disk.readahead.DEPTH`). Changes no value: only where rows are."""
+        self._ensure_init()
+        self.ensure_slab()
+        if self._readahead is None:
+            self._readahead = ReadAhead(self)
+        self._readahead.submit(ids, padding_idx, key)
+
+    @property
+    def reader(self) -> "ReadAhead | None":
+        """The table's read-ahead (:class:`~nbtools.disk.readahead.ReadAhead`: its queue of
+        coming steps and the write-backs it tracks); None until a read-ahead starts."""
+        return self._readahead
+
+    def take_prepared(self, ids: torch.Tensor, key=None) -> "Prepared | None":
+        """The read-ahead's deduplication of these very ids (the same tensor object, or the
+        read-ahead submitted with ``key``: :mod:`nbtools.engine.ahead`), once."""
+        if self._readahead is None:
+            return None
+        t0 = time.perf_counter()
+        p = self._readahead.take(ids, key)
+        _counters["wait_s"] += time.perf_counter() - t0
+        return p
+
+    def wait_read_ahead(self) -> None:
+        """Wait for every read-ahead in flight (before the file or the slab is used from
+        outside a step); raise if a write-back ever failed (:meth:`_intact`)."""
+        if self._readahead is not None:
+            try:
+                self._readahead.wait()
+            except Exception:
+                self._intact()              # a failed write-back is what to report
+                raise
+        self._intact()
+
+    def drain(self, stash) -> None:
+        """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread).
+        If that fails, the file lacks their newest values: the table refuses every later
+        use (:meth:`_intact`) rather than read or save stale rows."""
+        try:
+            for ids, rows in stash:
+                self.file_write(ids, rows)
+        except BaseException as e:
+            if self._lost is None:
+                self._lost = (sum(len(i) for i, _ in stash), e)
+            raise
+
+    def _intact(self) -> None:
+        """Raise if a write-back failed (see :meth:`drain`)."""
+        if self._lost is not None:
+            rows, e = self._lost
+            raise DiskTableBrokenError(
+                f"table {self.name!r}: writing {rows:,} evicted rows back to "
+                f"{self.file.path!r} failed ({e}); the file lacks their newest values, so "
+                "nothing more is read from or saved out of this table. Restore the last "
+                "checkpoint into a new table (CheckpointManager.restore).") from e
+
+    def writer_pool(self) -> ThreadPoolExecutor:
+        """The table's one write-back thread: write-backs run in the order given."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="nbtools-writeback")
+        return self._writer
+
+    def count_ahead(self, rows: int) -> None:
+        self.stats["read_ahead"] += rows
+        _counters["ahead_rows"] += rows
+
+    def count_read(self, ids: np.ndarray, seconds: float) -> None:
+        _counters["read_s"] += seconds
+        _counters["read_bytes"] += len(ids) * self.row_bytes
 
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""

@@ -142,6 +142,21 @@ class ReadAhead:
             d.ram.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK
             self.start(item, want[where < 0])       # spares them once more before its lookup
 
+    def load_beside(self, ids: np.ndarray) -> None:
+        """A lookup of ``ids`` (sorted, unique) loads the rows no read-ahead brought in as one
+        would, and waits for its loads outside the lock, so that a coming step's read-ahead
+        starts its reads meanwhile. (Whatever changes before the lookup takes the lock again
+        is settled under it, as without read-ahead.)"""
+        d = self.disk
+        with d.slots_lock:
+            self.settle_done()
+            slots = d.ram.slot_of[ids]
+            with d.ram.sparing(slots[slots >= 0]):
+                self.start(Ahead(None), ids[slots < 0])
+            pending = self.pending_for(ids)
+        for f in pending:
+            f.exception()                       # (raised where the load is settled)
+
     def start(self, item: Ahead, miss: np.ndarray) -> None:
         """Under the lock: start loading rows ``miss`` (sorted, not in RAM): slots taken
         (as many as free or evictable without waiting), rows still queued for write-back
