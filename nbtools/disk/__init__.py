@@ -47,7 +47,6 @@ import torch
 
 from .. import NbtoolsError
 from . import log as disklog
-from .bits import BitSet
 from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
@@ -115,7 +114,7 @@ def row_map_bytes(num_rows: int) -> int:
     return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
 
 
-class DiskRows(WholeTable):
+class DiskRows:
     """The rows of one table in a file, and the RAM slots that cache them.
 
     It owns the file (``file``), the RAM cache (``ram``, :class:`~nbtools.disk.slots.RamSlots`:
@@ -123,8 +122,8 @@ class DiskRows(WholeTable):
     :class:`~nbtools.disk.readahead.ReadAhead`, from the first :meth:`read_ahead`), the
     write-back thread of evicted rows, and the table's lock (``slots_lock``), and runs a
     lookup's path from the file into RAM (:meth:`resolve`). Whole-table access (``.weight``,
-    checkpoints, warming) is its base class :class:`~nbtools.disk.access.WholeTable`. A GPU
-    cache above the slots is ``above``.
+    checkpoints, warming) is ``whole`` (:class:`~nbtools.disk.access.WholeTable`), whose
+    methods the table's of the same names call. A GPU cache above the slots is ``above``.
 
     Args:
         directory: folder for the table file (created if missing); the file is removed when
@@ -179,10 +178,9 @@ class DiskRows(WholeTable):
                             want=max(1, min(int(cache_rows), self.num_rows)),
                             device=self.device, pin=pin and self.device.type == "cuda",
                             name=name, counts=self.stats)
-        # rows written to the file since the last checkpoint took them (incremental saves)
-        self.changed = BitSet(self.num_rows, full=True)
+        self.whole = WholeTable(self)
         self._grew_warned = False
-        # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
+        # rows(start, stop) -> the initial rows, until they are first needed (ensure_init)
         self.initial = None
 
     @property
@@ -195,7 +193,7 @@ class DiskRows(WholeTable):
         """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
         if self.ram.slot_of is None:            # closed
             return 0
-        return (self.ram.ram_bytes + self.changed.nbytes
+        return (self.ram.ram_bytes + self.whole.changed.nbytes
                 + getattr(self.file, "map_bytes", 0))
 
     @property
@@ -229,8 +227,8 @@ class DiskRows(WholeTable):
         rows are written by it)."""
         t0 = time.perf_counter()
         self._intact()
-        self.sync_mapped()
-        self._ensure_init()
+        self.whole.sync_mapped()
+        self.whole.ensure_init()
         self.ensure_slab()
         if self._readahead is not None:
             self._readahead.load_beside(ids)
@@ -267,7 +265,7 @@ class DiskRows(WholeTable):
         counted; every write of the table's file goes through here."""
         t0 = time.perf_counter()
         self.file.write(ids, src, at=at)
-        self.changed.add(ids)
+        self.whole.changed.add(ids)
         _counters["write_s"] += time.perf_counter() - t0
         _counters["write_bytes"] += len(ids) * self.row_bytes
         self.stats["written_back"] += len(ids)
@@ -316,11 +314,18 @@ class DiskRows(WholeTable):
         else:
             uninterrupted(writing.result)
 
+    def write_stash(self) -> None:
+        """Write evicted rows a lookup did not get to write (it was interrupted): before
+        anything reads the file, or writes rows the stash would then overwrite. Under the
+        lock."""
+        if self.ram.evicted_rows:
+            self.drain(self.ram.take_evicted())
+
     def write_file(self, ids: np.ndarray, raw: np.ndarray) -> None:
         """Write rows ``ids`` (sorted; not in RAM) as stored (uint8 ``[len(ids), row_bytes]``)
         to the file, after the evicted rows still waiting. Under the lock, with no read-ahead
         in flight."""
-        self._write_stash()
+        self.write_stash()
         self.file_write(np.asarray(ids, dtype=np.int64), raw)
 
     # --- the slab's size ------------------------------------------------------------------
@@ -358,7 +363,7 @@ class DiskRows(WholeTable):
         are not in RAM, in the background, and deduplicating them for their lookup. Calls for
         several coming steps, in order, keep that many in flight (up to
         :data:`nbtools.disk.readahead.DEPTH`). Changes no value: only where rows are."""
-        self._ensure_init()
+        self.whole.ensure_init()
         self.ensure_slab()
         if self._readahead is None:
             self._readahead = ReadAhead(self)
@@ -427,6 +432,59 @@ class DiskRows(WholeTable):
         _counters["read_s"] += seconds
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
+    # --- the table as a whole (nbtools.disk.access.WholeTable: see its methods) -----------
+    def warm(self, ids, level=None) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots, or ``level``'s."""
+        return self.whole.warm(ids, level)
+
+    def flush(self, drop: bool = False) -> None:
+        """Write every dirty row to the file; with ``drop``, also empty RAM."""
+        self.whole.flush(drop)
+
+    def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Write whole rows ``ids`` (sorted) to the file (and their RAM copies)."""
+        self.whole.write_rows(ids, rows)
+
+    def write_range(self, start: int, rows: torch.Tensor) -> None:
+        """Write rows ``start:start + len(rows)`` (not cached in RAM) to the file."""
+        self.whole.write_range(start, rows)
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` as they are now: a fresh CPU tensor."""
+        return self.whole.read_rows(start, stop)
+
+    def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
+        """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first)."""
+        return self.whole.mapped(writable, ordered)
+
+    def take_changed(self) -> np.ndarray:
+        """Sorted ids of the rows written to the file since the last call, after a flush."""
+        return self.whole.take_changed()
+
+    def changed_since(self, token) -> int | None:
+        """Rows written since the checkpoint ``token``, or None where not counted from it."""
+        return self.whole.changed_since(token)
+
+    def changed_ids(self, start: int, stop: int) -> np.ndarray:
+        """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
+        return self.whole.changed_ids(start, stop)
+
+    def mark_checkpointed(self, token) -> None:
+        """The checkpoint ``token`` now holds every row as it is: count changes from here."""
+        self.whole.mark_checkpointed(token)
+
+    def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``ids`` (sorted, unique) as stored into ``out``: RAM's copy, else the file's."""
+        self.whole.copy_rows(ids, out)
+
+    def hold_mapping(self, writable: bool = False):
+        """A context within which :meth:`mapped` returns one and the same mapping."""
+        return self.whole.hold_mapping(writable)
+
+    def discard_cache(self) -> None:
+        """Forget every row in RAM and every row not yet written (a restore comes next)."""
+        self.whole.discard_cache()
+
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
@@ -437,11 +495,10 @@ class DiskRows(WholeTable):
                 self._writer.shutdown()
             self._readahead = self._writer = None
         self.ram.close()                # (its slot arrays leave the host budget now)
-        self._map = None
+        self.whole.close()
         self.above = None
         self._remove()
         self._release_maps()            # the row maps leave the host budget now
-        self.changed = None
 
     def __reduce__(self):
         raise TypeError(f"table {self.name!r} lives on disk and cannot be copied or pickled; "
