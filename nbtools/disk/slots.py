@@ -75,6 +75,15 @@ class RamSlots:
     free), ``busy`` (a slot's last GPU use), one bool per slot for each of :data:`SLOT_FLAGS`;
     ``slab_bytes`` the slab as ``[slots, row_bytes]`` uint8; ``free_slots`` a deque of slot
     arrays; ``hand`` CLOCK's hand.
+
+    >>> ram = RamSlots(100, 2, torch.float32, want=4, device=torch.device("cpu"), pin=False,
+    ...                name="t", counts={"evicted": 0})
+    >>> ram.resize(ram.want)                    # (a table does this when rows are first needed)
+    >>> got = ram.take_slots(3, wait=False)
+    >>> ram.placed(np.array([7, 8, 9]), got)
+    >>> ram.slot_of[[7, 8, 9]].tolist(), len(ram.take_free(5)), ram.capacity_rows
+    ([0, 1, 2], 1, 4)
+    >>> ram.close()
     """
 
     # Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a
