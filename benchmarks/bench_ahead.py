@@ -30,7 +30,7 @@ def loop(table, opt, loader, device, kind: str, coming: list) -> float:
     """ms/step of one loop over ``loader``: "plain" (the loader's tensors), "prefetch" (the
     same ids from the host, ``table.prefetch`` 8 steps ahead), "copied" (``ids + 0``)."""
     head = torch.linspace(-1, 1, table.embedding_dim, device=device)
-    table.disk.dirty[table.disk.id_of >= 0] = True
+    table.disk.ram.dirty[table.disk.ram.id_of >= 0] = True
     if kind == "prefetch":
         for ids in coming[1:8]:
             table.prefetch(ids)
@@ -71,7 +71,7 @@ def main():
                                        host_cache_bytes=int(args.cache_gib * (1 << 30)))
     opt = nbtools.OffloadOptimizer(nbtools.RowWiseAdagrad, table, lr=0.01)
     t0 = time.perf_counter()
-    table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
+    table.disk.warm(hottest(args.rows, table.disk.ram.capacity_rows))
     print(f"{table!r}\nwarmed in {time.perf_counter() - t0:.0f} s", flush=True)
     gen = np.random.default_rng(0)
     kinds = ("plain", "prefetch", "copied")

@@ -260,14 +260,14 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
     from nbtools.disk.gpu import attach
     d = table.disk
     level = attach(table, int(args.gpu_cache_gib * (1 << 30)) // d.row_bytes)
-    hot = hottest(args.rows, min(args.rows, level.capacity + d.capacity_rows))
+    hot = hottest(args.rows, min(args.rows, level.capacity + d.ram.capacity_rows))
     t0 = time.perf_counter()
     d.warm(hot, level=level)
     t1 = time.perf_counter()
     d.warm(hot)
     t2 = time.perf_counter()
     del hot
-    d.dirty[d.id_of >= 0] = True          # as after a long run: RAM's rows came down changed
+    d.ram.dirty[d.ram.id_of >= 0] = True      # as after a long run: RAM's rows came down changed
     level.dirty[level.id_of >= 0] = True
     mem.mark("gpu cache warm")
     run_steps(table, opt, zipf_batches(args.gpu_settle), device, prefetch=args.ahead)
@@ -479,7 +479,7 @@ def main():
     res["row_bytes"] = table.disk.row_bytes
     res["file_bytes"] = table.disk.file_bytes          # rows rounded up to the O_DIRECT block
     res["direct_io"] = bool(getattr(table.disk.file, "direct", False))
-    res["cache_rows"] = table.disk.capacity_rows
+    res["cache_rows"] = table.disk.ram.capacity_rows
     log = getattr(table.disk.file, "stats", None)       # a log-structured file (nbtools.disk.log)
     res["layout"] = "log (NBTOOLS_DISK_LAYOUT=log)" if log is not None else "in place"
     mem.mark("created")
@@ -505,7 +505,7 @@ def main():
 
     def warm():
         t0 = time.perf_counter()
-        res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.capacity_rows))
+        res["warm_rows"] = table.disk.warm(hottest(args.rows, table.disk.ram.capacity_rows))
         res["warm_s"] = time.perf_counter() - t0
         mem.mark("warm")
     copying = log is not None and args.age_s and args.age_copy
@@ -541,7 +541,7 @@ def main():
         # read, so each miss evicts a dirty row that must be written back (a fresh cache's
         # victims are warmed rows, clean, and cost no write)
         t0 = time.perf_counter()
-        cached = hottest(args.rows, table.disk.capacity_rows)
+        cached = hottest(args.rows, table.disk.ram.capacity_rows)
         chunks = [torch.from_numpy(cached[i:i + args.ids])
                   for i in range(0, len(cached), args.ids)]
         run_steps(table, opt, chunks, device, prefetch=0)

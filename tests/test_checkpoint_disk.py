@@ -391,7 +391,7 @@ def test_restore_rewrites_a_torn_table_file(tmp_path):
     f = disk.disk.file
     junk = np.random.default_rng(0).integers(0, 256, (N // 2, f.row_bytes), dtype=np.uint8)
     f.write(np.arange(0, N, 2), junk)             # torn: half the rows are garbage
-    assert disk.disk.dirty.any()
+    assert disk.disk.ram.dirty.any()
     assert ck.restore(model=disk, opt=dopt) == 2
     _assert_rows(_rows(disk, dopt), want)
     _train(host, hopt, [3])

@@ -43,8 +43,8 @@ def test_file_rows_and_row_maps_are_what_a_disk_table_takes(tmp_path):
     d = table.disk
     assert file_row_bytes(d.row_bytes, tmp_path) == d.file.stride
     assert devices.held_host_bytes() - held - d.slab.nbytes == 1_000 * ROW_MAP_BYTES \
-        + getattr(d.file, "map_bytes", 0) + d.slots * d.slot_bytes
-    assert d.slot_of.dtype == d.id_of.dtype == np.int32     # (row and slot numbers < 2**31)
+        + getattr(d.file, "map_bytes", 0) + d.ram.slots * d.ram.slot_bytes
+    assert d.ram.slot_of.dtype == d.ram.id_of.dtype == np.int32     # (row and slot numbers < 2**31)
     assert d.ram_bytes == devices.held_host_bytes() - held
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(d.file.path)]  # probe gone
     table.close()

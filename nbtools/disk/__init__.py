@@ -33,8 +33,6 @@ the batch).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import tempfile
 import threading
@@ -49,14 +47,12 @@ import torch
 
 from .. import NbtoolsError
 from . import log as disklog
-from ..engine import streams
-from .bits import BitSet
-from .slots import clock_sweep, take_free
+from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..hostmem import HostTensor, keep_freed_memory_small
-from .readahead import Prepared, ReadAhead, Ahead  # noqa: F401  (Prepared: re-exported)
+from .readahead import Prepared, ReadAhead
 from ..units import human_bytes
 
 # Slab bytes a disk table keeps in RAM when neither host_cache_bytes is given nor a budget
@@ -111,17 +107,263 @@ class DiskTableBrokenError(NbtoolsError, OSError):
     later use; its last checkpoint is intact."""
 
 
-class _ReadsAhead:
-    """A disk table's read-ahead (:mod:`nbtools.disk.readahead`) and the traffic counts it shares
-    with lookups (:func:`disk_counters`): the part of :class:`DiskRows` the loader's next
-    steps use."""
+def row_map_bytes(num_rows: int) -> int:
+    """RAM a disk table of ``num_rows`` rows keeps whatever its cache (beside a log file's
+    maps): its row -> slot map (int32 where the rows fit, else int64) and its change marks
+    (a bit a row)."""
+    return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
 
+
+class DiskRows:
+    """The rows of one table in a file, and the RAM slots that cache them.
+
+    It owns the file (``file``), the RAM cache (``ram``, :class:`~nbtools.disk.slots.RamSlots`:
+    the slab, the row -> slot map and every slot's state), the read-ahead (``reader``,
+    :class:`~nbtools.disk.readahead.ReadAhead`, from the first :meth:`read_ahead`), the
+    write-back thread of evicted rows, and the table's lock (``slots_lock``), and runs a
+    lookup's path from the file into RAM (:meth:`resolve`). Whole-table access (``.weight``,
+    checkpoints, warming) is ``whole`` (:class:`~nbtools.disk.access.WholeTable`), whose
+    methods the table's of the same names call. A GPU cache above the slots is ``above``.
+
+    Args:
+        directory: folder for the table file (created if missing); the file is removed when
+            the table is closed or collected.
+        num_rows, width, dtype: the rows ``[num_rows, width]`` of ``dtype``.
+        cache_rows: slots in RAM (grown if one step needs more).
+        device: the compute device (CUDA: the slab is pinned and read zero-copy).
+        name: the table's name, for the file name and messages.
+
+    >>> import tempfile
+    >>> d = DiskRows(tempfile.mkdtemp(), 10, 2, torch.float32, cache_rows=4, device="cpu")
+    >>> d.write_rows(np.arange(10), torch.arange(20.).view(10, 2))
+    >>> slots = d.resolve(np.array([3, 7]), training=False)
+    >>> d.slab.tensor[torch.as_tensor(slots)].tolist()
+    [[6.0, 7.0], [14.0, 15.0]]
+    >>> d.close()
+    """
+
+    def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
+                 cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
+                 threads: int | None = None):
+        self.name = name
+        self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
+        self.device = torch.device(device)
+        self.row_bytes = self.width * dtype.itemsize
+        self.directory = os.path.abspath(os.fspath(directory))
+        path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
+        meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
+        threads = threads or int(os.environ.get(
+            "NBTOOLS_DISK_THREADS",
+            DISK_AIO_DEPTH if default_engine() in ("aio", "kaio") else DISK_THREADS))
+        self.file, raw = disklog.create(path, self.num_rows, self.row_bytes, meta,
+                                        threads=threads, free=free_bytes(self.directory))
+        if isinstance(self.file, disklog.LogFile):
+            self.file.on_clean = _count_clean
+        self._remove = weakref.finalize(self, _remove_file, raw, path)
+        self.slots_lock = threading.RLock()
+        self.above = None                       # a GPU cache of hot rows (nbtools.disk.gpu)
+        self._readahead = None                  # ReadAhead, from the first read_ahead
+        self._writer = None
+        self._lost = None                       # (rows, error) of a write-back that failed
+        # the row -> slot map and the change marks (and a log file's maps): in the host budget
+        maps = row_map_bytes(self.num_rows) + getattr(self.file, "map_bytes", 0)
+        hold_host(maps, f"table {name!r}'s row maps")
+        self._release_maps = weakref.finalize(self, release_host, maps)
+        keep_freed_memory_small()
+        # hits: rows found in RAM that no read-ahead brought in (those count as ahead_hits:
+        # read from disk all the same, only earlier)
+        self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
+                      "read_ahead": 0, "ahead_hits": 0, "from_write_back": 0}
+        self.ram = RamSlots(self.num_rows, self.width, dtype,
+                            want=max(1, min(int(cache_rows), self.num_rows)),
+                            device=self.device, pin=pin and self.device.type == "cuda",
+                            name=name, counts=self.stats)
+        self.whole = WholeTable(self)
+        self._grew_warned = False
+        # rows(start, stop) -> the initial rows, until they are first needed (ensure_init)
+        self.initial = None
+
+    @property
+    def slab(self) -> HostTensor:
+        """The RAM cache's rows ``[slots, width]`` (``ram.slab``; a new one when it grows)."""
+        return self.ram.slab
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
+        if self.ram.slot_of is None:            # closed
+            return 0
+        return (self.ram.ram_bytes + self.whole.changed.nbytes
+                + getattr(self.file, "map_bytes", 0))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows themselves (as in RAM); :attr:`file_bytes` is what they take on disk."""
+        return self.num_rows * self.row_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the file's rows take on disk, spare slots included: packed in a log file (a
+        260-byte row takes 288), else each row rounded up to the file's O_DIRECT block (512)."""
+        return getattr(self.file, "slots", self.num_rows) * self.file.stride
+
+    # --- GPU uses of slots ----------------------------------------------------------------
+    def step_queued(self) -> None:
+        """The optimizer has taken this table's lookups (its update is queued after this):
+        their slots are marked used at the next host access. Lock-free: the step's Python
+        never waits for a read-ahead."""
+        self.ram.step_queued()
+        if self.above is not None:
+            self.above.step_queued()
+
+    def mark_used(self, slots: np.ndarray) -> None:
+        """The GPU work queued so far reads or writes RAM ``slots`` (:meth:`RamSlots.mark_used`)."""
+        self.ram.mark_used(slots)
+
+    # --- rows in and out of RAM -----------------------------------------------------------
+    def resolve(self, ids: np.ndarray, training: bool) -> np.ndarray:
+        """Slots holding rows ``ids`` (sorted, unique, in range), reading the missing rows
+        from the file. ``training``: the slots stay locked until the optimizer's step (their
+        rows are written by it)."""
+        t0 = time.perf_counter()
+        self._intact()
+        self.whole.sync_mapped()
+        self.whole.ensure_init()
+        self.ensure_slab()
+        if self._readahead is not None:
+            self._readahead.load_beside(ids)
+        ram = self.ram
+        with self.slots_lock:
+            if self._readahead is not None:     # (now quick; and whatever began meanwhile)
+                self._readahead.settle_for(ids)
+            ram.close_step()
+            slots = ram.slot_of[ids]
+            miss = slots < 0
+            nmiss = int(miss.sum())
+            found = slots[~miss]
+            early = int(ram.ahead[found].sum())     # rows a read-ahead brought in
+            ram.ahead[found] = False
+            self.stats["lookups"] += len(ids)
+            self.stats["misses"] += nmiss
+            self.stats["hits"] += len(ids) - nmiss - early
+            self.stats["ahead_hits"] += early
+            _counters["lookup_rows"] += len(ids)
+            _counters["hit_rows"] += len(ids) - nmiss - early
+            if nmiss:
+                with ram.sparing(slots[~miss]):
+                    free = ram.take_slots(nmiss, wait=True, grow=self.grow)
+                self.load_rows(ids[miss], free)
+                slots[miss] = free
+            ram.ref[slots] = True
+            if training:
+                ram.lock_for_step(slots)
+        _counters["wait_s"] += time.perf_counter() - t0
+        return slots
+
+    def file_write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
+        """Rows ``ids`` (sorted), as stored (``src``, or its rows ``at``), into the file,
+        counted; every write of the table's file goes through here."""
+        t0 = time.perf_counter()
+        self.file.write(ids, src, at=at)
+        self.whole.changed.add(ids)
+        _counters["write_s"] += time.perf_counter() - t0
+        _counters["write_bytes"] += len(ids) * self.row_bytes
+        self.stats["written_back"] += len(ids)
+
+    def load_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
+        another thread meanwhile (the disk serves both at once; they touch different rows).
+        Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):
+        this lookup, which holds the table's lock, does not wait behind their write-backs.
+        (A read-ahead's loads are :mod:`nbtools.disk.readahead`'s, outside the lock.)"""
+        ram = self.ram
+        writing = None
+        if ram.evicted_rows:
+            stash = ram.take_evicted()
+            writing = self.writer_pool().submit(self.drain, stash)
+            if self._readahead is not None:
+                self._readahead.track_write(stash, writing)
+                writing = None
+        # rows still queued for write-back: copied from there (ReadAhead.fill), not read
+        kept = self._readahead.fill(ids, slots) if self._readahead is not None else None
+        rest, at = (ids, slots) if kept is None else (ids[~kept], slots[~kept])
+        t0 = time.perf_counter()
+        try:
+            if len(rest):
+                self.file.read(rest, ram.slab_bytes, at=at)
+        except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
+            ram.free_slots.append(np.asarray(slots, dtype=ram.index_dtype))
+            raise
+        finally:
+            if writing is not None:     # evicted rows on disk before any reader looks
+                uninterrupted(writing.result)
+        self.count_read(rest, time.perf_counter() - t0)
+        ram.placed(ids, slots)
+        if kept is not None:
+            ram.dirty[slots[kept]] = True      # (the file may not have them yet)
+
+    def write_evicted(self) -> None:
+        """Write the rows evicted so far (on the write-back thread; where read-aheads run,
+        theirs to track, else waited for here). Under the lock."""
+        if not self.ram.evicted_rows:
+            return
+        stash = self.ram.take_evicted()
+        writing = self.writer_pool().submit(self.drain, stash)
+        if self._readahead is not None:
+            self._readahead.track_write(stash, writing)
+        else:
+            uninterrupted(writing.result)
+
+    def write_stash(self) -> None:
+        """Write evicted rows a lookup did not get to write (it was interrupted): before
+        anything reads the file, or writes rows the stash would then overwrite. Under the
+        lock."""
+        if self.ram.evicted_rows:
+            self.drain(self.ram.take_evicted())
+
+    def write_file(self, ids: np.ndarray, raw: np.ndarray) -> None:
+        """Write rows ``ids`` (sorted; not in RAM) as stored (uint8 ``[len(ids), row_bytes]``)
+        to the file, after the evicted rows still waiting. Under the lock, with no read-ahead
+        in flight."""
+        self.write_stash()
+        self.file_write(np.asarray(ids, dtype=np.int64), raw)
+
+    # --- the slab's size ------------------------------------------------------------------
+    def ensure_slab(self) -> None:
+        """Pin the RAM cache at its full size, the first time rows are needed (on the
+        training loop's thread: the table then takes the new slab, ``slab``)."""
+        with self.slots_lock:
+            if self.ram.slots < self.ram.want:
+                self._resize(self.ram.want)
+
+    def _resize(self, slots: int) -> None:
+        if self._readahead is not None:         # reads in flight write into the old slab
+            self._readahead.wait_io()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)     # queued kernels read the old slab
+        self.ram.resize(slots)
+
+    def grow(self, need: int) -> None:
+        """One step touches more rows than the slab holds: make room for ``need`` more (a
+        host sync; what :meth:`RamSlots.take_slots` calls when waiting frees too few)."""
+        ram = self.ram
+        slots = ram.slots + max(need, ram.slots // 4)
+        if not self._grew_warned:
+            self._grew_warned = True
+            warnings.warn(
+                f"table {self.name!r}: one step touches more distinct rows than its RAM cache "
+                f"holds ({ram.slots:,} rows, {human_bytes(ram.slab.nbytes)}); growing it to "
+                f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
+                "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
+        self._resize(slots)
+
+    # --- read-ahead and write-back --------------------------------------------------------
     def read_ahead(self, ids: torch.Tensor, padding_idx=None, key=None) -> None:
         """Start loading the rows of ``ids`` (a coming step's ids, any shape and device) that
         are not in RAM, in the background, and deduplicating them for their lookup. Calls for
         several coming steps, in order, keep that many in flight (up to
         :data:`nbtools.disk.readahead.DEPTH`). Changes no value: only where rows are."""
-        self._ensure_init()
+        self.whole.ensure_init()
         self.ensure_slab()
         if self._readahead is None:
             self._readahead = ReadAhead(self)
@@ -154,21 +396,6 @@ class _ReadsAhead:
                 raise
         self._intact()
 
-    def _load_beside(self, ids: np.ndarray) -> None:
-        """Where read-aheads run, a lookup of ``ids`` loads the rows no read-ahead brought in
-        as one would, and waits for its loads outside the lock, so that a coming step's
-        read-ahead starts its reads meanwhile. (Whatever changes before the lookup takes the
-        lock again is settled under it, as without read-ahead.)"""
-        with self.slots_lock:
-            ra = self._readahead
-            ra.settle_done()
-            slots = self.slot_of[ids]
-            with self.sparing(slots[slots >= 0]):
-                ra.start(Ahead(None), ids[slots < 0])
-            pending = ra.pending_for(ids)
-        for f in pending:
-            f.exception()                       # (raised where the load is settled)
-
     def drain(self, stash) -> None:
         """Write evicted rows: a stash's ``(ids, rows)`` pairs (on the write-back thread).
         If that fails, the file lacks their newest values: the table refuses every later
@@ -182,7 +409,7 @@ class _ReadsAhead:
             raise
 
     def _intact(self) -> None:
-        """Raise if a write-back failed (see :meth:`_drain`)."""
+        """Raise if a write-back failed (see :meth:`drain`)."""
         if self._lost is not None:
             rows, e = self._lost
             raise DiskTableBrokenError(
@@ -205,415 +432,59 @@ class _ReadsAhead:
         _counters["read_s"] += seconds
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
+    # --- the table as a whole (nbtools.disk.access.WholeTable: see its methods) -----------
+    def warm(self, ids, level=None) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots, or ``level``'s."""
+        return self.whole.warm(ids, level)
 
-def row_map_bytes(num_rows: int) -> int:
-    """RAM a disk table of ``num_rows`` rows keeps whatever its cache (beside a log file's
-    maps): its row -> slot map (int32 where the rows fit, else int64) and its change marks
-    (a bit a row)."""
-    return num_rows * (4 if num_rows < 2 ** 31 else 8) + -(-num_rows // 8)
+    def flush(self, drop: bool = False) -> None:
+        """Write every dirty row to the file; with ``drop``, also empty RAM."""
+        self.whole.flush(drop)
 
+    def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Write whole rows ``ids`` (sorted) to the file (and their RAM copies)."""
+        self.whole.write_rows(ids, rows)
 
-class _Slots:
-    """Which RAM slot a missing row of a :class:`DiskRows` takes (its base class; the methods
-    use its slot arrays under its lock): a free slot, else one CLOCK finds idle, never one
-    a lookup of this step holds, a read-ahead is loading, or GPU work queued so far still
-    reads or writes (a CUDA event per use). An evicted dirty row is copied aside to be written
-    back beside the step's reads."""
+    def write_range(self, start: int, rows: torch.Tensor) -> None:
+        """Write rows ``start:start + len(rows)`` (not cached in RAM) to the file."""
+        self.whole.write_range(start, rows)
 
-    def mark_used(self, slots: np.ndarray) -> None:
-        """The GPU work queued so far reads or writes ``slots``: they are not reused before it
-        has run (a CUDA event; nothing to wait for on the CPU)."""
-        if self.device.type != "cuda" or len(slots) == 0:
-            return
-        event = torch.cuda.Event()
-        streams.record(event, self.device)
-        self._event_index += 1
-        self._events.append((self._event_index, event))
-        self.busy[slots] = self._event_index
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` as they are now: a fresh CPU tensor."""
+        return self.whole.read_rows(start, stop)
 
-    def advance_clock(self, wait_for: int = 0) -> None:
-        """Move ``_done_upto`` past every finished use (waiting for uses up to ``wait_for``)."""
-        while self._events:
-            index, event = self._events[0]
-            if index <= wait_for:
-                event.synchronize()
-            elif not event.query():
-                break
-            self._done_upto = index
-            self._events.popleft()
+    def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
+        """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first)."""
+        return self.whole.mapped(writable, ordered)
 
-    @contextlib.contextmanager
-    def sparing(self, hits: np.ndarray):
-        """Under the lock: a lookup's ``hits`` (slots) are not evicted for its misses."""
-        was = self.locked[hits].copy()
-        self.locked[hits] = True
-        try:
-            yield
-        finally:
-            self.locked[hits] = was
+    def take_changed(self) -> np.ndarray:
+        """Sorted ids of the rows written to the file since the last call, after a flush."""
+        return self.whole.take_changed()
 
-    def take_slots(self, k: int, wait: bool) -> np.ndarray:
-        """``k`` free slots, evicting rows (dirty ones written back) as CLOCK chooses. With
-        ``wait``, waits for GPU uses and grows the slab if it must; without (read-ahead), may
-        return fewer."""
-        got = [self._take_free(k)]
-        need = k - len(got[0])
-        try:
-            for waiting in (False, True):
-                if not need or waiting and not wait:
-                    break
-                self.advance_clock(wait_for=self._event_index if waiting else 0)  # (a sync)
-                victims = self._sweep(need)
-                self._evict(victims)
-                got.append(victims)
-                need -= len(victims)
-            if need and wait:
-                self._grow(need)
-                got.append(self.take_slots(need, wait))
-        except BaseException:      # (a KeyboardInterrupt in the wait): the slots hold no row
-            self.free_slots.append(np.concatenate(got))
-            raise
-        return np.concatenate(got)
+    def changed_since(self, token) -> int | None:
+        """Rows written since the checkpoint ``token``, or None where not counted from it."""
+        return self.whole.changed_since(token)
 
-    def _take_free(self, k: int) -> np.ndarray:
-        """Up to ``k`` slots that hold no row."""
-        return take_free(self.free_slots, k)
+    def changed_ids(self, start: int, stop: int) -> np.ndarray:
+        """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
+        return self.whole.changed_ids(start, stop)
 
-    def _sweep(self, need: int) -> np.ndarray:
-        """CLOCK: up to ``need`` resident, unlocked, idle slots whose reference bit is clear."""
-        return clock_sweep(self, need, self.slots, lambda lo, hi: (
-            (self.id_of[lo:hi] >= 0) & ~self.locked[lo:hi] & (self.busy[lo:hi] <= self._done_upto)))
+    def mark_checkpointed(self, token) -> None:
+        """The checkpoint ``token`` now holds every row as it is: count changes from here."""
+        self.whole.mark_checkpointed(token)
 
-    def _evict(self, slots: np.ndarray) -> None:
-        """Free ``slots``; their dirty rows are copied aside (:attr:`_stash`) and written by
-        :meth:`load_rows`, beside its reads, before the lock is released: no reader of the file
-        can see a row between its eviction and its write."""
-        dirty = slots[self.dirty[slots]]
-        if len(dirty):
-            ids = self.id_of[dirty]
-            order = np.argsort(ids, kind="stable")
-            self.evicted_rows.append((ids[order], self.slab_bytes[dirty[order]]))
-            self.dirty[dirty] = False
-        self.slot_of[self.id_of[slots]] = -1
-        self.id_of[slots] = -1
-        self.stats["evicted"] += len(slots)
+    def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``ids`` (sorted, unique) as stored into ``out``: RAM's copy, else the file's."""
+        self.whole.copy_rows(ids, out)
 
+    def hold_mapping(self, writable: bool = False):
+        """A context within which :meth:`mapped` returns one and the same mapping."""
+        return self.whole.hold_mapping(writable)
 
-class DiskRows(WholeTable, _ReadsAhead, _Slots):
-    """The rows of one table in a file, and the RAM slots that cache them.
+    def discard_cache(self) -> None:
+        """Forget every row in RAM and every row not yet written (a restore comes next)."""
+        self.whole.discard_cache()
 
-    Args:
-        directory: folder for the table file (created if missing); the file is removed when
-            the table is closed or collected.
-        num_rows, width, dtype: the rows ``[num_rows, width]`` of ``dtype``.
-        cache_rows: slots in RAM (grown if one step needs more).
-        device: the compute device (CUDA: the slab is pinned and read zero-copy).
-        name: the table's name, for the file name and messages.
-
-    >>> import tempfile
-    >>> d = DiskRows(tempfile.mkdtemp(), 10, 2, torch.float32, cache_rows=4, device="cpu")
-    >>> d.write_rows(np.arange(10), torch.arange(20.).view(10, 2))
-    >>> slots = d.resolve(np.array([3, 7]), training=False)
-    >>> d.slab.tensor[torch.as_tensor(slots)].tolist()
-    [[6.0, 7.0], [14.0, 15.0]]
-    >>> d.close()
-    """
-
-    # Per-slot flags: dirty (written since read), ref (CLOCK's reference bit), locked (a
-    # lookup's until its step is queued, or a read-ahead's while loading), ahead (brought in by
-    # a read-ahead, not looked up since), loading (a read-ahead's read in flight).
-    SLOT_FLAGS = ("dirty", "ref", "locked", "ahead", "loading")
-
-    def __init__(self, directory, num_rows: int, width: int, dtype: torch.dtype, *,
-                 cache_rows: int, device="cpu", pin: bool = True, name: str = "table",
-                 threads: int | None = None):
-        self.name = name
-        self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
-        self.device = torch.device(device)
-        self.row_bytes = self.width * dtype.itemsize
-        self.directory = os.path.abspath(os.fspath(directory))
-        path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
-        meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
-        threads = threads or int(os.environ.get(
-            "NBTOOLS_DISK_THREADS",
-            DISK_AIO_DEPTH if default_engine() in ("aio", "kaio") else DISK_THREADS))
-        self.file, raw = disklog.create(path, self.num_rows, self.row_bytes, meta,
-                                        threads=threads, free=free_bytes(self.directory))
-        if isinstance(self.file, disklog.LogFile):
-            self.file.on_clean = _count_clean
-        self._remove = weakref.finalize(self, _remove_file, raw, path)
-        self._pin = pin and self.device.type == "cuda"
-        self.slots_lock = threading.RLock()
-        self.above = None                       # a GPU cache of hot rows (nbtools.disk.gpu)
-        self._readahead = None                  # ReadAhead, from the first read_ahead
-        self.evicted_rows = []                        # evicted dirty rows (ids, bytes) to write
-        self._writer = None
-        self._lost = None                       # (rows, error) of a write-back that failed
-        self._release_slots = None              # the slot arrays' hold on the host budget
-        # row and slot numbers: int32 where they fit (4 bytes a row and a slot less than int64)
-        self.index_dtype = np.int32 if self.num_rows < 2**31 else np.int64
-        # the two maps below (and a log file's): counted in the host budget
-        maps = row_map_bytes(self.num_rows) + getattr(self.file, "map_bytes", 0)
-        hold_host(maps, f"table {name!r}'s row maps")
-        self._release_maps = weakref.finalize(self, release_host, maps)
-        keep_freed_memory_small()
-        self.slot_of = np.full(self.num_rows, -1, dtype=self.index_dtype)  # row -> slot, -1: on disk
-        # rows written to the file since the last checkpoint took them (incremental saves)
-        self.changed = BitSet(self.num_rows, full=True)
-        # the RAM cache is pinned when first needed: a table whose optimizer attaches at once
-        # (and so moves to a file of wider rows) never pins the first one's
-        self._want = max(1, min(int(cache_rows), self.num_rows))
-        self._alloc(1)
-        self._events = collections.deque()      # (index, CUDA event) of GPU uses of slots
-        self._event_index = 0
-        self._done_upto = 0                     # every use up to this index has run
-        self._step = []                         # slots a training lookup locked since a step
-        self._written = []                      # slots a step has queued writes to (unmarked)
-        self._grew_warned = False
-        # rows(start, stop) -> the initial rows, until they are first needed (_ensure_init)
-        self.initial = None
-        # hits: rows found in RAM that no read-ahead brought in (those count as ahead_hits:
-        # read from disk all the same, only earlier)
-        self.stats = {"lookups": 0, "hits": 0, "misses": 0, "evicted": 0, "written_back": 0,
-                      "read_ahead": 0, "ahead_hits": 0, "from_write_back": 0}
-
-    # --- the slab -------------------------------------------------------------------------
-    def _alloc(self, slots: int, old=None) -> None:
-        """(Re)allocate ``slots`` RAM slots, keeping the first ``len(old)`` slots' rows."""
-        held = slots * self.slot_bytes              # the slot arrays, counted in the host budget
-        hold_host(held, f"table {self.name!r}'s RAM slots")
-        try:
-            slab = HostTensor((slots, self.width), self.dtype, pin=self._pin,
-                              name=f"{self.name} (RAM cache)",
-                              device=self.device if self.device.type == "cuda" else None)
-        except BaseException:
-            release_host(held)
-            raise
-        if self._release_slots is not None:
-            self._release_slots()
-        self._release_slots = weakref.finalize(self, release_host, held)
-        keep = 0
-        if old is not None:
-            keep = old.tensor.shape[0]
-            slab.tensor[:keep].copy_(old.tensor)
-        self.slab = slab
-        self.slots = slots
-        self.slab_bytes = slab.tensor.view(torch.uint8).numpy().reshape(slots, self.row_bytes)
-        if old is None:
-            self.id_of = np.full(slots, -1, dtype=self.index_dtype)
-            self.busy = np.zeros(slots, dtype=np.int64)
-            for name in self.SLOT_FLAGS:
-                setattr(self, name, np.zeros(slots, dtype=bool))
-            self.hand = 0                       # CLOCK's hand (clock_sweep)
-        else:
-            grow = slots - keep
-            self.id_of = np.concatenate((self.id_of, np.full(grow, -1, dtype=self.index_dtype)))
-            self.busy = np.concatenate((self.busy, np.zeros(grow, dtype=np.int64)))
-            for name in self.SLOT_FLAGS:
-                setattr(self, name, np.concatenate((getattr(self, name),
-                                                    np.zeros(grow, dtype=bool))))
-        if old is None:
-            self.free_slots = collections.deque([np.arange(slots, dtype=self.index_dtype)])
-        else:   # the old slots keep their free list (a _take that grows holds the rest)
-            self.free_slots.append(np.arange(keep, slots, dtype=self.index_dtype))
-        self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
-
-    @property
-    def capacity_rows(self) -> int:
-        """Rows the RAM cache holds (once pinned; more if a step needed it)."""
-        return max(self.slots, self._want)
-
-    @property
-    def pinned(self) -> bool:
-        return self.slab.pinned
-
-    @property
-    def ram_bytes(self) -> int:
-        """RAM this table's rows take: the slab plus the row -> slot map and slot arrays."""
-        if self.slot_of is None:                # closed
-            return 0
-        return (self.slab.nbytes + self.slot_of.nbytes + self.changed.nbytes
-                + self.slots * self.slot_bytes + getattr(self.file, "map_bytes", 0))
-
-    @property
-    def slot_bytes(self) -> int:
-        """RAM a slot takes beside its row: its row number, its last use, its flags and its
-        place in the free list."""
-        return 2 * np.dtype(self.index_dtype).itemsize + 8 + len(self.SLOT_FLAGS)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows themselves (as in RAM); :attr:`file_bytes` is what they take on disk."""
-        return self.num_rows * self.row_bytes
-
-    @property
-    def file_bytes(self) -> int:
-        """Bytes the file's rows take on disk, spare slots included: packed in a log file (a
-        260-byte row takes 288), else each row rounded up to the file's O_DIRECT block (512)."""
-        return getattr(self.file, "slots", self.num_rows) * self.file.stride
-
-    # --- GPU uses of slots ----------------------------------------------------------------
-    def step_queued(self) -> None:
-        """The optimizer has taken this table's lookups (its update is queued after this):
-        their slots are marked used at the next host access. Lock-free: the step's Python
-        never waits for a read-ahead."""
-        if self._step:
-            self._written.append(np.concatenate(self._step))
-            self._step = []
-        if self.above is not None:
-            self.above.step_queued()
-
-    def _close_step(self) -> None:
-        written, self._written = self._written, []
-        if written:
-            slots = np.concatenate(written)
-            self.mark_used(slots)
-            self.locked[slots] = False
-
-    # --- rows in and out of RAM -----------------------------------------------------------
-    def resolve(self, ids: np.ndarray, training: bool) -> np.ndarray:
-        """Slots holding rows ``ids`` (sorted, unique, in range), reading the missing rows
-        from the file. ``training``: the slots stay locked until the optimizer's step (their
-        rows are written by it)."""
-        t0 = time.perf_counter()
-        self._intact()
-        self.sync_mapped()
-        self._ensure_init()
-        self.ensure_slab()
-        if self._readahead is not None:
-            self._load_beside(ids)
-        with self.slots_lock:
-            if self._readahead is not None:     # (now quick; and whatever began meanwhile)
-                self._readahead.settle_for(ids)
-            self._close_step()
-            slots = self.slot_of[ids]
-            miss = slots < 0
-            nmiss = int(miss.sum())
-            found = slots[~miss]
-            early = int(self.ahead[found].sum())     # rows a read-ahead brought in
-            self.ahead[found] = False
-            self.stats["lookups"] += len(ids)
-            self.stats["misses"] += nmiss
-            self.stats["hits"] += len(ids) - nmiss - early
-            self.stats["ahead_hits"] += early
-            _counters["lookup_rows"] += len(ids)
-            _counters["hit_rows"] += len(ids) - nmiss - early
-            if nmiss:
-                with self.sparing(slots[~miss]):
-                    free = self.take_slots(nmiss, wait=True)
-                self.load_rows(ids[miss], free)
-                slots[miss] = free
-            self.ref[slots] = True
-            if training:
-                self.locked[slots] = True
-                self.dirty[slots] = True
-                self._step.append(slots)
-        _counters["wait_s"] += time.perf_counter() - t0
-        return slots
-
-    def _write_slots(self, slots: np.ndarray) -> None:
-        ids = self.id_of[slots]
-        order = np.argsort(ids, kind="stable")
-        self.file_write(ids[order], self.slab_bytes, slots[order])
-        self.dirty[slots] = False
-
-    def file_write(self, ids: np.ndarray, src: np.ndarray, at=None) -> None:
-        """Rows ``ids`` (sorted), as stored (``src``, or its rows ``at``), into the file,
-        counted; every write of the table's file goes through here."""
-        t0 = time.perf_counter()
-        self.file.write(ids, src, at=at)
-        self.changed.add(ids)
-        _counters["write_s"] += time.perf_counter() - t0
-        _counters["write_bytes"] += len(ids) * self.row_bytes
-        self.stats["written_back"] += len(ids)
-
-    def load_rows(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Read rows ``ids`` (sorted) into ``slots``, writing the stash of evicted rows on
-        another thread meanwhile (the disk serves both at once; they touch different rows).
-        Where read-aheads run, the write is theirs to track (:meth:`ReadAhead.track_write`):
-        this lookup, which holds the table's lock, does not wait behind their write-backs.
-        (A read-ahead's loads are :mod:`nbtools.disk.readahead`'s, outside the lock.)"""
-        writing = None
-        if self.evicted_rows:
-            stash, self.evicted_rows = self.evicted_rows, []
-            writing = self.writer_pool().submit(self.drain, stash)
-            if self._readahead is not None:
-                self._readahead.track_write(stash, writing)
-                writing = None
-        # rows still queued for write-back: copied from there (ReadAhead.fill), not read
-        kept = self._readahead.fill(ids, slots) if self._readahead is not None else None
-        rest, at = (ids, slots) if kept is None else (ids[~kept], slots[~kept])
-        t0 = time.perf_counter()
-        try:
-            if len(rest):
-                self.file.read(rest, self.slab_bytes, at=at)
-        except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
-            self.free_slots.append(np.asarray(slots, dtype=self.index_dtype))
-            raise
-        finally:
-            if writing is not None:     # evicted rows on disk before any reader looks
-                uninterrupted(writing.result)
-        self.count_read(rest, time.perf_counter() - t0)
-        self.placed(ids, slots)
-        if kept is not None:
-            self.dirty[slots[kept]] = True      # (the file may not have them yet)
-
-    def write_evicted(self) -> None:
-        """Write the rows evicted so far (on the write-back thread; where read-aheads run,
-        theirs to track, else waited for here). Under the lock."""
-        if not self.evicted_rows:
-            return
-        stash, self.evicted_rows = self.evicted_rows, []
-        writing = self.writer_pool().submit(self.drain, stash)
-        if self._readahead is not None:
-            self._readahead.track_write(stash, writing)
-        else:
-            uninterrupted(writing.result)
-
-    def write_file(self, ids: np.ndarray, raw: np.ndarray) -> None:
-        """Write rows ``ids`` (sorted; not in RAM) as stored (uint8 ``[len(ids), row_bytes]``)
-        to the file, after the evicted rows still waiting. Under the lock, with no read-ahead
-        in flight."""
-        self._write_stash()
-        self.file_write(np.asarray(ids, dtype=np.int64), raw)
-
-    def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Rows ``ids`` now sit, clean, in ``slots``."""
-        self.slot_of[ids] = slots
-        self.id_of[slots] = ids
-        self.dirty[slots] = False
-        self.ahead[slots] = False
-        self.ref[slots] = True
-
-    def ensure_slab(self) -> None:
-        """Pin the RAM cache at its full size, the first time rows are needed (on the
-        training loop's thread: the table then takes the new slab, ``slab``)."""
-        with self.slots_lock:
-            if self.slots < self._want:
-                self._resize(self._want)
-
-    def _resize(self, slots: int) -> None:
-        if self._readahead is not None:         # reads in flight write into the old slab
-            self._readahead.wait_io()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)     # queued kernels read the old slab
-        old = self.slab
-        self._alloc(slots, old)
-        old.close()
-
-    def _grow(self, need: int) -> None:
-        """One step touches more rows than the slab holds: make room (a host sync)."""
-        slots = self.slots + max(need, self.slots // 4)
-        if not self._grew_warned:
-            self._grew_warned = True
-            warnings.warn(
-                f"table {self.name!r}: one step touches more distinct rows than its RAM cache "
-                f"holds ({self.slots:,} rows, {human_bytes(self.slab.nbytes)}); growing it to "
-                f"{slots:,} rows ({human_bytes(slots * self.row_bytes)}). Give host_cache_bytes "
-                "at least one step's distinct rows x row bytes.", RuntimeWarning, stacklevel=5)
-        self._resize(slots)
-
-    # --- read-ahead -----------------------------------------------------------------------
     def close(self) -> None:
         """Stop the read-ahead, unpin the slab and remove the file."""
         try:
@@ -623,14 +494,11 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
             if self._writer is not None:
                 self._writer.shutdown()
             self._readahead = self._writer = None
-        self.slab.close()
-        self._map = None
+        self.ram.close()                # (its slot arrays leave the host budget now)
+        self.whole.close()
         self.above = None
         self._remove()
-        # the row maps leave the host budget now (the slab's pages when the table goes)
-        self._release_maps()
-        self._release_slots()
-        self.slot_of = self.changed = None
+        self._release_maps()            # the row maps leave the host budget now
 
     def __reduce__(self):
         raise TypeError(f"table {self.name!r} lives on disk and cannot be copied or pickled; "
@@ -638,8 +506,9 @@ class DiskRows(WholeTable, _ReadsAhead, _Slots):
 
     def __repr__(self):
         return (f"DiskRows(name={self.name!r}, file={self.file.path!r}, rows={self.num_rows:,}, "
-                f"row_bytes={self.row_bytes}, ram={self.slots:,} rows "
+                f"row_bytes={self.row_bytes}, ram={self.ram.slots:,} rows "
                 f"({human_bytes(self.slab.nbytes)}))")
+
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
@@ -750,5 +619,6 @@ def describe(disk: DiskRows) -> str:
         f", log-structured ({disk.file.slots - disk.num_rows:,} spare slots; "
         f"{log['appended']:,} rows appended, {log['cleaned']:,} moved by the cleaner)")
     return (f"file={disk.file.path!r} ({human_bytes(disk.file_bytes)}{layout}), RAM cache "
-            f"{disk.capacity_rows:,} rows ({human_bytes(disk.capacity_rows * disk.row_bytes)}, "
+            f"{disk.ram.capacity_rows:,} rows "
+            f"({human_bytes(disk.ram.capacity_rows * disk.row_bytes)}, "
             f"hit rate {rate})")

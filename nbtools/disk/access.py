@@ -5,17 +5,20 @@ row by row as steps need them. Everything else sees the table whole: ``table.wei
 ``state_dict`` (a mapping of the file, after every dirty row is written back), the initial
 rows and pretrained sources (written 64 MiB at a time), and checkpoints (which save the rows
 changed since the last one, by reference to the file, and restore in place). Those paths live
-here, as a base class of :class:`~nbtools.disk.DiskRows`, with the two loads of many rows at
-once: the initial rows' first write and the warming of the RAM cache with the hottest rows.
-Each first waits for the read-ahead, so no read of the file overlaps a write of it.
+here, in :class:`WholeTable` (a table's ``whole``, which also keeps the marks of the rows changed
+since the last checkpoint and the file's mappings), with the two loads of many rows at once: the
+initial rows' first write and the warming of the RAM cache with the hottest rows. Each first
+waits for the read-ahead, so no read of the file overlaps a write of it.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
+import weakref
 
 import numpy as np
 import torch
+
+from .bits import BitSet
 
 
 def _numpy_dtype(dtype: torch.dtype):
@@ -30,17 +33,32 @@ def chunk_rows(disk) -> int:
 
 
 class WholeTable:
-    """Whole-table access to a :class:`~nbtools.disk.DiskRows` (its base class: the methods
-    use its file, slots and lock)."""
+    """Whole-table access to a :class:`~nbtools.disk.DiskRows` (its ``whole``: the table's
+    methods of the same names call these), through the table's file, RAM slots and lock.
 
-    def _ensure_init(self) -> None:
-        """Write the initial rows to the file the first time any row is needed."""
-        initial, self.initial = self.initial, None
+    It keeps ``changed`` (a :class:`~nbtools.disk.bits.BitSet`: the rows written to the file
+    since the last checkpoint took them, for incremental saves; every row at first), the
+    checkpoint those are counted from, and the file's mappings (:meth:`mapped`)."""
+
+    def __init__(self, disk):
+        # (the table owns this object: a weak reference back, so that a table nobody holds is
+        # still freed at once, its file removed)
+        self.disk = weakref.proxy(disk)
+        self.changed = BitSet(disk.num_rows, full=True)
+        self.checkpoint = None          # the checkpoint ``changed`` counts from (a token)
+        self.map = None                 # the writable mapping handed out last (sync_mapped)
+        self.held = None                # the mapping a checkpoint holds (hold_mapping)
+
+    def ensure_init(self) -> None:
+        """Write the initial rows (``disk.initial``) to the file the first time any row is
+        needed."""
+        d = self.disk
+        initial, d.initial = d.initial, None
         if initial is None:
             return
-        step = chunk_rows(self)
-        for start in range(0, self.num_rows, step):
-            stop = min(self.num_rows, start + step)
+        step = chunk_rows(d)
+        for start in range(0, d.num_rows, step):
+            stop = min(d.num_rows, start + step)
             self.write_range(start, initial(start, stop))
 
     def warm(self, ids, level=None) -> int:
@@ -50,58 +68,59 @@ class WholeTable:
         reads of them. Beside the rows, RAM holds a byte a row and ~1M ids at a time.
         ``level``: load them into the free slots of the table's GPU cache instead
         (:class:`nbtools.disk.gpu.GpuLevel`); rows the GPU holds are skipped either way."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        self.ensure_slab()
+        d, ram = self.disk, self.disk.ram
+        d.wait_read_ahead()
+        self.ensure_init()
+        d.ensure_slab()
         if level is not None:
             self.flush()                    # the file as current as RAM: rows read from it
         flat = np.asarray(ids).reshape(-1)
-        above = self.above
-        with self.slots_lock:
-            room = level.free_rows if level is not None else sum(len(f) for f in self.free_slots)
+        above = d.above
+        with d.slots_lock:
+            room = level.free_rows if level is not None else sum(len(f) for f in ram.free_slots)
             have = (lambda c: level.holds(c)) if level is not None else \
-                (lambda c: (self.slot_of[c] >= 0) | (above is not None and above.holds(c)))
-            want = np.zeros(self.num_rows, dtype=bool)          # the rows to load
+                (lambda c: (ram.slot_of[c] >= 0) | (above is not None and above.holds(c)))
+            want = np.zeros(d.num_rows, dtype=bool)             # the rows to load
             for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
                 if not room:
                     break
                 chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
-                if len(chunk) and (chunk.min() < 0 or chunk.max() >= self.num_rows):
-                    raise ValueError(f"warm: row ids must be in [0, {self.num_rows}), got "
+                if len(chunk) and (chunk.min() < 0 or chunk.max() >= d.num_rows):
+                    raise ValueError(f"warm: row ids must be in [0, {d.num_rows}), got "
                                      f"{int(chunk.min())}..{int(chunk.max())}")
                 chunk = chunk[~have(chunk) & ~want[chunk]]
                 first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
                 chunk = chunk[np.sort(first)][:room]
                 want[chunk] = True
                 room -= len(chunk)
-            span = max(1, (64 << 20) // self.file.stride)       # rows per sequential stretch
+            span = max(1, (64 << 20) // d.file.stride)          # rows per sequential stretch
             loaded = 0
-            for at in range(0, self.num_rows, span):
+            for at in range(0, d.num_rows, span):
                 part = np.flatnonzero(want[at:at + span]) + at
                 if not len(part):
                     continue
                 dense = len(part) * 16 >= span
                 if dense:
                     start = int(part[0]) // span * span
-                    stop = min(self.num_rows, start + span)
-                    buf = np.empty((stop - start, self.row_bytes), dtype=np.uint8)
-                    self.file.read_range(start, buf)
+                    stop = min(d.num_rows, start + span)
+                    buf = np.empty((stop - start, d.row_bytes), dtype=np.uint8)
+                    d.file.read_range(start, buf)
                 if level is not None:
                     if not dense:
-                        buf, start = np.empty((len(part), self.row_bytes), dtype=np.uint8), None
-                        self.file.read(part, buf)
+                        buf, start = np.empty((len(part), d.row_bytes), dtype=np.uint8), None
+                        d.file.read(part, buf)
                     level.place(part, buf[part - start] if dense else buf)
                     loaded += len(part)
                     continue
-                free = self._take_free(len(part))
+                free = ram.take_free(len(part))
                 part = part[: len(free)]
                 if not len(part):
                     break
                 if dense:
-                    self.slab_bytes[free] = buf[part - start]
-                    self.placed(part, free)
+                    ram.slab_bytes[free] = buf[part - start]
+                    ram.placed(part, free)
                 else:
-                    self.load_rows(part, free)
+                    d.load_rows(part, free)
                 loaded += len(part)
         return loaded
 
@@ -109,78 +128,78 @@ class WholeTable:
     def flush(self, drop: bool = False) -> None:
         """Write every dirty row to the file (after the GPU work that writes them); with
         ``drop``, also empty RAM of every row no pending lookup holds."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        with self.slots_lock:
-            self._write_stash()
-            self._close_step()
-            self.advance_clock(wait_for=self._event_index)
-            if self.above is not None:      # rows the GPU changed: into RAM or the file first
-                self.above.flush(drop)
-            dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
+        d, ram = self.disk, self.disk.ram
+        d.wait_read_ahead()
+        self.ensure_init()
+        with d.slots_lock:
+            d.write_stash()
+            ram.close_step()
+            ram.advance_clock(wait_for=ram.last_use)
+            if d.above is not None:         # rows the GPU changed: into RAM or the file first
+                d.above.flush(drop)
+            dirty = np.flatnonzero(ram.dirty & (ram.id_of >= 0))
             if len(dirty):
                 self._write_slots(dirty)
             if drop:
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                self.ref[out] = False
-                free = np.flatnonzero(self.id_of < 0)
-                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
+                out = np.flatnonzero((ram.id_of >= 0) & ~ram.locked)
+                ram.ref[out] = False
+                ram.forget(out)
 
-    def _write_stash(self) -> None:
-        """Write evicted rows a lookup did not get to write (it was interrupted): before
-        anything reads the file, or writes rows the stash would then overwrite. Under the
-        lock."""
-        if self.evicted_rows:
-            stash, self.evicted_rows = self.evicted_rows, []
-            self.drain(stash)
+    def _write_slots(self, slots: np.ndarray) -> None:
+        ram = self.disk.ram
+        ids = ram.id_of[slots]
+        order = np.argsort(ids, kind="stable")
+        self.disk.file_write(ids[order], ram.slab_bytes, slots[order])
+        ram.dirty[slots] = False
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        rows = rows.detach().to("cpu", self.dtype).contiguous()
-        raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
-        with self.slots_lock:
-            self._write_stash()
-            if self.above is not None:
-                self.above.forget_rows(ids)
-            self.file.write(np.asarray(ids, dtype=np.int64), raw)
+        d, ram = self.disk, self.disk.ram
+        d.wait_read_ahead()
+        self.ensure_init()
+        rows = rows.detach().to("cpu", d.dtype).contiguous()
+        raw = rows.view(torch.uint8).numpy().reshape(len(ids), d.row_bytes)
+        with d.slots_lock:
+            d.write_stash()
+            if d.above is not None:
+                d.above.forget_rows(ids)
+            d.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed.add(ids)
-            slots = self.slot_of[ids]
+            slots = ram.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                self.slab_bytes[slots[hot]] = raw[hot]
+                ram.slab_bytes[slots[hot]] = raw[hot]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
         rows must not be cached in RAM, as at creation)."""
-        rows = rows.detach().to("cpu", self.dtype).contiguous()
-        self.wait_read_ahead()
-        with self.slots_lock:
-            self._write_stash()
-            if self.above is not None:
-                self.above.forget_rows(np.arange(start, start + rows.shape[0]))
-            self.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
-                rows.shape[0], self.row_bytes))
+        d = self.disk
+        rows = rows.detach().to("cpu", d.dtype).contiguous()
+        d.wait_read_ahead()
+        with d.slots_lock:
+            d.write_stash()
+            if d.above is not None:
+                d.above.forget_rows(np.arange(start, start + rows.shape[0]))
+            d.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
+                rows.shape[0], d.row_bytes))
             self.changed.add_range(start, start + rows.shape[0])
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
-        self.wait_read_ahead()
-        self._ensure_init()
-        with self.slots_lock:
-            self._write_stash()
-            if self.above is not None:
-                self.above.flush()
-            out = torch.empty((stop - start, self.width), dtype=self.dtype)
-            raw = out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes)
-            self.file.read_range(start, raw)
-            slots = self.slot_of[start:stop]
+        d, ram = self.disk, self.disk.ram
+        d.wait_read_ahead()
+        self.ensure_init()
+        with d.slots_lock:
+            d.write_stash()
+            if d.above is not None:
+                d.above.flush()
+            out = torch.empty((stop - start, d.width), dtype=d.dtype)
+            raw = out.view(torch.uint8).numpy().reshape(stop - start, d.row_bytes)
+            d.file.read_range(start, raw)
+            slots = ram.slot_of[start:stop]
             hot = np.flatnonzero(slots >= 0)
             if len(hot):
-                raw[hot] = self.slab_bytes[slots[hot]]
+                raw[hot] = ram.slab_bytes[slots[hot]]
             return out
 
     def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
@@ -191,64 +210,61 @@ class WholeTable:
         A log-structured file (:mod:`nbtools.disk.log`) first moves every row back home (id
         order); without ``ordered`` it does not, and the mapping's bytes are not the rows':
         for a caller that only needs its storage, never its values."""
-        held = getattr(self, "_held", None)
-        if held is not None:
-            return held
-        if ordered and getattr(self.file, "away", 0):     # a log file: rows home first
-            self.wait_read_ahead()
-            with self.slots_lock:
-                self._write_stash()
+        d = self.disk
+        if self.held is not None:
+            return self.held
+        if ordered and getattr(d.file, "away", 0):     # a log file: rows home first
+            d.wait_read_ahead()
+            with d.slots_lock:
+                d.write_stash()
                 self._move_home()
-        self.file.flush()
-        unit = self.file.stride // self.dtype.itemsize
-        arr = np.memmap(self.file.path, dtype=_numpy_dtype(self.dtype),
+        d.file.flush()
+        unit = d.file.stride // d.dtype.itemsize
+        arr = np.memmap(d.file.path, dtype=_numpy_dtype(d.dtype),
                         mode="r+" if writable else "c",
-                        offset=self.file.data_offset, shape=(self.num_rows, unit))
+                        offset=d.file.data_offset, shape=(d.num_rows, unit))
         if writable:
-            self._map = arr
+            self.map = arr
             self.changed.fill(True)       # whatever is written through it is not tracked
         t = torch.from_numpy(arr)
-        if self.dtype == torch.bfloat16:
+        if d.dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)
-        return t[:, : self.width]
+        return t[:, : d.width]
 
     def _move_home(self) -> None:
         """A log file's rows back in id order (:meth:`nbtools.disk.log.LogFile.identity`), with
         a progress bar when many moved (random reads and writes of each: minutes for tens of
         millions of rows)."""
         from ..checkpoint.save import progress_bar
-        away = self.file.away
-        bar = progress_bar(away * self.file.stride, f"table {self.name!r}: rows to id order",
+        file = self.disk.file
+        away = file.away
+        bar = progress_bar(away * file.stride, f"table {self.disk.name!r}: rows to id order",
                            None if away >= (1 << 20) else False)
         try:
-            self.file.identity(None if bar is None else
-                               (lambda n: bar.update(n * self.file.stride)))
+            file.identity(None if bar is None else (lambda n: bar.update(n * file.stride)))
         finally:
             if bar is not None:
                 bar.close()
 
     def sync_mapped(self) -> None:
         """Writes made through :meth:`mapped` reach the file before rows are read again."""
-        m = getattr(self, "_map", None)
+        d, ram = self.disk, self.disk.ram
+        m = self.map
         if m is not None:
-            self.wait_read_ahead()      # rows read before the writes reach the file go below
+            d.wait_read_ahead()         # rows read before the writes reach the file go below
             m.flush()
-            self._map = None
-            with self.slots_lock:     # rows cached in RAM may be older than what was written
-                out = np.flatnonzero((self.id_of >= 0) & ~self.locked & ~self.dirty)
-                self.slot_of[self.id_of[out]] = -1
-                self.id_of[out] = -1
-                free = np.flatnonzero(self.id_of < 0)
-                self.free_slots = collections.deque([free]) if len(free) else collections.deque()
+            self.map = None
+            with d.slots_lock:        # rows cached in RAM may be older than what was written
+                ram.forget(np.flatnonzero((ram.id_of >= 0) & ~ram.locked & ~ram.dirty))
 
     def take_changed(self) -> np.ndarray:
         """Sorted ids of the rows written to the file since the last call (every row the first
         time), after writing every dirty row back: what an incremental checkpoint saves."""
         self.flush()
-        with self.slots_lock:
+        with self.disk.slots_lock:
             ids = self.changed.members()
             self.changed.fill(False)
-            self._checkpoint = None       # a checkpoint's next save cannot be a delta now
+            self.checkpoint = None        # a checkpoint's next save cannot be a delta now
             return ids
 
     # --- checkpoints (nbtools.checkpoint.rows: saved by reference, restored in place) ------
@@ -258,37 +274,38 @@ class WholeTable:
         checkpoint (another one came since, or none): the next save must copy every row."""
         self.flush()
         self.sync_mapped()
-        with self.slots_lock:
-            if token is None or getattr(self, "_checkpoint", None) != token:
+        with self.disk.slots_lock:
+            if token is None or self.checkpoint != token:
                 return None
             return self.changed.count()
 
     def changed_ids(self, start: int, stop: int) -> np.ndarray:
         """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
-        with self.slots_lock:
+        with self.disk.slots_lock:
             return self.changed.members(start, stop)
 
     def mark_checkpointed(self, token) -> None:
         """The checkpoint ``token`` now holds every row as it is: count changes from here.
         (Called after the checkpoint is committed, so a failed save loses no change.)"""
-        with self.slots_lock:
+        with self.disk.slots_lock:
             self.changed.fill(False)
-            self._checkpoint = token
+            self.checkpoint = token
 
     def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
         the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
-        self.wait_read_ahead()
-        with self.slots_lock:
-            if self.above is not None:
-                self.above.flush()
-            slots = self.slot_of[ids]
+        d, ram = self.disk, self.disk.ram
+        d.wait_read_ahead()
+        with d.slots_lock:
+            if d.above is not None:
+                d.above.flush()
+            slots = ram.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                out[hot] = self.slab_bytes[slots[hot]]
+                out[hot] = ram.slab_bytes[slots[hot]]
             if not hot.all():
                 cold = np.flatnonzero(~hot)
-                self.file.read(ids[cold], out, at=cold)
+                d.file.read(ids[cold], out, at=cold)
 
     @contextlib.contextmanager
     def hold_mapping(self, writable: bool = False):
@@ -296,18 +313,18 @@ class WholeTable:
         checkpoint recognises the views a state dict hands out (it saves them by reference,
         never reading them) and can hand the same views back to ``load_state_dict`` (which then
         copies nothing)."""
-        if getattr(self, "_held", None) is not None:
-            raise RuntimeError(f"table {self.name!r}: its mapping is held already")
+        if self.held is not None:
+            raise RuntimeError(f"table {self.disk.name!r}: its mapping is held already")
         # No row moves home for it: a save reads rows through the file (every view of the
         # held mapping is saved by reference or refused, never read), and a restore's views
         # are only copied onto themselves; a log file whose rows moved is mapped
         # copy-on-write, so that nothing could reach the file through its unordered bytes.
-        away = getattr(self.file, "away", 0) > 0
-        self._held = self.mapped(writable and not away, ordered=False)
+        away = getattr(self.disk.file, "away", 0) > 0
+        self.held = self.mapped(writable and not away, ordered=False)
         try:
-            yield self._held
+            yield self.held
         finally:
-            self._held = None
+            self.held = None
             if writable:
                 self.sync_mapped()
 
@@ -315,22 +332,20 @@ class WholeTable:
         """Forget every row in RAM without writing it back, and rows not written yet (initial
         rows, evicted rows waiting to be written): a restore rewrites the whole file next.
         Waits for the read-ahead and for GPU work on the slots first."""
-        self.wait_read_ahead()
+        d = self.disk
+        d.wait_read_ahead()
         self.sync_mapped()
-        with self.slots_lock:
-            self._close_step()
-            self._step = []
-            self.advance_clock(wait_for=self._event_index)
-            self.evicted_rows = []
-            if self.above is not None:
-                self.above.discard()
-            if self._readahead is not None:
-                self._readahead.queue.clear()
-            self.initial = None
-            self.slot_of[:] = -1
-            self.id_of[:] = -1
-            for name in self.SLOT_FLAGS:
-                getattr(self, name)[:] = False
-            self.free_slots = collections.deque([np.arange(self.slots, dtype=np.int64)])
+        with d.slots_lock:
+            d.ram.discard()
+            if d.above is not None:
+                d.above.discard()
+            if d.reader is not None:
+                d.reader.queue.clear()
+            d.initial = None
             self.changed.fill(True)
-            self._checkpoint = None
+            self.checkpoint = None
+
+    def close(self) -> None:
+        """Let go of the mapping handed out last and of the change marks (the table closes)."""
+        self.map = None
+        self.changed = None

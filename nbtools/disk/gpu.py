@@ -117,7 +117,7 @@ class GpuLevel:
         self.device = torch.device(device)
         self.rows = torch.zeros(self.capacity, disk.width, dtype=disk.dtype, device=self.device)
         self.slot_of = np.full(disk.num_rows, -1, dtype=np.int32)
-        self.id_of = np.full(self.capacity, -1, dtype=disk.index_dtype)
+        self.id_of = np.full(self.capacity, -1, dtype=disk.ram.index_dtype)
         hold_host(self.host_bytes, f"table {disk.name!r}'s GPU cache maps")
         self._release = weakref.finalize(self, release_host, self.host_bytes)
         for name in ("ref", "locked", "dirty"):
@@ -147,7 +147,7 @@ class GpuLevel:
     @property
     def host_bytes(self) -> int:
         """Host RAM of the maps: row -> slot, and per slot its row and flags."""
-        return 4 * self.disk.num_rows + (self.disk.index_dtype(0).itemsize + 3) * self.capacity
+        return 4 * self.disk.num_rows + (self.disk.ram.index_dtype(0).itemsize + 3) * self.capacity
 
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address of a batch (int32; -1: a RAM slot, or the sentinel);
@@ -203,8 +203,8 @@ class GpuLevel:
                 # They stay locked until the step is queued: the step's list of slots holds
                 # them and unlocks them then (unlocked now, CLOCK could hand one to a
                 # read-ahead's row, whose slot the step would unlock while it loads)
-                d.dirty[from_slots] = d.ref[from_slots] = False
-                d.mark_used(from_slots)
+                d.ram.dirty[from_slots] = d.ram.ref[from_slots] = False
+                d.ram.mark_used(from_slots)
                 self.counts["admitted"] += k
                 out[rest[:k]] = self.num_ids + new
         # over PCIe: the rows from RAM read once (up, or gathered), those left in RAM written
@@ -249,17 +249,17 @@ class GpuLevel:
         dirty and busy until the copy has run. Under the disk's lock."""
         d = self.disk
         ids = self.id_of[slots]
-        ram = d.slot_of[ids].astype(np.int64)
+        ram = d.ram.slot_of[ids].astype(np.int64)
         new = np.flatnonzero(ram < 0)
         if len(new):
-            with d.sparing(ram[ram >= 0]):       # the others' slots are not taken for these
-                ram[new] = d.take_slots(len(new), wait=True)
-        d.slot_of[ids] = ram
-        d.id_of[ram] = ids
+            with d.ram.sparing(ram[ram >= 0]):       # the others' slots are not taken for these
+                ram[new] = d.ram.take_slots(len(new), wait=True, grow=d.grow)
+        d.ram.slot_of[ids] = ram
+        d.ram.id_of[ram] = ids
         for flag, value in (("dirty", True), ("ref", True), ("ahead", False)):
-            getattr(d, flag)[ram] = value
+            getattr(d.ram, flag)[ram] = value
         self.index_lists.copy(self.rows, slots, d.slab.view(), ram)
-        d.mark_used(ram)
+        d.ram.mark_used(ram)
         count_transfer(d2h=len(slots) * d.row_bytes)
         self.slot_of[ids] = -1
         self.id_of[slots] = -1
@@ -283,13 +283,13 @@ class GpuLevel:
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
         self.ref[slots] = True
-        ram = d.slot_of[ids]
+        ram = d.ram.slot_of[ids]
         ram = ram[ram >= 0]
-        d.ref[ram] = False
-        ram = ram[~d.locked[ram]]           # (a pending lookup's: a stale copy until reclaimed)
-        d.slot_of[d.id_of[ram]] = -1
-        d.id_of[ram] = -1
-        d.free_slots.append(ram.astype(np.int64))
+        d.ram.ref[ram] = False
+        ram = ram[~d.ram.locked[ram]]           # (a pending lookup's: a stale copy until reclaimed)
+        d.ram.slot_of[d.ram.id_of[ram]] = -1
+        d.ram.id_of[ram] = -1
+        d.ram.free_slots.append(ram.astype(np.int64))
 
     def flush(self, drop: bool = False) -> None:
         """Copy every row the GPU changed down (into its RAM slot where it has one, else into
@@ -306,10 +306,10 @@ class GpuLevel:
             slots, ids = slots[order], ids[order]
             raw = self.rows.index_select(0, torch.from_numpy(slots).to(self.device)).cpu()
             raw = raw.contiguous().view(torch.uint8).numpy().reshape(len(slots), d.row_bytes)
-            ram = d.slot_of[ids]
+            ram = d.ram.slot_of[ids]
             mapped = ram >= 0
-            d.slab_bytes[ram[mapped]] = raw[mapped]
-            d.dirty[ram[mapped]] = True
+            d.ram.slab_bytes[ram[mapped]] = raw[mapped]
+            d.ram.dirty[ram[mapped]] = True
             if not mapped.all():
                 d.write_file(ids[~mapped], np.ascontiguousarray(raw[~mapped]))
         self.dirty[dirty] = False

@@ -95,10 +95,11 @@ class Ahead:
 
 
 class ReadAhead:
-    """The read-aheads of one :class:`~nbtools.disk.DiskRows`: a queue of coming steps'
-    (oldest first, until looked up) and the loads in flight (until settled under the table's
-    lock), and the write-backs of the rows they evicted (until written). Everything that
-    touches the table's maps runs under ``disk.slots_lock``; the loads' file I/O does not."""
+    """The read-aheads of one :class:`~nbtools.disk.DiskRows` (its ``reader``): a queue of
+    coming steps' (oldest first, until looked up) and the loads in flight (until settled under
+    the table's lock), and the write-backs of the rows they evicted (until written). Everything
+    that touches the table's RAM slots (``disk.ram``) runs under ``disk.slots_lock``; the
+    loads' file I/O does not."""
 
     def __init__(self, disk):
         self.disk = disk
@@ -137,32 +138,47 @@ class ReadAhead:
             self.settle_done()
             if d.above is not None:         # rows in the GPU cache: never read from here
                 want = want[~d.above.holds(want)]
-            where = d.slot_of[want]
-            d.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK spares
-            self.start(item, want[where < 0])   # them once more before its lookup
+            where = d.ram.slot_of[want]
+            d.ram.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK
+            self.start(item, want[where < 0])       # spares them once more before its lookup
+
+    def load_beside(self, ids: np.ndarray) -> None:
+        """A lookup of ``ids`` (sorted, unique) loads the rows no read-ahead brought in as one
+        would, and waits for its loads outside the lock, so that a coming step's read-ahead
+        starts its reads meanwhile. (Whatever changes before the lookup takes the lock again
+        is settled under it, as without read-ahead.)"""
+        d = self.disk
+        with d.slots_lock:
+            self.settle_done()
+            slots = d.ram.slot_of[ids]
+            with d.ram.sparing(slots[slots >= 0]):
+                self.start(Ahead(None), ids[slots < 0])
+            pending = self.pending_for(ids)
+        for f in pending:
+            f.exception()                       # (raised where the load is settled)
 
     def start(self, item: Ahead, miss: np.ndarray) -> None:
         """Under the lock: start loading rows ``miss`` (sorted, not in RAM): slots taken
         (as many as free or evictable without waiting), rows still queued for write-back
         copied from there, the rest read on a loader thread; the rows it evicts written back."""
-        d = self.disk
+        d, ram = self.disk, self.disk.ram
         if not len(miss):
             return
-        d.advance_clock()
-        free = d.take_slots(len(miss), wait=False)
+        ram.advance_clock()
+        free = ram.take_slots(len(miss), wait=False)
         if len(free):
             rows = miss[: len(free)]
-            d.placed(rows, free)
+            ram.placed(rows, free)
             kept = self.fill(rows, free)            # still queued for write-back: no read
-            d.dirty[free[kept]] = True
-            d.ahead[free[kept]] = True
+            ram.dirty[free[kept]] = True
+            ram.ahead[free[kept]] = True
             item.rows, item.slots = rows[~kept], free[~kept]
             item.sorted_slots = np.sort(item.slots)
-            d.loading[item.slots] = True
-            d.locked[item.slots] = True
+            ram.loading[item.slots] = True
+            ram.locked[item.slots] = True
             d.count_ahead(len(free))
-        if d.evicted_rows:                                # the rows it evicted, written back
-            item.stash, d.evicted_rows = d.evicted_rows, []
+        if ram.evicted_rows:                              # the rows it evicted, written back
+            item.stash = ram.take_evicted()
             item.evicted = np.sort(np.concatenate([i for i, _ in item.stash]))
             self.writes.append(item)
             item.write = d.writer_pool().submit(d.drain, item.stash)
@@ -185,7 +201,7 @@ class ReadAhead:
                 pos, hit = _lookup(sid, ids)
                 hit &= ~got
                 if hit.any():
-                    d.slab_bytes[slots[hit]] = rows[pos[hit]]
+                    d.ram.slab_bytes[slots[hit]] = rows[pos[hit]]
                     got |= hit
         d.stats["from_write_back"] += int(got.sum())
         return got
@@ -204,26 +220,26 @@ class ReadAhead:
         thread)."""
         d = self.disk
         t0 = time.perf_counter()
-        d.file.read(item.rows, d.slab_bytes, at=item.slots)
+        d.file.read(item.rows, d.ram.slab_bytes, at=item.slots)
         d.count_read(item.rows, time.perf_counter() - t0)
 
     def _settle(self, item: Ahead) -> None:
         """Under the lock: wait for ``item``'s load and make its rows ordinary RAM rows (on a
         failed load, the slots are freed again and the error raised)."""
-        d = self.disk
+        ram = self.disk.ram
         self.loads.remove(item)
         try:
             item.io.result()
         except BaseException:
-            d.slot_of[item.rows] = -1
-            d.id_of[item.slots] = -1
-            d.loading[item.slots] = False
-            d.locked[item.slots] = False
-            d.free_slots.append(item.slots)
+            ram.slot_of[item.rows] = -1
+            ram.id_of[item.slots] = -1
+            ram.loading[item.slots] = False
+            ram.locked[item.slots] = False
+            ram.free_slots.append(item.slots)
             raise
-        d.loading[item.slots] = False
-        d.locked[item.slots] = False
-        d.ahead[item.slots] = True
+        ram.loading[item.slots] = False
+        ram.locked[item.slots] = False
+        ram.ahead[item.slots] = True
 
     def _written(self, upto: Ahead | None = None) -> None:
         """Under the lock: forget the finished write-backs (raising the first that failed);
@@ -259,12 +275,12 @@ class ReadAhead:
         lock is held meanwhile, and a step's lookup asks with ~20K ids against up to
         DEPTH loads of ~2K rows each: only the ids' loading slots are looked for, each in
         a load's sorted slots.)"""
-        d = self.disk
+        ram = self.disk.ram
         if not self.loads:
             return []
-        slots = d.slot_of[ids]
+        slots = ram.slot_of[ids]
         slots = slots[slots >= 0]
-        slots = slots[d.loading[slots]]
+        slots = slots[ram.loading[slots]]
         if not len(slots):
             return []
         out = []

@@ -155,7 +155,7 @@ def test_eval_lookups_do_not_pin_ram(tmp_path):
     with torch.no_grad():
         for start in range(0, N, 20):
             t(torch.arange(start, start + 20))
-    assert t.disk.slots == 32          # never grew: evaluation holds no slot for a step
+    assert t.disk.ram.slots == 32          # never grew: evaluation holds no slot for a step
 
 
 def test_file_lives_in_disk_dir_and_goes_with_close(tmp_path):
@@ -282,7 +282,7 @@ def test_warm_cache_loads_the_most_frequent_rows(tmp_path):
     counts = torch.zeros(N)
     counts[100:130] = torch.arange(30, 0, -1).float()
     t.warm_cache(counts)
-    resident = set(int(i) for i in t.disk.id_of if i >= 0)
+    resident = set(int(i) for i in t.disk.ram.id_of if i >= 0)
     assert resident == set(range(100, 120))
 
 
@@ -299,7 +299,7 @@ def test_warm_takes_the_first_new_rows_until_ram_is_full(tmp_path, monkeypatch, 
     with pytest.raises(ValueError, match="row ids must be in"):
         d.warm([3, 50])
     assert d.warm([9, 5, 5, 9, 7, 7, 3, 11, 12]) == 3     # 3 free slots: 5, 7, 3 (repeats once)
-    resident = {int(i): int(s) for s, i in enumerate(d.id_of) if i >= 0}
+    resident = {int(i): int(s) for s, i in enumerate(d.ram.id_of) if i >= 0}
     assert set(resident) == {9, 5, 7, 3}
     assert all(torch.equal(d.slab.tensor[s], rows[i]) for i, s in resident.items())
     assert d.warm([20, 21]) == 0                          # full: nothing evicted
@@ -455,9 +455,9 @@ def test_an_interrupted_read_loses_no_slot_and_no_row(tmp_path):
             assert disk.file.read == read           # (the interruption was in a read)
             opts[1].zero_grad()
         _step(tables[1], opts[1], ids)               # the cell run again
-    resident = int((disk.id_of >= 0).sum())          # (before .weight empties the cache)
-    free = sum(len(part) for part in disk.free_slots)
-    assert resident + free == disk.slots, (resident, free, disk.slots)
+    resident = int((disk.ram.id_of >= 0).sum())          # (before .weight empties the cache)
+    free = sum(len(part) for part in disk.ram.free_slots)
+    assert resident + free == disk.ram.slots, (resident, free, disk.ram.slots)
     _assert_same(tables)
 
 
@@ -517,7 +517,7 @@ def test_rows_evicted_by_an_interrupted_lookup_reach_the_file(tmp_path):
         for _ in range(10):          # until a lookup must evict
             tables[1](torch.randint(0, N, (64,), generator=gen)).sum().backward()
             opts[1].zero_grad()
-    assert disk.evicted_rows                 # (evicted, not written: the case under test)
+    assert disk.ram.evicted_rows                 # (evicted, not written: the case under test)
     opts[1].zero_grad()
     _assert_same(tables)
 

@@ -71,8 +71,8 @@ def _levels_hold_different_rows(table):
     copy that is never written to the file as the row's value)."""
     gpu, disk = table.disk.above, table.disk
     held = np.flatnonzero(gpu.slot_of >= 0)
-    ram = disk.slot_of[held]
-    assert not disk.dirty[ram[ram >= 0]].any()
+    ram = disk.ram.slot_of[held]
+    assert not disk.ram.dirty[ram[ram >= 0]].any()
     assert (gpu.id_of[gpu.slot_of[held]] == held).all()
 
 
@@ -225,7 +225,7 @@ def test_warm_cache_fills_the_gpu_then_ram(tmp_path):
         if placement == "disk":
             gpu, disk = t.disk.above, t.disk
             assert sorted(np.flatnonzero(gpu.slot_of >= 0)) == list(range(30))
-            in_ram = np.flatnonzero(disk.slot_of >= 0)
+            in_ram = np.flatnonzero(disk.ram.slot_of >= 0)
             assert sorted(in_ram.tolist()) == list(range(30, 70))
         gen = torch.Generator().manual_seed(2)
         for _ in range(6):
@@ -249,14 +249,15 @@ def test_slots_a_lookup_moves_up_stay_locked_until_its_step(tmp_path):
     left = 0
     for _ in range(6):
         ids = _zipf(gen, 48)
-        ram_before, gpu_before = d.slot_of.copy(), level.slot_of.copy()
+        ram_before, gpu_before = d.ram.slot_of.copy(), level.slot_of.copy()
         out = t(ids)
         uniq = np.unique(ids.numpy())
         up = uniq[(gpu_before[uniq] < 0) & (level.slot_of[uniq] >= 0) & (ram_before[uniq] >= 0)]
-        stale = d.slot_of[up]
+        stale = d.ram.slot_of[up]
         stale = stale[stale >= 0]
         left += len(stale)
-        assert d.locked[stale].all(), "a slot left by a row moved up was unlocked before its step"
+        assert d.ram.locked[stale].all(), \
+            "a slot left by a row moved up was unlocked before its step"
         out.pow(2).sum().backward()
         opt.step()
         opt.zero_grad()

@@ -182,7 +182,7 @@ def test_a_lookups_own_write_back_is_tracked_like_a_read_aheads(tmp_path):
     assert waiting, "the lookup of a row being written back waited for the write"
     slot = int(waiting[0][0])
     assert d.slab.tensor[slot].tolist() == [106.0, 107.0]
-    assert d.dirty[slot]                        # the file may not have it yet
+    assert d.ram.dirty[slot]                        # the file may not have it yet
     _train_rows(d, [3], 1000.0)                 # trained again while still queued
     release.set()
     d.file.write = write
@@ -351,8 +351,8 @@ def test_rows_in_ram_that_a_read_ahead_needs_get_a_second_chance(tmp_path):
     evictions take other idle rows first: the step's lookup then reads none of them again."""
     d = _table(tmp_path, 16, ahead=torch.arange(12, 14))      # read-aheads run
     d.resolve(np.arange(4), training=False)     # rows 0-3 in RAM
-    d.ref[:] = False                            # idle long enough: all eviction candidates
-    d.hand = int(d.slot_of[0])                 # and row 0 the first the sweep meets
+    d.ram.ref[:] = False                        # idle long enough: all eviction candidates
+    d.ram.hand = int(d.ram.slot_of[0])             # and row 0 the first the sweep meets
     read, seen = d.file.read, []
     d.file.read = lambda ids, *a, **k: (seen.extend(np.asarray(ids).tolist()),
                                          read(ids, *a, **k))[1]
