@@ -440,21 +440,8 @@ class OffloadedEmbedding(nn.Module):
         For rare words: e.g. inverse frequency. ``None`` turns it off. Like
         ``nn.Embedding(scale_grad_by_freq=True)``, but with your own per-id weights.
         """
-        if weights is None:
-            self._grad_scale = None
-            return
-        if self._disk is not None:
-            raise NotImplementedError(f"table {self.name!r}: per-row gradient scaling is not "
-                                      "supported with placement='disk' yet")
-        weights = torch.as_tensor(weights)
-        if weights.shape != (self.num_embeddings,) or not weights.is_floating_point():
-            raise ValueError(f"grad scale for table {self.name!r} must be a float tensor of shape "
-                             f"({self.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
-        if not torch.isfinite(weights).all():
-            raise ValueError(f"grad scale for table {self.name!r} contains non-finite values")
-        host = self._new_rows((self.num_embeddings, 1), self._host.tensor.dtype)
-        host.tensor.copy_(weights.reshape(-1, 1))
-        self._grad_scale = RowStore(host, self.device)
+        self._grad_scale = None if weights is None else _grad_scale_store(self, weights,
+                                                                               self._new_rows)
 
     @on_tables
     def close(self) -> None:
@@ -558,22 +545,7 @@ class OffloadedEmbedding(nn.Module):
         copy_unless_same(self.weight, src)     # .weight synchronises first
 
     def extra_repr(self) -> str:
-        placement = self.placement
-        if self.requested_placement == "auto" and self.device.type == "cuda":
-            placement = f"auto -> {placement} ({self.placement_reason})"
-        mode = self.transfer_mode      # how the GPU reaches host rows (zero-copy, staged)
-        s = (f"{self.num_embeddings:,}, {self.embedding_dim}, name={self.name!r}, "
-             f"dtype={self.config.dtype}, device={self.device}, placement={placement}"
-             f"{'' if mode == self.placement else ', ' + mode}, rows="
-             f"{human_bytes(self.nbytes)}")
-        if self._state_names:
-            s += f" with state {'+'.join(self._state_names)} in {self._layout.unit}"
-        if self.padding_idx is not None:
-            s += f", padding_idx={self.padding_idx}"
-        if self._disk is not None:
-            from . import disk
-            s += ", " + disk.describe(self._disk)
-        return s + self.hot.describe(self)
+        return _describe(self)
 
     _rows_written_next = staticmethod(rows_written_next)   # (what from_pretrained builds in)
 
@@ -650,3 +622,41 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
+
+
+def _grad_scale_store(table, weights, new_rows) -> RowStore:
+    """The per-row gradient weights of :meth:`OffloadedEmbedding.set_grad_scale`, checked, as a
+    row store of ``[num_embeddings, 1]`` where the table's rows live (``new_rows(shape,
+    dtype)``: memory there)."""
+    if table.disk is not None:
+        raise NotImplementedError(f"table {table.name!r}: per-row gradient scaling is not "
+                                  "supported with placement='disk' yet")
+    weights = torch.as_tensor(weights)
+    if weights.shape != (table.num_embeddings,) or not weights.is_floating_point():
+        raise ValueError(f"grad scale for table {table.name!r} must be a float tensor of shape "
+                         f"({table.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"grad scale for table {table.name!r} contains non-finite values")
+    host = new_rows((table.num_embeddings, 1), table.storage.tensor.dtype)
+    host.tensor.copy_(weights.reshape(-1, 1))
+    return RowStore(host, table.device)
+
+
+def _describe(table) -> str:
+    """What ``repr(table)`` says inside its parentheses."""
+    placement = table.placement
+    if table.requested_placement == "auto" and table.device.type == "cuda":
+        placement = f"auto -> {placement} ({table.placement_reason})"
+    mode = table.transfer_mode      # how the GPU reaches host rows (zero-copy, staged)
+    s = (f"{table.num_embeddings:,}, {table.embedding_dim}, name={table.name!r}, "
+         f"dtype={table.config.dtype}, device={table.device}, placement={placement}"
+         f"{'' if mode == table.placement else ', ' + mode}, rows="
+         f"{human_bytes(table.nbytes)}")
+    if table.state_names:
+        s += f" with state {'+'.join(table.state_names)} in {table.layout.unit}"
+    if table.padding_idx is not None:
+        s += f", padding_idx={table.padding_idx}"
+    if table.disk is not None:
+        from . import disk
+        s += ", " + disk.describe(table.disk)
+    return s + table.hot.describe(table)
