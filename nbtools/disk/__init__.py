@@ -433,9 +433,10 @@ class DiskRows:
         _counters["read_bytes"] += len(ids) * self.row_bytes
 
     # --- the table as a whole (nbtools.disk.access.WholeTable: see its methods) -----------
-    def warm(self, ids, level=None) -> int:
-        """Load rows ``ids`` (hottest first) into free RAM slots, or ``level``'s."""
-        return self.whole.warm(ids, level)
+    def warm(self, ids, level=None, ram_too: bool = False) -> int:
+        """Load rows ``ids`` (hottest first) into free RAM slots, or ``level``'s (and then
+        RAM's, ``ram_too``): :meth:`nbtools.disk.access.WholeTable.warm`."""
+        return self.whole.warm(ids, level, ram_too)
 
     def flush(self, drop: bool = False) -> None:
         """Write every dirty row to the file; with ``drop``, also empty RAM."""

@@ -61,13 +61,15 @@ class WholeTable:
             stop = min(d.num_rows, start + step)
             self.write_range(start, initial(start, stop))
 
-    def warm(self, ids, level=None) -> int:
+    def warm(self, ids, level=None, ram_too: bool = False) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts
         nothing. Returns the rows loaded. Where the wanted rows are dense in a stretch of the
         file (one in 16 or more) the stretch is read whole, sequentially, which beats random
         reads of them. Beside the rows, RAM holds a byte a row and ~1M ids at a time.
         ``level``: load them into the free slots of the table's GPU cache instead
-        (:class:`nbtools.disk.gpu.GpuLevel`); rows the GPU holds are skipped either way."""
+        (:class:`nbtools.disk.gpu.GpuLevel`); rows the GPU holds are skipped either way.
+        ``ram_too`` (with ``level``): then fill RAM with the next rows, in the same pass over
+        the file (as a second call without ``level`` would, reading the file once)."""
         d, ram = self.disk, self.disk.ram
         d.wait_read_ahead()
         self.ensure_init()
@@ -75,52 +77,69 @@ class WholeTable:
         if level is not None:
             self.flush()                    # the file as current as RAM: rows read from it
         flat = np.asarray(ids).reshape(-1)
-        above = d.above
+        up = level if level is not None else d.above
         with d.slots_lock:
-            room = level.free_rows if level is not None else sum(len(f) for f in ram.free_slots)
-            have = (lambda c: level.holds(c)) if level is not None else \
-                (lambda c: (ram.slot_of[c] >= 0) | (above is not None and above.holds(c)))
-            want = np.zeros(d.num_rows, dtype=bool)             # the rows to load
+            free = sum(len(f) for f in ram.free_slots)
+            gpu_room = level.free_rows if level is not None else 0
+            ram_room = free if level is None or ram_too else 0
+            # the rows to load: 1 into the GPU level, 2 into RAM
+            want = np.zeros(d.num_rows, dtype=np.uint8)
             for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
-                if not room:
+                if not gpu_room and not ram_room:
                     break
                 chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
                 if len(chunk) and (chunk.min() < 0 or chunk.max() >= d.num_rows):
                     raise ValueError(f"warm: row ids must be in [0, {d.num_rows}), got "
                                      f"{int(chunk.min())}..{int(chunk.max())}")
-                chunk = chunk[~have(chunk) & ~want[chunk]]
+                if up is not None:
+                    chunk = chunk[~up.holds(chunk)]
+                chunk = chunk[want[chunk] == 0]
                 first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
-                chunk = chunk[np.sort(first)][:room]
-                want[chunk] = True
-                room -= len(chunk)
+                chunk = chunk[np.sort(first)]
+                if gpu_room:
+                    take, chunk = chunk[:gpu_room], chunk[gpu_room:]
+                    want[take] = 1
+                    gpu_room -= len(take)
+                    if ram_too:                 # their RAM slots come free (give_back below)
+                        slots = ram.slot_of[take]
+                        slots = slots[slots >= 0]
+                        ram_room += int((~ram.locked[slots]).sum())
+                if ram_room and len(chunk):
+                    chunk = chunk[ram.slot_of[chunk] < 0][:ram_room]
+                    want[chunk] = 2
+                    ram_room -= len(chunk)
+            if ram_too and level is not None:   # the RAM slots of rows going up come free
+                ram.give_back(np.flatnonzero(want == 1))    # first, as the GPU's loads would
             span = max(1, (64 << 20) // d.file.stride)          # rows per sequential stretch
             loaded = 0
             for at in range(0, d.num_rows, span):
-                part = np.flatnonzero(want[at:at + span]) + at
+                stretch = want[at:at + span]
+                part = np.flatnonzero(stretch) + at
                 if not len(part):
                     continue
                 dense = len(part) * 16 >= span
                 if dense:
                     start = int(part[0]) // span * span
-                    stop = min(d.num_rows, start + span)
-                    buf = np.empty((stop - start, d.row_bytes), dtype=np.uint8)
+                    buf = np.empty((min(d.num_rows, start + span) - start, d.row_bytes),
+                                   dtype=np.uint8)
                     d.file.read_range(start, buf)
-                if level is not None:
-                    if not dense:
-                        buf, start = np.empty((len(part), d.row_bytes), dtype=np.uint8), None
-                        d.file.read(part, buf)
-                    level.place(part, buf[part - start] if dense else buf)
-                    loaded += len(part)
-                    continue
-                free = ram.take_free(len(part))
-                part = part[: len(free)]
-                if not len(part):
-                    break
-                if dense:
-                    ram.slab_bytes[free] = buf[part - start]
-                    ram.placed(part, free)
-                else:
-                    d.load_rows(part, free)
+                gpu = part[stretch[part - at] == 1]
+                if len(gpu):
+                    if dense:
+                        level.place(gpu, buf[gpu - start])
+                    else:
+                        rows = np.empty((len(gpu), d.row_bytes), dtype=np.uint8)
+                        d.file.read(gpu, rows)
+                        level.place(gpu, rows)
+                    loaded += len(gpu)
+                part = part[stretch[part - at] == 2]
+                slots = ram.take_free(len(part))
+                part = part[: len(slots)]
+                if dense and len(part):
+                    ram.slab_bytes[slots] = buf[part - start]
+                    ram.placed(part, slots)
+                elif len(part):
+                    d.load_rows(part, slots)
                 loaded += len(part)
         return loaded
 

@@ -283,13 +283,7 @@ class GpuLevel:
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
         self.ref[slots] = True
-        ram = d.ram.slot_of[ids]
-        ram = ram[ram >= 0]
-        d.ram.ref[ram] = False
-        ram = ram[~d.ram.locked[ram]]           # (a pending lookup's: a stale copy until reclaimed)
-        d.ram.slot_of[d.ram.id_of[ram]] = -1
-        d.ram.id_of[ram] = -1
-        d.ram.free_slots.append(ram.astype(np.int64))
+        d.ram.give_back(ids)
 
     def flush(self, drop: bool = False) -> None:
         """Copy every row the GPU changed down (into its RAM slot where it has one, else into

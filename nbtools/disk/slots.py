@@ -306,6 +306,19 @@ class RamSlots:
         self.ahead[slots] = False
         self.ref[slots] = True
 
+    def give_back(self, ids: np.ndarray) -> int:
+        """Rows ``ids`` moved up into the GPU level (clean copies here): their slots go back to
+        the free list, in the order of ``ids``, but for those a pending lookup holds (stale
+        copies until the step releases them). Returns the slots freed."""
+        ram = self.slot_of[ids]
+        ram = ram[ram >= 0]
+        self.ref[ram] = False
+        ram = ram[~self.locked[ram]]
+        self.slot_of[self.id_of[ram]] = -1
+        self.id_of[ram] = -1
+        self.free_slots.append(ram.astype(np.int64))
+        return len(ram)
+
     def forget(self, slots: np.ndarray) -> None:
         """The rows of ``slots`` leave RAM without being written (the file has them, or
         newer); the free list becomes every slot that holds no row."""

@@ -353,9 +353,7 @@ class TableCache:
         if disk is not None:            # the most frequent rows, read now: into the GPU
             hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
             hot = hot[counts[hot] > 0].numpy()
-            if disk.above is not None:
-                disk.warm(hot, level=disk.above)
-            disk.warm(hot)
+            disk.warm(hot, level=disk.above, ram_too=True)
             table.sync_slab()
             return
         cache = table.rows.cache

@@ -262,3 +262,45 @@ def test_slots_a_lookup_moves_up_stay_locked_until_its_step(tmp_path):
         opt.step()
         opt.zero_grad()
     assert left > 0
+
+
+@pytest.mark.parametrize("rows,ram_rows,gpu_rows,hot", [
+    (N, 40, 30, 90), (60_000, 45_000, 10_000, 60_000)], ids=["sparse", "dense"])
+def test_warming_both_levels_in_one_pass_equals_two_warms(tmp_path, rows, ram_rows, gpu_rows,
+                                                         hot):
+    """``warm(ids, level, ram_too=True)`` reads the file once and leaves both levels exactly as
+    warming the GPU level and then RAM does: the same rows in the same slots with the same
+    bytes, whatever RAM held before (rows trained first, some of them going up). "dense":
+    enough wanted rows that the file is read in whole 64 MiB stretches (the one pass reads
+    them so; the GPU's own warm reads its rows one by one)."""
+    from nbtools.disk.gpu import attach
+    ids = (np.arange(rows, dtype=np.int64) * 7919) % rows if hot == rows else \
+        np.random.default_rng(3).permutation(rows)[:hot]
+    states = []
+    for one_pass in (False, True):
+        torch.manual_seed(0)
+        t = OffloadedEmbedding(rows, D, name="t", device=DEVICE, placement="disk",
+                               disk_dir=str(tmp_path / f"p{one_pass}"),
+                               host_cache_bytes=ram_rows * 3 * D * 4)
+        opt = OffloadOptimizer(torch.optim.Adam, t, lr=0.05)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):                      # RAM holds trained (dirty) rows
+            t(_zipf(gen, 48)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        level = attach(t, gpu_rows)
+        t.sync_slab()
+        d = t.disk
+        if one_pass:
+            loaded = d.warm(ids, level=level, ram_too=True)
+        else:
+            loaded = d.warm(ids, level=level) + d.warm(ids)
+        ram = d.ram
+        held = np.flatnonzero(ram.id_of >= 0)
+        states.append((loaded, level.slot_of.copy(), ram.slot_of.copy(),
+                       level.rows.cpu().clone(), ram.slab_bytes[held].copy()))
+        t.close()
+    (n0, g0, r0, gr0, rb0), (n1, g1, r1, gr1, rb1) = states
+    assert n0 == n1 > gpu_rows
+    assert np.array_equal(g0, g1) and np.array_equal(r0, r1)
+    assert torch.equal(gr0, gr1) and np.array_equal(rb0, rb1)
