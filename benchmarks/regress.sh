@@ -7,7 +7,8 @@
 #     gzip -c .scratch/w2vbuild/combined.txt > .scratch/w2v/corpus.txt.gz &&
 #     cp -r .scratch/w2vbuild/eval .scratch/w2v/      # the word2vec corpus (~20 MB), here, once
 #   bash benchmarks/regress.sh [.scratch/old] [systems]     # ARGS=--quick: small sizes (CPU)
-# Results: $OUT/regress/{old,new}/<system>/step.json, word2vec.json; the table at the end.
+# Results: $OUT/regress/<old|new>-<system>/step.json (and -w2v/word2vec.json), two levels
+# deep (the GPU machine's tool brings back no deeper); the table at the end.
 set -u
 old=${1:-.scratch/old}
 out=${OUT:-artifacts/gpu}/regress
@@ -19,7 +20,7 @@ IFS=, read -r -a names <<< "$systems"
 for s in "${names[@]}"; do
   for side in old new; do
     tree=$old; [ "$side" = new ] && tree=$new
-    dir="$out/$side/${s// /_}"
+    dir="$out/$side-${s// /_}"
     mkdir -p "$dir"
     (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 150 python3 benchmarks/bench_step.py ${ARGS:-} \
       --only "$s" --out "$(cd "$new" && realpath "$dir")" > "$(cd "$new" && realpath "$dir")/log" 2>&1) \
@@ -29,8 +30,8 @@ done
 if [ -f .scratch/w2v/corpus.txt.gz ]; then
   for side in old new; do
     tree=$old; [ "$side" = new ] && tree=$new
-    mkdir -p "$out/$side/w2v"
-    dir=$(realpath "$out/$side/w2v")
+    mkdir -p "$out/$side-w2v"
+    dir=$(realpath "$out/$side-w2v")
     (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 200 python3 benchmarks/bench_word2vec.py \
       --corpus "$new/.scratch/w2v/corpus.txt.gz" --eval-dir "$new/.scratch/w2v/eval" \
       --systems host,gpu --epochs 1 --max-tokens 4000000 --out "$dir" > "$dir/log" 2>&1) \
@@ -42,10 +43,10 @@ import glob, json, os, sys
 out = sys.argv[1]
 def figures(side):
     got = {}
-    for f in glob.glob(f"{out}/{side}/*/step.json"):
+    for f in glob.glob(f"{out}/{side}-*/step.json"):
         got.update({k: v for k, v in json.load(open(f)).get("ms", {}).items()
                     if isinstance(v, (int, float))})
-    w = f"{out}/{side}/w2v/word2vec.json"
+    w = f"{out}/{side}-w2v/word2vec.json"
     if os.path.exists(w):
         for name, r in json.load(open(w)).get("systems", {}).items():
             got[f"word2vec {name} (words/s)"] = r["words_per_s"]
