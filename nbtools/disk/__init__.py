@@ -331,7 +331,11 @@ class DiskRows:
     # --- the slab's size ------------------------------------------------------------------
     def ensure_slab(self) -> None:
         """Pin the RAM cache at its full size, the first time rows are needed (on the
-        training loop's thread: the table then takes the new slab, ``slab``)."""
+        training loop's thread: the table then takes the new slab, ``slab``). Once it is, a
+        step does not wait for the lock (a read-ahead may hold it for milliseconds): the slab
+        only ever grows, under the lock."""
+        if self.ram.slots >= self.ram.want:
+            return
         with self.slots_lock:
             if self.ram.slots < self.ram.want:
                 self._resize(self.ram.want)
