@@ -9,8 +9,10 @@
 #              traffic floor, and the GPU-placed row-wise step (~5 minutes)
 #     disk     bench_disk.py under a simulated Colab free tier; [filter] picks the run:
 #              100m (the default: 100M rows, ~9 minutes), steady (100M rows once the log
-#              file's spare slots are used up and its cleaner runs, ~9 minutes), sizes (1M and
-#              10M rows: the step against its floor does not grow with the table)
+#              file's spare slots are used up and its cleaner runs, ~9 minutes), tiers (a
+#              10 GiB GPU cache above the 7 GiB RAM cache against RAM alone, in one run,
+#              ~8 minutes: make it a call of its own), sizes (1M and 10M rows: the step
+#              against its floor does not grow with the table)
 # Results go to $OUT (default artifacts/gpu): logs, each script's JSON, status.tsv.
 # The machine's own torch is used, never replaced: pure-Python wheels carried in .whl/ (e.g.
 # pytest-xdist and execnet on a machine without network) are installed into /tmp/site with
