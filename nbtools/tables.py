@@ -38,7 +38,8 @@ from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits
                         regrow_for_state)
 from .engine.capture import LookupGraphs
 from .store import RowTier
-from .store.rows import DeviceRows, RowLayout, RowStore
+from .store.layout import RowLayout
+from .store.rows import DeviceRows, RowStore
 from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401

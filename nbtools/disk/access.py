@@ -13,6 +13,7 @@ waits for the read-ahead, so no read of the file overlaps a write of it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 
 import numpy as np
@@ -79,37 +80,40 @@ class WholeTable:
         flat = np.asarray(ids).reshape(-1)
         up = level if level is not None else d.above
         with d.slots_lock:
-            free = sum(len(f) for f in ram.free_slots)
-            gpu_room = level.free_rows if level is not None else 0
-            ram_room = free if level is None or ram_too else 0
             # the rows to load: 1 into the GPU level, 2 into RAM
             want = np.zeros(d.num_rows, dtype=np.uint8)
-            for a in range(0, len(flat), WARM_CHUNK):           # hottest first, until full
-                if not gpu_room and not ram_room:
-                    break
-                chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
-                if len(chunk) and (chunk.min() < 0 or chunk.max() >= d.num_rows):
-                    raise ValueError(f"warm: row ids must be in [0, {d.num_rows}), got "
-                                     f"{int(chunk.min())}..{int(chunk.max())}")
-                if up is not None:
-                    chunk = chunk[~up.holds(chunk)]
+
+            def candidates():       # the ids, hottest first, not held above, each once a chunk
+                for a in range(0, len(flat), WARM_CHUNK):
+                    chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
+                    if len(chunk) and (chunk.min() < 0 or chunk.max() >= d.num_rows):
+                        raise ValueError(f"warm: row ids must be in [0, {d.num_rows}), got "
+                                         f"{int(chunk.min())}..{int(chunk.max())}")
+                    if up is not None:
+                        chunk = chunk[~up.holds(chunk)]
+                    first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
+                    yield chunk[np.sort(first)]
+            chunks, rest = candidates(), ()
+            room = level.free_rows if level is not None else 0
+            for chunk in chunks if room else ():                # the GPU's, until full
                 chunk = chunk[want[chunk] == 0]
-                first = np.unique(chunk, return_index=True)[1]  # (a chunk's repeats once)
-                chunk = chunk[np.sort(first)]
-                if gpu_room:
-                    take, chunk = chunk[:gpu_room], chunk[gpu_room:]
-                    want[take] = 1
-                    gpu_room -= len(take)
-                    if ram_too:                 # their RAM slots come free (give_back below)
-                        slots = ram.slot_of[take]
-                        slots = slots[slots >= 0]
-                        ram_room += int((~ram.locked[slots]).sum())
-                if ram_room and len(chunk):
-                    chunk = chunk[ram.slot_of[chunk] < 0][:ram_room]
-                    want[chunk] = 2
-                    ram_room -= len(chunk)
-            if ram_too and level is not None:   # the RAM slots of rows going up come free
-                ram.give_back(np.flatnonzero(want == 1))    # first, as the GPU's loads would
+                take, left = chunk[:room], chunk[room:]
+                want[take] = 1
+                room -= len(take)
+                if not room:
+                    rest = (left,)
+                    break
+            room = 0
+            if level is None or ram_too:    # then RAM's, with the slots of rows going up
+                room = sum(len(f) for f in ram.free_slots)
+                if level is not None:       # (given back first, as the GPU's loads would)
+                    room += ram.give_back(np.flatnonzero(want == 1))
+            for chunk in itertools.chain(rest, chunks) if room else ():
+                chunk = chunk[(want[chunk] == 0) & (ram.slot_of[chunk] < 0)][:room]
+                want[chunk] = 2
+                room -= len(chunk)
+                if not room:
+                    break
             span = max(1, (64 << 20) // d.file.stride)          # rows per sequential stretch
             loaded = 0
             for at in range(0, d.num_rows, span):

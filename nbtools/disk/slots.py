@@ -151,7 +151,6 @@ class RamSlots:
             self.free_slots = collections.deque([np.arange(slots, dtype=self.index_dtype)])
         else:   # the old slots keep their free list (a _take that grows holds the rest)
             self.free_slots.append(np.arange(keep, slots, dtype=self.index_dtype))
-        self.generation = getattr(self, "generation", 0) + 1   # the slab's memory changed
 
     def resize(self, slots: int) -> None:
         """A slab of ``slots`` slots, the rows kept. The caller has waited for every read into

@@ -14,9 +14,10 @@ from .readahead import prepare
 
 class DiskStore(RowStore):
     """A disk table's row store: the row store over its RAM slots (the slab, read zero-copy as
-    a host table's rows; its GPU cache, if any, as the store's cache), whose lookups bring
-    rows in from the file first (:func:`lookup`), which reads coming steps ahead, and whose
-    rows as a whole are the file's. The table and its lookups use it as any row store."""
+    a host table's rows; a GPU level above them is a :class:`nbtools.store.tiers.Cached`
+    around this), whose lookups bring rows in from the file first (:func:`lookup`), which
+    reads coming steps ahead, and whose rows as a whole are the file's. The table and its
+    lookups use it as any row store."""
 
     keeps_host_ids = True
 

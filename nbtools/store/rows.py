@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from .layout import ALIGN_BYTES, RowLayout, row_padding  # noqa: F401  (nbtools.store.layout.RowLayout)
+from .layout import RowLayout
 from ..devices import synchronize
 from ..hostmem import count_transfer, gather_rows, scatter_rows
 
@@ -235,6 +235,11 @@ class RowStore:
             * host.tensor.element_size()
 
     # --- what a table asks of its rows, whatever tier holds them ----------------------------
+    @property
+    def base(self) -> "RowStore":
+        """The plain tier at the bottom of a stack of tiers: this one."""
+        return self
+
     @property
     def kind(self) -> str:
         """How the compute device reaches the rows: the table's ``transfer_mode``."""

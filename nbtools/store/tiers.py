@@ -55,7 +55,7 @@ class Tier:
     @property
     def base(self):
         """The plain tier at the bottom, where the rows live."""
-        return self.inner.base if isinstance(self.inner, Tier) else self.inner
+        return self.inner.base
 
     def __repr__(self):
         return f"{type(self).__name__}({self.inner!r})"
@@ -169,7 +169,7 @@ def with_cache(tier, capacity: int, ways: int = 32) -> Cached:
     """``tier`` (rows in pinned host memory, or CPU rows, where it only exercises the same
     logic) with a :class:`~nbtools.store.cache.RowCache` of up to ``capacity`` hot rows above
     it. A write-back behind the next step is not kept: cached rows are written in the cache."""
-    base = tier.base if isinstance(tier, Tier) else tier
+    base = tier.base
     if base.mode not in ("zero-copy", "host"):
         raise ValueError(f"a cache of hot rows needs rows in pinned host memory, not "
                          f"{base.mode!r}")
@@ -217,9 +217,6 @@ class WriteBehind(Tier):
         state = dict(self.__dict__)
         state.update(_back=None, _older=None, _put_stream=None)
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
     def can_write_behind(self, rows: torch.Tensor, forced: bool = False) -> bool:
         """Whether updated ``rows`` (a step's gathered ``[weight | state...]`` rows, updated
