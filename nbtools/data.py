@@ -281,9 +281,7 @@ def _require_downloader(what: str) -> None:
     except ImportError as e:
         raise ImportError(
             f"downloading {what} from Google Drive needs gdown, which is not installed ({e}). "
-            "It comes with the "
-            "notebook extra: %pip install \"nbtools-offload[notebook]\" in a notebook cell "
-            "(pip install \"nbtools-offload[notebook]\" in a shell), or pip install gdown. "
+            "Install it: %pip install gdown in a notebook cell (pip install gdown in a shell). "
             "A file already in the cache, or a local path, needs neither.") from e
 
 

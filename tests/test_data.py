@@ -381,7 +381,7 @@ def test_missing_downloader_names_gdown_and_the_install_line(tmp_path, monkeypat
         data.fetch("https://drive.google.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view",
                    cache_dir=tmp_path)
     msg = str(err.value)
-    assert "needs gdown" in msg and '%pip install "nbtools-offload[notebook]"' in msg
+    assert "needs gdown" in msg and '%pip install gdown' in msg
     assert missing in msg                                                 # what was missing
 
 
