@@ -22,8 +22,8 @@ MovieLens-100K is read from recbole 1.2.1's wheel (its licence forbids committin
     python benchmarks/bench_recommender.py --quick   # bundled movielens-sample (19 negatives),
                                                      # a small synthetic set, 1 fold: seconds
     python benchmarks/bench_recommender.py --large --gpu-cap-gib 16       # GPU machine
-surprise and implicit are the `bench` extra (pip install "nbtools-offload[bench]"); a missing one
-is reported and skipped.
+surprise and implicit are the `bench` extra (pip install scikit-surprise implicit, or
+pip install -e ".[bench]" in this checkout); a missing one is reported and skipped.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def record(section, system, metrics, seconds):
 
 def missing(name):
     print(f"  ({name} is not installed: its baseline is skipped. pip install "
-          f"'nbtools-offload[bench]' installs surprise and implicit)", flush=True)
+          f"scikit-surprise implicit installs both)", flush=True)
 
 
 # --- baselines --------------------------------------------------------------------------------------

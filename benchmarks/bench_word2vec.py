@@ -19,8 +19,8 @@ all three scored by nbtools.models.wordsim.
 Data (ignored by git): .scratch/w2v/corpus.txt.gz from /work/shared/data/build_offline_corpus.py
 (lowercase a-z tokens, one sentence of <= 1000 tokens per line) and .scratch/w2v/eval/ with
 wordsim353.tsv, simlex999.txt, questions-words.txt (fetch_offline_eval.sh). gensim is a
-benchmark-only dependency: pip install "nbtools-offload[bench]"; where it is missing its row is
-skipped.
+benchmark-only dependency: pip install gensim (or pip install -e ".[bench]" in this checkout);
+where it is missing its row is skipped.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def train_gensim(lines, args):
     try:
         from gensim.models import Word2Vec
     except ImportError:
-        print("gensim is not installed: its row is skipped (pip install 'nbtools-offload[bench]')")
+        print("gensim is not installed: its row is skipped (pip install gensim)")
         return None
     hyper = harness.W2V
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,7 +48,7 @@ not see. Creating an optimizer reallocates the rows (``[weight | state]``): view
 it see the old memory.
 
 CuPy is optional and only ever imported here, when a CuPy array is read or asked for
-(``pip install "nbtools-offload[cupy]"``).
+(``pip install cupy-cuda12x``; ``cupy-cuda11x`` for CUDA 11).
 
 >>> import numpy as np
 >>> from nbtools import OffloadedEmbedding
@@ -79,8 +79,7 @@ _SPARE = 8 << 20                # of which this much is left for small temporari
 REQUEST_BYTES = 4 << 20         # bytes per pread of a file source
 _READERS = 4                    # preads in flight
 _FLOATS = {2: torch.float16, 4: torch.float32, 8: torch.float64}
-_CUPY_INSTALL = ('pip install "nbtools-offload[cupy]" (CuPy for CUDA 12: cupy-cuda12x; for '
-                 'CUDA 11: cupy-cuda11x)')
+_CUPY_INSTALL = "pip install cupy-cuda12x (CuPy for CUDA 12; for CUDA 11: cupy-cuda11x)"
 # torch's from_pretrained arguments that an offloaded table does not have
 _TORCH_ONLY = {
     "max_norm": "offloaded tables do not renormalise rows on lookup; renormalise the source "

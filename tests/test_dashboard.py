@@ -185,7 +185,7 @@ def test_freeze_false_keeps_the_widget(monkeypatch):
 
 def test_missing_ipywidgets_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
-    with pytest.raises(ImportError, match=r"nbtools-offload\[notebook\]"):
+    with pytest.raises(ImportError, match=r"pip install ipywidgets"):
         make(mode="widget", display=False)
 
 

@@ -50,7 +50,7 @@ import warnings
 
 from ..meters import History, Monitor, MonitorConfig, measure_bandwidth
 from ..units import fmt_count, fmt_seconds
-from .plot import EXTRA, HistoryPlot, Plotter, plot_history  # noqa: F401  (re-exported)
+from .plot import INSTALL, HistoryPlot, Plotter, plot_history  # noqa: F401  (re-exported)
 from .render import (STATE, bandwidth_text, frame_colour, render_bandwidth_html, render_html,
                      render_text, run_summary_text)
 
@@ -60,7 +60,7 @@ def _widgets():
         import ipywidgets
     except ImportError as e:
         raise ImportError(f"nbtools.Dashboard draws with ipywidgets in a notebook, which is not "
-                          f"installed: {EXTRA} (or pass DashboardConfig(mode='text'))") from e
+                          f"installed: {INSTALL} (or pass DashboardConfig(mode='text'))") from e
     return ipywidgets
 
 

@@ -12,7 +12,7 @@ from ..meters import History
 from ..units import fmt_count
 from .render import C
 
-EXTRA = "pip install 'nbtools-offload[notebook]'"
+INSTALL = "pip install ipywidgets matplotlib"   # what the widget dashboard and its plots need
 
 
 def _matplotlib():
@@ -21,7 +21,7 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(f"the dashboard's history plot needs matplotlib: {EXTRA}") from e
+        raise ImportError(f"the dashboard's history plot needs matplotlib: {INSTALL}") from e
     return matplotlib, Figure, FigureCanvasAgg
 
 
