@@ -1,4 +1,9 @@
-"""Colab and Google Drive: a folder that outlives the runtime, and forcing Drive to upload.
+"""Colab and Google Drive: installing nbtools, a folder that outlives the runtime, and forcing
+Drive to upload.
+
+The notebooks' first cell installs :data:`INSTALL_SPEC`: the project's repository at the release
+tag of this version, so what runs is what the project released and never whatever a package
+index holds under a name. :func:`installed` says which nbtools is in use: version and commit.
 
 Drive in Colab is a FUSE mount that uploads late: after a disconnect, files written shortly
 before can be missing or empty, and ``os.replace`` from local disk into the mount fails (EXDEV).
@@ -17,17 +22,25 @@ True
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-from . import NbtoolsError
+from . import NbtoolsError, __version__
 
 MOUNT_POINT = Path("/content/drive")          # where Colab mounts Google Drive
-# The repository the notebooks' Colab badges open, and where their install cell installs from
-# until a release is on PyPI (the cell holds the same URL: tests/test_colab.py checks both).
+# The repository the notebooks' Colab badges open, and the only place installs come from.
 REPO_URL = "https://github.com/nbtools-dev/nbtools"
-DISTRIBUTION = "nbtools-offload"              # the PyPI name (nbtools is another project's)
+DISTRIBUTION = "nbtools-offload"      # the distribution's name (nbtools is another project's)
+# Each release is tagged v<version> in REPO_URL. The install pins that tag: the project publishes
+# nothing on a package index, so a lookup by name there would get whatever someone registered.
+RELEASE = f"v{__version__}"
+INSTALL_SPEC = f"{DISTRIBUTION}[notebook] @ git+{REPO_URL}@{RELEASE}"
+# The one install line: README.md and docs/notebooks.md quote it, the notebooks' first cell runs
+# INSTALL_SPEC (tests/test_colab.py keeps the four in step).
+INSTALL_LINE = f'%pip install -q "{INSTALL_SPEC}"'
 MY_DRIVE = "MyDrive"
 
 
@@ -99,20 +112,76 @@ def flush_drive(unmount: bool = True) -> None:
         os.sync()
 
 
-def install_spec(extra: str = "notebook", run=None) -> str:
-    """What the notebooks' install cell hands to ``%pip install``: the release on PyPI where
-    one exists (``pip index versions`` finds it), else the GitHub repository.
+def installed(package=None) -> str:
+    """Which nbtools is in use and where it came from, for the record: version and commit.
 
-    >>> from types import SimpleNamespace as R
-    >>> install_spec(run=lambda *a, **k: R(returncode=1, stdout=""))
-    'nbtools-offload[notebook] @ git+https://github.com/nbtools-dev/nbtools'
+    An install from the repository reports the ref and commit pip recorded for it (PEP 610's
+    ``direct_url.json``); a git checkout reports its HEAD commit; an install from anywhere else
+    says that no commit was recorded.
+
+    Args:
+        package: the ``nbtools`` package directory to report on; default the one imported.
+
+    Returns:
+        One line, e.g. ``nbtools 0.1.0 from git+https://github.com/nbtools-dev/nbtools@v0.1.0
+        (commit 0123abc...)``.
+
+    >>> installed().startswith(f"nbtools {__version__} from ")
+    True
     """
-    import subprocess
-    run = run or subprocess.run
-    found = run([sys.executable, "-m", "pip", "index", "versions", DISTRIBUTION],
-                capture_output=True, text=True)
-    spec = f"{DISTRIBUTION}[{extra}]"
-    return spec if found.returncode == 0 else f"{spec} @ git+{REPO_URL}"
+    package = Path(package or Path(__file__).parent).resolve()
+    root = package.parent
+    recorded = _recorded_install(root)
+    if recorded is not None:
+        version, origin = recorded
+        if origin is not None:
+            return f"nbtools {version} from {origin}"
+    if (root / ".git").exists():
+        return f"nbtools {__version__} from the git checkout at {root} ({_git_commit(root)})"
+    if recorded is not None:
+        return (f"nbtools {version} at {root}, installed without a recorded source (e.g. by "
+                f"name from a package index): no commit to report; {INSTALL_LINE} installs "
+                "the pinned release")
+    return f"nbtools {__version__} from {root} (not an installed distribution, not a git checkout)"
+
+
+def _recorded_install(site: Path):
+    """(version, where from) of the distribution installed in ``site``, or None when there is
+    none; where from is None when pip recorded no source (an install from a package index)."""
+    from importlib import metadata
+
+    dist = next(iter(metadata.distributions(name=DISTRIBUTION, path=[str(site)])), None)
+    if dist is None:
+        return None
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        direct = None
+    if not isinstance(direct, dict) or "url" not in direct:
+        return dist.version, None
+    vcs = direct.get("vcs_info")
+    if vcs:
+        ref = f"@{vcs['requested_revision']}" if vcs.get("requested_revision") else ""
+        return dist.version, (f"{vcs.get('vcs', 'git')}+{direct['url']}{ref} "
+                              f"(commit {vcs.get('commit_id', 'not recorded')})")
+    return dist.version, f"{direct['url']} (not a repository: no commit recorded)"
+
+
+def _git_commit(root: Path) -> str:
+    """``commit <HEAD>``, with a note when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10)
+    try:
+        head = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"commit unknown: git did not run ({e})"
+    if head.returncode != 0:
+        return f"commit unknown: {head.stderr.strip() or 'git rev-parse HEAD failed'}"
+    dirty = status.returncode == 0 and status.stdout.strip()
+    changed = ", with uncommitted changes" if dirty else ""
+    return f"commit {head.stdout.strip()}{changed}"
 
 
 def badge_url(notebook: str) -> str:

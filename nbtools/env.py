@@ -10,7 +10,7 @@ import platform
 
 import torch
 
-from . import disk, hostmem
+from . import colab, disk, hostmem
 from .rowfile import fileio
 from .devices import (cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes, memlock_limit,
                       resolve_device)
@@ -22,7 +22,8 @@ _ENGINE_NAMES = {"kaio": "Linux's native AIO", "aio": "glibc's POSIX AIO",
 
 
 def describe(file=None) -> dict:
-    """Print (and return) torch, CUDA, GPU and pinning capability at a glance.
+    """Print (and return) which nbtools this is (version and commit), and torch, CUDA, GPU and
+    pinning capability at a glance.
 
     >>> info = describe(file=open(os.devnull, "w"))
     >>> sorted(info)[:3]
@@ -30,6 +31,7 @@ def describe(file=None) -> dict:
     """
     mem = host_memory_bytes()
     info = {
+        "nbtools": colab.installed(),                # version, and where from: ref and commit
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda_ok() else None,
@@ -58,7 +60,8 @@ def describe(file=None) -> dict:
         free = gpu_free_bytes(torch.cuda.current_device())
         info["auto_gpu_budget_bytes"] = int(TableConfig.gpu_fraction * free)
     lines = [
-        f"nbtools  python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
+        info["nbtools"],
+        f"python   {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
         f"device   {info['device']}  GPU {info['gpu'] or 'none'}  GPU memory {_human(info['gpu_memory_bytes'])}",
         f"host RAM {_human(info['host_available_bytes'])} available of {_human(info['host_total_bytes'])}"
         f"  memlock limit {_human(info['memlock_limit_bytes']) if info['memlock_limit_bytes'] else 'unlimited'}",
