@@ -178,7 +178,8 @@ def _git_commit(root: Path) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"commit unknown: git did not run ({e})"
     if head.returncode != 0:
-        return f"commit unknown: {head.stderr.strip() or 'git rev-parse HEAD failed'}"
+        said = head.stderr.strip().splitlines()
+        return f"commit unknown: {said[0] if said else 'git rev-parse HEAD failed'}"
     dirty = status.returncode == 0 and status.stdout.strip()
     changed = ", with uncommitted changes" if dirty else ""
     return f"commit {head.stdout.strip()}{changed}"
