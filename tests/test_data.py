@@ -402,3 +402,199 @@ def test_a_cached_file_needs_no_downloader(server, tmp_path, monkeypatch):
     path, _ = _get(f"{base}/ok.bin", tmp_path, md5=MD5)
     monkeypatch.setitem(sys.modules, "gdown", None)
     assert _get(f"{base}/ok.bin", tmp_path, md5=MD5)[0] == path
+
+
+# --- what is on disk is checked, not trusted --------------------------------------------------
+
+def _plant(path, body, claims):
+    """A file at ``path`` and a sidecar that vouches for it as a finished download would:
+    size and mtime match the file, the hashes are ``claims`` (copied from the registry)."""
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(body)
+    st = path.stat()
+    data._sidecar(path).write_text(json.dumps({
+        "bytes": st.st_size, "md5": claims["md5"], "sha256": claims["sha256"],
+        "url": "planted", "verified": True, "mtime_ns": st.st_mtime_ns}))
+
+
+def _planted_ws353(entry):
+    """Well-formed WS353 lines the size of the real file, so that only the hash tells."""
+    lines = b"planted\tpairs\t10.0\n" * 8
+    return lines + b"#" + b"x" * (entry.bytes - len(lines) - 2) + b"\n"
+
+
+def test_planted_file_with_a_matching_sidecar_is_not_used(eval_server, tmp_path):
+    """A file planted in the cache beside a sidecar claiming the pinned hashes, with its size
+    and mtime, is hashed, refused with a warning naming it, and the real file is downloaded."""
+    files, hits = eval_server
+    entry = data.REGISTRY["ws353"]
+    cached = tmp_path / "ws353" / entry.filename
+    _plant(cached, _planted_ws353(entry), {"md5": entry.md5, "sha256": entry.sha256})
+    assert data.load_word_pairs(cached)[0] == ("planted", "pairs", 10.0)   # would load
+    with pytest.warns(UserWarning, match=f"{cached}: the cached file is not the expected one "
+                                         r"\(md5 is .*, expected .*, pinned\)"):
+        pairs = data.load("ws353", cache_dir=tmp_path, quiet=True)
+    assert hits.get(f"/gensim/{entry.filename}") == 1                        # downloaded again
+    assert ("planted", "pairs", 10.0) not in pairs
+    assert pairs == data.load_word_pairs(data.SAMPLES_DIR / "wordsim353-sample.tsv")
+    assert cached.read_bytes() == files[f"/gensim/{entry.filename}"]
+
+
+def test_planted_file_is_refused_even_when_no_download_can_replace_it(eval_server, tmp_path):
+    files, hits = eval_server
+    entry = data.REGISTRY["ws353"]
+    del files[f"/gensim/{entry.filename}"]                                # the server: 404
+    cached = tmp_path / "ws353" / entry.filename
+    _plant(cached, _planted_ws353(entry), {"md5": entry.md5, "sha256": entry.sha256})
+    with pytest.warns(UserWarning, match="not the expected one"), \
+            pytest.raises(DownloadError, match="HTTP 404"):
+        data.load("ws353", cache_dir=tmp_path, quiet=True)
+    assert not cached.exists() and not data._sidecar(cached).exists()
+
+
+def test_pinned_cache_hit_is_hashed_on_every_use(eval_server, tmp_path, monkeypatch):
+    """The genuine cached file is served without a download, after hashing it once."""
+    files, hits = eval_server
+    path = fetch("ws353", cache_dir=tmp_path, quiet=True)
+    calls = []
+    hashes = data.file_hashes
+    monkeypatch.setattr(data, "file_hashes", lambda p, *a: calls.append(p) or hashes(p, *a))
+    assert fetch("ws353", cache_dir=tmp_path, quiet=True) == path
+    assert calls == [path] and hits["/gensim/wordsim353.tsv"] == 1
+
+
+def test_unpinned_file_changed_after_its_download_is_fetched_again(server, tmp_path):
+    """Nothing pinned: the sidecar's hashes of the first download are the reference."""
+    import os
+    base, hits = server
+    path, _ = _get(f"{base}/ok.bin", tmp_path)
+    before = hits["/ok.bin"]
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))     # touched, same bytes
+    assert _get(f"{base}/ok.bin", tmp_path)[0] == path and hits["/ok.bin"] == before
+    path.write_bytes(b"X" * len(PAYLOAD))                              # same size, other bytes
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    with pytest.warns(UserWarning, match=f"{path}: .*recorded in its sidecar at the download"):
+        again, _ = _get(f"{base}/ok.bin", tmp_path)
+    assert again.read_bytes() == PAYLOAD and hits["/ok.bin"] == before + 1
+
+
+def test_registry_downloads_are_https_and_text8_is_pinned():
+    for d in data.REGISTRY.values():
+        assert d.url is None or d.url.startswith("https://"), (d.name, d.url)
+    text8 = data.REGISTRY["text8"]
+    assert text8.url == "https://mattmahoney.net/dc/text8.zip"
+    # the md5 the Keras/TensorFlow text8 loaders pin, the size of the word2vec tutorials
+    assert (text8.md5, text8.bytes) == ("f26f94c5209bc6159618bad4a559ff81", 31_344_016)
+
+
+# --- archive members: streamed, under a cap ------------------------------------------------------
+
+def _bomb(path, member_bytes, pattern=b"a "):
+    """A deflated zip of one member "text8" of ``member_bytes`` bytes of ``pattern`` (~1000:1)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("text8", "w") as f:
+        block = pattern * ((1 << 20) // len(pattern))
+        for _ in range(member_bytes // len(block)):
+            f.write(block)
+    return path
+
+
+def _peak_bytes(fn, *args, **kwargs):
+    """(exception raised or None, peak bytes Python allocated meanwhile)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn(*args, **kwargs)
+        err = None
+    except Exception as e:
+        err = e
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return err, peak
+
+
+def test_zip_bomb_is_refused_before_it_is_read(tmp_path):
+    """A 200 MB member in a ~200 KB zip (the issue's bomb, smaller): refused for its ratio with
+    the defaults, for its size under a smaller cap, before its bytes are read."""
+    z = _bomb(tmp_path / "text8.zip", 200 << 20)
+    assert z.stat().st_size < 300_000
+    err, peak = _peak_bytes(data.load_text8, z)
+    assert isinstance(err, data.ArchiveLimitError), err
+    assert f"{z}: member 'text8'" in str(err) and "over the limit of 100:1" in str(err)
+    assert "max_member_ratio=" in str(err)
+    assert peak < 2 << 20
+    err, peak = _peak_bytes(data.load_text8, z, max_member_bytes=10 << 20, max_member_ratio=None)
+    assert isinstance(err, data.ArchiveLimitError), err
+    assert "declares 209,715,200 bytes uncompressed, over the cap of 10,485,760" in str(err)
+    assert "max_member_bytes=" in str(err)
+    assert peak < 2 << 20
+    # the same arguments through load(), and a member under the limits still loads
+    with pytest.raises(data.ArchiveLimitError, match="over the cap of 1,048,576"):
+        data.load(z, max_member_bytes=1 << 20)
+    (tmp_path / "small").mkdir()
+    c = data.load_text8(_bomb(tmp_path / "small" / "text8.zip", 4 << 20), min_count=1)
+    assert c.vocab == ["a"] and len(c.ids) == 2 << 20
+
+
+class _Endless:
+    """A member reader that ignores the archive's directory: zeros for as long as it is read
+    (up to 64 MiB, so that a reader that does not count fails here rather than hangs)."""
+
+    def __init__(self):
+        self.produced = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self, n):
+        n = max(0, min(n, (64 << 20) - self.produced))
+        self.produced += n
+        return bytes(n)
+
+
+@pytest.mark.parametrize("cap, ratio, limit, arg", [
+    (10 << 20, None, 10 << 20, "max_member_bytes"),
+    (None, 100.0, 16 << 20, "max_member_ratio"),     # the ratio's floor: small members pass
+])
+def test_member_bytes_are_counted_not_taken_from_the_directory(tmp_path, monkeypatch, cap, ratio,
+                                                               limit, arg):
+    """The directory says 1,000 bytes; the reader goes on: reading stops at the limit."""
+    z = tmp_path / "text8.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("text8", b"a " * 500)
+    reader = _Endless()
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, *a, **kw: reader)
+    err, peak = _peak_bytes(data.load_text8, z, max_member_bytes=cap, max_member_ratio=ratio)
+    assert isinstance(err, data.ArchiveLimitError), err
+    assert f"declares 1,000 bytes uncompressed but goes on past {limit:,} bytes" in str(err)
+    assert f"{arg}=" in str(err)
+    assert limit < reader.produced <= limit + 1
+    assert peak < limit + (4 << 20)
+
+
+def test_zip_whose_directory_understates_a_member_is_refused(tmp_path):
+    """A real archive whose central directory says 1,000 bytes for a 50 MB member: zipfile
+    stops at the declared size and finds the CRC wrong; the error names the archive."""
+    z = _bomb(tmp_path / "text8.zip", 50 << 20)
+    raw = bytearray(z.read_bytes())
+    at = raw.rindex(b"PK\x01\x02")                     # the one central directory entry
+    assert int.from_bytes(raw[at + 24:at + 28], "little") == 50 << 20
+    raw[at + 24:at + 28] = (1000).to_bytes(4, "little")
+    z.write_bytes(bytes(raw))
+    assert zipfile.ZipFile(z).getinfo("text8").file_size == 1000
+    err, peak = _peak_bytes(data.load_text8, z)
+    assert isinstance(err, zipfile.BadZipFile), err
+    assert f"{z}: member 'text8'" in str(err) and "does not match the archive's directory" in str(err)
+    assert peak < 4 << 20
+
+
+def test_deflated_text8_sample_loads_as_the_plain_file(tmp_path):
+    z = tmp_path / "text8.zip"
+    with zipfile.ZipFile(z, "w", zipfile.ZIP_DEFLATED) as f:
+        f.write(data.SAMPLES_DIR / "text8-sample.txt", "text8")
+    got, want = data.load_text8(z), data.load("text8-sample")
+    assert got.vocab == want.vocab and torch.equal(got.ids, want.ids)
