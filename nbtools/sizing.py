@@ -90,17 +90,17 @@ def file_row_bytes(row_bytes: int, disk_dir) -> int:
     ``O_DIRECT`` block it is rounded up to, probed with a one-row file (created and removed;
     the folder is created if missing), or the packed stride of a log file
     (:func:`nbtools.disk.log.log_stride`)."""
+    from .disk import table_dir
     from .rowfile import RowFile
+    folder = table_dir(disk_dir)        # (the default one checked as a table's file would be)
     if disklog.wanted() and disklog.packed():
-        os.makedirs(os.fspath(disk_dir), exist_ok=True)
         return disklog.log_stride(row_bytes)
-    path = os.path.join(os.fspath(disk_dir), f".probe-{uuid.uuid4().hex[:8]}.nbrows")
-    f = RowFile.create(path, 1, row_bytes)
+    f = RowFile.create(os.path.join(folder, f".probe-{uuid.uuid4().hex[:8]}.nbrows"), 1,
+                       row_bytes)
     try:
         return f.stride
     finally:
-        f.close()
-        os.remove(path)
+        f.delete()
 
 
 def rows_for(times_ram: float, dim: int, optimizer, *, dtype=torch.float32, ram_bytes=None,

@@ -34,10 +34,12 @@ the batch).
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import stat
 import tempfile
 import threading
 import time
-import uuid
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +53,7 @@ from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
 from .access import WholeTable, chunk_rows
 from ..rowfile.fileio import default_engine, uninterrupted
+from ..rowfile.format import make_folder, remove_unheld
 from ..hostmem import HostTensor, keep_freed_memory_small
 from .readahead import Prepared, ReadAhead
 from ..units import human_bytes
@@ -98,8 +101,121 @@ def _count_clean(read_bytes: int, write_bytes: int) -> None:
 
 
 def default_dir() -> str:
-    """Where disk tables go unless ``disk_dir`` says otherwise: local disk, not Drive."""
-    return os.path.join(tempfile.gettempdir(), "nbtools-tables")
+    """Where disk tables go unless ``disk_dir`` says otherwise: ``nbtools-tables-<uid>`` in
+    the system's temporary folder, this user's own (local disk, not Drive).
+
+    Why the temporary folder and not the home's cache (``~/.cache``): a table takes tens of
+    GB, and on shared servers the temporary folder is usually the large local disk where home
+    is a network filesystem under a quota (on Colab both are the same local disk). Why a
+    folder per user, checked before a file goes in (:func:`table_dir`): anyone may make a
+    folder there, so one that exists is used only if it is a real folder (not a link) of this
+    user's that nobody else may enter (no group or other permission bits), and is otherwise
+    refused with an error that says so; one that is missing is made with mode 0700.
+    Returns the path only (it makes and checks nothing).
+    """
+    return os.path.join(tempfile.gettempdir(), f"nbtools-tables-{os.geteuid()}")
+
+
+def table_dir(folder=None) -> str:
+    """The folder a disk table's file goes in, ready for it (an absolute path): ``folder``,
+    made where missing (mode 0700, and the folders above it that are missing too), or by
+    default :func:`default_dir`, made or checked to be this user's alone.
+
+    Raises:
+        PermissionError: the default folder exists but is a link, not a folder, another
+            user's, or open to others (its mode has group or other bits); nothing is written
+            there.
+    """
+    if folder is not None and os.path.abspath(os.fspath(folder)) != \
+            os.path.abspath(default_dir()):
+        folder = os.path.abspath(os.fspath(folder))
+        make_folder(folder)
+        return folder
+    folder = os.path.abspath(default_dir())
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:         # (made before, perhaps by someone else: checked below)
+        pass
+    _check_private(folder, os.lstat(folder))
+    return folder
+
+
+def _check_private(folder: str, st: os.stat_result) -> None:
+    """Refuse the default folder of disk tables unless ``st`` (its lstat) is of a folder of
+    this user's with no group or other permission bits."""
+    uid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        what = f"a symbolic link (to {os.readlink(folder)!r}), not a folder"
+    elif not stat.S_ISDIR(st.st_mode):
+        what = "not a folder"
+    elif st.st_uid != uid:
+        what = f"owned by another user (uid {st.st_uid}; this process runs as uid {uid})"
+    elif st.st_mode & 0o077:
+        what = f"open to other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        return
+    fix = (f"or, if it is yours, `chmod 700 {folder}`" if stat.S_ISDIR(st.st_mode)
+           and st.st_uid == uid else f"or remove {folder!r} if you may, and nbtools makes "
+           "it again")
+    raise PermissionError(
+        f"the default folder of disk tables {folder!r} is {what}: nbtools puts table files "
+        "only in a folder of this user's that nobody else may enter (mode 0700), since "
+        "others could read, remove or replace them there. Pass disk_dir= a folder of yours "
+        f"(or set TMPDIR to one), {fix}.")
+
+
+# A table file's name (file_name): what remove_stale_tables takes to be a table's file.
+TABLE_FILE = re.compile(r".{1,64}-[0-9]{1,10}-[0-9a-f]{16}\.nbrows")
+
+
+def file_name(name: str) -> str:
+    """The name of a new file of table ``name``: ``<name>-<pid>-<16 random hex
+    digits>.nbrows`` (the name kept to letters, digits and ``-_.``, 64 at most); what
+    :func:`remove_stale_tables` looks for.
+
+    >>> bool(TABLE_FILE.fullmatch(file_name("items/v2")))
+    True
+    """
+    return f"{_safe(name)}-{os.getpid()}-{secrets.token_hex(8)}.nbrows"
+
+
+def remove_stale_tables(directory=None) -> list[dict]:
+    """Remove the files of disk tables whose process died without closing them (killed,
+    crashed, out of memory) from ``directory`` (default :func:`default_dir`, where a new
+    table in that folder does this itself): ``{"path", "bytes"}`` of each file removed, the
+    bytes it freed on disk.
+
+    A file is removed only if its name is a table file's (:func:`file_name`), it is a
+    regular file (not a link) owned by this user, and no open descriptor holds its lock: a
+    table holds it on its file from creation until it is closed, so a live process's table,
+    this one's or another's, is never removed, whatever its pid says. Nothing else in the
+    folder is touched. A folder that several machines share over the network: files another
+    machine wrote are kept (its locks may not show here).
+
+    >>> import tempfile
+    >>> remove_stale_tables(tempfile.mkdtemp())
+    []
+    """
+    if directory is None:
+        folder = os.path.abspath(default_dir())
+        try:
+            _check_private(folder, os.lstat(folder))
+        except FileNotFoundError:
+            return []
+    else:
+        folder = os.path.abspath(os.fspath(directory))
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        if TABLE_FILE.fullmatch(name):
+            path = os.path.join(folder, name)
+            freed = remove_unheld(path)
+            if freed is not None:
+                out.append({"path": path, "bytes": freed})
+    return out
 
 
 class DiskTableBrokenError(NbtoolsError, OSError):
@@ -126,8 +242,11 @@ class DiskRows:
     methods the table's of the same names call. A GPU cache above the slots is ``above``.
 
     Args:
-        directory: folder for the table file (created if missing); the file is removed when
-            the table is closed or collected.
+        directory: folder for the table file (:func:`table_dir`: created if missing; the
+            default folder, :func:`default_dir`, checked to be this user's alone, and its
+            files of dead processes removed first). The file (mode 0600, this process's
+            alone: :meth:`nbtools.rowfile.RowFile.create`) is removed when the table is closed
+            or collected.
         num_rows, width, dtype: the rows ``[num_rows, width]`` of ``dtype``.
         cache_rows: slots in RAM (grown if one step needs more).
         device: the compute device (CUDA: the slab is pinned and read zero-copy).
@@ -149,17 +268,20 @@ class DiskRows:
         self.num_rows, self.width, self.dtype = int(num_rows), int(width), dtype
         self.device = torch.device(device)
         self.row_bytes = self.width * dtype.itemsize
-        self.directory = os.path.abspath(os.fspath(directory))
-        path = os.path.join(self.directory, f"{_safe(name)}-{uuid.uuid4().hex[:8]}.nbrows")
+        self.directory = table_dir(directory)
+        if self.directory == os.path.abspath(default_dir()):
+            _say_removed(remove_stale_tables(self.directory), self.directory)
         meta = {"dtype": str(dtype).replace("torch.", ""), "width": self.width, "name": name}
         threads = threads or int(os.environ.get(
             "NBTOOLS_DISK_THREADS",
             DISK_AIO_DEPTH if default_engine() in ("aio", "kaio") else DISK_THREADS))
-        self.file, raw = disklog.create(path, self.num_rows, self.row_bytes, meta,
-                                        threads=threads, free=free_bytes(self.directory))
+        self.file, raw = _new_file(self.directory, name, self.num_rows, self.row_bytes, meta,
+                                   threads)
         if isinstance(self.file, disklog.LogFile):
             self.file.on_clean = _count_clean
-        self._remove = weakref.finalize(self, _remove_file, raw, path)
+        # the file's own descriptor is what every later use reads and writes (never its name);
+        # at the end the name is removed only where it still names this file
+        self._remove = weakref.finalize(self, raw.delete)
         self.slots_lock = threading.RLock()
         self.above = None                       # a GPU cache of hot rows (nbtools.disk.gpu)
         self._readahead = None                  # ReadAhead, from the first read_ahead
@@ -519,14 +641,30 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "table"
 
 
-def _remove_file(file, path: str) -> None:
-    try:
-        file.close()
-    finally:
+def _new_file(folder: str, name: str, num_rows: int, row_bytes: int, meta: dict,
+              threads: int):
+    """A new table file in ``folder`` (:func:`nbtools.disk.log.create`) under a fresh name
+    (:func:`file_name`); another name where something is at one already (a file or link put
+    there), three names at most."""
+    for attempt in range(3):
+        path = os.path.join(folder, file_name(name))
         try:
-            os.remove(path)
-        except OSError:
-            pass
+            return disklog.create(path, num_rows, row_bytes, meta, threads=threads,
+                                  free=free_bytes(folder))
+        except FileExistsError as e:
+            taken = e
+    raise FileExistsError(f"table {name!r}: three fresh file names in {folder!r} were all "
+                          f"taken already (last: {taken}); something keeps planting files "
+                          "there: pass disk_dir= a folder only you can write") from taken
+
+
+def _say_removed(removed: list, folder: str) -> None:
+    """One line on the files of dead processes :func:`remove_stale_tables` removed."""
+    if removed:
+        freed = sum(r["bytes"] for r in removed)
+        warnings.warn(f"removed {len(removed)} disk-table file(s) that killed or crashed "
+                      f"processes left in {folder} ({human_bytes(freed)} freed)",
+                      RuntimeWarning, stacklevel=4)
 
 
 # --- the table's side: what OffloadedEmbedding calls for placement="disk" ----------------------

@@ -242,10 +242,9 @@ class WholeTable:
                 d.write_stash()
                 self._move_home()
         d.file.flush()
-        unit = d.file.stride // d.dtype.itemsize
-        arr = np.memmap(d.file.path, dtype=_numpy_dtype(d.dtype),
-                        mode="r+" if writable else "c",
-                        offset=d.file.data_offset, shape=(d.num_rows, unit))
+        # the table's own descriptor mapped, never its path: a file put at that name since
+        # is not what the rows are read from or written to
+        arr = d.file.map_rows(d.num_rows, writable).view(_numpy_dtype(d.dtype))
         if writable:
             self.map = arr
             self.changed.fill(True)       # whatever is written through it is not tracked

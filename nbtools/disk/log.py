@@ -175,8 +175,7 @@ def create(path, num_rows: int, row_bytes: int, meta: dict, *, threads: int, fre
             try:
                 return LogFile(raw, num_rows), raw
             except BaseException:         # (a bad NBTOOLS_DISK_CLEANER): no file left behind
-                raw.close()
-                os.remove(raw.path)
+                raw.delete()
                 raise
     raw = RowFile.create(path, num_rows, row_bytes, meta, threads=threads)
     return raw, raw

@@ -82,7 +82,8 @@ import numpy as np
 
 from .fileio import RequestPool, check_engine, fadvise
 from .packed import TAG, row_requests, packed_io, packed_range
-from .format import (BLOCKS, HEADER, DiskFullError, checked_meta, new_file_folder, _open,
+from .format import (BLOCKS, HEADER, DiskFullError, check_direct, checked_meta,
+                     create_exclusive, direct_block, new_file_folder, _open, remove_if_same,
                      reserve, round_up, write_header, _writer)
 from ..units import human_bytes
 # the package's public names that live in its modules
@@ -176,13 +177,19 @@ class RowFile:
                overwrite: bool = False, packed: bool = False) -> "RowFile":
         """A new file of ``num_rows`` zero rows, its space reserved now.
 
+        The file is this process's alone: made new (never through a link or over a file
+        someone put at ``path``), mode 0600, locked (``flock``) while it is open so that a
+        cleaner of dead processes' files keeps it (:func:`nbtools.rowfile.format.remove_unheld`),
+        and used through its descriptor from then on, whatever is at its name later.
+
         Args:
-            path: the file; its folder is created if missing.
+            path: the file; its folder is created if missing (mode 0700).
             num_rows, row_bytes: the shape of the table in bytes.
             meta: JSON-able keys stored in the header (``dtype``, what the columns are...).
             threads: requests in flight at most.
             direct: ``True`` (O_DIRECT or an error), ``False`` (buffered) or ``"auto"``.
-            overwrite: replace an existing file instead of raising ``FileExistsError``.
+            overwrite: remove what is at ``path`` (a file, or a link: not what it points to)
+                instead of raising ``FileExistsError``.
             packed: rows ``PACK`` bytes apart instead of whole blocks (see the module): a
                 write of rows that share a block with others reads that block first, unless
                 the caller says the rest of it holds nothing (``write(..., fresh=True)``).
@@ -191,17 +198,24 @@ class RowFile:
             DiskFullError: the disk lacks the room (checked before anything is written), or
                 filled while the space was reserved (the partial file is removed).
             PermissionError: the folder cannot be created or written.
-            FileExistsError: the file exists and ``overwrite`` is false.
+            FileExistsError: something is at ``path`` and ``overwrite`` is false.
         """
         num_rows, row_bytes = int(num_rows), int(row_bytes)
         if num_rows < 0 or row_bytes < 1:
             raise ValueError(f"a row file needs num_rows >= 0 and row_bytes >= 1, got "
                              f"num_rows={num_rows}, row_bytes={row_bytes}")
         path = os.path.abspath(os.fspath(path))
+        check_direct(direct, path)
         folder = new_file_folder(path, overwrite)
-        fd, existed = None, os.path.exists(path)
+        if overwrite:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        fd = create_exclusive(path)
         try:
-            fd, block = _open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct, fresh=True)
+            os.ftruncate(fd, HEADER)         # something to probe (a hole: reads still check)
+            block = direct_block(fd, path, direct)
             stride = (round_up(row_bytes, PACK) if packed
                       else round_up(row_bytes, block) if block else row_bytes)
             size = HEADER + (round_up(num_rows * stride, BLOCKS[-1]) if packed
@@ -219,13 +233,8 @@ class RowFile:
                     "data_offset": HEADER, **(meta or {}), "clean": False, "writer": _writer()}
             write_header(fd, info)
         except BaseException:
-            if fd is not None:
-                os.close(fd)
-            if fd is not None or not existed:       # ours: a partial (or empty) file
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
+            remove_if_same(path, fd)         # ours: a partial (or empty) file
+            os.close(fd)
             raise
         return cls(path, fd, info, block, threads, True)
 
@@ -352,6 +361,31 @@ class RowFile:
     def ram_bytes(self) -> int:
         """Bytes of bounce buffers held between calls."""
         return self._pool.kept_bytes
+
+    def map_rows(self, rows: int | None = None, writable: bool = True) -> np.memmap:
+        """Rows ``0:rows`` (every row by default) as uint8 ``[rows, stride]`` mapped into
+        memory from the file's own descriptor, so the mapping is of this file whatever is at
+        its name now: shared with the file, or (not ``writable``) copy-on-write, writes
+        staying in this process. Through the page cache: for whole-file access, not steps."""
+        fd = self._live()
+        if writable and not self.writable:
+            raise PermissionError(f"{self.path!r} was opened read-only (writable=False)")
+        n = self.num_rows if rows is None else int(rows)
+        if not 0 < n <= self.num_rows:
+            raise ValueError(f"map_rows: rows must be in 1..{self.num_rows:,}, got {n:,}")
+        # (numpy maps a duplicate of the descriptor, aligned to the system's granularity)
+        with open(os.dup(fd), "r+b" if self.writable else "rb", buffering=0) as f:
+            return np.memmap(f, dtype=np.uint8, mode="r+" if writable else "c",
+                             offset=self.data_offset, shape=(n, self.stride))
+
+    def delete(self) -> bool:
+        """Close the file and remove it: its name, where that still names this file (a file
+        moved over the name, or a link put there, is left alone). Returns whether the name
+        was removed."""
+        fd = self._fd
+        removed = fd is not None and remove_if_same(self.path, fd)
+        self.close()
+        return removed
 
     def close(self) -> None:
         """Stop the threads and close the file (idempotent), its header marked clean (closed

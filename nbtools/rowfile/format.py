@@ -2,17 +2,20 @@
 
 What a file of rows is on disk and around it: the 4 KiB header (magic, format version, JSON)
 written, read and checked; who writes a file (``writer``) and whether that process still lives;
-the files killed runs left open (:func:`leftovers`, :func:`remove_leftovers`); and opening one,
-with ``O_DIRECT`` where the filesystem allows it (its block probed on the file itself), and
-reserving a new one's space. The errors and the names here are importable from
+the files killed runs left open (:func:`leftovers`, :func:`remove_leftovers`, and
+:func:`remove_unheld`: a file no live process holds); and making one (for this process alone:
+:func:`create_exclusive`) or opening one, with ``O_DIRECT`` where the filesystem allows it (its
+block probed on the file itself), and reserving a new one's space. The errors and the names here are importable from
 :mod:`nbtools.rowfile` too.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
+import stat
 
 import numpy as np
 
@@ -44,16 +47,100 @@ def new_file_folder(path: str, overwrite: bool) -> str:
     <nbtools.rowfile.RowFile.create>` says."""
     folder = os.path.dirname(path)
     try:
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
     except PermissionError as e:
         raise PermissionError(f"cannot create the folder {folder!r} for a disk table "
                               f"({e.strerror}): pick another disk_dir") from None
     if not os.access(folder, os.W_OK):
         raise PermissionError(f"the folder {folder!r} is read-only: pick another disk_dir "
                               "(a writable folder on local disk)")
-    if os.path.exists(path) and not overwrite:
+    if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path!r} exists already (overwrite=True replaces it)")
     return folder
+
+
+def make_folder(folder: str) -> None:
+    """``folder`` and the folders above it that are missing, each made with mode 0700 (what
+    nbtools makes is its user's alone; a folder that exists is left as it is)."""
+    parent = os.path.dirname(folder)
+    if parent != folder and not os.path.isdir(parent):
+        make_folder(parent)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(folder):
+            raise
+
+
+def create_exclusive(path: str) -> int:
+    """A new file at ``path`` for this process alone, open read-write: created, never opened
+    where something is already (a file, or a symbolic link to one: ``O_EXCL | O_NOFOLLOW``),
+    with mode 0600, and locked (``flock``) for as long as a descriptor of it stays open, so
+    that a cleaner can tell it from a file its writer left when it died
+    (:func:`remove_unheld`; a filesystem without such locks leaves it unlocked, and such
+    cleaners then keep it).
+
+    Raises:
+        FileExistsError: something is at ``path`` already, or a cleaner took the new file
+            before it was locked (it removes it): try another name.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        remove_if_same(path, fd)
+        os.close(fd)
+        raise FileExistsError(errno.EEXIST, f"{path!r} was taken by a cleaner of dead "
+                              "processes' files as it was made; try another name", path) from None
+    except OSError:
+        pass
+    return fd
+
+
+def remove_if_same(path: str, fd: int) -> bool:
+    """Remove ``path`` if it still names the file open as ``fd``: a file moved over that
+    name, or a link put there, is left alone. Returns whether it was removed."""
+    try:
+        st, mine = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_unheld(path: str) -> int | None:
+    """Remove the file at ``path`` if it is a leftover: a regular file (not a link, a folder
+    or a device) owned by this user, whose lock (:func:`create_exclusive`) no open descriptor
+    holds, so no live process has it open as its writer, and written on this machine (its
+    header's writer; a file on a filesystem several machines share may be locked where the
+    lock does not show here) or never given a header (its writer died making it). The lock
+    is held while the name is removed. Returns the disk bytes freed, or None where the file
+    was kept."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return None                # (replaced since the lstat)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        writer = (_parse_head(os.pread(fd, HEADER, 0)) or {}).get("writer")
+        if isinstance(writer, dict) and writer.get("host") != socket.gethostname():
+            return None
+        return now.st_blocks * 512 if remove_if_same(path, fd) else None
+    except OSError:                    # held (or no locks here), or unreadable: kept
+        return None
+    finally:
+        os.close(fd)
 
 
 def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
@@ -143,14 +230,21 @@ def _read_meta(path) -> dict | None:
     """The header's JSON of the row file at ``path``, or None when it is not one."""
     try:
         with open(path, "rb") as f:
-            head = f.read(HEADER)
-        if len(head) < 16 or head[:8] != MAGIC:
-            return None
-        n = int.from_bytes(head[12:16], "little")
-        meta = json.loads(head[16:16 + n])
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
+            return _parse_head(f.read(HEADER))
+    except OSError:
         return None
+
+
+def _parse_head(head: bytes) -> dict | None:
+    """The JSON of a row file's first bytes ``head``, or None when they are not a header."""
+    if len(head) < 16 or head[:8] != MAGIC:
+        return None
+    n = int.from_bytes(head[12:16], "little")
+    try:
+        meta = json.loads(head[16:16 + n])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def leftovers(folder) -> list[dict]:
@@ -220,34 +314,56 @@ def reserve(fd: int, size: int, path: str) -> None:
         os.ftruncate(fd, size)
 
 
-def _open(path: str, flags: int, direct, stride: int = 0, fresh: bool = False):
-    """(fd, O_DIRECT block size or 0). ``direct``: True, False or "auto"."""
+def _open(path: str, flags: int, direct, stride: int = 0):
+    """(fd, O_DIRECT block size or 0) of the existing file at ``path``, opened once with
+    ``flags``; ``direct``: True, False or "auto" (:func:`direct_block`)."""
+    check_direct(direct, path)
+    fd = os.open(path, flags)
+    try:
+        return fd, direct_block(fd, path, direct, stride)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_direct(direct, path: str) -> None:
+    """Refuse a ``direct`` that is not True, False or "auto", or True where this platform has
+    no O_DIRECT (before any file is made)."""
     if direct not in (True, False, "auto"):
         raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
-    if direct is not False and hasattr(os, "O_DIRECT"):
-        fd = None
-        try:
-            fd = os.open(path, flags | os.O_DIRECT)
-            if fresh:
-                os.ftruncate(fd, HEADER)     # something to probe (a hole: reads still check)
-            block = probe_block(fd, stride)
-            if block:
-                return fd, block
-        except OSError:
-            pass
-        if fd is not None:
-            os.close(fd)
-        if direct is True:
-            why = (f"the row stride ({stride} bytes) is not a multiple of the disk's block"
-                   if stride and _probe_ok(path) else "the filesystem refuses O_DIRECT "
-                   "(tmpfs on older kernels, some network or FUSE filesystems)")
-            raise OSError(errno.EINVAL, f"cannot use O_DIRECT on {path!r}: {why}; pass "
-                          "direct='auto' or direct=False", path)
-        flags &= ~os.O_TRUNC                 # created (and truncated) above already
-    elif direct is True:
+    if direct is True and not hasattr(os, "O_DIRECT"):
         raise OSError(errno.EINVAL, f"O_DIRECT is not available on this platform; pass "
                       f"direct='auto' or direct=False for {path!r}", path)
-    return os.open(path, flags), 0
+
+
+def direct_block(fd: int, path: str, direct, stride: int = 0) -> int:
+    """O_DIRECT set on the open file ``fd`` where the filesystem takes it and a read at some
+    block works (:func:`probe_block`, among the blocks that divide ``stride``): that block;
+    else 0, the file buffered (or, with ``direct=True``, an OSError that says why). Set on
+    the descriptor (``F_SETFL``), never by opening ``path`` again: the file stays the one
+    opened, whatever is at its name by then."""
+    if direct is False or not hasattr(os, "O_DIRECT"):
+        return 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        settable = False
+    else:
+        settable = True
+        block = probe_block(fd, stride)
+        if block:
+            return block
+    stride_only = settable and stride and probe_block(fd) > 0
+    if settable:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    if direct is True:
+        why = (f"the row stride ({stride} bytes) is not a multiple of the disk's block"
+               if stride_only else "the filesystem refuses O_DIRECT (tmpfs on older kernels, "
+               "some network or FUSE filesystems)")
+        raise OSError(errno.EINVAL, f"cannot use O_DIRECT on {path!r}: {why}; pass "
+                      "direct='auto' or direct=False", path)
+    return 0
 
 
 def probe_block(fd: int, stride: int = 0) -> int:
@@ -264,14 +380,3 @@ def probe_block(fd: int, stride: int = 0) -> int:
         except OSError:
             pass
     return 0
-
-
-def _probe_ok(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return probe_block(fd) > 0
-    finally:
-        os.close(fd)

@@ -232,9 +232,10 @@ def test_no_fallocate_falls_back_to_ftruncate(tmp_path, monkeypatch):
 
 
 def test_folders(tmp_path, monkeypatch):
-    # missing folders are created, parents too
-    with RowFile.create(tmp_path / "a" / "b" / "t.rows", 4, 8):
-        pass
+    # missing folders are created, parents too, each this user's alone; the file too
+    with RowFile.create(tmp_path / "a" / "b" / "t.rows", 4, 8) as f:
+        assert os.stat(f.path).st_mode & 0o777 == 0o600
+    assert [os.stat(tmp_path / p).st_mode & 0o777 for p in ("a", "a/b")] == [0o700, 0o700]
     # a read-only folder (simulated: root ignores permission bits)
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path)
@@ -243,9 +244,9 @@ def test_folders(tmp_path, monkeypatch):
         RowFile.create(tmp_path / "t.rows", 10, 8)
     monkeypatch.undo()
 
-    def refuse(name, mode=0o777, exist_ok=False):
+    def refuse(name, mode=0o777, **kw):
         raise PermissionError(errno.EACCES, "Permission denied", name)
-    monkeypatch.setattr(os, "makedirs", refuse)
+    monkeypatch.setattr(os, "mkdir", refuse)
     with pytest.raises(PermissionError, match="cannot create the folder.*disk_dir"):
         RowFile.create(tmp_path / "new" / "t.rows", 10, 8)
 
