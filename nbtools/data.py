@@ -6,9 +6,10 @@ standard library (urllib, streamed, with a progress bar where tqdm is installed)
 Drive link with gdown (5.2 as on Colab, or 6.x; the ``[notebook]`` extra), imported only then.
 Either way the file goes into a temporary directory beside the cache, failures are retried
 with exponential backoff, size and hash are checked, and only then is the file renamed into
-the cache (on Google Drive in Colab, so that a new runtime
-does not download it again). Drive's "too many users have viewed or downloaded this file"
-quota error gets its own message with the workaround.
+the cache (on Google Drive in Colab, so that a new runtime does not download it again). A
+cached file with pinned hashes is hashed again each time it is used, and downloaded again when
+it no longer matches. Drive's "too many users have viewed or downloaded this file" quota error
+gets its own message with the workaround.
 
 Loaders turn files into what the models eat: ``load_movielens`` / ``load_ratings`` ->
 ``Ratings(user_ids, item_ids, ratings, num_users, num_items, timestamps)`` with ids renumbered
