@@ -54,6 +54,7 @@ _LAZY = {
     "HostMemoryError": "nbtools.placement",
     "NoRoomError": "nbtools.placement",
     "DiskTableBrokenError": "nbtools.disk",
+    "remove_stale_tables": "nbtools.disk",
     "HostBudgetError": "nbtools.devices",
     "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",
