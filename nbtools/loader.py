@@ -371,8 +371,10 @@ class PinnedLoader:
                 "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "rank": self.rank, "world": self.world}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
+    def check_state_dict(self, state: dict) -> None:
+        """Raise (KeyError, ValueError) where ``state`` would not resume this loader: other
+        data or settings, or a position outside the epoch. Changes nothing; a checkpoint's
+        restore runs it before it touches any object."""
         check_resume(state, self.state_dict(),
                      ("num_samples", "batch_size", "shuffle", "drop_last", "rank", "world"),
                      "PinnedLoader", "data")
@@ -380,7 +382,13 @@ class PinnedLoader:
         if not 0 <= position <= len(self):
             raise ValueError(f"saved position {position} is outside 0..{len(self)} "
                              "(batches per epoch)")
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), position
+        int(state["seed"]), int(state["epoch"])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
+        self.check_state_dict(state)
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self.position = int(state["position"])
         self._perm = None
 
     # --- iteration -----------------------------------------------------------------------

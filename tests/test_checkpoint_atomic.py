@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from nbtools import OffloadedEmbedding, OffloadOptimizer
-from nbtools.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointManager, DriveSync,
+                                copy_checkpoint)
 from nbtools.checkpoint import format as ckformat
 
 QUIET = CheckpointConfig(verbose=False, progress=False, chunk_bytes=4096, file_bytes=16384)
@@ -205,3 +206,296 @@ def test_plain_values_of_every_allowed_kind_round_trip(tmp_path):
             assert np.array_equal(got[k], v) and got[k].dtype == v.dtype
         else:
             assert got[k] == v and type(got[k]) is type(v), k
+
+
+# --- a checkpoint from someone else: what its manifest names is data ---------------------------
+
+def _edit(ck: Path, change) -> None:
+    """Change a checkpoint's manifest with ``change(body)`` and re-sign it, as anyone who can
+    write the folder could."""
+    m = json.loads((ck / ckformat.MANIFEST).read_bytes().partition(b"\n")[2])
+    change(m)
+    ckformat.write_manifest(ck, m, fsync=False)
+
+
+def _two(tmp_path, **objects_of):
+    """A root with a good checkpoint at step 5 and a newer one at step 7 (to be crafted)."""
+    model, opt = trained(0)
+    mgr = CheckpointManager(tmp_path / "ck", config=QUIET)
+    mgr.save(5, model=model, opt=opt, extra={"seen": {1}})
+    mgr.save(7, model=model, opt=opt, extra={"seen": {1, 2}})
+    return tmp_path / "ck" / "step-000000005", tmp_path / "ck" / "step-000000007"
+
+
+def _falls_back(tmp_path, newest: Path, match: str) -> None:
+    """Restoring the root warns that ``newest`` is damaged (``match``) and restores step 5."""
+    model, opt = trained(1)
+    with pytest.warns(Warning, match=match):
+        step = CheckpointManager(newest.parent, config=QUIET).restore(model=model, opt=opt,
+                                                                      extra={})
+    assert step == 5
+
+
+OUTSIDE_NAMES = ["../../x", "/tmp/nbtools-outside-x", "sub/data-0000.bin", "..", "MANIFEST",
+                 "data-0000.bin/../../x", "notes.txt"]
+
+
+@pytest.mark.parametrize("name", OUTSIDE_NAMES)
+def test_a_manifest_naming_a_file_outside_the_format_is_damaged(tmp_path, name):
+    older, newest = _two(tmp_path)
+    planted = (newest / name) if not name.startswith("/") else Path(name)
+    _edit(newest, lambda m: m["files"].__setitem__(name, 3))
+    _falls_back(tmp_path, newest, "a checkpoint holds only MANIFEST|lists file 'MANIFEST'")
+    assert not (tmp_path / "x").exists() and not Path("/tmp/nbtools-outside-x").exists()
+    del planted
+
+
+def test_copy_checkpoint_never_reads_or_writes_outside_its_folders(tmp_path):
+    """The manifest lists ``../../x``: the old copy read ``src/../../x`` and wrote
+    ``tmp/../../x`` (beside the mirror folder). Now it refuses before opening anything."""
+    _, newest = _two(tmp_path)
+    secret = tmp_path / "x"                       # what src/../../x reaches
+    secret.write_bytes(b"secret bytes")
+    _edit(newest, lambda m: m["files"].__setitem__("../../x", 12))
+    mirror = tmp_path / "drive" / "runs"
+    with pytest.raises(CheckpointError, match="a checkpoint holds only"):
+        copy_checkpoint(newest, mirror)
+    assert sorted(p.name for p in tmp_path.joinpath("drive").rglob("*")) == ["runs"]
+    assert secret.read_bytes() == b"secret bytes"
+
+
+@pytest.mark.parametrize("link_dir", ["../evil/step-000000005", "sub/step-000000005",
+                                      "/tmp/step-000000005", "step-5", ".."])
+def test_a_chain_link_that_is_not_a_step_directory_is_damaged(tmp_path, link_dir):
+    """A disk table's chain names its base and deltas by directory: only a step directory of
+    the same root is one; anything else makes the checkpoint damaged, and a mirror never
+    copies it."""
+    model = torch.nn.Module()
+    model.emb = OffloadedEmbedding(40, 4, placement="disk", disk_dir=tmp_path / "t", name="emb")
+    opt = OffloadOptimizer(torch.optim.Adagrad, model, lr=0.1)
+    model.emb(torch.arange(8)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(tmp_path / "ck", config=QUIET)
+    mgr.save(5, model=model, opt=opt)
+    model.emb(torch.arange(4)).sum().backward()
+    opt.step()
+    mgr.save(7, model=model, opt=opt)
+    newest = tmp_path / "ck" / "step-000000007"
+
+    def relink(m):
+        m["rows"][0]["chain"][0]["dir"] = link_dir
+    _edit(newest, relink)
+    with pytest.warns(Warning, match="a link names a step directory"):
+        assert mgr.restore(model=model, opt=opt) == 5
+    sync = DriveSync(tmp_path / "drive", background=False)
+    with pytest.raises(CheckpointError, match="a link names a step directory"):
+        sync.submit(newest)
+    assert [p.name for p in (tmp_path / "drive").iterdir()] == []
+    assert not (tmp_path / "evil").exists()
+
+
+def test_a_segment_naming_a_device_is_damaged(tmp_path):
+    """A segment naming /dev/zero (whose zeros have a known CRC) restored a table of zeros."""
+    older, newest = _two(tmp_path)
+
+    def to_dev_zero(m):
+        m["files"]["/dev/zero"] = 1 << 20
+        for e in m["tensors"]:
+            e["segments"] = [["/dev/zero", 0, s[2], zlib.crc32(bytes(s[2]))]
+                             for s in e["segments"]]
+    _edit(newest, to_dev_zero)
+    _falls_back(tmp_path, newest, "a checkpoint holds only")
+
+
+def _runs_within(seconds, fn):
+    """``fn()``'s result, or a failure when it blocks longer than ``seconds``."""
+    import threading
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:       # (re-raised in the test's thread)
+            out["error"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize("what", ["fifo", "outside symlink", "symlinked directory"])
+def test_fifos_and_links_are_refused_without_blocking(tmp_path, what):
+    older, newest = _two(tmp_path)
+    data = newest / "data-0000.bin"
+    if what == "fifo":                  # opening a FIFO to read blocks until a writer comes
+        data.unlink()
+        os.mkfifo(data)
+        match = "FIFO"
+    elif what == "outside symlink":    # the same bytes, read through a link to outside
+        outside = tmp_path / "outside.bin"
+        data.rename(outside)
+        data.symlink_to(outside)
+        match = "symbolic link"
+    else:                               # the whole step directory a link to another folder
+        elsewhere = tmp_path / "elsewhere"
+        newest.rename(elsewhere)
+        newest.symlink_to(elsewhere, target_is_directory=True)
+        match = "symbolic link"
+    _runs_within(20, lambda: _falls_back(tmp_path, newest, match))
+    mgr = CheckpointManager(newest.parent, config=QUIET)
+    rows = _runs_within(20, lambda: mgr.checkpoints(verify=True))
+    (row,) = [r for r in rows if r["path"] == str(newest)]
+    assert row["status"].startswith("damaged") and match in row["status"]
+
+
+def test_a_damaged_warning_never_reveals_a_file_outside(tmp_path):
+    """``files["/etc/passwd"] = 1`` made the warning say the real file's size."""
+    older, newest = _two(tmp_path)
+    _edit(newest, lambda m: m["files"].__setitem__("/etc/passwd", 1))
+    model, opt = trained(1)
+    with pytest.warns(Warning) as record:
+        CheckpointManager(newest.parent, config=QUIET).restore(model=model, opt=opt, extra={})
+    text = " ".join(str(w.message) for w in record)
+    assert "/etc/passwd" in text and "bytes" not in text
+    assert str(os.stat("/etc/passwd").st_size) not in text.replace("/etc/passwd", "")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: m["tensors"][0]["segments"][0].__setitem__(2, 10 ** 12), "outside its files"),
+    (lambda m: m["tensors"][0].__setitem__("dtype", "Tensor"), "unknown dtype"),
+    (lambda m: m["tensors"][0].__setitem__("shape", [-1]), "describes tensor 0"),
+    (lambda m: m["objects"]["model"].__setitem__("state", {"$tensor": 10 ** 6}),
+     "refers to tensor"),
+    (lambda m: m["objects"]["extra"].__setitem__("state", {"$pickle": 50}),
+     "the state refers to 51"),
+], ids=["segment past its file", "dtype", "shape", "tensor index", "side-file index"])
+def test_manifest_entries_out_of_range_are_damaged(tmp_path, change, match):
+    """Every index and size a manifest holds is checked before it is used: a crafted one is
+    a damaged checkpoint (a warning and the older one), never an IndexError or a read."""
+    older, newest = _two(tmp_path)
+    _edit(newest, change)
+    _falls_back(tmp_path, newest, match)
+
+
+@pytest.mark.parametrize("blob", [b"PK\x03\x04" + bytes(300), b"hello world" * 30,
+                                  b"", pickle.dumps(5)],
+                         ids=["broken zip", "text", "empty", "not a list"])
+def test_a_side_file_that_is_not_one_nbtools_wrote_is_damaged(tmp_path, blob):
+    """An extras.pt of other bytes (its CRC re-signed) surfaced as an IndexError or KeyError."""
+    older, newest = _two(tmp_path)
+    _resign(newest, blob)
+    _falls_back(tmp_path, newest, "not a side file nbtools wrote|holds int of no values")
+
+
+# --- a refused restore changes nothing -----------------------------------------------------------
+
+def snapshot_all(model, opt, loader):
+    """:func:`snapshot`, the loader's position and every generator's state."""
+    import random
+
+    import numpy as np
+    state = snapshot(model, opt)
+    state["loader"] = repr(loader.state_dict())
+    state["python rng"] = repr(random.getstate())
+    state["numpy rng"] = repr(np.random.get_state())
+    return state
+
+
+def _saved_with_loader(tmp_path, batch_size=32):
+    from nbtools import PinnedLoader
+    model, opt = trained(0)
+    loader = PinnedLoader(torch.arange(256), batch_size=batch_size, device="cpu")
+    for _, _ in zip(range(3), loader):
+        pass
+    mgr = CheckpointManager(tmp_path / "ck", config=QUIET)
+    mgr.save(7, model=model, opt=opt, loader=loader, extra={"seen": {1}})
+    return mgr
+
+
+def _refused(tmp_path, mgr, loader, match, loader_first=False):
+    model, opt = trained(1)
+    for _, _ in zip(range(2), loader):
+        pass
+    before = snapshot_all(model, opt, loader)
+    objects = dict(model=model, opt=opt, loader=loader, extra={})
+    if loader_first:
+        objects = {"loader": loader, **objects}
+    with pytest.raises(CheckpointError, match=match) as e:
+        mgr.restore(**objects)
+    assert "Nothing was restored" in str(e.value)
+    assert_unchanged(before, snapshot_all(model, opt, loader))
+
+
+@pytest.mark.parametrize("loader_first", [False, True])
+def test_a_loader_that_does_not_resume_changes_nothing(tmp_path, loader_first):
+    """A checkpoint saved with batch_size=32 restored into a loader of 64: the loader's check
+    ran after 13 tensors (8 with the loader first) had been read into the live model."""
+    from nbtools import PinnedLoader
+    mgr = _saved_with_loader(tmp_path)
+    loader = PinnedLoader(torch.arange(256), batch_size=64, device="cpu")
+    _refused(tmp_path, mgr, loader, "batch_size=32", loader_first)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r["python"]["$tuple"].__setitem__(0, 99), "RNG states do not load"),
+    (lambda r: r["numpy"].__setitem__("kind", "PCG64"), "RNG states do not load"),
+    (lambda r: r.__setitem__("numpy", 3), "RNG states do not load"),
+], ids=["python version 99", "numpy kind", "numpy not a dict"])
+def test_rng_states_that_do_not_load_change_nothing(tmp_path, change, match):
+    from nbtools import PinnedLoader
+    mgr = _saved_with_loader(tmp_path)
+    ck = tmp_path / "ck" / "step-000000007"
+    _edit(ck, lambda m: change(m["rng"]))
+    _refused(tmp_path, mgr, PinnedLoader(torch.arange(256), batch_size=32, device="cpu"), match)
+
+
+def _dense_groups(m):
+    return m["objects"]["opt"]["state"]["dense"]["param_groups"]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: _dense_groups(m)[0].pop("params"), "no list of parameter indices"),
+    (lambda m: _dense_groups(m)[0].__setitem__("lr", "0.1"), "lr is '0.1'"),
+    (lambda m: _dense_groups(m)[0].__setitem__("betas", {"$tuple": [0.9]}), "betas"),
+    (lambda m: next(iter(m["objects"]["opt"]["state"]["tables"].values()))["group"]
+     .__setitem__("eps", [1]), "eps is"),
+    (lambda m: m["objects"]["opt"]["state"].__setitem__("tables", 5), "has no tables"),
+], ids=["params missing", "lr a string", "betas short", "table eps a list", "tables not a dict"])
+def test_optimizer_state_of_the_wrong_kinds_changes_nothing(tmp_path, change, match):
+    """``KeyError: 'params'`` from a group without params; ``lr`` as a string was accepted."""
+    from nbtools import PinnedLoader
+    mgr = _saved_with_loader(tmp_path)
+    _edit(tmp_path / "ck" / "step-000000007", change)
+    _refused(tmp_path, mgr, PinnedLoader(torch.arange(256), batch_size=32, device="cpu"), match)
+
+
+def test_a_staged_object_that_fails_to_load_is_put_back(tmp_path):
+    """An object nbtools cannot check ahead (a user's, with only load_state_dict) is loaded
+    before anything live; when a later one refuses, it gets its state back."""
+    class Counter:
+        def __init__(self, n):
+            self.n = n
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            if state["n"] < 0:
+                raise ValueError("a count is never negative")
+            self.n = state["n"]
+
+    model, opt = trained(0)
+    mgr = CheckpointManager(tmp_path / "ck", config=QUIET)
+    mgr.save(7, model=model, opt=opt, first=Counter(1), second=Counter(2))
+    _edit(tmp_path / "ck" / "step-000000007",
+          lambda m: m["objects"]["second"]["state"].__setitem__("n", -1))
+    model2, opt2 = trained(1)
+    first, second = Counter(10), Counter(20)
+    before = snapshot(model2, opt2)
+    with pytest.raises(CheckpointError, match="never negative"):
+        mgr.restore(model=model2, opt=opt2, first=first, second=second)
+    assert (first.n, second.n) == (10, 20)
+    assert_unchanged(before, snapshot(model2, opt2))

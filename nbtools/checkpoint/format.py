@@ -6,13 +6,22 @@ A checkpoint directory holds ``data-0000.bin``, ``data-0001.bin``, ... (rolling 
 last. The manifest's first line is ``nbtools-checkpoint <version> crc32=<8 hex> bytes=<n>``; the
 rest is JSON: every tensor's dtype, stored dtype, shape and segments ``[file, offset, nbytes,
 crc32]``, every file's size, and the encoded state trees (:mod:`nbtools.checkpoint.tree`).
+
+A checkpoint may come from someone else (a shared Drive folder), so what it says is data: a
+manifest is checked against the layout this module writes before anything it names is opened
+(:func:`check_manifest`: plain file names of the format, chain links that are step directories
+of the same root, indices in range), and every file is opened as a regular file, never through
+a symbolic link, never blocking on a FIFO (:func:`open_regular`). A manifest that fails is a
+damaged checkpoint, like one whose checksum fails.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
+import stat
 import zlib
 from pathlib import Path
 
@@ -27,6 +36,9 @@ FORMAT_VERSION = 2                # what this reads; checkpoints without disk ta
 MANIFEST = "MANIFEST"
 EXTRAS = "extras.pt"
 ALIGN = 64                       # every tensor starts at a multiple of this in its data file
+STEP_DIR = re.compile(r"^step-(\d{9,})(?:-r(\d+))?$")   # a checkpoint's directory under its root
+DATA_FILE = re.compile(r"^data-\d{4,}\.bin$")          # its data files
+MANIFEST_MAX_BYTES = 1 << 30     # a manifest is JSON text: one past this is not one nbtools wrote
 
 
 class CheckpointError(NbtoolsError, RuntimeError):
@@ -146,7 +158,7 @@ class DataWriter:
     def _open_next(self):
         self._close()
         self.name = f"data-{len(self.files):04d}.bin"
-        self.f = open(self.root / self.name, "wb", buffering=0)
+        self.f = os.fdopen(create_new(self.root, self.name), "wb", buffering=0)
         self.files[self.name] = 0
         self.offset = 0
 
@@ -270,7 +282,7 @@ class Reader:
     def _file(self, name):
         f = self.handles.get(name)
         if f is None:
-            f = open(self.root / name, "rb", buffering=0)
+            f = os.fdopen(open_regular(self.root, name), "rb", buffering=0)
             _fadvise(f.fileno(), "POSIX_FADV_SEQUENTIAL")
             self.handles[name] = f
         return f
@@ -356,7 +368,9 @@ def write_manifest(root: Path, body: dict, fsync: bool) -> None:
     data = json.dumps(body, indent=1, allow_nan=True).encode()
     version = body.get("version", FORMAT_VERSION)
     head = f"{FORMAT} {version} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
-    with open(root / MANIFEST, "wb") as f:
+    fd = os.open(root / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as f:
         f.write(head + data)
         f.flush()
         if fsync:
@@ -364,12 +378,25 @@ def write_manifest(root: Path, body: dict, fsync: bool) -> None:
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest of the checkpoint directory ``path``, checked (:func:`check_manifest`);
+    raises :class:`Damaged` for anything else."""
     try:
-        raw = (path / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        raise Damaged("no MANIFEST (incomplete upload or copy)") from None
+        st = os.lstat(path)
     except OSError as e:
-        raise Damaged(f"MANIFEST unreadable: {e}") from None
+        raise Damaged(f"unreadable ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise Damaged(f"{path.name} is {_kind(st.st_mode)}, not a directory; a checkpoint is "
+                      "a directory of regular files")
+    try:
+        fd = open_regular(path, MANIFEST)
+    except Damaged as e:
+        if "is missing" in str(e):
+            raise Damaged("no MANIFEST (incomplete upload or copy)") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MANIFEST_MAX_BYTES + 1)
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise Damaged(f"MANIFEST is over {MANIFEST_MAX_BYTES:,} bytes: not one nbtools wrote")
     head, _, data = raw.partition(b"\n")
     m = re.fullmatch(rf"{FORMAT} (\d+) crc32=([0-9a-f]{{8}}) bytes=(\d+)".encode(), head)
     if not m:
@@ -379,19 +406,222 @@ def read_manifest(path: Path) -> dict:
     if len(data) != int(m.group(3)) or zlib.crc32(data) != int(m.group(2), 16):
         raise Damaged("MANIFEST checksum mismatch (file truncated or damaged)")
     try:
-        return json.loads(data)
-    except ValueError as e:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:
         raise Damaged(f"MANIFEST is not valid JSON: {e}") from None
+    check_manifest(body)
+    return body
 
 
 def check_files(path: Path, manifest: dict) -> None:
-    """Cheap structural check: every file there with exactly its recorded size."""
+    """Cheap structural check: every file there, a regular file (not a link) with exactly its
+    recorded size."""
     for name, size in manifest["files"].items():
         try:
-            actual = (path / name).stat().st_size
+            st = os.lstat(path / name)
         except FileNotFoundError:
             raise Damaged(f"{name} is missing") from None
-        if actual != size:
-            raise Damaged(f"{name} has {actual:,} bytes, expected {size:,} (truncated or "
+        except OSError as e:
+            raise Damaged(f"{name} unreadable ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise Damaged(f"{name} is {_kind(st.st_mode)}, not a regular file")
+        if st.st_size != size:
+            raise Damaged(f"{name} has {st.st_size:,} bytes, expected {size:,} (truncated or "
                            "not fully uploaded)")
 
+
+# --- what a checkpoint may open -----------------------------------------------------------------
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _check_name(name) -> None:
+    if not isinstance(name, str) or not (name in (MANIFEST, EXTRAS) or DATA_FILE.match(name)):
+        raise Damaged(f"names a file {name!r}; a checkpoint holds only {MANIFEST}, {EXTRAS} and "
+                      "data-NNNN.bin")
+
+
+def open_regular(folder, name: str, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of the regular file ``name`` in ``folder``: ``name`` is one the format
+    writes (no separators, no ``..``), a symbolic link is refused (``O_NOFOLLOW``), and a FIFO
+    or device is refused without blocking (opened ``O_NONBLOCK``, checked with ``fstat``).
+    Raises :class:`Damaged` naming the file."""
+    _check_name(name)
+    try:
+        fd = os.open(os.path.join(folder, name),
+                     flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise Damaged(f"{name} is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Damaged(f"{name} is a symbolic link; a checkpoint holds regular files "
+                          "only") from None
+        raise Damaged(f"{name} unreadable ({e.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise Damaged(f"{name} is {_kind(mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_new(folder, name: str) -> int:
+    """A descriptor of the new file ``name`` in ``folder``, opened for writing: never an
+    existing file or a link planted at its name (``O_EXCL | O_NOFOLLOW``)."""
+    _check_name(name)
+    return os.open(os.path.join(folder, name),
+                   os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
+def _int(v, lo: int = 0) -> bool:
+    return type(v) is int and v >= lo
+
+
+def check_manifest(m) -> None:
+    """Raise :class:`Damaged` unless the manifest ``m`` has the layout :func:`write_manifest`
+    writes: file names of the format, sizes and offsets that are counts, segments inside their
+    files, tensors of known dtypes, chain links naming step directories (never a path), and
+    state trees whose indices point at entries that exist. Nothing is opened."""
+    def bad(what):
+        raise Damaged(f"MANIFEST {what}")
+    if not isinstance(m, dict):
+        bad("is not a JSON object")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        bad("has no file list")
+    for name, size in files.items():
+        _check_name(name)
+        if name == MANIFEST or not _int(size):
+            bad(f"lists file {name!r} with size {size!r}")
+    for key in ("step", "seq"):
+        if not _int(m.get(key, 0), -1):
+            bad(f"has {key} {m.get(key)!r}, expected a count")
+    if not isinstance(m.get("id", ""), str):
+        bad(f"has id {m.get('id')!r}, expected a string")
+    tensors = m.get("tensors")
+    if not isinstance(tensors, list):
+        bad("has no tensor list")
+    for i, e in enumerate(tensors):
+        _check_tensor(e, i, files, bad)
+    extras = m.get("extras")
+    if extras is not None:
+        if (not isinstance(extras, dict) or extras.get("file") != EXTRAS
+                or EXTRAS not in files or not _int(extras.get("bytes"))
+                or not _int(extras.get("crc32")) or extras["crc32"] >= 1 << 32):
+            bad(f"describes its side file as {extras!r}")
+    rows = m.get("rows") or []
+    if not isinstance(rows, list):
+        bad("has a rows entry that is not a list")
+    for item in rows:
+        _check_rows_item(item, bad)
+    objects = m.get("objects")
+    if not isinstance(objects, dict):
+        bad("has no objects")
+    for name, saved in objects.items():
+        if not isinstance(saved, dict) or "state" not in saved \
+                or not isinstance(saved.get("type"), (str, type(None))):
+            bad(f"describes object {name!r} as {type(saved).__name__}")
+        _check_tree(saved["state"], len(tensors), len(rows), bad)
+    if m.get("rng") is not None:
+        _check_tree(m["rng"], len(tensors), 0, bad)
+
+
+def _check_tensor(e, i: int, files: dict, bad) -> None:
+    if not isinstance(e, dict) or not isinstance(e.get("shape"), list) \
+            or not all(_int(n) for n in e["shape"]) or not _int(e.get("bytes")):
+        bad(f"describes tensor {i} as {e!r:.200}")
+    for key in ("dtype", "stored"):
+        _dtype(e.get(key) if isinstance(e.get(key), str) else repr(e.get(key)))
+    segments = e.get("segments") or []
+    if not isinstance(segments, list):
+        bad(f"gives tensor {i} segments {segments!r:.200}")
+    total = 0
+    for seg in segments:
+        if (not isinstance(seg, list) or len(seg) != 4 or seg[0] not in files
+                or not all(_int(v) for v in seg[1:]) or seg[3] >= 1 << 32
+                or seg[1] + seg[2] > files[seg[0]]):
+            bad(f"gives tensor {i} a segment {seg!r:.200} outside its files")
+        total += seg[2]
+    if total != e["bytes"]:
+        bad(f"gives tensor {i} segments of {total:,} bytes for its {e['bytes']:,}")
+    numel = 1
+    for n in e["shape"]:
+        numel *= n
+    itemsize = torch.empty((), dtype=_dtype(e["stored"])).element_size()
+    if numel * itemsize != e["bytes"]:
+        bad(f"gives tensor {i} of shape {e['shape']} {e['stored']} {e['bytes']:,} bytes")
+
+
+def _check_rows_item(item, bad) -> None:
+    if (not isinstance(item, dict) or not isinstance(item.get("name"), str)
+            or not isinstance(item.get("keys"), list)
+            or not all(isinstance(k, str) for k in item["keys"])
+            or not all(_int(item.get(k)) for k in ("num_rows", "row_bytes", "width", "count"))
+            or not isinstance(item.get("dtype"), str) or not isinstance(item.get("chain"), list)
+            or not item["chain"]):
+        bad(f"describes a disk table as {item!r:.200}")
+    for link in item["chain"]:
+        if (not isinstance(link, dict) or not isinstance(link.get("dir"), str)
+                or not STEP_DIR.match(link["dir"]) or not isinstance(link.get("id"), str)
+                or not _int(link.get("tensor")) or not _int(link.get("count"))
+                or link.get("kind") not in ("base", "delta")
+                or not isinstance(link.get("records", False), bool)):
+            bad(f"links disk table {item['name']!r} to {link!r:.200}; a link names a step "
+                "directory of the same root")
+
+
+def _nodes(tree):
+    """Every dict node of an encoded state tree, walked without recursion (a crafted tree
+    may nest deeper than Python recurses); leaves (tensors, rows, side-file values) are not
+    entered."""
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, list):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            yield x
+            if not {"$tensor", "$rows", "$pickle"} & x.keys():
+                todo.extend(x.values())
+
+
+def _check_tree(tree, n_tensors: int, n_rows: int, bad) -> None:
+    """The nodes of an encoded state tree (:mod:`~nbtools.checkpoint.tree`) are well formed
+    and point at tensors and disk tables that exist."""
+    for x in _nodes(tree):
+        if "$tensor" in x:
+            if not (_int(x["$tensor"]) and x["$tensor"] < n_tensors):
+                bad(f"refers to tensor {x['$tensor']!r} of {n_tensors}")
+        elif "$rows" in x:
+            if not (_int(x["$rows"]) and x["$rows"] < n_rows and _int(x.get("offset"))
+                    and isinstance(x.get("dtype"), str)
+                    and isinstance(x.get("shape"), list) and x["shape"]
+                    and all(_int(n) for n in x["shape"])
+                    and isinstance(x.get("stride"), list)
+                    and all(_int(n) for n in x["stride"])
+                    and len(x["stride"]) == len(x["shape"]) - 1):
+                bad(f"refers to disk table rows {x!r:.200}")
+            _dtype(x["dtype"])
+        elif "$pickle" in x:
+            if not _int(x["$pickle"]):
+                bad(f"refers to side-file value {x['$pickle']!r}")
+        elif "$items" in x and (not isinstance(x["$items"], list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in x["$items"])):
+            bad("holds a mapping that is not a list of pairs")
+        elif "$tuple" in x and not isinstance(x["$tuple"], list):
+            bad("holds a tuple that is not a list")
+
+
+def pickles(tree) -> int:
+    """One past the largest side-file index an encoded tree refers to (0: none)."""
+    return max((x["$pickle"] + 1 for x in _nodes(tree) if "$pickle" in x), default=0)

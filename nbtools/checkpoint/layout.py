@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import socket
 import time
 from pathlib import Path
 
-from .format import Damaged, read_manifest
+from .format import STEP_DIR as _DIR_RE, Damaged, read_manifest
 
-_DIR_RE = re.compile(r"^step-(\d{9,})(?:-r(\d+))?$")
 _TMP_PREFIX = ".tmp-"
 _DEL_PREFIX = ".del-"
 
@@ -50,7 +48,7 @@ def scan(root: Path) -> list[Entry]:
         return out
     for name in names:
         m = _DIR_RE.match(name)
-        if not m or not (root / name).is_dir():
+        if not m:
             continue
         try:
             manifest, error = read_manifest(root / name), None
@@ -82,7 +80,19 @@ def remove_dir(path: Path) -> None:
         os.rename(path, trash)
     except FileNotFoundError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash)
+
+
+def _delete(path: Path) -> None:
+    """Delete a directory tree, or what stands at its name instead (a file, a link: never
+    followed)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
@@ -95,7 +105,7 @@ def clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
     for name in names:
         path = root / name
         if name.startswith(_DEL_PREFIX):
-            shutil.rmtree(path, ignore_errors=True)
+            _delete(path)
         elif name.startswith(_TMP_PREFIX):
             parts = name.rsplit("-", 3)          # .tmp-<name>-<host>-<pid>-<nonce>
             try:
@@ -110,7 +120,7 @@ def clean_leftovers(root: Path, max_age_s: float = 86400.0) -> None:
                 except OSError:
                     stale = False
             if stale:
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
 
 
 def _host() -> str:
@@ -125,6 +135,7 @@ def prune(root, keep: int, protect=()) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints under ``root`` (and damaged ones
     older than all of those), except those a kept one needs (:func:`needs`). Paths in
     ``protect`` are left alone, and what they need. Returns what was deleted."""
+    clean_leftovers(Path(root))          # (a prune or save killed part-way here before)
     entries = scan(Path(root))
     good = [e for e in entries if e.manifest is not None]
     removed = []

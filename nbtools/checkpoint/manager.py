@@ -229,32 +229,48 @@ class CheckpointManager:
         chains = {k: _restore.chain_of(self._roots(), entry, m["rows"][k]) for k in matched}
         with _rows.holding(list(matched.values()), writable=False):
             _restore.preflight(entry, objects, extras, matched, bool(m.get("half")))
-        # Destinations: the objects' live tensors where shape and dtype match (read in place,
-        # no second copy), else fresh CPU tensors (restore.read_tensors).
+        # Small objects (loaders, schedulers, histories) are loaded first, from fresh tensors,
+        # and put back as they were if anything after fails; the RNG states are tried on
+        # generators of their own. Only then does a byte go into a live tensor or table.
+        staged = _restore.staged(m, objects)
+        # Destinations: the other objects' live tensors where shape and dtype match (read in
+        # place, no second copy), else fresh CPU tensors (restore.read_tensors).
         live: dict[int, torch.Tensor] = {}
         for name, obj in objects.items():
-            _tree.live_tensors(m["objects"][name]["state"], state_of(name, obj), live)
+            if name not in staged:
+                _tree.live_tensors(m["objects"][name]["state"], state_of(name, obj), live)
         wanted = _tree.tensor_indices(*(m["objects"][name]["state"] for name in objects),
                                       m.get("rng") if rng else None)
-        # (tensors read into fresh memory are checked as they are read: a damaged one
-        # changes nothing live)
         _restore.verify(entry, cfg, which={i for i in wanted if i in live})
         for k, links in chains.items():
             _restore.verify_chain(links, m["rows"][k]["name"], cfg)
         total = sum(m["tensors"][i]["bytes"] for i in wanted)
-        tensors = _restore.read_tensors(entry, wanted, live, total, cfg)
-        # Every byte verified: the disk tables' rows, then the state goes to the objects, the
-        # tables' own views standing for their rows.
-        for k, t in matched.items():
-            self._rows_touched = True
-            total += _rows.restore(t, chains[k], cfg.chunk_bytes)
-        with _rows.holding(list(matched.values()), writable=True):
-            _restore.hand_over(m, objects, tensors, extras, matched)
+        # (tensors read into fresh memory are checked as they are read: a damaged one
+        # changes nothing live)
+        tensors = _restore.read_tensors(entry, [i for i in wanted if i not in live], {}, cfg)
+        rng_state = _restore.rng_of(entry, tensors, extras) if rng else None
+        undo = _restore.load_staged(entry, {n: objects[n] for n in staged}, tensors, extras)
+        try:
+            later = _restore.read_tensors(entry, [i for i in wanted if i in live], live, cfg)
+            for i, t in enumerate(later):
+                if t is not None:
+                    tensors[i] = t
+            # Every byte verified: the disk tables' rows, then the state goes to the objects,
+            # the tables' own views standing for their rows.
+            for k, t in matched.items():
+                self._rows_touched = True
+                total += _rows.restore(t, chains[k], cfg.chunk_bytes)
+            with _rows.holding(list(matched.values()), writable=True):
+                _restore.hand_over(m, {n: o for n, o in objects.items() if n not in staged},
+                                   tensors, extras, matched)
+        except BaseException:
+            undo()
+            raise
         for k, t in matched.items():
             links = m["rows"][k]["chain"]
             _rows.committed([_rows.SaveRows(t, "same", 0, links, None)], self._chains, m["id"])
-        if rng and m.get("rng") is not None:
-            set_rng_state(_tree.decode(m["rng"], tensors, extras))
+        if rng_state is not None:
+            set_rng_state(rng_state)
         return total
 
     def _roots(self) -> list[Path]:

@@ -22,16 +22,24 @@ from pathlib import Path
 from .. import colab
 from ..colab import DriveError
 from ..units import human_bytes
-from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, check_files, Damaged,
-                     fsync_dir, read_manifest)
+from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, check_files, create_new,
+                     Damaged, fsync_dir, open_regular, read_manifest, STEP_DIR)
 from .layout import remove_dir, tmp_name, needs
 
 
 def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
     """Copy a finished checkpoint directory into ``dst_root`` atomically: files go to a temp
     directory inside ``dst_root`` (a rename from local disk into a Drive mount fails, EXDEV),
-    are fsync'ed, MANIFEST last, then the directory is renamed into place there."""
+    are fsync'ed, MANIFEST last, then the directory is renamed into place there.
+
+    Only the files the manifest lists are copied, once the manifest is checked
+    (:func:`~nbtools.checkpoint.format.check_manifest`: names of the format, no paths), each
+    read as a regular file of ``src`` and created anew inside the temp directory: a crafted
+    checkpoint cannot make it read or write anywhere else (:class:`CheckpointError`)."""
     src, dst_root = Path(src), Path(dst_root)
+    if not STEP_DIR.match(src.name):
+        raise ValueError(f"copy_checkpoint({str(src)!r}): expected a checkpoint directory "
+                         "named step-NNNNNNNNN (as CheckpointManager names them)")
     dst_root.mkdir(parents=True, exist_ok=True)
     final = dst_root / src.name
     if final.exists():
@@ -42,7 +50,11 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
         except Damaged:
             pass
         remove_dir(final)
-    manifest = read_manifest(src)
+    try:
+        manifest = read_manifest(src)
+        check_files(src, manifest)
+    except Damaged as e:
+        raise CheckpointError(f"cannot copy checkpoint {src}: {e}. Nothing was copied.") from None
     need = sum(manifest["files"].values())
     free = shutil.disk_usage(dst_root).free
     if free < need:
@@ -51,8 +63,9 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
     tmp = dst_root / tmp_name(src.name)
     tmp.mkdir()
     try:
-        for name in [*manifest["files"], MANIFEST]:
-            with open(src / name, "rb") as fi, open(tmp / name, "wb") as fo:
+        for name in [*manifest["files"], MANIFEST]:     # (names checked by read_manifest)
+            with os.fdopen(open_regular(src, name), "rb") as fi, \
+                    os.fdopen(create_new(tmp, name), "wb") as fo:
                 shutil.copyfileobj(fi, fo, 16 << 20)
                 fo.flush()
                 if fsync:
@@ -62,6 +75,9 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
         os.rename(tmp, final)
         if fsync:
             fsync_dir(dst_root)
+    except Damaged as e:                       # (a file changed under the copy)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot copy checkpoint {src}: {e}. Nothing was copied.") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,7 +163,11 @@ class DriveSync:
 
     def _copy(self, path: Path) -> None:
         t0 = time.perf_counter()
-        for name, uid in needs(read_manifest(path)):      # the base and deltas first
+        try:
+            manifest = read_manifest(path)
+        except Damaged as e:
+            raise CheckpointError(f"cannot copy {path} to {self.target}: {e}") from None
+        for name, uid in needs(manifest):      # the base and deltas first (step directories)
             if _complete(self.target / name, uid):
                 continue
             if not _complete(path.parent / name, uid):

@@ -17,6 +17,8 @@ side file of extras is read first, as data only (:func:`nbtools.checkpoint.tree.
 """
 from __future__ import annotations
 
+import copy
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,9 +28,10 @@ import torch
 from ..devices import cuda_ok
 from . import rows as _rows
 from . import tree as _tree
-from .format import (CheckpointConfig, CheckpointError, check_files, Damaged, _dtype,
-                     read_manifest, Reader)
+from .format import (EXTRAS, CheckpointConfig, CheckpointError, check_files, Damaged, _dtype,
+                     open_regular, pickles, read_manifest, Reader)
 from .layout import Entry, needs
+from .rng import check_rng_state
 from .save import progress_bar
 
 
@@ -76,14 +79,14 @@ def chain_of(roots: list[Path], entry: Entry, item: dict) -> list:
     return out
 
 
-def read_tensors(entry: Entry, wanted: list, live: dict, total: int,
-                 cfg: CheckpointConfig) -> list:
-    """Read the tensors ``wanted`` (manifest indices, ``total`` bytes), every checksum
-    verified; returns the tensors by index. A tensor is read
-    into ``live[i]`` (an object's own tensor, no second copy) when its shape, dtype and layout
-    allow, else into a fresh CPU tensor."""
+def read_tensors(entry: Entry, wanted: list, live: dict, cfg: CheckpointConfig) -> list:
+    """Read the tensors ``wanted`` (manifest indices), every checksum verified; returns the
+    tensors by index (None where not wanted). A tensor is read into ``live[i]`` (an object's
+    own tensor, no second copy) when its shape, dtype and layout allow, else into a fresh CPU
+    tensor."""
     m = entry.manifest
     tensors: list = [None] * len(m["tensors"])
+    total = sum(m["tensors"][i]["bytes"] for i in wanted)
     bar = progress_bar(total, f"restoring step {m['step']}", cfg.progress)
     if cuda_ok():
         for i in range(torch.cuda.device_count()):     # tables may be on any GPU
@@ -113,18 +116,32 @@ def read_tensors(entry: Entry, wanted: list, live: dict, total: int,
 
 def read_extras(path: Path, m: dict) -> list:
     """The side file of values JSON cannot hold, checked against its CRC."""
+    want = max([pickles(m["objects"][k]["state"]) for k in m["objects"]]
+               + [pickles(m.get("rng"))])
     if not m.get("extras"):
+        if want:
+            raise Damaged(f"its state refers to {want} side-file value(s) and it has no {EXTRAS}")
         return []
-    blob = (path / m["extras"]["file"]).read_bytes()
-    if len(blob) != m["extras"]["bytes"] or zlib.crc32(blob) != m["extras"]["crc32"]:
+    size = m["extras"]["bytes"]
+    with os.fdopen(open_regular(path, m["extras"]["file"]), "rb") as f:
+        blob = f.read(size + 1)
+    if len(blob) != size or zlib.crc32(blob) != m["extras"]["crc32"]:
         raise Damaged(f"{m['extras']['file']}: checksum mismatch (file damaged)")
     try:
-        return _tree.load_extras(blob)
+        values = _tree.load_extras(blob)
     except _tree.UnsafeValueError as e:
         raise CheckpointError(
             f"checkpoint {path} was not restored: its {m['extras']['file']} holds something "
             f"that is not data ({e}). nbtools never writes that: the file was replaced. "
             "Nothing was loaded or run, and nothing was changed.") from None
+    except Exception as e:           # not a torch.save file at all: damaged, like a bad CRC
+        raise Damaged(f"{m['extras']['file']} is not a side file nbtools wrote "
+                      f"({type(e).__name__}: {e})") from None
+    if not isinstance(values, list) or len(values) < want:
+        raise Damaged(f"{m['extras']['file']} holds {type(values).__name__} of "
+                      f"{len(values) if isinstance(values, list) else 'no'} values; the state "
+                      f"refers to {want}")
+    return values
 
 
 def verify(entry: Entry, cfg: CheckpointConfig, which=None) -> None:
@@ -225,15 +242,78 @@ def _mismatch(name: str, obj, state, half: bool) -> str | None:
     if callable(getattr(obj, "check_state_dict", None)):
         try:
             obj.check_state_dict(state)
-        except ValueError as e:
-            return str(e)
+        except (ValueError, KeyError, TypeError) as e:
+            return str(e).strip("'\"")
         return None
     if isinstance(obj, torch.optim.Optimizer):
-        groups = state.get("param_groups") if isinstance(state, dict) else None
-        if groups is None or len(groups) != len(obj.param_groups) or any(
-                len(g["params"]) != len(h["params"]) for g, h in zip(groups, obj.param_groups)):
-            return "its parameter groups differ from this optimizer's"
+        from ..optim.config import check_groups
+        if not isinstance(state, dict) or not isinstance(state.get("state", {}), dict):
+            return "the checkpoint holds no optimizer state dict"
+        try:
+            check_groups(state.get("param_groups"), obj.param_groups, "optimizer")
+        except ValueError as e:
+            return str(e)
     return None
+
+
+STAGE_MAX_BYTES = 16 << 20      # an object whose saved tensors are this small is staged
+
+
+def staged(m: dict, objects: dict) -> list[str]:
+    """The objects loaded first and put back if the restore fails later: those that are not
+    tensors, dicts, modules or optimizers (whose fit :func:`preflight` checks in full), and
+    whose saved state is small (no disk table, tensors of at most ``STAGE_MAX_BYTES``), so
+    that a copy of their current state costs nothing worth counting."""
+    out = []
+    for name, obj in objects.items():
+        if isinstance(obj, (torch.Tensor, dict, torch.nn.Module, torch.optim.Optimizer)):
+            continue
+        tree = m["objects"][name]["state"]
+        if _tree.rows_nodes(tree):
+            continue
+        if sum(m["tensors"][i]["bytes"] for i in _tree.tensor_indices(tree)) <= STAGE_MAX_BYTES:
+            out.append(name)
+    return out
+
+
+def rng_of(entry: Entry, tensors: list, extras: list):
+    """The checkpoint's RNG states (None when it has none), checked to load
+    (:func:`~nbtools.checkpoint.rng.check_rng_state`) before any is set."""
+    m = entry.manifest
+    if m.get("rng") is None:
+        return None
+    state = _tree.decode(m["rng"], tensors, extras)
+    try:
+        check_rng_state(state)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {entry.path} (step {m['step']}): {e}. "
+                              f"{_NOTHING_CHANGED}") from None
+    return state
+
+
+def load_staged(entry: Entry, objects: dict, tensors: list, extras: list):
+    """Load each of ``objects`` (see :func:`staged`; their tensors already read), keeping a
+    copy of its state as it was. A load that raises puts back those already loaded and
+    raises :class:`CheckpointError` (nothing changed). Returns the undo: a call that puts
+    every one back."""
+    m, done = entry.manifest, []
+
+    def undo():
+        for obj, before in reversed(done):
+            obj.load_state_dict(before)
+        done.clear()
+
+    for name, obj in objects.items():
+        before = copy.deepcopy(obj.state_dict())
+        try:
+            obj.load_state_dict(_tree.decode(m["objects"][name]["state"], tensors, extras))
+        except Exception as e:
+            undo()
+            raise CheckpointError(f"checkpoint {entry.path} (step {m['step']}) does not fit "
+                                  f"{name!r}: {type(e).__name__}: {str(e).strip(chr(39))}. "
+                                  f"{_NOTHING_CHANGED}") from None
+        done.append((obj, before))
+    return undo
 
 
 def hand_over(m: dict, objects: dict, tensors: list, extras: list, matched: dict) -> None:

@@ -36,6 +36,33 @@ def rng_state() -> dict:
     return state
 
 
+def check_rng_state(state) -> None:
+    """Raise ValueError where ``state`` is not what :func:`rng_state` returns, so that
+    :func:`set_rng_state` would fail part-way: each state is tried on a generator of its own,
+    never on the global ones (changes nothing)."""
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
+        raise ValueError(f"the RNG states are {type(state).__name__} "
+                         f"{sorted(state) if isinstance(state, dict) else ''}, expected python, "
+                         "numpy, torch and cuda")
+    try:
+        random.Random().setstate(state["python"])
+        n = state["numpy"]
+        np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype(np.uint32),
+                                           n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        torch.Generator().set_state(state["torch"].cpu())
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, IndexError) as e:
+        raise ValueError(f"the RNG states do not load ({type(e).__name__}: {e})") from None
+    cuda = state.get("cuda")
+    if cuda is not None and (not isinstance(cuda, (list, tuple)) or not all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda)):
+        raise ValueError("the CUDA RNG states are not a list of byte tensors")
+    if cuda is not None and cuda_ok():
+        sizes = {torch.cuda.get_rng_state(i).numel() for i in range(torch.cuda.device_count())}
+        if any(t.numel() not in sizes for t in cuda):
+            raise ValueError(f"the CUDA RNG states hold {[t.numel() for t in cuda]} bytes, this "
+                             f"machine's {sorted(sizes)}")
+
+
 def set_rng_state(state: dict) -> None:
     """Put back what :func:`rng_state` returned. CUDA states are restored for the GPUs this
     machine has, with a warning when that is not all of them."""

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..units import human_bytes
-from .format import CheckpointError, Damaged, _dtype, dtype_name, _fadvise
+from .format import CheckpointError, Damaged, _dtype, dtype_name, _fadvise, open_regular
 
 PIECE = 256 << 10          # bytes per checksummed piece of a delta (a restore holds one per delta)
 _ID = 8                    # bytes of a row id in a delta record
@@ -408,9 +408,9 @@ class _Stream:
         fd = self.files.get(name)
         if fd is None:
             try:
-                fd = os.open(self.root / name, os.O_RDONLY)
-            except OSError as e:
-                raise Damaged(f"{self.what}: {name} unreadable ({e})") from None
+                fd = open_regular(self.root, name)
+            except Damaged as e:
+                raise Damaged(f"{self.what}: {e}") from None
             _fadvise(fd, "POSIX_FADV_SEQUENTIAL")
             self.files[name] = fd
         mv, got = memoryview(self.buf)[:n], 0

@@ -30,7 +30,7 @@ from ..units import human_bytes
 from . import rows as _rows
 from . import tree as _tree
 from .format import (ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
-                     CheckpointSpaceError, DataWriter, _dtype, dtype_name, fsync_dir,
+                     CheckpointSpaceError, DataWriter, _dtype, create_new, dtype_name, fsync_dir,
                      save_chunks, Staging, write_manifest)
 from .layout import clean_leftovers, tmp_name
 from .rng import rng_state
@@ -194,7 +194,7 @@ def _write_extras(tmp: Path, blob: bytes | None, files: dict, fsync: bool) -> di
     """The side file of values JSON cannot hold (added to ``files``); its manifest entry."""
     if blob is None:
         return None
-    with open(tmp / EXTRAS, "wb") as f:
+    with os.fdopen(create_new(tmp, EXTRAS), "wb") as f:
         f.write(blob)
         if fsync:
             os.fsync(f.fileno())

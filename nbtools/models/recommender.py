@@ -530,6 +530,12 @@ class _EpochDecay:
     def state_dict(self):
         return self.optimizer.state_dict()
 
+    def check_state_dict(self, state):
+        """The wrapped optimizer's check (a checkpoint's restore runs it before any write)."""
+        check = getattr(self.optimizer, "check_state_dict", None)
+        if check is not None:
+            check(state)
+
     def load_state_dict(self, state):
         return self.optimizer.load_state_dict(state)
 

@@ -264,11 +264,17 @@ class CorpusLoader:
                 "tokens": self.ids.numel(), "chunk_tokens": self.chunk_tokens,
                 "rank": self.rank, "world": self.world}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
+    def check_state_dict(self, state: dict) -> None:
+        """Raise (KeyError, ValueError) where ``state`` would not resume this loader (another
+        corpus or settings); changes nothing."""
         check_resume(state, self.state_dict(),
                      ("batch_size", "window", "tokens", "chunk_tokens", "rank", "world"),
                      "CorpusLoader", "corpus")
+        int(state["seed"]), int(state["epoch"]), int(state["position"])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
+        self.check_state_dict(state)
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self.position = int(state["position"])
 

@@ -34,7 +34,7 @@ from ..devices import deferred_interrupts, on_tables
 from ..engine.stepper import NonFiniteGradientError, StepEngine
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad  # noqa: F401  (optimizers, in __all__)
 from ..tables import OffloadedEmbedding
-from .config import OffloadConfig
+from .config import OffloadConfig, check_groups
 from .planner import Plan, plan
 from .probe import UnsupportedOptimizerError, initial_row_state
 from .slot import TableSlot
@@ -373,9 +373,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 state_dict.get("format") != "nbtools.OffloadOptimizer/1":
             raise ValueError("not an OffloadOptimizer state_dict (missing format "
                              "'nbtools.OffloadOptimizer/1')")
-        if state_dict["optimizer_class"] != self.optimizer_class.__name__:
-            raise ValueError(f"state_dict is for {state_dict['optimizer_class']}, this optimizer "
-                             f"is {self.optimizer_class.__name__}")
+        if state_dict.get("optimizer_class") != self.optimizer_class.__name__:
+            raise ValueError(f"state_dict is for {state_dict.get('optimizer_class')}, this "
+                             f"optimizer is {self.optimizer_class.__name__}")
+        if not isinstance(state_dict.get("tables"), dict):
+            raise ValueError("state_dict has no tables (a dict of each table's state)")
         names = set(state_dict["tables"])
         if names != {s.name for s in self._slots}:
             raise ValueError(f"state_dict has tables {sorted(names)}, this optimizer has "
@@ -385,11 +387,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for slot in self._slots:
             slot.check_state_dict(state_dict["tables"][slot.name])
         if self._dense is not None:
-            groups, mine = state_dict["dense"].get("param_groups", []), self._dense.param_groups
-            if len(groups) != len(mine) or any(len(g["params"]) != len(h["params"])
-                                               for g, h in zip(groups, mine)):
-                raise ValueError("state_dict's ordinary parameters are grouped differently from "
-                                 "this optimizer's")
+            dense = state_dict["dense"]
+            if not isinstance(dense, dict) or not isinstance(dense.get("state", {}), dict):
+                raise ValueError("state_dict's ordinary parameters have no optimizer state")
+            check_groups(dense.get("param_groups"), self._dense.param_groups,
+                         "ordinary parameters")
 
     @on_tables
     def load_state_dict(self, state_dict: dict) -> None:

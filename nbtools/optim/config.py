@@ -1,8 +1,12 @@
 """The options of :class:`nbtools.OffloadOptimizer` (a module of its own: the optimizer's step
-machinery and its tables' slots both read it)."""
+machinery and its tables' slots both read it), and the check of saved hyper-parameters
+that its ``check_state_dict`` and a checkpoint's restore share."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
+
+import torch
 
 
 @dataclasses.dataclass
@@ -37,3 +41,59 @@ class OffloadConfig:
     # run; kept as the fast path to compare with (benchmarks/bench_step.py --deterministic
     # both). The CPU adds in a fixed order either way.
     deterministic: bool = True
+
+
+def _fits(saved, live) -> bool:
+    """Whether the saved hyper-parameter ``saved`` can stand where ``live`` is: a number for a
+    number (a one-element tensor too), a flag for a flag, a tuple of as many for a tuple, a
+    string for a string; None on either side (torch's "unset") fits anything."""
+    if saved is None or live is None:
+        return True
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if isinstance(live, (numbers.Real, torch.Tensor)):
+        if isinstance(saved, torch.Tensor):
+            return saved.numel() == 1 and not saved.dtype.is_complex
+        return isinstance(saved, numbers.Real) and not isinstance(saved, bool)
+    if isinstance(live, (tuple, list)):
+        return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
+                and all(_fits(a, b) for a, b in zip(saved, live)))
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
+
+
+def check_group(saved, live: dict, what: str) -> None:
+    """Raise ValueError where the saved hyper-parameters ``saved`` (a dict) would not stand
+    for ``live``'s: each value of a key both have must be of the same kind (``lr`` a number,
+    ``betas`` a pair of numbers, ...); keys only one of them has are left to the optimizer.
+
+    >>> check_group({"lr": 0.1, "betas": (0.9, 0.99)}, {"lr": 0.01, "betas": (0.9, 0.999)}, "x")
+    >>> check_group({"lr": "0.1"}, {"lr": 0.01}, "group 0")
+    Traceback (most recent call last):
+    ValueError: group 0: lr is '0.1' (str), expected a value like 0.01 (float)
+    """
+    if not isinstance(saved, dict):
+        raise ValueError(f"{what}: the hyper-parameters are a {type(saved).__name__}, "
+                         "expected a dict")
+    for key, value in live.items():
+        if key != "params" and key in saved and not _fits(saved[key], value):
+            raise ValueError(f"{what}: {key} is {saved[key]!r:.60} ({type(saved[key]).__name__}),"
+                             f" expected a value like {value!r:.60} ({type(value).__name__})")
+
+
+def check_groups(saved, live: list, what: str) -> None:
+    """Raise ValueError where the saved ``param_groups`` would not load into an optimizer
+    whose groups are ``live``: as many groups, each listing as many parameters (ints), and
+    hyper-parameters of the same kinds (:func:`check_group`)."""
+    if not isinstance(saved, list) or len(saved) != len(live):
+        raise ValueError(f"{what}: the checkpoint has {len(saved) if isinstance(saved, list) else 'no'}"
+                         f" parameter groups, this optimizer {len(live)}")
+    for i, (g, h) in enumerate(zip(saved, live)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) \
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in g["params"]):
+            raise ValueError(f"{what}: parameter group {i} has no list of parameter indices")
+        if len(g["params"]) != len(h["params"]):
+            raise ValueError(f"{what}: parameter group {i} holds {len(g['params'])} parameters, "
+                             f"this optimizer's {len(h['params'])}")
+        check_group(g, h, f"{what}, parameter group {i}")

@@ -34,6 +34,7 @@ from .. import kernels
 from ..engine import steps
 from ..engine.lookups import StepRows
 from ..placement import copy_unless_same
+from .config import check_group
 from .probe import (NOT_HYPER, UnsupportedOptimizerError, check_hyper, initial_row_state,
                     set_grad, probe_row_state)
 from ..tables import OffloadedEmbedding
@@ -294,6 +295,15 @@ class TableSlot:
 
     def check_state_dict(self, sd: dict) -> None:
         """Raise ValueError where ``sd`` would not load into this slot (changes nothing)."""
+        if not isinstance(sd, dict) or not isinstance(sd.get("row_state"), dict):
+            raise ValueError(f"table {self.name!r}: its state has no per-row tensors")
+        check_group(sd.get("group"), self.hyper(), f"table {self.name!r}")
+        scalar = sd.get("scalar_state")
+        if scalar is not None and not isinstance(scalar, dict):
+            raise ValueError(f"table {self.name!r}: scalar state is a {type(scalar).__name__}, "
+                             "expected a dict")
+        if not isinstance(sd.get("rounds", 0), int):
+            raise ValueError(f"table {self.name!r}: rounds is {sd['rounds']!r}, expected an int")
         if set(self.names) != set(sd["row_state"]):
             raise ValueError(f"table {self.name!r}: state has per-row tensors "
                              f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.names)}")
