@@ -479,8 +479,8 @@ def _cached(folder: Path, filename: str | None, want: dict,
     them), the file is hashed again on every use, whatever its sidecar says: the sidecar is
     just another file in the cache, so a planted file beside a sidecar copied or forged to
     match would otherwise be used. That is one read of the file, md5 and sha256 together
-    (:func:`file_hashes`): 0.06 s for text8's 31 MB, 0.2 s for 100 MB (measured on a 2-core
-    AMD EPYC with SHA extensions, file in the page cache).
+    (:func:`file_hashes`), a fraction of a second for text8's 31 MB (figures in
+    benchmarks/RESULTS.md).
 
     Where nothing is pinned, the hashes the sidecar recorded at the download are the
     reference, and the file is hashed again only when its size or mtime differ from the
