@@ -22,7 +22,7 @@ from gensim's repository) have bundled made-up samples too (``"ws353-sample"``, 
 
 >>> r = load("movielens-sample")
 >>> r.num_users, r.num_items, r.user_ids.dtype
-(120, 90, torch.int64)
+(300, 200, torch.int64)
 >>> c = load("text8-sample", min_count=1)
 >>> c.ids.shape[0], len(c.vocab), int(c.counts[0]) == int(c.counts.max())
 (30000, 66, True)
@@ -162,7 +162,8 @@ REGISTRY: dict[str, Dataset] = {d.name: d for d in [
     Dataset("questions-words-sample", None, "questions-words-sample.txt", "analogy",
             "made-up analogy questions of text8-sample's words, bundled (smoke runs, CI)"),
     Dataset("movielens-sample", None, "ratings-sample.csv", "ratings",
-            "synthetic MovieLens-format ratings bundled with nbtools (smoke runs, CI)"),
+            "synthetic MovieLens-format ratings with planted genres (make_ratings_sample), "
+            "bundled with nbtools (smoke runs, CI)"),
     Dataset("text8-sample", None, "text8-sample.txt", "text",
             "synthetic text8-like corpus bundled with nbtools (smoke runs, CI)"),
 ]}
@@ -861,21 +862,63 @@ def make_text8_sample(path, words: int = 30000, seed: int = 0) -> None:
     Path(path).write_text(" " + " ".join(out[:words]))     # text8 starts with a space
 
 
-def make_ratings_sample(path, users: int = 120, items: int = 90, per_user: int = 12,
-                        dim: int = 3, seed: int = 0) -> None:
-    """MovieLens-format ``userId,movieId,rating,timestamp`` from a low-rank model, so that a
-    recommender has something to learn (ids start at 1 and have gaps, as real ones do)."""
+# The bundled ratings sample's planted structure: users rate mostly items of one or two favourite
+# genres, so that a recommender has something to learn that popularity alone does not give.
+SAMPLE_GENRES = 8
+SAMPLE_ITEMS_PER_GENRE = 25
+
+
+def make_ratings_sample(path, users: int = 300, genres: int = SAMPLE_GENRES,
+                        per_genre: int = SAMPLE_ITEMS_PER_GENRE, seed: int = 0) -> None:
+    """MovieLens-format ``userId,movieId,rating,timestamp`` with planted genres.
+
+    Each user has one or two favourite genres and rates 15-35 items, 85% of them drawn from the
+    favourites and the rest from any genre; within a genre, item ``j`` is drawn with weight
+    ``1 / (j + 1) ** 0.8`` (a few popular items, a long tail). A rating is 4 for a favourite
+    genre's item and 2.5 for another's, plus the item's quality, the user's bias and noise,
+    rounded to half stars. Each user's items come in a random order in time, so that
+    :func:`~nbtools.models.leave_last_out` holds out an item like the others (mostly of a
+    favourite genre). Movie ids are ``step * (genre + 1) + j + 1``, ``step`` the power of ten
+    above ``per_genre`` (gaps, as real ids have, and the genre readable in the file); every item
+    is rated, so after :func:`load_ratings` renumbers them, item ``i`` is of genre
+    ``i // per_genre``.
+
+    Raises:
+        ValueError: too few users for every item to be rated (ids would then shift).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     make_ratings_sample(Path(tmp) / "r.csv", users=40, genres=2, per_genre=10)
+    ...     r = load_ratings(Path(tmp) / "r.csv")
+    >>> r.num_users, r.num_items
+    (40, 20)
+    """
     rnd = random.Random(seed)
-    u = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(users)]
-    v = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(items)]
-    rows = ["userId,movieId,rating,timestamp"]
-    for i in range(users):
-        seen = sorted(rnd.sample(range(items), per_user))
-        for j in seen:
-            score = 3.2 + 0.6 * sum(a * b for a, b in zip(u[i], v[j])) + rnd.gauss(0, 0.3)
-            rating = min(5.0, max(0.5, math.floor(score * 2 + 0.5) / 2))
-            rows.append(f"{i + 1},{3 * j + 1},{rating},{1_000_000_000 + 3600 * (i * items + j)}")
-    Path(path).write_text("\n".join(rows) + "\n")
+    quality = [[rnd.gauss(0, 0.4) for _ in range(per_genre)] for _ in range(genres)]
+    weights = [1.0 / (j + 1) ** 0.8 for j in range(per_genre)]
+    step, rows = 10 ** len(str(per_genre)), []
+    for user in range(users):
+        favourites = rnd.sample(range(genres), min(genres, rnd.choice((1, 2))))
+        bias, count = rnd.gauss(0, 0.3), min(rnd.randint(15, 35), genres * per_genre)
+        rated = {}
+        while len(rated) < count:
+            g = rnd.choice(favourites) if rnd.random() < 0.85 else rnd.randrange(genres)
+            j = rnd.choices(range(per_genre), weights)[0]
+            if (g, j) not in rated:
+                score = 3.0 + (1.0 if g in favourites else -0.5) + quality[g][j] + bias + \
+                    rnd.gauss(0, 0.4)
+                rated[(g, j)] = min(5.0, max(0.5, math.floor(score * 2 + 0.5) / 2))
+        order = list(rated.items())
+        rnd.shuffle(order)
+        t = 1_000_000_000 + 86_400 * rnd.randrange(3650)
+        for (g, j), rating in order:
+            t += rnd.randrange(60, 86_400)
+            rows.append(f"{user + 1},{step * (g + 1) + j + 1},{rating},{t}")
+    unrated = genres * per_genre - len({row.split(",")[1] for row in rows})
+    if unrated:
+        raise ValueError(f"{users} users leave {unrated} of the {genres * per_genre} items unrated, "
+                         f"so item ids would no longer give genres; pass more users")
+    Path(path).write_text("userId,movieId,rating,timestamp\n" + "\n".join(rows) + "\n")
 
 
 # --- word-vector evaluation files (nbtools.models.wordsim scores them) ---------------------------

@@ -309,7 +309,20 @@ def test_bundled_samples_are_what_the_generators_make(tmp_path):
     assert (tmp_path / "r.csv").read_bytes() == (data.SAMPLES_DIR / "ratings-sample.csv").read_bytes()
     assert fetch("text8-sample") == data.SAMPLES_DIR / "text8-sample.txt"
     r = data.load("movielens-sample")
-    assert r.user_ids.max() == r.num_users - 1 and len(r.ratings) == 120 * 12
+    assert r.user_ids.max() == r.num_users - 1 and (r.num_users, r.num_items) == (300, 200)
+    assert len(r.ratings) == len((data.SAMPLES_DIR / "ratings-sample.csv").read_text().splitlines()) - 1
+
+
+def test_ratings_sample_ids_give_genres(tmp_path):
+    """Item i of the loaded sample is of genre i // per_genre: the movie id's leading digits."""
+    rows = (data.SAMPLES_DIR / "ratings-sample.csv").read_text().splitlines()[1:]
+    movie_genre = {int(m): int(m) // 100 - 1 for m in (row.split(",")[1] for row in rows)}
+    r = data.load("movielens-sample")
+    assert len(movie_genre) == r.num_items == 8 * 25           # every item is rated
+    by_item = [movie_genre[m] for m in sorted(movie_genre)]    # the loader numbers in id order
+    assert by_item == [i // data.SAMPLE_ITEMS_PER_GENRE for i in range(r.num_items)]
+    with pytest.raises(ValueError, match=r"3 users leave \d+ of the 200 items unrated.*more users"):
+        data.make_ratings_sample(tmp_path / "few.csv", users=3)
 
 
 def test_fetch_options_live_in_a_config(tmp_path):

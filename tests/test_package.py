@@ -263,6 +263,42 @@ def test_readme_snippets_are_the_ones_tested():
     assert 'data.load("movielens-sample")' in snippets[1]                  # offline
 
 
+def _popularity_hr(train_items, num_items: int, candidates, k: int) -> float:
+    """HR@k of ranking each row of ``candidates`` (column 0 the held-out item) by training
+    counts, ties broken at random (the expected value), counted with numpy."""
+    import numpy as np
+    counts = np.bincount(np.asarray(train_items), minlength=num_items)[np.asarray(candidates)]
+    above = (counts[:, 1:] > counts[:, :1]).sum(1)
+    tied = (counts[:, 1:] == counts[:, :1]).sum(1)
+    # the held-out item's place is uniform on above .. above + tied
+    return float(np.mean(np.clip((k - above) / (tied + 1), 0.0, 1.0)))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_readme_recommender_beats_chance_and_popularity(seed, capsys, monkeypatch, tmp_path):
+    """The README's recommender, run with another seed everywhere: its HR@10 is at least chance
+    + 0.2 and above popularity, and it recommends mostly items of the genres a user rated most."""
+    import torch
+    monkeypatch.setenv("NBTOOLS_DATA_DIR", str(tmp_path))
+    code = _readme_snippets()[1]
+    assert code.count("seed=0") == 3                     # the model's, fit's and the candidates'
+    ns = {}
+    exec(compile(code.replace("seed=0", f"seed={seed}"), "README.md", "exec"), ns)
+    results, train, candidates = ns["results"], ns["train"], ns["candidates"]
+    chance = 10 / candidates.shape[1]                    # k / (n + 1)
+    popularity = _popularity_hr(train.item_ids, train.num_items, candidates, 10)
+    assert results["chance"]["hr@10"] == pytest.approx(chance)
+    assert results["popularity"]["hr@10"] == pytest.approx(popularity)
+    model = results["model"]["hr@10"]
+    assert model >= chance + 0.2 and model > popularity, (model, chance, popularity)
+    assert f"model: HR@10 {model:.3f}" in capsys.readouterr().out
+    favourite = 0                                        # top 5 in the user's two likeliest genres
+    for user, items in enumerate(ns["top_items"].tolist()):
+        rated = torch.bincount(train.item_ids[train.user_ids == user] // 25, minlength=8)
+        favourite += sum(i // 25 in rated.topk(2).indices.tolist() for i in items)
+    assert favourite >= 12, favourite
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1], ids=["sixty-seconds", "recommender"])
 def test_readme_snippet_runs_as_pasted(which, tmp_path):
@@ -282,4 +318,4 @@ def test_readme_snippet_runs_as_pasted(which, tmp_path):
         assert losses[-1] < losses[0], losses            # it trained
         assert rss_kb < 2 * 2**20, f"peak RSS {rss_kb / 2**20:.2f} GiB"
     else:
-        assert "hr@10" in out.stdout
+        assert "model: HR@10" in out.stdout and "recommended" in out.stdout
