@@ -182,6 +182,28 @@ def test_plan_names_keywords_that_the_optimizer_does_not_take():
     assert nbtools.plan(1000, 8, "adam", amsgrad=True).row_state[-1] == "max_exp_avg_sq"
 
 
+def test_plan_offers_only_optimizer_names_it_takes():
+    """The unknown-name message lists names, and plan() takes every one of them; torch.optim's
+    names that cannot train a table (and the base class) are refused saying why, not offered."""
+    import ast
+    import re
+    with pytest.raises(ValueError, match=r"unknown optimizer 'optimizer': plan\(\) takes one of") \
+            as refused:
+        nbtools.plan(1000, 8, "optimizer")
+    offered = ast.literal_eval(re.search(r"(\[[^]]*\])", str(refused.value)).group(1))
+    assert {"adam", "sgd", "sparseadam", "rowwise_adagrad", "partial_rowwise_adam"} <= set(offered)
+    for name in offered:
+        assert nbtools.plan(1000, 8, name).num_rows == 1000, name
+    for cls in ("LBFGS", "Adafactor", "Muon"):
+        if hasattr(torch.optim, cls):
+            assert cls.lower() not in offered
+            with pytest.raises(nbtools.UnsupportedOptimizerError,
+                               match=f"{cls} cannot train an offloaded table"):
+                nbtools.plan(1000, 8, cls.lower())
+    with pytest.raises(TypeError, match="Optimizer'> \\(the base class"):
+        nbtools.plan(1000, 8, torch.optim.Optimizer)
+
+
 def test_gpu_placement_without_cuda_is_an_error():
     with pytest.raises(ValueError, match="placement='gpu'.*use placement='host' or 'auto'"):
         OffloadedEmbedding(10, 4, device="cpu", placement="gpu")

@@ -12,12 +12,27 @@ from ..placement import NoRoomError, auto_placement, check_table_args, disk_byte
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad
 from ..store.layout import RowLayout, row_padding
 from ..units import human_bytes
-from .probe import probe_row_state
+from .probe import NOT_PER_ROW, probe_row_state
 
 # plan()'s names of the row-wise optimizers (besides the torch.optim class names)
 _ROWWISE_NAMES = {"rowwise_adagrad": RowWiseAdagrad, "rowwiseadagrad": RowWiseAdagrad,
                   "partial_rowwise_adam": PartialRowWiseAdam,
                   "partialrowwiseadam": PartialRowWiseAdam}
+
+
+def optimizer_names() -> dict:
+    """The optimizer names :func:`plan` takes (lower case, ``-`` read as ``_``) -> their class:
+    every ``torch.optim`` optimizer whose update can be per row, and the row-wise ones.
+
+    >>> names = optimizer_names()
+    >>> names["adam"] is torch.optim.Adam, "optimizer" in names, "lbfgs" in names
+    (True, False, False)
+    """
+    names = {n.lower(): c for n, c in ((n, getattr(torch.optim, n)) for n in dir(torch.optim))
+             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+             and c is not torch.optim.Optimizer and not issubclass(c, NOT_PER_ROW)}
+    names.update(_ROWWISE_NAMES)
+    return names
 
 
 @dataclasses.dataclass
@@ -89,9 +104,11 @@ class Plan:
 def _check_hyperparameters(optimizer, kwargs: dict) -> None:
     """Refuse, naming plan(), keywords that ``optimizer`` does not take (else its __init__
     would be blamed for a slip in the call to plan())."""
-    if not isinstance(optimizer, type):
+    if not isinstance(optimizer, type) or optimizer is torch.optim.Optimizer:
         raise TypeError(f"optimizer must be an optimizer class (torch.optim.Adam, "
-                        f"nbtools.RowWiseAdagrad, ...) or its name, got {optimizer!r}")
+                        f"nbtools.RowWiseAdagrad, ...) or its name, got {optimizer!r}"
+                        + (" (the base class, which has no update of its own)"
+                           if optimizer is torch.optim.Optimizer else ""))
     try:
         params = inspect.signature(optimizer.__init__).parameters
     except (TypeError, ValueError):          # no signature to read: the optimizer judges
@@ -115,7 +132,7 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     Args:
         num_rows, dim: table shape.
         optimizer: optimizer class (or its name, e.g. ``"adam"``, ``"rowwise_adagrad"``,
-            ``"partial_rowwise_adam"``).
+            ``"partial_rowwise_adam"``: :func:`optimizer_names`).
         dtype: table dtype.
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
         device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
@@ -143,14 +160,16 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                         "OffloadedEmbedding. plan()'s other keywords are the optimizer's "
                         "hyper-parameters (amsgrad=True, ...)")
     if isinstance(optimizer, str):
-        lookup = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-                  if isinstance(getattr(torch.optim, n), type)}
-        lookup.update(_ROWWISE_NAMES)
+        names = optimizer_names()
         key = optimizer.lower().replace("-", "_")
-        if key not in lookup:
-            raise ValueError(f"unknown optimizer {optimizer!r}; use a torch.optim class or one of "
-                             f"{sorted(lookup)}")
-        optimizer = lookup[key]
+        # torch.optim's names that are not offered are still known: the probe below refuses
+        # them, saying why they cannot train a table
+        known = {**{c.__name__.lower(): c for c in NOT_PER_ROW}, **names}
+        if key not in known:
+            raise ValueError(f"unknown optimizer {optimizer!r}: plan() takes one of "
+                             f"{sorted(names)}, or an optimizer class whose update is per row "
+                             "(torch.optim.Adam, nbtools.RowWiseAdagrad, ...)")
+        optimizer = known[key]
     _check_hyperparameters(optimizer, optimizer_kwargs)
     optimizer_kwargs.setdefault("lr", 1e-3)
     low = dtype in (torch.bfloat16, torch.float16)

@@ -33,8 +33,9 @@ _NONZERO_INITIAL_STATE = {
     torch.optim.Rprop: lambda g: {"step_size": g["lr"]},
 }
 
-# Never row-separable, refused without probing (their step needs a closure or mixes rows).
-_REFUSED = tuple(c for c in (getattr(torch.optim, n, None) for n in ("LBFGS", "Adafactor", "Muon"))
+# Never row-separable, refused without probing (their step needs a closure or mixes rows);
+# nbtools.plan() leaves them out of the names it offers.
+NOT_PER_ROW = tuple(c for c in (getattr(torch.optim, n, None) for n in ("LBFGS", "Adafactor", "Muon"))
                  if c is not None)
 
 NOT_HYPER = ("params",)
@@ -76,7 +77,7 @@ def probe_row_state(cls, hyper: dict, dim: int, device, dtype, check_separable: 
     the probe's scalar state after its steps: its types are what the optimizer keeps, row
     state names -> their shape after the row dimension: ``(dim,)``, ``(k,)`` or ``()``).
     """
-    if _REFUSED and issubclass(cls, _REFUSED):
+    if NOT_PER_ROW and issubclass(cls, NOT_PER_ROW):
         raise UnsupportedOptimizerError(
             f"{cls.__name__} cannot train an offloaded table: its update is not per row "
             "(it needs a closure or mixes rows). Use Adam, AdamW, SGD, Adagrad, RMSprop, ...")
