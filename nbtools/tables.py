@@ -362,17 +362,24 @@ class OffloadedEmbedding(nn.Module):
         size with this optimizer's state. Host memory peaks at the final footprint plus one
         64 MiB chunk: the old rows are handed back to the OS as they are copied. References to
         ``table.weight`` taken before this point see the old memory: create the optimizer
-        first.
+        first. Gradients that reached the table before (``backward()``, then the optimizer)
+        are kept for its first step.
         """
         if self._state_names:
             raise ValueError(f"table {self.name!r} already carries optimizer state "
                              f"{self._state_names}; use one OffloadOptimizer per table")
+        # A backward() before the optimizer was made: its gradient is applied at the first
+        # step, as torch's optimizers apply a .grad that exists when they are made. It is
+        # looked up again as a training lookup of the rows as they are now (with their state).
+        carried = self.lookups.take_gradients()
         self.lookups.owned = owned
         if names:
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
             self.install_rows(got.rows, list(names), got.layout, got.disk)
         self._attach_cache()
+        if carried is not None:
+            self.lookups.restore_gradients(*carried)
 
     def _attach_cache(self) -> None:
         self.hot.attach(self)

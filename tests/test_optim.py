@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from nbtools import OffloadedEmbedding, OffloadOptimizer
+from nbtools import OffloadedEmbedding, OffloadedEmbeddingBag, OffloadOptimizer
 from nbtools.optim import NonFiniteGradientError, OffloadConfig, UnsupportedOptimizerError
 from nbtools.engine import stepper
 
@@ -411,6 +411,48 @@ def test_step_of_only_padding_ids_advances_the_step_count(fused):
             o.zero_grad()
     assert ref_opt.state[ref.weight]["step"] == 3
     torch.testing.assert_close(table.weight, ref.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "bag"])
+@pytest.mark.parametrize("cls,kw", [(O.SGD, dict(lr=0.1)), (O.SGD, dict(lr=0.1, momentum=0.9)), (O.Adam, dict(lr=0.05)),
+                                    (O.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1))],
+                         ids=["SGD", "SGD-momentum", "Adam", "Adagrad"])
+def test_a_gradient_from_before_the_optimizer_is_applied_at_its_first_step(
+        cls, kw, bag, placement, device, tmp_path):
+    """``loss.backward()``, then the optimizer is made, then ``step()``: as torch's optimizers
+    apply a ``.grad`` that exists when they are made, the table's pending gradient is applied
+    (every optimizer alike, whether or not the table is rebuilt for its state). Reference:
+    nn.Embedding / nn.EmbeddingBag and the stock optimizer; every row is touched every step,
+    so the lazy and the dense update agree; padding ids are in the batches."""
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(12))
+    init[0] = 0
+    gen = torch.Generator().manual_seed(13)
+    id_batches = [torch.cat([torch.randperm(ROWS, generator=gen),
+                             torch.randint(0, ROWS, (24,), generator=gen)]).view(-1, 8)
+                  for _ in range(3)]
+    ref = (nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=0) if bag else
+           nn.Embedding(ROWS, DIM, padding_idx=0)).to(device)
+    options = dict(placement="disk", disk_dir=str(tmp_path)) if placement == "disk" else {}
+    table = (OffloadedEmbeddingBag(ROWS, DIM, mode="sum", padding_idx=0, device=device, name="t",
+                                   **options) if bag else
+             OffloadedEmbedding(ROWS, DIM, padding_idx=0, device=device, name="t", **options))
+    with torch.no_grad():
+        ref.weight.copy_(init)
+        table.weight.copy_(init)
+    for emb in (ref, table):
+        rows = emb(id_batches[0].to(device))
+        loss_of(rows, targets(1)[0].to(device)).backward()      # before the optimizer exists
+    ref_opt, opt = cls(ref.parameters(), **kw), OffloadOptimizer(cls, table, **kw)
+    for step, ids in enumerate(id_batches):
+        if step:
+            for emb in (ref, table):
+                loss_of(emb(ids.to(device)), targets(step + 1)[step].to(device)).backward()
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(table.weight.cpu(), ref.weight.detach().cpu(), rtol=2e-5,
+                                   atol=2e-6, msg=f"after step {step + 1}")
 
 
 @pytest.mark.parametrize("fused", [True, False])

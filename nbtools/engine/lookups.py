@@ -407,6 +407,46 @@ class TableLookups:
             return self._grad_of(rec), None
         return grad.new_empty(rec.batch.capacity, grad.shape[-1]), (grad, rec.batch)
 
+    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gradients that reached the pending lookups, by row id: ``(ids [n], grad [n,
+        dim])`` (an id may repeat; padding ids left out), or None where none has a gradient.
+        Drops the pending lookups. What outlives the table's rows being rebuilt
+        (``attach_state``): the records name rows as the old store held them (a disk table's
+        RAM slots), ids do not."""
+        ids, grads = [], []
+        for rec in self.pending:
+            grad = rec.grad_leaf.grad
+            if grad is None:
+                continue
+            flat = rec.flat.to(grad.device)
+            if rec.by_id is not None:           # one gradient row per id of the lookup
+                ids.append(flat)
+            else:                               # one per unique row: the id its slot holds
+                inverse = rec.batch.inverse.to(grad.device)
+                ids.append(torch.full((rec.batch.capacity,), -1, dtype=torch.long,
+                                      device=grad.device).scatter_(0, inverse, flat))
+            grads.append(grad.detach())
+        self.clear()
+        if not ids:
+            return None
+        ids = torch.cat(ids)
+        keep = ids >= 0                         # unused slots
+        if self.table.padding_idx is not None:
+            keep &= ids != self.table.padding_idx
+        return ids[keep], torch.cat(grads)[keep]
+
+    def restore_gradients(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """A training lookup of ``ids`` whose gradient is ``grad`` ([n, dim], one row per id),
+        as if it had run and ``backward()`` had reached it: the next step applies it (what
+        :meth:`take_gradients` gave, once the table's rows are rebuilt)."""
+        if self.table.rows.keeps_host_ids:      # a disk table finds its rows by host ids
+            ids = ids.cpu()
+        with torch.enable_grad():
+            rows, inverse = self.lookup(self.prepare_ids(ids), id_order=True)
+            if inverse is not None:
+                rows = self.rows_of_ids(rows, inverse)
+        rows.grad = grad.to(device=rows.device, dtype=rows.dtype)
+
     def clear(self) -> None:
         """Drop the pending lookups (``zero_grad``, a skipped step)."""
         LookupGraphs.release(rec.capture for rec in self.pending)
