@@ -239,15 +239,27 @@ def pytest_xdist_make_scheduler(config, log):
     return Groups(config, log)
 
 
+def gpu_skip_reason(needed: int, found: int) -> str:
+    """What a test that needs ``needed`` CUDA GPUs says where it finds ``found``."""
+    if needed == 1:
+        return "needs a CUDA GPU (bash benchmarks/gpu_suite.sh runs these tests where there is one)"
+    return f"needs {needed} CUDA GPUs, found {found}"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: FIRST.get(item.path.name, len(FIRST)))     # stable
-    if cuda_ok():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `bash benchmarks/gpu_suite.sh` on the GPU machine")
+    found = None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        several = item.get_closest_marker("gpus")          # gpus(n): n CUDA GPUs of one host
+        needed = several.args[0] if several else int("gpu" in item.keywords)
+        if not needed:
+            continue
+        if found is None:                                  # asked once, only where a test needs
+            import torch
+            found = torch.cuda.device_count() if cuda_ok() else 0
+        if found < needed:
+            item.add_marker(pytest.mark.skip(reason=gpu_skip_reason(needed, found)))
 
 
 @pytest.fixture

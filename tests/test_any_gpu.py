@@ -4,7 +4,7 @@ With ``cuda:0`` current, a table on ``cuda:1`` (and, the reverse, a table on ``c
 ``cuda:1`` current) trains through every placement and path (zero-copy host rows, GPU rows, a
 GPU cache of hot rows, write-behind, a prefetch, CUDA graphs of lookups and steps, a disk
 table, a checkpoint saved and restored), and ends bit for bit where the same table on ``cuda:0``
-with ``cuda:0`` current ends. Needs two GPUs: run on the device tool's ``nvidia-h200-x2``.
+with ``cuda:0`` current ends. Needs two CUDA GPUs of one host.
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import torch
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs 2 GPUs: run on the GPU machine's 2-GPU kind (nvidia-h200-x2)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpus(2)]
 
 ROWS, DIM, STEPS, BATCH = 3000, 32, 8, 512
 PLACEMENTS = {

@@ -319,3 +319,26 @@ def test_readme_snippet_runs_as_pasted(which, tmp_path):
         assert rss_kb < 2 * 2**20, f"peak RSS {rss_kb / 2**20:.2f} GiB"
     else:
         assert "model: HR@10" in out.stdout and "recommended" in out.stdout
+
+
+# --- tests that need GPUs say what is missing ------------------------------------------------------
+
+def test_gpu_tests_skip_saying_what_is_missing():
+    """A ``gpu`` test skips with "needs a CUDA GPU", a ``gpus(n)`` one with "needs n CUDA GPUs,
+    found k": what the machine lacks, not which machine to find."""
+    import torch
+
+    from nbtools.devices import cuda_ok
+    found = torch.cuda.device_count() if cuda_ok() else 0
+    if found >= 2:
+        pytest.skip(f"{found} CUDA GPUs here: the tests that need 2 would run, not skip")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", "-o", "addopts=", "tests/test_any_gpu.py",
+                          "tests/test_distributed.py::test_nccl_matches_single_process_table",
+                          "tests/test_tables.py::test_pinned_bytes_are_counted_and_released"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    reasons = set(re.findall(r"SKIPPED \[\d+\] \S+: (.*)", out.stdout))
+    want = {f"needs 2 CUDA GPUs, found {found}", f"needs 4 CUDA GPUs, found {found}"}
+    if not found:
+        want.add("needs a CUDA GPU (bash benchmarks/gpu_suite.sh runs these tests where there is one)")
+    assert reasons == want, out.stdout[-3000:] + out.stderr[-3000:]

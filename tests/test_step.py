@@ -457,7 +457,7 @@ def test_auto_placement_says_what_it_chose():
     assert small.placement == "gpu" and "auto -> gpu" in repr(small)
     free, _ = torch.cuda.mem_get_info()
     # over half the free GPU memory (what "auto" leaves a table) yet well inside host RAM: on a
-    # machine whose GPU holds more than its RAM (an H200 beside 128 GiB) a table of all the
+    # machine whose GPU holds more than its RAM (141 GB of GPU memory beside 128 GiB of RAM) a table of all the
     # free GPU memory would fit nowhere
     size = int(0.6 * free)
     if size > 0.5 * (nbtools.devices.host_memory_bytes()["available"] or 0):

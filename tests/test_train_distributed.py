@@ -1,5 +1,5 @@
-"""The two models of nbtools.models trained data-parallel (2 gloo ranks; 2 and 4 GPUs over NCCL
-on the GPU machine): word2vec (SkipGram over a CorpusLoader slice, through models.train) and
+"""The two models of nbtools.models trained data-parallel (2 gloo ranks; 2 and 4 CUDA GPUs over
+NCCL where there are): word2vec (SkipGram over a CorpusLoader slice, through models.train) and
 the recommender (MatrixFactorization with an NCF head, through fit), built in the process
 group so that their tables are ShardedEmbedding, against one process trained on the
 concatenation of the ranks' batches; and word2vec resumed from per-rank checkpoints against an
@@ -184,10 +184,8 @@ def test_corpus_loader_ranks_split_every_global_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(n, marks=pytest.mark.gpus(n)) for n in (2, 4)])
 def test_nccl_models_train_as_one_process(world, tmp_path):
-    """One rank a GPU over NCCL (the GPU machine's kinds of 2 and 4 GPUs): the same checks
+    """One rank a GPU over NCCL (2 and 4 CUDA GPUs): the same checks
     against one process on cuda:0."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs: run on the device tool's nvidia-h200-x{world} kind")
     _check(_ranks(world, "cuda", tmp_path, backend="nccl"), world, "cuda", 1e-5)

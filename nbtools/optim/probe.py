@@ -35,8 +35,8 @@ _NONZERO_INITIAL_STATE = {
 
 # Never row-separable, refused without probing (their step needs a closure or mixes rows);
 # nbtools.plan() leaves them out of the names it offers.
-NOT_PER_ROW = tuple(c for c in (getattr(torch.optim, n, None) for n in ("LBFGS", "Adafactor", "Muon"))
-                 if c is not None)
+NOT_PER_ROW = tuple(c for c in (getattr(torch.optim, n, None)
+                                for n in ("LBFGS", "Adafactor", "Muon")) if c is not None)
 
 NOT_HYPER = ("params",)
 
