@@ -192,6 +192,9 @@ def remove_stale_tables(directory=None) -> list[dict]:
     folder is touched. A folder that several machines share over the network: files another
     machine wrote are kept (its locks may not show here).
 
+    Raises:
+        PermissionError: the default folder is not this user's alone (:func:`table_dir`).
+
     >>> import tempfile
     >>> remove_stale_tables(tempfile.mkdtemp())
     []

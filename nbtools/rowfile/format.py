@@ -251,7 +251,9 @@ def leftovers(folder) -> list[dict]:
     """Row files in ``folder`` that their writer left open when it died (killed, crashed):
     ``{"path", "bytes", "writer"}`` each. A disk table's working file is removed when the
     table is closed, so these are files of killed runs, taking disk space for nothing (their
-    rows may be torn: checkpoints are what a run resumes from).
+    rows may be torn: checkpoints are what a run resumes from). A file whose lock
+    (:func:`create_exclusive`) a live process holds is never one, whatever its header says
+    (a writer in another container may look dead from here).
 
     >>> import tempfile
     >>> leftovers(tempfile.mkdtemp())
@@ -267,10 +269,29 @@ def leftovers(folder) -> list[dict]:
         if not os.path.isfile(path):
             continue
         meta = _read_meta(path)
-        if meta is not None and meta.get("clean") is False and not _alive(meta.get("writer")):
+        if meta is not None and meta.get("clean") is False and \
+                not _alive(meta.get("writer")) and not _held(path):
             out.append({"path": path, "bytes": os.path.getsize(path),
                         "writer": meta.get("writer")})
     return out
+
+
+def _held(path: str) -> bool:
+    """Whether a live process holds the lock of the file at ``path`` (False where that cannot
+    be told: no such file, or no locks on its filesystem)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def remove_leftovers(folder) -> int:
