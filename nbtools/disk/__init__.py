@@ -199,15 +199,10 @@ def remove_stale_tables(directory=None) -> list[dict]:
     >>> remove_stale_tables(tempfile.mkdtemp())
     []
     """
-    if directory is None:
-        folder = os.path.abspath(default_dir())
-        try:
-            _check_private(folder, os.lstat(folder))
-        except FileNotFoundError:
-            return []
-    else:
-        folder = os.path.abspath(os.fspath(directory))
+    folder = os.path.abspath(os.fspath(default_dir() if directory is None else directory))
     try:
+        if folder == os.path.abspath(default_dir()):
+            _check_private(folder, os.lstat(folder))
         names = sorted(os.listdir(folder))
     except FileNotFoundError:
         return []

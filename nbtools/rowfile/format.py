@@ -5,8 +5,8 @@ written, read and checked; who writes a file (``writer``) and whether that proce
 the files killed runs left open (:func:`leftovers`, :func:`remove_leftovers`, and
 :func:`remove_unheld`: a file no live process holds); and making one (for this process alone:
 :func:`create_exclusive`) or opening one, with ``O_DIRECT`` where the filesystem allows it (its
-block probed on the file itself), and reserving a new one's space. The errors and the names here are importable from
-:mod:`nbtools.rowfile` too.
+block probed on the file itself), and reserving a new one's space. The errors and the names
+here are importable from :mod:`nbtools.rowfile` too.
 """
 from __future__ import annotations
 

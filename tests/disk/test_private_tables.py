@@ -45,6 +45,11 @@ def _bytes(path) -> bytes:
 def test_default_folder_is_this_users_alone(tmp):
     folder = disk.default_dir()
     assert os.path.dirname(folder) == str(tmp) and not os.path.exists(folder)
+    # another user's tables (their own folder, or the one folder all users once shared)
+    # lock nobody out
+    for theirs in (f"nbtools-tables-{OTHER_UID}", "nbtools-tables"):
+        os.mkdir(tmp / theirs, 0o755)
+        os.chown(tmp / theirs, OTHER_UID, OTHER_UID)
     t = _table(name="items")
     st = os.lstat(folder)
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
@@ -56,6 +61,8 @@ def test_default_folder_is_this_users_alone(tmp):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     t.close()
     assert os.listdir(folder) == []
+    for theirs in (f"nbtools-tables-{OTHER_UID}", "nbtools-tables"):
+        assert os.listdir(tmp / theirs) == []
 
 
 @pytest.mark.parametrize("kind", ["mode 0777", "mode 0755", "other owner", "link", "file"])
