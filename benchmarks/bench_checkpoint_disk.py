@@ -10,10 +10,9 @@ checked against a sample of rows taken before it.
 
     python benchmarks/bench_checkpoint_disk.py --rows 2000000 --dim 64 --dir /tmp/ckd
     python benchmarks/bench_checkpoint_disk.py --quick
-    PYTHONPATH=<another tree> python benchmarks/bench_checkpoint_disk.py ...   # its nbtools
 
-The last form times another version of nbtools with this same script (it uses only the public
-API), so two trees can be compared in one call.
+It uses only the public API, so a copy of it in another tree's benchmarks/ (whose harness puts
+that tree's nbtools first) times that version: two trees compared in one call.
 """
 from __future__ import annotations
 
