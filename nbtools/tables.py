@@ -371,7 +371,9 @@ class OffloadedEmbedding(nn.Module):
         # A backward() before the optimizer was made: its gradient is applied at the first
         # step, as torch's optimizers apply a .grad that exists when they are made. It is
         # looked up again as a training lookup of the rows as they are now (with their state).
-        carried = self.lookups.take_gradients()
+        # Without state the rows stay where they are, and so do lookups that backward() has
+        # not reached yet (it reaches them as usual).
+        carried = self.lookups.take_gradients(rebuilt=bool(names))
         self.lookups.owned = owned
         if names:
             got = regrow_for_state(self, list(names), initial, dims)

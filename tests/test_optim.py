@@ -583,3 +583,32 @@ def test_step_runs_torchs_step_hooks_and_profiler_scope_without_grad():
     finally:
         for h in handles:
             h.remove()
+
+
+@pytest.mark.parametrize("cls,kw,applied", [(O.SGD, dict(lr=0.1), True),
+                                            (O.Adam, dict(lr=0.05), False)])
+def test_a_lookup_backward_reaches_after_the_optimizer_is_made(tmp_path, cls, kw, applied):
+    """forward(), then the optimizer, then backward(): without per-row state the rows stay
+    where they are and the step applies the gradient (as nn.Embedding + SGD does); with state
+    they are rebuilt, and the lookup's gradient is dropped with a warning naming the fix."""
+    from nbtools import UnconsumedGradientWarning
+    torch.manual_seed(0)
+    t = OffloadedEmbedding(20, 4, device="cpu")
+    ref = nn.Embedding.from_pretrained(t.weight.detach().clone(), freeze=False)
+    ids = torch.tensor([1, 3, 3, 7])
+    loss, ref_loss = t(ids).pow(2).sum(), ref(ids).pow(2).sum()
+    if applied:
+        opt = OffloadOptimizer(cls, t, **kw)
+    else:
+        with pytest.warns(UnconsumedGradientWarning, match="before the forward pass"):
+            opt = OffloadOptimizer(cls, t, **kw)
+    ref_opt = cls(ref.parameters(), **kw)
+    before = t.weight.detach().clone()
+    loss.backward()
+    ref_loss.backward()
+    opt.step()
+    ref_opt.step()
+    if applied:
+        torch.testing.assert_close(t.weight.detach(), ref.weight.detach())
+    else:
+        assert torch.equal(t.weight.detach(), before)

@@ -407,17 +407,25 @@ class TableLookups:
             return self._grad_of(rec), None
         return grad.new_empty(rec.batch.capacity, grad.shape[-1]), (grad, rec.batch)
 
-    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take_gradients(self, rebuilt: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The gradients that reached the pending lookups, by row id: ``(ids [n], grad [n,
         dim])`` (an id may repeat; padding ids left out), or None where none has a gradient.
-        Drops the pending lookups. What outlives the table's rows being rebuilt
-        (``attach_state``): the records name rows as the old store held them (a disk table's
-        RAM slots), ids do not."""
+        Drops those lookups. What outlives the table's rows being rebuilt (``attach_state``):
+        the records name rows as the old store held them (a disk table's RAM slots), ids do
+        not. Lookups that backward() has not reached stay pending unless the rows are
+        ``rebuilt`` (then they are dropped, with a warning)."""
         ids, grads = [], []
-        for rec in self.pending:
+        waiting = [rec for rec in self.pending if rec.grad_leaf.grad is None]
+        reached = [rec for rec in self.pending if rec.grad_leaf.grad is not None]
+        if waiting and rebuilt:
+            warnings.warn(
+                f"table {self.table.name!r}: {len(waiting)} lookup(s) ran before its "
+                "OffloadOptimizer was made, and backward() has not reached them yet: their "
+                "gradient cannot be applied, because the table's rows are rebuilt to hold the "
+                "optimizer's state. Make the optimizer before the forward pass.",
+                UnconsumedGradientWarning, stacklevel=4)
+        for rec in reached:
             grad = rec.grad_leaf.grad
-            if grad is None:
-                continue
             flat = rec.flat.to(grad.device)
             if rec.by_id is not None:           # one gradient row per id of the lookup
                 ids.append(flat)
@@ -426,7 +434,11 @@ class TableLookups:
                 ids.append(torch.full((rec.batch.capacity,), -1, dtype=torch.long,
                                       device=grad.device).scatter_(0, inverse, flat))
             grads.append(grad.detach())
-        self.clear()
+        if rebuilt or not waiting:
+            self.clear()
+        else:                   # the rows stay: what backward() is still to reach stays too
+            LookupGraphs.release(rec.capture for rec in reached)
+            self.pending = waiting
         if not ids:
             return None
         ids = torch.cat(ids)
