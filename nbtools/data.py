@@ -460,13 +460,15 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
                         f"and put it at {folder / (filename or '<name>')}.")
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar_path(path: Path) -> Path:
+    """Where the data cache keeps what it checked of the cached file ``path`` (its size, mtime
+    and hashes at the download), beside it as a hidden JSON file."""
     return path.with_name(f".{path.name}.nbtools.json")
 
 
 def _write_sidecar(path: Path, hashes: dict, link: str, verified: bool) -> None:
     st = path.stat()
-    _sidecar(path).write_text(json.dumps({**hashes, "url": link, "verified": verified,
+    sidecar_path(path).write_text(json.dumps({**hashes, "url": link, "verified": verified,
                                           "mtime_ns": st.st_mtime_ns}))
 
 
@@ -493,7 +495,7 @@ def _cached(folder: Path, filename: str | None, want: dict,
     for name in names:
         path = folder / name
         try:
-            meta = json.loads(_sidecar(path).read_text())
+            meta = json.loads(sidecar_path(path).read_text())
             st = path.stat()
         except (OSError, ValueError):
             continue
@@ -515,7 +517,7 @@ def _cached(folder: Path, filename: str | None, want: dict,
         warnings.warn(f"{path}: the cached file is not the expected one ({what}, {source}): it "
                       "was damaged or replaced after its download. Removed it and its sidecar; "
                       "fetching it again.", stacklevel=3)
-        for p in (path, _sidecar(path)):
+        for p in (path, sidecar_path(path)):
             try:
                 p.unlink(missing_ok=True)
             except OSError:                 # read-only cache: the download replaces it

@@ -426,7 +426,7 @@ def _plant(path, body, claims):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(body)
     st = path.stat()
-    data._sidecar(path).write_text(json.dumps({
+    data.sidecar_path(path).write_text(json.dumps({
         "bytes": st.st_size, "md5": claims["md5"], "sha256": claims["sha256"],
         "url": "planted", "verified": True, "mtime_ns": st.st_mtime_ns}))
 
@@ -463,7 +463,7 @@ def test_planted_file_is_refused_even_when_no_download_can_replace_it(eval_serve
     with pytest.warns(UserWarning, match="not the expected one"), \
             pytest.raises(DownloadError, match="HTTP 404"):
         data.load("ws353", cache_dir=tmp_path, quiet=True)
-    assert not cached.exists() and not data._sidecar(cached).exists()
+    assert not cached.exists() and not data.sidecar_path(cached).exists()
 
 
 def test_pinned_cache_hit_is_hashed_on_every_use(eval_server, tmp_path, monkeypatch):
