@@ -394,6 +394,14 @@ def read_manifest(path: Path) -> dict:
             raise Damaged("no MANIFEST (incomplete upload or copy)") from None
         raise
     with os.fdopen(fd, "rb") as f:
+        fst = os.fstat(f.fileno())
+        # A manager reads every manifest of its folders at each save (naming, pruning): one
+        # already read and checked, in a file that has not changed since (its inode, size and
+        # times; ctime moves on any change and cannot be set back), is not read again.
+        key = (fst.st_dev, fst.st_ino, fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns)
+        known = _checked.get(key)
+        if known is not None:
+            return known
         raw = f.read(MANIFEST_MAX_BYTES + 1)
     if len(raw) > MANIFEST_MAX_BYTES:
         raise Damaged(f"MANIFEST is over {MANIFEST_MAX_BYTES:,} bytes: not one nbtools wrote")
@@ -410,7 +418,13 @@ def read_manifest(path: Path) -> dict:
     except (ValueError, RecursionError) as e:
         raise Damaged(f"MANIFEST is not valid JSON: {e}") from None
     check_manifest(body)
+    if len(_checked) >= 512:
+        _checked.clear()
+    _checked[key] = body
     return body
+
+
+_checked: dict[tuple, dict] = {}     # read_manifest's: file identity -> the checked manifest
 
 
 def check_files(path: Path, manifest: dict) -> None:
@@ -557,8 +571,7 @@ def _check_tensor(e, i: int, files: dict, bad) -> None:
     numel = 1
     for n in e["shape"]:
         numel *= n
-    itemsize = torch.empty((), dtype=_dtype(e["stored"])).element_size()
-    if numel * itemsize != e["bytes"]:
+    if numel * _dtype(e["stored"]).itemsize != e["bytes"]:
         bad(f"gives tensor {i} of shape {e['shape']} {e['stored']} {e['bytes']:,} bytes")
 
 
@@ -587,12 +600,12 @@ def _nodes(tree):
     todo = [tree]
     while todo:
         x = todo.pop()
-        if isinstance(x, list):
-            todo.extend(x)
-        elif isinstance(x, dict):
+        if type(x) is list:
+            todo.extend([v for v in x if type(v) in (list, dict)])     # (skip the scalars)
+        elif type(x) is dict:
             yield x
-            if not {"$tensor", "$rows", "$pickle"} & x.keys():
-                todo.extend(x.values())
+            if "$tensor" not in x and "$rows" not in x and "$pickle" not in x:
+                todo.extend([v for v in x.values() if type(v) in (list, dict)])
 
 
 def _check_tree(tree, n_tensors: int, n_rows: int, bad) -> None:
