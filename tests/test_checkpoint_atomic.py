@@ -499,3 +499,25 @@ def test_a_staged_object_that_fails_to_load_is_put_back(tmp_path):
         mgr.restore(model=model2, opt=opt2, first=first, second=second)
     assert (first.n, second.n) == (10, 20)
     assert_unchanged(before, snapshot(model2, opt2))
+
+
+def test_what_an_interrupted_prune_leaves_is_removed_and_links_are_not_followed(tmp_path):
+    """A prune renames a directory to ``.del-...`` and then deletes it: one killed in between
+    leaves it behind. The next save (local folder) and the next prune (the mirror too) remove
+    such leftovers, and a link standing there is removed, never followed."""
+    model, opt = trained(0)
+    mgr = CheckpointManager(tmp_path / "ck", keep=1, mirror=tmp_path / "drive", config=QUIET)
+    mgr.save(1, model=model, opt=opt)
+    mgr.sync.wait()
+    keep_me = tmp_path / "precious"
+    keep_me.mkdir()
+    (keep_me / "file").write_text("mine")
+    for root in (tmp_path / "ck", tmp_path / "drive"):
+        (root / ".del-step-000000000-1-1").mkdir()
+        (root / ".del-step-000000000-1-1" / "data-0000.bin").write_bytes(b"x" * 100)
+        (root / ".del-step-000000000-2-2").symlink_to(keep_me, target_is_directory=True)
+    mgr.save(2, model=model, opt=opt)
+    mgr.sync.wait()
+    for root in (tmp_path / "ck", tmp_path / "drive"):
+        assert sorted(p.name for p in root.iterdir()) == ["step-000000002"], root
+    assert (keep_me / "file").read_text() == "mine"
