@@ -432,7 +432,7 @@ def probe_pinning() -> str:
 
 
 # --- row gather / scatter ---------------------------------------------------------------------
-# Measured on an H100 (benchmarks/RESULTS.md): zero-copy gathers are bound by the number of row
+# Measured (benchmarks/RESULTS.md): zero-copy gathers are bound by the number of row
 # requests and page translations, not by bytes; 16-byte loads bought nothing over index_select.
 # What helps is fewer, longer rows: tables keep [weight | optimizer state] interleaved per row.
 

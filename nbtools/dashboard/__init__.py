@@ -109,8 +109,8 @@ class DashboardConfig(MonitorConfig):
     """:class:`~nbtools.meters.MonitorConfig` plus how the dashboard draws."""
     mode: str = "auto"             # "widget" in a notebook, "text" elsewhere; or force either
     # Redraw the history plot at most this often, and less often if drawing costs more than
-    # plot_budget of the wall time (a redraw took ~140 ms on the H100 machine's CPU; at 2 s and
-    # 1% the widget mode measured +3.7% there, see benchmarks/RESULTS.md).
+    # plot_budget of the wall time: a redraw takes a good fraction of a second of CPU, and
+    # more frequent redraws measurably slowed training (benchmarks/RESULTS.md, "Dashboard").
     plot_every_s: float = 5.0
     plot_budget: float = 0.005
     thread: bool = False           # refresh from a background thread (not Colab, not ipykernel 7.0.0)

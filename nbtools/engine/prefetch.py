@@ -43,10 +43,9 @@ class Prefetcher:
     # Whether a step's update waits for the pending prefetch where the table has no cache (with
     # one it always does: the update must not race the prefetch's admission). Without the
     # wait the update and its write-back run beside the prefetch's gather, and the rows they
-    # write are made current when the prefetch is taken, as with the wait. Measured on an
-    # H200 (prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py), 65,536 uniform ids, alternating
-    # loops on one table): 0.90x the waiting step's time with fp32 Adam rows, 0.93x with bf16
-    # Adam rows, 0.98-1.02x with row-wise rows (whose reads and writes barely share the link).
+    # write are made current when the prefetch is taken, as with the wait. Not waiting is
+    # faster for Adam rows, whose reads and writes share the link, and level for row-wise
+    # rows (benchmarks/RESULTS.md, "a prefetching step's update beside the prefetch's gather").
     UPDATE_WAITS = False
 
     def __init__(self, table):

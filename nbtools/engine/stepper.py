@@ -115,10 +115,9 @@ class StepEngine:
 
     # The step's inf/nan check of a table's gradient is made by the fixed-order sum that
     # writes it (nbtools.kernels.segment_sum's ``found``), where that kernel sums it: no pass
-    # of its own over the summed gradient (23 us of a bf16 RowWiseAdagrad step's GPU time
-    # at 65,536 ids, H200). False: one multi-tensor check over every gradient
-    # (prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py)
-    # --toggle sums_check).
+    # of its own over the summed gradient, which is a measurable share of a bf16
+    # RowWiseAdagrad step's GPU time. False: one multi-tensor check over every gradient
+    # (kept so the two can be timed against each other).
     SUMS_CHECK = True
 
     def __init__(self, slots: list, config, param_names: dict | None = None):

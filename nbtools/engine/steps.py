@@ -11,8 +11,8 @@ A step queues, on one device (see :class:`nbtools.optim.OffloadOptimizer`):
    it is set, and reads its scalars (learning rate, bias corrections, rounding seed) from
    pinned host memory the host filled for this step.
 
-Queued op by op that is ~10 small torch calls and one Triton launch per table: about 0.3 ms
-of CPU per step on an H100 machine, most of a small step. Nothing in it depends on the
+Queued op by op that is ~10 small torch calls and one Triton launch per table: a fraction
+of a millisecond of CPU per step, most of a small step. Nothing in it depends on the
 step's values, only on where its tensors live, so once a step's tensors sit at the same
 addresses as a step seen before (the CUDA caching allocator hands out the same blocks to a
 training loop that repeats), both parts replay as CUDA graphs: two calls.

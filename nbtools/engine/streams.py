@@ -3,17 +3,15 @@ time torch's own helpers take.
 
 A training step of an offloaded table asks for the current stream, enters a side stream for its
 write-back and records events several times a step. torch's Python helpers resolve their
-arguments in Python on every call; measured on the H200 machine
-(``stream_calls.py`` (a probe kept in git: ``git show dc87be8:benchmarks/experiments/stream_calls.py``), torch 2.11): ``torch.cuda.current_stream(device)``
-3.3 µs (8.3 µs without a device), ``with torch.cuda.stream(s)`` 17.6 µs, ``event.record()``
-10.2 µs, against 0.4 µs for the C call underneath. A small step is bound by the host, so these
-add up to a few percent of it.
+arguments in Python on every call, several times the cost of the C call underneath
+(benchmarks/RESULTS.md, "the step's stream calls at a tenth of their host cost"). A small
+step is bound by the host, so these add up to a few percent of it.
 
 :func:`current` and :func:`entered` go to torch's C functions directly where they exist and
 the stream is on the current device; anywhere else (an older torch, another device) they fall
 back to torch's own helpers, which do the same thing more slowly. ``FAST = False`` (or
-``NBTOOLS_FAST_STREAMS=0`` in the environment) turns the shortcut off
-(``prefetch_overlap.py --toggle fast_streams`` (a probe kept in git: ``git show dc87be8:benchmarks/experiments/prefetch_overlap.py``) times both).
+``NBTOOLS_FAST_STREAMS=0`` in the environment) turns the shortcut off, so the two can be
+timed against each other.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Triton kernels of the training step: the row gather of a lookup, and fused optimizer updates
 that read a row's weight and state, apply the update and write the row back in one pass.
 
-Why kernels of our own (measured on an H100, benchmarks/RESULTS.md):
+Why kernels of our own (the measurements are in benchmarks/RESULTS.md):
 
 * A lookup deduplicates its ids on the GPU without asking the host how many are unique (that
   question is a host synchronisation). The unique ids sit in a buffer of fixed capacity with
@@ -49,13 +49,12 @@ def _blocks(width: int, kind: str = "") -> tuple[int, int, int]:
 
 # Grid caps of the kernels that move rows over PCIe (0: one program per block of rows). Reads
 # and writes share the link: with a write-back running behind the next step's gather, their
-# shares follow their programs, and 32 gather programs beside 16 writing ones brought the
-# 65,536-id step to the traffic floor, where 264 beside 16 stayed 1.2x above it (sweep in
-# benchmarks/RESULTS.md, write_behind.py (git show dc87be8:benchmarks/experiments/write_behind.py) --real). 32 programs also
-# keep the link busy alone, and leave the SMs to kernels running beside them. A gather
-# through a cache of hot rows reads most rows from GPU memory, which takes more programs:
-# two per SM (word2vec with 75% of its rows cached: 0.71x the GPU-placed model's speed on 32
-# programs, 0.85-0.91x on two per SM).
+# shares follow their programs, and a few gather programs beside fewer writing ones bring a
+# large step to the traffic floor, where one program per block keeps it above (the sweep is
+# in benchmarks/RESULTS.md, "Write-behind"). 32 programs also keep the link busy alone, and
+# leave the SMs to kernels running beside them. A gather through a cache of hot rows reads
+# most rows from GPU memory, which takes more programs: two per SM (word2vec with most of
+# its rows cached ran markedly slower on 32 programs).
 ZERO_COPY_PROGRAMS = 32       # a gather from pinned host memory
 CACHED_PER_SM = 2             # ... through a cache of hot rows, programs per SM
 WRITE_BEHIND_PROGRAMS = 16    # a write-back behind the next step (WriteBehind.write_behind)
@@ -119,16 +118,14 @@ def gather_rows(src: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, out: 
 # specialises integer arguments divisible by 16), else a value at a time, and a gather from
 # pinned memory waits on PCIe for each. 288-byte rows (bf16 weights with RowWiseAdagrad's fp32
 # accumulator, padded) are 72 fp32 values, not a multiple of 16, but 144 2-byte ones: as
-# those, 65,536 of them were gathered in 0.70x the time and written back in 0.87x; 544-byte
-# rows (fp32 RowWiseAdagrad) in 0.87x and 0.95x; 768- and 1,536-byte rows alike either way
-# (H200, gather_words.py (git show dc87be8:benchmarks/experiments/gather_words.py), benchmarks/RESULTS.md session 23).
+# those they are gathered and written back faster; 768- and 1,536-byte rows move alike either
+# way (benchmarks/RESULTS.md, "row copies in 16-value vectors").
 #
 # VECTOR_VIEWS: the row copies that see rows this way; the others see them as their own dtype,
 # as the earlier path did (2-byte rows written back as 4-byte words). Not the write-back: alone
 # it was faster as vectors too, but in the step, beside the next gather, the steps whose
-# write-back kept its old view were faster (alternating loops, H200, 4 rounds: bf16
-# RowWiseAdagrad 0.94x, fp32 0.86x, bf16 with bf16 state 0.97x). Both timed by
-# prefetch_overlap.py (git show dc87be8:benchmarks/experiments/prefetch_overlap.py) --toggle vector_views / vector_puts.
+# write-back kept its old view were faster (alternating loops of row-wise steps in bf16 and
+# fp32; benchmarks/RESULTS.md, "row copies in 16-value vectors").
 _VECTOR_UNITS = (torch.int32, torch.int16)
 ROW_COPIES = frozenset({"gather", "put", "patch", "copy"})
 VECTOR_VIEWS = ROW_COPIES - {"put"}
@@ -140,9 +137,9 @@ def as_vectors(tensors: list, cols: tuple = (), kind: str = "gather") -> tuple[l
     (column offsets and counts) in that unit (``kind``: which copy, "gather", "put", "patch"
     or "copy", one of :data:`VECTOR_VIEWS`). Where none is and ``kind`` is "put",
     2-byte rows are seen as 4-byte words where they can be: a program of a capped grid moves
-    a block of 4,096 values per turn, whatever their size (bf16 rows' write-back took 2.27 ms
-    a step for 38 MB where fp32's took 2.81 ms for 76 MB, H100 profile in
-    benchmarks/RESULTS.md). Else unchanged."""
+    a block of 4,096 values per turn, whatever their size, so 2-byte values would take
+    nearly as long as twice the bytes in 4-byte ones (a profile in benchmarks/RESULTS.md).
+    Else unchanged."""
     dtype = tensors[0].dtype
     size = tensors[0].element_size()
     if dtype.is_complex or any(t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1
@@ -221,7 +218,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch
     ``dtype``. ``src`` is 2-D with unit column stride (a lookup's gathered weights, a view of
     its [weight | state] rows); every ``idx`` is a row of it. One read of the rows in their
     storage dtype and one write of the result, where index_select and an upcast read and write
-    the reordered rows once more (bf16 weights: 65,536 x 128 of them, 41 + 22 us, H200)."""
+    the reordered rows once more."""
     n, width = idx.numel(), src.shape[1]
     out = torch.empty(n, width, dtype=dtype, device=src.device)
     if n == 0 or width == 0:

@@ -6,7 +6,7 @@ failing, psutil absent) is ``None``, shown as ``N/A``, never an exception. Time 
 injectable clock and the readings from a backend, so the fakes of
 :mod:`nbtools.testing` test all of it without a GPU. :mod:`nbtools.dashboard` only draws what :class:`Monitor` computes.
 
-Facts the design rests on (measured on an H100, see ``shared/DESIGN.md``):
+Facts the design rests on (measured on a data-centre GPU; docs/dashboard.md):
 
 * NVML memory and utilisation queries cost ~0.05 ms: fine once a second from the loop's thread.
 * ``nvmlDeviceGetPcieThroughput`` *blocks* ~21 ms per call, and the cumulative PCIe byte counters

@@ -182,8 +182,8 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
         if rate is not None and rate >= 0.6 * link:
             return (f"transfer-bound: PCIe {name} at {rate / 1e9:.0f} of {link / 1e9:.0f} GB/s; "
                     f"{_FEWER_BYTES}")
-        # Zero-copy reads and writes of table rows share the link (measured on an H100: they do
-        # not overlap), and their kernels read as "GPU busy": judge them by their sum.
+        # Zero-copy reads and writes of table rows share the link (measured: they do not
+        # overlap), and their kernels read as "GPU busy": judge them by their sum.
         h2d, d2h = r.get("nbtools_h2d_bytes_per_s"), r.get("nbtools_d2h_bytes_per_s")
         if h2d is not None and d2h is not None and h2d + d2h >= 0.5 * link:
             return (f"transfer-bound: nbtools moves {(h2d + d2h) / 1e9:.0f} GB/s of rows "

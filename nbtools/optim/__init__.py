@@ -94,9 +94,9 @@ def _split_groups(model_or_params):
 
 def _warn_if_sgd_rounds_away(table, optimizer_class) -> None:
     """Plain SGD moves a weight by lr x its gradient, often less than half a bfloat16 step:
-    rounded to nearest, such updates are lost (word2vec trained as gensim trains it scored
-    WS353 0.602 with bf16 weights against 0.644 in float32; benchmarks/RESULTS.md, session
-    19). Stochastic rounding keeps them on average."""
+    rounded to nearest, such updates are lost (word2vec trained with SGD as gensim trains it
+    loses quality with bf16 weights; benchmarks/RESULTS.md, the word2vec tables with bf16
+    weights and state). Stochastic rounding keeps them on average."""
     cfg = table.config
     if issubclass(optimizer_class, torch.optim.SGD) and cfg.dtype == torch.bfloat16 \
             and cfg.rounding == "nearest":
@@ -110,8 +110,8 @@ def _step_with_hooks(step):
     """``step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its pre- and
     post-hooks, global and per optimizer; the profiler's ``Optimizer.step#...`` scope), but
     with the profiler's scope only while a profiler runs, and grad mode turned off by two C
-    calls instead of ``@torch.no_grad()``: torch's scope cost ~11 us of host time a step and
-    the decorator ~3 (H200 host, host_wrappers.py (git show dc87be8:benchmarks/experiments/host_wrappers.py)), on a step whose
+    calls instead of ``@torch.no_grad()``: torch's scope and the decorator cost host time on
+    every step (benchmarks/RESULTS.md, the host cost of a step's wrappers), on a step whose
     host time is its limit on slow hosts. Marked ``hooked``, so torch does not wrap it again;
     where this torch keeps its hooks elsewhere, torch's own wrapper is left to do it."""
     try:

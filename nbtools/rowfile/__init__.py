@@ -33,7 +33,7 @@ Why it reads the way it does:
   that is unavailable (not glibc, a forked child) the requests go to a pool of Python
   threads in ``os.preadv``, which need the GIL between two requests
   (:class:`nbtools.rowfile.fileio.RequestPool`; ``NBTOOLS_DISK_ENGINE=threads`` forces them).
-  Measured on the GPU machine's disk: see ``disk_mix.py`` (a probe kept in git: ``git show dc87be8:disk_mix.py (git show dc87be8:benchmarks/experiments/disk_mix.py)``).
+  The engines' rates on a cloud disk: benchmarks/RESULTS.md, "the disk's I/O engines".
 * **Bounded memory.** Each call goes through an aligned bounce buffer of at most 64 MiB, kept
   between calls (at most 64 MiB kept per file: :attr:`RowFile.ram_bytes`), so a step does not
   pay for fresh pages. The padding of a row inside the bounce buffer is only ever filled from
@@ -45,8 +45,7 @@ Why it reads the way it does:
   ``fdatasync`` runs once 64 MiB were written since the last one (and in :meth:`drop_cache`),
   so dirty pages stay bounded without paying a device flush per step. ``auto_drop = False``
   leaves the cache alone until :meth:`drop_cache`. On tmpfs the file *is* memory either way.
-  Measured on a CPU machine's virtual disk (``disk_io.py`` (a probe kept in git: ``git show dc87be8:disk_io.py (git show dc87be8:benchmarks/experiments/disk_io.py)``), random
-  writes of 4 KiB rows): O_DIRECT 29K rows/s; buffered as above 37K, with ``fdatasync`` after
+  Measured on a virtual disk (random writes of 4 KiB rows): O_DIRECT 29K rows/s; buffered as above 37K, with ``fdatasync`` after
   every call 22K, never dropping 31K (and the cache grows). Rows smaller than a page written
   buffered make the kernel read the rest of the page first: 512-byte rows, 21K / 15K / 16K
   buffered against 30K with O_DIRECT. Its reads: O_DIRECT 58K rows/s at 16 threads for 512 B

@@ -43,10 +43,10 @@ import numpy as np
 ENGINES = ("aio", "threads", "kaio")
 # Requests per lio_listio call at most (a call's requests go in such batches, one after the
 # other). glibc queues a descriptor's requests in a list it walks to the end for each new one,
-# under its one lock: long queues slow everything. On the CPU machine's disk, 8 calls at once of
+# under its one lock: long queues slow everything. On a virtual disk, 8 calls at once of
 # 49,152 random 512-byte reads over 128 shared descriptors: 98K rows/s in batches of 512-1,024,
 # 89K of 2,048, 69K of 4,096 (6 calls), and one call of 8,192 in one batch of 131,072 ~20K;
-# a single call of 8,192 reads ~100K either way (probe_lengths.py (git show dc87be8:benchmarks/experiments/probe_lengths.py)).
+# a single call of 8,192 reads ~100K either way.
 AIO_BATCH = 1024
 
 
@@ -103,7 +103,8 @@ class RequestPool:
       ``threads`` requests in flight in all. (With descriptors of its own per call, eight
       read-aheads at once put 512 descriptors in glibc's queue, whose lookups are linear
       under one lock, and finished together rather than in order: a disk table's loop
-      read 0.65-0.8x the rate a lone call reads, benchmarks/RESULTS.md "Session 16".)
+      read 0.65-0.8x the rate a lone call reads; benchmarks/RESULTS.md, "shared AIO
+      descriptors".)
       Linux with glibc only; checked by a self-test at first use (anything unexpected:
       ``"threads"`` from then on).
     * ``"threads"``: Python threads in ``os.preadv`` / ``os.pwritev`` (which release the GIL
@@ -112,9 +113,8 @@ class RequestPool:
       kernel by ``io_submit``, ``batch`` at a time at most (more as a quarter of them finish),
       waited for in ``io_getevents``: the GIL is needed only between those calls, and no
       thread pool runs them (``threads`` does not apply). The default for ``O_DIRECT`` files
-      on the GPU machine's disk a 20M-row table's loop took 0.83-0.92x the
-      time it took on ``"aio"`` (same rounds), on two CPU cores a 2M-row one 0.34-0.41x
-      (benchmarks/RESULTS.md "Session 24"). Not for
+      (a disk table's loop takes less time than on ``"aio"``, much less on a host of two
+      cores; benchmarks/RESULTS.md, "native AIO by default"). Not for
       buffered files, where the kernel serves native AIO inside ``io_submit``, one request
       after another. Checked by a self-test at first use; where the kernel refuses a context
       later (``fs.aio-max-nr`` reached), the pool goes on with ``"aio"`` (or ``"threads"``)
@@ -499,8 +499,8 @@ class NativeAio:
     glibc's POSIX AIO (the ``"aio"`` engine) runs every request on one of its own threads and hands
     a call's requests over in batches, each waited for before the next: the thread that waits needs
     the GIL between two batches, and a training loop's Python holding it then delays the next
-    batch (benchmarks/RESULTS.md "Session 17": eight streams of step-sized reads lost ~15% beside a
-    thread running Python). Here a call's requests go to the kernel in one ``io_submit`` and are
+    batch (eight streams of step-sized reads lose a measurable share of their rate beside a
+    thread running Python; benchmarks/RESULTS.md, "the 100M Zipf step"). Here a call's requests go to the kernel in one ``io_submit`` and are
     waited for in one ``io_getevents``, the GIL released in both (ctypes calls), with no thread
     pool: the device's own queue keeps them in flight. For ``O_DIRECT`` files the kernel reads
     and writes asynchronously; for buffered ones ``io_submit`` does the work itself (still

@@ -103,10 +103,9 @@ def row_padding(layout: RowLayout) -> int:
 
     Why: the GPU reads and writes pinned rows in 32-byte sectors. A row whose bytes are not a
     multiple of 32 starts at a different offset in its sectors every row, and a step's rows
-    cross the link at about half the rate: measured on the H100 machine
-    (``row_width.py`` (a probe kept in git: ``git show dc87be8:row_width.py (git show dc87be8:benchmarks/experiments/row_width.py)``), 65,536 random rows gathered and scattered),
-    260-byte rows (bf16 weights + RowWiseAdagrad's accumulator) 9.1 GB/s each way, the same rows
-    padded to 288 bytes 13.1 GB/s (0.77x the time for 11% more bytes), 256-byte rows 17.9.
+    cross the link at a lower rate: 260-byte rows (bf16 weights + RowWiseAdagrad's
+    accumulator) padded to 288 bytes move in less time than unpadded, although they are 11%
+    more bytes (benchmarks/RESULTS.md, "The link by row width").
     Padding columns hold zeros and are never computed with.
 
     >>> row_padding(RowLayout(128, torch.bfloat16, torch.float32, 1, (1,)))   # 260 -> 288 B

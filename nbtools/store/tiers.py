@@ -197,9 +197,8 @@ class WriteBehind(Tier):
     docs). ``enabled`` False: updates write the rows themselves."""
 
     # Smaller write-backs are written by the update itself: a step that small is bound by the
-    # host's Python, which queueing a write-back costs more (~0.1 ms) than its link time
-    # saves (4,096 ids of 1,536 B: 1.11x the step's time; 16,384 ids: 0.79x; 65,536: 0.85x;
-    # write_behind.py (git show dc87be8:benchmarks/experiments/write_behind.py) --sizes).
+    # host's Python, which queueing a write-back costs more than its link time saves (the
+    # sizes are measured in benchmarks/RESULTS.md, "Write-behind").
     WRITE_BEHIND_MIN_BYTES = 8 << 20
 
     def __init__(self, inner):
