@@ -7,7 +7,7 @@
   row's bias) plus an optional small NCF head, an MLP on the GPU trained by the same
   :class:`~nbtools.OffloadOptimizer` as the tables. :data:`RATINGS_DEFAULTS` and
   :data:`RANKING_DEFAULTS` are the settings measured on MovieLens-100K
-  (``benchmarks/RESULTS.md``, "Recommender (issue 15)").
+  (``benchmarks/RESULTS.md``, "Recommender").
 * :class:`CorpusLoader`: word2vec's training pairs, subsampled and windowed afresh each epoch.
 * :mod:`~nbtools.models.wordsim`: WS353, SimLex-999 and Google analogies for any word vectors.
 * :func:`train`: one loop for both. It feeds a :class:`~nbtools.Dashboard` from the loop's own
@@ -52,7 +52,7 @@ __all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", 
             "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
             "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",
             "gap_normalised"]
-# the measured recommender settings (benchmarks/RESULTS.md, "Recommender (issue 15)"), and the
+# the measured recommender settings (benchmarks/RESULTS.md, "Recommender"), and the
 # helpers a ranking evaluation needs
 __all__ += ["RATINGS_DEFAULTS", "RANKING_DEFAULTS", "interactions_of", "recency",
             "recency_weights", "choose_config"]

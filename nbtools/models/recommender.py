@@ -64,7 +64,7 @@ class MFConfig:
         return 0.1 if self.loss == "mse" else 0.01
 
 
-# Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender (issue 15)"): what
+# Settings measured on MovieLens-100K (benchmarks/RESULTS.md, "Recommender"): what
 # the notebook and the benchmark use, so that a user starts from defaults that beat the baselines.
 # The ranking's recency weights were chosen on a validation split (each user's last training
 # interaction), never on the test items.
@@ -75,8 +75,8 @@ RATINGS_DEFAULTS = dict(config=dict(l2=0.1, rating_range=None), dim=64,
 # Whether recency weights help depends on the data (MovieLens: yes; the synthetic sets, whose draw
 # order carries no drift of taste: no), so fit() chooses: 4 epochs with each setting (4 negatives:
 # faster to show the difference) on train less each user's latest item, judged by HR@10 on it.
-# 8 negatives: the synthetic set's gap-normalised HR@10 0.818 against 0.792 with 4, and ML-100K
-# as good (validation 0.740 / 0.744).
+# 8 negatives: better than 4 on the synthetic sets, and as good on ML-100K's validation split
+# (figures in benchmarks/RESULTS.md, "Recommender").
 RANKING_DEFAULTS = dict(config=dict(loss="bce", negatives=8, l2=0.01, recency_weight=16.0,
                                     recency_half_life=3.0), dim=64,
                         fit=dict(epochs=20, batch_size=256, lr=0.003,
