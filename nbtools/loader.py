@@ -431,7 +431,7 @@ class PinnedLoader:
         if idx.is_cuda and self.shuffle and n >= _SORT_MIN_ROWS:
             # Read host RAM in address order, then put the rows back in batch order on the GPU:
             # random zero-copy reads run at ~75M rows/s whatever the row size up to 256 B,
-            # sorted ones at 400M+ (H100, benchmarks/RESULTS.md).
+            # sorted ones at 400M+ (benchmarks/RESULTS.md, PinnedLoader).
             idx, order = self._address_order(c, nb, lo, hi)
         chunk = []
         for v, h, row in zip(self._views, self._host, self._row_numel):

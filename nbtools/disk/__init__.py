@@ -65,9 +65,9 @@ DEFAULT_HOST_CACHE_BYTES = 1 << 30
 # so a step's reads are latency-bound unless many wait at once (NBTOOLS_DISK_THREADS overrides):
 # 32 Python threads, or with an AIO engine (glibc's C threads, or the kernel's; a native AIO
 # file falling back to glibc's keeps this) 128 requests in flight in all, shared
-# by the table's read-aheads and write-backs (nbtools.rowfile.fileio.RequestPool). On the GPU machine's
-# disk, 100M rows, eight steps ahead: 128 shared took 1.20x the disk floor (median of 5
-# rounds) where 64 shared took 1.38x (benchmarks/RESULTS.md "Session 16").
+# by the table's read-aheads and write-backs (nbtools.rowfile.fileio.RequestPool). On a cloud
+# disk, eight steps ahead, 128 shared came nearer the disk floor than 64 (benchmarks/RESULTS.md,
+# "shared AIO descriptors").
 DISK_THREADS = 32
 DISK_AIO_DEPTH = 128
 

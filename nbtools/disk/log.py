@@ -1,8 +1,8 @@
 """A log-structured row file: rows written back are appended, never written in place.
 
-On the GPU machine's cloud disk, random reads keep only 0.31x of their rate beside random
-in-place writes of the same rows, and 1.02x beside sequential appends
-(``disk_mix.py`` (a probe kept in git: ``git show dc87be8:disk_mix.py (git show dc87be8:benchmarks/experiments/disk_mix.py)``), benchmarks/RESULTS.md "Session 12"). A disk table in
+On a cloud disk, random reads keep only a third of their rate beside random in-place writes
+of the same rows, and all of it beside sequential appends (benchmarks/RESULTS.md, "the
+disk's steady state"). A disk table in
 its steady state writes back about as many rows as it reads, so :class:`LogFile` turns those
 writes into appends:
 
@@ -24,7 +24,7 @@ writes into appends:
   free space per row copied, weighted by how long its rows have stayed (LFS's cost-benefit
   rule: cold rows are copied once and then stay put, hot ones die soon without copying). In a
   simulated Zipf steady state it copies 5-13% fewer rows than taking the fewest live rows
-  (``NBTOOLS_DISK_CLEANER=greedy``; ``cleaner_policy.py`` (a probe kept in git: ``git show dc87be8:cleaner_policy.py (git show dc87be8:benchmarks/experiments/cleaner_policy.py)``)).
+  (``NBTOOLS_DISK_CLEANER=greedy``; benchmarks/RESULTS.md, "a log-structured disk file").
 * Reads (:meth:`read`, :meth:`read_range`) go through ``where``. They run beside writes: a
   row's new slot is written before ``where`` points at it, its old slot keeps the old bytes,
   and a freed segment is reused only once every read that started before it was freed is done.
@@ -126,7 +126,7 @@ def file_rows(num_rows: int, stride: int | None = None, free: int | None = None)
     (A smaller spare costs the cleaner more copies, yet keeps more of the disk's reads than
     writing rows back in place: random reads of a step's size ran at 0.70x their rate beside
     a cleaner whose segments were 83% live, about what 10% spare gives, against 0.46-0.49x
-    beside random writes; ``disk_mix.py`` (a probe kept in git: ``git show dc87be8:disk_mix.py (git show dc87be8:benchmarks/experiments/disk_mix.py)``), the CPU machine's disk.)"""
+    beside random writes, on a virtual disk.)"""
     if not (wanted() and num_rows):
         return num_rows
     slots = slots_for(num_rows)

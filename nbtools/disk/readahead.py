@@ -35,9 +35,9 @@ import torch
 
 # Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
 DEPTH = 8
-# Steps a loop reads ahead by default (fit_stream): on the GPU machine's disk, 20M rows, a
-# step took 1.29x its disk floor 4 ahead, 1.21x 6 ahead and 1.15x 8 ahead (medians of 3 rounds,
-# benchmarks/RESULTS.md "Session 15"): the disk's queue stays fuller the more steps feed it.
+# Steps a loop reads ahead by default (fit_stream): on a cloud disk a step comes nearer its
+# disk floor the more steps ahead it reads, up to 8 (benchmarks/RESULTS.md, "eight steps
+# ahead"): the disk's queue stays fuller the more steps feed it.
 AHEAD = 8
 # Write-backs of evicted rows queued behind the write-back thread at most: a read-ahead waits
 # for the oldest beyond this (their rows are copies in RAM until written).
