@@ -115,7 +115,7 @@ class ShardedEmbedding(nn.Module):
         # True (data_parallel): their mean, as DistributedDataParallel averages dense ones
         self.average_grads = False
         backend = dist.get_backend(self.group) if self.world > 1 else None
-        # gloo exchanges CPU tensors; NCCL (not tested yet) those on the GPU
+        # gloo exchanges CPU tensors; NCCL those on the GPU (tests/test_distributed.py runs both)
         self._comm_device = torch.device("cpu") if backend == "gloo" else self.device
 
     # --- the rows of this rank --------------------------------------------------------------
