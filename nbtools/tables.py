@@ -14,7 +14,8 @@ The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Paramete
 Layout: once an optimizer attaches its per-row state, each host row holds
 ``[weight | state_1 | ... | state_k]``. A training lookup gathers whole rows, so a step reads and
 writes one long row per id instead of k + 1 short ones: zero-copy gathers of long rows keep
-more than twice the rate of short ones on a large table (benchmarks/RESULTS.md). ``table.weight`` is then a strided view of the first columns.
+more than twice the rate of short ones on a large table (benchmarks/RESULTS.md).
+``table.weight`` is then a strided view of the first columns.
 """
 from __future__ import annotations
 

@@ -132,8 +132,8 @@ class SystemBackend:
     @staticmethod
     def _memory_info(nv, h):
         """NVML's memory info, version 2 where the library has it: its ``used`` leaves out the
-        memory the driver reserves for itself (hundreds of MiB on a large GPU) and so equals nvidia-smi's
-        "memory.used"; version 1's ``used`` (total - free) counts that reserve as used."""
+        memory the driver reserves for itself (hundreds of MiB on a large GPU) and so equals
+        nvidia-smi's "memory.used"; version 1's ``used`` (total - free) counts that reserve as used."""
         v2 = getattr(nv, "nvmlMemory_v2", None)
         if v2 is not None:
             try:

@@ -45,7 +45,8 @@ Why it reads the way it does:
   ``fdatasync`` runs once 64 MiB were written since the last one (and in :meth:`drop_cache`),
   so dirty pages stay bounded without paying a device flush per step. ``auto_drop = False``
   leaves the cache alone until :meth:`drop_cache`. On tmpfs the file *is* memory either way.
-  Measured on a virtual disk (random writes of 4 KiB rows): O_DIRECT 29K rows/s; buffered as above 37K, with ``fdatasync`` after
+  Measured on a virtual disk (random writes of 4 KiB rows): O_DIRECT 29K rows/s; buffered as
+  above 37K, with ``fdatasync`` after
   every call 22K, never dropping 31K (and the cache grows). Rows smaller than a page written
   buffered make the kernel read the rest of the page first: 512-byte rows, 21K / 15K / 16K
   buffered against 30K with O_DIRECT. Its reads: O_DIRECT 58K rows/s at 16 threads for 512 B

@@ -500,7 +500,8 @@ class NativeAio:
     a call's requests over in batches, each waited for before the next: the thread that waits needs
     the GIL between two batches, and a training loop's Python holding it then delays the next
     batch (eight streams of step-sized reads lose a measurable share of their rate beside a
-    thread running Python; benchmarks/RESULTS.md, "the 100M Zipf step"). Here a call's requests go to the kernel in one ``io_submit`` and are
+    thread running Python; benchmarks/RESULTS.md, "the 100M Zipf step"). Here a call's
+    requests go to the kernel in one ``io_submit`` and are
     waited for in one ``io_getevents``, the GIL released in both (ctypes calls), with no thread
     pool: the device's own queue keeps them in flight. For ``O_DIRECT`` files the kernel reads
     and writes asynchronously; for buffered ones ``io_submit`` does the work itself (still
