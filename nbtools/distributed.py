@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .devices import on_tables
+from .store.cache import warm_counts
 from .tables import OffloadedEmbedding
 
 
@@ -122,6 +123,17 @@ class ShardedEmbedding(nn.Module):
     def local_ids(self) -> torch.Tensor:
         """[shard rows] int64: the global id of each row this rank holds, in shard order."""
         return torch.arange(self.rank, self.num_embeddings, self.world)
+
+    def warm_cache(self, counts) -> None:
+        """Known frequencies of the whole table's rows (``num_embeddings`` counts or shares,
+        as :meth:`nbtools.OffloadedEmbedding.warm_cache` takes them): this rank's go to its
+        shard.
+
+        >>> table = ShardedEmbedding(100, 4, device="cpu")     # no process group
+        >>> table.warm_cache(torch.arange(100))
+        """
+        counts = warm_counts(counts, self.num_embeddings, self.name)
+        self.shard.warm_cache(counts[self.rank::self.world])
 
     @property
     def weight(self) -> torch.Tensor:

@@ -312,6 +312,35 @@ class PinnedLoader:
             self._side.synchronize()   # a prefetch may still be reading the host memory
         self._holders, self._views, self._perm = [], [], None
 
+    def id_counts(self, column: int, num_rows: int) -> torch.Tensor:
+        """How often each id ``0..num_rows-1`` occurs in input ``column`` (every sample, all
+        ranks' included), counted 1M ids at a time so that no copy of the column is made:
+        the counts :meth:`nbtools.OffloadedEmbedding.warm_cache` takes, for a table the
+        column indexes (``table.warm_cache(loader.id_counts(0, table.num_embeddings))``).
+
+        >>> loader = PinnedLoader(torch.tensor([3, 1, 3, 0]), batch_size=2, device="cpu")
+        >>> loader.id_counts(0, 5).tolist()
+        [1, 1, 0, 2, 0]
+        """
+        if isinstance(column, bool) or not isinstance(column, numbers.Integral) or \
+                not 0 <= column < len(self._host):
+            raise ValueError(f"column must be an input's index in 0..{len(self._host) - 1}, "
+                             f"got {column!r}")
+        data = self._host[column]
+        if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+            raise TypeError(f"column {column} holds {data.dtype} values, not ids: pass the "
+                            f"index of an integer column")
+        counts = torch.zeros(num_rows, dtype=torch.int64)
+        flat = data.reshape(-1)
+        step = 1 << 20
+        for start in range(0, flat.numel(), step):
+            ids = flat[start:start + step].long()
+            if len(ids) and (ids.min() < 0 or ids.max() >= num_rows):
+                raise ValueError(f"column {column} holds ids {int(ids.min())}..{int(ids.max())}"
+                                 f", outside 0..{num_rows - 1}: pass the table's num_embeddings")
+            counts += torch.bincount(ids, minlength=num_rows)
+        return counts
+
     # --- order ---------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -400,10 +400,30 @@ class OffloadedEmbedding(nn.Module):
 
     @on_tables
     def warm_cache(self, counts) -> None:
-        """Seed the cache's row counts with known frequencies (e.g. a word2vec vocabulary's
-        word counts, ``counts[id]``) and load the most frequent rows now, so the first steps
-        already hit (a disk table: into its GPU cache, then RAM). Before the optimizer attaches
-        (no cache yet), the counts are kept and used when it does."""
+        """Seed the cache's row counts with known frequencies and load the most frequent rows
+        now, so the first steps already hit (a disk table: into its GPU cache, then RAM).
+
+        Args:
+            counts: one value a row (a tensor, numpy array or list): counts (ints, e.g. a
+                word2vec vocabulary's word counts, ``counts[id]``) or shares (floats of any
+                scale, e.g. frequencies summing to 1: scaled so the smallest positive share
+                counts 1, :func:`nbtools.store.cache.warm_counts`). Rows at 0 are not loaded.
+
+        Before the optimizer attaches (no cache yet, and a disk table's rows not yet in their
+        final file), the counts are kept and used when it does; a table that can have no
+        cache (in host RAM without ``cache_bytes``, or on the GPU) ignores them.
+        :class:`~nbtools.models.SkipGram` and :func:`~nbtools.models.fit` call this
+        themselves, and :meth:`nbtools.PinnedLoader.id_counts` gives a column's counts.
+
+        >>> from nbtools import OffloadOptimizer
+        >>> table = OffloadedEmbedding(1000, 4, device="cpu", cache_rows=64)
+        >>> shares = torch.zeros(1000)
+        >>> shares[:3] = torch.tensor([0.5, 0.3, 0.2])    # frequencies summing to 1
+        >>> table.warm_cache(shares)                       # kept until the optimizer attaches
+        >>> opt = OffloadOptimizer(torch.optim.SGD, table, lr=0.1)
+        >>> table.cache.cached_rows()
+        3
+        """
         self.hot.warm(self, counts)
 
     def record_cache_stats(self, stats) -> None:

@@ -311,6 +311,54 @@ def cache_capacity(table) -> tuple:
     return min(capacity, n), why
 
 
+def warm_counts(counts, num_rows: int, name: str) -> torch.Tensor:
+    """Known row frequencies as the int32 counts a cache is seeded with: ``counts`` (ints) as
+    they are, or shares (floats of any scale, e.g. normalised frequencies summing to 1) scaled
+    so that the smallest positive share becomes 1 (shares of real counts give those counts
+    back; the largest is kept within int32), each positive value at least 1. What matters is
+    the order of the hottest rows and the counters' seed: a share rounded to 0 would warm
+    nothing. TypeError / ValueError say what is wrong with ``counts``.
+
+    >>> warm_counts(torch.tensor([0.5, 0.25, 0.25, 0.0]), 4, "t").tolist()
+    [2, 1, 1, 0]
+    >>> warm_counts([3, 0, 7], 3, "t").tolist()
+    [3, 0, 7]
+    """
+    if isinstance(counts, torch.Tensor):
+        values = counts.detach().cpu()
+    elif isinstance(counts, (list, tuple)) or type(counts).__module__ == "numpy":
+        try:
+            values = torch.as_tensor(counts)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"table {name!r}: counts must be numbers, one a row; {e}") from None
+    else:
+        raise TypeError(f"table {name!r}: counts must be a tensor, numpy array or list of "
+                        f"{num_rows:,} row counts or shares, got {type(counts).__name__}")
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"table {name!r}: counts must be integer counts or float shares, got "
+                        f"dtype {values.dtype}")
+    if values.shape != (num_rows,):
+        raise ValueError(f"table {name!r}: counts must be a finite tensor of shape "
+                         f"({num_rows},), one count or share a row, got {tuple(values.shape)}")
+    if values.is_floating_point():
+        values = values.double()
+        if not torch.isfinite(values).all():
+            raise ValueError(f"table {name!r}: counts must be finite; row "
+                             f"{int((~torch.isfinite(values)).nonzero()[0])} is "
+                             f"{float(values[~torch.isfinite(values)][0])}")
+    if (values < 0).any():
+        bad = int((values < 0).nonzero()[0])
+        raise ValueError(f"table {name!r}: counts must be >= 0 (how often each row is used); "
+                         f"row {bad} is {values[bad].item()}")
+    top = torch.iinfo(torch.int32).max
+    if values.is_floating_point():
+        positive = values[values > 0]
+        if len(positive):
+            scale = min(max(1.0, 1.0 / float(positive.min())), top / float(positive.max()))
+            values = torch.where(values > 0, (values * scale).round().clamp(1, top), 0.0)
+    return values.clamp(max=top).int()
+
+
 class TableCache:
     """A table's GPU cache of hot rows as the table sees it (``table.hot``): the size its
     config asks for and why, counts given to :meth:`warm` before the cache exists, and the
@@ -322,33 +370,43 @@ class TableCache:
         self.why = ""                  # what sized it (for the table's repr)
         self.counts = CacheCounts()    # its readings, as optimizer steps take them
         self.warm_counts = None        # warm() before the cache exists
+        self.attached = False          # attach() ran: the rows have their final place
 
     def attach(self, table) -> None:
         """The cache ``table``'s config asks for (:func:`cache_capacity`: once its optimizer
-        attached, the rows' width with their state is known)."""
+        attached, the rows' width with their state is known), warmed with the counts given
+        before."""
+        self.attached = True
         capacity, self.why = cache_capacity(table)
-        if capacity is None:
-            return
-        if table.disk is not None:      # a GPU level above the RAM slots
+        if capacity is not None and table.disk is not None:     # a GPU level above RAM
             from ..disk.gpu import attach
             attach(table, capacity)
             table.sync_slab()
-        else:
+        elif capacity is not None:
             table.stack_cache(capacity)
             self.counts = CacheCounts()
-            if self.warm_counts is not None:
-                table.rows.cache.warm(self.warm_counts, table.rows.view())
-                self.warm_counts = None
-        table.lookup_graphs.invalidate()
+        counts, self.warm_counts = self.warm_counts, None
+        if counts is not None:
+            self.warm(table, counts)
+        if capacity is not None:
+            table.lookup_graphs.invalidate()
+
+    @staticmethod
+    def may_cache(table) -> bool:
+        """Whether ``table`` has, or may get when its optimizer attaches, a cache to warm: a
+        disk table's RAM (and GPU level), a host table's GPU cache."""
+        cfg = table.config
+        return table.disk is not None or table.rows.cache is not None or \
+            table.requested_placement in ("auto", "disk") or any(
+                getattr(cfg, k) is not None for k in ("cache_bytes", "cache_fraction",
+                                                       "cache_rows"))
 
     def warm(self, table, counts) -> None:
         """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
-        counts = torch.as_tensor(counts)
-        if counts.shape != (table.num_embeddings,) or counts.is_floating_point() \
-                and not torch.isfinite(counts).all():
-            raise ValueError(f"table {table.name!r}: counts must be a finite tensor of shape "
-                             f"({table.num_embeddings},), got {tuple(counts.shape)}")
-        counts = counts.round().long() if counts.is_floating_point() else counts.long()
+        counts = warm_counts(counts, table.num_embeddings, table.name)
+        if not self.attached:           # the rows move (with their state) when it attaches
+            self.warm_counts = counts if self.may_cache(table) else None
+            return
         disk = table.disk
         if disk is not None:            # the most frequent rows, read now: into the GPU
             hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
@@ -358,7 +416,6 @@ class TableCache:
             return
         cache = table.rows.cache
         if cache is None:
-            self.warm_counts = counts
             return
         table.lookups.prefetcher.drop()
         cache.warm(counts, table.rows.view())
