@@ -53,6 +53,11 @@ class MFConfig:
     state_dtype: torch.dtype | None = None   # of their optimizer state (None: fp32 for bf16)
     rounding: str = "nearest"      # low-precision writes: "nearest" or "stochastic"
     pin: bool = True               # register host memory with CUDA (zero-copy)
+    placement: str = "host"        # both tables (OffloadedEmbedding's placement: "host", "gpu",
+                                   # "disk" with a RAM cache of hot rows, "auto")
+    warm: bool = True              # fit() warms the tables' caches (a disk table's RAM) from the
+                                   # training interactions' counts, most used rows first; a no-op
+                                   # for tables without one; False: they start cold
     seed: int = 0                  # initial weights (tables, NCF head) and negatives: the same seed
                                    # gives the same model, whatever torch's global seed; the
                                    # negatives' generator is saved with the model
@@ -157,7 +162,7 @@ class MatrixFactorization(nn.Module):
         self.rank, self.world = _world_of(process_group)
         self.dim = dim
         kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
-                  device=self.device, pin=cfg.pin)
+                  device=self.device, pin=cfg.pin, placement=cfg.placement)
         # initial weights from the config's seed, not torch's global stream: the same seed makes
         # the same model, and building one leaves the caller's stream as it was (the tables'
         # own N(0, 1) rows, drawn from it, are overwritten below)
@@ -562,6 +567,9 @@ def _train(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_siz
     opt = OffloadOptimizer(optimizer, model, lr=lr)
     loader = PinnedLoader(*tensors, batch_size=batch_size, seed=seed, device=model.device,
                           rank=model.rank, world=model.world)    # this rank's slice
+    if model.config.warm:           # the most used users and items in the caches from the start
+        for column, table in enumerate((model.users, model.items)):
+            table.warm_cache(loader.id_counts(column, table.num_embeddings))
     if lr_final is not None:
         opt = _EpochDecay(opt, loader, lr, lr_final, epochs)
     return train_loop(model, loader, opt, epochs=epochs, **loop)
@@ -684,8 +692,10 @@ def fit(model: MatrixFactorization, train: Ratings, *, epochs: int, batch_size: 
 
     Then sets what the loss needs: the mean rating as ``μ`` (``"mse"``), or the seen pairs
     for negative sampling and :meth:`~MatrixFactorization.recommend` (implicit losses), and
-    with ``config.recency_weight`` each interaction's weight (:func:`recency_weights`). Then
-    runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
+    with ``config.recency_weight`` each interaction's weight (:func:`recency_weights`), and
+    with ``config.warm`` fills the tables' caches with the rows ``train`` uses most
+    (:meth:`~nbtools.PinnedLoader.id_counts`, :meth:`~nbtools.OffloadedEmbedding.warm_cache`).
+    Then runs :func:`~nbtools.models.train` (dashboard, checkpoints, resume) over shuffled batches
     of ``batch_size`` interactions. With ``lr_final``, the learning rate falls geometrically
     from ``lr`` in the first epoch to ``lr_final`` in the last (it depends only on the epoch,
     so a resumed run gets the same rates; a resumed run also makes the same choice again).

@@ -326,6 +326,10 @@ class SkipGramConfig:
     # Host tables: keep this share of each table's rows (the most frequent words, from the
     # counts) in a GPU cache of hot rows, with their optimizer state. None: no cache.
     cache_share: float | None = None
+    # Warm both tables' caches (a GPU cache, a disk table's GPU level and RAM) from the counts,
+    # the most frequent words first, when the optimizer attaches: the first steps hit as a
+    # long run's do. A no-op for tables without a cache; False: they start cold.
+    warm: bool = True
 
 
 @torch.no_grad()
@@ -352,8 +356,9 @@ class SkipGram(nn.Module):
     Args:
         vocab_size: number of words (rows of each table).
         dim: vector size.
-        counts: occurrences of each word in the corpus: the noise distribution is
-            ``counts ** 0.75``. ``None`` draws negatives uniformly.
+        counts: occurrences of each word in the corpus (or their shares): the noise
+            distribution is ``counts ** 0.75``, and tables with a cache start with the most
+            frequent words in it (``config.warm``). ``None`` draws negatives uniformly.
         words: the word of each id (for :meth:`most_similar` and :meth:`analogy` by word).
         config: :class:`SkipGramConfig`.
         device: compute device (``"auto"``: the GPU when there is one).
@@ -406,6 +411,7 @@ class SkipGram(nn.Module):
         _uniform_rows(self.input, 0.5 / dim, torch.Generator().manual_seed(cfg.seed))
         with torch.no_grad():
             self.output.weight.zero_()
+        given = counts is not None
         if counts is None:
             counts = torch.ones(vocab_size)
         # on the CPU: the noise CDF below is a float cumsum, which on CUDA adds in an order
@@ -414,10 +420,9 @@ class SkipGram(nn.Module):
         if counts.numel() != vocab_size or (counts < 0).any() or counts.sum() <= 0:
             raise ValueError(f"counts must hold {vocab_size:,} non-negative numbers, not all "
                              f"zero; got shape {tuple(counts.shape)}")
-        if cfg.cache_share is not None:     # the cache starts with the most frequent words
-            mine = counts.round().long()[self.rank::self.world]     # this rank's words
-            for table in (self.input, self.output):
-                getattr(table, "shard", table).warm_cache(mine)
+        if cfg.warm and (given or cfg.cache_share is not None):   # the most frequent words
+            for table in (self.input, self.output):                 # first (each rank its own)
+                table.warm_cache(counts)
         noise = counts.pow(cfg.noise_power)
         # Inverse-CDF sampling: one uniform and one binary search per negative, on the device.
         # Exact for any vocabulary size, and driven by our own generator, so a resumed run
