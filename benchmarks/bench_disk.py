@@ -260,15 +260,23 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
     from nbtools.disk.gpu import attach
     d = table.disk
     level = attach(table, int(args.gpu_cache_gib * (1 << 30)) // d.row_bytes)
-    hot = hottest(args.rows, min(args.rows, level.capacity + d.ram.capacity_rows))
     t0 = time.perf_counter()
-    d.warm(hot, level=level, ram_too=True)      # both levels, in one pass over the file
-    t1 = time.perf_counter()
-    del hot
-    d.ram.dirty[d.ram.id_of >= 0] = True      # as after a long run: RAM's rows came down changed
-    level.dirty[level.id_of >= 0] = True
+    if args.gpu_start == "warm":
+        hot = hottest(args.rows, min(args.rows, level.capacity + d.ram.capacity_rows))
+        d.warm(hot, level=level, ram_too=True)      # both levels, in one pass over the file
+        del hot
+        d.ram.dirty[d.ram.id_of >= 0] = True    # as after a long run: RAM's rows came down changed
+        level.dirty[level.id_of >= 0] = True
+    elif args.gpu_start == "shares":            # what a model hands warm_cache: the stream's
+        shares = torch.zeros(args.rows, dtype=torch.float64)     # Zipf(1.1) frequencies
+        shares[torch.from_numpy(hottest(args.rows, args.rows)).long()] = \
+            torch.arange(1, args.rows + 1, dtype=torch.float64) ** -1.1
+        table.warm_cache(shares / shares.sum())
+        del shares
+    t1 = time.perf_counter()                    # ("cold": the level fills from the steps)
     mem.mark("gpu cache warm")
-    run_steps(table, opt, zipf_batches(args.gpu_settle), device, prefetch=args.ahead)
+    if args.gpu_settle:
+        run_steps(table, opt, zipf_batches(args.gpu_settle), device, prefetch=args.ahead)
     before = dict(level.counts)
     loops = [measure(table, opt, zipf_batches(SETTLE + args.steps + TAIL), device, args.ahead)
              for _ in range(args.gpu_rounds or args.rounds)]
@@ -444,6 +452,12 @@ def main():
     ap.add_argument("--gpu-settle", type=int, default=40,
                     help="steps trained with the GPU cache before its rounds (the rows both "
                          "levels came down dirty with are written back meanwhile)")
+    ap.add_argument("--gpu-start", choices=("warm", "shares", "cold"), default="warm",
+                    help="how the GPU cache starts: both levels loaded with the hottest rows, "
+                         "marked changed (a long run's steady state); table.warm_cache given "
+                         "the Zipf stream's frequencies as shares (what SkipGram and fit do by "
+                         "themselves); or empty. With --gpu-settle 0 --gpu-rounds 1 --steps "
+                         "200 the rounds are a fresh level's first 200 steps")
     ap.add_argument("--gpu-rounds", type=int, default=0,
                     help="rounds with the GPU cache (default: --rounds)")
     ap.add_argument("--age-copy", action="store_true",
