@@ -404,9 +404,12 @@ class TableCache:
     def warm(self, table, counts) -> None:
         """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
         counts = warm_counts(counts, table.num_embeddings, table.name)
-        if not self.attached:           # the rows move (with their state) when it attaches
-            self.warm_counts = counts if self.may_cache(table) else None
-            return
+        if not self.attached:           # the rows move (with their state) when it attaches:
+            self.warm_counts = counts if self.may_cache(table) else None    # warmed again then
+            if table.disk is None:
+                return
+        # A disk table is warmed now too: one used without an optimizer (inference) never
+        # attaches.
         disk = table.disk
         if disk is not None:            # the most frequent rows, read now: into the GPU
             hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
