@@ -56,3 +56,64 @@ def test_tests_use_public_names_of_nbtools():
              for line, what in _private_uses(path.read_text())]
     assert not found, "tests reach private names of nbtools (give them public ones):\n" + \
         "\n".join(found)
+
+
+# --- the wings are layered: no import runs against the order docs/CONTRACT.md states ------------
+
+import re
+
+from test_package import import_graph
+
+CONTRACT = TESTS.parent / "docs" / "CONTRACT.md"
+
+
+def floors() -> dict:
+    """``{top-level name: floor}`` from the one line of docs/CONTRACT.md that states the order
+    (``Floors: a < b = c < d``: ``=`` shares a floor, ``<`` starts the next one up)."""
+    line = next(l for l in CONTRACT.read_text().splitlines() if l.startswith("Floors:"))
+    order = line.split(":", 1)[1].strip().strip("`")
+    return {name.strip(): i for i, floor in enumerate(order.split("<"))
+            for name in floor.split("=")}
+
+
+def against_the_order(graph: dict, floor: dict) -> list:
+    """``(importer, imported)`` for each import of a module on a higher floor. A module's floor is
+    that of its top-level name (``nbtools.disk.gpu`` is on ``disk``'s); the package's own
+    ``__init__`` (``NbtoolsError``, the lazy doors) is below every floor."""
+    def of(module):
+        parts = module.split(".")
+        return -1 if len(parts) == 1 else floor[parts[1]]
+    return sorted((a, b) for a, bs in graph.items() for b in bs if of(b) > of(a))
+
+
+def test_the_order_check_finds_an_import_upwards():
+    floor = {"units": 0, "store": 1, "engine": 2}
+    graph = {"nbtools.store.tiers": {"nbtools.engine.capture", "nbtools.units"},
+             "nbtools.engine": {"nbtools.store", "nbtools"}}
+    assert against_the_order(graph, floor) == [("nbtools.store.tiers", "nbtools.engine.capture")]
+
+
+def test_every_module_has_a_floor():
+    placed = floors()
+    unplaced = sorted({m.split(".")[1] for m in import_graph(lazy=True) if "." in m} - set(placed))
+    assert not unplaced, f"top-level names docs/CONTRACT.md's Floors line leaves out: {unplaced}"
+
+
+# Imports against the order, each to be moved off (the list only shrinks).
+_KNOWN_AGAINST = [
+    ("nbtools.disk.access", "nbtools.checkpoint.save"),
+    ("nbtools.disk.gpu", "nbtools.engine.streams"),
+    ("nbtools.disk.slots", "nbtools.engine.streams"),
+    ("nbtools.meters", "nbtools.testing"),
+    ("nbtools.pretrained", "nbtools.checkpoint.save"),
+    ("nbtools.store.cache", "nbtools.disk.gpu"),
+    ("nbtools.store.tiers", "nbtools.engine.capture"),
+    ("nbtools.store.tiers", "nbtools.engine.streams"),
+]
+
+
+def test_no_import_runs_against_the_floors():
+    found = against_the_order(import_graph(lazy=True), floors())
+    assert found == _KNOWN_AGAINST, "imports against docs/CONTRACT.md's Floors line " \
+        "(move the helper down, or ask through a seam):\n" + \
+        "\n".join(f"{a} -> {b}" for a, b in found)

@@ -159,6 +159,7 @@ def import_graph(*, lazy: bool) -> dict:
     ``if TYPE_CHECKING``) always count. Imports inside functions count only with ``lazy=True``:
     they run when the function is called, after both modules finished loading, so they cannot
     fail on a half-initialised module, but a cycle through them still ties two layers together.
+    ``importlib.import_module("nbtools.x")`` with a literal name counts as an import.
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``;
     importing ``a.b`` is not counted as importing the package ``a`` (its ``__init__`` runs
     first, but it is never the half-loaded one).
@@ -178,6 +179,9 @@ def import_graph(*, lazy: bool) -> dict:
                     continue
                 if isinstance(child, ast.Import):
                     edges.update(a.name for a in child.names if a.name in modules)
+                elif isinstance(child, ast.Call) and ast.unparse(child.func).endswith(
+                        "import_module") and child.args and isinstance(child.args[0], ast.Constant):
+                    edges.add(child.args[0].value)         # importlib.import_module("nbtools.x")
                 elif isinstance(child, ast.ImportFrom):
                     base = child.module or ""
                     if child.level:
