@@ -41,8 +41,8 @@ import weakref
 
 import torch
 
-from . import hostmem
-from .engine import ahead, streams
+from . import devices, hostmem
+from .engine import ahead
 from .devices import resolve_device
 
 __all__ = ["PinnedLoader", "LoaderConfig", "permutation"]
@@ -548,7 +548,7 @@ class PinnedLoader:
 
     def _consumer_stream(self):
         """The stream the loop body runs on now (None on the CPU)."""
-        return None if self._side is None else streams.current(self.device)
+        return None if self._side is None else devices.current(self.device)
 
     def __iter__(self):
         if not self._views and self._host:

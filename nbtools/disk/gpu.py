@@ -38,9 +38,8 @@ import weakref
 import numpy as np
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from ..devices import hold_host, release_host, synchronize
-from ..engine import streams
 from ..hostmem import HostTensor, count_cache, count_transfer
 from .slots import clock_sweep, take_free
 
@@ -92,7 +91,7 @@ class IndexLists:
         host[1, :n] = didx
         both = buf.view()
         kernels.copy_rows(src, both[0, :n], dst, both[1, :n])
-        streams.record(self.events[i], self.device)
+        devices.record(self.events[i], self.device)
 
 
 class GpuLevel:

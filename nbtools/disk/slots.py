@@ -10,8 +10,8 @@ import weakref
 import numpy as np
 import torch
 
+from .. import devices
 from ..devices import hold_host, release_host
-from ..engine import streams
 from ..hostmem import HostTensor
 
 
@@ -189,7 +189,7 @@ class RamSlots:
         if self.device.type != "cuda" or len(slots) == 0:
             return
         event = torch.cuda.Event()
-        streams.record(event, self.device)
+        devices.record(event, self.device)
         self._event_index += 1
         self._events.append((self._event_index, event))
         self.busy[slots] = self._event_index

@@ -1,1 +1,1 @@
-"""One training step on the device: lookups, prefetch, the step ring and graphs, streams."""
+"""One training step on the device: lookups, prefetch, the step ring and graphs."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import streams
+from .. import devices
 from ..devices import after_failed_capture
 from ..store.rows import RowBatch, unique_ids
 
@@ -155,7 +155,7 @@ class LookupGraphs:
             if seen <= self.after or len(self._graphs) >= self.max_shapes:
                 return None
             caps = self._graphs[key] = []
-        current = streams.current(flat.device)
+        current = devices.current(flat.device)
         # Not a capture whose outputs the last write-back holds where this replay runs on
         # another stream (a prefetch's): lookups on the write-back's stream may still patch
         # from them (before_gather), and nothing orders them before such a replay.
@@ -244,4 +244,4 @@ class LookupGraphs:
                 cls._releases += 1
                 cap.released = cls._releases
                 if cap.rows is None:          # a dedup alone: see Captured
-                    LookupGraphs.read_here([cap], streams.current(cap.flat.device))
+                    LookupGraphs.read_here([cap], devices.current(cap.flat.device))

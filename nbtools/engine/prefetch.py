@@ -15,8 +15,7 @@ import dataclasses
 
 import torch
 
-from .. import kernels
-from . import streams
+from .. import devices, kernels
 from .capture import LookupGraphs
 from ..store.rows import RowBatch, unique_ids
 
@@ -73,7 +72,7 @@ class Prefetcher:
                 rows = t.rows.gather_batch(batch, 0, width, admit=True)
             self.pending = Prefetched(ids, batch, rows, None, origin, None)
             return
-        main = streams.current(t.device)
+        main = devices.current(t.device)
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream(t.device)
         side = self.side_stream
@@ -83,7 +82,7 @@ class Prefetcher:
             side.wait_stream(main)
         graphs = t.config.cuda_graphs and t.rows.direct and kernels.usable_on(t.device)
         captured = None
-        with streams.entered(side), torch.no_grad():
+        with devices.entered(side), torch.no_grad():
             if from_host:       # copied and deduplicated at once, beside the GPU's work
                 ids = t.prepare_ids(ids)
             flat = ids.reshape(-1).long()
@@ -99,7 +98,7 @@ class Prefetcher:
                 (batch, rows, capture), made = captured, [ids, flat]
         if captured is None or from_host:
             side.wait_stream(main)          # after this step's lookups (and their admission)
-            with streams.entered(side), torch.no_grad():
+            with devices.entered(side), torch.no_grad():
                 # on its capped grid (RowStore.gather_batch) the gather's programs wait on
                 # PCIe without holding every SM: the step's own kernels run beside it
                 rows = t.rows.gather_batch(batch, 0, width, admit=True)
@@ -114,7 +113,7 @@ class Prefetcher:
         """Make the current stream wait for the pending prefetch, if any (no host sync)."""
         pre = self.pending
         if pre is not None and pre.event is not None:
-            streams.current(self.table.device).wait_event(pre.event)
+            devices.current(self.table.device).wait_event(pre.event)
 
     def drop(self) -> None:
         """Forget the pending prefetch (after its work is done on the current stream)."""
@@ -166,5 +165,5 @@ class Prefetcher:
             # The step that wrote them released its captures; the next prefetch of host ids
             # replays its dedup on the side stream at once, without waiting for this stream,
             # and must not overwrite those ids before they are read here.
-            LookupGraphs.read_here(read, streams.current(t.device))
+            LookupGraphs.read_here(read, devices.current(t.device))
         return t.lookup_result(batch, full, flat, shape, pre.capture, True, id_order)

@@ -28,7 +28,8 @@ import warnings
 import torch
 
 from .. import NbtoolsError
-from . import steps, streams
+from .. import devices
+from . import steps
 from .lookups import caller_stacklevel
 
 
@@ -196,14 +197,14 @@ class StepEngine:
         (a bad step stops the one after it too)."""
         gots = [got for _, got in collected]
         grads = [got.grad for got in gots] + [g for _, g in dense]
-        devices = {g.device for g in grads}
-        if not devices:
+        grad_devices = {g.device for g in grads}
+        if not grad_devices:
             return Verdict([], None, None, None, None), {}
-        if len(devices) > 1:        # rare: one read per device, no guard (updates wait)
+        if len(grad_devices) > 1:        # rare: one read per device, no guard (updates wait)
             for got in gots:
                 got.sum_now()
-            return self._verdict_per_device(gots, grads, devices), {}
-        (device,) = devices
+            return self._verdict_per_device(gots, grads, grad_devices), {}
+        (device,) = grad_devices
         ring = self.rings.get(device)
         if ring is None:
             ring = self.rings[device] = steps.StepRing(device, len(self.slots))
@@ -243,7 +244,7 @@ class StepEngine:
         if n is None:
             n = checks()
             if turn.checked is not None:
-                streams.record(turn.checked, device)
+                devices.record(turn.checked, device)
             updates()
         for got in gots:           # queued (or replayed) with the checks
             got.summing = None
@@ -252,7 +253,7 @@ class StepEngine:
                 caps = got.captures if len(got.captures) == 1 else []
                 slot.table.rows.write_behind(got.batch, got.rows, caps)
         if turn.done is not None:
-            streams.record(turn.done, device)
+            devices.record(turn.done, device)
         fused = {id(slot): plan for (slot, _), plan in zip(collected, plans)
                  if plan is not None}
         return Verdict(gots, turn.guard, turn.flags[:n], turn.checked, None), fused

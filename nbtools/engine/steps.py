@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from . import streams
+from .. import devices
 from .capture import capture
 from ..hostmem import HostTensor
 from ..kernels import HYPER
@@ -179,7 +179,7 @@ class StepGraphs:
                 return None
             self._graphs[key] = entry
         entry.checks.replay()
-        streams.record(turn.checked, turn.device)
+        devices.record(turn.checked, turn.device)
         entry.updates.replay()
         self.replays += 1
         return entry.flags

@@ -24,9 +24,8 @@ import dataclasses
 
 import torch
 
-from .. import kernels
+from .. import devices, kernels
 from ..devices import synchronize
-from ..engine import streams
 from ..engine.capture import LookupGraphs, own_outputs
 from .cache import RowCache
 from .layout import RowLayout
@@ -249,13 +248,13 @@ class WriteBehind(Tier):
             self._older, self._back = None, _WriteBack(batch.ids, batch.count, rows, None,
                                                         None, [])
             return
-        main = streams.current(self.device)
+        main = devices.current(self.device)
         if self._put_stream is None:
             self._put_stream = torch.cuda.Stream(self.device)
         side = self._put_stream
         side.wait_stream(main)
         own = own_outputs(captures, batch, rows)
-        with streams.entered(side):
+        with devices.entered(side):
             if own is not None:
                 own.graphed("put", put)
             else:
@@ -297,7 +296,7 @@ class WriteBehind(Tier):
         if back is None:
             return
         if back.event is not None:
-            current = streams.current(self.device)
+            current = devices.current(self.device)
             current.wait_event(back.event)
             if current != back.stream:     # (a prefetch's side stream): the main one has not
                 return
@@ -316,7 +315,7 @@ class WriteBehind(Tier):
             return False
         if back.event is None:           # CPU: written already; patching changes nothing
             return self.cache is None
-        current = streams.current(self.device)
+        current = devices.current(self.device)
         if self.cache is not None or (current != back.stream and after != back.stream) or \
                 any(c is o for c in back.captures for o in overwrites):
             self.settle()
@@ -363,7 +362,7 @@ class WriteBehind(Tier):
         back = self._back
         if back is None or back.event is None:      # (the CPU: written already, in order)
             return
-        current = streams.current(self.device)
+        current = devices.current(self.device)
         if back.captures:
             LookupGraphs.read_here(back.captures, current)
         elif current != back.stream:    # an eager lookup's tensors: kept until this stream

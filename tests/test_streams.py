@@ -1,9 +1,9 @@
-"""nbtools.engine.streams against torch's own stream helpers (CUDA): the same current stream, the same
+"""nbtools.devices' stream calls against torch's own stream helpers (CUDA): the same current stream, the same
 stream inside and after a side-stream block, work queued there ordered as torch orders it."""
 import pytest
 import torch
 
-from nbtools.engine import streams
+from nbtools import devices
 
 
 def _same(a: torch.cuda.Stream, b: torch.cuda.Stream) -> bool:
@@ -13,19 +13,19 @@ def _same(a: torch.cuda.Stream, b: torch.cuda.Stream) -> bool:
 
 @pytest.fixture(params=[True, False], ids=["fast", "torch"])
 def fast(request, monkeypatch):
-    monkeypatch.setattr(streams, "FAST", request.param)
+    monkeypatch.setattr(devices, "FAST", request.param)
     return request.param
 
 
 @pytest.mark.gpu
 def test_current_is_torchs_current_stream(fast):
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert _same(streams.current(dev), torch.cuda.current_stream(dev))
-    assert _same(streams.current(dev.index), torch.cuda.current_stream(dev))
-    assert _same(streams.current(torch.device("cuda")), torch.cuda.current_stream())
+    assert _same(devices.current(dev), torch.cuda.current_stream(dev))
+    assert _same(devices.current(dev.index), torch.cuda.current_stream(dev))
+    assert _same(devices.current(torch.device("cuda")), torch.cuda.current_stream())
     side = torch.cuda.Stream(dev)
     with torch.cuda.stream(side):
-        assert _same(streams.current(dev), side)
+        assert _same(devices.current(dev), side)
 
 
 @pytest.mark.gpu
@@ -33,14 +33,14 @@ def test_entered_sets_and_restores_the_stream(fast):
     dev = torch.device("cuda", torch.cuda.current_device())
     before = torch.cuda.current_stream(dev)
     side, other = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    with streams.entered(side):
+    with devices.entered(side):
         assert _same(torch.cuda.current_stream(dev), side)
-        with streams.entered(other):                       # nested
+        with devices.entered(other):                       # nested
             assert _same(torch.cuda.current_stream(dev), other)
         assert _same(torch.cuda.current_stream(dev), side)
     assert _same(torch.cuda.current_stream(dev), before)
     with pytest.raises(KeyError):                           # restored on an error too
-        with streams.entered(side):
+        with devices.entered(side):
             raise KeyError("x")
     assert _same(torch.cuda.current_stream(dev), before)
 
@@ -54,10 +54,10 @@ def test_work_in_entered_and_recorded_events_keep_their_order(fast):
     x = torch.zeros(1 << 22, device=dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     event = torch.cuda.Event()
-    with streams.entered(side):
+    with devices.entered(side):
         torch.cuda._sleep(20_000_000)                      # ~10 ms of GPU time before it
         x.fill_(3.0)
-        streams.record(event, dev)                         # on the side stream
+        devices.record(event, dev)                         # on the side stream
     assert not event.query()                               # still behind the sleep
     torch.cuda.current_stream(dev).wait_event(event)
     assert float(x.sum()) == 3.0 * x.numel()
@@ -65,8 +65,8 @@ def test_work_in_entered_and_recorded_events_keep_their_order(fast):
 
 def test_a_torch_without_the_c_calls_takes_torchs_helpers(monkeypatch):
     """Where torch lacks a C call the shortcut uses, the answer is no, once, and kept."""
-    monkeypatch.setattr(streams, "fast_ready", None)
-    monkeypatch.setattr(streams, "c_set_stream", None)
-    assert streams.fast_ok(0) is False and streams.fast_ready is False
-    monkeypatch.setattr(streams, "c_set_stream", lambda **kw: None)
-    assert streams.fast_ok(0) is False                     # decided once, not asked again
+    monkeypatch.setattr(devices, "fast_ready", None)
+    monkeypatch.setattr(devices, "c_set_stream", None)
+    assert devices.fast_ok(0) is False and devices.fast_ready is False
+    monkeypatch.setattr(devices, "c_set_stream", lambda **kw: None)
+    assert devices.fast_ok(0) is False                     # decided once, not asked again
