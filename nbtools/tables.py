@@ -36,7 +36,7 @@ from .store.cache import TableCache
 from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
                         check_table_args, choose_placement, copy_unless_same, make_store,
                         regrow_for_state)
-from .engine.capture import LookupGraphs
+from .store.capture import LookupGraphs
 from .store import RowTier
 from .store.layout import RowLayout
 from .store.rows import DeviceRows, RowStore

@@ -105,7 +105,6 @@ _KNOWN_AGAINST = [
     ("nbtools.meters", "nbtools.testing"),
     ("nbtools.pretrained", "nbtools.checkpoint.save"),
     ("nbtools.store.cache", "nbtools.disk.gpu"),
-    ("nbtools.store.tiers", "nbtools.engine.capture"),
 ]
 
 

@@ -30,7 +30,7 @@ import torch
 from .. import kernels
 from . import ahead
 from .prefetch import Prefetcher
-from .capture import LookupGraphs
+from ..store.capture import LookupGraphs
 from ..store.rows import RowBatch, merge, sum_by_slot, sums_in_fixed_order, unique_ids
 
 # A table warns once when this many lookups wait for an optimizer step: a loop that runs the

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from .. import devices, kernels
-from .capture import LookupGraphs
+from ..store.capture import LookupGraphs
 from ..store.rows import RowBatch, unique_ids
 
 

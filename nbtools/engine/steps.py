@@ -28,9 +28,9 @@ import warnings
 import torch
 
 from .. import devices
-from .capture import capture
 from ..hostmem import HostTensor
 from ..kernels import HYPER
+from ..store.capture import capture
 
 
 class Turn:

@@ -26,7 +26,7 @@ import torch
 
 from .. import devices, kernels
 from ..devices import synchronize
-from ..engine.capture import LookupGraphs, own_outputs
+from .capture import LookupGraphs, own_outputs
 from .cache import RowCache
 from .layout import RowLayout
 from .rows import RowBatch, from_cache

@@ -22,7 +22,7 @@ import torch
 
 from .. import devices
 from ..devices import after_failed_capture
-from ..store.rows import RowBatch, unique_ids
+from .rows import RowBatch, unique_ids
 
 
 def capture(*parts, device=None) -> tuple[list, list]:
