@@ -104,7 +104,6 @@ _KNOWN_AGAINST = [
     ("nbtools.disk.access", "nbtools.checkpoint.save"),
     ("nbtools.meters", "nbtools.testing"),
     ("nbtools.pretrained", "nbtools.checkpoint.save"),
-    ("nbtools.store.cache", "nbtools.disk.gpu"),
 ]
 
 

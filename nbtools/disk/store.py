@@ -9,6 +9,7 @@ import torch
 from ..devices import synchronize
 from ..store.rows import RowBatch, RowStore
 from . import DiskRows
+from .gpu import attach
 from .readahead import prepare
 
 
@@ -49,6 +50,11 @@ class DiskStore(RowStore):
 
     def read_ahead(self, ids, padding_idx=None) -> bool:
         self.disk.read_ahead(ids, padding_idx)
+        return True
+
+    def attach_cache(self, table, capacity: int) -> bool:
+        """The GPU level above the RAM slots, ``capacity`` rows (:func:`nbtools.disk.gpu.attach`)."""
+        attach(table, capacity)
         return True
 
     def rows_now(self, keep_cache: bool) -> torch.Tensor:

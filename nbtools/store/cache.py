@@ -378,10 +378,8 @@ class TableCache:
         before."""
         self.attached = True
         capacity, self.why = cache_capacity(table)
-        if capacity is not None and table.disk is not None:     # a GPU level above RAM
-            from ..disk.gpu import attach
-            attach(table, capacity)
-            table.sync_slab()
+        if capacity is not None and table.rows.attach_cache(table, capacity):
+            table.sync_slab()           # a cache of the tier's own: a disk table's GPU level
         elif capacity is not None:
             table.stack_cache(capacity)
             self.counts = CacheCounts()

@@ -258,6 +258,12 @@ class RowStore:
         (False: it does not; the table's prefetch gathers them instead)."""
         return False
 
+    def attach_cache(self, table, capacity: int) -> bool:
+        """Give ``table``'s rows a GPU cache of ``capacity`` rows where the tier keeps one of
+        its own (False: it does not; the table stacks a :class:`~nbtools.store.tiers.Cached`
+        around it instead)."""
+        return False
+
     def rows_now(self, keep_cache: bool) -> torch.Tensor:
         """Every row ``[N, width]``, current (written back from caches and write-backs in
         flight; the cache emptied unless ``keep_cache``)."""
