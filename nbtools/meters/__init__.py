@@ -42,8 +42,6 @@ Example (fake backend and clock, as in the tests)::
 """
 from __future__ import annotations
 
-import importlib
-
 from ..units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 from .backends import (DISK_KEYS, GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS, TORCH_KEYS,
                        SystemBackend)
@@ -55,15 +53,4 @@ __all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "NBTOOLS_KEYS", "DISK_KE
            "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
            "CounterUnwrapper", "PcieSampler", "Meters", "ThroughputMeter", "StepTimer",
            "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "RunMeans", "RUN_MEAN_KEYS",
-           "measure_bandwidth",
-           "FakeClock", "FakeBackend", "FakeEvent"]
-
-_FAKES = ("FakeClock", "FakeBackend", "FakeEvent")
-
-
-def __getattr__(name):
-    # The fakes moved to nbtools.testing, which imports this package: resolved on first use
-    # (no import cycle), so `from nbtools.meters import FakeBackend` keeps working.
-    if name in _FAKES:
-        return getattr(importlib.import_module("nbtools.testing"), name)
-    raise AttributeError(f"module 'nbtools.meters' has no attribute {name!r}")
+           "measure_bandwidth"]
