@@ -482,7 +482,7 @@ def _fill(dst: _Target, value: float) -> None:
 
 def _copy(src: _Source, dst: _Target, *, allow_nonfinite: bool, progress, desc: str) -> None:
     """Stream every row of ``src`` into ``dst``, chunk by chunk (see the module docs)."""
-    from .checkpoint.save import progress_bar
+    from .units import progress_bar
     from .hostmem import HostTensor
     n = src.shape[0]
     src_row, dst_row = src.row_bytes, dst.cols * dst.dtype.itemsize

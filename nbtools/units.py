@@ -2,6 +2,8 @@
 
 Every function takes a reading that may be missing (``None``) and shows it as ``N/A``, so the
 meters, the dashboard, the planner and error messages all print the same units.
+:func:`progress_bar` is the tqdm bar of bytes a long copy shows (a checkpoint, a table's file,
+a pretrained load), tqdm imported on use.
 """
 from __future__ import annotations
 
@@ -92,3 +94,16 @@ def positive_int(what: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return int(value)
+
+
+def progress_bar(total: int, desc: str, progress):
+    """A tqdm bar of ``total`` bytes, or None (``progress=False``, nothing to do, no tqdm)."""
+    if progress is False or total <= 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    # delay: the bar appears only for operations that last longer than a moment.
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                delay=0 if progress else 1.0, leave=False)

@@ -32,7 +32,7 @@ from .format import (EXTRAS, CheckpointConfig, CheckpointError, check_files, Dam
                      open_regular, pickles, read_manifest, Reader)
 from .layout import Entry, needs
 from .rng import check_rng_state
-from .save import progress_bar
+from ..units import progress_bar
 
 
 def find_dir(roots: list[Path], first: Path, name: str, uid: str) -> tuple[Path, dict] | None:

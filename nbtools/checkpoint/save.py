@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..units import human_bytes
+from ..units import human_bytes, progress_bar
 from . import rows as _rows
 from . import tree as _tree
 from .format import (ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
@@ -53,19 +53,6 @@ def state_of(name: str, obj):
     raise TypeError(f"save(..., {name}=<{type(obj).__name__}>): expected an object with "
                     "state_dict()/load_state_dict() (module, optimizer, scheduler, "
                     "PinnedLoader, History), a dict or a tensor")
-
-
-def progress_bar(total: int, desc: str, progress):
-    """A tqdm bar of ``total`` bytes, or None (``progress=False``, nothing to do, no tqdm)."""
-    if progress is False or total <= 0:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    # delay: the bar appears only for operations that last longer than a moment.
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                delay=0 if progress else 1.0, leave=False)
 
 
 def rate(nbytes: int, seconds: float) -> str:

@@ -257,7 +257,7 @@ class WholeTable:
         """A log file's rows back in id order (:meth:`nbtools.disk.log.LogFile.identity`), with
         a progress bar when many moved (random reads and writes of each: minutes for tens of
         millions of rows)."""
-        from ..checkpoint.save import progress_bar
+        from ..units import progress_bar
         file = self.disk.file
         away = file.away
         bar = progress_bar(away * file.stride, f"table {self.disk.name!r}: rows to id order",
