@@ -137,7 +137,7 @@ def rows_written_next():
         _BUILDING.rows_written_next = False
 
 
-def _padding_row(padding_idx, num_rows: int) -> int | None:
+def padding_row(padding_idx, num_rows: int) -> int | None:
     """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
     the TypeError / ValueError that says what is wrong with it."""
     if padding_idx is None:
@@ -240,7 +240,7 @@ class OffloadedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = cfg.check(
             placement, {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim})
         dtype = cfg.dtype
-        self.padding_idx = _padding_row(padding_idx, self.num_embeddings)
+        self.padding_idx = padding_row(padding_idx, self.num_embeddings)
         self.name = name or type(self).__name__
         self.device = resolve_device(device)
         self.requested_placement = placement

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..data import Ratings
 from ..devices import resolve_device
-from ..distributed import ShardedEmbedding, _world_of
+from ..distributed import ShardedEmbedding, world_of
 from ..loader import mix_int
 from ..tables import OffloadedEmbedding
 from .ranking import Interactions, leave_last_out, ranking_metrics, recency, sample_candidates, take
@@ -159,7 +159,7 @@ class MatrixFactorization(nn.Module):
         self.config = cfg = config or MFConfig()
         self.device = resolve_device(device)
         self.group = process_group
-        self.rank, self.world = _world_of(process_group)
+        self.rank, self.world = world_of(process_group)
         self.dim = dim
         kw = dict(dtype=cfg.dtype, state_dtype=cfg.state_dtype, rounding=cfg.rounding,
                   device=self.device, pin=cfg.pin, placement=cfg.placement)

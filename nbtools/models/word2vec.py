@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..devices import resolve_device
-from ..distributed import ShardedEmbedding, _world_of
+from ..distributed import ShardedEmbedding, world_of
 from ..loader import mix_int, check_resume, permutation
 from ..tables import OffloadedEmbedding
 
@@ -384,7 +384,7 @@ class SkipGram(nn.Module):
         super().__init__()
         self.config = cfg = config or SkipGramConfig()
         self.device = resolve_device(device)
-        self.rank, self.world = _world_of(process_group)
+        self.rank, self.world = world_of(process_group)
         if words is not None and len(words) != vocab_size:
             raise ValueError(f"words has {len(words):,} entries but vocab_size is {vocab_size:,}")
         self.words = list(words) if words is not None else None
