@@ -104,3 +104,136 @@ def test_no_import_runs_against_the_floors():
     assert not found, "imports against docs/CONTRACT.md's Floors line " \
         "(move the helper down, or ask through a seam):\n" + \
         "\n".join(f"{a} -> {b}" for a, b in found)
+
+
+# --- inside disk/, RamSlots' state changes only through its own verbs (issue 58) --------------
+
+DISK = TESTS.parent / "nbtools" / "disk"
+
+# methods that change the array, list or deque they are called on (and torch's in-place ones,
+# named with a trailing underscore)
+_MUTATORS = {"append", "appendleft", "extend", "extendleft", "pop", "popleft", "clear",
+             "remove", "insert", "fill", "put", "itemset", "sort", "resize", "setflags"}
+_NP_WRITERS = {"put", "copyto", "place", "putmask", "put_along_axis", "fill_diagonal"}
+
+
+def ram_writes(source: str) -> list:
+    """``(line, what)`` of each write into a :class:`nbtools.disk.slots.RamSlots`' state in a
+    module other than slots.py: an assignment (plain, augmented, to a subscript or slice, or
+    to an attribute) whose target is ``<x>.ram.<name>`` (``d.ram``, ``self.ram``,
+    ``self.disk.ram``), a local alias of a RamSlots (``ram = self.disk.ram``) or of one of its
+    arrays (``flags = ram.dirty``, a slice of one), or ``getattr(<ram>, name)``; and each
+    in-place call on such an array (``.fill_(``, ``.append(``, ``np.put(arr, ...)``)."""
+    tree = ast.parse(source)
+    found = []
+
+    def scopes():
+        yield tree
+        yield from (n for n in ast.walk(tree)
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    def own_nodes(scope):       # the scope's nodes, not those of functions nested in it
+        todo = list(ast.iter_child_nodes(scope))
+        while todo:
+            node = todo.pop()
+            yield node
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                todo.extend(ast.iter_child_nodes(node))
+
+    for scope in scopes():
+        nodes = list(own_nodes(scope))
+        rams, arrays = set(), set()         # local names of RamSlots, of their arrays
+
+        def is_ram(e):
+            return (isinstance(e, ast.Attribute) and e.attr == "ram") or \
+                (isinstance(e, ast.Name) and e.id in rams)
+
+        def is_array(e):        # a RamSlots' attribute (or a view of one: a slice)
+            if isinstance(e, ast.Attribute) and is_ram(e.value):
+                return True
+            if isinstance(e, ast.Call) and ast.unparse(e.func) == "getattr" and e.args and \
+                    is_ram(e.args[0]):
+                return True
+            if isinstance(e, ast.Subscript) and isinstance(e.slice, ast.Slice):
+                return is_array(e.value)
+            return isinstance(e, ast.Name) and e.id in arrays
+
+        def pairs(target, value):
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and \
+                    len(target.elts) == len(value.elts):
+                for t, v in zip(target.elts, value.elts):
+                    yield from pairs(t, v)
+            else:
+                yield target, value
+
+        for _ in range(2):                  # (an alias of an alias)
+            for node in nodes:
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        for t, v in pairs(target, node.value):
+                            if isinstance(t, ast.Name):
+                                if is_ram(v):
+                                    rams.add(t.id)
+                                elif is_array(v):
+                                    arrays.add(t.id)
+
+        def written(t):
+            if isinstance(t, (ast.Tuple, ast.List)):
+                return any(written(e) for e in t.elts)
+            if isinstance(t, ast.Starred):
+                return written(t.value)
+            if isinstance(t, ast.Subscript):
+                return is_array(t.value)
+            return isinstance(t, ast.Attribute) and is_ram(t.value)
+
+        for node in nodes:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if written(t):
+                    found.append((node.lineno, ast.unparse(t)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                if (name in _MUTATORS or (name.endswith("_") and not name.startswith("_"))) \
+                        and is_array(node.func.value):
+                    found.append((node.lineno, ast.unparse(node.func) + "(...)"))
+                elif name in _NP_WRITERS and ast.unparse(node.func.value) in ("np", "numpy") \
+                        and node.args and is_array(node.args[0]):
+                    found.append((node.lineno, ast.unparse(node.func) + "(...)"))
+    return sorted(found)
+
+
+def test_the_check_finds_writes_into_ram_slots():
+    source = ("def f(self, d):\n"
+              "    d.ram.ref[s] = True\n"                         # 2
+              "    ram = self.disk.ram\n"
+              "    ram.dirty[s] = ram.ref[s] = False\n"           # 4 (twice)
+              "    flags = ram.ahead\n"
+              "    flags[s] = True\n"                             # 6
+              "    view = ram.slot_of[2:5]\n"
+              "    view[0] = 1\n"                                 # 8
+              "    copy = ram.slot_of[ids]\n"
+              "    copy[0] = 1\n"                                 # (a copy: not counted)
+              "    self.ram.free_slots.append(s)\n"               # 11
+              "    getattr(d.ram, 'loading')[s] = False\n"        # 12
+              "    np.put(ram.busy, s, 0)\n"                      # 13
+              "    ram.counts['evicted'] += 1\n"                  # 14
+              "    d.ram.slab.tensor.fill_(0)\n"                  # (the slab's tensor: not seen)
+              "    ram.hand = 0\n"                                # 16
+              "    ram.placed(ids, s)\n"                          # (a verb)
+              "    x = d.ram.dirty[s]\n"
+              "def g(ram):\n"
+              "    ram[s] = 1\n")                                 # (not a RamSlots)
+    assert [line for line, _ in ram_writes(source)] == [2, 4, 4, 6, 8, 11, 12, 13, 14, 16]
+
+
+# writes into RamSlots' state left outside slots.py (issue 58's target: 5 at most)
+RAM_WRITES_LEFT = 0
+
+
+def test_disk_writes_ram_slots_only_through_its_verbs():
+    found = [f"{path.name}:{line}: {what}" for path in sorted(DISK.glob("*.py"))
+             if path.name != "slots.py" for line, what in ram_writes(path.read_text())]
+    assert len(found) <= RAM_WRITES_LEFT, \
+        "writes into RamSlots' arrays outside nbtools/disk/slots.py (call one of its verbs, " \
+        "or add one):\n" + "\n".join(found)

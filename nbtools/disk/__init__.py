@@ -361,8 +361,7 @@ class DiskRows:
             miss = slots < 0
             nmiss = int(miss.sum())
             found = slots[~miss]
-            early = int(ram.ahead[found].sum())     # rows a read-ahead brought in
-            ram.ahead[found] = False
+            early = ram.take_ahead(found)           # rows a read-ahead brought in
             self.stats["lookups"] += len(ids)
             self.stats["misses"] += nmiss
             self.stats["hits"] += len(ids) - nmiss - early
@@ -374,7 +373,7 @@ class DiskRows:
                     free = ram.take_slots(nmiss, wait=True, grow=self.grow)
                 self.load_rows(ids[miss], free)
                 slots[miss] = free
-            ram.ref[slots] = True
+            ram.mark_referenced(slots)
             if training:
                 ram.lock_for_step(slots)
         _counters["wait_s"] += time.perf_counter() - t0
@@ -412,7 +411,7 @@ class DiskRows:
             if len(rest):
                 self.file.read(rest, ram.slab_bytes, at=at)
         except BaseException:      # an I/O error or a KeyboardInterrupt: nothing was placed
-            ram.free_slots.append(np.asarray(slots, dtype=ram.index_dtype))
+            ram.free(np.asarray(slots, dtype=ram.index_dtype))
             raise
         finally:
             if writing is not None:     # evicted rows on disk before any reader looks
@@ -420,7 +419,7 @@ class DiskRows:
         self.count_read(rest, time.perf_counter() - t0)
         ram.placed(ids, slots)
         if kept is not None:
-            ram.dirty[slots[kept]] = True      # (the file may not have them yet)
+            ram.mark_dirty(slots[kept])        # (the file may not have them yet)
 
     def write_evicted(self) -> None:
         """Write the rows evicted so far (on the write-back thread; where read-aheads run,

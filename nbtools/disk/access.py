@@ -140,7 +140,7 @@ class WholeTable:
                 slots = ram.take_free(len(part))
                 part = part[: len(slots)]
                 if dense and len(part):
-                    ram.slab_bytes[slots] = buf[part - start]
+                    ram.put_rows(slots, buf[part - start])
                     ram.placed(part, slots)
                 elif len(part):
                     d.load_rows(part, slots)
@@ -165,15 +165,14 @@ class WholeTable:
                 self._write_slots(dirty)
             if drop:
                 out = np.flatnonzero((ram.id_of >= 0) & ~ram.locked)
-                ram.ref[out] = False
-                ram.forget(out)
+                ram.forget(out, unref=True)
 
     def _write_slots(self, slots: np.ndarray) -> None:
         ram = self.disk.ram
         ids = ram.id_of[slots]
         order = np.argsort(ids, kind="stable")
         self.disk.file_write(ids[order], ram.slab_bytes, slots[order])
-        ram.dirty[slots] = False
+        ram.mark_clean(slots)
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
@@ -191,7 +190,7 @@ class WholeTable:
             slots = ram.slot_of[ids]
             hot = slots >= 0
             if hot.any():
-                ram.slab_bytes[slots[hot]] = raw[hot]
+                ram.put_rows(slots[hot], raw[hot])
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the

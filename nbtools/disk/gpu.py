@@ -202,7 +202,7 @@ class GpuLevel:
                 # They stay locked until the step is queued: the step's list of slots holds
                 # them and unlocks them then (unlocked now, CLOCK could hand one to a
                 # read-ahead's row, whose slot the step would unlock while it loads)
-                d.ram.dirty[from_slots] = d.ram.ref[from_slots] = False
+                d.ram.moved_up(from_slots)
                 d.ram.mark_used(from_slots)
                 self.counts["admitted"] += k
                 out[rest[:k]] = self.num_ids + new
@@ -253,10 +253,7 @@ class GpuLevel:
         if len(new):
             with d.ram.sparing(ram[ram >= 0]):       # the others' slots are not taken for these
                 ram[new] = d.ram.take_slots(len(new), wait=True, grow=d.grow)
-        d.ram.slot_of[ids] = ram
-        d.ram.id_of[ram] = ids
-        for flag, value in (("dirty", True), ("ref", True), ("ahead", False)):
-            getattr(d.ram, flag)[ram] = value
+        d.ram.placed(ids, ram, dirty=True)
         self.index_lists.copy(self.rows, slots, d.slab.view(), ram)
         d.ram.mark_used(ram)
         count_transfer(d2h=len(slots) * d.row_bytes)
@@ -301,8 +298,8 @@ class GpuLevel:
             raw = raw.contiguous().view(torch.uint8).numpy().reshape(len(slots), d.row_bytes)
             ram = d.ram.slot_of[ids]
             mapped = ram >= 0
-            d.ram.slab_bytes[ram[mapped]] = raw[mapped]
-            d.ram.dirty[ram[mapped]] = True
+            d.ram.put_rows(ram[mapped], raw[mapped])
+            d.ram.mark_dirty(ram[mapped])
             if not mapped.all():
                 d.write_file(ids[~mapped], np.ascontiguousarray(raw[~mapped]))
         self.dirty[dirty] = False

@@ -139,7 +139,7 @@ class ReadAhead:
             if d.above is not None:         # rows in the GPU cache: never read from here
                 want = want[~d.above.holds(want)]
             where = d.ram.slot_of[want]
-            d.ram.ref[where[where >= 0]] = True     # rows in RAM this step needs: CLOCK
+            d.ram.mark_referenced(where[where >= 0])  # rows in RAM this step needs: CLOCK
             self.start(item, want[where < 0])       # spares them once more before its lookup
 
     def load_beside(self, ids: np.ndarray) -> None:
@@ -170,12 +170,11 @@ class ReadAhead:
             rows = miss[: len(free)]
             ram.placed(rows, free)
             kept = self.fill(rows, free)            # still queued for write-back: no read
-            ram.dirty[free[kept]] = True
-            ram.ahead[free[kept]] = True
+            ram.mark_dirty(free[kept])
+            ram.mark_ahead(free[kept])
             item.rows, item.slots = rows[~kept], free[~kept]
             item.sorted_slots = np.sort(item.slots)
-            ram.loading[item.slots] = True
-            ram.locked[item.slots] = True
+            ram.start_loading(item.slots)
             d.count_ahead(len(free))
         if ram.evicted_rows:                              # the rows it evicted, written back
             item.stash = ram.take_evicted()
@@ -201,7 +200,7 @@ class ReadAhead:
                 pos, hit = _lookup(sid, ids)
                 hit &= ~got
                 if hit.any():
-                    d.ram.slab_bytes[slots[hit]] = rows[pos[hit]]
+                    d.ram.put_rows(slots[hit], rows[pos[hit]])
                     got |= hit
         d.stats["from_write_back"] += int(got.sum())
         return got
@@ -231,15 +230,9 @@ class ReadAhead:
         try:
             item.io.result()
         except BaseException:
-            ram.slot_of[item.rows] = -1
-            ram.id_of[item.slots] = -1
-            ram.loading[item.slots] = False
-            ram.locked[item.slots] = False
-            ram.free_slots.append(item.slots)
+            ram.load_failed(item.rows, item.slots)
             raise
-        ram.loading[item.slots] = False
-        ram.locked[item.slots] = False
-        ram.ahead[item.slots] = True
+        ram.loaded(item.slots)
 
     def _written(self, upto: Ahead | None = None) -> None:
         """Under the lock: forget the finished write-backs (raising the first that failed);

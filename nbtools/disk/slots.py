@@ -74,7 +74,8 @@ class RamSlots:
     Arrays (host, numpy): ``slot_of`` (row -> slot, -1: on disk), ``id_of`` (slot -> row, -1:
     free), ``busy`` (a slot's last GPU use), one bool per slot for each of :data:`SLOT_FLAGS`;
     ``slab_bytes`` the slab as ``[slots, row_bytes]`` uint8; ``free_slots`` a deque of slot
-    arrays; ``hand`` CLOCK's hand.
+    arrays; ``hand`` CLOCK's hand. The table's other parts change them only through its
+    methods.
 
     >>> ram = RamSlots(100, 2, torch.float32, want=4, device=torch.device("cpu"), pin=False,
     ...                name="t", counts={"evicted": 0})
@@ -297,13 +298,77 @@ class RamSlots:
         return stash
 
     # --- rows in and out ------------------------------------------------------------------
-    def placed(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Rows ``ids`` now sit, clean, in ``slots``."""
+    def placed(self, ids: np.ndarray, slots: np.ndarray, dirty: bool = False) -> None:
+        """Rows ``ids`` now sit in ``slots``: clean, or with ``dirty`` newer than the file (rows
+        moved down from the GPU level)."""
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
-        self.dirty[slots] = False
+        self.dirty[slots] = dirty
         self.ahead[slots] = False
         self.ref[slots] = True
+
+    def put_rows(self, slots: np.ndarray, raw: np.ndarray) -> None:
+        """Rows as stored (uint8 ``[len(slots), row_bytes]``) into ``slots``' bytes; what the
+        slots hold and their flags stay as they are."""
+        self.slab_bytes[slots] = raw
+
+    def mark_referenced(self, slots: np.ndarray) -> None:
+        """The rows of ``slots`` are wanted now: CLOCK passes them over once more."""
+        self.ref[slots] = True
+
+    def mark_dirty(self, slots: np.ndarray) -> None:
+        """The rows of ``slots`` are newer than the file's: written back when evicted or
+        flushed."""
+        self.dirty[slots] = True
+
+    def mark_clean(self, slots: np.ndarray) -> None:
+        """The file now has the rows of ``slots``."""
+        self.dirty[slots] = False
+
+    def mark_ahead(self, slots: np.ndarray) -> None:
+        """A read-ahead brought the rows of ``slots`` in (counted when a lookup first finds
+        them: :meth:`take_ahead`)."""
+        self.ahead[slots] = True
+
+    def take_ahead(self, slots: np.ndarray) -> int:
+        """How many of ``slots`` (a lookup's hits) hold rows a read-ahead brought in and no
+        lookup found since; from now on they count as found."""
+        early = int(self.ahead[slots].sum())
+        self.ahead[slots] = False
+        return early
+
+    def moved_up(self, slots: np.ndarray) -> None:
+        """The rows of ``slots`` are being copied up into the GPU level: the copies here go
+        stale (neither written back nor spared by CLOCK), their slots reclaimed first once
+        the copy has run."""
+        self.dirty[slots] = False
+        self.ref[slots] = False
+
+    def start_loading(self, slots: np.ndarray) -> None:
+        """A read-ahead's read into ``slots`` is in flight: locked (not evicted, nor given to
+        another row) and loading (a lookup of their rows waits for it)."""
+        self.loading[slots] = True
+        self.locked[slots] = True
+
+    def loaded(self, slots: np.ndarray) -> None:
+        """A read-ahead's read into ``slots`` has landed: ordinary rows, brought in ahead."""
+        self.loading[slots] = False
+        self.locked[slots] = False
+        self.ahead[slots] = True
+
+    def load_failed(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """A read-ahead's read of rows ``ids`` into ``slots`` failed: the rows are on disk
+        again, the slots unlocked and free."""
+        self.slot_of[ids] = -1
+        self.id_of[slots] = -1
+        self.loading[slots] = False
+        self.locked[slots] = False
+        self.free(slots)
+
+    def free(self, slots: np.ndarray) -> None:
+        """``slots``, holding no row (taken for rows whose read failed), go back to the free
+        list."""
+        self.free_slots.append(slots)
 
     def give_back(self, ids: np.ndarray) -> int:
         """Rows ``ids`` moved up into the GPU level (clean copies here): their slots go back to
@@ -318,9 +383,12 @@ class RamSlots:
         self.free_slots.append(ram.astype(np.int64))
         return len(ram)
 
-    def forget(self, slots: np.ndarray) -> None:
+    def forget(self, slots: np.ndarray, unref: bool = False) -> None:
         """The rows of ``slots`` leave RAM without being written (the file has them, or
-        newer); the free list becomes every slot that holds no row."""
+        newer); the free list becomes every slot that holds no row. ``unref``: the slots'
+        reference bits are cleared first."""
+        if unref:
+            self.ref[slots] = False
         self.slot_of[self.id_of[slots]] = -1
         self.id_of[slots] = -1
         free = np.flatnonzero(self.id_of < 0)
