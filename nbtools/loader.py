@@ -411,6 +411,7 @@ class PinnedLoader:
         if not 0 <= position <= len(self):
             raise ValueError(f"saved position {position} is outside 0..{len(self)} "
                              "(batches per epoch)")
+        # (values load_state_dict converts: a bad one raises here, before anything changes)
         int(state["seed"]), int(state["epoch"])
 
     def load_state_dict(self, state: dict) -> None:

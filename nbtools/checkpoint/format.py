@@ -555,7 +555,7 @@ def _check_tensor(e, i: int, files: dict, bad) -> None:
             or not all(_int(n) for n in e["shape"]) or not _int(e.get("bytes")):
         bad(f"describes tensor {i} as {e!r:.200}")
     for key in ("dtype", "stored"):
-        _dtype(e.get(key) if isinstance(e.get(key), str) else repr(e.get(key)))
+        _dtype(str(e.get(key)))
     segments = e.get("segments") or []
     if not isinstance(segments, list):
         bad(f"gives tensor {i} segments {segments!r:.200}")

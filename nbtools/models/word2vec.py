@@ -270,6 +270,7 @@ class CorpusLoader:
         check_resume(state, self.state_dict(),
                      ("batch_size", "window", "tokens", "chunk_tokens", "rank", "world"),
                      "CorpusLoader", "corpus")
+        # (values load_state_dict converts: a bad one raises here, before anything changes)
         int(state["seed"]), int(state["epoch"]), int(state["position"])
 
     def load_state_dict(self, state: dict) -> None:

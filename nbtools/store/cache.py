@@ -215,12 +215,15 @@ class RowCache:
         return int((self.tags[: self.capacity] >= 0).sum())
 
 
+# The config options that ask a table for a GPU cache of hot rows (one at most).
+CACHE_OPTIONS = ("cache_bytes", "cache_fraction", "cache_rows")
+
+
 def cache_budget(table) -> tuple[int | None, str]:
     """GPU bytes for ``table``'s cache of hot rows, and why (its config's cache_bytes,
     cache_fraction or cache_rows; under placement="auto", gpu_fraction): (None, "") for none."""
     cfg = table.config
-    given = [k for k in ("cache_bytes", "cache_fraction", "cache_rows")
-             if getattr(cfg, k) is not None]
+    given = [k for k in CACHE_OPTIONS if getattr(cfg, k) is not None]
     if len(given) > 1:
         raise ValueError(f"table {table.name!r}: give one of cache_bytes, cache_fraction and "
                          f"cache_rows, not {' and '.join(given)}")
@@ -396,8 +399,7 @@ class TableCache:
         cfg = table.config
         return table.disk is not None or table.rows.cache is not None or \
             table.requested_placement in ("auto", "disk") or any(
-                getattr(cfg, k) is not None for k in ("cache_bytes", "cache_fraction",
-                                                       "cache_rows"))
+                getattr(cfg, k) is not None for k in CACHE_OPTIONS)
 
     def warm(self, table, counts) -> None:
         """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
