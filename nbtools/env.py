@@ -50,6 +50,8 @@ def describe(file=None) -> dict:
         "disk_free_bytes": disk.free_bytes(disk.default_dir()),
         # how a disk table's O_DIRECT file reads and writes rows (nbtools.rowfile.fileio.default_engine)
         "disk_engine": fileio.default_engine(direct=True),
+        # which kernel families run as Triton kernels here, and which on the exact torch path
+        "kernels": None,
     }
     if cuda_ok():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -59,6 +61,8 @@ def describe(file=None) -> dict:
         from .tables import TableConfig
         free = gpu_free_bytes(torch.cuda.current_device())
         info["auto_gpu_budget_bytes"] = int(TableConfig.gpu_fraction * free)
+    from .kernels import _common as _kernels
+    info["kernels"] = _kernels.describe_line(resolve_device())
     lines = [
         info["nbtools"],
         f"python   {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
@@ -80,6 +84,7 @@ def describe(file=None) -> dict:
         + (" (NBTOOLS_DISK_ENGINE)" if os.environ.get("NBTOOLS_DISK_ENGINE") else
            "" if info["disk_engine"] == "kaio" else
            f" (Linux's native AIO unavailable: {fileio.native_aio_why()})"),
+        f"kernels  {info['kernels']}",
     ]
     print("\n".join(lines), file=file)
     return info

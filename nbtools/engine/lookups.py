@@ -223,7 +223,7 @@ class TableLookups:
             return self.prefetcher.take(flat, ids.shape, id_order)
         captured = None
         if recording and self.owned and t.config.cuda_graphs and store.direct \
-                and t.device.type == "cuda" and kernels.usable_on(t.device):
+                and t.device.type == "cuda" and kernels.usable_on(t.device, "rows"):
             captured = self.graphs.run(store, flat, t.padding_idx, width)
         if captured is not None:
             batch, full, capture = captured
@@ -254,7 +254,7 @@ class TableLookups:
         if id_order and (state or not recording):
             weights = t.layout.weight(full)
             if weights.dtype != compute and self.FUSED_TAKE \
-                    and kernels.usable_on(weights.device):
+                    and kernels.usable_on(weights.device, "rows"):
                 rows = kernels.take_rows(weights, batch.inverse, compute)
             else:
                 rows = weights.index_select(0, batch.inverse)

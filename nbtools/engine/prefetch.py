@@ -80,7 +80,7 @@ class Prefetcher:
         if not from_host:       # ids made on the GPU: ready once what is queued so far is
             ids = t.prepare_ids(ids)
             side.wait_stream(main)
-        graphs = t.config.cuda_graphs and t.rows.direct and kernels.usable_on(t.device)
+        graphs = t.config.cuda_graphs and t.rows.direct and kernels.usable_on(t.device, "rows")
         captured = None
         with devices.entered(side), torch.no_grad():
             if from_host:       # copied and deduplicated at once, beside the GPU's work

@@ -32,7 +32,8 @@ import math
 import torch
 
 from ..devices import on
-from ._common import jit, pow2, triton_cdiv, triton_ok, usable_on  # noqa: F401  (public names)
+from ._common import (FAMILIES, jit, plain_atomics, pow2, triton_cdiv, triton_ok,  # noqa: F401
+                      usable_on)    # (public names)
 
 
 # Tile shapes, (rows, columns, warps) per program, by kernel kind ("gather", "put", "patch",
@@ -444,14 +445,16 @@ def admit(ids: torch.Tensor, count: torch.Tensor, host: torch.Tensor, *, rows: t
     sets = best.numel()
     k = jit("admission")
     block = 1024
+    plain = plain_atomics(ids.device)
     with on(ids.device):
         k.admit_count[(triton_cdiv(cap, block),)](
             ids, count, cap, slot_of.numel() - 1, freq, slot_of, stamp, tick, best, sets, stats,
-            HASH=CACHE_HASH, BLOCK=block)
+            HASH=CACHE_HASH, BLOCK=block, PLAIN=plain)
         width = rows.shape[1]
         k.admit_sets[(sets,)](
             best, tags, stamp, freq, slot_of, tick, rows, rows.stride(0), host, host.stride(0),
-            width, stats, WAYS=ways, WAYS_P2=pow2(ways), BLOCK_C=min(1024, pow2(width, 16)))
+            width, stats, WAYS=ways, WAYS_P2=pow2(ways), BLOCK_C=min(1024, pow2(width, 16)),
+            PLAIN=plain)
 
 
 # --- the fixed-order gradient sum ----------------------------------------------------------------

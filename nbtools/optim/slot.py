@@ -110,7 +110,8 @@ class TableSlot:
             key = None
         if key is not None and key == self._fused_for:
             return self._fused
-        if not (store.direct or self.use_fused is True) or not kernels.usable_on(store.device):
+        if not (store.direct or self.use_fused is True) or \
+                not kernels.usable_on(store.device, "update"):
             self._fused_for, self._fused = key, None
             return None
         fn = kernels.fused_update_for(self.cls, self.group, self.names, self.table.compute_dtype)

@@ -115,7 +115,7 @@ class RowCache:
         one over the sets' ways: a hot row that loses its set's turn comes back at a later
         step."""
         self.tick += 1
-        if self.use_kernels and kernels.usable_on(self.device):
+        if self.use_kernels and kernels.usable_on(self.device, "admission"):
             # two kernels, the same decisions
             kernels.admit(ids, count, host, rows=self.rows, tags=self.tags, slot_of=self.slot_of,
                           freq=self.freq, stamp=self.stamp, tick=self.tick, best=self._best,
@@ -168,7 +168,7 @@ class RowCache:
 
     def _copy(self, src, sidx, dst, didx) -> None:
         """``dst[didx] = src[sidx]`` where both are >= 0."""
-        if kernels.usable_on(self.device):
+        if kernels.usable_on(self.device, "rows"):
             kernels.copy_rows(src, sidx, dst, didx)
             return
         keep = (sidx >= 0) & (didx >= 0)          # the CPU path: a sync costs nothing here

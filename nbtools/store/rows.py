@@ -140,7 +140,8 @@ def merge(batches: list, grads: list):
 def sums_in_fixed_order(grad: torch.Tensor, deterministic: bool = True) -> bool:
     """Whether :func:`sum_by_slot` sums ``grad`` with :func:`nbtools.kernels.segment_sum`
     (which can check the sums for inf/nan as it writes them: its ``found``)."""
-    return grad.device.type == "cuda" and deterministic and kernels.usable_on(grad.device) \
+    return grad.device.type == "cuda" and deterministic \
+        and kernels.usable_on(grad.device, "segsum") \
         and not (torch.is_grad_enabled() and grad.requires_grad)
 
 
@@ -370,7 +371,7 @@ class RowStore:
         in it, -1: read here), which the gather reads from instead."""
         stop = self.width if stop is None else stop
         cache_rows, slots = cached if cached is not None else (None, None)
-        if (self.direct or slots is not None) and kernels.usable_on(self.device):
+        if (self.direct or slots is not None) and kernels.usable_on(self.device, "rows"):
             out = into if into is not None else torch.empty(
                 batch.capacity, stop - start, dtype=self.host.tensor.dtype, device=self.device)
             if slots is None:

@@ -226,7 +226,7 @@ class WriteBehind(Tier):
             and rows.dtype == self.host.tensor.dtype \
             and rows.dim() == 2 and rows.shape[1] == self.width and rows.stride(1) == 1 \
             and (forced or rows.shape[0] * self.row_bytes >= self.WRITE_BEHIND_MIN_BYTES) \
-            and kernels.usable_on(self.device)
+            and kernels.usable_on(self.device, "rows")
 
     def write_behind(self, batch: RowBatch, rows: torch.Tensor, captures=()) -> None:
         """Write ``rows`` ([capacity, width], GPU memory: the step's gathered rows, which its
