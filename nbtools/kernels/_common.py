@@ -165,7 +165,8 @@ def probe(family: str, device: torch.device) -> None:
                 stamp=torch.zeros(5, **i64), tick=torch.ones(1, **i64),
                 best=torch.full((2,), -1, **i64), stats=torch.zeros(4, **i64), ways=2)
     elif family == "segsum":
-        k.segment_sum(rows, ids, ids, torch.empty(4, 16, device=device))
+        # four positions, one per slot: src, order and slot all of four rows
+        k.segment_sum(rows[:4], ids, ids, torch.empty(4, 16, device=device))
 
 
 @functools.lru_cache(maxsize=None)
