@@ -61,8 +61,8 @@ def describe(file=None) -> dict:
         from .tables import TableConfig
         free = gpu_free_bytes(torch.cuda.current_device())
         info["auto_gpu_budget_bytes"] = int(TableConfig.gpu_fraction * free)
-    from .kernels import _common as _kernels
-    info["kernels"] = _kernels.describe_line(resolve_device())
+    from .kernels import common as kernel_choice
+    info["kernels"] = kernel_choice.describe_line(resolve_device())
     lines = [
         info["nbtools"],
         f"python   {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",

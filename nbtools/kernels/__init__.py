@@ -18,7 +18,7 @@ CPU tensors, which is how CPU CI checks them against ``torch.optim``.
 
 This module is the host side: the launchers and what callers pass them. The ``@triton.jit``
 functions live in one private module per family, each imported with Triton on its first launch
-(:func:`nbtools.kernels._common.jit`): ``_rows`` (gather, write-back, patch, copy, take),
+(:func:`nbtools.kernels.common.jit`): ``_rows`` (gather, write-back, patch, copy, take),
 ``_update`` (the fused updates: one kernel, a rule per optimizer family), ``_admission`` (the
 GPU cache's admission, :func:`admit`) and ``_segsum`` (the fixed-order gradient sum,
 :func:`segment_sum`).
@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..devices import on
-from ._common import (FAMILIES, jit, plain_atomics, pow2, triton_cdiv, triton_ok,  # noqa: F401
+from .common import (FAMILIES, jit, plain_atomics, pow2, triton_cdiv, triton_ok,  # noqa: F401
                       usable_on)    # (public names)
 
 

@@ -2,12 +2,15 @@
 capability 6.0). ``FAKE_P100=unloadable`` (the default): each family's first launch fails as
 on a GPU that cannot load Triton's kernel images, so every fast path takes the torch path;
 ``FAKE_P100=capability``: only the capability is faked, so the kernels still run on the real
-GPU, with the admission's pre-sm_70 atomics."""
+GPU, with the admission's pre-sm_70 atomics.
+
+Importing the module changes nothing (the suite's doctest collection imports every file under
+tests/): the fakes go in at ``pytest_configure``, only where pytest loads it as a plugin."""
 import os
 
 import torch
 
-from nbtools.kernels import _common
+from nbtools.kernels import common
 
 _real = torch.cuda.get_device_capability
 
@@ -22,7 +25,8 @@ def _no_image(family, device):
                        "the device")
 
 
-torch.cuda.get_device_capability = _p100
-if os.environ.get("FAKE_P100", "unloadable") == "unloadable":
-    _common.probe = _no_image
-_common.forget()
+def pytest_configure(config):
+    torch.cuda.get_device_capability = _p100
+    if os.environ.get("FAKE_P100", "unloadable") == "unloadable":
+        common.probe = _no_image
+    common.forget()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nbtools import kernels
-from nbtools.kernels import _common
+from nbtools.kernels import common
 from nbtools.rowwise import PartialRowWiseAdam, RowWiseAdagrad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -176,16 +176,16 @@ def test_the_launchers_make_every_kernel_launch_recorded():
     assert len(_specialisations()) >= 40
 
 
-needs_triton = pytest.mark.skipif(not _common.triton_ok(), reason="needs Triton")
+needs_triton = pytest.mark.skipif(not common.triton_ok(), reason="needs Triton")
 
 
 def _compile(family, name, args, constexprs, warps, cc):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn = getattr(_common.jit(family), name)
+    fn = getattr(common.jit(family), name)
     if "PLAIN" in fn.arg_names:         # the admission's atomics take the target's form
-        constexprs = dict(constexprs, PLAIN=_common.plain_atomics_for(divmod(cc, 10)))
+        constexprs = dict(constexprs, PLAIN=common.plain_atomics_for(divmod(cc, 10)))
     signature, consts = _signature(fn, args, constexprs)
     src = ASTSource(fn=fn, signature=signature, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
@@ -219,6 +219,6 @@ def test_every_specialisation_builds_where_usable_on_says_it_runs(cc):
     failed = json.loads(got.stdout.strip().splitlines()[-1])
     if cc >= 70:
         assert not failed, failed
-    builds = {f: f not in failed for f in _common.FAMILIES}
-    answer = {f: _common.family_ok_for_capability(f, divmod(cc, 10)) for f in _common.FAMILIES}
+    builds = {f: f not in failed for f in common.FAMILIES}
+    answer = {f: common.family_ok_for_capability(f, divmod(cc, 10)) for f in common.FAMILIES}
     assert answer == builds, failed

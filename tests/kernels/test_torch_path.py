@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nbtools import kernels
-from nbtools.kernels import _common
+from nbtools.kernels import common
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -33,16 +33,16 @@ def fake_gpu(monkeypatch):
         if family in got["fails"]:
             raise RuntimeError("Triton Error [CUDA]: no kernel image is available for "
                                "execution on the device\nmore detail")
-    monkeypatch.setattr(_common, "triton_ok", lambda: True)
-    monkeypatch.setattr(_common, "probe", probe)
+    monkeypatch.setattr(common, "triton_ok", lambda: True)
+    monkeypatch.setattr(common, "probe", probe)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: got["capability"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla P100-PCIE-16GB")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("NBTOOLS_KERNELS", raising=False)
-    _common.forget()
+    common.forget()
     yield got
-    _common.forget()
+    common.forget()
 
 
 GPU = torch.device("cuda", 0)
@@ -73,11 +73,11 @@ def test_a_family_whose_first_launch_fails_takes_the_torch_path_said_once(fake_g
         assert kernels.usable_on(GPU, "rows") and kernels.usable_on(GPU, "update")
         assert not kernels.usable_on(GPU)         # not every family
         assert not kernels.usable_on(GPU, "admission")
-    assert "torch path for admission" in _common.describe_line(GPU)
+    assert "torch path for admission" in common.describe_line(GPU)
 
 
 def test_a_gpu_older_than_a_familys_minimum_never_launches_it(fake_gpu, monkeypatch):
-    monkeypatch.setitem(_common.MIN_CAPABILITY, "update", (7, 0))
+    monkeypatch.setitem(common.MIN_CAPABILITY, "update", (7, 0))
     fake_gpu["capability"] = (6, 1)
     with pytest.warns(RuntimeWarning, match=r"update \(needs sm_70\)"):
         assert not kernels.usable_on(GPU, "update")
@@ -86,9 +86,9 @@ def test_a_gpu_older_than_a_familys_minimum_never_launches_it(fake_gpu, monkeypa
 
 
 def test_every_family_builds_for_sm_60_and_admission_takes_plain_atomics_there():
-    assert all(_common.family_ok_for_capability(f, (6, 0)) for f in kernels.FAMILIES)
-    assert _common.plain_atomics_for((6, 0)) and _common.plain_atomics_for((6, 1))
-    assert not _common.plain_atomics_for((7, 0))
+    assert all(common.family_ok_for_capability(f, (6, 0)) for f in kernels.FAMILIES)
+    assert common.plain_atomics_for((6, 0)) and common.plain_atomics_for((6, 1))
+    assert not common.plain_atomics_for((7, 0))
 
 
 def test_the_environment_forces_the_torch_path(fake_gpu, monkeypatch):
@@ -96,7 +96,7 @@ def test_the_environment_forces_the_torch_path(fake_gpu, monkeypatch):
     assert not any(kernels.usable_on(d, f) for d in (GPU, torch.device("cpu"))
                    for f in kernels.FAMILIES)
     assert fake_gpu["probed"] == []
-    assert "NBTOOLS_KERNELS=torch" in _common.describe_line(GPU)
+    assert "NBTOOLS_KERNELS=torch" in common.describe_line(GPU)
     monkeypatch.setenv("NBTOOLS_KERNELS", "triton")
     with pytest.raises(ValueError, match="'auto' or 'torch', got 'triton'"):
         kernels.usable_on(GPU)
@@ -111,14 +111,14 @@ FAST_PATH_TESTS = ["tests/test_optim.py", "tests/test_cache.py", "tests/test_ste
                    "tests/test_loader.py"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not _common.triton_ok(),
+@pytest.mark.skipif(not torch.cuda.is_available() or not common.triton_ok(),
                     reason="needs CUDA and Triton")
 @pytest.mark.parametrize("mode", ["unloadable", "capability"])
 def test_the_fast_path_tests_pass_on_a_p100(mode):
     env = dict(os.environ, FAKE_P100=mode,
                PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("NBTOOLS_KERNELS", None)
-    check = ("import fake_p100, torch; from nbtools.kernels import _common as c; "
+    check = ("import fake_p100, torch; from nbtools.kernels import common as c; "
              "print(sorted(f for f, w in c.unavailable(torch.device('cuda')).items() if w))")
     got = subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
