@@ -90,7 +90,7 @@ for run in "${RUNS[@]}"; do
       "${args[@]}" >> "$OUT/run.log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
-  "$PY" - "$OUT/$out.ipynb" "$out" "$rc" "$seconds" >> "$OUT/summary.txt" <<'EOF'
+  "$PY" - "$OUT/$out.ipynb" "$out" "$rc" "$seconds" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, re, sys
 path, name, rc, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 why = {0: "ok", 124: "TIMED OUT", 1: "FAILED (a cell raised; see run.log)"}.get(rc, f"exit {rc}")
@@ -102,15 +102,16 @@ except (OSError, ValueError):
 meta = nb["metadata"].get("nbtools", {})
 text = "".join("".join(o.get("text", "")) for c in nb["cells"] if c["cell_type"] == "code"
                for o in c.get("outputs", []) if o.get("output_type") == "stream")
-sizes = re.findall(r"^(\S.* of (?:tables|rows)[^\n]*)$", text, re.M)
+# what the tables take: nbtools.plan's line, and sizing.against_gpu's
+sizes = re.findall(r"^(\s+table .* = .*|\S.* of (?:tables|rows)[^\n]*: [\d.]+x a 16 GB T4.*)$",
+                   text, re.M)
 figures = sum("image/png" in o.get("data", {}) for c in nb["cells"] if c["cell_type"] == "code"
               for o in c.get("outputs", []))
 print(f"{name}: {why}, {seconds} s, GPU {meta.get('gpu')} ({meta.get('gpu_memory_gib')} GiB), "
       f"{figures} figure(s), {len(open(path, 'rb').read()) / 2**20:.2f} MiB")
-for line in sizes[:2]:
-    print(f"    {line}")
+for line in sizes[:3]:
+    print(f"    {line.strip()}")
 EOF
-  tail -n 3 "$OUT/summary.txt"
   [ "$rc" != 0 ] && [ "$status" = 0 ] && status=$rc
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
