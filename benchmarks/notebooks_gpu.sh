@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 BUDGET_S="${BUDGET_S:-530}"
 OFFLINE="$(cd "${NBTOOLS_OFFLINE:-.scratch/offline}" 2>/dev/null && pwd || true)"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NBTOOLS_DRIVE_DIR="${NBTOOLS_DRIVE_DIR:-$PWD/artifacts/notebooks-gpu-drive}"   # "Drive"
 export MPLBACKEND=Agg
@@ -93,7 +93,8 @@ for run in "${RUNS[@]}"; do
   "$PY" - "$OUT/$out.ipynb" "$out" "$rc" "$seconds" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, re, sys
 path, name, rc, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-why = {0: "ok", 124: "TIMED OUT", 1: "FAILED (a cell raised; see run.log)"}.get(rc, f"exit {rc}")
+why = {0: "ok", 124: "TIMED OUT", 137: "TIMED OUT (killed)",
+       1: "FAILED (a cell raised; see run.log)"}.get(rc, f"exit {rc}")
 try:
     nb = json.load(open(path))
 except (OSError, ValueError):
