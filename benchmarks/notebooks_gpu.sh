@@ -56,10 +56,10 @@ disk=()
 RUNS=(
   "word2vec     word2vec               120"
   "recommender  recommender            120"
-  "dashboard    dashboard               60"
+  "dashboard    dashboard               90"
   "disk         disk                   100"
   "word2vec     word2vec-past_t4       150"
-  "recommender  recommender-past_t4    180"
+  "recommender  recommender-past_t4    200"
 )
 start=$(date +%s)
 status=0

@@ -461,7 +461,8 @@ def run(path: Path, out_path: Path, sets: dict, *, cwd: Path | None = None,
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n",
+                   encoding="utf-8")          # as nbformat writes it
     tmp.replace(out_path)
     if failure is not None:
         raise failure

@@ -18,9 +18,9 @@ MAX_BYTES = 5 << 20          # a shipped notebook, outputs included
 
 
 def _notebook(path: Path, *sources: str) -> Path:
-    cells = [{"cell_type": "markdown", "metadata": {}, "source": ["# a title"]}]
-    cells += [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-               "source": s.splitlines(True)} for s in sources]
+    cells = [{"cell_type": "markdown", "id": "title", "metadata": {}, "source": ["# a title"]}]
+    cells += [{"cell_type": "code", "id": f"code-{i}", "metadata": {}, "execution_count": None,
+               "outputs": [], "source": s.splitlines(True)} for i, s in enumerate(sources)]
     path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
                                 "nbformat_minor": 5}))
     return path
@@ -29,7 +29,8 @@ def _notebook(path: Path, *sources: str) -> Path:
 def _run(src: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RUNNER), str(src), "-o", str(out), "--quiet",
                            *args], capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg", "HOME": str(out.parent)})
+                          env={"PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg",
+                               "HOME": str(out.parent)})
 
 
 def _code(nb) -> list:
@@ -74,6 +75,11 @@ def test_runs_cells_in_one_namespace_and_keeps_their_outputs(tmp_path):
     assert meta["run"] == "full" and meta["completed"] is True
     assert meta["parameters"] == {"SMOKE": "False"}
     assert {"gpu", "gpu_memory_gib", "date", "commit", "seconds"} <= set(meta)
+    try:                              # where nbformat is installed (not needed to run notebooks)
+        import nbformat
+    except ImportError:
+        return
+    nbformat.validate(nbformat.read(tmp_path / "out.ipynb", as_version=4))
 
 
 def test_a_cell_that_raises_stops_the_run_and_is_named(tmp_path):
