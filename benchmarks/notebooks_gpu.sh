@@ -40,7 +40,7 @@ else
   SETS+=(--set SMOKE=False)
 fi
 text=() ratings=()
-if [ -n "$OFFLINE" ]; then
+if [ -n "$OFFLINE" ] && [ "$label" = full ]; then     # the smoke setting uses bundled samples
   for f in text8.zip corpus.txt.zip; do
     if [ -f "$OFFLINE/$f" ]; then text=(--set "DATA_PATH='$OFFLINE/$f'"); break; fi
   done
