@@ -794,6 +794,35 @@ def load_text8(path, *, min_count: int = 5, max_vocab: int | None = None,
                   torch.tensor([counts[w] for w in vocab], dtype=torch.int64))
 
 
+def bigram_corpus(corpus: Corpus, min_count: int = 1) -> Corpus:
+    """The corpus as a sequence of overlapping word pairs: token ``t`` is ``word[t]_word[t+1]``.
+
+    word2phrase joins a pair into one token when it is frequent enough; this keeps every pair
+    seen ``min_count`` times or more (the others are dropped), so its vocabulary is the pairs a
+    corpus holds: about 2.9 million in 10.9 million words of English. Ids are ranks, 0 the most
+    frequent pair, as :func:`load_text8` numbers words.
+
+    >>> c = Corpus(torch.tensor([0, 1, 0, 1, 2]), ["a", "b", "c"], torch.tensor([2, 2, 1]))
+    >>> b = bigram_corpus(c)
+    >>> b.vocab, b.ids.tolist(), b.counts.tolist()
+    (['a_b', 'b_a', 'b_c'], [0, 1, 0, 2], [2, 1, 1])
+    """
+    ids = corpus.ids.numpy()
+    width = max(len(corpus.vocab), 1)
+    pairs = ids[:-1] * width + ids[1:]
+    unique, inverse, counts = np.unique(pairs, return_inverse=True, return_counts=True)
+    kept = np.flatnonzero(counts >= min_count)
+    order = kept[np.lexsort((unique[kept], -counts[kept]))]    # frequent first, then by id
+    rank = np.full(len(unique), -1, dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    new_ids = rank[inverse]
+    new_ids = new_ids[new_ids >= 0]
+    vocab = [f"{corpus.vocab[int(p // width)]}_{corpus.vocab[int(p % width)]}"
+             for p in unique[order]]
+    return Corpus(torch.from_numpy(np.ascontiguousarray(new_ids)), vocab,
+                  torch.from_numpy(counts[order].astype(np.int64)))
+
+
 def load(name_or_path, **kwargs):
     """Fetch a registry dataset (or take a local path) and load it: ``Ratings`` or ``Corpus``;
     for the word-vector evaluation sets (``"ws353"``, ``"simlex999"``, ``"questions-words"``
@@ -818,7 +847,9 @@ def load(name_or_path, **kwargs):
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise DatasetNotFoundError(_not_found_message(str(name_or_path)))
-        kind = "text" if "text8" in path.name or path.suffix == ".txt" else "ratings"
+        # text: text8's own name, or any .txt file (zipped too: a zip of one .txt file)
+        kind = "text" if "text8" in path.name or path.name.endswith((".txt", ".txt.zip")) \
+            else "ratings"
     return load_text8(path, **kwargs) if kind == "text" else load_ratings(path, **kwargs)
 
 
@@ -921,6 +952,62 @@ def make_ratings_sample(path, users: int = 300, genres: int = SAMPLE_GENRES,
         raise ValueError(f"{users} users leave {unrated} of the {genres * per_genre} items unrated, "
                          f"so item ids would no longer give genres; pass more users")
     Path(path).write_text("userId,movieId,rating,timestamp\n" + "\n".join(rows) + "\n")
+
+
+def make_planted_ratings(users: int, items: int, *, genres: int = SAMPLE_GENRES,
+                         per_user: int = 5, seed: int = 0, chunk: int = 1 << 24) -> Ratings:
+    """:func:`make_ratings_sample`'s planted genres at any size, drawn with torch in chunks:
+    tens of millions of users and items in seconds, as :class:`Ratings` (no file).
+
+    Item ``i`` is of genre ``i * genres // items``. Each user has one or two favourite genres
+    and rates ``per_user`` items, 85% of them from a favourite genre and the rest from any
+    genre; within a genre, its ``j``-th item is drawn with weight ``1 / (j + 1) ** 0.8`` (a
+    few popular items, a long tail). A rating is 4 for a favourite genre's item and 2.5 for
+    another's, plus the item's quality, the user's bias and noise, rounded to half stars,
+    clipped to 0.5-5. Timestamps are a random order within each user, so
+    :func:`~nbtools.models.leave_last_out` holds out an item like the others. A user may draw
+    an item twice (rare past a few thousand items a genre).
+
+    >>> r = make_planted_ratings(1_000, 400, genres=4, per_user=6)
+    >>> r.num_users, r.num_items, r.user_ids.numel()
+    (1000, 400, 6000)
+    """
+    if users < 1 or items < genres or per_user < 1:
+        raise ValueError(f"make_planted_ratings(users={users}, items={items}, genres={genres}, "
+                         f"per_user={per_user}): needs users >= 1, items >= genres, per_user >= 1")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.arange(genres + 1, dtype=torch.int64) * items // genres   # genre g's items
+    sizes = starts[1:] - starts[:-1]
+    # within a genre, the item at rank j with weight 1 / (j + 1) ** 0.8: inverse CDF of the
+    # largest genre's weights, scaled to each genre's size
+    widest = int(sizes.max())
+    cdf = torch.cumsum(1.0 / torch.arange(1, widest + 1, dtype=torch.float64) ** 0.8, 0)
+    cdf /= cdf[-1].clone()
+    quality = torch.randn(items, generator=g) * 0.4
+    bias = torch.randn(users, generator=g) * 0.3
+    first = torch.randint(genres, (users,), generator=g)
+    second = torch.where(torch.rand(users, generator=g) < 0.5, first,
+                         torch.randint(genres, (users,), generator=g))   # one or two favourites
+    n = users * per_user
+    user_ids = torch.arange(users, dtype=torch.int64).repeat_interleave(per_user)
+    item_ids = torch.empty(n, dtype=torch.int64)
+    ratings = torch.empty(n, dtype=torch.float32)
+    for lo in range(0, n, chunk):
+        u = user_ids[lo:lo + chunk]
+        m = u.numel()
+        pick = torch.where(torch.rand(m, generator=g) < 0.5, first[u], second[u])
+        genre = torch.where(torch.rand(m, generator=g) < 0.85, pick,
+                            torch.randint(genres, (m,), generator=g))
+        rank = torch.searchsorted(cdf, torch.rand(m, generator=g, dtype=torch.float64))
+        rank = (rank * sizes[genre] // widest).clamp_max(sizes[genre] - 1)
+        item = starts[genre] + rank
+        favourite = (genre == first[u]) | (genre == second[u])
+        score = (3.0 + torch.where(favourite, 1.0, -0.5) + quality[item] + bias[u]
+                 + torch.randn(m, generator=g) * 0.4)
+        item_ids[lo:lo + m] = item
+        ratings[lo:lo + m] = (score * 2).round().clamp(1, 10) / 2
+    timestamps = 1_000_000_000 + torch.randint(10 * 365 * 86_400, (n,), generator=g)
+    return Ratings(user_ids, item_ids, ratings, users, items, timestamps)
 
 
 # --- word-vector evaluation files (nbtools.models.wordsim scores them) ---------------------------

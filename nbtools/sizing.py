@@ -150,3 +150,23 @@ def rows_for(times_ram: float, dim: int, optimizer, *, dtype=torch.float32, ram_
 
 
 __all__ = ["Sizing", "rows_for", "file_row_bytes", "ROW_MAP_BYTES"]
+
+
+T4_BYTES = 16 * 10**9    # the smallest GPU a notebook is likely to get (Colab's free T4): 16 GB
+
+
+def against_gpu(nbytes: int, what: str = "tables and optimizer state") -> str:
+    """``nbytes`` against a 16 GB T4 and against this machine's GPU, in one line.
+
+    >>> against_gpu(20 * 10**9).startswith("18.6 GiB of tables and optimizer state: 1.25x a 16 GB T4")
+    True
+    """
+    line = f"{human_bytes(nbytes)} of {what}: {nbytes / T4_BYTES:.2f}x a 16 GB T4"
+    from .devices import cuda_ok
+    if cuda_ok():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        line += (f", {nbytes / props.total_memory:.2f}x this GPU's {human_bytes(props.total_memory)}"
+                 f" ({props.name})")
+    else:
+        line += "; no GPU here"
+    return line

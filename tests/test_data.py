@@ -611,3 +611,43 @@ def test_deflated_text8_sample_loads_as_the_plain_file(tmp_path):
         f.write(data.SAMPLES_DIR / "text8-sample.txt", "text8")
     got, want = data.load_text8(z), data.load("text8-sample")
     assert got.vocab == want.vocab and torch.equal(got.ids, want.ids)
+
+
+def test_planted_ratings_carry_their_genres():
+    """Each user's ratings come mostly from one or two favourite genres (85% of draws), and a
+    favourite genre's items are rated higher: structure a recommender can learn, at any size."""
+    genres, items = 8, 800
+    r = data.make_planted_ratings(2_000, items, genres=genres, per_user=20, seed=1)
+    assert (r.num_users, r.num_items, r.user_ids.numel()) == (2_000, items, 40_000)
+    assert 0 <= int(r.item_ids.min()) and int(r.item_ids.max()) < items
+    genre = r.item_ids * genres // items
+    per_user = torch.zeros(r.num_users, genres).index_put_(
+        (r.user_ids, genre), torch.ones(len(genre)), accumulate=True)
+    top2 = per_user.topk(2, dim=1).values.sum(1) / per_user.sum(1)
+    assert float(top2.mean()) > 0.8            # uniform genres would give 2/8
+    favourite = per_user[r.user_ids, genre] >= per_user.topk(2, dim=1).values[r.user_ids, 1]
+    assert float(r.ratings[favourite].mean()) > float(r.ratings[~favourite].mean()) + 1.0
+    assert set((r.ratings * 2).unique().tolist()) <= set(range(1, 11))   # half stars, 0.5-5
+    again = data.make_planted_ratings(2_000, items, genres=genres, per_user=20, seed=1)
+    assert torch.equal(again.item_ids, r.item_ids) and torch.equal(again.ratings, r.ratings)
+
+
+def test_bigram_corpus_pairs_each_word_with_the_next(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(" the cat sat on the mat the cat ran")
+    words = data.load(path, min_count=1)
+    pairs = data.bigram_corpus(words)
+    assert pairs.vocab[0] == "the_cat" and int(pairs.counts[0]) == 2
+    tokens = [pairs.vocab[i] for i in pairs.ids.tolist()]
+    assert tokens == ["the_cat", "cat_sat", "sat_on", "on_the", "the_mat", "mat_the", "the_cat",
+                      "cat_ran"]
+    assert data.bigram_corpus(words, min_count=2).vocab == ["the_cat"]
+    assert data.bigram_corpus(words, min_count=2).ids.tolist() == [0, 0]
+
+
+def test_a_zipped_txt_loads_as_text(tmp_path):
+    z = tmp_path / "corpus.txt.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("corpus.txt", " b a c a b a d")
+    c = data.load(z, min_count=2)
+    assert c.vocab == ["a", "b"] and c.ids.tolist() == [1, 0, 0, 1, 0]

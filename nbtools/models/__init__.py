@@ -37,7 +37,7 @@ from ..optim import OffloadOptimizer  # noqa: F401  (the doctest above uses it)
 from . import wordsim
 from .ranking import (Interactions, full_ranking_metrics, interactions_of, kfold, leave_last_out,
                       per_user_split, popularity_scores, ranking_metrics, rating_metrics, recency,
-                      sample_candidates, train_valid_test)
+                      sample_candidates, sample_users, train_valid_test)
 from .recommender import (RANKING_DEFAULTS, RATINGS_DEFAULTS, MatrixFactorization, MFConfig,
                           choose_config, evaluate_rmse, fit, holdout, recency_weights)
 from .synthetic import SyntheticConfig, SyntheticData, gap_normalised, make_synthetic
@@ -49,7 +49,8 @@ __all__ = ["SkipGram", "SkipGramConfig", "CorpusLoader", "MatrixFactorization", 
            "train", "TrainConfig", "pairs_from_corpus", "count_pairs", "keep_probabilities",
            "evaluate_rmse", "holdout", "wordsim"]
 __all__ += ["fit", "Interactions", "leave_last_out", "per_user_split", "kfold", "train_valid_test",
-            "sample_candidates", "ranking_metrics", "full_ranking_metrics", "rating_metrics",
+            "sample_candidates", "sample_users", "ranking_metrics", "full_ranking_metrics",
+            "rating_metrics",
             "popularity_scores", "SyntheticConfig", "SyntheticData", "make_synthetic",
             "gap_normalised"]
 # the measured recommender settings (benchmarks/RESULTS.md, "Recommender"), and the

@@ -130,6 +130,22 @@ def take(r: Ratings, index) -> Ratings:
                    r.num_items, times)
 
 
+def sample_users(r: Ratings, n: int | None, *, seed: int = 0) -> Ratings:
+    """``n`` of ``r``'s interactions drawn without replacement (all of them when ``n`` is None
+    or not smaller): an evaluation on a sample of held-out users, where scoring every user
+    would take longer than training.
+
+    >>> r = Ratings(torch.arange(10), torch.arange(10), torch.ones(10), 10, 10)
+    >>> sample_users(r, 3).user_ids.numel(), sample_users(r, None).user_ids.numel()
+    (3, 10)
+    """
+    total = r.user_ids.numel()
+    if n is None or n >= total:
+        return r
+    index = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]
+    return take(r, index.sort().values)
+
+
 def _user_order(r: Ratings, by_time: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Interaction indices grouped by user, each user's in time order (ties: file order) or in
     a seeded random order; and each interaction's position within its user."""
