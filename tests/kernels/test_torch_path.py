@@ -128,3 +128,18 @@ def test_the_fast_path_tests_pass_on_a_p100(mode):
                           "-p", "no:cacheprovider", *FAST_PATH_TESTS], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_importing_the_fake_p100_plugin_changes_nothing():
+    """The suite's doctest collection imports every file under tests/: the plugin must fake a
+    P100 only where pytest loads it (``-p fake_p100``), or every later CUDA test of that
+    process takes the torch path."""
+    check = ("import torch; real = (torch.cuda.get_device_capability, "
+             "__import__('nbtools.kernels.common', fromlist=['probe']).probe); "
+             "import fake_p100; from nbtools.kernels import common; "
+             "print(torch.cuda.get_device_capability is real[0], common.probe is real[1])")
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    got = subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.split() == ["True", "True"], got.stderr[-2000:]
