@@ -12,7 +12,9 @@
 #              file's spare slots are used up and its cleaner runs, ~9 minutes), tiers (a
 #              10 GiB GPU cache above the 7 GiB RAM cache against RAM alone, in one run,
 #              ~8 minutes: make it a call of its own), sizes (1M and 10M rows: the step
-#              against its floor does not grow with the table)
+#              against its floor does not grow with the table), colab (a fresh 20M-row disk
+#              table's GPU level warmed from the stream's shares against starting cold, its
+#              first 182 steps, on 2 cores as on Colab's free tier: ~2 x 4 minutes)
 # Results go to $OUT (default artifacts/gpu): logs, each script's JSON, status.tsv.
 # The machine's own torch is used, never replaced: pure-Python wheels carried in .whl/ (e.g.
 # pytest-xdist and execnet on a machine without network) are installed into /tmp/site with
@@ -103,6 +105,14 @@ if [ "$what" = disk ]; then
           --rounds 3 --cache-gib "$(python3 -c "print(round(7 * $rows / 1e8, 4))")" \
           --host-compare --dir "$dir" --age-s 30 --also-ahead "" --uniform-steps 12 \
           --uniform-rounds 1 --out "$out/rows$rows"
+        rm -rf "$dir"
+      done ;;
+    colab)   # warm from the start: the GPU level's first steps, counts known, against cold
+      for start in shares cold; do
+        run "colab-$start/disk" 290 taskset -c 0,1 python3 benchmarks/bench_disk.py \
+          --rows 20000000 --cache-gib 1.4 --gpu-cache-gib 2 --gpu-start $start --gpu-settle 0 \
+          --gpu-rounds 1 --steps 182 --uniform-rounds 0 --also-ahead "" --dir "$dir" \
+          --out "$out/colab-$start"
         rm -rf "$dir"
       done ;;
   esac
