@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The benchmarks as on Colab's free tier, beside the same runs unrestricted, in one call:
+#   bash benchmarks/colab_profile.sh [--quick]
+# "colab": 2 cores (taskset -c 0,1), a 12 GiB host budget (NBTOOLS_HOST_BUDGET) and a GPU capped at
+# 15 GiB (NBTOOLS_GPU_CAP_GIB, through benchmarks/colab/sitecustomize.py, child processes too);
+# "full": the machine as it is. Runs: the step (a host table and a GPU-placed one), word2vec
+# (host and placement="auto", one epoch of CORPUS, default .scratch/offline/corpus.txt.zip, the
+# first 5M tokens), and a fresh 20M-row disk table whose GPU level is warmed from the stream's
+# shares, its first 182 steps. Results: $OUT (default artifacts/colab), one JSON folder per run,
+# and a table of colab / full per figure at the end (benchmarks/colab/compare.py).
+# --quick: the scripts' smoke sizes (any machine, a CPU included).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-artifacts/colab}
+quick=${1:-}
+mkdir -p "$out"
+if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi   # (this machine's; a GPU machine has its own)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=$(command -v python3 || command -v python)
+corpus=${CORPUS:-.scratch/offline/corpus.txt.zip}
+status=0
+
+# one NAME LIMIT_S COMMAND...: run COMMAND as "full" and as "colab", output under $out/<profile>/NAME
+one() {
+  local name=$1 limit=$2 profile rc
+  shift 2
+  for profile in full colab; do
+    mkdir -p "$out/$profile"
+    echo "=== $profile $name"
+    if [ $profile = colab ]; then
+      timeout "$limit" env NBTOOLS_HOST_BUDGET=12GiB NBTOOLS_GPU_CAP_GIB=15 \
+        PYTHONPATH="$PWD/benchmarks/colab:$PYTHONPATH" taskset -c 0,1 "$@" --out "$out/$profile" \
+        > "$out/$profile/$name.log" 2>&1
+    else
+      timeout "$limit" "$@" --out "$out/$profile" > "$out/$profile/$name.log" 2>&1
+    fi
+    rc=$?
+    tail -4 "$out/$profile/$name.log"
+    [ $rc = 0 ] || { echo "    exit $rc"; status=$rc; }
+  done
+}
+
+if [ "$quick" = --quick ]; then
+  one step 300 "$py" benchmarks/bench_step.py --quick
+  one word2vec 300 "$py" benchmarks/bench_word2vec.py --quick --systems host,gpu
+  one disk 300 "$py" benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02 \
+    --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead "" \
+    --dir /tmp/nbtools-colab-disk
+else
+  gz=/tmp/nbtools-colab-corpus.txt.gz
+  [ -f "$gz" ] || "$py" -c "import gzip, shutil, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1]); src = z.open(z.namelist()[0])
+shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
+  one step 200 "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu"
+  one word2vec 200 "$py" benchmarks/bench_word2vec.py --systems host,gpu --epochs 1 \
+    --corpus "$gz" --max-tokens 5000000
+  one disk 290 "$py" benchmarks/bench_disk.py --rows 20000000 --cache-gib 1.4 --gpu-cache-gib 2 \
+    --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 182 --uniform-rounds 0 \
+    --also-ahead "" --dir /tmp/nbtools-colab-disk
+fi
+rm -rf /tmp/nbtools-colab-disk
+"$py" benchmarks/colab/compare.py "$out"
+exit $status
