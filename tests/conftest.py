@@ -246,6 +246,25 @@ def gpu_skip_reason(needed: int, found: int) -> str:
     return f"needs {needed} CUDA GPUs, found {found}"
 
 
+def pytest_runtest_setup(item):
+    """``@pytest.mark.kernels(family)``: the test checks what only ``family``'s Triton kernels
+    do (late checks, step graphs, write-behind ride on the fused update): skipped on a device
+    where they do not run (the CPU without Triton's interpreter, a GPU whose kernels cannot load,
+    as tests/kernels/fake_p100.py makes one), on the test's ``device`` (CUDA where it has none)."""
+    marker = item.get_closest_marker("kernels")
+    if marker is None:
+        return
+    import torch
+    from nbtools import kernels
+    params = getattr(item, "callspec", None)
+    device = torch.device(params.params.get("device", "cuda") if params else "cuda")
+    if device.type == "cuda" and not cuda_ok():
+        return                  # (the gpu marker, or the device parameter, skips it already)
+    family = marker.args[0] if marker.args else "update"
+    if not kernels.usable_on(device, family):
+        pytest.skip(f"needs the {family} kernels, which do not run on {device} here")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: FIRST.get(item.path.name, len(FIRST)))     # stable

@@ -28,8 +28,8 @@ def insist(cls, fused):
 
 
 def expect_fused(cls, fused, device) -> bool:
-    return fused == "auto" and cls in FUSABLE and (torch.device(device).type == "cuda"
-                                                   or CPU_KERNELS)
+    return fused == "auto" and cls in FUSABLE and kernels.usable_on(torch.device(device),
+                                                                    "update")
 N, D = 120, 4
 
 # every supported optimizer (test_optim's list: fused and generic paths, non-zero initial state)

@@ -26,8 +26,6 @@ from nbtools.store.rows import unique_ids
 from test_optim import (CASES, DIM, ROWS, O, batches, frozen_reference, loss_of, make_table,
                         run_offloaded, targets)
 
-needs_triton = pytest.mark.skipif(not kernels.usable_on(torch.device("cpu")) and not
-                                  torch.cuda.is_available(), reason="Triton is not installed")
 
 FUSED = [(c, kw) for c, kw in CASES if c in (O.SGD, O.Adam, O.AdamW, O.Adagrad)] + \
     [(O.SGD, dict(lr=0.1, momentum=0.9, maximize=True)), (O.SparseAdam, dict(lr=0.05)),
@@ -62,7 +60,7 @@ def run(cls, kw, device, init, id_batches, tgts, fused, split=False):
     return opt.tables["t"], opt
 
 
-@needs_triton
+@pytest.mark.kernels
 @pytest.mark.parametrize("split", [False, True], ids=["one-lookup", "two-lookups"])
 @pytest.mark.parametrize("cls,kw", FUSED, ids=FUSED_IDS)
 def test_fused_matches_frozen_rows_reference_and_generic_path(cls, kw, split, device):
@@ -82,7 +80,7 @@ def test_fused_matches_frozen_rows_reference_and_generic_path(cls, kw, split, de
     assert all(float(fs[k]) == float(gs[k]) for k in fs)
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_fused_sparse_adam_matches_torch_sparse_adam(device):
     init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(31))
     id_batches, tgts = batches(15, full_first=False, seed=32), targets(15, seed=33)
@@ -97,7 +95,7 @@ def test_fused_sparse_adam_matches_torch_sparse_adam(device):
     torch.testing.assert_close(table.weight.cpu(), ref.weight.detach().cpu(), rtol=1e-5, atol=2e-6)
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_fused_follows_a_scheduler_and_resumes_into_the_generic_path(device):
     init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(41))
     id_batches, tgts = batches(12, full_first=False, seed=42), targets(12, seed=43)
@@ -278,7 +276,7 @@ def scalar_steps(opt):
     return {n: int(t["scalar_state"]["step"]) for n, t in opt.state_dict()["tables"].items()}
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_late_checks_train_exactly_as_checks_every_step(device):
     torch.manual_seed(0)
     model = Dot(device)
@@ -294,7 +292,7 @@ def test_late_checks_train_exactly_as_checks_every_step(device):
     assert scalar_steps(late) == scalar_steps(every) == {"users": 4, "items": 4}
 
 
-@needs_triton
+@pytest.mark.kernels
 @pytest.mark.parametrize("fault", ["id", "nan"])
 def test_late_checks_raise_at_the_next_step_and_nothing_is_written(fault, device):
     """A bad step's step() returns (its flags are read at the next step) but writes nothing;
@@ -325,7 +323,7 @@ def test_late_checks_raise_at_the_next_step_and_nothing_is_written(fault, device
     assert scalar_steps(opt) == scalar_steps(ref) == {"users": 2, "items": 2}
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_synchronize_and_state_dict_read_a_last_bad_step(device):
     model = Dot(device)
     opt = fused_opt(model, device)
@@ -341,7 +339,7 @@ def test_synchronize_and_state_dict_read_a_last_bad_step(device):
         opt.synchronize()
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_checks_are_read_in_the_step_where_late_is_not_safe(device):
     """nonfinite="skip" (a skipped step's step count must not advance) and a model with
     ordinary parameters (torch's optimizer cannot wait on the GPU's flags) read them at once."""
@@ -486,6 +484,7 @@ def test_one_host_sync_per_step():
     assert len(syncs) <= 5, syncs
 
 
+@pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["host", "gpu"])
 def test_late_checks_never_wait_for_the_gpu(placement):
@@ -521,6 +520,7 @@ def test_late_checks_never_wait_for_the_gpu(placement):
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement,kind", [("gpu", "adamw"), ("host", "adamw"),
                                             ("host", "cache+bf16"), ("gpu", "sgd")])
+@pytest.mark.kernels
 def test_step_graphs_train_exactly_as_eager_steps(placement, kind):
     """Once a step repeats (its tensors back at the same addresses), its checks and fused
     updates replay as two CUDA graphs. Training is bit-identical to queueing them op by op,
@@ -557,6 +557,7 @@ def test_step_graphs_train_exactly_as_eager_steps(placement, kind):
     assert_tables_equal(*out)
 
 
+@pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("fault", ["id", "nan"])
 def test_step_graphs_still_stop_a_bad_step(fault):
@@ -655,7 +656,7 @@ def train_behind(device, behind, kind, steps=14, rows=40, n=24, seed=3):
             torch.stack(seen), wrote_behind)
 
 
-@needs_triton
+@pytest.mark.kernels
 @pytest.mark.parametrize("kind", ["adam", "sgd", "adagrad", "bf16"])
 def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_write_backs):
     """The update writes the gathered rows in GPU memory and they go back to host memory
@@ -673,7 +674,7 @@ def test_write_behind_trains_exactly_as_writing_host_rows(kind, device, slow_wri
         assert torch.equal(st[k], st0[k]), k
 
 
-@needs_triton
+@pytest.mark.kernels
 def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs):
     """A table whose steps switch between writing behind and writing in the update (as a
     step under 8 MiB does, the last partial batch of an epoch): an update that writes host
@@ -702,7 +703,7 @@ def test_steps_writing_behind_then_through_then_behind(device, slow_write_backs)
     assert_tables_equal(*out)
 
 
-@needs_triton
+@pytest.mark.kernels
 @pytest.mark.parametrize("fault", ["id", "nan"])
 def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_write_backs):
     if device.type == "cpu" and not kernels.usable_on(device):
@@ -731,6 +732,7 @@ def test_write_behind_still_writes_nothing_for_a_bad_step(fault, device, slow_wr
     assert_tables_equal(tables_of(opt), tables_of(ref))
 
 
+@pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_backs):
@@ -761,6 +763,7 @@ def test_write_behind_under_load_matches_writing_host_rows(graphs, slow_write_ba
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
+@pytest.mark.kernels
 @pytest.mark.gpu
 def test_write_behind_by_default_for_large_steps_of_plain_host_tables():
     """The default (write_behind=None): steps that write at least 8 MiB of rows of a table
