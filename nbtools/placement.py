@@ -394,5 +394,5 @@ def make_store(table):
         tier = DiskStore(table.disk, table.device)
         above = table.disk.above
         return tier if above is None else Cached(tier, above, writes_back=False)
-    tier = RowStore(table.storage, table.device)
+    tier = RowStore(table.storage, table.device, used=table.layout.used)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

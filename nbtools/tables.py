@@ -326,8 +326,8 @@ class OffloadedEmbedding(nn.Module):
         what :func:`nbtools.placement.regrow_for_state` made."""
         self._disk = disk
         self._host, self._state_names = new, list(names)
-        self._rows = self._store()
         self._layout = layout
+        self._rows = self._store()
         self.clear_pending()
         self.lookups.graphs.invalidate()
 

@@ -39,6 +39,15 @@ class DiskStore(RowStore):
     def step_queued(self) -> None:
         self.disk.step_queued()
 
+    def written(self, ids) -> None:
+        """(A disk table counts the rows written to its file itself: ``ids`` are slots.)"""
+
+    def whole(self, writes: bool = False):
+        """The table as a whole: its file under the RAM slots
+        (:class:`nbtools.disk.access.WholeTable`, which writes back what RAM and the GPU
+        level hold before it reads, and forgets their copies of what it writes)."""
+        return self.disk.whole
+
     def batch_of(self, table, ids, training: bool, key=None):
         """A lookup's :class:`RowBatch` of slots, its rows brought into RAM (:func:`lookup`),
         and the RAM slots it reads."""
