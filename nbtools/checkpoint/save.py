@@ -78,10 +78,10 @@ def plan(objects: dict, rng: bool, half: bool, cfg: CheckpointConfig, chains: di
          dir_name: str) -> SavePlan:
     """Encode the objects' states (and the RNG states) and decide how each tensor is stored,
     and each disk table's rows (every dirty row written back first); nothing is written
-    to the checkpoint yet. ``chains``: the manager's ``id(DiskRows) -> rows.Chain``."""
+    to the checkpoint yet. ``chains``: the manager's ``id(table rows) -> rows.Chain``."""
     packer = _tree.Packer()
     objects_tree = {}
-    tables = _rows.find(objects)
+    tables = _rows.find(objects, memory=False)
     with _rows.holding(tables, writable=False):     # their views become $rows nodes
         refs = packer.ref = _rows.Refs(tables)
         for name, obj in objects.items():
@@ -220,7 +220,7 @@ def report(step: int, final: Path, body: dict, plan: SavePlan, seconds: float,
     info = {"step": step, "path": str(final), "bytes": body["bytes"], "seconds": seconds,
             "bytes_per_s": body["bytes"] / seconds if seconds > 0 else None,
             "half": body["half"],
-            "disk_tables": {s.table.disk.name: {"kind": s.kind, "rows": s.count,
+            "disk_tables": {s.table.rows.name: {"kind": s.kind, "rows": s.count,
                                                 "needs": len(s.links)}
                             for s in plan.rows}}
     if verbose:
