@@ -53,6 +53,8 @@ from ..units import human_bytes
 from ..store.whole import WholeRows
 from .format import CheckpointError, Damaged, _dtype, dtype_name, _fadvise, open_regular
 
+NOTHING_CHANGED = ("Nothing was restored: every table, optimizer state, parameter and RNG "
+                   "state is as it was.")
 PIECE = 256 << 10          # bytes per checksummed piece of a delta (a restore holds one per delta)
 _ID = 8                    # bytes of a row id in a delta record
 
@@ -327,24 +329,26 @@ def match(items: list[dict], wanted: set, tables: list[Table], where: str) -> di
         live = [by_key[key] for key in item["keys"] if key in by_key]
         if not live:
             raise CheckpointError(
-                f"checkpoint {where} saved table {item['name']!r} (as "
-                f"{', '.join(item['keys'])}), and none of the objects restored here holds a "
-                "table there. Create the table (any placement: the same rows, dtype and "
-                "optimizer) and its optimizer before restore(), under the same names.")
+                f"checkpoint {where} does not fit: it saved table {item['name']!r} (as "
+                f"{', '.join(item['keys'])}), expected a table there, and none of the objects "
+                "restored here holds one. Create the table (any placement: the same rows, "
+                "dtype and optimizer) and its optimizer before restore(), under the same "
+                f"names. {NOTHING_CHANGED}")
         t = live[0]
         d = t.rows
         if any(x is not t for x in live[1:]):
-            raise CheckpointError(f"checkpoint {where}: {', '.join(item['keys'])} were one "
-                                  "table when saved, and are different tables here")
+            raise CheckpointError(f"checkpoint {where} does not fit: {', '.join(item['keys'])} "
+                                  "were one table when saved, and are different tables here. "
+                                  + NOTHING_CHANGED)
         have = (d.num_rows, d.row_bytes, d.width, dtype_name(d.dtype))
         want = (item["num_rows"], item["row_bytes"], item["width"], item["dtype"])
         if have != want:
             raise CheckpointError(
-                f"checkpoint {where}: table {item['name']!r} has {want[0]:,} rows of "
-                f"{want[2]} {want[3]} ({want[1]} bytes: weights and optimizer state), the live "
-                f"table {d.name!r} has {have[0]:,} rows of {have[2]} {have[3]} ({have[1]} "
-                "bytes). Create the table with the same size and dtype, and its optimizer (the "
-                "same class: its state is part of each row), before restore().")
+                f"checkpoint {where} does not fit table {d.name!r}: it holds {want[0]:,} rows "
+                f"of {want[2]} {want[3]} ({want[1]} bytes: weights and optimizer state), "
+                f"expected {have[0]:,} rows of {have[2]} {have[3]} ({have[1]} bytes). Create the "
+                "table with the same size and dtype, and its optimizer (the same class: its "
+                f"state is part of each row), before restore(). {NOTHING_CHANGED}")
         out[k] = t
     return out
 
