@@ -1,22 +1,26 @@
-"""Disk tables (``placement="disk"``) in checkpoints: their rows go file to file, never through
-RAM, as a full copy (a *base*) or as the rows changed since the previous save (a *delta*).
+"""Offloaded tables in checkpoints, whatever their placement: their rows are saved once per
+table, as a full copy (a *base*) or as the rows changed since the previous save (a *delta*),
+and reached only through the table's tier, as a whole (:meth:`nbtools.store.RowTier.whole`:
+tensor slices for rows in RAM or on the GPU, :class:`nbtools.disk.access.WholeTable` for a
+disk table's file, never read through RAM).
 
-A disk table's ``state_dict()`` (and its optimizer's) hands out views of the table file mapped
-into memory. While a checkpoint is being planned, each disk table holds one mapping
-(:meth:`nbtools.disk.DiskRows.hold_mapping`), so every view of it is recognised and saved as a
-``{"$rows": k, ...}`` node (which columns of table ``k``'s rows it is), never read. The rows
-themselves, weights and optimizer state together, are saved once per table:
+A table's ``state_dict()`` (and its optimizer's) hands out views of its rows (a disk table's:
+of its file mapped into memory). While a checkpoint is being planned, each table holds one
+mapping (the face's ``hold_mapping``), so every view of it is recognised and saved as a
+``{"$rows": k, ...}`` node (which columns of table ``k``'s rows it is), never read; a view of
+a table in memory that is not columns of every row is saved as a tensor of its own (of a
+disk table, refused). The rows themselves, weights and optimizer state together:
 
-* a **base**: every row, ``row_bytes`` each (not the file's 512-byte-aligned stride), read
-  from the table file in blocks of at most ``chunk_bytes / 4`` while the previous block is
-  written, one checksum per block. A log-structured file (:mod:`nbtools.disk.log`) whose rows
-  have left their home slots saves its base as records ``[id | row]`` in *file* order
-  (link ``"records": true``): read sequentially, where id order would read every moved row
-  at random;
+* a **base**: every row, ``row_bytes`` each (not the stride of the rows in memory or in the
+  file), read in blocks of at most ``chunk_bytes / 4`` while the previous block is written,
+  one checksum per block. A log-structured file (:mod:`nbtools.disk.log`) whose rows have
+  left their home slots saves its base as records ``[id | row]`` in *file* order (link
+  ``"records": true``): read sequentially, where id order would read every moved row at
+  random;
 * a **delta**: records ``[id (int64) | row]`` of the rows written since the previous save, in
-  id order, one checksum per 256 KiB. The table counts those rows itself
-  (:meth:`~nbtools.disk.DiskRows.changed_since`); its count restarts only once the checkpoint
-  is committed, so a save that fails loses no change.
+  id order, one checksum per 256 KiB. The tier counts those rows itself (the face's
+  ``changed_since``); its count restarts only once the checkpoint is committed, so a save
+  that fails loses no change.
 
 Each checkpoint's manifest lists, per table, the *chain* it needs: the base and every delta
 since, as (directory, checkpoint id, tensor entry). A chain grows by one delta per save until
@@ -25,15 +29,13 @@ rows; then a new base starts a new chain. Pruning keeps what a kept checkpoint n
 (:func:`nbtools.checkpoint.layout.needs`), and a mirror copies it first.
 
 A restore merges the chain in one pass: base blocks in row order, each overlaid with the
-rows that the deltas, oldest first, hold for it, then written to the table file. A base of
-records is written record by record instead (appended, in a log file), then each delta, oldest
-first, the same way. Nothing is
-written before its checksum is checked; the table's RAM cache is emptied first (its rows are
-older than the checkpoint's). The state dicts are then loaded with the same mapping held, so
-their ``load_state_dict`` finds the very views it would write to and copies nothing. Where
-the same model's table lives in RAM or on the GPU now (``placement="auto"`` on another
-machine), the chain is written into its rows instead: every row is reached through the table's
-tier, as a whole (:meth:`nbtools.store.RowTier.whole`), whatever its placement.
+rows that the deltas, oldest first, hold for it, then written through the face. A base of
+records is written record by record instead (appended, in a log file), then each delta,
+oldest first, the same way. Nothing is written before its checksum is checked; the caches
+above the rows are emptied first (their rows are older than the checkpoint's). The state dicts
+are then loaded with the same mapping held, so their ``load_state_dict`` finds the very views
+it would write to and copies nothing. A chain restores into a table of another placement than
+the one that saved it (``placement="auto"`` on another machine) the same way.
 """
 from __future__ import annotations
 
