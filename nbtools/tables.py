@@ -170,23 +170,6 @@ def _first_placement(table, dtype) -> tuple[str, str]:
     return where
 
 
-@torch.no_grad()
-def _init_normal(table) -> None:
-    """nn.Embedding's default initialisation, N(0, 1), the padding row zero. Pinned rows are
-    drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and written over
-    PCIe, ~50x faster than the single CPU thread of Tensor.normal_."""
-    if table.disk is not None:
-        from . import disk
-        disk.init_normal(table.disk, table.padding_idx, table.device)
-        return
-    rows = table.storage.view()
-    rows.normal_()
-    if table.padding_idx is not None:
-        rows[table.padding_idx].zero_()
-    if rows.is_cuda and table.placement == "host":
-        torch.cuda.synchronize(rows.device)   # the host copy is read from now on
-
-
 class OffloadedEmbedding(nn.Module):
     """``nn.Embedding`` whose table lives in (pinned) host memory.
 
@@ -256,7 +239,7 @@ class OffloadedEmbedding(nn.Module):
         self.trainable = True
         if getattr(_BUILDING, "rows_written_next", False):
             return                   # its builder writes every row next (from_pretrained)
-        _init_normal(self)
+        self._rows.init_normal(self.padding_idx)     # nn.Embedding's N(0, 1)
 
     @property
     def layout(self) -> RowLayout:
@@ -686,7 +669,5 @@ def _describe(table) -> str:
         s += f" with state {'+'.join(table.state_names)} in {table.layout.unit}"
     if table.padding_idx is not None:
         s += f", padding_idx={table.padding_idx}"
-    if table.disk is not None:
-        from . import disk
-        s += ", " + disk.describe(table.disk)
-    return s + table.hot.describe(table)
+    where = table.rows.describe()     # (a disk table's file and RAM cache)
+    return s + (", " + where if where else "") + table.hot.describe(table)

