@@ -120,6 +120,28 @@ def test_base_and_deltas_restore_what_a_full_save_and_the_live_table_hold(tmp_pa
     assert _kind(fresh_ck.save(6, model=fresh, opt=fopt)) == ("delta", touched(6))
 
 
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_restore_into_the_live_table_drops_what_its_caches_hold(tmp_path, device, placement):
+    """Restored into the table that saved it, after more steps (its cache of hot rows and its
+    write-backs hold rows newer than the checkpoint's): the checkpoint's rows, and the same
+    training after, as the twin that stopped there."""
+    t, o = _table(placement, device)
+    twin, topt = _table("host", torch.device("cpu"))
+    ck = CheckpointManager(tmp_path / "ck", config=_cfg())
+    for s in (1, 2):
+        _train(t, o, [s])
+        _train(twin, topt, [s])
+        ck.save(s, model=t, opt=o)
+    _train(t, o, [3, 4])
+    assert t.cache is None or t.cache.cached_rows() > 0
+    assert ck.restore(model=t, opt=o) == 2
+    _assert_rows(_rows(t, o), _rows(twin, topt))
+    _train(t, o, [5])
+    _train(twin, topt, [5])
+    _assert_rows(_rows(t, o), _rows(twin, topt))
+    assert _kind(ck.save(5, model=t, opt=o)) == ("delta", len(set(_ids(5).tolist())))
+
+
 def test_a_step_between_saves_that_trains_nothing_saves_nothing(tmp_path, device):
     t, o = _table("host", device)
     ck = CheckpointManager(tmp_path / "ck", config=_cfg())
