@@ -306,10 +306,10 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     was = placement = table.placement
     reason = table.placement_reason
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
-        placement, reason = table.choose_placement(nbytes)
+        placement, reason = choose_placement(table, nbytes)
         if placement == "disk" and padded.pad:
             # the padding must never be what sends a table that fits in RAM to disk
-            where, why = table.choose_placement(n * layout.width * state_dtype.itemsize)
+            where, why = choose_placement(table, n * layout.width * state_dtype.itemsize)
             if where != "disk":
                 placement, padded = where, layout
                 reason = f"{why}; rows not padded to 32-byte sectors (padded, they would not fit)"
@@ -360,7 +360,7 @@ __all__ = ["HostMemoryError", "NoRoomError", "Regrown", "auto_placement", "check
 
 def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str]:
     """``(placement, why)`` for ``table`` (its requested placement, device and config) with
-    rows of ``nbytes`` (:meth:`nbtools.OffloadedEmbedding.choose_placement`)."""
+    rows of ``nbytes``."""
     asked = table.requested_placement
     if asked == "disk":
         return "disk", "asked for"
@@ -394,5 +394,5 @@ def make_store(table):
         tier = DiskStore(table.disk, table.device)
         above = table.disk.above
         return tier if above is None else Cached(tier, above, writes_back=False)
-    tier = RowStore(table.storage, table.device)
+    tier = RowStore(table.storage, table.device, used=table.layout.used)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

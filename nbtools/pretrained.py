@@ -621,12 +621,8 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
         _copy(src, _weight_target(table), allow_nonfinite=allow_nonfinite, progress=progress,
               desc=f"loading {table.name!r}")
         if table.padding_idx is not None:      # stored as zeros: what its lookups return
-            with torch.no_grad():
-                if table.disk is None:
-                    table.weight[table.padding_idx].zero_()
-                else:
-                    p = table.padding_idx
-                    table.disk.write_range(p, torch.zeros(1, d, dtype=table.disk.dtype))
+            rows = table.rows.whole(writes=True)
+            rows.write_bytes(table.padding_idx, np.zeros((1, rows.row_bytes), dtype=np.uint8))
     except BaseException as e:
         table.close()                          # unpinned; a disk table's file is removed
         # its memory goes now, not at some later collection (a retry may need it): the

@@ -156,10 +156,10 @@ def _first_placement(table, dtype) -> tuple[str, str]:
     raises HostMemoryError naming what to change."""
     nbytes = table.num_embeddings * table.embedding_dim * torch.empty((), dtype=dtype).element_size()
     try:
-        where = table.choose_placement(3 * nbytes, "Adam-sized state assumed until an "
+        where = choose_placement(table, 3 * nbytes, "Adam-sized state assumed until an "
                                                    "optimizer attaches")
     except NoRoomError:          # the optimizer may keep less state: its attach decides
-        where = table.choose_placement(nbytes, "placed by its weights alone: with Adam-sized "
+        where = choose_placement(table, nbytes, "placed by its weights alone: with Adam-sized "
                                                "state it fits nowhere")
     if where[0] == "host":
         check_fits(nbytes, f"table {table.name!r} ({table.num_embeddings:,} x "
@@ -168,23 +168,6 @@ def _first_placement(table, dtype) -> tuple[str, str]:
                    "dtype=torch.bfloat16 halves it.", disk_dir=table.config.disk_dir,
                    num_rows=table.num_embeddings)
     return where
-
-
-@torch.no_grad()
-def _init_normal(table) -> None:
-    """nn.Embedding's default initialisation, N(0, 1), the padding row zero. Pinned rows are
-    drawn on the GPU (its generator, as nn.Embedding(device="cuda") would) and written over
-    PCIe, ~50x faster than the single CPU thread of Tensor.normal_."""
-    if table.disk is not None:
-        from . import disk
-        disk.init_normal(table.disk, table.padding_idx, table.device)
-        return
-    rows = table.storage.view()
-    rows.normal_()
-    if table.padding_idx is not None:
-        rows[table.padding_idx].zero_()
-    if rows.is_cuda and table.placement == "host":
-        torch.cuda.synchronize(rows.device)   # the host copy is read from now on
 
 
 class OffloadedEmbedding(nn.Module):
@@ -256,7 +239,7 @@ class OffloadedEmbedding(nn.Module):
         self.trainable = True
         if getattr(_BUILDING, "rows_written_next", False):
             return                   # its builder writes every row next (from_pretrained)
-        _init_normal(self)
+        self._rows.init_normal(self.padding_idx)     # nn.Embedding's N(0, 1)
 
     @property
     def layout(self) -> RowLayout:
@@ -267,10 +250,6 @@ class OffloadedEmbedding(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         """What lookups return and updates compute in: float32 for low-precision storage."""
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
-
-    def choose_placement(self, nbytes: int, assumption: str = "") -> tuple[str, str]:
-        """``(placement, why)`` for rows of ``nbytes`` (:func:`nbtools.placement.choose_placement`)."""
-        return choose_placement(self, nbytes, assumption)
 
     def _store(self) -> RowTier:
         """The tiers over this table's memory (:func:`nbtools.placement.make_store`)."""
@@ -284,13 +263,9 @@ class OffloadedEmbedding(nn.Module):
             return self._disk.slab
         if self.placement == "gpu":
             return DeviceRows(shape, dtype, self.device, self.name)
-        return self._new_host(shape, dtype, self.config.pin and self.device.type == "cuda",
-                              self.name)
-
-    def _new_host(self, shape, dtype, pin: bool, name: str) -> HostTensor:
-        """Host memory for this table, its zero-copy view on the table's CUDA device."""
-        return HostTensor(shape, dtype, pin=pin, name=name,
-                          device=self.device if self.device.type == "cuda" else None)
+        cuda = self.device.type == "cuda"      # (host memory, its zero-copy view on the GPU)
+        return HostTensor(shape, dtype, pin=self.config.pin and cuda, name=self.name,
+                          device=self.device if cuda else None)
 
     # --- the rows, wherever they live -------------------------------------------------------
     @property
@@ -326,8 +301,8 @@ class OffloadedEmbedding(nn.Module):
         what :func:`nbtools.placement.regrow_for_state` made."""
         self._disk = disk
         self._host, self._state_names = new, list(names)
-        self._rows = self._store()
         self._layout = layout
+        self._rows = self._store()
         self.clear_pending()
         self.lookups.graphs.invalidate()
 
@@ -379,12 +354,9 @@ class OffloadedEmbedding(nn.Module):
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
             self.install_rows(got.rows, list(names), got.layout, got.disk)
-        self._attach_cache()
+        self.hot.attach(self)
         if carried is not None:
             self.lookups.restore_gradients(*carried)
-
-    def _attach_cache(self) -> None:
-        self.hot.attach(self)
 
     def stack_cache(self, capacity: int) -> None:
         """Keep up to ``capacity`` hot rows in a GPU cache above this table's rows in host
@@ -512,18 +484,8 @@ class OffloadedEmbedding(nn.Module):
             rows = look.rows_of_ids(rows, inv)
         return rows.view(*ids.shape, self.embedding_dim)
 
-    def prepare_ids(self, ids) -> torch.Tensor:
-        """``ids`` checked (integers) and on the compute device (a disk table's stay where they
-        are: it deduplicates them on the CPU)."""
-        return self.lookups.prepare_ids(ids)
-
     def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
         self.lookups.raise_bad_ids(flat, shape)
-
-    def lookup_result(self, batch, full, flat, shape, capture, recording: bool,
-                      id_order: bool = False):
-        """What a lookup returns from its gathered rows (:meth:`TableLookups.result`)."""
-        return self.lookups.result(batch, full, flat, shape, capture, recording, id_order)
 
     @on_tables
     def prefetch(self, ids) -> None:
@@ -619,7 +581,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     @on_tables
     def forward(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
-        ids = self.prepare_ids(ids)
+        ids = self.lookups.prepare_ids(ids)
         if offsets is None:
             if ids.dim() != 2:
                 raise ValueError(f"table {self.name!r}: without offsets, ids must be 2-D "
@@ -631,7 +593,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
             if ids.dim() != 1:
                 raise ValueError(f"table {self.name!r}: with offsets, ids must be 1-D; got shape "
                                  f"{tuple(ids.shape)}")
-            offsets = self.prepare_ids(offsets).long()
+            offsets = self.lookups.prepare_ids(offsets).long()
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
         flat = ids.reshape(-1)
@@ -686,7 +648,5 @@ def _describe(table) -> str:
         s += f" with state {'+'.join(table.state_names)} in {table.layout.unit}"
     if table.padding_idx is not None:
         s += f", padding_idx={table.padding_idx}"
-    if table.disk is not None:
-        from . import disk
-        s += ", " + disk.describe(table.disk)
-    return s + table.hot.describe(table)
+    where = table.rows.describe()     # (a disk table's file and RAM cache)
+    return s + (", " + where if where else "") + table.hot.describe(table)

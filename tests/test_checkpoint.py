@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import nbtools.checkpoint.format as ckformat
 import nbtools.checkpoint.manager as ckmod
 from nbtools import OffloadedEmbedding, OffloadOptimizer, PinnedLoader
 from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointManager,
                                 CheckpointSpaceError, CheckpointWarning)
+from test_checkpoint_faults import disk_fills  # noqa: F401  (writes that fail: a full disk)
 
 QUIET = dict(verbose=False, progress=False)
 SMALL = CheckpointConfig(chunk_bytes=4096, file_bytes=16384, **QUIET)   # many chunks and files
@@ -300,22 +300,13 @@ def test_refuses_when_it_would_not_fit(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
 
 
-def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, monkeypatch):
+def test_failing_write_leaves_earlier_checkpoints_intact(tmp_path, disk_fills):
     ck = manager(tmp_path)
     ck.save(1, x={"w": torch.arange(5000.0)})
-    calls = {"n": 0}
-    real = ckformat.write_all
-
-    def failing(f, mv):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, mv)
-
-    monkeypatch.setattr(ckformat, "write_all", failing)
+    disk_fills(3)
     with pytest.raises(CheckpointSpaceError, match="disk full"):
         ck.save(2, x={"w": torch.arange(5000.0) * 2})
-    monkeypatch.undo()
+    disk_fills.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
     got = {}
     assert ck.restore(x=got) == 1 and torch.equal(got["w"], torch.arange(5000.0))

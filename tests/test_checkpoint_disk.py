@@ -6,7 +6,6 @@ test_step.py, and checkpointed through state_dict in test_checkpoint.py): every 
 ``torch.equal`` on weights and optimizer state. The kill test SIGKILLs a training child at
 random moments of its steps, write-backs and saves, and checks each restore against a replay.
 """
-import errno
 import multiprocessing as mp
 import os
 import random
@@ -25,7 +24,7 @@ from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointMan
                                 CheckpointSpaceError, CheckpointWarning)
 from nbtools.devices import resolve_device
 from nbtools.rowfile import RowFile, RowFileError, leftovers, remove_leftovers
-from test_checkpoint_faults import tiny_fs  # noqa: F401  (a 2 MiB tmpfs that fills up)
+from test_checkpoint_faults import disk_fills, tiny_fs  # noqa: F401  (a disk that fills up)
 
 DEVICE = resolve_device()
 QUIET = dict(verbose=False, progress=False)
@@ -238,7 +237,7 @@ def test_save_moves_rows_file_to_file_not_through_ram(tmp_path):
     assert torch.equal(fresh.state_dict()["weight"], t.state_dict()["weight"])
 
 
-def test_failed_save_loses_no_change(tmp_path, monkeypatch):
+def test_failed_save_loses_no_change(tmp_path, disk_fills):
     """A save that fails (the disk fills) leaves the last checkpoint intact, and the next
     delta still holds every row changed since it."""
     host, hopt = _pair_member("host", tmp_path)
@@ -251,18 +250,10 @@ def test_failed_save_loses_no_change(tmp_path, monkeypatch):
     for s in (3, 4):
         _train(host, hopt, [s])
         _train(disk, dopt, [s])
-    calls = {"n": 0}
-    real = ckformat.write_all
-
-    def failing(f, mv):
-        calls["n"] += 1
-        if calls["n"] > 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, mv)
-    monkeypatch.setattr(ckformat, "write_all", failing)
+    disk_fills(2)
     with pytest.raises(CheckpointSpaceError, match="disk full while saving step 4.*intact"):
         ck.save(4, model=disk, opt=dopt)
-    monkeypatch.undo()
+    disk_fills.undo()
     assert [r["step"] for r in ck.checkpoints(verify=True)] == [2]
     for s in (5,):
         _train(host, hopt, [s])
@@ -307,12 +298,14 @@ def test_disk_full_mid_save_clear_error_last_checkpoint_intact(tmp_path, tiny_fs
     _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
 
 
-def test_mirror_copies_what_a_checkpoint_needs_and_restores_alone(tmp_path):
+@pytest.mark.parametrize("placement", ["disk", "host"])
+def test_mirror_copies_what_a_checkpoint_needs_and_restores_alone(tmp_path, placement):
     """Drive: each checkpoint arrives with the base and deltas it needs; a fresh machine (no
     local checkpoints) restores from the mirror alone, and its next local save is a delta
-    on the mirror's chain, restorable too. Pruning keeps every link a kept checkpoint needs."""
+    on the mirror's chain, restorable too. Pruning keeps every link a kept checkpoint needs.
+    (A table in RAM has the same chain as one on disk.)"""
     host, hopt = _pair_member("host", tmp_path)
-    disk, dopt = _pair_member("disk", tmp_path)
+    disk, dopt = _pair_member(placement, tmp_path)
     local, drive = tmp_path / "local", tmp_path / "drive"
     ck = CheckpointManager(local, keep=1, mirror=drive, config=_cfg(base_every=10))
     for s in range(1, 5):
@@ -326,7 +319,7 @@ def test_mirror_copies_what_a_checkpoint_needs_and_restores_alone(tmp_path):
     assert sorted(p.name for p in drive.iterdir()) == [f"step-00000000{i}" for i in (1, 2, 3, 4)]
     import shutil
     shutil.rmtree(local)                          # a new runtime: only Drive is left
-    fresh, fopt = _pair_member("disk", tmp_path, seed=2)
+    fresh, fopt = _pair_member(placement, tmp_path, seed=2)
     ck2 = CheckpointManager(local, keep=1, mirror=drive, config=_cfg(base_every=10))
     assert ck2.restore(model=fresh, opt=fopt) == 4
     _assert_rows(_rows(fresh, fopt), _rows(host, hopt))
@@ -335,7 +328,7 @@ def test_mirror_copies_what_a_checkpoint_needs_and_restores_alone(tmp_path):
     assert ck2.save(5, model=fresh, opt=fopt)["disk_tables"]["emb"]["kind"] == "delta"
     assert sorted(p.name for p in local.iterdir()) == ["step-000000005"]   # the rest is on Drive
     ck2.sync.wait()
-    fresh2, fopt2 = _pair_member("disk", tmp_path, seed=3)
+    fresh2, fopt2 = _pair_member(placement, tmp_path, seed=3)
     ck3 = CheckpointManager(local, keep=1, mirror=drive, config=_cfg())
     assert ck3.restore(model=fresh2, opt=fopt2) == 5
     _assert_rows(_rows(fresh2, fopt2), _rows(host, hopt))
@@ -405,15 +398,15 @@ def test_restore_into_a_different_table_says_what_differs(tmp_path):
     ck.save(1, model=disk, opt=dopt)
     bare = OffloadedEmbedding(N, D, name="emb", device=DEVICE, placement="disk",
                               disk_dir=str(tmp_path / "tables"))      # no optimizer state
-    with pytest.raises(CheckpointError, match=r"2,000 rows of 24 float32 \(96 bytes.*the live "
-                       r"table 'emb' has 2,000 rows of 8 float32 \(32 bytes\).*optimizer"):
+    with pytest.raises(CheckpointError, match=r"2,000 rows of 24 float32 \(96 bytes.*expected "
+                       r"2,000 rows of 8 float32 \(32 bytes\).*optimizer.*Nothing was restored"):
         ck.restore(model=bare)
     host = OffloadedEmbedding(N, D, name="emb", device=DEVICE, placement="host")
-    with pytest.raises(CheckpointError, match=r"the live table 'emb' has 2,000 rows of 8 "
+    with pytest.raises(CheckpointError, match=r"table 'emb'.*expected 2,000 rows of 8 "
                        r"float32 \(32 bytes\)"):      # another placement, no optimizer state
         ck.restore(model=host)
-    with pytest.raises(CheckpointError, match="none of the objects restored here holds a "
-                       "table there.*any placement"):
+    with pytest.raises(CheckpointError, match="none of the objects restored here holds "
+                       "one.*any placement"):
         ck.restore(model=torch.nn.Linear(2, 2))
 
 

@@ -108,6 +108,28 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
 
 
 @pytest.fixture
+def disk_fills(monkeypatch):
+    """``disk_fills(after)``: from the ``after + 1``-th write of a checkpoint's data on, every
+    write fails with ENOSPC, until ``disk_fills.undo()``."""
+    import errno
+
+    import nbtools.checkpoint.format as ckformat
+    real = ckformat.write_all
+
+    def fill(after: int) -> None:
+        calls = {"n": 0}
+
+        def failing(f, mv):
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(f, mv)
+        monkeypatch.setattr(ckformat, "write_all", failing)
+    fill.undo = monkeypatch.undo
+    return fill
+
+
+@pytest.fixture
 def tiny_fs(tmp_path):
     """A 2 MiB tmpfs: a real disk that fills up (needs root; skipped otherwise)."""
     mnt = tmp_path / "tiny"

@@ -237,3 +237,31 @@ def test_disk_writes_ram_slots_only_through_its_verbs():
     assert len(found) <= RAM_WRITES_LEFT, \
         "writes into RamSlots' arrays outside nbtools/disk/slots.py (call one of its verbs, " \
         "or add one):\n" + "\n".join(found)
+
+
+# --- the checkpoint reaches a table's rows only through its tier's whole-table face ---------
+CHECKPOINT = TESTS.parent / "nbtools" / "checkpoint"
+
+
+def table_reaches(source: str) -> list:
+    """``(line, what)`` of each reach past a table's tier in a module: an attribute ``disk``
+    (a table's DiskRows), ``file`` (a table's file) or ``storage`` (the memory under the tier)."""
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in ("disk", "file", "storage"))
+
+
+def test_table_reaches_are_found():
+    source = ("def f(t, d):\n"
+              "    d.file.write_range(0, x)\n"        # 2
+              "    t.disk.flush()\n"                   # 3
+              "    rows = t.storage.tensor\n"          # 4
+              "    face = t.rows.whole()\n"            # (the tier: what the checkpoint uses)
+              "    face.write_bytes(0, x)\n")
+    assert [line for line, _ in table_reaches(source)] == [2, 3, 4]
+
+
+def test_the_checkpoint_reaches_rows_only_through_the_tier():
+    found = [f"{path.name}:{line}: {what}" for path in sorted(CHECKPOINT.glob("*.py"))
+             for line, what in table_reaches(path.read_text())]
+    assert not found, "nbtools/checkpoint/ reaches past a table's tier (use table.rows.whole()):" \
+        "\n" + "\n".join(found)

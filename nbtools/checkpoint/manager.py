@@ -61,7 +61,7 @@ class CheckpointManager:
         self._seq = None
         self.last_restore = None     # figures of the last restore(): step, bytes, seconds, ...
         self.sync = None
-        self._chains = {}            # id(DiskRows) -> rows.Chain: what a delta extends
+        self._chains = {}            # id(a table's rows) -> rows.Chain: what a delta extends
         if mirror is not None:
             self.sync = mirror if isinstance(mirror, DriveSync) else DriveSync(mirror)
             self.sync.after_copy = lambda: prune(self.sync.target, self.keep)
@@ -225,7 +225,7 @@ class CheckpointManager:
         extras = _restore.read_extras(entry.path, m)
         nodes = _tree.rows_nodes(*(m["objects"][name]["state"] for name in objects))
         matched = _rows.match(m.get("rows") or [], {n["$rows"] for n in nodes},
-                              _rows.find(objects), entry.path, objects) if nodes else {}
+                              _rows.find(objects), entry.path) if nodes else {}
         chains = {k: _restore.chain_of(self._roots(), entry, m["rows"][k]) for k in matched}
         with _rows.holding(list(matched.values()), writable=False):
             _restore.preflight(entry, objects, extras, matched, bool(m.get("half")))

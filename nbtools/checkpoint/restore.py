@@ -172,8 +172,7 @@ def verify_chain(links: list, name: str, cfg: CheckpointConfig) -> None:
                 reader.close()
 
 
-_NOTHING_CHANGED = ("Nothing was restored: every table, optimizer state, parameter and RNG "
-                    "state is as it was.")
+_NOTHING_CHANGED = _rows.NOTHING_CHANGED
 
 
 def preflight(entry: Entry, objects: dict, extras: list, matched: dict, half: bool) -> None:

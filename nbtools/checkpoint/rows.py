@@ -1,22 +1,26 @@
-"""Disk tables (``placement="disk"``) in checkpoints: their rows go file to file, never through
-RAM, as a full copy (a *base*) or as the rows changed since the previous save (a *delta*).
+"""Offloaded tables in checkpoints, whatever their placement: their rows are saved once per
+table, as a full copy (a *base*) or as the rows changed since the previous save (a *delta*),
+and reached only through the table's tier, as a whole (:meth:`nbtools.store.RowTier.whole`:
+tensor slices for rows in RAM or on the GPU, :class:`nbtools.disk.access.WholeTable` for a
+disk table's file, never read through RAM).
 
-A disk table's ``state_dict()`` (and its optimizer's) hands out views of the table file mapped
-into memory. While a checkpoint is being planned, each disk table holds one mapping
-(:meth:`nbtools.disk.DiskRows.hold_mapping`), so every view of it is recognised and saved as a
-``{"$rows": k, ...}`` node (which columns of table ``k``'s rows it is), never read. The rows
-themselves, weights and optimizer state together, are saved once per table:
+A table's ``state_dict()`` (and its optimizer's) hands out views of its rows (a disk table's:
+of its file mapped into memory). While a checkpoint is being planned, each table holds one
+mapping (the face's ``hold_mapping``), so every view of it is recognised and saved as a
+``{"$rows": k, ...}`` node (which columns of table ``k``'s rows it is), never read; a view of
+a table in memory that is not columns of every row is saved as a tensor of its own (of a
+disk table, refused). The rows themselves, weights and optimizer state together:
 
-* a **base**: every row, ``row_bytes`` each (not the file's 512-byte-aligned stride), read
-  from the table file in blocks of at most ``chunk_bytes / 4`` while the previous block is
-  written, one checksum per block. A log-structured file (:mod:`nbtools.disk.log`) whose rows
-  have left their home slots saves its base as records ``[id | row]`` in *file* order
-  (link ``"records": true``): read sequentially, where id order would read every moved row
-  at random;
+* a **base**: every row, ``row_bytes`` each (not the stride of the rows in memory or in the
+  file), read in blocks of at most ``chunk_bytes / 4`` while the previous block is written,
+  one checksum per block. A log-structured file (:mod:`nbtools.disk.log`) whose rows have
+  left their home slots saves its base as records ``[id | row]`` in *file* order (link
+  ``"records": true``): read sequentially, where id order would read every moved row at
+  random;
 * a **delta**: records ``[id (int64) | row]`` of the rows written since the previous save, in
-  id order, one checksum per 256 KiB. The table counts those rows itself
-  (:meth:`~nbtools.disk.DiskRows.changed_since`); its count restarts only once the checkpoint
-  is committed, so a save that fails loses no change.
+  id order, one checksum per 256 KiB. The tier counts those rows itself (the face's
+  ``changed_since``); its count restarts only once the checkpoint is committed, so a save
+  that fails loses no change.
 
 Each checkpoint's manifest lists, per table, the *chain* it needs: the base and every delta
 since, as (directory, checkpoint id, tensor entry). A chain grows by one delta per save until
@@ -25,14 +29,13 @@ rows; then a new base starts a new chain. Pruning keeps what a kept checkpoint n
 (:func:`nbtools.checkpoint.layout.needs`), and a mirror copies it first.
 
 A restore merges the chain in one pass: base blocks in row order, each overlaid with the
-rows that the deltas, oldest first, hold for it, then written to the table file. A base of
-records is written record by record instead (appended, in a log file), then each delta, oldest
-first, the same way. Nothing is
-written before its checksum is checked; the table's RAM cache is emptied first (its rows are
-older than the checkpoint's). The state dicts are then loaded with the same mapping held, so
-their ``load_state_dict`` finds the very views it would write to and copies nothing. Where
-the same model's table lives in RAM or on the GPU now (``placement="auto"`` on another
-machine), the chain is written into its rows instead (:class:`_InRam`).
+rows that the deltas, oldest first, hold for it, then written through the face. A base of
+records is written record by record instead (appended, in a log file), then each delta,
+oldest first, the same way. Nothing is written before its checksum is checked; the caches
+above the rows are emptied first (their rows are older than the checkpoint's). The state dicts
+are then loaded with the same mapping held, so their ``load_state_dict`` finds the very views
+it would write to and copies nothing. A chain restores into a table of another placement than
+the one that saved it (``placement="auto"`` on another machine) the same way.
 """
 from __future__ import annotations
 
@@ -49,26 +52,36 @@ import numpy as np
 import torch
 
 from ..units import human_bytes
+from ..store.whole import WholeRows
 from .format import CheckpointError, Damaged, _dtype, dtype_name, _fadvise, open_regular
 
+NOTHING_CHANGED = ("Nothing was restored: every table, optimizer state, parameter and RNG "
+                   "state is as it was.")
 PIECE = 256 << 10          # bytes per checksummed piece of a delta (a restore holds one per delta)
 _ID = 8                    # bytes of a row id in a delta record
 
 
 @dataclasses.dataclass
 class Table:
-    """A disk table found among the objects of a save or restore."""
-    disk: object                  # nbtools.disk.DiskRows
+    """A table found among the objects of a save or restore: its rows as a whole (the face
+    its tier answers with, :meth:`nbtools.store.RowTier.whole`) and its tier."""
+    rows: object                  # nbtools.store.whole.WholeRows, or a disk table's WholeTable
+    tier: object                  # the table's RowTier (what hands out the face for writing)
     keys: list                    # where the objects reach it: "model:emb", "opt:emb"
     index: int | None = None      # its place in the manifest's "rows", once a view refers to it
     held: torch.Tensor | None = None
+
+    @property
+    def in_file(self) -> bool:
+        """Its rows live in a file (a disk table), never read into RAM whole."""
+        return not isinstance(self.rows, WholeRows)
 
 
 @dataclasses.dataclass
 class Chain:
     """What a manager last saved or restored for one table: the checkpoint id whose rows the
     table matched then (its changes are counted from there) and the links a delta extends."""
-    disk: weakref.ref
+    rows: weakref.ref
     token: str
     links: list
     delta_rows: int
@@ -84,49 +97,10 @@ class SaveRows:
     entry: dict | None            # its tensor entry (None for "same")
 
     def item(self) -> dict:
-        d = self.table.disk
+        d = self.table.rows
         return {"name": d.name, "keys": self.table.keys, "num_rows": d.num_rows,
                 "row_bytes": d.row_bytes, "width": d.width, "dtype": dtype_name(d.dtype),
                 "kind": self.kind, "count": self.count, "chain": self.links}
-
-
-class _InRam:
-    """A table in RAM or on the GPU standing where a checkpoint saved a disk table (the same
-    rows, dtype and optimizer; another placement now, as ``placement="auto"`` may choose on
-    another machine): the disk table's part of a restore writes into its rows instead of a
-    file. What :func:`restore`, :func:`view` and the manager use of a DiskRows."""
-
-    def __init__(self, table):
-        lay, self.table = table.layout, table
-        self.rows = table.storage.tensor          # [num_rows, width] of the layout's unit
-        self.name, self.num_rows = table.name, table.num_embeddings
-        self.dtype, self.width = lay.unit, lay.used
-        self.row_bytes = lay.used * lay.unit.itemsize
-        self.file = self                        # (restore writes through d.file)
-        self.stride = self.rows.shape[1] * lay.unit.itemsize
-
-    def discard_cache(self) -> None:
-        store = self.table.rows                 # write-backs in flight, the GPU cache: done
-        store.settle()
-        store.flush(drop=True)
-
-    def write_range(self, start: int, block: np.ndarray) -> None:
-        raw = self.rows.view(torch.uint8)
-        src = torch.from_numpy(block)
-        raw[start:start + len(block), : self.row_bytes].copy_(src.to(raw.device))
-
-    def write(self, ids: np.ndarray, block: np.ndarray) -> None:
-        """Rows ``ids`` (any order, each once): a log file's base and deltas by record."""
-        raw = self.rows.view(torch.uint8)
-        idx = torch.from_numpy(np.asarray(ids, dtype=np.int64)).to(raw.device)
-        raw[idx, : self.row_bytes] = torch.from_numpy(block).to(raw.device)
-
-    @contextlib.contextmanager
-    def hold_mapping(self, writable: bool = False):
-        yield self.rows
-
-    def mark_checkpointed(self, token) -> None:
-        pass                                    # (its next save is of ordinary tensors)
 
 
 def _members(objects: dict):
@@ -141,25 +115,20 @@ def _members(objects: dict):
                 yield t, f"{name}:{sub}"
 
 
-def _in_ram(objects: dict) -> dict:
-    """Tables of any placement but disk among ``objects``, by key ("model:emb", "opt:emb")."""
-    return {key: owner for owner, key in _members(objects)
-            if getattr(owner, "disk", 0) is None and hasattr(owner, "layout")
-            and getattr(getattr(owner, "_host", None), "tensor", None) is not None}
-
-
-def find(objects: dict) -> list[Table]:
-    """The disk tables among ``objects``: modules' submodules with a ``disk`` (DiskRows) and
-    optimizers' ``tables``."""
-    mod = sys.modules.get("nbtools.disk")
-    if mod is None:                       # nothing imported it: there is no disk table
+def find(objects: dict, memory: bool = True) -> list[Table]:
+    """The tables among ``objects`` (modules' submodules and optimizers' ``tables``): those
+    whose rows live in a file, and (``memory``) those in RAM or on the GPU."""
+    mod = sys.modules.get("nbtools.tables")
+    if mod is None:                       # nothing imported it: there is no table
         return []
     found: dict[int, Table] = {}
     for owner, key in _members(objects):
-        d = getattr(owner, "disk", None)
-        if isinstance(d, mod.DiskRows):
-            found.setdefault(id(d), Table(d, [])).keys.append(key)
-    return list(found.values())
+        if isinstance(owner, mod.OffloadedEmbedding):
+            tier = owner.rows
+            face = tier.whole()
+            t = found.setdefault(id(face), Table(face, tier, []))
+            t.keys.append(key)
+    return [t for t in found.values() if memory or t.in_file]
 
 
 @contextlib.contextmanager
@@ -167,7 +136,7 @@ def holding(tables: list[Table], writable: bool):
     """Each table's mapping held (see the module docs) for the block."""
     with contextlib.ExitStack() as stack:
         for t in tables:
-            t.held = stack.enter_context(t.disk.hold_mapping(writable))
+            t.held = stack.enter_context(t.rows.hold_mapping(writable))
         try:
             yield
         finally:
@@ -180,21 +149,23 @@ class Refs:
     tables referred to, in the order of their indices."""
 
     def __init__(self, tables: list[Table]):
-        self.by_storage = {t.held.untyped_storage().data_ptr(): t for t in tables}
+        self.by_storage = {_where(t.held): t for t in tables}
         self.used: list[Table] = []
 
     def __call__(self, x: torch.Tensor, path: str):
-        if x.device.type != "cpu" or not self.by_storage:
+        if not self.by_storage:
             return None
-        t = self.by_storage.get(x.untyped_storage().data_ptr())
+        t = self.by_storage.get(_where(x))
         if t is None:
             return None
-        d, item = t.disk, x.element_size()
+        d, item = t.rows, x.element_size()
         offset = x.storage_offset() * item
         extent = item + sum((n - 1) * s for n, s in zip(x.shape[1:], x.stride()[1:])) * item
         if (x.dim() < 1 or x.shape[0] != d.num_rows or min(x.stride()[1:], default=1) < 0
-                or (d.num_rows > 1 and x.stride(0) * item != d.file.stride)
+                or (d.num_rows > 1 and x.stride(0) * item != d.stride)
                 or offset + extent > d.row_bytes):
+            if not t.in_file:             # (rows in memory: saved as a tensor of its own)
+                return None
             raise CheckpointError(
                 f"{path}: a view of disk table {d.name!r} (shape {tuple(x.shape)}, strides "
                 f"{x.stride()}, {x.dtype}) that is not columns of every row; a checkpoint saves "
@@ -207,15 +178,19 @@ class Refs:
                 "shape": list(x.shape), "stride": list(x.stride()[1:])}
 
 
+def _where(x: torch.Tensor) -> tuple:
+    return x.device, x.untyped_storage().data_ptr()
+
+
 def view(node: dict, t: Table) -> torch.Tensor:
     """The live table's view that ``node`` describes, on its held mapping."""
-    d, dtype = t.disk, _dtype(node["dtype"])
+    d, dtype = t.rows, _dtype(node["dtype"])
     item = torch.empty((), dtype=dtype).element_size()
     shape = [int(n) for n in node["shape"]]
-    if shape[0] != d.num_rows or node["offset"] % item or d.file.stride % item:
-        raise CheckpointError(f"disk table {d.name!r}: the checkpoint's view {shape} "
+    if shape[0] != d.num_rows or node["offset"] % item or d.stride % item:
+        raise CheckpointError(f"table {d.name!r}: the checkpoint's view {shape} "
                               f"{node['dtype']} does not fit its {d.num_rows:,} rows")
-    stride = [d.file.stride // item, *node["stride"]]
+    stride = [d.stride // item, *node["stride"]]
     return torch.empty(0, dtype=dtype, device=t.held.device).set_(
         t.held.untyped_storage(), t.held.storage_offset() * t.held.element_size() // item
         + node["offset"] // item, shape, stride)
@@ -229,9 +204,9 @@ def plan(used: list[Table], chains: dict, cfg, own_dir: str, own_id: str,
     back first); ``first_index`` is the tensor index of the first new entry."""
     out = []
     for t in used:
-        d = t.disk
+        d = t.rows
         chain = chains.get(id(d))
-        if chain is not None and chain.disk() is not d:
+        if chain is not None and chain.rows() is not d:
             chain = None
         changed = d.changed_since(chain.token if chain is not None else None)
         index = first_index + sum(s.entry is not None for s in out)
@@ -240,7 +215,7 @@ def plan(used: list[Table], chains: dict, cfg, own_dir: str, own_id: str,
             # a log file whose rows left their home slots (nbtools.disk.log): the base is
             # records (id, row) in file order, read sequentially (in id order it would be a
             # random read of every row that moved)
-            records = getattr(d.file, "away", 0) > 0
+            records = d.moved
             entry = _entry(f"<rows {t.index}>/base", d.num_rows,
                            d.row_bytes + (_ID if records else 0))
             link = {"dir": own_dir, "id": own_id, "tensor": index, "kind": "base",
@@ -264,18 +239,18 @@ def _entry(path: str, n: int, width: int) -> dict:
 def write(s: SaveRows, writer, chunk_bytes: int) -> None:
     """Stream one table's base or delta into the checkpoint's data files (``writer``)."""
     from ..rowfile.fileio import _aligned
-    d = s.table.disk
+    d = s.table.rows
     s.entry["segments"] = writer.begin_tensor()
     if s.kind == "base" and s.links[-1].get("records"):
         write_records_base(s, d, writer, chunk_bytes)
         return
     if s.kind == "base":
-        per = max(1, (chunk_bytes // 4) // max(d.row_bytes, d.file.stride))
+        per = max(1, (chunk_bytes // 4) // max(d.row_bytes, d.stride))
         bufs = [_aligned(per * d.row_bytes).reshape(per, d.row_bytes) for _ in range(2)]
 
         def read(k, a):
             m = min(per, d.num_rows - a)
-            d.file.read_range(a, bufs[k % 2][:m])
+            d.read_bytes(a, bufs[k % 2][:m])
             return bufs[k % 2][:m]
         with ThreadPoolExecutor(1, thread_name_prefix="nbtools-ckpt-read") as pool:
             fut = pool.submit(read, 0, 0)
@@ -288,7 +263,7 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
         return
     rec = _ID + d.row_bytes
     per = max(1, PIECE // rec)                          # records per checksummed piece
-    batch = per * max(1, (chunk_bytes // 4) // (per * max(rec, d.file.stride)))
+    batch = per * max(1, (chunk_bytes // 4) // (per * max(rec, d.stride)))
     buf = np.empty((batch, rec), dtype=np.uint8)
     rows = np.empty((batch, d.row_bytes), dtype=np.uint8)
     seen = 0
@@ -301,7 +276,7 @@ def write(s: SaveRows, writer, chunk_bytes: int) -> None:
             _emit(writer, buf, part, rows[:m], per)
             seen += m
     if seen != s.count:
-        raise CheckpointError(f"disk table {d.name!r}: {seen:,} rows changed while its delta of "
+        raise CheckpointError(f"table {d.name!r}: {seen:,} rows changed while its delta of "
                               f"{s.count:,} was being saved; nothing may write rows during save()")
 
 
@@ -317,19 +292,18 @@ def _emit(writer, buf: np.ndarray, ids: np.ndarray, rows: np.ndarray, per: int) 
 
 
 def write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
-    """A log file's base: every live slot's (id, row), in file order, read in large
-    sequential pieces (the file's dead slots are read and skipped)."""
-    log, rb = d.file, d.row_bytes
+    """A log file's base: every live row's (id, row), in file order, read in large
+    sequential pieces (:meth:`nbtools.disk.access.WholeTable.records`)."""
+    rb = d.row_bytes
     rec = _ID + rb
-    per = max(1, (chunk_bytes // 4) // max(rec, log.stride))
+    per = max(1, (chunk_bytes // 4) // max(rec, d.stride))
     rows = np.empty((per, rb), dtype=np.uint8)
     out = np.empty((per, rec), dtype=np.uint8)
     piece = max(1, PIECE // rec)
     seen = 0
-    for a in range(0, log.slots, per):
-        ids, live = log.live_rows(a, rows[:min(per, log.slots - a)])
+    for ids, live in d.records(per, rows):
         if len(ids):
-            _emit(writer, out, ids, rows[live], piece)
+            _emit(writer, out, ids, live, piece)
             seen += len(ids)
     if seen != d.num_rows:
         raise CheckpointError(f"disk table {d.name!r}: {seen:,} live rows in its file, "
@@ -339,7 +313,7 @@ def write_records_base(s: SaveRows, d, writer, chunk_bytes: int) -> None:
 def committed(saved: list[SaveRows], chains: dict, token: str) -> None:
     """The checkpoint ``token`` is on disk: each table counts changes from it now."""
     for s in saved:
-        d = s.table.disk
+        d = s.table.rows
         d.mark_checkpointed(token)
         deltas = sum(link["count"] for link in s.links if link["kind"] == "delta")
         chains[id(d)] = Chain(weakref.ref(d), token, s.links, deltas)
@@ -347,42 +321,36 @@ def committed(saved: list[SaveRows], chains: dict, token: str) -> None:
 
 # --- restoring ----------------------------------------------------------------------------------
 
-def match(items: list[dict], wanted: set, tables: list[Table], where: str,
-          objects: dict | None = None) -> dict[int, Table]:
-    """The live table for each saved table in ``wanted`` (indices into ``items``), checked: a
-    disk table, else (``objects`` given) a table of another placement under the same names."""
+def match(items: list[dict], wanted: set, tables: list[Table], where: str) -> dict[int, Table]:
+    """The live table for each saved table in ``wanted`` (indices into ``items``), checked:
+    any placement, the same rows, row bytes and dtype."""
     by_key = {key: t for t in tables for key in t.keys}
-    in_ram = _in_ram(objects) if objects else {}
     out = {}
     for k in sorted(wanted):
         item = items[k]
         live = [by_key[key] for key in item["keys"] if key in by_key]
         if not live:
-            others = {id(in_ram[key]): in_ram[key] for key in item["keys"] if key in in_ram}
-            if len(others) == 1:
-                (table,) = others.values()
-                shim = _InRam(table)
-                live = [Table(shim, [key for key in item["keys"] if key in in_ram])]
-        if not live:
             raise CheckpointError(
-                f"checkpoint {where} saved disk table {item['name']!r} (as "
-                f"{', '.join(item['keys'])}), and none of the objects restored here holds a "
-                "table there. Create the table (any placement: the same rows, dtype and "
-                "optimizer) and its optimizer before restore(), under the same names.")
+                f"checkpoint {where} does not fit: it saved table {item['name']!r} (as "
+                f"{', '.join(item['keys'])}), expected a table there, and none of the objects "
+                "restored here holds one. Create the table (any placement: the same rows, "
+                "dtype and optimizer) and its optimizer before restore(), under the same "
+                f"names. {NOTHING_CHANGED}")
         t = live[0]
-        d = t.disk
+        d = t.rows
         if any(x is not t for x in live[1:]):
-            raise CheckpointError(f"checkpoint {where}: {', '.join(item['keys'])} were one disk "
-                                  "table when saved, and are different tables here")
+            raise CheckpointError(f"checkpoint {where} does not fit: {', '.join(item['keys'])} "
+                                  "were one table when saved, and are different tables here. "
+                                  + NOTHING_CHANGED)
         have = (d.num_rows, d.row_bytes, d.width, dtype_name(d.dtype))
         want = (item["num_rows"], item["row_bytes"], item["width"], item["dtype"])
         if have != want:
             raise CheckpointError(
-                f"checkpoint {where}: disk table {item['name']!r} has {want[0]:,} rows of "
-                f"{want[2]} {want[3]} ({want[1]} bytes: weights and optimizer state), the live "
-                f"table {d.name!r} has {have[0]:,} rows of {have[2]} {have[3]} ({have[1]} "
-                "bytes). Create the table with the same size and dtype, and its optimizer (the "
-                "same class: its state is part of each row), before restore().")
+                f"checkpoint {where} does not fit table {d.name!r}: it holds {want[0]:,} rows "
+                f"of {want[2]} {want[3]} ({want[1]} bytes: weights and optimizer state), "
+                f"expected {have[0]:,} rows of {have[2]} {have[3]} ({have[1]} bytes). Create the "
+                "table with the same size and dtype, and its optimizer (the same class: its "
+                f"state is part of each row), before restore(). {NOTHING_CHANGED}")
         out[k] = t
     return out
 
@@ -485,17 +453,17 @@ class _Delta:
 
 
 def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) -> int:
-    """Rewrite every row of ``t``'s file from its chain: ``(directory, link, tensor entry)``
-    for the base, then each delta, oldest first. Returns the checkpoint bytes read."""
+    """Rewrite every row of ``t`` from its chain: ``(directory, link, tensor entry)`` for the
+    base, then each delta, oldest first. Returns the checkpoint bytes read."""
     from ..rowfile.fileio import _aligned
-    d = t.disk
+    d = t.rows = t.tier.whole(writes=True)     # (its cache of hot rows emptied: written below)
     (base_dir, base_link, base_entry), deltas = links[0], links[1:]
     rb, n = d.row_bytes, d.num_rows
     records = bool(base_link.get("records"))
     _check_shape(base_entry, [n, rb + (_ID if records else 0)], base_dir, d.name)
     for root, link, entry in deltas:
         _check_shape(entry, [link["count"], _ID + rb], root, d.name)
-    d.discard_cache()                      # its RAM rows are older than the checkpoint's
+    d.discard_cache()                      # its cached rows are older than the checkpoint's
     if records:
         return restore_records(d, base_dir, base_entry, deltas, chunk_bytes)
     base = _Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table {d.name!r}")
@@ -503,7 +471,7 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
                    link["count"], rb, n) for root, link, e in deltas]
     # blocks of chunk_bytes / 8: with the base's pieces (chunk_bytes / 4 as saved), RowFile's
     # bounce buffer and a piece of each delta, a restore stays under chunk_bytes of RAM
-    per = max(1, (chunk_bytes // 8) // max(rb, d.file.stride))
+    per = max(1, (chunk_bytes // 8) // max(rb, d.stride))
     bufs = [_aligned(per * rb).reshape(per, rb) for _ in range(2)]
     pool = ThreadPoolExecutor(1, thread_name_prefix="nbtools-ckpt-write")
     try:
@@ -516,7 +484,7 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
                 delta.apply(block, a, a + m)
             if writing is not None:
                 writing.result()
-            writing = pool.submit(d.file.write_range, a, block)   # while the next is merged
+            writing = pool.submit(d.write_bytes, a, block)   # while the next is merged
         if writing is not None:
             writing.result()
         if not base.done() or any(x.left or x.pos < len(x.ids) for x in laid):
@@ -532,11 +500,11 @@ def restore(t: Table, links: list[tuple[Path, dict, dict]], chunk_bytes: int) ->
 def restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
                      chunk_bytes: int) -> int:
     """A base of records (a log file's, in file order) and its deltas, written row by row
-    through ``d.file.write`` (appended, in a log file), oldest first: each row ends as the
+    through ``d.write_records`` (appended, in a log file), oldest first: each row ends as the
     newest record of it. Every row must be in the base exactly once."""
     rb, n = d.row_bytes, d.num_rows
     rec = _ID + rb
-    per = max(1, (chunk_bytes // 8) // max(rec, d.file.stride))
+    per = max(1, (chunk_bytes // 8) // max(rec, d.stride))
     buf = np.empty((per, rec), dtype=np.uint8)
     seen = np.zeros(n, dtype=bool)
     streams = [(_Stream(base_dir, base_entry, f"{base_dir.name}: base of disk table "
@@ -555,7 +523,7 @@ def restore_records(d, base_dir: Path, base_entry: dict, deltas: list,
                     if seen[ids].any():
                         raise Damaged(f"{stream.what}: a row saved twice")
                     seen[ids] = True
-                d.file.write(ids, np.ascontiguousarray(buf[:k, _ID:]))
+                d.write_records(ids, np.ascontiguousarray(buf[:k, _ID:]))
             if not stream.done():
                 raise Damaged(f"{stream.what}: holds more rows than recorded")
             if is_base and not seen.all():
@@ -577,9 +545,9 @@ def describe(saved: list[SaveRows]) -> str:
     parts = []
     for s in saved:
         if s.kind == "same":
-            parts.append(f"{s.table.disk.name}: unchanged")
+            parts.append(f"{s.table.rows.name}: unchanged")
         else:
             what = "base" if s.kind == "base" else "delta"
-            parts.append(f"{s.table.disk.name}: {what} of {s.count:,} rows "
+            parts.append(f"{s.table.rows.name}: {what} of {s.count:,} rows "
                          f"({human_bytes(s.entry['bytes'])})")
     return "; ".join(parts)

@@ -78,10 +78,12 @@ def plan(objects: dict, rng: bool, half: bool, cfg: CheckpointConfig, chains: di
          dir_name: str) -> SavePlan:
     """Encode the objects' states (and the RNG states) and decide how each tensor is stored,
     and each disk table's rows (every dirty row written back first); nothing is written
-    to the checkpoint yet. ``chains``: the manager's ``id(DiskRows) -> rows.Chain``."""
+    to the checkpoint yet. ``chains``: the manager's ``id(table rows) -> rows.Chain``."""
     packer = _tree.Packer()
     objects_tree = {}
-    tables = _rows.find(objects)
+    # every table's rows by reference (a base or the rows changed since: nbtools.checkpoint.rows),
+    # but for half-precision copies of the tables in RAM or on the GPU, saved as tensors
+    tables = _rows.find(objects, memory=not half)
     with _rows.holding(tables, writable=False):     # their views become $rows nodes
         refs = packer.ref = _rows.Refs(tables)
         for name, obj in objects.items():
@@ -220,11 +222,12 @@ def report(step: int, final: Path, body: dict, plan: SavePlan, seconds: float,
     info = {"step": step, "path": str(final), "bytes": body["bytes"], "seconds": seconds,
             "bytes_per_s": body["bytes"] / seconds if seconds > 0 else None,
             "half": body["half"],
-            "disk_tables": {s.table.disk.name: {"kind": s.kind, "rows": s.count,
-                                                "needs": len(s.links)}
-                            for s in plan.rows}}
+            "tables": {s.table.rows.name: {"kind": s.kind, "rows": s.count,
+                                           "needs": len(s.links)}
+                       for s in plan.rows}}
+    info["disk_tables"] = info["tables"]         # (its name when only disk tables had chains)
     if verbose:
-        tables = f"; disk tables: {_rows.describe(plan.rows)}" if plan.rows else ""
+        tables = f"; tables: {_rows.describe(plan.rows)}" if plan.rows else ""
         print(f"checkpoint: saved step {step} ({human_bytes(body['bytes'])}"
               f"{', half-precision tables' if body['half'] else ''}) in {seconds:.2f} s, "
               f"{rate(body['bytes'], seconds)}{tables} -> {final}")

@@ -45,6 +45,10 @@ class WholeTable:
         # (the table owns this object: a weak reference back, so that a table nobody holds is
         # still freed at once, its file removed)
         self.disk = weakref.proxy(disk)
+        # what the whole-table face (nbtools.store.RowTier.whole) says of the rows; ``stride``:
+        # bytes from one row to the next in the file (and in its mapping)
+        self.name, self.num_rows, self.dtype = disk.name, disk.num_rows, disk.dtype
+        self.width, self.row_bytes, self.stride = disk.width, disk.row_bytes, disk.file.stride
         self.changed = BitSet(disk.num_rows, full=True)
         self.checkpoint = None          # the checkpoint ``changed`` counts from (a token)
         self.map = None                 # the writable mapping handed out last (sync_mapped)
@@ -195,19 +199,26 @@ class WholeTable:
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
         rows must not be cached in RAM, as at creation)."""
-        d = self.disk
-        rows = rows.detach().to("cpu", d.dtype).contiguous()
-        d.wait_read_ahead()
-        with d.slots_lock:
-            d.write_stash()
-            if d.above is not None:
-                d.above.forget_rows(np.arange(start, start + rows.shape[0]))
-            d.file.write_range(start, rows.view(torch.uint8).numpy().reshape(
-                rows.shape[0], d.row_bytes))
-            self.changed.add_range(start, start + rows.shape[0])
+        rows = rows.detach().to("cpu", self.disk.dtype).contiguous()
+        self.write_bytes(start, rows.view(torch.uint8).numpy().reshape(rows.shape[0], -1))
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
+        d = self.disk
+        out = torch.empty((stop - start, d.width), dtype=d.dtype)
+        self.read_bytes(start, out.view(torch.uint8).numpy().reshape(stop - start, d.row_bytes))
+        return out
+
+    # --- the whole-table face of the tier (nbtools.store.RowTier.whole): rows as stored ----
+    @property
+    def moved(self) -> bool:
+        """Whether rows left their home slots (a log-structured file): read them in file
+        order (:meth:`records`), where id order would read each moved row at random."""
+        return getattr(self.disk.file, "away", 0) > 0
+
+    def read_bytes(self, start: int, out: np.ndarray) -> None:
+        """Rows ``start:start + len(out)`` as they are now (RAM copies where cached) into
+        ``out`` (uint8 ``[m, row_bytes]``)."""
         d, ram = self.disk, self.disk.ram
         d.wait_read_ahead()
         self.ensure_init()
@@ -215,14 +226,41 @@ class WholeTable:
             d.write_stash()
             if d.above is not None:
                 d.above.flush()
-            out = torch.empty((stop - start, d.width), dtype=d.dtype)
-            raw = out.view(torch.uint8).numpy().reshape(stop - start, d.row_bytes)
-            d.file.read_range(start, raw)
-            slots = ram.slot_of[start:stop]
+            d.file.read_range(start, out)
+            slots = ram.slot_of[start:start + len(out)]
             hot = np.flatnonzero(slots >= 0)
             if len(hot):
-                raw[hot] = ram.slab_bytes[slots[hot]]
-            return out
+                out[hot] = ram.slab_bytes[slots[hot]]
+
+    def write_bytes(self, start: int, src: np.ndarray) -> None:
+        """Rows ``start:start + len(src)`` from ``src`` (uint8 ``[m, row_bytes]``) into the file
+        (whole-table writes: the rows must not be cached in RAM, as at creation or after
+        :meth:`discard_cache`)."""
+        d = self.disk
+        d.wait_read_ahead()
+        with d.slots_lock:
+            d.write_stash()
+            if d.above is not None:
+                d.above.forget_rows(np.arange(start, start + len(src)))
+            d.file.write_range(start, src)
+            self.changed.add_range(start, start + len(src))
+
+    def write_records(self, ids: np.ndarray, src: np.ndarray) -> None:
+        """Rows ``ids`` (any order, each once; not cached, as after :meth:`discard_cache`)
+        from ``src`` (uint8 ``[len(ids), row_bytes]``) into the file: appended, in a log file."""
+        d = self.disk
+        with d.slots_lock:
+            d.file.write(ids, src)
+            self.changed.add(ids)
+
+    def records(self, per: int, out: np.ndarray):
+        """Every row as ``(ids, rows)``, ``per`` file slots at a time, in file order (one large
+        sequential read each; dead slots are read and skipped), read into ``out`` (uint8
+        ``[per, row_bytes]``): a log file's rows, whose order is not the ids'."""
+        log = self.disk.file
+        for a in range(0, log.slots, per):
+            ids, live = log.live_rows(a, out[:min(per, log.slots - a)])
+            yield ids, out[live]
 
     def mapped(self, writable: bool = True, ordered: bool = True) -> torch.Tensor:
         """Every row as a CPU tensor mapped onto the file (call :meth:`flush` first). Reads

@@ -8,7 +8,7 @@ import torch
 
 from ..devices import synchronize
 from ..store.rows import RowBatch, RowStore
-from . import DiskRows
+from . import DiskRows, describe, init_normal
 from .gpu import attach
 from .readahead import prepare
 
@@ -38,6 +38,23 @@ class DiskStore(RowStore):
 
     def step_queued(self) -> None:
         self.disk.step_queued()
+
+    def init_normal(self, padding_idx) -> None:
+        """N(0, 1) rows, drawn when the rows are first needed (:func:`nbtools.disk.init_normal`)."""
+        init_normal(self.disk, padding_idx, self.device)
+
+    def describe(self) -> str:
+        """The file and the RAM cache, for ``repr(table)``."""
+        return describe(self.disk)
+
+    def written(self, ids) -> None:
+        """(A disk table counts the rows written to its file itself: ``ids`` are slots.)"""
+
+    def whole(self, writes: bool = False):
+        """The table as a whole: its file under the RAM slots
+        (:class:`nbtools.disk.access.WholeTable`, which writes back what RAM and the GPU
+        level hold before it reads, and forgets their copies of what it writes)."""
+        return self.disk.whole
 
     def batch_of(self, table, ids, training: bool, key=None):
         """A lookup's :class:`RowBatch` of slots, its rows brought into RAM (:func:`lookup`),

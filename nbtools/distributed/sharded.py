@@ -196,7 +196,7 @@ class ShardedEmbedding(nn.Module):
     def forward(self, ids) -> torch.Tensor:
         if self.world == 1:
             return self.shard(ids)
-        ids = self.shard.prepare_ids(ids)
+        ids = self.shard.lookups.prepare_ids(ids)
         flat = ids.reshape(-1).long()
         # each unique id is asked for once; owners get them grouped by rank
         uniq, inverse = torch.unique(flat, return_inverse=True)

@@ -383,6 +383,7 @@ class TableLookups:
         if scale is not None:
             grad = grad * scale.gather_batch(batch).to(grad.dtype)
         captures = [r.capture for r in records]
+        store.written(batch.ids)     # (whole-table readers count these rows as changed)
         # a prefetch reads these rows again (batch.ids: a capture's output where one lookup)
         self.prefetcher.written(batch.ids, captures if len(records) == 1 else ())
         cache = store.cache

@@ -7,7 +7,7 @@ very same ids tensor takes the result (:meth:`Prefetcher.take`); rows that optim
 in between are read again first, so training is bit-identical to not prefetching.
 
 Nothing here imports :mod:`nbtools.tables`: the prefetcher reaches its table only through the
-what a table offers (``rows``, ``lookup_graphs``, ``prepare_ids``, ``lookup_result``).
+what a table offers (``rows``, ``lookup_graphs``, its ``lookups``: ``prepare_ids``, ``result``).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Prefetcher:
         self.drop()
         width = t.rows.width if t.state_names else t.layout.weight_cols
         if t.device.type != "cuda":            # the same work at once: no overlap, same results
-            ids = t.prepare_ids(ids)
+            ids = t.lookups.prepare_ids(ids)
             flat = ids.reshape(-1).long()
             with torch.no_grad():
                 batch = unique_ids(flat, t.num_embeddings, t.padding_idx)
@@ -78,13 +78,13 @@ class Prefetcher:
         side = self.side_stream
         from_host = isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
         if not from_host:       # ids made on the GPU: ready once what is queued so far is
-            ids = t.prepare_ids(ids)
+            ids = t.lookups.prepare_ids(ids)
             side.wait_stream(main)
         graphs = t.config.cuda_graphs and t.rows.direct and kernels.usable_on(t.device, "rows")
         captured = None
         with devices.entered(side), torch.no_grad():
             if from_host:       # copied and deduplicated at once, beside the GPU's work
-                ids = t.prepare_ids(ids)
+                ids = t.lookups.prepare_ids(ids)
             flat = ids.reshape(-1).long()
             if graphs:          # as one CUDA graph: the dedup (host ids: it alone), admission
                 # and gather, as for a lookup
@@ -166,4 +166,4 @@ class Prefetcher:
             # replays its dedup on the side stream at once, without waiting for this stream,
             # and must not overwrite those ids before they are read here.
             LookupGraphs.read_here(read, devices.current(t.device))
-        return t.lookup_result(batch, full, flat, shape, pre.capture, True, id_order)
+        return t.lookups.result(batch, full, flat, shape, pre.capture, True, id_order)

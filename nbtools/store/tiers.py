@@ -84,6 +84,12 @@ class Tier:
     def step_queued(self) -> None:
         self.inner.step_queued()
 
+    def written(self, ids: torch.Tensor) -> None:
+        self.inner.written(ids)
+
+    def whole(self, writes: bool = False):
+        return self.inner.whole(writes)
+
     def current_for(self, disk, cache=None) -> bool:
         return self.inner.current_for(disk, cache)
 
@@ -128,6 +134,12 @@ class Cached(Tier):
     def rows_now(self, keep_cache: bool) -> torch.Tensor:
         self.flush(drop=not keep_cache)
         return self.inner.rows_now(keep_cache)
+
+    def whole(self, writes: bool = False):
+        """``inner``'s whole-table face once the cached rows are written back to it (and,
+        with ``writes``, the cache is emptied: the face writes below it)."""
+        self.flush(drop=writes)
+        return self.inner.whole(writes)
 
     def close(self) -> None:
         self.flush()
@@ -373,6 +385,10 @@ class WriteBehind(Tier):
     def rows_now(self, keep_cache: bool) -> torch.Tensor:
         self.settle()               # lookups stop patching from write-backs in flight
         return self.inner.rows_now(keep_cache)
+
+    def whole(self, writes: bool = False):
+        self.settle()
+        return self.inner.whole(writes)
 
     def gather(self, idx: torch.Tensor, start: int = 0, stop=None) -> torch.Tensor:
         self.settle()
