@@ -47,8 +47,10 @@ class WholeRows:
     # --- what changed ---------------------------------------------------------------------
     def written(self, ids: torch.Tensor) -> None:
         """Rows ``ids`` (a step's unique ids on the compute device, padded with the sentinel)
-        are about to be written."""
-        self.changed.index_fill_(0, ids, True)
+        are about to be written. Until a checkpoint has taken every row there is nothing to
+        count from (the first save copies them all), so a table never saved pays nothing."""
+        if self.checkpoint is not None:
+            self.changed.index_fill_(0, ids, True)
 
     def all_changed(self) -> None:
         """Every row may change (the rows were handed out writable)."""
