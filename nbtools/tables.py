@@ -272,8 +272,18 @@ class OffloadedEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         """All rows: a CPU tensor aliasing the (pinned) host memory, or, when the table is
         placed on the GPU, a CUDA tensor. Reading a host table waits for queued GPU writes
-        first, so what you read is current. Write to it to initialise."""
+        first, so what you read is current. Write to it to initialise. Since anything may be
+        written through it, a cache of hot rows is emptied first and every row counts as
+        changed for the next checkpoint (which then copies them all): to only read, use
+        :meth:`read_weight`."""
         return self._current(keep_cache=False, state=None)
+
+    def read_weight(self) -> torch.Tensor:
+        """All rows, current, as :attr:`weight` gives them, for reading only: a cache of hot
+        rows stays warm and the next checkpoint stays incremental (nearest neighbours, a check
+        for inf/nan, an export). What is written through it is not tracked: write through
+        :attr:`weight`."""
+        return self._current(keep_cache=True, state=None)
 
     @on_tables
     def _current(self, keep_cache: bool, state) -> torch.Tensor:

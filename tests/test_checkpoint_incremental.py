@@ -247,3 +247,27 @@ def test_sigkill_while_saving_deltas_loses_no_row(tmp_path):
         mid_save += any(n.startswith(".tmp-") for n in os.listdir(directory))
     assert twin_step >= KILLS and {"base", "delta"} <= kinds
     assert mid_save >= 1, "no kill landed inside a save; the test would prove nothing"
+
+
+
+
+def test_reading_the_weights_keeps_the_next_save_incremental(tmp_path, device):
+    """read_weight() (what nearest neighbours and the models' inf/nan checks use) neither
+    empties a cache of hot rows nor counts every row as changed; .weight (writable) does both."""
+    t, o = _table("host-cached", device)
+    ck = CheckpointManager(tmp_path / "ck", config=_cfg())
+    _train(t, o, [1])
+    assert _kind(ck.save(1, model=t, opt=o)) == ("base", N)
+
+    def hits_of_step_2_again():
+        before = t.cache_stats()["hits"]
+        _train(t, o, [2])
+        return t.cache_stats()["hits"] - before
+
+    _train(t, o, [2])
+    assert torch.equal(t.read_weight().cpu(), t.state_dict()["weight"].cpu())
+    assert hits_of_step_2_again() > 0                   # the cache stayed warm
+    assert _kind(ck.save(2, model=t, opt=o)) == ("delta", len(set(_ids(2).tolist())))
+    t.weight                                            # handed out writable
+    assert hits_of_step_2_again() == 0                  # the cache was emptied
+    assert _kind(ck.save(3, model=t, opt=o)) == ("base", N)     # every row counts as changed

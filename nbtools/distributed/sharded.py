@@ -139,6 +139,10 @@ class ShardedEmbedding(nn.Module):
         """The whole table (a single process) or this rank's rows (``local_ids()`` order)."""
         return self.shard.weight
 
+    def read_weight(self) -> torch.Tensor:
+        """:attr:`weight` for reading only (:meth:`nbtools.OffloadedEmbedding.read_weight`)."""
+        return self.shard.read_weight()
+
     @on_tables
     def load_full_weight(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows out of a full ``[num_embeddings, dim]`` table (e.g. to start

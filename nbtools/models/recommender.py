@@ -397,7 +397,7 @@ class MatrixFactorization(nn.Module):
         rows = []
         for name, table in (("user", self.users), ("item", self.items)):
             with torch.no_grad():
-                w = table.weight
+                w = table.read_weight()
                 bad = (~torch.isfinite(w)).any(1).nonzero().reshape(-1)
             if bad.numel():
                 rows.append(f"{bad.numel():,} {name} rows (first: {name} {int(bad[0])})")

@@ -501,7 +501,7 @@ class SkipGram(nn.Module):
         (``wordsim.evaluate((model.words, model.vectors()))``)."""
         if self.world > 1:
             return self.input.gather_full().float()
-        return self.input.weight.detach().float().cpu().clone()
+        return self.input.read_weight().detach().float().cpu().clone()
 
     def _one_process(self, what: str) -> None:
         if self.world > 1:
@@ -531,7 +531,7 @@ class SkipGram(nn.Module):
     def vector(self, word_or_id) -> torch.Tensor:
         """The input vector of one word (a float32 CPU copy)."""
         self._one_process("vector()")
-        return self.input.weight[self._id(word_or_id)].float().cpu().clone()
+        return self.input.read_weight()[self._id(word_or_id)].float().cpu().clone()
 
     def most_similar(self, word_or_id, k: int = 10, *, chunk_rows: int = 65536) -> list:
         """The ``k`` words whose input vectors have the highest cosine similarity.
@@ -558,7 +558,7 @@ class SkipGram(nn.Module):
 
     @torch.no_grad()
     def _nearest(self, query: torch.Tensor, k: int, exclude, chunk_rows: int) -> list:
-        weight = self.input.weight          # host view (waits for the GPU once) or GPU rows
+        weight = self.input.read_weight()   # host view (waits for the GPU once) or GPU rows
         query = F.normalize(query, dim=0).to(weight.device)
         k = min(k, self.vocab_size - len(exclude))
         best_scores = torch.empty(0)

@@ -101,7 +101,7 @@ def _vectors(vectors):
             raise ValueError("this SkipGram has no words; build it with words=[...]")
         if getattr(vectors, "world", 1) > 1:    # sharded over ranks: gathered (a collective)
             return list(vectors.words), vectors.vectors()
-        return list(vectors.words), vectors.input.weight.detach().float().cpu()
+        return list(vectors.words), vectors.input.read_weight().detach().float().cpu()
     try:
         words, matrix = vectors
     except (TypeError, ValueError):
