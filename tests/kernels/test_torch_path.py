@@ -123,7 +123,8 @@ def test_the_fast_path_tests_pass_on_a_p100(mode):
     got = subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     expect = sorted(kernels.FAMILIES) if mode == "unloadable" else []
-    assert got.returncode == 0 and got.stdout.strip() == str(expect), got.stderr[-2000:]
+    assert got.returncode == 0 and got.stdout.strip() == str(expect), \
+        f"families off: {got.stdout.strip()!r}, expected {expect}\n{got.stderr[-2000:]}"
     try:                         # four workers where pytest-xdist is installed
         import xdist  # noqa: F401
         workers = ["-n", "4", "--dist", "loadgroup"]
