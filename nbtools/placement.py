@@ -381,18 +381,18 @@ def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str
     return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
 
 
-def make_store(table):
-    """The tier (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement made
-    it: a disk table's RAM slots, under its GPU level where it has one; rows in host memory,
-    written back behind the next step (:mod:`nbtools.store.tiers`); or GPU rows. (A cache of
-    hot rows over host rows comes once the optimizer's state is known:
-    :func:`nbtools.store.tiers.with_cache`.)"""
+def make_store(memory, device: torch.device, used: int | None = None, disk=None):
+    """The tier (:class:`nbtools.store.RowTier`) over a table's rows: ``memory`` (a
+    :class:`~nbtools.hostmem.HostTensor` or :class:`~nbtools.store.rows.DeviceRows`, ``used``
+    columns of each row in use), written back behind the next step where it is host memory
+    (:mod:`nbtools.store.tiers`); or, given ``disk`` (a :class:`nbtools.disk.DiskRows`), its
+    RAM slots as they are now, under its GPU level where it has one. (A cache of hot rows over
+    host rows comes once the optimizer's state is known: :func:`nbtools.store.tiers.with_cache`.)"""
     from .store.rows import RowStore
     from .store.tiers import Cached, WriteBehind
-    if table.disk is not None:      # rows from the file, through RAM slots
+    if disk is not None:      # rows from the file, through RAM slots
         from .disk.store import DiskStore
-        tier = DiskStore(table.disk, table.device)
-        above = table.disk.above
-        return tier if above is None else Cached(tier, above, writes_back=False)
-    tier = RowStore(table.storage, table.device, used=table.layout.used)
+        tier = DiskStore(disk, device)
+        return tier if disk.above is None else Cached(tier, disk.above, writes_back=False)
+    tier = RowStore(memory, device, used=used)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

@@ -228,10 +228,14 @@ class OffloadedEmbedding(nn.Module):
         self.device = resolve_device(device)
         self.requested_placement = placement
         self.placement, self.placement_reason = _first_placement(self, dtype)
-        self._disk = None            # placement="disk": the file and its RAM slots (nbtools.disk)
-        self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
         self._layout = RowLayout(self.embedding_dim, dtype, dtype)
-        self._rows = self._store()
+        if self.placement == "disk":     # a file and its RAM slots (nbtools.disk)
+            from . import disk
+            rows = disk.new_rows(self, self.embedding_dim, dtype)
+            self._rows = make_store(rows.slab, self.device, self._layout.used, rows)
+        else:
+            self._rows = make_store(self._new_rows((self.num_embeddings, self.embedding_dim),
+                                                   dtype), self.device, self._layout.used)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
         self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
@@ -252,15 +256,11 @@ class OffloadedEmbedding(nn.Module):
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def _store(self) -> RowTier:
-        """The tiers over this table's memory (:func:`nbtools.placement.make_store`)."""
-        return make_store(self)
+        """The tiers over this table's memory as it is now (:func:`nbtools.placement.make_store`)."""
+        return make_store(self._rows.host, self.device, self._layout.used, self._rows.disk)
 
     def _new_rows(self, shape, dtype):
-        """Memory for ``shape`` rows where this table is placed (zero-filled)."""
-        if self.placement == "disk":
-            from . import disk
-            self._disk = disk.new_rows(self, shape[1], dtype)
-            return self._disk.slab
+        """Memory for ``shape`` rows where this table is placed in memory (zero-filled)."""
         if self.placement == "gpu":
             return DeviceRows(shape, dtype, self.device, self.name)
         cuda = self.device.type == "cuda"      # (host memory, its zero-copy view on the GPU)
@@ -298,7 +298,7 @@ class OffloadedEmbedding(nn.Module):
     def storage(self):
         """The memory the rows live in: a :class:`~nbtools.hostmem.HostTensor`, the GPU's
         :class:`~nbtools.store.rows.DeviceRows`, or a disk table's RAM slots."""
-        return self._host
+        return self._rows.host
 
     @property
     def lookup_graphs(self) -> LookupGraphs:
@@ -309,10 +309,8 @@ class OffloadedEmbedding(nn.Module):
         """``new`` rows of ``layout`` (with state ``names``; for a disk table its
         :class:`~nbtools.disk.DiskRows`, whose RAM slots ``new`` is) become this table's rows:
         what :func:`nbtools.placement.regrow_for_state` made."""
-        self._disk = disk
-        self._host, self._state_names = new, list(names)
-        self._layout = layout
-        self._rows = self._store()
+        self._state_names, self._layout = list(names), layout
+        self._rows = make_store(new, self.device, layout.used, disk)
         self.clear_pending()
         self.lookups.graphs.invalidate()
 
@@ -422,7 +420,7 @@ class OffloadedEmbedding(nn.Module):
 
     @property
     def pinned(self) -> bool:
-        return self._host.pinned
+        return self._rows.host.pinned
 
     @property
     def nbytes(self) -> int:
@@ -437,7 +435,7 @@ class OffloadedEmbedding(nn.Module):
     @property
     def disk(self):
         """A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), or None."""
-        return self._disk
+        return self._rows.disk
 
     @property
     def transfer_mode(self) -> str:
@@ -467,8 +465,7 @@ class OffloadedEmbedding(nn.Module):
     def sync_slab(self) -> None:
         """A disk table's RAM cache was pinned or grew, or it got a GPU cache: its row store
         follows."""
-        if not self._rows.current_for(self._disk):
-            self._host = self._disk.slab
+        if not self._rows.current_for(self._rows.disk):
             self._rows = self._store()
 
     def __getstate__(self) -> dict:

@@ -221,6 +221,7 @@ class RowStore:
 
     cache = None             # a cache of hot rows: nbtools.store.tiers.Cached's
     keeps_host_ids = False   # lookups deduplicate ids on the CPU (ids stay where they are)
+    disk = None              # a disk table's file and RAM slots (nbtools.disk.store.DiskStore's)
 
     def __init__(self, host, device: torch.device, used: int | None = None):
         self.host = host
