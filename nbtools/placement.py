@@ -316,7 +316,7 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     elif placement == "host" and padded.pad and not fits_host(
             nbytes, reclaim=old.nbytes if was == "host" else 0):
         padded = layout              # as above: unpadded rows where padded ones do not fit
-    elif table.requested_placement == "auto" and was == "disk" and table.disk is not None:
+    elif table.requested_placement == "auto" and was == "disk":
         # Placed on disk when made, its optimizer unknown (Adam-sized state assumed): where
         # this optimizer's rows fit in RAM, they move there (a file would make every step
         # wait for the disk)

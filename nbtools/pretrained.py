@@ -396,32 +396,33 @@ class _Target:
 
 def _weight_target(table) -> _Target:
     d = table.embedding_dim
-    if table.disk is None:
+    if table.rows.in_memory:
         w = table.weight                       # [n, d] host or GPU memory, nothing queued
         return _Target(table.num_embeddings, d, w.dtype, view=w)
-    disk = table.disk
-    disk.initial = None                        # its N(0, 1) rows are never drawn
-    # the row file's aligned buffer (rounded up to a power of two) when rows are padded
-    return _Target(table.num_embeddings, d, disk.dtype, put=disk.write_range,
-                   extra_per_row=2 * disk.file.stride)
+    # rows in a file, written through the tier's whole-table face (their N(0, 1) draw was
+    # never set up: the table was built for its rows to be written next); the file's aligned
+    # buffer (rounded up to a power of two) when rows are padded
+    rows = table.rows.whole(writes=True)
+    return _Target(table.num_embeddings, d, rows.dtype, put=rows.write_range,
+                   extra_per_row=2 * rows.stride)
 
 
 def _state_target(table, name: str, index: int) -> _Target:
     layout = table.layout
     cols = layout.state_widths[index]
     what = f"state {name!r} of table {table.name!r}"
-    if table.disk is None:
+    if table.rows.in_memory:
         v = table.state_columns(name)          # [n, cols], strided among the row's columns
         return _Target(table.num_embeddings, cols, v.dtype, view=v, what=what)
-    disk = table.disk
-    disk.flush()                               # dirty rows in the file; RAM copies stay current
+    rows = table.rows.whole()
+    rows.flush()                               # dirty rows in the file; RAM copies stay current
 
     def put(a: int, values: torch.Tensor) -> None:     # read, change the state's columns, write
         b = a + values.shape[0]
-        rows = disk.read_rows(a, b)
-        layout.state(rows, index).copy_(values)
-        disk.write_rows(np.arange(a, b), rows)
-    per_row = layout.width * layout.unit.itemsize + 4 * disk.file.stride
+        got = rows.read_rows(a, b)
+        layout.state(got, index).copy_(values)
+        rows.write_rows(np.arange(a, b), got)
+    per_row = layout.width * layout.unit.itemsize + 4 * rows.stride
     return _Target(table.num_embeddings, cols, layout.unit, put=put, extra_per_row=per_row,
                    what=what)
 
@@ -753,7 +754,7 @@ def as_cupy(table):
     those host rows (GPU kernels then read and write host RAM over PCIe, as SpeedTorch's
     pinned arrays do). Needs CuPy (an ImportError says what to install)."""
     cupy = _cupy()
-    if table.disk is not None:
+    if not table.rows.in_memory:
         raise TypeError(f"table {table.name!r} lives in a file on disk, which the GPU cannot "
                         "address: use nbtools.pretrained.as_numpy(table) (the file, memory-"
                         "mapped), or copy rows with cupy.asarray(table.weight[a:b].numpy())")

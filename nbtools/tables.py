@@ -627,7 +627,7 @@ def _grad_scale_store(table, weights, new_rows) -> RowStore:
     """The per-row gradient weights of :meth:`OffloadedEmbedding.set_grad_scale`, checked, as a
     row store of ``[num_embeddings, 1]`` where the table's rows live (``new_rows(shape,
     dtype)``: memory there)."""
-    if table.disk is not None:
+    if not table.rows.in_memory:
         raise NotImplementedError(f"table {table.name!r}: per-row gradient scaling is not "
                                   "supported with placement='disk' yet")
     weights = torch.as_tensor(weights)

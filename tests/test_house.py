@@ -265,3 +265,35 @@ def test_the_checkpoint_reaches_rows_only_through_the_tier():
              for line, what in table_reaches(path.read_text())]
     assert not found, "nbtools/checkpoint/ reaches past a table's tier (use table.rows.whole()):" \
         "\n" + "\n".join(found)
+
+
+# --- the tier answers what the rest asks: no branch on whether a table has a disk -----------
+NBTOOLS = TESTS.parent / "nbtools"
+
+
+def disk_branches(source: str) -> list:
+    """``(line, what)`` of each comparison of an attribute ``disk`` with None (``table.disk is
+    None``, ``t.rows.disk is not None``): a branch on which kind of tier holds the rows, which
+    the tier should answer itself (``in_memory``, ``own_cache``, ``cache_cost``, ...)."""
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                  and node.left.attr == "disk" and len(node.ops) == 1
+                  and isinstance(node.ops[0], (ast.Is, ast.IsNot))
+                  and isinstance(node.comparators[0], ast.Constant)
+                  and node.comparators[0].value is None)
+
+
+def test_disk_branches_are_found():
+    source = ("if table.disk is None:\n    pass\n"          # 1
+              "x = t.rows.disk is not None\n"               # 3
+              "if disk is None:\n    pass\n"                # (a local: not a table's attribute)
+              "if table.disk == 3:\n    pass\n")
+    assert [line for line, _ in disk_branches(source)] == [1, 3]
+
+
+def test_no_branch_on_a_tables_disk_outside_the_disk_wing():
+    found = [f"{path.relative_to(NBTOOLS)}:{line}: {what}" for path in sorted(NBTOOLS.rglob("*.py"))
+             if "disk" not in path.relative_to(NBTOOLS).parts[:1]
+             for line, what in disk_branches(path.read_text())]
+    assert not found, "branches on a table's disk outside nbtools/disk/ (ask the tier: " \
+        "in_memory, own_cache, cache_cost, warm_rows):\n" + "\n".join(found)

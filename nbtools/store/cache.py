@@ -298,18 +298,16 @@ def cache_capacity(table) -> tuple:
                       stacklevel=5)
         return None, why
     n = table.num_embeddings
-    if table.disk is not None:     # a disk table's GPU level: its maps are in host RAM
-        capacity = table.config.cache_rows or budget // rows.row_bytes
-        if capacity < 1:
-            raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
-                             f"hold one row of {human_bytes(rows.row_bytes)}")
-        return min(capacity, n), why
-    capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(rows.row_bytes)
+    fixed, per_row = rows.cache_cost(n)     # (a disk table's own GPU level: maps in host RAM)
+    capacity = table.config.cache_rows or (budget - fixed) // per_row
+    if capacity < 1 and not fixed:
+        raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
+                         f"hold one row of {human_bytes(rows.row_bytes)}")
     if capacity < 1:
         raise ValueError(
             f"table {table.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
-            f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
-            f"row {human_bytes(RowCache.slot_bytes(rows.row_bytes))}; give "
+            f"row -> slot map alone takes {human_bytes(fixed)} and a "
+            f"row {human_bytes(per_row)}; give "
             "cache_bytes more room or leave the cache off")
     return min(capacity, n), why
 
@@ -397,7 +395,7 @@ class TableCache:
         """Whether ``table`` has, or may get when its optimizer attaches, a cache to warm: a
         disk table's RAM (and GPU level), a host table's GPU cache."""
         cfg = table.config
-        return table.disk is not None or table.rows.cache is not None or \
+        return table.rows.own_cache or table.rows.cache is not None or \
             table.requested_placement in ("auto", "disk") or any(
                 getattr(cfg, k) is not None for k in CACHE_OPTIONS)
 
@@ -406,16 +404,12 @@ class TableCache:
         counts = warm_counts(counts, table.num_embeddings, table.name)
         if not self.attached:           # the rows move (with their state) when it attaches:
             self.warm_counts = counts if self.may_cache(table) else None    # warmed again then
-            if table.disk is None:
-                return
-        # A disk table is warmed now too: one used without an optimizer (inference) never
-        # attaches.
-        disk = table.disk
-        if disk is not None:            # the most frequent rows, read now: into the GPU
-            hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
-            hot = hot[counts[hot] > 0].numpy()
-            disk.warm(hot, level=disk.above, ram_too=True)
+        # A tier with a cache of its own (a disk table's RAM and GPU level) is warmed now too:
+        # one used without an optimizer (inference) never attaches.
+        if table.rows.warm_rows(counts):
             table.sync_slab()
+            return
+        if not self.attached:
             return
         cache = table.rows.cache
         if cache is None:
@@ -426,17 +420,16 @@ class TableCache:
 
     def summary(self, table) -> dict:
         """:meth:`nbtools.OffloadedEmbedding.cache_stats`."""
-        disk = table.disk
-        if disk is not None and disk.above is not None:
-            return disk.above.summary(table.rows.row_bytes)
-        return self.counts.summary(table.rows)
+        rows = table.rows
+        if rows.own_cache and rows.cache is not None:      # (a disk table's GPU level)
+            return rows.cache.summary(rows.row_bytes)
+        return self.counts.summary(rows)
 
     def describe(self, table) -> str:
         """What ``repr(table)`` says of its cache ("" without one)."""
-        disk = table.disk
-        if disk is not None and disk.above is not None:
-            return f", {disk.above.describe()} ({self.why})"
         cache = table.rows.cache
         if cache is None:
             return ""
+        if table.rows.own_cache:                           # (a disk table's GPU level)
+            return f", {cache.describe()} ({self.why})"
         return f", cache={cache.capacity:,} rows ({human_bytes(cache.nbytes)}, {self.why})"
