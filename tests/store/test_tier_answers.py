@@ -9,15 +9,10 @@ import torch
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.store.cache import RowCache
 
-N, D = 300, 4
-STACKS = {
-    "host": {},
-    "host-write-behind": {"write_behind": True},
-    "host-cached": {"cache_rows": 32},
-    "gpu": {"placement": "gpu"},
-    "disk": {"placement": "disk", "host_cache_bytes": 40 * 3 * D * 4},
-    "disk-cached": {"placement": "disk", "host_cache_bytes": 40 * 3 * D * 4, "cache_rows": 16},
-}
+from test_whole import D, N, STACKS as WHOLE_STACKS
+
+# the stacks of the whole-table face's tests, and a disk table with a GPU level
+STACKS = dict(WHOLE_STACKS, **{"disk-cached": dict(WHOLE_STACKS["disk"], cache_rows=16)})
 
 
 def _table(stack, tmp_path, optimizer: bool):
