@@ -15,6 +15,7 @@ from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
 from .store.layout import RowLayout, row_padding
+from .store.precision import LOW_PRECISION, check_rounding
 from .store.rows import DeviceRows
 from .units import human_bytes, positive_int
 
@@ -55,6 +56,96 @@ def check_table_args(sizes: dict, dtype, placement: str = "auto", gpu_fraction=0
         from . import disk
         disk.check_dir(disk_dir)
     return out
+
+
+@dataclasses.dataclass
+class TableConfig:
+    """Options of an offloaded table beyond its shape, name, device and placement."""
+
+    # Storage of the weights. bfloat16/float16 halve the bytes; every update is still computed
+    # in float32 (rows are upcast when gathered, rounded once when written).
+    dtype: torch.dtype = torch.float32
+    # Storage of the optimizer state: None = float32 for low-precision weights (an Adam moment
+    # in bf16 loses small updates), else the weights' dtype. bfloat16 here halves it too.
+    state_dtype: torch.dtype | None = None
+    # How low-precision values are rounded when written: "nearest" (ties to even) or
+    # "stochastic" (bfloat16 only: unbiased, so updates below bf16's resolution still count).
+    rounding: str = "nearest"
+    pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
+    # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
+    # this share of the GPU memory free at that moment; the rest of it stays for activations.
+    gpu_fraction: float = 0.5
+    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
+    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
+    cuda_graphs: bool = True
+    # A GPU cache of hot rows (weight and optimizer state together) for a table in pinned host
+    # memory (nbtools.store.cache) or on disk (nbtools.disk.gpu: a level above its RAM cache,
+    # holding other rows than RAM): its size in GPU bytes (the rows, plus for a host table 8
+    # bytes per table row for the row -> slot map and the counts), or a share of the GPU
+    # memory free when the optimizer attaches, or room for cache_rows rows. None, None, None:
+    # no cache, except under placement="auto" when the table goes to host memory or disk,
+    # where the cache takes the gpu_fraction budget.
+    cache_bytes: int | None = None
+    cache_fraction: float | None = None
+    cache_rows: int | None = None
+    # Write a step's updated rows back to pinned host memory behind the next step, on a side
+    # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
+    # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
+    # kernel, in steps that write at least WriteBehind.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
+    # never (the update writes host memory itself); True: wherever the update is fused, any
+    # size, a CPU table too (where the write runs at once: tests use it).
+    write_behind: bool | None = None
+    # placement="disk": the folder of the table's file (local disk, not a Drive mount; None:
+    # nbtools.disk.default_dir(), under the system's temporary folder), and the RAM its cache
+    # of hot rows may take (None: nbtools.disk.DEFAULT_HOST_CACHE_BYTES, 1 GiB). The file
+    # holds every row with its optimizer state; RAM holds only the cached rows.
+    disk_dir: str | None = None
+    host_cache_bytes: int | None = None
+
+    @property
+    def storage_state_dtype(self) -> torch.dtype:
+        """What the optimizer state is stored in (``state_dtype``, or its default)."""
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
+
+    def check(self, placement: str, sizes: dict | None = None) -> list:
+        """Raise TypeError / ValueError naming the first field (or ``placement``, or one of
+        ``sizes``, ``{name: value}``) that is wrong; the sizes as ints. Shape, dtype,
+        placement, ``gpu_fraction`` and ``disk_dir`` are checked as :func:`nbtools.plan`
+        checks them (:func:`nbtools.placement.check_table_args`)."""
+        dtype = self.dtype
+        out = check_table_args(sizes or {}, dtype, placement, self.gpu_fraction, self.disk_dir)
+        if self.state_dtype is not None and not (
+                isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point):
+            raise TypeError(f"state_dtype must be a floating torch.dtype, got "
+                            f"{self.state_dtype!r}")
+        state_dtype = self.storage_state_dtype
+        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
+                and state_dtype != dtype:
+            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
+                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
+        for value in (dtype, state_dtype):
+            check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
+        if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
+            positive_int("host_cache_bytes", self.host_cache_bytes)
+        if self.write_behind not in (None, True, False):
+            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
+                             f"memory), True or False, got {self.write_behind!r}")
+        return out
+
+
+def padding_row(padding_idx, num_rows: int) -> int | None:
+    """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
+    the TypeError / ValueError that says what is wrong with it."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(f"padding_idx must be an int row id or None, got "
+                        f"{padding_idx!r} ({type(padding_idx).__name__})")
+    if not -num_rows <= padding_idx < num_rows:
+        raise ValueError(f"padding_idx={padding_idx} is out of range for {num_rows:,} rows")
+    return int(padding_idx) % num_rows
 
 
 def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0, *, disk_dir=None,
@@ -305,11 +396,15 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     nbytes = n * padded.width * state_dtype.itemsize
     was = placement = table.placement
     reason = table.placement_reason
+
+    def choose(nbytes):
+        return choose_placement(table.requested_placement, table.device, table.config,
+                                table.name, n, nbytes)
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
-        placement, reason = choose_placement(table, nbytes)
+        placement, reason = choose(nbytes)
         if placement == "disk" and padded.pad:
             # the padding must never be what sends a table that fits in RAM to disk
-            where, why = choose_placement(table, n * layout.width * state_dtype.itemsize)
+            where, why = choose(n * layout.width * state_dtype.itemsize)
             if where != "disk":
                 placement, padded = where, layout
                 reason = f"{why}; rows not padded to 32-byte sectors (padded, they would not fit)"
@@ -353,32 +448,56 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     return Regrown(new, layout, disk_rows, placement, reason)
 
 
-__all__ = ["HostMemoryError", "NoRoomError", "Regrown", "auto_placement", "check_fits", "copy_rows",
-           "copy_unless_same", "disk_bytes", "fits_host", "grow_host", "regrow_for_state",
-           "release_pages"]
+__all__ = ["HostMemoryError", "NoRoomError", "Regrown", "TableConfig", "auto_placement",
+           "check_fits", "choose_placement", "copy_rows", "copy_unless_same", "disk_bytes",
+           "first_placement", "fits_host", "grow_host", "make_store", "padding_row",
+           "regrow_for_state", "release_pages"]
 
 
-def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str]:
-    """``(placement, why)`` for ``table`` (its requested placement, device and config) with
-    rows of ``nbytes``."""
-    asked = table.requested_placement
+def choose_placement(asked: str, device: torch.device, config, name: str, num_rows: int,
+                     nbytes: int, assumption: str = "") -> tuple[str, str]:
+    """``(placement, why)`` for a table ``name`` of ``num_rows`` rows taking ``nbytes`` with its
+    state, whose placement argument is ``asked``, computing on ``device``, with ``config``
+    (its :class:`TableConfig`: ``gpu_fraction``, ``disk_dir``)."""
     if asked == "disk":
         return "disk", "asked for"
-    if asked == "gpu" and table.device.type != "cuda":
+    if asked == "gpu" and device.type != "cuda":
         from .devices import cuda_ok
         raise ValueError(
-            f"table {table.name!r}: placement='gpu' keeps the rows in GPU memory, but this "
-            f"table computes on {table.device}"
+            f"table {name!r}: placement='gpu' keeps the rows in GPU memory, but this "
+            f"table computes on {device}"
             + ("" if cuda_ok() else " (no CUDA device is visible)")
             + ": use placement='host' or 'auto' (the same code then runs on the CPU)"
             + (", or device='cuda'" if cuda_ok() else ""))
-    if table.device.type != "cuda" and asked != "auto":
+    if device.type != "cuda" and asked != "auto":
         return "host", "CPU compute"
     if asked != "auto":
         return asked, "asked for"
-    where, why = auto_placement(nbytes, table.device, table.config.gpu_fraction,
-                                table.config.disk_dir, table.num_embeddings)
+    where, why = auto_placement(nbytes, device, config.gpu_fraction, config.disk_dir, num_rows)
     return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
+
+
+def first_placement(asked: str, device: torch.device, config, name: str, num_rows: int,
+                    dim: int) -> tuple[str, str]:
+    """Where a new table's rows go (``asked``: its placement argument) before its optimizer is
+    known (Adam-sized state assumed; its weights alone where that fits nowhere), and why; a
+    host table that does not fit raises HostMemoryError naming what to change."""
+    nbytes = num_rows * dim * config.dtype.itemsize
+
+    def choose(nbytes, assumption):
+        return choose_placement(asked, device, config, name, num_rows, nbytes, assumption)
+    try:
+        where = choose(3 * nbytes, "Adam-sized state assumed until an optimizer attaches")
+    except NoRoomError:          # the optimizer may keep less state: its attach decides
+        where = choose(nbytes, "placed by its weights alone: with Adam-sized state it fits "
+                               "nowhere")
+    if where[0] == "host":
+        check_fits(nbytes, f"table {name!r} ({num_rows:,} x {dim} "
+                           f"{str(config.dtype).replace('torch.', '')})",
+                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
+                   "dtype=torch.bfloat16 halves it.", disk_dir=config.disk_dir,
+                   num_rows=num_rows)
+    return where
 
 
 def make_store(memory, device: torch.device, used: int | None = None, disk=None):

@@ -59,10 +59,12 @@ CuPy is optional and only ever imported here, when a CuPy array is read or asked
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import mmap
 import os
+import threading
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -377,6 +379,27 @@ def _mapped_pages(arr: np.ndarray):
     return release
 
 
+_BUILDING = threading.local()     # (rows_written_next)
+
+
+@contextlib.contextmanager
+def rows_written_next():
+    """Tables built in this block (on this thread) skip ``nn.Embedding``'s N(0, 1) draw: their
+    builder writes every row before anything reads one (:func:`nbtools.pretrained.from_pretrained`:
+    a 20 GB table's draw would take a second of GPU and RNG set-up for rows overwritten at once)."""
+    _BUILDING.rows_written_next = True
+    try:
+        yield
+    finally:
+        _BUILDING.rows_written_next = False
+
+
+
+def building_rows_written_next() -> bool:
+    """Whether a table built now on this thread skips its N(0, 1) draw (:func:`rows_written_next`)."""
+    return getattr(_BUILDING, "rows_written_next", False)
+
+
 # --- destinations ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -615,7 +638,7 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
         options["dtype"] = dtype
     if isinstance(padding_idx, (int, np.integer)) and -n <= padding_idx < n:
         _warn_padding(src, int(padding_idx) % n)
-    with cls._rows_written_next():  # no N(0, 1) draw (every row is written below): no RNG used
+    with rows_written_next():      # no N(0, 1) draw (every row is written below): no RNG used
         table = cls(n, d, padding_idx=padding_idx, name=name, device=device,
                     placement=placement, config=config, **options)
     try:

@@ -19,10 +19,7 @@ more than twice the rate of short ones on a large table (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import numbers
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +27,14 @@ from torch import nn
 
 from .devices import on_tables, resolve_device, synchronize
 from .hostmem import HostTensor
-from .store.precision import LOW_PRECISION, check_rounding
-from .units import human_bytes, positive_int
+from .store.precision import LOW_PRECISION
+from .units import human_bytes
 from .store.cache import TableCache
-from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
-                        check_table_args, choose_placement, copy_unless_same, make_store,
-                        regrow_for_state)
+# (the options and placement of a table; each name importable from here as before)
+from .placement import (HostMemoryError, NoRoomError, TableConfig, auto_placement,  # noqa: F401
+                        check_fits, check_table_args, choose_placement, copy_unless_same,
+                        first_placement, make_store, padding_row, regrow_for_state)
+from .pretrained import building_rows_written_next, rows_written_next  # noqa: F401
 from .store.capture import LookupGraphs
 from .store import RowTier
 from .store.layout import RowLayout
@@ -43,131 +42,6 @@ from .store.rows import DeviceRows, RowStore
 from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
-
-
-@dataclasses.dataclass
-class TableConfig:
-    """Options of an offloaded table beyond its shape, name, device and placement."""
-
-    # Storage of the weights. bfloat16/float16 halve the bytes; every update is still computed
-    # in float32 (rows are upcast when gathered, rounded once when written).
-    dtype: torch.dtype = torch.float32
-    # Storage of the optimizer state: None = float32 for low-precision weights (an Adam moment
-    # in bf16 loses small updates), else the weights' dtype. bfloat16 here halves it too.
-    state_dtype: torch.dtype | None = None
-    # How low-precision values are rounded when written: "nearest" (ties to even) or
-    # "stochastic" (bfloat16 only: unbiased, so updates below bf16's resolution still count).
-    rounding: str = "nearest"
-    pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
-    # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
-    # this share of the GPU memory free at that moment; the rest of it stays for activations.
-    gpu_fraction: float = 0.5
-    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
-    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
-    cuda_graphs: bool = True
-    # A GPU cache of hot rows (weight and optimizer state together) for a table in pinned host
-    # memory (nbtools.store.cache) or on disk (nbtools.disk.gpu: a level above its RAM cache,
-    # holding other rows than RAM): its size in GPU bytes (the rows, plus for a host table 8
-    # bytes per table row for the row -> slot map and the counts), or a share of the GPU
-    # memory free when the optimizer attaches, or room for cache_rows rows. None, None, None:
-    # no cache, except under placement="auto" when the table goes to host memory or disk,
-    # where the cache takes the gpu_fraction budget.
-    cache_bytes: int | None = None
-    cache_fraction: float | None = None
-    cache_rows: int | None = None
-    # Write a step's updated rows back to pinned host memory behind the next step, on a side
-    # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
-    # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
-    # kernel, in steps that write at least WriteBehind.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
-    # never (the update writes host memory itself); True: wherever the update is fused, any
-    # size, a CPU table too (where the write runs at once: tests use it).
-    write_behind: bool | None = None
-    # placement="disk": the folder of the table's file (local disk, not a Drive mount; None:
-    # nbtools.disk.default_dir(), under the system's temporary folder), and the RAM its cache
-    # of hot rows may take (None: nbtools.disk.DEFAULT_HOST_CACHE_BYTES, 1 GiB). The file
-    # holds every row with its optimizer state; RAM holds only the cached rows.
-    disk_dir: str | None = None
-    host_cache_bytes: int | None = None
-
-    @property
-    def storage_state_dtype(self) -> torch.dtype:
-        """What the optimizer state is stored in (``state_dtype``, or its default)."""
-        if self.state_dtype is not None:
-            return self.state_dtype
-        return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
-
-    def check(self, placement: str, sizes: dict | None = None) -> list:
-        """Raise TypeError / ValueError naming the first field (or ``placement``, or one of
-        ``sizes``, ``{name: value}``) that is wrong; the sizes as ints. Shape, dtype,
-        placement, ``gpu_fraction`` and ``disk_dir`` are checked as :func:`nbtools.plan`
-        checks them (:func:`nbtools.placement.check_table_args`)."""
-        dtype = self.dtype
-        out = check_table_args(sizes or {}, dtype, placement, self.gpu_fraction, self.disk_dir)
-        if self.state_dtype is not None and not (
-                isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point):
-            raise TypeError(f"state_dtype must be a floating torch.dtype, got "
-                            f"{self.state_dtype!r}")
-        state_dtype = self.storage_state_dtype
-        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
-                and state_dtype != dtype:
-            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
-                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
-        for value in (dtype, state_dtype):
-            check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
-        if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
-            positive_int("host_cache_bytes", self.host_cache_bytes)
-        if self.write_behind not in (None, True, False):
-            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
-                             f"memory), True or False, got {self.write_behind!r}")
-        return out
-
-
-_BUILDING = threading.local()
-
-
-@contextlib.contextmanager
-def rows_written_next():
-    """Tables built in this block (on this thread) skip ``nn.Embedding``'s N(0, 1) draw: their
-    builder writes every row before anything reads one (:func:`nbtools.pretrained.from_pretrained`:
-    a 20 GB table's draw would take a second of GPU and RNG set-up for rows overwritten at once)."""
-    _BUILDING.rows_written_next = True
-    try:
-        yield
-    finally:
-        _BUILDING.rows_written_next = False
-
-
-def padding_row(padding_idx, num_rows: int) -> int | None:
-    """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
-    the TypeError / ValueError that says what is wrong with it."""
-    if padding_idx is None:
-        return None
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
-        raise TypeError(f"padding_idx must be an int row id or None, got "
-                        f"{padding_idx!r} ({type(padding_idx).__name__})")
-    if not -num_rows <= padding_idx < num_rows:
-        raise ValueError(f"padding_idx={padding_idx} is out of range for {num_rows:,} rows")
-    return int(padding_idx) % num_rows
-
-
-def _first_placement(table, dtype) -> tuple[str, str]:
-    """Where a new table's rows go before its optimizer is known (Adam-sized state assumed;
-    its weights alone where that fits nowhere), and why; a host table that does not fit
-    raises HostMemoryError naming what to change."""
-    nbytes = table.num_embeddings * table.embedding_dim * torch.empty((), dtype=dtype).element_size()
-    try:
-        where = choose_placement(table, 3 * nbytes, "Adam-sized state assumed until an "
-                                                   "optimizer attaches")
-    except NoRoomError:          # the optimizer may keep less state: its attach decides
-        where = choose_placement(table, nbytes, "placed by its weights alone: with Adam-sized "
-                                               "state it fits nowhere")
-    if where[0] == "host":
-        check_fits(nbytes, f"table {table.name!r} ({table.num_embeddings:,} x "
-                           f"{table.embedding_dim} {str(dtype).replace('torch.', '')})",
-                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
-                   "dtype=torch.bfloat16 halves it.", disk_dir=table.config.disk_dir,
-                   num_rows=table.num_embeddings)
-    return where
 
 
 class OffloadedEmbedding(nn.Module):
@@ -227,7 +101,8 @@ class OffloadedEmbedding(nn.Module):
         self.name = name or type(self).__name__
         self.device = resolve_device(device)
         self.requested_placement = placement
-        self.placement, self.placement_reason = _first_placement(self, dtype)
+        self.placement, self.placement_reason = first_placement(
+            placement, self.device, cfg, self.name, self.num_embeddings, self.embedding_dim)
         self._layout = RowLayout(self.embedding_dim, dtype, dtype)
         if self.placement == "disk":     # a file and its RAM slots (nbtools.disk)
             from . import disk
@@ -241,7 +116,7 @@ class OffloadedEmbedding(nn.Module):
         self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
         self.hot = TableCache()      # its GPU cache of hot rows: size, warm-up, readings
         self.trainable = True
-        if getattr(_BUILDING, "rows_written_next", False):
+        if building_rows_written_next():
             return                   # its builder writes every row next (from_pretrained)
         self._rows.init_normal(self.padding_idx)     # nn.Embedding's N(0, 1)
 
@@ -545,8 +420,6 @@ class OffloadedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return _describe(self)
-
-    _rows_written_next = staticmethod(rows_written_next)   # (what from_pretrained builds in)
 
     @classmethod
     def from_pretrained(cls, source, **kwargs) -> "OffloadedEmbedding":
