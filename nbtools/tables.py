@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .devices import on_tables, resolve_device, synchronize
-from .hostmem import HostTensor
 from .store.precision import LOW_PRECISION
 from .units import human_bytes
 from .store.cache import TableCache
@@ -38,7 +37,7 @@ from .pretrained import building_rows_written_next, rows_written_next  # noqa: F
 from .store.capture import LookupGraphs
 from .store import RowTier
 from .store.layout import RowLayout
-from .store.rows import DeviceRows, RowStore
+from .store.rows import grad_scale_rows, new_memory
 from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
@@ -109,8 +108,9 @@ class OffloadedEmbedding(nn.Module):
             rows = disk.new_rows(self, self.embedding_dim, dtype)
             self._rows = make_store(rows.slab, self.device, self._layout.used, rows)
         else:
-            self._rows = make_store(self._new_rows((self.num_embeddings, self.embedding_dim),
-                                                   dtype), self.device, self._layout.used)
+            memory = new_memory((self.num_embeddings, self.embedding_dim), dtype, self.device,
+                                self.placement == "gpu", cfg.pin, self.name)
+            self._rows = make_store(memory, self.device, self._layout.used)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
         self._state_names = []       # optimizer state interleaved after the weight, in order
         self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
@@ -133,14 +133,6 @@ class OffloadedEmbedding(nn.Module):
     def _store(self) -> RowTier:
         """The tiers over this table's memory as it is now (:func:`nbtools.placement.make_store`)."""
         return make_store(self._rows.host, self.device, self._layout.used, self._rows.disk)
-
-    def _new_rows(self, shape, dtype):
-        """Memory for ``shape`` rows where this table is placed in memory (zero-filled)."""
-        if self.placement == "gpu":
-            return DeviceRows(shape, dtype, self.device, self.name)
-        cuda = self.device.type == "cuda"      # (host memory, its zero-copy view on the GPU)
-        return HostTensor(shape, dtype, pin=self.config.pin and cuda, name=self.name,
-                          device=self.device if cuda else None)
 
     # --- the rows, wherever they live -------------------------------------------------------
     @property
@@ -325,8 +317,8 @@ class OffloadedEmbedding(nn.Module):
         For rare words: e.g. inverse frequency. ``None`` turns it off. Like
         ``nn.Embedding(scale_grad_by_freq=True)``, but with your own per-id weights.
         """
-        self._grad_scale = None if weights is None else _grad_scale_store(self, weights,
-                                                                               self._new_rows)
+        self._grad_scale = None if weights is None else grad_scale_rows(
+            weights, self._rows, self.name, self.num_embeddings, self.config.pin)
 
     @on_tables
     def close(self) -> None:
@@ -365,9 +357,6 @@ class OffloadedEmbedding(nn.Module):
         if inv is not None:
             rows = look.rows_of_ids(rows, inv)
         return rows.view(*ids.shape, self.embedding_dim)
-
-    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
-        self.lookups.raise_bad_ids(flat, shape)
 
     @on_tables
     def prefetch(self, ids) -> None:
@@ -494,24 +483,6 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
-
-
-def _grad_scale_store(table, weights, new_rows) -> RowStore:
-    """The per-row gradient weights of :meth:`OffloadedEmbedding.set_grad_scale`, checked, as a
-    row store of ``[num_embeddings, 1]`` where the table's rows live (``new_rows(shape,
-    dtype)``: memory there)."""
-    if not table.rows.in_memory:
-        raise NotImplementedError(f"table {table.name!r}: per-row gradient scaling is not "
-                                  "supported with placement='disk' yet")
-    weights = torch.as_tensor(weights)
-    if weights.shape != (table.num_embeddings,) or not weights.is_floating_point():
-        raise ValueError(f"grad scale for table {table.name!r} must be a float tensor of shape "
-                         f"({table.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
-    if not torch.isfinite(weights).all():
-        raise ValueError(f"grad scale for table {table.name!r} contains non-finite values")
-    host = new_rows((table.num_embeddings, 1), table.storage.tensor.dtype)
-    host.tensor.copy_(weights.reshape(-1, 1))
-    return RowStore(host, table.device)
 
 
 def _describe(table) -> str:

@@ -31,7 +31,7 @@ from .cache import RowCache
 from .layout import RowLayout
 from .whole import WholeRows
 from ..devices import synchronize
-from ..hostmem import count_transfer, gather_rows, scatter_rows
+from ..hostmem import HostTensor, count_transfer, gather_rows, scatter_rows
 
 
 @dataclasses.dataclass
@@ -204,6 +204,17 @@ class DeviceRows:
     def __repr__(self):
         return (f"DeviceRows(name={self.name!r}, shape={tuple(self.tensor.shape)}, "
                 f"dtype={self.tensor.dtype}, device={self.tensor.device})")
+
+
+def new_memory(shape, dtype: torch.dtype, device: torch.device, on_gpu: bool, pin: bool,
+               name: str):
+    """Zero-filled memory for ``shape`` rows: on the GPU (:class:`DeviceRows`, ``on_gpu``), or
+    host memory, pinned where ``pin`` and ``device`` is a CUDA device (which then reads it
+    zero-copy)."""
+    if on_gpu:
+        return DeviceRows(shape, dtype, device, name)
+    cuda = device.type == "cuda"
+    return HostTensor(shape, dtype, pin=pin and cuda, name=name, device=device if cuda else None)
 
 
 class RowStore:
@@ -505,3 +516,22 @@ def from_cache(rows, cache_rows, slots, start, stop):
     hot = slots >= 0              # (the torch path: a host sync)
     rows[hot] = cols(cache_rows, start, stop)[slots[hot].long()].to(rows.dtype)
     return rows
+
+
+def grad_scale_rows(weights, rows, name: str, num_rows: int, pin: bool) -> RowStore:
+    """The per-row gradient weights of :meth:`nbtools.OffloadedEmbedding.set_grad_scale` for
+    table ``name``, checked, as a row store of ``[num_rows, 1]`` in the kind of memory its
+    tier ``rows`` keeps (``pin``: the table's option)."""
+    if not rows.in_memory:
+        raise NotImplementedError(f"table {name!r}: per-row gradient scaling is not "
+                                  "supported with placement='disk' yet")
+    weights = torch.as_tensor(weights)
+    if weights.shape != (num_rows,) or not weights.is_floating_point():
+        raise ValueError(f"grad scale for table {name!r} must be a float tensor of shape "
+                         f"({num_rows},), got {tuple(weights.shape)} {weights.dtype}")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"grad scale for table {name!r} contains non-finite values")
+    host = new_memory((num_rows, 1), rows.host.tensor.dtype, rows.device, rows.mode == "gpu",
+                      pin, name)
+    host.tensor.copy_(weights.reshape(-1, 1))
+    return RowStore(host, rows.device)
