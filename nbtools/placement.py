@@ -102,6 +102,18 @@ class TableConfig:
     disk_dir: str | None = None
     host_cache_bytes: int | None = None
 
+    @classmethod
+    def with_options(cls, config: "TableConfig | None", options: dict) -> "TableConfig":
+        """``config`` (default: a new one) with the fields ``options`` names replaced; a
+        TypeError names any that is not a field."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(options) - set(fields)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
+                            f"padding_idx, name, device, placement, config, and the TableConfig "
+                            f"fields {fields}")
+        return dataclasses.replace(config or cls(), **options)
+
     @property
     def storage_state_dtype(self) -> torch.dtype:
         """What the optimizer state is stored in (``state_dtype``, or its default)."""
@@ -222,7 +234,8 @@ def _init_columns(layout: RowLayout, names: list, initial: dict) -> list:
 class Regrown:
     """Where :func:`regrow_for_state` put a table's rows with their optimizer state: the new
     memory, its layout, the disk table's file and slots (or None), the placement and why.
-    The table installs them (:meth:`nbtools.OffloadedEmbedding.install_rows`)."""
+    The table puts a tier over them (:func:`make_store`) in
+    :meth:`~nbtools.OffloadedEmbedding.attach_state`."""
 
     rows: object
     layout: RowLayout
@@ -248,6 +261,21 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     with torch.no_grad():
         dst.copy_(src)
+
+
+def weight_in(state_dict: dict, key: str, shape: tuple, name: str, missing_keys: list,
+              error_msgs: list):
+    """``state_dict[key]``, the weights a table ``name`` of ``shape`` loads, or None where
+    ``nn.Module.load_state_dict`` is told (``missing_keys``, ``error_msgs``) what is wrong."""
+    if key not in state_dict:
+        missing_keys.append(key)
+        return None
+    src = state_dict[key]
+    if tuple(src.shape) != tuple(shape):
+        error_msgs.append(f"size mismatch for {key}: checkpoint has {tuple(src.shape)}, table "
+                          f"{name!r} is {tuple(shape)}")
+        return None
+    return src
 
 
 _libc = None
@@ -451,7 +479,7 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
 __all__ = ["HostMemoryError", "NoRoomError", "Regrown", "TableConfig", "auto_placement",
            "check_fits", "choose_placement", "copy_rows", "copy_unless_same", "disk_bytes",
            "first_placement", "fits_host", "grow_host", "make_store", "padding_row",
-           "regrow_for_state", "release_pages"]
+           "regrow_for_state", "release_pages", "weight_in"]
 
 
 def choose_placement(asked: str, device: torch.device, config, name: str, num_rows: int,

@@ -11,11 +11,9 @@ its rows live, its cache of hot rows, its state dict and repr.
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
 ``model.to("cuda")`` leaves it where it is.
 
-Layout: once an optimizer attaches its per-row state, each host row holds
-``[weight | state_1 | ... | state_k]``. A training lookup gathers whole rows, so a step reads and
-writes one long row per id instead of k + 1 short ones: zero-copy gathers of long rows keep
-more than twice the rate of short ones on a large table (benchmarks/RESULTS.md).
-``table.weight`` is then a strided view of the first columns.
+Layout: once an optimizer attaches its per-row state, each row holds ``[weight | state_1 |
+... | state_k]``: a step reads and writes one long row per id instead of k + 1 short ones, and
+``table.weight`` is a strided view of the first columns.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ from .store.cache import TableCache
 # (the options and placement of a table; each name importable from here as before)
 from .placement import (HostMemoryError, NoRoomError, TableConfig, auto_placement,  # noqa: F401
                         check_fits, check_table_args, choose_placement, copy_unless_same,
-                        first_placement, make_store, padding_row, regrow_for_state)
+                        first_placement, make_store, padding_row, regrow_for_state, weight_in)
 from .pretrained import building_rows_written_next, rows_written_next  # noqa: F401
 from .store.capture import LookupGraphs
 from .store import RowTier
@@ -41,6 +39,11 @@ from .store.rows import grad_scale_rows, new_memory
 from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
+
+
+def _of_tier(name: str, doc: str) -> property:
+    """A property of the table that its tier answers (the tier's attribute ``name``)."""
+    return property(lambda table: getattr(table._rows, name), doc=doc)
 
 
 class OffloadedEmbedding(nn.Module):
@@ -52,18 +55,16 @@ class OffloadedEmbedding(nn.Module):
         padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
         name: used in messages and in optimizer/checkpoint state.
         device: compute device, ``"auto"`` = CUDA when available, else CPU.
-        placement: where the rows (and their optimizer state) live: ``"host"`` (default) =
-            pinned host RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU
-            memory (the same API, lazy semantics, optimizer and checkpoint format, at GPU
-            speed; needs CUDA compute); ``"disk"`` = a file on local disk (``disk_dir=``, by
-            default :func:`nbtools.disk.default_dir`) with a RAM cache of the hot rows
-            (``host_cache_bytes=``, default 1 GiB): for tables bigger than RAM;
-            ``"auto"`` = the GPU when rows + optimizer state take at most
-            ``config.gpu_fraction`` of the free GPU memory, else host RAM when they take at
-            most 90% of what is available, else disk when it has room (decided for good when
-            the optimizer attaches; ``repr(table)`` says what it chose and why; a table that
-            fits nowhere raises :class:`~nbtools.placement.NoRoomError` before anything is
-            allocated). With CPU compute, ``"host"`` and ``"auto"`` use ordinary host memory.
+        placement: where the rows (and their optimizer state) live: ``"host"`` (default:
+            pinned host RAM, which the GPU reads and writes over PCIe, zero-copy), ``"gpu"``
+            (GPU memory: the same API at GPU speed; needs CUDA compute), ``"disk"`` (a file
+            under ``disk_dir=``, default :func:`nbtools.disk.default_dir`, with a RAM cache
+            of the hot rows, ``host_cache_bytes=``, default 1 GiB: for tables bigger than
+            RAM) or ``"auto"`` (the first of them where rows + optimizer state fit,
+            :func:`nbtools.placement.auto_placement`, decided for good when the optimizer
+            attaches; ``repr(table)`` says what it chose and why; a table that fits nowhere
+            raises :class:`~nbtools.placement.NoRoomError` before anything is allocated).
+            With CPU compute, ``"host"`` and ``"auto"`` use ordinary host memory.
         config: :class:`TableConfig`; its fields can also be passed by name (``dtype=``,
             ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``, ``cache_bytes=``, ``disk_dir=``,
             ``host_cache_bytes=``, ...).
@@ -87,12 +88,7 @@ class OffloadedEmbedding(nn.Module):
                  device="auto", placement: str = "host", config: TableConfig | None = None,
                  **options):
         super().__init__()
-        unknown = set(options) - {f.name for f in dataclasses.fields(TableConfig)}
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
-                            f"padding_idx, name, device, placement, config, and the TableConfig "
-                            f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
-        self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
+        self.config = cfg = TableConfig.with_options(config, options)
         self.num_embeddings, self.embedding_dim = cfg.check(
             placement, {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim})
         dtype = cfg.dtype
@@ -131,7 +127,7 @@ class OffloadedEmbedding(nn.Module):
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def _store(self) -> RowTier:
-        """The tiers over this table's memory as it is now (:func:`nbtools.placement.make_store`)."""
+        """The tiers over this table's memory as it is now (:func:`make_store`)."""
         return make_store(self._rows.host, self.device, self._layout.used, self._rows.disk)
 
     # --- the rows, wherever they live -------------------------------------------------------
@@ -161,25 +157,14 @@ class OffloadedEmbedding(nn.Module):
         full = self._rows.rows_now(keep_cache)
         return self._layout.weight(full) if state is None else self._layout.state(full, state)
 
-    @property
-    def storage(self):
-        """The memory the rows live in: a :class:`~nbtools.hostmem.HostTensor`, the GPU's
-        :class:`~nbtools.store.rows.DeviceRows`, or a disk table's RAM slots."""
-        return self._rows.host
+    storage = _of_tier("host", """The memory the rows live in: a
+        :class:`~nbtools.hostmem.HostTensor`, the GPU's :class:`~nbtools.store.rows.DeviceRows`,
+        or a disk table's RAM slots.""")
 
     @property
     def lookup_graphs(self) -> LookupGraphs:
         """CUDA graphs of this table's training lookups (one per batch size)."""
         return self.lookups.graphs
-
-    def install_rows(self, new, names: list, layout: RowLayout, disk=None) -> None:
-        """``new`` rows of ``layout`` (with state ``names``; for a disk table its
-        :class:`~nbtools.disk.DiskRows`, whose RAM slots ``new`` is) become this table's rows:
-        what :func:`nbtools.placement.regrow_for_state` made."""
-        self._state_names, self._layout = list(names), layout
-        self._rows = make_store(new, self.device, layout.used, disk)
-        self.clear_pending()
-        self.lookups.graphs.invalidate()
 
     @property
     def rows(self) -> RowTier:
@@ -228,7 +213,10 @@ class OffloadedEmbedding(nn.Module):
         if names:
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
-            self.install_rows(got.rows, list(names), got.layout, got.disk)
+            self._state_names, self._layout = list(names), got.layout
+            self._rows = make_store(got.rows, self.device, got.layout.used, got.disk)
+            self.clear_pending()
+            self.lookups.graphs.invalidate()
         self.hot.attach(self)
         if carried is not None:
             self.lookups.restore_gradients(*carried)
@@ -239,11 +227,8 @@ class OffloadedEmbedding(nn.Module):
         self._rows = with_cache(self._rows, capacity)
 
     # --- the cache of hot rows (self.hot: nbtools.store.cache.TableCache) -------------------
-    @property
-    def cache(self):
-        """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`; a disk table's:
-        :class:`nbtools.disk.gpu.GpuLevel`), or None."""
-        return self._rows.cache
+    cache = _of_tier("cache", """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`;
+        a disk table's: :class:`nbtools.disk.gpu.GpuLevel`), or None.""")
 
     @on_tables
     def warm_cache(self, counts) -> None:
@@ -289,26 +274,15 @@ class OffloadedEmbedding(nn.Module):
     def pinned(self) -> bool:
         return self._rows.host.pinned
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of rows (and optimizer state) where the table lives: host RAM, GPU or disk."""
-        return self._rows.nbytes
-
-    @property
-    def ram_bytes(self) -> int:
-        """Host RAM the rows take: the table itself, or a disk table's cache of hot rows."""
-        return self._rows.ram_bytes
-
-    @property
-    def disk(self):
-        """A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), or None."""
-        return self._rows.disk
-
-    @property
-    def transfer_mode(self) -> str:
-        """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA), 'host'
-        (CPU compute) or 'disk' (rows in a file, a RAM cache read zero-copy)."""
-        return self._rows.kind
+    nbytes = _of_tier("nbytes", "Bytes of rows (and optimizer state) where the table lives: "
+                                "host RAM, GPU or disk.")
+    ram_bytes = _of_tier("ram_bytes", "Host RAM the rows take: the table itself, or a disk "
+                                      "table's cache of hot rows.")
+    disk = _of_tier("disk", "A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), "
+                            "or None.")
+    transfer_mode = _of_tier("kind", """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable
+        memory, CUDA), 'host' (CPU compute) or 'disk' (rows in a file, a RAM cache read
+        zero-copy).""")
 
     @on_tables
     def set_grad_scale(self, weights) -> None:
@@ -396,16 +370,10 @@ class OffloadedEmbedding(nn.Module):
     @on_tables
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        key = prefix + "weight"
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        src = state_dict[key]
-        if tuple(src.shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(f"size mismatch for {key}: checkpoint has {tuple(src.shape)}, table "
-                              f"{self.name!r} is ({self.num_embeddings}, {self.embedding_dim})")
-            return
-        copy_unless_same(self.weight, src)     # .weight synchronises first
+        src = weight_in(state_dict, prefix + "weight", (self.num_embeddings, self.embedding_dim),
+                        self.name, missing_keys, error_msgs)
+        if src is not None:
+            copy_unless_same(self.weight, src)     # .weight synchronises first
 
     def extra_repr(self) -> str:
         return _describe(self)
