@@ -4,9 +4,10 @@ Each lookup deduplicates the ids on the compute device, gathers only those rows 
 (on CUDA: GPU kernels read the pinned rows over PCIe, zero-copy) and returns differentiable rows.
 The gathered rows are the leaves autograd sees; :class:`nbtools.OffloadOptimizer` later takes
 their gradients, sums them per id and writes updated rows (and optimizer state) back. Step cost
-grows with the batch, never with the table. The lookups and the step input they hand the
-optimizer are in :mod:`nbtools.engine.lookups`; this module holds the table itself: its options, where
-its rows live, its cache of hot rows, its state dict and repr.
+grows with the batch, never with the table. The lookups (a bag's too) and the step input they
+hand the optimizer are in :mod:`nbtools.engine.lookups`, its options (:class:`TableConfig`) and
+where its rows go in :mod:`nbtools.placement`, and its rows behind one tier (:mod:`nbtools.store`);
+this module holds the table itself: its rows' doors, its cache of hot rows, state dict and repr.
 
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
 ``model.to("cuda")`` leaves it where it is.
@@ -17,10 +18,7 @@ Layout: once an optimizer attaches its per-row state, each row holds ``[weight |
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .devices import on_tables, resolve_device, synchronize
@@ -418,36 +416,7 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     @on_tables
     def forward(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
-        ids = self.lookups.prepare_ids(ids)
-        if offsets is None:
-            if ids.dim() != 2:
-                raise ValueError(f"table {self.name!r}: without offsets, ids must be 2-D "
-                                 f"[bags, length]; got shape {tuple(ids.shape)}")
-            bags, length = ids.shape
-            offsets = torch.arange(0, bags * length, length, device=self.device) if length else \
-                torch.zeros(bags, dtype=torch.long, device=self.device)
-        else:
-            if ids.dim() != 1:
-                raise ValueError(f"table {self.name!r}: with offsets, ids must be 1-D; got shape "
-                                 f"{tuple(ids.shape)}")
-            offsets = self.lookups.prepare_ids(offsets).long()
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
-        flat = ids.reshape(-1)
-        rows, inv = self.lookups.lookup(flat)
-        if self.mode == "max" and rows.is_cuda and rows.requires_grad and self.deterministic:
-            # max's backward adds each bag's gradient into its winning rows with atomics (bags
-            # may share a row): one row per id instead, summed per unique row in a fixed order
-            rows, inv = self.lookups.rows_of_ids(rows, inv), torch.arange(flat.numel(),
-                                                                   device=flat.device)
-        padding = None
-        if self.padding_idx is not None:
-            # Padding maps to one extra all-zero row that embedding_bag leaves out of each bag.
-            padding = rows.shape[0]
-            rows = torch.cat((rows, rows.new_zeros(1, self.embedding_dim)))
-            inv = torch.where(flat == self.padding_idx, padding, inv)
-        return F.embedding_bag(inv, rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights, padding_idx=padding)
+        return self.lookups.bags(ids, offsets, per_sample_weights, self.mode)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
