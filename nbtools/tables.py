@@ -266,7 +266,7 @@ class OffloadedEmbedding(nn.Module):
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
         saved (a hit reads and writes nothing over PCIe), capacity; for a disk table, also
         RAM's lookups and hit rate below it. Empty without a cache."""
-        return self.hot.summary(self)
+        return self.hot.summary(self._rows)
 
     @property
     def pinned(self) -> bool:
@@ -437,4 +437,4 @@ def _describe(table) -> str:
     if table.padding_idx is not None:
         s += f", padding_idx={table.padding_idx}"
     where = table.rows.describe()     # (a disk table's file and RAM cache)
-    return s + (", " + where if where else "") + table.hot.describe(table)
+    return s + (", " + where if where else "") + table.hot.describe(table.rows)

@@ -297,3 +297,23 @@ def test_no_branch_on_a_tables_disk_outside_the_disk_wing():
              for line, what in disk_branches(path.read_text())]
     assert not found, "branches on a table's disk outside nbtools/disk/ (ask the tier: " \
         "in_memory, own_cache, cache_cost, warm_rows):\n" + "\n".join(found)
+
+
+# --- the table holds its tier and lookups; what is not its own job lives beside it ----------
+TABLE_LINES_MAX = 450
+
+
+def test_tables_module_stays_small():
+    lines = len((NBTOOLS / "tables.py").read_text().splitlines())
+    assert lines <= TABLE_LINES_MAX, \
+        f"nbtools/tables.py has {lines} lines (at most {TABLE_LINES_MAX}): what is not the " \
+        "table's own job goes to its tier, its lookups or nbtools.placement"
+
+
+def test_the_table_holds_no_second_handle_on_its_rows():
+    # one tier (``_rows``) reaches the memory: no ``self._host`` / ``self._disk`` beside it
+    source = (NBTOOLS / "tables.py").read_text()
+    found = sorted({node.attr for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "self" and node.attr in ("_host", "_disk", "_storage")})
+    assert not found, f"the table keeps handles on its memory beside its tier: {found}"

@@ -391,19 +391,19 @@ class TableCache:
             table.lookup_graphs.invalidate()
 
     @staticmethod
-    def may_cache(table) -> bool:
-        """Whether ``table`` has, or may get when its optimizer attaches, a cache to warm: a
-        disk table's RAM (and GPU level), a host table's GPU cache."""
-        cfg = table.config
-        return table.rows.own_cache or table.rows.cache is not None or \
-            table.requested_placement in ("auto", "disk") or any(
-                getattr(cfg, k) is not None for k in CACHE_OPTIONS)
+    def may_cache(rows, config, asked: str) -> bool:
+        """Whether a table over tier ``rows``, with ``config`` and placement ``asked`` for,
+        has, or may get when its optimizer attaches, a cache to warm: a disk table's RAM (and
+        GPU level), a host table's GPU cache."""
+        return rows.own_cache or rows.cache is not None or asked in ("auto", "disk") or any(
+            getattr(config, k) is not None for k in CACHE_OPTIONS)
 
     def warm(self, table, counts) -> None:
         """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
         counts = warm_counts(counts, table.num_embeddings, table.name)
         if not self.attached:           # the rows move (with their state) when it attaches:
-            self.warm_counts = counts if self.may_cache(table) else None    # warmed again then
+            keep = self.may_cache(table.rows, table.config, table.requested_placement)
+            self.warm_counts = counts if keep else None     # warmed again then
         # A tier with a cache of its own (a disk table's RAM and GPU level) is warmed now too:
         # one used without an optimizer (inference) never attaches.
         if table.rows.warm_rows(counts):
@@ -418,18 +418,18 @@ class TableCache:
         cache.warm(counts, table.rows.view())
         table.lookup_graphs.invalidate()
 
-    def summary(self, table) -> dict:
-        """:meth:`nbtools.OffloadedEmbedding.cache_stats`."""
-        rows = table.rows
+    def summary(self, rows) -> dict:
+        """:meth:`nbtools.OffloadedEmbedding.cache_stats` of a table over tier ``rows``."""
         if rows.own_cache and rows.cache is not None:      # (a disk table's GPU level)
             return rows.cache.summary(rows.row_bytes)
         return self.counts.summary(rows)
 
-    def describe(self, table) -> str:
-        """What ``repr(table)`` says of its cache ("" without one)."""
-        cache = table.rows.cache
+    def describe(self, rows) -> str:
+        """What ``repr(table)`` says of the cache of a table over tier ``rows`` ("" without
+        one)."""
+        cache = rows.cache
         if cache is None:
             return ""
-        if table.rows.own_cache:                           # (a disk table's GPU level)
+        if rows.own_cache:                           # (a disk table's GPU level)
             return f", {cache.describe()} ({self.why})"
         return f", cache={cache.capacity:,} rows ({human_bytes(cache.nbytes)}, {self.why})"
