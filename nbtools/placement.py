@@ -417,7 +417,7 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     state_dtype = table.config.storage_state_dtype
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
-                       tuple((dims or {}).get(k, d) for k in names))
+                       tuple((dims or {}).get(k, d) for k in names), names=tuple(names))
     # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.store.layout.row_padding);
     # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
     padded = dataclasses.replace(layout, pad=row_padding(layout))
@@ -528,10 +528,10 @@ def first_placement(asked: str, device: torch.device, config, name: str, num_row
     return where
 
 
-def make_store(memory, device: torch.device, used: int | None = None, disk=None):
-    """The tier (:class:`nbtools.store.RowTier`) over a table's rows: ``memory`` (a
-    :class:`~nbtools.hostmem.HostTensor` or :class:`~nbtools.store.rows.DeviceRows`, ``used``
-    columns of each row in use), written back behind the next step where it is host memory
+def make_store(memory, device: torch.device, layout: RowLayout, disk=None):
+    """The tier (:class:`nbtools.store.RowTier`) over a table's rows of ``layout``: ``memory`` (a
+    :class:`~nbtools.hostmem.HostTensor` or :class:`~nbtools.store.rows.DeviceRows`), written
+    back behind the next step where it is host memory
     (:mod:`nbtools.store.tiers`); or, given ``disk`` (a :class:`nbtools.disk.DiskRows`), its
     RAM slots as they are now, under its GPU level where it has one. (A cache of hot rows over
     host rows comes once the optimizer's state is known: :func:`nbtools.store.tiers.with_cache`.)"""
@@ -540,6 +540,7 @@ def make_store(memory, device: torch.device, used: int | None = None, disk=None)
     if disk is not None:      # rows from the file, through RAM slots
         from .disk.store import DiskStore
         tier = DiskStore(disk, device)
+        tier.layout = layout
         return tier if disk.above is None else Cached(tier, disk.above, writes_back=False)
-    tier = RowStore(memory, device, used=used)
+    tier = RowStore(memory, device, layout=layout)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

@@ -96,17 +96,16 @@ class OffloadedEmbedding(nn.Module):
         self.requested_placement = placement
         self.placement, self.placement_reason = first_placement(
             placement, self.device, cfg, self.name, self.num_embeddings, self.embedding_dim)
-        self._layout = RowLayout(self.embedding_dim, dtype, dtype)
+        layout = RowLayout(self.embedding_dim, dtype, dtype)
         if self.placement == "disk":     # a file and its RAM slots (nbtools.disk)
             from . import disk
             rows = disk.new_rows(self, self.embedding_dim, dtype)
-            self._rows = make_store(rows.slab, self.device, self._layout.used, rows)
+            self._rows = make_store(rows.slab, self.device, layout, rows)
         else:
             memory = new_memory((self.num_embeddings, self.embedding_dim), dtype, self.device,
                                 self.placement == "gpu", cfg.pin, self.name)
-            self._rows = make_store(memory, self.device, self._layout.used)
+            self._rows = make_store(memory, self.device, layout)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
-        self._state_names = []       # optimizer state interleaved after the weight, in order
         self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
         self.hot = TableCache()      # its GPU cache of hot rows: size, warm-up, readings
         self.trainable = True
@@ -117,7 +116,7 @@ class OffloadedEmbedding(nn.Module):
     @property
     def layout(self) -> RowLayout:
         """How each row ``[weight | state...]`` is stored (:class:`nbtools.store.layout.RowLayout`)."""
-        return self._layout
+        return self._rows.layout
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -126,7 +125,7 @@ class OffloadedEmbedding(nn.Module):
 
     def _store(self) -> RowTier:
         """The tiers over this table's memory as it is now (:func:`make_store`)."""
-        return make_store(self._rows.host, self.device, self._layout.used, self._rows.disk)
+        return make_store(self._rows.host, self.device, self._rows.layout, self._rows.disk)
 
     # --- the rows, wherever they live -------------------------------------------------------
     @property
@@ -153,7 +152,8 @@ class OffloadedEmbedding(nn.Module):
         that nothing writes through, such as saving)."""
         self.lookups.prefetcher.drop()  # a write through what is returned would make it stale
         full = self._rows.rows_now(keep_cache)
-        return self._layout.weight(full) if state is None else self._layout.state(full, state)
+        layout = self._rows.layout
+        return layout.weight(full) if state is None else layout.state(full, state)
 
     storage = _of_tier("host", """The memory the rows live in: a
         :class:`~nbtools.hostmem.HostTensor`, the GPU's :class:`~nbtools.store.rows.DeviceRows`,
@@ -174,13 +174,13 @@ class OffloadedEmbedding(nn.Module):
     @property
     def state_names(self) -> list:
         """Per-row optimizer state stored after each row's weight, in order."""
-        return list(self._state_names)
+        return list(self._rows.layout.names)
 
     def state_columns(self, name: str, keep_cache: bool = False) -> torch.Tensor:
         """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows.
         ``keep_cache``: for reads only (saving): the cache of hot rows is flushed, not
         emptied."""
-        return self._current(keep_cache, self._state_names.index(name))
+        return self._current(keep_cache, self._rows.layout.names.index(name))
 
     @on_tables
     def attach_state(self, names, initial: dict, owned: bool = True,
@@ -198,9 +198,9 @@ class OffloadedEmbedding(nn.Module):
         first. Gradients that reached the table before (``backward()``, then the optimizer)
         are kept for its first step.
         """
-        if self._state_names:
+        if self.state_names:
             raise ValueError(f"table {self.name!r} already carries optimizer state "
-                             f"{self._state_names}; use one OffloadOptimizer per table")
+                             f"{self.state_names}; use one OffloadOptimizer per table")
         # A backward() before the optimizer was made: its gradient is applied at the first
         # step, as torch's optimizers apply a .grad that exists when they are made. It is
         # looked up again as a training lookup of the rows as they are now (with their state).
@@ -211,8 +211,7 @@ class OffloadedEmbedding(nn.Module):
         if names:
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
-            self._state_names, self._layout = list(names), got.layout
-            self._rows = make_store(got.rows, self.device, got.layout.used, got.disk)
+            self._rows = make_store(got.rows, self.device, got.layout, got.disk)
             self.clear_pending()
             self.lookups.graphs.invalidate()
         self.hot.attach(self)

@@ -311,9 +311,11 @@ def test_tables_module_stays_small():
 
 
 def test_the_table_holds_no_second_handle_on_its_rows():
-    # one tier (``_rows``) reaches the memory: no ``self._host`` / ``self._disk`` beside it
+    # one tier (``_rows``) reaches the memory and says how its rows are laid out: no
+    # ``self._host`` / ``self._disk`` / ``self._layout`` / ``self._state_names`` beside it
     source = (NBTOOLS / "tables.py").read_text()
+    handles = ("_host", "_disk", "_storage", "_layout", "_state_names")
     found = sorted({node.attr for node in ast.walk(ast.parse(source))
                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "self" and node.attr in ("_host", "_disk", "_storage")})
+                    and node.value.id == "self" and node.attr in handles})
     assert not found, f"the table keeps handles on its memory beside its tier: {found}"

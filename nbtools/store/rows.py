@@ -235,9 +235,13 @@ class RowStore:
     keeps_host_ids = False   # lookups deduplicate ids on the CPU (ids stay where they are)
     disk = None              # a disk table's file and RAM slots (nbtools.disk.store.DiskStore's)
 
-    def __init__(self, host, device: torch.device, used: int | None = None):
+    def __init__(self, host, device: torch.device, used: int | None = None,
+                 layout: RowLayout | None = None):
         self.host = host
         self.device = torch.device(device)
+        self.layout = layout      # how a row [weight | state...] is stored (a table's rows)
+        if used is None and layout is not None:
+            used = layout.used
         if isinstance(host, DeviceRows):
             self.mode = "gpu"
         elif self.device.type == "cuda":
