@@ -15,6 +15,7 @@ from . import NbtoolsError
 from .devices import gpu_free_bytes, host_memory_bytes, synchronize
 from .hostmem import HostTensor, pin_tensor
 from .store.layout import RowLayout, row_padding
+from .store.precision import LOW_PRECISION, check_rounding
 from .store.rows import DeviceRows
 from .units import human_bytes, positive_int
 
@@ -55,6 +56,108 @@ def check_table_args(sizes: dict, dtype, placement: str = "auto", gpu_fraction=0
         from . import disk
         disk.check_dir(disk_dir)
     return out
+
+
+@dataclasses.dataclass
+class TableConfig:
+    """Options of an offloaded table beyond its shape, name, device and placement."""
+
+    # Storage of the weights. bfloat16/float16 halve the bytes; every update is still computed
+    # in float32 (rows are upcast when gathered, rounded once when written).
+    dtype: torch.dtype = torch.float32
+    # Storage of the optimizer state: None = float32 for low-precision weights (an Adam moment
+    # in bf16 loses small updates), else the weights' dtype. bfloat16 here halves it too.
+    state_dtype: torch.dtype | None = None
+    # How low-precision values are rounded when written: "nearest" (ties to even) or
+    # "stochastic" (bfloat16 only: unbiased, so updates below bf16's resolution still count).
+    rounding: str = "nearest"
+    pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
+    # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
+    # this share of the GPU memory free at that moment; the rest of it stays for activations.
+    gpu_fraction: float = 0.5
+    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
+    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
+    cuda_graphs: bool = True
+    # A GPU cache of hot rows (weight and optimizer state together) for a table in pinned host
+    # memory (nbtools.store.cache) or on disk (nbtools.disk.gpu: a level above its RAM cache,
+    # holding other rows than RAM): its size in GPU bytes (the rows, plus for a host table 8
+    # bytes per table row for the row -> slot map and the counts), or a share of the GPU
+    # memory free when the optimizer attaches, or room for cache_rows rows. None, None, None:
+    # no cache, except under placement="auto" when the table goes to host memory or disk,
+    # where the cache takes the gpu_fraction budget.
+    cache_bytes: int | None = None
+    cache_fraction: float | None = None
+    cache_rows: int | None = None
+    # Write a step's updated rows back to pinned host memory behind the next step, on a side
+    # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
+    # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
+    # kernel, in steps that write at least WriteBehind.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
+    # never (the update writes host memory itself); True: wherever the update is fused, any
+    # size, a CPU table too (where the write runs at once: tests use it).
+    write_behind: bool | None = None
+    # placement="disk": the folder of the table's file (local disk, not a Drive mount; None:
+    # nbtools.disk.default_dir(), under the system's temporary folder), and the RAM its cache
+    # of hot rows may take (None: nbtools.disk.DEFAULT_HOST_CACHE_BYTES, 1 GiB). The file
+    # holds every row with its optimizer state; RAM holds only the cached rows.
+    disk_dir: str | None = None
+    host_cache_bytes: int | None = None
+
+    @classmethod
+    def with_options(cls, config: "TableConfig | None", options: dict) -> "TableConfig":
+        """``config`` (default: a new one) with the fields ``options`` names replaced; a
+        TypeError names any that is not a field."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(options) - set(fields)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
+                            f"padding_idx, name, device, placement, config, and the TableConfig "
+                            f"fields {fields}")
+        return dataclasses.replace(config or cls(), **options)
+
+    @property
+    def storage_state_dtype(self) -> torch.dtype:
+        """What the optimizer state is stored in (``state_dtype``, or its default)."""
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
+
+    def check(self, placement: str, sizes: dict | None = None) -> list:
+        """Raise TypeError / ValueError naming the first field (or ``placement``, or one of
+        ``sizes``, ``{name: value}``) that is wrong; the sizes as ints. Shape, dtype,
+        placement, ``gpu_fraction`` and ``disk_dir`` are checked as :func:`nbtools.plan`
+        checks them (:func:`nbtools.placement.check_table_args`)."""
+        dtype = self.dtype
+        out = check_table_args(sizes or {}, dtype, placement, self.gpu_fraction, self.disk_dir)
+        if self.state_dtype is not None and not (
+                isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point):
+            raise TypeError(f"state_dtype must be a floating torch.dtype, got "
+                            f"{self.state_dtype!r}")
+        state_dtype = self.storage_state_dtype
+        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
+                and state_dtype != dtype:
+            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
+                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
+        for value in (dtype, state_dtype):
+            check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
+        if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
+            positive_int("host_cache_bytes", self.host_cache_bytes)
+        if self.write_behind not in (None, True, False):
+            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
+                             f"memory), True or False, got {self.write_behind!r}")
+        return out
+
+
+def padding_row(padding_idx, num_rows: int) -> int | None:
+    """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
+    the TypeError / ValueError that says what is wrong with it."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(f"padding_idx must be an int row id or None, got "
+                        f"{padding_idx!r} ({type(padding_idx).__name__})")
+    if not -num_rows <= padding_idx < num_rows:
+        raise ValueError(f"padding_idx={padding_idx} is out of range for {num_rows:,} rows")
+    return int(padding_idx) % num_rows
 
 
 def check_fits(nbytes: int, what: str, hint: str = "", reclaim: int = 0, *, disk_dir=None,
@@ -131,7 +234,8 @@ def _init_columns(layout: RowLayout, names: list, initial: dict) -> list:
 class Regrown:
     """Where :func:`regrow_for_state` put a table's rows with their optimizer state: the new
     memory, its layout, the disk table's file and slots (or None), the placement and why.
-    The table installs them (:meth:`nbtools.OffloadedEmbedding.install_rows`)."""
+    The table puts a tier over them (:func:`make_store`) in
+    :meth:`~nbtools.OffloadedEmbedding.attach_state`."""
 
     rows: object
     layout: RowLayout
@@ -157,6 +261,21 @@ def copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     with torch.no_grad():
         dst.copy_(src)
+
+
+def weight_in(state_dict: dict, key: str, shape: tuple, name: str, missing_keys: list,
+              error_msgs: list):
+    """``state_dict[key]``, the weights a table ``name`` of ``shape`` loads, or None where
+    ``nn.Module.load_state_dict`` is told (``missing_keys``, ``error_msgs``) what is wrong."""
+    if key not in state_dict:
+        missing_keys.append(key)
+        return None
+    src = state_dict[key]
+    if tuple(src.shape) != tuple(shape):
+        error_msgs.append(f"size mismatch for {key}: checkpoint has {tuple(src.shape)}, table "
+                          f"{name!r} is {tuple(shape)}")
+        return None
+    return src
 
 
 _libc = None
@@ -298,25 +417,29 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     state_dtype = table.config.storage_state_dtype
     d, n = table.embedding_dim, table.num_embeddings
     layout = RowLayout(d, table.config.dtype, state_dtype, len(names),
-                       tuple((dims or {}).get(k, d) for k in names))
+                       tuple((dims or {}).get(k, d) for k in names), names=tuple(names))
     # rows in RAM or on the GPU padded to whole 32-byte sectors (nbtools.store.layout.row_padding);
     # a disk table's rows keep their bytes (its file's stride is the disk's block anyway)
     padded = dataclasses.replace(layout, pad=row_padding(layout))
     nbytes = n * padded.width * state_dtype.itemsize
     was = placement = table.placement
     reason = table.placement_reason
+
+    def choose(nbytes):
+        return choose_placement(table.requested_placement, table.device, table.config,
+                                table.name, n, nbytes)
     if table.requested_placement == "auto" and was != "disk":   # (a file stays a file)
-        placement, reason = choose_placement(table, nbytes)
+        placement, reason = choose(nbytes)
         if placement == "disk" and padded.pad:
             # the padding must never be what sends a table that fits in RAM to disk
-            where, why = choose_placement(table, n * layout.width * state_dtype.itemsize)
+            where, why = choose(n * layout.width * state_dtype.itemsize)
             if where != "disk":
                 placement, padded = where, layout
                 reason = f"{why}; rows not padded to 32-byte sectors (padded, they would not fit)"
     elif placement == "host" and padded.pad and not fits_host(
             nbytes, reclaim=old.nbytes if was == "host" else 0):
         padded = layout              # as above: unpadded rows where padded ones do not fit
-    elif table.requested_placement == "auto" and was == "disk" and table.disk is not None:
+    elif table.requested_placement == "auto" and was == "disk":
         # Placed on disk when made, its optimizer unknown (Adam-sized state assumed): where
         # this optimizer's rows fit in RAM, they move there (a file would make every step
         # wait for the disk)
@@ -353,46 +476,71 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
     return Regrown(new, layout, disk_rows, placement, reason)
 
 
-__all__ = ["HostMemoryError", "NoRoomError", "Regrown", "auto_placement", "check_fits", "copy_rows",
-           "copy_unless_same", "disk_bytes", "fits_host", "grow_host", "regrow_for_state",
-           "release_pages"]
+__all__ = ["HostMemoryError", "NoRoomError", "Regrown", "TableConfig", "auto_placement",
+           "check_fits", "choose_placement", "copy_rows", "copy_unless_same", "disk_bytes",
+           "first_placement", "fits_host", "grow_host", "make_store", "padding_row",
+           "regrow_for_state", "release_pages", "weight_in"]
 
 
-def choose_placement(table, nbytes: int, assumption: str = "") -> tuple[str, str]:
-    """``(placement, why)`` for ``table`` (its requested placement, device and config) with
-    rows of ``nbytes``."""
-    asked = table.requested_placement
+def choose_placement(asked: str, device: torch.device, config, name: str, num_rows: int,
+                     nbytes: int, assumption: str = "") -> tuple[str, str]:
+    """``(placement, why)`` for a table ``name`` of ``num_rows`` rows taking ``nbytes`` with its
+    state, whose placement argument is ``asked``, computing on ``device``, with ``config``
+    (its :class:`TableConfig`: ``gpu_fraction``, ``disk_dir``)."""
     if asked == "disk":
         return "disk", "asked for"
-    if asked == "gpu" and table.device.type != "cuda":
+    if asked == "gpu" and device.type != "cuda":
         from .devices import cuda_ok
         raise ValueError(
-            f"table {table.name!r}: placement='gpu' keeps the rows in GPU memory, but this "
-            f"table computes on {table.device}"
+            f"table {name!r}: placement='gpu' keeps the rows in GPU memory, but this "
+            f"table computes on {device}"
             + ("" if cuda_ok() else " (no CUDA device is visible)")
             + ": use placement='host' or 'auto' (the same code then runs on the CPU)"
             + (", or device='cuda'" if cuda_ok() else ""))
-    if table.device.type != "cuda" and asked != "auto":
+    if device.type != "cuda" and asked != "auto":
         return "host", "CPU compute"
     if asked != "auto":
         return asked, "asked for"
-    where, why = auto_placement(nbytes, table.device, table.config.gpu_fraction,
-                                table.config.disk_dir, table.num_embeddings)
+    where, why = auto_placement(nbytes, device, config.gpu_fraction, config.disk_dir, num_rows)
     return where, f"auto: {why}" + (f" ({assumption})" if assumption else "")
 
 
-def make_store(table):
-    """The tier (:class:`nbtools.store.RowTier`) over ``table``'s memory as its placement made
-    it: a disk table's RAM slots, under its GPU level where it has one; rows in host memory,
-    written back behind the next step (:mod:`nbtools.store.tiers`); or GPU rows. (A cache of
-    hot rows over host rows comes once the optimizer's state is known:
-    :func:`nbtools.store.tiers.with_cache`.)"""
+def first_placement(asked: str, device: torch.device, config, name: str, num_rows: int,
+                    dim: int) -> tuple[str, str]:
+    """Where a new table's rows go (``asked``: its placement argument) before its optimizer is
+    known (Adam-sized state assumed; its weights alone where that fits nowhere), and why; a
+    host table that does not fit raises HostMemoryError naming what to change."""
+    nbytes = num_rows * dim * config.dtype.itemsize
+
+    def choose(nbytes, assumption):
+        return choose_placement(asked, device, config, name, num_rows, nbytes, assumption)
+    try:
+        where = choose(3 * nbytes, "Adam-sized state assumed until an optimizer attaches")
+    except NoRoomError:          # the optimizer may keep less state: its attach decides
+        where = choose(nbytes, "placed by its weights alone: with Adam-sized state it fits "
+                               "nowhere")
+    if where[0] == "host":
+        check_fits(nbytes, f"table {name!r} ({num_rows:,} x {dim} "
+                           f"{str(config.dtype).replace('torch.', '')})",
+                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
+                   "dtype=torch.bfloat16 halves it.", disk_dir=config.disk_dir,
+                   num_rows=num_rows)
+    return where
+
+
+def make_store(memory, device: torch.device, layout: RowLayout, disk=None):
+    """The tier (:class:`nbtools.store.RowTier`) over a table's rows of ``layout``: ``memory`` (a
+    :class:`~nbtools.hostmem.HostTensor` or :class:`~nbtools.store.rows.DeviceRows`), written
+    back behind the next step where it is host memory
+    (:mod:`nbtools.store.tiers`); or, given ``disk`` (a :class:`nbtools.disk.DiskRows`), its
+    RAM slots as they are now, under its GPU level where it has one. (A cache of hot rows over
+    host rows comes once the optimizer's state is known: :func:`nbtools.store.tiers.with_cache`.)"""
     from .store.rows import RowStore
     from .store.tiers import Cached, WriteBehind
-    if table.disk is not None:      # rows from the file, through RAM slots
+    if disk is not None:      # rows from the file, through RAM slots
         from .disk.store import DiskStore
-        tier = DiskStore(table.disk, table.device)
-        above = table.disk.above
-        return tier if above is None else Cached(tier, above, writes_back=False)
-    tier = RowStore(table.storage, table.device, used=table.layout.used)
+        tier = DiskStore(disk, device)
+        tier.layout = layout
+        return tier if disk.above is None else Cached(tier, disk.above, writes_back=False)
+    tier = RowStore(memory, device, layout=layout)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

@@ -59,10 +59,12 @@ CuPy is optional and only ever imported here, when a CuPy array is read or asked
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import mmap
 import os
+import threading
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -377,6 +379,27 @@ def _mapped_pages(arr: np.ndarray):
     return release
 
 
+_BUILDING = threading.local()     # (rows_written_next)
+
+
+@contextlib.contextmanager
+def rows_written_next():
+    """Tables built in this block (on this thread) skip ``nn.Embedding``'s N(0, 1) draw: their
+    builder writes every row before anything reads one (:func:`nbtools.pretrained.from_pretrained`:
+    a 20 GB table's draw would take a second of GPU and RNG set-up for rows overwritten at once)."""
+    _BUILDING.rows_written_next = True
+    try:
+        yield
+    finally:
+        _BUILDING.rows_written_next = False
+
+
+
+def building_rows_written_next() -> bool:
+    """Whether a table built now on this thread skips its N(0, 1) draw (:func:`rows_written_next`)."""
+    return getattr(_BUILDING, "rows_written_next", False)
+
+
 # --- destinations ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -396,32 +419,33 @@ class _Target:
 
 def _weight_target(table) -> _Target:
     d = table.embedding_dim
-    if table.disk is None:
+    if table.rows.in_memory:
         w = table.weight                       # [n, d] host or GPU memory, nothing queued
         return _Target(table.num_embeddings, d, w.dtype, view=w)
-    disk = table.disk
-    disk.initial = None                        # its N(0, 1) rows are never drawn
-    # the row file's aligned buffer (rounded up to a power of two) when rows are padded
-    return _Target(table.num_embeddings, d, disk.dtype, put=disk.write_range,
-                   extra_per_row=2 * disk.file.stride)
+    # rows in a file, written through the tier's whole-table face (their N(0, 1) draw was
+    # never set up: the table was built for its rows to be written next); the file's aligned
+    # buffer (rounded up to a power of two) when rows are padded
+    rows = table.rows.whole(writes=True)
+    return _Target(table.num_embeddings, d, rows.dtype, put=rows.write_range,
+                   extra_per_row=2 * rows.stride)
 
 
 def _state_target(table, name: str, index: int) -> _Target:
     layout = table.layout
     cols = layout.state_widths[index]
     what = f"state {name!r} of table {table.name!r}"
-    if table.disk is None:
+    if table.rows.in_memory:
         v = table.state_columns(name)          # [n, cols], strided among the row's columns
         return _Target(table.num_embeddings, cols, v.dtype, view=v, what=what)
-    disk = table.disk
-    disk.flush()                               # dirty rows in the file; RAM copies stay current
+    rows = table.rows.whole()
+    rows.flush()                               # dirty rows in the file; RAM copies stay current
 
     def put(a: int, values: torch.Tensor) -> None:     # read, change the state's columns, write
         b = a + values.shape[0]
-        rows = disk.read_rows(a, b)
-        layout.state(rows, index).copy_(values)
-        disk.write_rows(np.arange(a, b), rows)
-    per_row = layout.width * layout.unit.itemsize + 4 * disk.file.stride
+        got = rows.read_rows(a, b)
+        layout.state(got, index).copy_(values)
+        rows.write_rows(np.arange(a, b), got)
+    per_row = layout.width * layout.unit.itemsize + 4 * rows.stride
     return _Target(table.num_embeddings, cols, layout.unit, put=put, extra_per_row=per_row,
                    what=what)
 
@@ -614,7 +638,7 @@ def from_pretrained(cls, source, *, freeze: bool = True, padding_idx=None, dtype
         options["dtype"] = dtype
     if isinstance(padding_idx, (int, np.integer)) and -n <= padding_idx < n:
         _warn_padding(src, int(padding_idx) % n)
-    with cls._rows_written_next():  # no N(0, 1) draw (every row is written below): no RNG used
+    with rows_written_next():      # no N(0, 1) draw (every row is written below): no RNG used
         table = cls(n, d, padding_idx=padding_idx, name=name, device=device,
                     placement=placement, config=config, **options)
     try:
@@ -753,7 +777,7 @@ def as_cupy(table):
     those host rows (GPU kernels then read and write host RAM over PCIe, as SpeedTorch's
     pinned arrays do). Needs CuPy (an ImportError says what to install)."""
     cupy = _cupy()
-    if table.disk is not None:
+    if not table.rows.in_memory:
         raise TypeError(f"table {table.name!r} lives in a file on disk, which the GPU cannot "
                         "address: use nbtools.pretrained.as_numpy(table) (the file, memory-"
                         "mapped), or copy rows with cupy.asarray(table.weight[a:b].numpy())")

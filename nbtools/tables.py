@@ -4,170 +4,44 @@ Each lookup deduplicates the ids on the compute device, gathers only those rows 
 (on CUDA: GPU kernels read the pinned rows over PCIe, zero-copy) and returns differentiable rows.
 The gathered rows are the leaves autograd sees; :class:`nbtools.OffloadOptimizer` later takes
 their gradients, sums them per id and writes updated rows (and optimizer state) back. Step cost
-grows with the batch, never with the table. The lookups and the step input they hand the
-optimizer are in :mod:`nbtools.engine.lookups`; this module holds the table itself: its options, where
-its rows live, its cache of hot rows, its state dict and repr.
+grows with the batch, never with the table. The lookups (a bag's too) and the step input they
+hand the optimizer are in :mod:`nbtools.engine.lookups`, its options (:class:`TableConfig`) and
+where its rows go in :mod:`nbtools.placement`, and its rows behind one tier (:mod:`nbtools.store`);
+this module holds the table itself: its rows' doors, its cache of hot rows, state dict and repr.
 
 The full table is ``table.weight``: an ordinary CPU tensor (not an ``nn.Parameter``), so
 ``model.to("cuda")`` leaves it where it is.
 
-Layout: once an optimizer attaches its per-row state, each host row holds
-``[weight | state_1 | ... | state_k]``. A training lookup gathers whole rows, so a step reads and
-writes one long row per id instead of k + 1 short ones: zero-copy gathers of long rows keep
-more than twice the rate of short ones on a large table (benchmarks/RESULTS.md).
-``table.weight`` is then a strided view of the first columns.
+Layout: once an optimizer attaches its per-row state, each row holds ``[weight | state_1 |
+... | state_k]``: a step reads and writes one long row per id instead of k + 1 short ones, and
+``table.weight`` is a strided view of the first columns.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import numbers
-import threading
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .devices import on_tables, resolve_device, synchronize
-from .hostmem import HostTensor
-from .store.precision import LOW_PRECISION, check_rounding
-from .units import human_bytes, positive_int
+from .store.precision import LOW_PRECISION
+from .units import human_bytes
 from .store.cache import TableCache
-from .placement import (HostMemoryError, NoRoomError, auto_placement, check_fits,  # noqa: F401
-                        check_table_args, choose_placement, copy_unless_same, make_store,
-                        regrow_for_state)
+# (the options and placement of a table; each name importable from here as before)
+from .placement import (HostMemoryError, NoRoomError, TableConfig, auto_placement,  # noqa: F401
+                        check_fits, check_table_args, choose_placement, copy_unless_same,
+                        first_placement, make_store, padding_row, regrow_for_state, weight_in)
+from .pretrained import building_rows_written_next, rows_written_next  # noqa: F401
 from .store.capture import LookupGraphs
 from .store import RowTier
 from .store.layout import RowLayout
-from .store.rows import DeviceRows, RowStore
+from .store.rows import grad_scale_rows, new_memory
 from .store.tiers import with_cache
 # lookups and the step input they make; StepRows and the rest importable from here as before
 from .engine.lookups import PENDING_WARN, StepRows, TableLookups, ids_error_position  # noqa: F401
 
 
-@dataclasses.dataclass
-class TableConfig:
-    """Options of an offloaded table beyond its shape, name, device and placement."""
-
-    # Storage of the weights. bfloat16/float16 halve the bytes; every update is still computed
-    # in float32 (rows are upcast when gathered, rounded once when written).
-    dtype: torch.dtype = torch.float32
-    # Storage of the optimizer state: None = float32 for low-precision weights (an Adam moment
-    # in bf16 loses small updates), else the weights' dtype. bfloat16 here halves it too.
-    state_dtype: torch.dtype | None = None
-    # How low-precision values are rounded when written: "nearest" (ties to even) or
-    # "stochastic" (bfloat16 only: unbiased, so updates below bf16's resolution still count).
-    rounding: str = "nearest"
-    pin: bool = True               # register host rows with CUDA (zero-copy); False: pageable
-    # placement="auto" puts a table on the GPU when its rows and optimizer state take at most
-    # this share of the GPU memory free at that moment; the rest of it stays for activations.
-    gpu_fraction: float = 0.5
-    # Replay each training lookup's ~20 small kernels as one CUDA graph (per batch size seen
-    # twice): most of a small step's CPU time. Off: every lookup launches them one by one.
-    cuda_graphs: bool = True
-    # A GPU cache of hot rows (weight and optimizer state together) for a table in pinned host
-    # memory (nbtools.store.cache) or on disk (nbtools.disk.gpu: a level above its RAM cache,
-    # holding other rows than RAM): its size in GPU bytes (the rows, plus for a host table 8
-    # bytes per table row for the row -> slot map and the counts), or a share of the GPU
-    # memory free when the optimizer attaches, or room for cache_rows rows. None, None, None:
-    # no cache, except under placement="auto" when the table goes to host memory or disk,
-    # where the cache takes the gpu_fraction budget.
-    cache_bytes: int | None = None
-    cache_fraction: float | None = None
-    cache_rows: int | None = None
-    # Write a step's updated rows back to pinned host memory behind the next step, on a side
-    # stream, so the link stays busy while the GPU computes (nbtools.store.rows, docs/step.md).
-    # None: for tables in pinned host memory without a cache of hot rows, updated by a fused
-    # kernel, in steps that write at least WriteBehind.WRITE_BEHIND_MIN_BYTES (8 MiB); False:
-    # never (the update writes host memory itself); True: wherever the update is fused, any
-    # size, a CPU table too (where the write runs at once: tests use it).
-    write_behind: bool | None = None
-    # placement="disk": the folder of the table's file (local disk, not a Drive mount; None:
-    # nbtools.disk.default_dir(), under the system's temporary folder), and the RAM its cache
-    # of hot rows may take (None: nbtools.disk.DEFAULT_HOST_CACHE_BYTES, 1 GiB). The file
-    # holds every row with its optimizer state; RAM holds only the cached rows.
-    disk_dir: str | None = None
-    host_cache_bytes: int | None = None
-
-    @property
-    def storage_state_dtype(self) -> torch.dtype:
-        """What the optimizer state is stored in (``state_dtype``, or its default)."""
-        if self.state_dtype is not None:
-            return self.state_dtype
-        return torch.float32 if self.dtype in LOW_PRECISION else self.dtype
-
-    def check(self, placement: str, sizes: dict | None = None) -> list:
-        """Raise TypeError / ValueError naming the first field (or ``placement``, or one of
-        ``sizes``, ``{name: value}``) that is wrong; the sizes as ints. Shape, dtype,
-        placement, ``gpu_fraction`` and ``disk_dir`` are checked as :func:`nbtools.plan`
-        checks them (:func:`nbtools.placement.check_table_args`)."""
-        dtype = self.dtype
-        out = check_table_args(sizes or {}, dtype, placement, self.gpu_fraction, self.disk_dir)
-        if self.state_dtype is not None and not (
-                isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point):
-            raise TypeError(f"state_dtype must be a floating torch.dtype, got "
-                            f"{self.state_dtype!r}")
-        state_dtype = self.storage_state_dtype
-        if state_dtype.itemsize < dtype.itemsize or state_dtype.itemsize == dtype.itemsize \
-                and state_dtype != dtype:
-            raise ValueError(f"state_dtype {state_dtype} with dtype {dtype}: the state may be "
-                             f"as wide as the weights or wider (e.g. bf16 weights, fp32 state)")
-        for value in (dtype, state_dtype):
-            check_rounding(self.rounding, value if value in LOW_PRECISION else torch.bfloat16)
-        if self.host_cache_bytes is not None:      # bytes of RAM for a disk table's hot rows
-            positive_int("host_cache_bytes", self.host_cache_bytes)
-        if self.write_behind not in (None, True, False):
-            raise ValueError(f"write_behind must be None (large steps of tables in pinned host "
-                             f"memory), True or False, got {self.write_behind!r}")
-        return out
-
-
-_BUILDING = threading.local()
-
-
-@contextlib.contextmanager
-def rows_written_next():
-    """Tables built in this block (on this thread) skip ``nn.Embedding``'s N(0, 1) draw: their
-    builder writes every row before anything reads one (:func:`nbtools.pretrained.from_pretrained`:
-    a 20 GB table's draw would take a second of GPU and RNG set-up for rows overwritten at once)."""
-    _BUILDING.rows_written_next = True
-    try:
-        yield
-    finally:
-        _BUILDING.rows_written_next = False
-
-
-def padding_row(padding_idx, num_rows: int) -> int | None:
-    """``padding_idx`` as a row id in ``[0, num_rows)`` (negative counts from the end), or
-    the TypeError / ValueError that says what is wrong with it."""
-    if padding_idx is None:
-        return None
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
-        raise TypeError(f"padding_idx must be an int row id or None, got "
-                        f"{padding_idx!r} ({type(padding_idx).__name__})")
-    if not -num_rows <= padding_idx < num_rows:
-        raise ValueError(f"padding_idx={padding_idx} is out of range for {num_rows:,} rows")
-    return int(padding_idx) % num_rows
-
-
-def _first_placement(table, dtype) -> tuple[str, str]:
-    """Where a new table's rows go before its optimizer is known (Adam-sized state assumed;
-    its weights alone where that fits nowhere), and why; a host table that does not fit
-    raises HostMemoryError naming what to change."""
-    nbytes = table.num_embeddings * table.embedding_dim * torch.empty((), dtype=dtype).element_size()
-    try:
-        where = choose_placement(table, 3 * nbytes, "Adam-sized state assumed until an "
-                                                   "optimizer attaches")
-    except NoRoomError:          # the optimizer may keep less state: its attach decides
-        where = choose_placement(table, nbytes, "placed by its weights alone: with Adam-sized "
-                                               "state it fits nowhere")
-    if where[0] == "host":
-        check_fits(nbytes, f"table {table.name!r} ({table.num_embeddings:,} x "
-                           f"{table.embedding_dim} {str(dtype).replace('torch.', '')})",
-                   "Use nbtools.plan(...) to size it; a smaller dim, fewer rows or "
-                   "dtype=torch.bfloat16 halves it.", disk_dir=table.config.disk_dir,
-                   num_rows=table.num_embeddings)
-    return where
+def _of_tier(name: str, doc: str) -> property:
+    """A property of the table that its tier answers (the tier's attribute ``name``)."""
+    return property(lambda table: getattr(table._rows, name), doc=doc)
 
 
 class OffloadedEmbedding(nn.Module):
@@ -179,18 +53,16 @@ class OffloadedEmbedding(nn.Module):
         padding_idx: this row reads as zeros (it starts at zero) and never gets a gradient.
         name: used in messages and in optimizer/checkpoint state.
         device: compute device, ``"auto"`` = CUDA when available, else CPU.
-        placement: where the rows (and their optimizer state) live: ``"host"`` (default) =
-            pinned host RAM, read and written by the GPU over PCIe (zero-copy); ``"gpu"`` = GPU
-            memory (the same API, lazy semantics, optimizer and checkpoint format, at GPU
-            speed; needs CUDA compute); ``"disk"`` = a file on local disk (``disk_dir=``, by
-            default :func:`nbtools.disk.default_dir`) with a RAM cache of the hot rows
-            (``host_cache_bytes=``, default 1 GiB): for tables bigger than RAM;
-            ``"auto"`` = the GPU when rows + optimizer state take at most
-            ``config.gpu_fraction`` of the free GPU memory, else host RAM when they take at
-            most 90% of what is available, else disk when it has room (decided for good when
-            the optimizer attaches; ``repr(table)`` says what it chose and why; a table that
-            fits nowhere raises :class:`~nbtools.placement.NoRoomError` before anything is
-            allocated). With CPU compute, ``"host"`` and ``"auto"`` use ordinary host memory.
+        placement: where the rows (and their optimizer state) live: ``"host"`` (default:
+            pinned host RAM, which the GPU reads and writes over PCIe, zero-copy), ``"gpu"``
+            (GPU memory: the same API at GPU speed; needs CUDA compute), ``"disk"`` (a file
+            under ``disk_dir=``, default :func:`nbtools.disk.default_dir`, with a RAM cache
+            of the hot rows, ``host_cache_bytes=``, default 1 GiB: for tables bigger than
+            RAM) or ``"auto"`` (the first of them where rows + optimizer state fit,
+            :func:`nbtools.placement.auto_placement`, decided for good when the optimizer
+            attaches; ``repr(table)`` says what it chose and why; a table that fits nowhere
+            raises :class:`~nbtools.placement.NoRoomError` before anything is allocated).
+            With CPU compute, ``"host"`` and ``"auto"`` use ordinary host memory.
         config: :class:`TableConfig`; its fields can also be passed by name (``dtype=``,
             ``pin=``, ``gpu_fraction=``, ``cuda_graphs=``, ``cache_bytes=``, ``disk_dir=``,
             ``host_cache_bytes=``, ...).
@@ -214,12 +86,7 @@ class OffloadedEmbedding(nn.Module):
                  device="auto", placement: str = "host", config: TableConfig | None = None,
                  **options):
         super().__init__()
-        unknown = set(options) - {f.name for f in dataclasses.fields(TableConfig)}
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; a table takes "
-                            f"padding_idx, name, device, placement, config, and the TableConfig "
-                            f"fields {[f.name for f in dataclasses.fields(TableConfig)]}")
-        self.config = cfg = dataclasses.replace(config or TableConfig(), **options)
+        self.config = cfg = TableConfig.with_options(config, options)
         self.num_embeddings, self.embedding_dim = cfg.check(
             placement, {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim})
         dtype = cfg.dtype
@@ -227,24 +94,29 @@ class OffloadedEmbedding(nn.Module):
         self.name = name or type(self).__name__
         self.device = resolve_device(device)
         self.requested_placement = placement
-        self.placement, self.placement_reason = _first_placement(self, dtype)
-        self._disk = None            # placement="disk": the file and its RAM slots (nbtools.disk)
-        self._host = self._new_rows((self.num_embeddings, self.embedding_dim), dtype)
-        self._layout = RowLayout(self.embedding_dim, dtype, dtype)
-        self._rows = self._store()
+        self.placement, self.placement_reason = first_placement(
+            placement, self.device, cfg, self.name, self.num_embeddings, self.embedding_dim)
+        layout = RowLayout(self.embedding_dim, dtype, dtype)
+        if self.placement == "disk":     # a file and its RAM slots (nbtools.disk)
+            from . import disk
+            rows = disk.new_rows(self, self.embedding_dim, dtype)
+            self._rows = make_store(rows.slab, self.device, layout, rows)
+        else:
+            memory = new_memory((self.num_embeddings, self.embedding_dim), dtype, self.device,
+                                self.placement == "gpu", cfg.pin, self.name)
+            self._rows = make_store(memory, self.device, layout)
         self._grad_scale = None      # RowStore over (num_embeddings, 1) per-row gradient weights
-        self._state_names = []       # optimizer state interleaved after the weight, in order
         self.lookups = TableLookups(self)   # its lookups, pending ones, graphs and prefetch
         self.hot = TableCache()      # its GPU cache of hot rows: size, warm-up, readings
         self.trainable = True
-        if getattr(_BUILDING, "rows_written_next", False):
+        if building_rows_written_next():
             return                   # its builder writes every row next (from_pretrained)
         self._rows.init_normal(self.padding_idx)     # nn.Embedding's N(0, 1)
 
     @property
     def layout(self) -> RowLayout:
         """How each row ``[weight | state...]`` is stored (:class:`nbtools.store.layout.RowLayout`)."""
-        return self._layout
+        return self._rows.layout
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -252,20 +124,8 @@ class OffloadedEmbedding(nn.Module):
         return torch.float32 if self.config.dtype in LOW_PRECISION else self.config.dtype
 
     def _store(self) -> RowTier:
-        """The tiers over this table's memory (:func:`nbtools.placement.make_store`)."""
-        return make_store(self)
-
-    def _new_rows(self, shape, dtype):
-        """Memory for ``shape`` rows where this table is placed (zero-filled)."""
-        if self.placement == "disk":
-            from . import disk
-            self._disk = disk.new_rows(self, shape[1], dtype)
-            return self._disk.slab
-        if self.placement == "gpu":
-            return DeviceRows(shape, dtype, self.device, self.name)
-        cuda = self.device.type == "cuda"      # (host memory, its zero-copy view on the GPU)
-        return HostTensor(shape, dtype, pin=self.config.pin and cuda, name=self.name,
-                          device=self.device if cuda else None)
+        """The tiers over this table's memory as it is now (:func:`make_store`)."""
+        return make_store(self._rows.host, self.device, self._rows.layout, self._rows.disk)
 
     # --- the rows, wherever they live -------------------------------------------------------
     @property
@@ -292,29 +152,17 @@ class OffloadedEmbedding(nn.Module):
         that nothing writes through, such as saving)."""
         self.lookups.prefetcher.drop()  # a write through what is returned would make it stale
         full = self._rows.rows_now(keep_cache)
-        return self._layout.weight(full) if state is None else self._layout.state(full, state)
+        layout = self._rows.layout
+        return layout.weight(full) if state is None else layout.state(full, state)
 
-    @property
-    def storage(self):
-        """The memory the rows live in: a :class:`~nbtools.hostmem.HostTensor`, the GPU's
-        :class:`~nbtools.store.rows.DeviceRows`, or a disk table's RAM slots."""
-        return self._host
+    storage = _of_tier("host", """The memory the rows live in: a
+        :class:`~nbtools.hostmem.HostTensor`, the GPU's :class:`~nbtools.store.rows.DeviceRows`,
+        or a disk table's RAM slots.""")
 
     @property
     def lookup_graphs(self) -> LookupGraphs:
         """CUDA graphs of this table's training lookups (one per batch size)."""
         return self.lookups.graphs
-
-    def install_rows(self, new, names: list, layout: RowLayout, disk=None) -> None:
-        """``new`` rows of ``layout`` (with state ``names``; for a disk table its
-        :class:`~nbtools.disk.DiskRows`, whose RAM slots ``new`` is) become this table's rows:
-        what :func:`nbtools.placement.regrow_for_state` made."""
-        self._disk = disk
-        self._host, self._state_names = new, list(names)
-        self._layout = layout
-        self._rows = self._store()
-        self.clear_pending()
-        self.lookups.graphs.invalidate()
 
     @property
     def rows(self) -> RowTier:
@@ -326,13 +174,13 @@ class OffloadedEmbedding(nn.Module):
     @property
     def state_names(self) -> list:
         """Per-row optimizer state stored after each row's weight, in order."""
-        return list(self._state_names)
+        return list(self._rows.layout.names)
 
     def state_columns(self, name: str, keep_cache: bool = False) -> torch.Tensor:
         """View of one per-row optimizer state (e.g. ``"exp_avg"``), aligned with rows.
         ``keep_cache``: for reads only (saving): the cache of hot rows is flushed, not
         emptied."""
-        return self._current(keep_cache, self._state_names.index(name))
+        return self._current(keep_cache, self._rows.layout.names.index(name))
 
     @on_tables
     def attach_state(self, names, initial: dict, owned: bool = True,
@@ -350,9 +198,9 @@ class OffloadedEmbedding(nn.Module):
         first. Gradients that reached the table before (``backward()``, then the optimizer)
         are kept for its first step.
         """
-        if self._state_names:
+        if self.state_names:
             raise ValueError(f"table {self.name!r} already carries optimizer state "
-                             f"{self._state_names}; use one OffloadOptimizer per table")
+                             f"{self.state_names}; use one OffloadOptimizer per table")
         # A backward() before the optimizer was made: its gradient is applied at the first
         # step, as torch's optimizers apply a .grad that exists when they are made. It is
         # looked up again as a training lookup of the rows as they are now (with their state).
@@ -363,7 +211,9 @@ class OffloadedEmbedding(nn.Module):
         if names:
             got = regrow_for_state(self, list(names), initial, dims)
             self.placement, self.placement_reason = got.placement, got.reason
-            self.install_rows(got.rows, list(names), got.layout, got.disk)
+            self._rows = make_store(got.rows, self.device, got.layout, got.disk)
+            self.clear_pending()
+            self.lookups.graphs.invalidate()
         self.hot.attach(self)
         if carried is not None:
             self.lookups.restore_gradients(*carried)
@@ -374,11 +224,8 @@ class OffloadedEmbedding(nn.Module):
         self._rows = with_cache(self._rows, capacity)
 
     # --- the cache of hot rows (self.hot: nbtools.store.cache.TableCache) -------------------
-    @property
-    def cache(self):
-        """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`; a disk table's:
-        :class:`nbtools.disk.gpu.GpuLevel`), or None."""
-        return self._rows.cache
+    cache = _of_tier("cache", """The GPU cache of hot rows (:class:`nbtools.store.cache.RowCache`;
+        a disk table's: :class:`nbtools.disk.gpu.GpuLevel`), or None.""")
 
     @on_tables
     def warm_cache(self, counts) -> None:
@@ -418,32 +265,21 @@ class OffloadedEmbedding(nn.Module):
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
         saved (a hit reads and writes nothing over PCIe), capacity; for a disk table, also
         RAM's lookups and hit rate below it. Empty without a cache."""
-        return self.hot.summary(self)
+        return self.hot.summary(self._rows)
 
     @property
     def pinned(self) -> bool:
-        return self._host.pinned
+        return self._rows.host.pinned
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of rows (and optimizer state) where the table lives: host RAM, GPU or disk."""
-        return self._rows.nbytes
-
-    @property
-    def ram_bytes(self) -> int:
-        """Host RAM the rows take: the table itself, or a disk table's cache of hot rows."""
-        return self._rows.ram_bytes
-
-    @property
-    def disk(self):
-        """A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), or None."""
-        return self._disk
-
-    @property
-    def transfer_mode(self) -> str:
-        """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable memory, CUDA), 'host'
-        (CPU compute) or 'disk' (rows in a file, a RAM cache read zero-copy)."""
-        return self._rows.kind
+    nbytes = _of_tier("nbytes", "Bytes of rows (and optimizer state) where the table lives: "
+                                "host RAM, GPU or disk.")
+    ram_bytes = _of_tier("ram_bytes", "Host RAM the rows take: the table itself, or a disk "
+                                      "table's cache of hot rows.")
+    disk = _of_tier("disk", "A disk table's file and RAM cache (:class:`nbtools.disk.DiskRows`), "
+                            "or None.")
+    transfer_mode = _of_tier("kind", """'zero-copy', 'gpu' (rows on the GPU), 'staged' (pageable
+        memory, CUDA), 'host' (CPU compute) or 'disk' (rows in a file, a RAM cache read
+        zero-copy).""")
 
     @on_tables
     def set_grad_scale(self, weights) -> None:
@@ -452,8 +288,8 @@ class OffloadedEmbedding(nn.Module):
         For rare words: e.g. inverse frequency. ``None`` turns it off. Like
         ``nn.Embedding(scale_grad_by_freq=True)``, but with your own per-id weights.
         """
-        self._grad_scale = None if weights is None else _grad_scale_store(self, weights,
-                                                                               self._new_rows)
+        self._grad_scale = None if weights is None else grad_scale_rows(
+            weights, self._rows, self.name, self.num_embeddings, self.config.pin)
 
     @on_tables
     def close(self) -> None:
@@ -467,8 +303,7 @@ class OffloadedEmbedding(nn.Module):
     def sync_slab(self) -> None:
         """A disk table's RAM cache was pinned or grew, or it got a GPU cache: its row store
         follows."""
-        if not self._rows.current_for(self._disk):
-            self._host = self._disk.slab
+        if not self._rows.current_for(self._rows.disk):
             self._rows = self._store()
 
     def __getstate__(self) -> dict:
@@ -493,9 +328,6 @@ class OffloadedEmbedding(nn.Module):
         if inv is not None:
             rows = look.rows_of_ids(rows, inv)
         return rows.view(*ids.shape, self.embedding_dim)
-
-    def raise_bad_ids(self, flat: torch.Tensor, shape) -> None:
-        self.lookups.raise_bad_ids(flat, shape)
 
     @on_tables
     def prefetch(self, ids) -> None:
@@ -535,21 +367,13 @@ class OffloadedEmbedding(nn.Module):
     @on_tables
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        key = prefix + "weight"
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        src = state_dict[key]
-        if tuple(src.shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(f"size mismatch for {key}: checkpoint has {tuple(src.shape)}, table "
-                              f"{self.name!r} is ({self.num_embeddings}, {self.embedding_dim})")
-            return
-        copy_unless_same(self.weight, src)     # .weight synchronises first
+        src = weight_in(state_dict, prefix + "weight", (self.num_embeddings, self.embedding_dim),
+                        self.name, missing_keys, error_msgs)
+        if src is not None:
+            copy_unless_same(self.weight, src)     # .weight synchronises first
 
     def extra_repr(self) -> str:
         return _describe(self)
-
-    _rows_written_next = staticmethod(rows_written_next)   # (what from_pretrained builds in)
 
     @classmethod
     def from_pretrained(cls, source, **kwargs) -> "OffloadedEmbedding":
@@ -591,57 +415,10 @@ class OffloadedEmbeddingBag(OffloadedEmbedding):
 
     @on_tables
     def forward(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
-        ids = self.lookups.prepare_ids(ids)
-        if offsets is None:
-            if ids.dim() != 2:
-                raise ValueError(f"table {self.name!r}: without offsets, ids must be 2-D "
-                                 f"[bags, length]; got shape {tuple(ids.shape)}")
-            bags, length = ids.shape
-            offsets = torch.arange(0, bags * length, length, device=self.device) if length else \
-                torch.zeros(bags, dtype=torch.long, device=self.device)
-        else:
-            if ids.dim() != 1:
-                raise ValueError(f"table {self.name!r}: with offsets, ids must be 1-D; got shape "
-                                 f"{tuple(ids.shape)}")
-            offsets = self.lookups.prepare_ids(offsets).long()
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(self.device).reshape(-1)
-        flat = ids.reshape(-1)
-        rows, inv = self.lookups.lookup(flat)
-        if self.mode == "max" and rows.is_cuda and rows.requires_grad and self.deterministic:
-            # max's backward adds each bag's gradient into its winning rows with atomics (bags
-            # may share a row): one row per id instead, summed per unique row in a fixed order
-            rows, inv = self.lookups.rows_of_ids(rows, inv), torch.arange(flat.numel(),
-                                                                   device=flat.device)
-        padding = None
-        if self.padding_idx is not None:
-            # Padding maps to one extra all-zero row that embedding_bag leaves out of each bag.
-            padding = rows.shape[0]
-            rows = torch.cat((rows, rows.new_zeros(1, self.embedding_dim)))
-            inv = torch.where(flat == self.padding_idx, padding, inv)
-        return F.embedding_bag(inv, rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights, padding_idx=padding)
+        return self.lookups.bags(ids, offsets, per_sample_weights, self.mode)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
-
-
-def _grad_scale_store(table, weights, new_rows) -> RowStore:
-    """The per-row gradient weights of :meth:`OffloadedEmbedding.set_grad_scale`, checked, as a
-    row store of ``[num_embeddings, 1]`` where the table's rows live (``new_rows(shape,
-    dtype)``: memory there)."""
-    if table.disk is not None:
-        raise NotImplementedError(f"table {table.name!r}: per-row gradient scaling is not "
-                                  "supported with placement='disk' yet")
-    weights = torch.as_tensor(weights)
-    if weights.shape != (table.num_embeddings,) or not weights.is_floating_point():
-        raise ValueError(f"grad scale for table {table.name!r} must be a float tensor of shape "
-                         f"({table.num_embeddings},), got {tuple(weights.shape)} {weights.dtype}")
-    if not torch.isfinite(weights).all():
-        raise ValueError(f"grad scale for table {table.name!r} contains non-finite values")
-    host = new_rows((table.num_embeddings, 1), table.storage.tensor.dtype)
-    host.tensor.copy_(weights.reshape(-1, 1))
-    return RowStore(host, table.device)
 
 
 def _describe(table) -> str:
@@ -659,4 +436,4 @@ def _describe(table) -> str:
     if table.padding_idx is not None:
         s += f", padding_idx={table.padding_idx}"
     where = table.rows.describe()     # (a disk table's file and RAM cache)
-    return s + (", " + where if where else "") + table.hot.describe(table)
+    return s + (", " + where if where else "") + table.hot.describe(table.rows)

@@ -196,7 +196,7 @@ def take_grad(table):
     if bad:
         for flat, shape in got.lookups:
             if bool(((flat < 0) | (flat >= table.num_embeddings)).any()):
-                table.raise_bad_ids(flat, shape)
+                table.lookups.raise_bad_ids(flat, shape)
     m = count - sentinel
     if m == 0:
         return None, None, None, None

@@ -265,3 +265,57 @@ def test_the_checkpoint_reaches_rows_only_through_the_tier():
              for line, what in table_reaches(path.read_text())]
     assert not found, "nbtools/checkpoint/ reaches past a table's tier (use table.rows.whole()):" \
         "\n" + "\n".join(found)
+
+
+# --- the tier answers what the rest asks: no branch on whether a table has a disk -----------
+NBTOOLS = TESTS.parent / "nbtools"
+
+
+def disk_branches(source: str) -> list:
+    """``(line, what)`` of each comparison of an attribute ``disk`` with None (``table.disk is
+    None``, ``t.rows.disk is not None``): a branch on which kind of tier holds the rows, which
+    the tier should answer itself (``in_memory``, ``own_cache``, ``cache_cost``, ...)."""
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                  and node.left.attr == "disk" and len(node.ops) == 1
+                  and isinstance(node.ops[0], (ast.Is, ast.IsNot))
+                  and isinstance(node.comparators[0], ast.Constant)
+                  and node.comparators[0].value is None)
+
+
+def test_disk_branches_are_found():
+    source = ("if table.disk is None:\n    pass\n"          # 1
+              "x = t.rows.disk is not None\n"               # 3
+              "if disk is None:\n    pass\n"                # (a local: not a table's attribute)
+              "if table.disk == 3:\n    pass\n")
+    assert [line for line, _ in disk_branches(source)] == [1, 3]
+
+
+def test_no_branch_on_a_tables_disk_outside_the_disk_wing():
+    found = [f"{path.relative_to(NBTOOLS)}:{line}: {what}" for path in sorted(NBTOOLS.rglob("*.py"))
+             if "disk" not in path.relative_to(NBTOOLS).parts[:1]
+             for line, what in disk_branches(path.read_text())]
+    assert not found, "branches on a table's disk outside nbtools/disk/ (ask the tier: " \
+        "in_memory, own_cache, cache_cost, warm_rows):\n" + "\n".join(found)
+
+
+# --- the table holds its tier and lookups; what is not its own job lives beside it ----------
+TABLE_LINES_MAX = 450
+
+
+def test_tables_module_stays_small():
+    lines = len((NBTOOLS / "tables.py").read_text().splitlines())
+    assert lines <= TABLE_LINES_MAX, \
+        f"nbtools/tables.py has {lines} lines (at most {TABLE_LINES_MAX}): what is not the " \
+        "table's own job goes to its tier, its lookups or nbtools.placement"
+
+
+def test_the_table_holds_no_second_handle_on_its_rows():
+    # one tier (``_rows``) reaches the memory and says how its rows are laid out: no
+    # ``self._host`` / ``self._disk`` / ``self._layout`` / ``self._state_names`` beside it
+    source = (NBTOOLS / "tables.py").read_text()
+    handles = ("_host", "_disk", "_storage", "_layout", "_state_names")
+    found = sorted({node.attr for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "self" and node.attr in handles})
+    assert not found, f"the table keeps handles on its memory beside its tier: {found}"

@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .. import kernels
 from . import ahead
@@ -486,3 +487,38 @@ class TableLookups:
         out = rows.detach().index_select(0, inv).requires_grad_(True)
         rec.by_id = out
         return out
+
+    def bags(self, ids, offsets, per_sample_weights, mode: str) -> torch.Tensor:
+        """What an :class:`~nbtools.OffloadedEmbeddingBag` returns: the rows of ``ids`` (2-D
+        ``[bags, length]`` or 1-D with ``offsets``) summed, averaged or maxed (``mode``) per
+        bag, padding entries left out of each bag."""
+        t = self.table
+        ids = self.prepare_ids(ids)
+        if offsets is None:
+            if ids.dim() != 2:
+                raise ValueError(f"table {t.name!r}: without offsets, ids must be 2-D "
+                                 f"[bags, length]; got shape {tuple(ids.shape)}")
+            bags, length = ids.shape
+            offsets = torch.arange(0, bags * length, length, device=t.device) if length else \
+                torch.zeros(bags, dtype=torch.long, device=t.device)
+        else:
+            if ids.dim() != 1:
+                raise ValueError(f"table {t.name!r}: with offsets, ids must be 1-D; got shape "
+                                 f"{tuple(ids.shape)}")
+            offsets = self.prepare_ids(offsets).long()
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(t.device).reshape(-1)
+        flat = ids.reshape(-1)
+        rows, inv = self.lookup(flat)
+        if mode == "max" and rows.is_cuda and rows.requires_grad and t.deterministic:
+            # max's backward adds each bag's gradient into its winning rows with atomics (bags
+            # may share a row): one row per id instead, summed per unique row in a fixed order
+            rows, inv = self.rows_of_ids(rows, inv), torch.arange(flat.numel(), device=flat.device)
+        padding = None
+        if t.padding_idx is not None:
+            # Padding maps to one extra all-zero row that embedding_bag leaves out of each bag.
+            padding = rows.shape[0]
+            rows = torch.cat((rows, rows.new_zeros(1, t.embedding_dim)))
+            inv = torch.where(flat == t.padding_idx, padding, inv)
+        return F.embedding_bag(inv, rows, offsets, mode=mode,
+                               per_sample_weights=per_sample_weights, padding_idx=padding)

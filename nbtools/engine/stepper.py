@@ -85,7 +85,7 @@ def _raise_bad_ids(slot, got, late: str = "") -> None:
     for flat, shape in got.lookups:
         if bool(((flat < 0) | (flat >= slot.table.num_embeddings)).any()):
             try:
-                slot.table.raise_bad_ids(flat, shape)
+                slot.table.lookups.raise_bad_ids(flat, shape)
             except IndexError as e:
                 raise IndexError(f"{e}{late}") from None
     if late:

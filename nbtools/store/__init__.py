@@ -23,6 +23,9 @@ class RowTier(Protocol):
     row_bytes: int
     cache: object          # the GPU cache of hot rows in front of them, or None
     keeps_host_ids: bool   # lookups deduplicate ids on the CPU (batch_of), not on the device
+    layout: object         # how a row [weight | state...] is stored (a RowLayout, its state names)
+    host: object           # the memory the rows live in (a table's storage)
+    disk: object           # a disk table's file and RAM slots (nbtools.disk.DiskRows), or None
 
     @property
     def kind(self) -> str: ...                     # the table's transfer_mode
@@ -48,6 +51,13 @@ class RowTier(Protocol):
     def read_ahead(self, ids, padding_idx=None) -> bool: ...
     def attach_cache(self, table, capacity: int) -> bool: ...  # its own (a disk table's GPU level)
     def rows_now(self, keep_cache: bool) -> torch.Tensor: ...   # every row, current
+    # what the table and its cache ask instead of which tier this is
+    @property
+    def in_memory(self) -> bool: ...               # every row in one tensor (not a file's)
+    @property
+    def own_cache(self) -> bool: ...               # a cache of its own (a disk table's levels)
+    def cache_cost(self, num_rows: int) -> tuple[int, int]: ...  # a GPU cache's bytes
+    def warm_rows(self, counts: torch.Tensor) -> bool: ...       # into its own cache, now
     # the table as a whole (nbtools.store.whole.WholeRows; a disk table's
     # nbtools.disk.access.WholeTable): ranges and rows as stored, the rows changed since a
     # checkpoint; ``written(ids)``: a step's update of those rows is queued next

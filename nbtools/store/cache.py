@@ -298,18 +298,16 @@ def cache_capacity(table) -> tuple:
                       stacklevel=5)
         return None, why
     n = table.num_embeddings
-    if table.disk is not None:     # a disk table's GPU level: its maps are in host RAM
-        capacity = table.config.cache_rows or budget // rows.row_bytes
-        if capacity < 1:
-            raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
-                             f"hold one row of {human_bytes(rows.row_bytes)}")
-        return min(capacity, n), why
-    capacity = (budget - RowCache.overhead_bytes(n)) // RowCache.slot_bytes(rows.row_bytes)
+    fixed, per_row = rows.cache_cost(n)     # (a disk table's own GPU level: maps in host RAM)
+    capacity = table.config.cache_rows or (budget - fixed) // per_row
+    if capacity < 1 and not fixed:
+        raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
+                         f"hold one row of {human_bytes(rows.row_bytes)}")
     if capacity < 1:
         raise ValueError(
             f"table {table.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
-            f"row -> slot map alone takes {human_bytes(RowCache.overhead_bytes(n))} and a "
-            f"row {human_bytes(RowCache.slot_bytes(rows.row_bytes))}; give "
+            f"row -> slot map alone takes {human_bytes(fixed)} and a "
+            f"row {human_bytes(per_row)}; give "
             "cache_bytes more room or leave the cache off")
     return min(capacity, n), why
 
@@ -393,29 +391,25 @@ class TableCache:
             table.lookup_graphs.invalidate()
 
     @staticmethod
-    def may_cache(table) -> bool:
-        """Whether ``table`` has, or may get when its optimizer attaches, a cache to warm: a
-        disk table's RAM (and GPU level), a host table's GPU cache."""
-        cfg = table.config
-        return table.disk is not None or table.rows.cache is not None or \
-            table.requested_placement in ("auto", "disk") or any(
-                getattr(cfg, k) is not None for k in CACHE_OPTIONS)
+    def may_cache(rows, config, asked: str) -> bool:
+        """Whether a table over tier ``rows``, with ``config`` and placement ``asked`` for,
+        has, or may get when its optimizer attaches, a cache to warm: a disk table's RAM (and
+        GPU level), a host table's GPU cache."""
+        return rows.own_cache or rows.cache is not None or asked in ("auto", "disk") or any(
+            getattr(config, k) is not None for k in CACHE_OPTIONS)
 
     def warm(self, table, counts) -> None:
         """:meth:`nbtools.OffloadedEmbedding.warm_cache`."""
         counts = warm_counts(counts, table.num_embeddings, table.name)
         if not self.attached:           # the rows move (with their state) when it attaches:
-            self.warm_counts = counts if self.may_cache(table) else None    # warmed again then
-            if table.disk is None:
-                return
-        # A disk table is warmed now too: one used without an optimizer (inference) never
-        # attaches.
-        disk = table.disk
-        if disk is not None:            # the most frequent rows, read now: into the GPU
-            hot = torch.argsort(counts, descending=True, stable=True)     # cache, then RAM
-            hot = hot[counts[hot] > 0].numpy()
-            disk.warm(hot, level=disk.above, ram_too=True)
+            keep = self.may_cache(table.rows, table.config, table.requested_placement)
+            self.warm_counts = counts if keep else None     # warmed again then
+        # A tier with a cache of its own (a disk table's RAM and GPU level) is warmed now too:
+        # one used without an optimizer (inference) never attaches.
+        if table.rows.warm_rows(counts):
             table.sync_slab()
+            return
+        if not self.attached:
             return
         cache = table.rows.cache
         if cache is None:
@@ -424,19 +418,18 @@ class TableCache:
         cache.warm(counts, table.rows.view())
         table.lookup_graphs.invalidate()
 
-    def summary(self, table) -> dict:
-        """:meth:`nbtools.OffloadedEmbedding.cache_stats`."""
-        disk = table.disk
-        if disk is not None and disk.above is not None:
-            return disk.above.summary(table.rows.row_bytes)
-        return self.counts.summary(table.rows)
+    def summary(self, rows) -> dict:
+        """:meth:`nbtools.OffloadedEmbedding.cache_stats` of a table over tier ``rows``."""
+        if rows.own_cache and rows.cache is not None:      # (a disk table's GPU level)
+            return rows.cache.summary(rows.row_bytes)
+        return self.counts.summary(rows)
 
-    def describe(self, table) -> str:
-        """What ``repr(table)`` says of its cache ("" without one)."""
-        disk = table.disk
-        if disk is not None and disk.above is not None:
-            return f", {disk.above.describe()} ({self.why})"
-        cache = table.rows.cache
+    def describe(self, rows) -> str:
+        """What ``repr(table)`` says of the cache of a table over tier ``rows`` ("" without
+        one)."""
+        cache = rows.cache
         if cache is None:
             return ""
+        if rows.own_cache:                           # (a disk table's GPU level)
+            return f", {cache.describe()} ({self.why})"
         return f", cache={cache.capacity:,} rows ({human_bytes(cache.nbytes)}, {self.why})"

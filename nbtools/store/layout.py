@@ -38,6 +38,7 @@ class RowLayout:
     states: int = 0
     state_dims: tuple | None = None    # columns of each state (None: ``dim`` each)
     pad: int = 0                       # unused columns at the end (:func:`row_padding`)
+    names: tuple = ()                  # each state's name (an optimizer's), in order
 
     def __post_init__(self):
         if self.state_dims is not None:

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 
 from .. import kernels
+from .cache import RowCache
 from .layout import RowLayout
 from .whole import WholeRows
 from ..devices import synchronize
-from ..hostmem import count_transfer, gather_rows, scatter_rows
+from ..hostmem import HostTensor, count_transfer, gather_rows, scatter_rows
 
 
 @dataclasses.dataclass
@@ -205,6 +206,17 @@ class DeviceRows:
                 f"dtype={self.tensor.dtype}, device={self.tensor.device})")
 
 
+def new_memory(shape, dtype: torch.dtype, device: torch.device, on_gpu: bool, pin: bool,
+               name: str):
+    """Zero-filled memory for ``shape`` rows: on the GPU (:class:`DeviceRows`, ``on_gpu``), or
+    host memory, pinned where ``pin`` and ``device`` is a CUDA device (which then reads it
+    zero-copy)."""
+    if on_gpu:
+        return DeviceRows(shape, dtype, device, name)
+    cuda = device.type == "cuda"
+    return HostTensor(shape, dtype, pin=pin and cuda, name=name, device=device if cuda else None)
+
+
 class RowStore:
     """The rows of a 2-D table as the compute device reaches them, where they live (see the
     module docs): the plain tier, which a cache of hot rows or a write-back behind the next
@@ -221,10 +233,15 @@ class RowStore:
 
     cache = None             # a cache of hot rows: nbtools.store.tiers.Cached's
     keeps_host_ids = False   # lookups deduplicate ids on the CPU (ids stay where they are)
+    disk = None              # a disk table's file and RAM slots (nbtools.disk.store.DiskStore's)
 
-    def __init__(self, host, device: torch.device, used: int | None = None):
+    def __init__(self, host, device: torch.device, used: int | None = None,
+                 layout: RowLayout | None = None):
         self.host = host
         self.device = torch.device(device)
+        self.layout = layout      # how a row [weight | state...] is stored (a table's rows)
+        if used is None and layout is not None:
+            used = layout.used
         if isinstance(host, DeviceRows):
             self.mode = "gpu"
         elif self.device.type == "cuda":
@@ -269,6 +286,41 @@ class RowStore:
         its own (False: it does not; the table stacks a :class:`~nbtools.store.tiers.Cached`
         around it instead)."""
         return False
+
+    # --- what the table and its cache ask instead of which tier this is -------------------
+    @property
+    def in_memory(self) -> bool:
+        """Whether every row is in memory addressed as one tensor (host RAM or the GPU): not
+        a disk table's rows (its tier's kind is "disk"), which are in a file under RAM slots
+        and are written as a whole through :meth:`whole`."""
+        return self.kind != "disk"
+
+    @property
+    def own_cache(self) -> bool:
+        """Whether the tier keeps a cache of hot rows of its own (a disk table: RAM slots, and
+        the GPU level :meth:`attach_cache` adds, its maps in host RAM), which :meth:`warm_rows`
+        fills before any optimizer attaches, rather than a stacked
+        :class:`~nbtools.store.cache.RowCache`."""
+        return not self.in_memory
+
+    def cache_cost(self, num_rows: int) -> tuple[int, int]:
+        """GPU bytes a cache of hot rows over these ``num_rows`` rows takes: ``(fixed, per
+        cached row)``: a :class:`~nbtools.store.cache.RowCache`'s row -> slot map and its
+        slots, or, for a cache of the tier's own (maps in host RAM), the rows alone."""
+        if self.own_cache:
+            return 0, self.row_bytes
+        return RowCache.overhead_bytes(num_rows), RowCache.slot_bytes(self.row_bytes)
+
+    def warm_rows(self, counts: torch.Tensor) -> bool:
+        """Load the rows of the highest ``counts`` (positive ones, hottest first) now into the
+        tier's own cache (a disk table: its GPU level, then RAM); False where it keeps none
+        (a stacked cache is warmed through its counts)."""
+        if not self.own_cache:
+            return False
+        hot = torch.argsort(counts, descending=True, stable=True)
+        hot = hot[counts[hot] > 0].numpy()
+        self.disk.warm(hot, level=self.disk.above, ram_too=True)
+        return True
 
     @torch.no_grad()
     def init_normal(self, padding_idx) -> None:
@@ -468,3 +520,22 @@ def from_cache(rows, cache_rows, slots, start, stop):
     hot = slots >= 0              # (the torch path: a host sync)
     rows[hot] = cols(cache_rows, start, stop)[slots[hot].long()].to(rows.dtype)
     return rows
+
+
+def grad_scale_rows(weights, rows, name: str, num_rows: int, pin: bool) -> RowStore:
+    """The per-row gradient weights of :meth:`nbtools.OffloadedEmbedding.set_grad_scale` for
+    table ``name``, checked, as a row store of ``[num_rows, 1]`` in the kind of memory its
+    tier ``rows`` keeps (``pin``: the table's option)."""
+    if not rows.in_memory:
+        raise NotImplementedError(f"table {name!r}: per-row gradient scaling is not "
+                                  "supported with placement='disk' yet")
+    weights = torch.as_tensor(weights)
+    if weights.shape != (num_rows,) or not weights.is_floating_point():
+        raise ValueError(f"grad scale for table {name!r} must be a float tensor of shape "
+                         f"({num_rows},), got {tuple(weights.shape)} {weights.dtype}")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"grad scale for table {name!r} contains non-finite values")
+    host = new_memory((num_rows, 1), rows.host.tensor.dtype, rows.device, rows.mode == "gpu",
+                      pin, name)
+    host.tensor.copy_(weights.reshape(-1, 1))
+    return RowStore(host, rows.device)

@@ -38,7 +38,7 @@ class Tier:
     ``__getattr__`` costs ~0.9 µs, and a step makes dozens); the rest falls through."""
 
     # fixed for the inner tier's life: copied, read as plain attributes
-    FIXED = ("host", "device", "mode", "width", "row_bytes", "keeps_host_ids")
+    FIXED = ("host", "device", "mode", "width", "row_bytes", "keeps_host_ids", "layout")
 
     def __init__(self, inner):
         self.inner = inner
