@@ -539,8 +539,7 @@ def make_store(memory, device: torch.device, layout: RowLayout, disk=None):
     from .store.tiers import Cached, WriteBehind
     if disk is not None:      # rows from the file, through RAM slots
         from .disk.store import DiskStore
-        tier = DiskStore(disk, device)
-        tier.layout = layout
+        tier = DiskStore(disk, device, layout=layout)
         return tier if disk.above is None else Cached(tier, disk.above, writes_back=False)
     tier = RowStore(memory, device, layout=layout)
     return WriteBehind(tier) if tier.mode in ("zero-copy", "host") else tier

@@ -21,10 +21,25 @@ class DiskStore(RowStore):
     lookups use it as any row store."""
 
     keeps_host_ids = True
+    in_memory = False           # rows in a file under RAM slots
+    own_cache = True            # the RAM slots, and the GPU level attach_cache adds
 
-    def __init__(self, disk: DiskRows, device):
-        super().__init__(disk.slab, device)
+    def __init__(self, disk: DiskRows, device, layout=None):
+        super().__init__(disk.slab, device, layout=layout)
         self.disk = disk
+
+    def cache_cost(self, num_rows: int) -> tuple[int, int]:
+        """GPU bytes of the GPU level over the RAM slots: its rows alone (its maps are in host
+        RAM)."""
+        return 0, self.row_bytes
+
+    def warm_rows(self, counts: torch.Tensor) -> bool:
+        """Load the rows of the highest ``counts`` (positive ones, hottest first) now: into the
+        GPU level where there is one, then RAM (:meth:`nbtools.disk.access.WholeTable.warm`)."""
+        hot = torch.argsort(counts, descending=True, stable=True)
+        hot = hot[counts[hot] > 0].numpy()
+        self.disk.warm(hot, level=self.disk.above, ram_too=True)
+        return True
 
     @property
     def kind(self) -> str:

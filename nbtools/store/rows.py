@@ -288,39 +288,24 @@ class RowStore:
         return False
 
     # --- what the table and its cache ask instead of which tier this is -------------------
-    @property
-    def in_memory(self) -> bool:
-        """Whether every row is in memory addressed as one tensor (host RAM or the GPU): not
-        a disk table's rows (its tier's kind is "disk"), which are in a file under RAM slots
-        and are written as a whole through :meth:`whole`."""
-        return self.kind != "disk"
-
-    @property
-    def own_cache(self) -> bool:
-        """Whether the tier keeps a cache of hot rows of its own (a disk table: RAM slots, and
-        the GPU level :meth:`attach_cache` adds, its maps in host RAM), which :meth:`warm_rows`
-        fills before any optimizer attaches, rather than a stacked
-        :class:`~nbtools.store.cache.RowCache`."""
-        return not self.in_memory
+    # Whether every row is in memory addressed as one tensor (host RAM or the GPU), not in a
+    # file under RAM slots (a disk table's, written as a whole through :meth:`whole`).
+    in_memory = True
+    # Whether the tier keeps a cache of hot rows of its own (a disk table: RAM slots, and the
+    # GPU level :meth:`attach_cache` adds, its maps in host RAM), which :meth:`warm_rows` fills
+    # before any optimizer attaches, rather than a stacked :class:`~nbtools.store.cache.RowCache`.
+    own_cache = False
 
     def cache_cost(self, num_rows: int) -> tuple[int, int]:
         """GPU bytes a cache of hot rows over these ``num_rows`` rows takes: ``(fixed, per
         cached row)``: a :class:`~nbtools.store.cache.RowCache`'s row -> slot map and its
-        slots, or, for a cache of the tier's own (maps in host RAM), the rows alone."""
-        if self.own_cache:
-            return 0, self.row_bytes
+        slots (a tier with a cache of its own answers for it)."""
         return RowCache.overhead_bytes(num_rows), RowCache.slot_bytes(self.row_bytes)
 
     def warm_rows(self, counts: torch.Tensor) -> bool:
-        """Load the rows of the highest ``counts`` (positive ones, hottest first) now into the
-        tier's own cache (a disk table: its GPU level, then RAM); False where it keeps none
-        (a stacked cache is warmed through its counts)."""
-        if not self.own_cache:
-            return False
-        hot = torch.argsort(counts, descending=True, stable=True)
-        hot = hot[counts[hot] > 0].numpy()
-        self.disk.warm(hot, level=self.disk.above, ram_too=True)
-        return True
+        """Load the rows of the highest ``counts`` now into the tier's own cache; False where
+        it keeps none (a stacked cache is warmed through its counts)."""
+        return False
 
     @torch.no_grad()
     def init_normal(self, padding_idx) -> None:
