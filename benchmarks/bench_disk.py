@@ -259,7 +259,7 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
     its RAM cache (into ``res["gpu_cache"]``)."""
     from nbtools.disk.gpu import attach
     d = table.disk
-    level = attach(table, int(args.gpu_cache_gib * (1 << 30)) // d.row_bytes)
+    level = attach(d, int(args.gpu_cache_gib * (1 << 30)) // d.row_bytes, table.device)
     t0 = time.perf_counter()
     if args.gpu_start == "warm":
         hot = hottest(args.rows, min(args.rows, level.capacity + d.ram.capacity_rows))
@@ -289,9 +289,11 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
         "ms_per_step_rounds": [x["ms_per_step"] for x in loops],
         "gpu_hit_rate": hits / max(1, level.counts["lookups"] - before["lookups"]),
         "ram_hit_rate": med([x["ram_hit_rate"] for x in loops])}
-    g["reads_x"] = med(g["disk_rows_per_step_rounds"]) / \
-        res["zipf_read_ahead"]["disk_read_rows_per_step"]
-    g["ms_x"] = med(g["ms_per_step_rounds"]) / res["zipf_read_ahead"]["ms_per_step"]
+    # (nan where RAM alone read nothing from disk: a --quick table small enough to stay in RAM)
+    ratio = lambda a, b: a / b if b else float("nan")      # noqa: E731
+    g["reads_x"] = ratio(med(g["disk_rows_per_step_rounds"]),
+                         res["zipf_read_ahead"]["disk_read_rows_per_step"])
+    g["ms_x"] = ratio(med(g["ms_per_step_rounds"]), res["zipf_read_ahead"]["ms_per_step"])
     print(f"GPU cache {level.capacity:,} rows: disk rows/step {g['disk_rows_per_step_rounds']}, "
           f"ms/step {g['ms_per_step_rounds']}, GPU hit rate {g['gpu_hit_rate']:.3f}", flush=True)
 

@@ -466,7 +466,10 @@ def regrow_for_state(table, names: list, initial: dict, dims) -> Regrown:
         old.close()
     elif placement == "disk":     # a file of the new rows; from host RAM under "auto"
         from . import disk
-        disk_rows = disk.regrow(table, table.disk or old, layout, init, copy_rows)
+        disk_rows = disk.regrow(
+            table.disk or old, layout, init, copy_rows,
+            lambda width, dtype: disk.new_rows(table.config, n, width, dtype, table.device,
+                                               table.name))
         new = disk_rows.slab
     else:
         pin = old.pinned if isinstance(old, HostTensor) else \

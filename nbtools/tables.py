@@ -99,7 +99,8 @@ class OffloadedEmbedding(nn.Module):
         layout = RowLayout(self.embedding_dim, dtype, dtype)
         if self.placement == "disk":     # a file and its RAM slots (nbtools.disk)
             from . import disk
-            rows = disk.new_rows(self, self.embedding_dim, dtype)
+            rows = disk.new_rows(cfg, self.num_embeddings, self.embedding_dim, dtype,
+                                 self.device, self.name)
             self._rows = make_store(rows.slab, self.device, layout, rows)
         else:
             memory = new_memory((self.num_embeddings, self.embedding_dim), dtype, self.device,

@@ -676,12 +676,13 @@ def cache_rows_for(config, row_bytes: int) -> int:
     return max(1, int(budget) // row_bytes)
 
 
-def new_rows(table, width: int, dtype: torch.dtype) -> DiskRows:
-    """A disk table's file (``width`` columns of ``dtype`` per row) and its RAM slots."""
-    cfg = table.config
-    return DiskRows(cfg.disk_dir or default_dir(), table.num_embeddings, width, dtype,
-                    cache_rows=cache_rows_for(cfg, width * dtype.itemsize),
-                    device=table.device, pin=cfg.pin, name=table.name)
+def new_rows(config, num_rows: int, width: int, dtype: torch.dtype, device,
+             name: str) -> DiskRows:
+    """A disk table's file (``num_rows`` rows of ``width`` columns of ``dtype``) and its RAM
+    slots, as the table's ``config`` (its ``disk_dir``, RAM cache and pinning) asks."""
+    return DiskRows(config.disk_dir or default_dir(), num_rows, width, dtype,
+                    cache_rows=cache_rows_for(config, width * dtype.itemsize),
+                    device=device, pin=config.pin, name=name)
 
 
 def init_normal(disk: DiskRows, padding_idx, device: torch.device) -> None:
@@ -698,10 +699,11 @@ def init_normal(disk: DiskRows, padding_idx, device: torch.device) -> None:
     disk.initial = rows
 
 
-def regrow(table, old, layout, init, copy_rows) -> DiskRows:
+def regrow(old, layout, init, copy_rows, make) -> DiskRows:
     """``old`` rows (weights only: a :class:`DiskRows`, or host/GPU rows under placement
-    "auto") copied into a new file of ``layout`` rows, state columns at their initial values,
-    64 MiB at a time; the old rows are released (a file removed)."""
+    "auto") copied into a new file of ``layout`` rows (``make(width, dtype)``: its
+    :func:`new_rows`), state columns at their initial values, 64 MiB at a time; the old rows
+    are released (a file removed)."""
     if isinstance(old, DiskRows) and old.initial is not None:   # never written: draw them now
         read = old.initial
         old.close()          # its file goes before the new one is made: only one needs room
@@ -711,10 +713,10 @@ def regrow(table, old, layout, init, copy_rows) -> DiskRows:
         read = old.read_rows
     else:
         read = lambda a, b: old.tensor[a:b].cpu()      # noqa: E731
-    new = new_rows(table, layout.width, layout.unit)
+    new = make(layout.width, layout.unit)
     step = chunk_rows(new)
-    for start in range(0, table.num_embeddings, step):
-        stop = min(table.num_embeddings, start + step)
+    for start in range(0, new.num_rows, step):
+        stop = min(new.num_rows, start + step)
         src = read(start, stop)          # (drawn on the compute device, rows are built there)
         dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
         copy_rows(dst, src, init, layout)

@@ -349,11 +349,10 @@ class GpuLevel:
                 f"{rate})")
 
 
-def attach(table, capacity: int) -> GpuLevel:
-    """Give disk table ``table`` a GPU cache of ``capacity`` rows now (what its config's
-    ``cache_bytes``/``cache_rows``/``cache_fraction`` do when its optimizer attaches); its
-    next lookup uses it."""
-    d = table.disk
+def attach(d, capacity: int, device) -> GpuLevel:
+    """Give disk rows ``d`` (a :class:`~nbtools.disk.DiskRows`) a cache of ``capacity`` rows
+    on ``device`` now (what a table's ``cache_bytes``/``cache_rows``/``cache_fraction`` do when
+    its optimizer attaches); its next lookup uses it."""
     d.flush()
-    d.above = GpuLevel(d, capacity, table.device)
+    d.above = GpuLevel(d, capacity, device)
     return d.above

@@ -71,10 +71,10 @@ class DiskStore(RowStore):
         level hold before it reads, and forgets their copies of what it writes)."""
         return self.disk.whole
 
-    def batch_of(self, table, ids, training: bool, key=None):
+    def batch_of(self, ids, training: bool, key=None, padding_idx=None):
         """A lookup's :class:`RowBatch` of slots, its rows brought into RAM (:func:`lookup`),
         and the RAM slots it reads."""
-        return lookup(table, ids, training, key)
+        return lookup(self.disk, self.device, ids, training, key, padding_idx)
 
     def used(self, slots) -> None:
         """GPU work queued so far reads ``slots`` (an evaluation lookup's gather)."""
@@ -84,9 +84,9 @@ class DiskStore(RowStore):
         self.disk.read_ahead(ids, padding_idx)
         return True
 
-    def attach_cache(self, table, capacity: int) -> bool:
+    def attach_cache(self, capacity: int) -> bool:
         """The GPU level above the RAM slots, ``capacity`` rows (:func:`nbtools.disk.gpu.attach`)."""
-        attach(table, capacity)
+        attach(self.disk, capacity, self.device)
         return True
 
     def rows_now(self, keep_cache: bool) -> torch.Tensor:
@@ -107,16 +107,17 @@ class DiskStore(RowStore):
         self.host.close()
 
 
-def lookup(table, ids: torch.Tensor, training: bool, key=None) -> tuple[RowBatch, np.ndarray]:
+def lookup(disk: DiskRows, dev: torch.device, ids: torch.Tensor, training: bool, key=None,
+           padding_idx=None) -> tuple[RowBatch, np.ndarray]:
     """Bring the rows of ``ids`` into RAM (deduplicated on the CPU, or taken from the
     read-ahead of these very ids) and return the lookup's :class:`RowBatch` of *slots* on the
     compute device (the sentinel stays ``num_rows``, past every slot; the bad-id flag and
     count as :func:`nbtools.store.rows.unique_ids` gives them), and the RAM slots it reads as a
     host array. With a GPU cache (:mod:`nbtools.disk.gpu`) the batch addresses GPU slots too,
-    and its sentinel is the cache's."""
-    disk = table.disk
-    n = table.num_embeddings
-    p = disk.take_prepared(ids, key) or prepare(ids, n, table.padding_idx)
+    and its sentinel is the cache's. ``dev``: the compute device; ``padding_idx``: the
+    table's padding row, looked up as the sentinel."""
+    n = disk.num_rows
+    p = disk.take_prepared(ids, key) or prepare(ids, n, padding_idx)
     if disk.above is not None:        # a GPU cache over the RAM slots: rows in either level
         where, slots = disk.above.lookup(p.uniq, training)
         n = disk.above.sentinel
@@ -124,7 +125,6 @@ def lookup(table, ids: torch.Tensor, training: bool, key=None) -> tuple[RowBatch
         where = slots = disk.resolve(p.uniq, training)
     m = len(where)
     k, inv = m + int(p.sentinel), p.inverse.reshape(-1)
-    dev = table.device
     # [addresses | meta | inverse] in one buffer: one pinned copy to the GPU (a pageable copy
     # would wait for the GPU)
     buf = torch.empty(k + 3 + inv.numel(), dtype=torch.long,

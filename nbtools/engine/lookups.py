@@ -313,7 +313,7 @@ class TableLookups:
         training = recording and self.owned
         # ids a loader handed out: its coming batches are read ahead (nbtools.engine.ahead)
         key = ahead.key_of(t, ids) if training else None
-        batch, slots = t.rows.batch_of(t, ids, training, key)
+        batch, slots = t.rows.batch_of(ids, training, key, t.padding_idx)
         if training:
             ahead.follow(t, ids)
         t.sync_slab()                # (the RAM cache may have grown: a new store)

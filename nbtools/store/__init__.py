@@ -49,7 +49,7 @@ class RowTier(Protocol):
     def flush(self, drop: bool = True) -> None: ...
     def step_queued(self) -> None: ...             # the optimizer took the pending lookups
     def read_ahead(self, ids, padding_idx=None) -> bool: ...
-    def attach_cache(self, table, capacity: int) -> bool: ...  # its own (a disk table's GPU level)
+    def attach_cache(self, capacity: int) -> bool: ...  # its own (a disk table's GPU level)
     def rows_now(self, keep_cache: bool) -> torch.Tensor: ...   # every row, current
     # what the table and its cache ask instead of which tier this is
     @property

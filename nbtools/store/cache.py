@@ -379,7 +379,7 @@ class TableCache:
         before."""
         self.attached = True
         capacity, self.why = cache_capacity(table)
-        if capacity is not None and table.rows.attach_cache(table, capacity):
+        if capacity is not None and table.rows.attach_cache(capacity):
             table.sync_slab()           # a cache of the tier's own: a disk table's GPU level
         elif capacity is not None:
             table.stack_cache(capacity)

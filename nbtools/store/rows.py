@@ -281,8 +281,8 @@ class RowStore:
         (False: it does not; the table's prefetch gathers them instead)."""
         return False
 
-    def attach_cache(self, table, capacity: int) -> bool:
-        """Give ``table``'s rows a GPU cache of ``capacity`` rows where the tier keeps one of
+    def attach_cache(self, capacity: int) -> bool:
+        """Give the rows a GPU cache of ``capacity`` rows where the tier keeps one of
         its own (False: it does not; the table stacks a :class:`~nbtools.store.tiers.Cached`
         around it instead)."""
         return False

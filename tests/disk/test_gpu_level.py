@@ -288,7 +288,7 @@ def test_warming_both_levels_in_one_pass_equals_two_warms(tmp_path, rows, ram_ro
             t(_zipf(gen, 48)).pow(2).sum().backward()
             opt.step()
             opt.zero_grad()
-        level = attach(t, gpu_rows)
+        level = attach(t.disk, gpu_rows, t.device)
         t.sync_slab()
         d = t.disk
         if one_pass:
