@@ -219,32 +219,33 @@ class RowCache:
 CACHE_OPTIONS = ("cache_bytes", "cache_fraction", "cache_rows")
 
 
-def cache_budget(table) -> tuple[int | None, str]:
-    """GPU bytes for ``table``'s cache of hot rows, and why (its config's cache_bytes,
+def cache_budget(rows, cfg, *, name: str, placement: str, asked: str,
+                 num_rows: int) -> tuple[int | None, str]:
+    """GPU bytes for the cache of hot rows of a table over tier ``rows`` (``num_rows`` rows,
+    its ``placement``, the placement ``asked`` for), and why (its config ``cfg``'s cache_bytes,
     cache_fraction or cache_rows; under placement="auto", gpu_fraction): (None, "") for none."""
-    cfg = table.config
     given = [k for k in CACHE_OPTIONS if getattr(cfg, k) is not None]
     if len(given) > 1:
-        raise ValueError(f"table {table.name!r}: give one of cache_bytes, cache_fraction and "
+        raise ValueError(f"table {name!r}: give one of cache_bytes, cache_fraction and "
                          f"cache_rows, not {' and '.join(given)}")
-    if table.placement not in ("host", "disk") or table.device.type != "cuda" and not (
+    if placement not in ("host", "disk") or rows.device.type != "cuda" and not (
             cfg.cache_bytes or cfg.cache_rows):
         return None, ""
     if cfg.cache_bytes is not None:
         return int(cfg.cache_bytes), "cache_bytes"
     if cfg.cache_rows is not None:
-        return (RowCache.overhead_bytes(table.num_embeddings) + int(cfg.cache_rows)
-                * RowCache.slot_bytes(table.rows.row_bytes)), "cache_rows"
+        return (RowCache.overhead_bytes(num_rows) + int(cfg.cache_rows)
+                * RowCache.slot_bytes(rows.row_bytes)), "cache_rows"
     fraction = cfg.cache_fraction
     why = "cache_fraction"
-    if fraction is None and table.requested_placement == "auto":
+    if fraction is None and asked == "auto":
         fraction, why = cfg.gpu_fraction, "auto: gpu_fraction"
     if fraction is None:
         return None, ""
     if not 0 < fraction <= 1:
-        raise ValueError(f"table {table.name!r}: cache_fraction must be in (0, 1], got "
+        raise ValueError(f"table {name!r}: cache_fraction must be in (0, 1], got "
                          f"{fraction!r}")
-    free = gpu_free_bytes(table.device)
+    free = gpu_free_bytes(rows.device)
     return int(fraction * free), f"{why} {fraction:.0%} of {human_bytes(free)} free"
 
 
@@ -284,28 +285,30 @@ class CacheCounts:
                 "capacity_rows": cache.capacity, "cache_bytes": cache.nbytes}
 
 
-def cache_capacity(table) -> tuple:
-    """``(rows, why)``: how many rows the GPU cache of hot rows ``table``'s config asks for
-    holds (None: no cache), and why (for its repr). Called when its optimizer attaches: the
-    rows' width, with their state, is known only then. The table attaches the cache itself."""
-    budget, why = cache_budget(table)
+def cache_capacity(rows, cfg, *, name: str, placement: str, asked: str,
+                   num_rows: int) -> tuple:
+    """``(rows, why)``: how many rows the GPU cache of hot rows a table's config asks for
+    holds (None: no cache), and why (for its repr); the arguments as :func:`cache_budget`'s.
+    Called when its optimizer attaches: the rows' width, with their state, is known only then.
+    The table attaches the cache itself."""
+    budget, why = cache_budget(rows, cfg, name=name, placement=placement, asked=asked,
+                               num_rows=num_rows)
     if budget is None:
         return None, why
-    rows = table.rows
     if rows.mode not in ("zero-copy", "host"):
-        warnings.warn(f"table {table.name!r}: no cache of hot rows for {rows.mode!r} "
+        warnings.warn(f"table {name!r}: no cache of hot rows for {rows.mode!r} "
                       "rows (it needs pinned host memory and CUDA)", RuntimeWarning,
                       stacklevel=5)
         return None, why
-    n = table.num_embeddings
+    n = num_rows
     fixed, per_row = rows.cache_cost(n)     # (a disk table's own GPU level: maps in host RAM)
-    capacity = table.config.cache_rows or (budget - fixed) // per_row
+    capacity = cfg.cache_rows or (budget - fixed) // per_row
     if capacity < 1 and not fixed:
-        raise ValueError(f"table {table.name!r}: a cache of {human_bytes(budget)} cannot "
+        raise ValueError(f"table {name!r}: a cache of {human_bytes(budget)} cannot "
                          f"hold one row of {human_bytes(rows.row_bytes)}")
     if capacity < 1:
         raise ValueError(
-            f"table {table.name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
+            f"table {name!r}: a cache of {human_bytes(budget)} cannot hold one row: its "
             f"row -> slot map alone takes {human_bytes(fixed)} and a "
             f"row {human_bytes(per_row)}; give "
             "cache_bytes more room or leave the cache off")
@@ -378,7 +381,9 @@ class TableCache:
         attached, the rows' width with their state is known), warmed with the counts given
         before."""
         self.attached = True
-        capacity, self.why = cache_capacity(table)
+        capacity, self.why = cache_capacity(
+            table.rows, table.config, name=table.name, placement=table.placement,
+            asked=table.requested_placement, num_rows=table.num_embeddings)
         if capacity is not None and table.rows.attach_cache(capacity):
             table.sync_slab()           # a cache of the tier's own: a disk table's GPU level
         elif capacity is not None:

@@ -6,6 +6,8 @@ compared with ``torch.equal``, with caches small enough that rows move between t
 and the file at every step. On a machine without CUDA the GPU level is a CPU tensor and the
 same logic runs (the kernels in Triton's interpreter: tests/conftest.py).
 """
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -205,8 +207,9 @@ def test_auto_gives_a_disk_table_a_gpu_cache(tmp_path, monkeypatch):
     t = OffloadedEmbedding(N, D, device=DEVICE, placement="disk", disk_dir=str(tmp_path),
                            cache_fraction=0.25)
     monkeypatch.setattr(cache, "gpu_free_bytes", lambda device: 1 << 20)
-    monkeypatch.setattr(t, "device", torch.device("cuda"), raising=False)
-    budget, why = cache.cache_budget(t)
+    rows = types.SimpleNamespace(device=torch.device("cuda"), row_bytes=t.rows.row_bytes)
+    budget, why = cache.cache_budget(rows, t.config, name=t.name, placement=t.placement,
+                                     asked=t.requested_placement, num_rows=t.num_embeddings)
     assert budget == 1 << 18 and "cache_fraction" in why
 
 
