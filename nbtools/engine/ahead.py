@@ -24,7 +24,8 @@ KEEP = 4        # batches whose tensors are remembered (a step looks up the one 
 
 _handed: dict = {}          # id(tensor) -> (weakref to it, feed, epoch, batch, column)
 _order: list = []           # (id, entry) of the tensors noted, oldest first
-# disk table -> (weakref to feed, next position), or ("explicit", lookups it lasts); the key
+# a disk table's lookups object (the owner: nbtools.engine.lookups.TableLookups, one a table,
+# as long-lived) -> (weakref to feed, next position), or ("explicit", lookups it lasts); the key
 # of a read-ahead is (feed, position, column)
 _next = weakref.WeakKeyDictionary()
 
@@ -50,37 +51,40 @@ def _source(ids):
     return entry[1:]
 
 
-def explicit(table) -> None:
-    """``table.prefetch`` was called: its loop reads ahead itself (until :data:`AHEAD` + 2
-    lookups pass without a call)."""
-    _next[table] = ("explicit", AHEAD + 2)
+def explicit(owner) -> None:
+    """The table of lookups ``owner`` was asked to ``prefetch``: its loop reads ahead itself
+    (until :data:`AHEAD` + 2 lookups pass without a call)."""
+    _next[owner] = ("explicit", AHEAD + 2)
 
 
-def reads_ahead_itself(table) -> bool:
-    """Whether ``table``'s loop calls ``prefetch`` itself (lately): then the loaders' batches
-    start no read-ahead of their own for it."""
-    state = _next.get(table)
+def reads_ahead_itself(owner) -> bool:
+    """Whether the loop of ``owner``'s table calls ``prefetch`` itself (lately): then the
+    loaders' batches start no read-ahead of their own for it."""
+    state = _next.get(owner)
     return state is not None and state[0] == "explicit"
 
 
-def key_of(table, ids):
-    """The key of the read-ahead a disk table's training lookup of ``ids`` takes its
-    deduplication from, where ``ids`` is a loader's batch as handed out (else None)."""
+def key_of(owner, ids):
+    """The key of the read-ahead a disk table's training lookup of ``ids`` (``owner``: its
+    lookups) takes its deduplication from, where ``ids`` is a loader's batch as handed out
+    (else None)."""
     src = _source(ids)
-    if src is None or reads_ahead_itself(table):
+    if src is None or reads_ahead_itself(owner):
         return None
     feed, epoch, b, j = src
     return feed, epoch * max(1, feed.batches_per_epoch) + b, j
 
 
-def follow(table, ids) -> None:
-    """After a disk table's training lookup of ``ids``: where ``ids`` is a loader's batch as
-    handed out, start the read-ahead of the same column of the coming :data:`AHEAD` batches
-    not yet read ahead (a position past the epoch's end is the next epoch's batch)."""
+def follow(owner, ids, disk, padding_idx) -> None:
+    """After a disk table's training lookup of ``ids`` (``owner``: its lookups; ``disk``: its
+    :class:`~nbtools.disk.DiskRows`, ``padding_idx`` its padding row): where ``ids`` is a
+    loader's batch as handed out, start the read-ahead of the same column of the coming
+    :data:`AHEAD` batches not yet read ahead (a position past the epoch's end is the next
+    epoch's batch)."""
     src = _source(ids)
-    state = _next.get(table)
+    state = _next.get(owner)
     if state is not None and state[0] == "explicit":
-        _next[table] = ("explicit", state[1] - 1) if state[1] > 1 else None
+        _next[owner] = ("explicit", state[1] - 1) if state[1] > 1 else None
         return
     if src is None:
         return
@@ -94,6 +98,6 @@ def follow(table, ids) -> None:
         coming = feed.coming(p // nb, p % nb, j)
         if coming is None:
             break
-        table.disk.read_ahead(coming, table.padding_idx, key=(feed, p, j))
+        disk.read_ahead(coming, padding_idx, key=(feed, p, j))
         start = p + 1
-    _next[table] = (weakref.ref(feed), start)
+    _next[owner] = (weakref.ref(feed), start)

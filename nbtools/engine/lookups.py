@@ -312,10 +312,10 @@ class TableLookups:
         t = self.table
         training = recording and self.owned
         # ids a loader handed out: its coming batches are read ahead (nbtools.engine.ahead)
-        key = ahead.key_of(t, ids) if training else None
+        key = ahead.key_of(self, ids) if training else None
         batch, slots = t.rows.batch_of(ids, training, key, t.padding_idx)
         if training:
-            ahead.follow(t, ids)
+            ahead.follow(self, ids, t.disk, t.padding_idx)
         t.sync_slab()                # (the RAM cache may have grown: a new store)
         if not training and bool(batch.bad):                # note: a sync point
             self.raise_bad_ids(ids.reshape(-1), ids.shape)
@@ -335,7 +335,7 @@ class TableLookups:
                              "the OffloadOptimizer that steps this table first")
         store = t.rows     # a disk table: the rows the next step misses, read from the file now
         if store.keeps_host_ids and store.read_ahead(self.prepare_ids(ids), t.padding_idx):
-            ahead.explicit(t)
+            ahead.explicit(self)
             t.sync_slab()
             return
         self.prefetcher.start(ids)

@@ -68,7 +68,7 @@ def test_a_loop_that_prefetches_itself_is_left_to_it(tmp_path):
         opt.zero_grad()
     # one read-ahead a step (its own), none started by the loader's batches
     assert 0 < t.disk.stats["read_ahead"]
-    assert ahead.reads_ahead_itself(t)
+    assert ahead.reads_ahead_itself(t.lookups)
 
 
 def test_coming_is_the_batch_the_loop_gets():
