@@ -168,7 +168,7 @@ class TableLookups:
         self.table = table
         self.pending: list[Pending] = []    # training lookups the next step takes
         self.graphs = LookupGraphs()
-        self.prefetcher = Prefetcher(table)  # a training lookup started ahead (prefetch)
+        self.prefetcher = Prefetcher(self)   # a training lookup started ahead (prefetch)
         self.owned = False                  # an OffloadOptimizer steps the table
         self.warned_pending = False
         self.warned_unconsumed = False      # UnconsumedGradientWarning given

@@ -47,15 +47,19 @@ class Prefetcher:
     # rows (benchmarks/RESULTS.md, "a prefetching step's update beside the prefetch's gather").
     UPDATE_WAITS = False
 
-    def __init__(self, table):
-        self.table = table
+    def __init__(self, lookups):
+        self.lookups = lookups       # the table's lookups (nbtools.engine.lookups.TableLookups)
         self.pending: Prefetched | None = None
         self.side_stream = None
+
+    @property
+    def table(self):
+        return self.lookups.table
 
     def __getstate__(self) -> dict:
         # a pending prefetch and the side stream belong to this process's CUDA work: a copy
         # (deepcopy, pickle) starts without them (its next lookups simply do not prefetch)
-        return {"table": self.table, "pending": None, "side_stream": None}
+        return {"lookups": self.lookups, "pending": None, "side_stream": None}
 
     def start(self, ids) -> None:
         """Deduplicate ``ids``, admit them and gather their whole rows ahead (the table's
