@@ -319,3 +319,35 @@ def test_the_table_holds_no_second_handle_on_its_rows():
                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id == "self" and node.attr in handles})
     assert not found, f"the table keeps handles on its memory beside its tier: {found}"
+
+
+# --- the parts below the table take what they need, not the table ---------------------------
+
+def _table_takers(source: str) -> list:
+    """Functions (and methods) whose first parameter after ``self`` is named ``table``."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in node.args.posonlyargs + node.args.args]
+            if names[:1] == ["self"]:
+                names = names[1:]
+            if names[:1] == ["table"]:
+                found.append(node.name)
+    return found
+
+
+def test_table_takers_are_found():
+    source = ("def a(table, x): pass\nclass C:\n    def b(self, table): pass\n"
+              "    def c(self, rows, table): pass\ndef d(owner): pass\n")
+    assert _table_takers(source) == ["a", "b"]
+
+
+def test_few_parts_take_the_whole_table():
+    """store/, disk/, engine/ and placement.py: at most five functions take the table (the
+    table's lookups and its cache's attach and warm, and placement's two regrows)."""
+    files = [p for wing in ("store", "disk", "engine") for p in (NBTOOLS / wing).glob("*.py")]
+    files.append(NBTOOLS / "placement.py")
+    takers = [f"{p.relative_to(NBTOOLS)}: {name}" for p in sorted(files)
+              for name in _table_takers(p.read_text())]
+    assert len(takers) <= 5, "\n".join(takers)
