@@ -250,14 +250,17 @@ def pytest_runtest_setup(item):
     """``@pytest.mark.kernels(family)``: the test checks what only ``family``'s Triton kernels
     do (late checks, step graphs, write-behind ride on the fused update): skipped on a device
     where they do not run (the CPU without Triton's interpreter, a GPU whose kernels cannot load,
-    as tests/kernels/fake_p100.py makes one), on the test's ``device`` (CUDA where it has none)."""
+    as tests/kernels/fake_p100.py makes one), on the test's ``device`` (else its module's
+    ``DEVICE``, else CUDA)."""
     marker = item.get_closest_marker("kernels")
     if marker is None:
         return
     import torch
     from nbtools import kernels
     params = getattr(item, "callspec", None)
-    device = torch.device(params.params.get("device", "cuda") if params else "cuda")
+    where = params.params.get("device") if params else None
+    where = where or getattr(item.module, "DEVICE", None) or "cuda"    # (a module's own device)
+    device = torch.device(where)
     if device.type == "cuda" and not cuda_ok():
         return                  # (the gpu marker, or the device parameter, skips it already)
     family = marker.args[0] if marker.args else "update"

@@ -88,6 +88,7 @@ def test_cached_reads_and_writes_as_the_rows_below_it():
     assert tier.cache.cached_rows() == 0
 
 
+@pytest.mark.kernels("rows")
 def test_write_behind_writes_the_rows_back_and_patches_reads_meanwhile():
     plain, ref = _plain(1)
     tier = WriteBehind(plain)
