@@ -49,6 +49,10 @@ class WholeTable:
         # bytes from one row to the next in the file (and in its mapping)
         self.name, self.num_rows, self.dtype = disk.name, disk.num_rows, disk.dtype
         self.width, self.row_bytes, self.stride = disk.width, disk.row_bytes, disk.file.stride
+        # the parts it works through, for the table's life: the file, the RAM slots and the
+        # lock every change of them takes (the rest, the levels above and the loads in flight,
+        # it asks the table for)
+        self.file, self.ram, self.lock = disk.file, disk.ram, disk.slots_lock
         self.changed = BitSet(disk.num_rows, full=True)
         self.checkpoint = None          # the checkpoint ``changed`` counts from (a token)
         self.map = None                 # the writable mapping handed out last (sync_mapped)
@@ -62,8 +66,8 @@ class WholeTable:
         if initial is None:
             return
         step = chunk_rows(d)
-        for start in range(0, d.num_rows, step):
-            stop = min(d.num_rows, start + step)
+        for start in range(0, self.num_rows, step):
+            stop = min(self.num_rows, start + step)
             self.write_range(start, initial(start, stop))
 
     def warm(self, ids, level=None, ram_too: bool = False) -> int:
@@ -75,7 +79,7 @@ class WholeTable:
         (:class:`nbtools.disk.gpu.GpuLevel`); rows the GPU holds are skipped either way.
         ``ram_too`` (with ``level``): then fill RAM with the next rows, in the same pass over
         the file (as a second call without ``level`` would, reading the file once)."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         d.wait_read_ahead()
         self.ensure_init()
         d.ensure_slab()
@@ -83,15 +87,15 @@ class WholeTable:
             self.flush()                    # the file as current as RAM: rows read from it
         flat = np.asarray(ids).reshape(-1)
         up = level if level is not None else d.above
-        with d.slots_lock:
+        with self.lock:
             # the rows to load: 1 into the GPU level, 2 into RAM
-            want = np.zeros(d.num_rows, dtype=np.uint8)
+            want = np.zeros(self.num_rows, dtype=np.uint8)
 
             def candidates():       # the ids, hottest first, not held above, each once a chunk
                 for a in range(0, len(flat), WARM_CHUNK):
                     chunk = flat[a:a + WARM_CHUNK].astype(np.int64)
-                    if len(chunk) and (chunk.min() < 0 or chunk.max() >= d.num_rows):
-                        raise ValueError(f"warm: row ids must be in [0, {d.num_rows}), got "
+                    if len(chunk) and (chunk.min() < 0 or chunk.max() >= self.num_rows):
+                        raise ValueError(f"warm: row ids must be in [0, {self.num_rows}), got "
                                          f"{int(chunk.min())}..{int(chunk.max())}")
                     if up is not None:
                         chunk = chunk[~up.holds(chunk)]
@@ -118,9 +122,9 @@ class WholeTable:
                 room -= len(chunk)
                 if not room:
                     break
-            span = max(1, (64 << 20) // d.file.stride)          # rows per sequential stretch
+            span = max(1, (64 << 20) // self.file.stride)          # rows per sequential stretch
             loaded = 0
-            for at in range(0, d.num_rows, span):
+            for at in range(0, self.num_rows, span):
                 stretch = want[at:at + span]
                 part = np.flatnonzero(stretch) + at
                 if not len(part):
@@ -128,16 +132,16 @@ class WholeTable:
                 dense = len(part) * 16 >= span
                 if dense:
                     start = int(part[0]) // span * span
-                    buf = np.empty((min(d.num_rows, start + span) - start, d.row_bytes),
+                    buf = np.empty((min(self.num_rows, start + span) - start, self.row_bytes),
                                    dtype=np.uint8)
-                    d.file.read_range(start, buf)
+                    self.file.read_range(start, buf)
                 gpu = part[stretch[part - at] == 1]
                 if len(gpu):
                     if dense:
                         level.place(gpu, buf[gpu - start])
                     else:
-                        rows = np.empty((len(gpu), d.row_bytes), dtype=np.uint8)
-                        d.file.read(gpu, rows)
+                        rows = np.empty((len(gpu), self.row_bytes), dtype=np.uint8)
+                        self.file.read(gpu, rows)
                         level.place(gpu, rows)
                     loaded += len(gpu)
                 part = part[stretch[part - at] == 2]
@@ -155,10 +159,10 @@ class WholeTable:
     def flush(self, drop: bool = False) -> None:
         """Write every dirty row to the file (after the GPU work that writes them); with
         ``drop``, also empty RAM of every row no pending lookup holds."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         d.wait_read_ahead()
         self.ensure_init()
-        with d.slots_lock:
+        with self.lock:
             d.write_stash()
             ram.close_step()
             ram.advance_clock(wait_for=ram.last_use)
@@ -172,7 +176,7 @@ class WholeTable:
                 ram.forget(out, unref=True)
 
     def _write_slots(self, slots: np.ndarray) -> None:
-        ram = self.disk.ram
+        ram = self.ram
         ids = ram.id_of[slots]
         order = np.argsort(ids, kind="stable")
         self.disk.file_write(ids[order], ram.slab_bytes, slots[order])
@@ -180,16 +184,16 @@ class WholeTable:
 
     def write_rows(self, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Write whole rows ``ids`` (sorted) to the file; rows cached in RAM are updated too."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         d.wait_read_ahead()
         self.ensure_init()
-        rows = rows.detach().to("cpu", d.dtype).contiguous()
-        raw = rows.view(torch.uint8).numpy().reshape(len(ids), d.row_bytes)
-        with d.slots_lock:
+        rows = rows.detach().to("cpu", self.dtype).contiguous()
+        raw = rows.view(torch.uint8).numpy().reshape(len(ids), self.row_bytes)
+        with self.lock:
             d.write_stash()
             if d.above is not None:
                 d.above.forget_rows(ids)
-            d.file.write(np.asarray(ids, dtype=np.int64), raw)
+            self.file.write(np.asarray(ids, dtype=np.int64), raw)
             self.changed.add(ids)
             slots = ram.slot_of[ids]
             hot = slots >= 0
@@ -199,14 +203,13 @@ class WholeTable:
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Write rows ``start:start + len(rows)`` to the file (whole-table writes: the
         rows must not be cached in RAM, as at creation)."""
-        rows = rows.detach().to("cpu", self.disk.dtype).contiguous()
+        rows = rows.detach().to("cpu", self.dtype).contiguous()
         self.write_bytes(start, rows.view(torch.uint8).numpy().reshape(rows.shape[0], -1))
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as they are now (RAM copies where cached): a fresh CPU tensor."""
-        d = self.disk
-        out = torch.empty((stop - start, d.width), dtype=d.dtype)
-        self.read_bytes(start, out.view(torch.uint8).numpy().reshape(stop - start, d.row_bytes))
+        out = torch.empty((stop - start, self.width), dtype=self.dtype)
+        self.read_bytes(start, out.view(torch.uint8).numpy().reshape(stop - start, self.row_bytes))
         return out
 
     # --- the whole-table face of the tier (nbtools.store.RowTier.whole): rows as stored ----
@@ -214,19 +217,19 @@ class WholeTable:
     def moved(self) -> bool:
         """Whether rows left their home slots (a log-structured file): read them in file
         order (:meth:`records`), where id order would read each moved row at random."""
-        return getattr(self.disk.file, "away", 0) > 0
+        return getattr(self.file, "away", 0) > 0
 
     def read_bytes(self, start: int, out: np.ndarray) -> None:
         """Rows ``start:start + len(out)`` as they are now (RAM copies where cached) into
         ``out`` (uint8 ``[m, row_bytes]``)."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         d.wait_read_ahead()
         self.ensure_init()
-        with d.slots_lock:
+        with self.lock:
             d.write_stash()
             if d.above is not None:
                 d.above.flush()
-            d.file.read_range(start, out)
+            self.file.read_range(start, out)
             slots = ram.slot_of[start:start + len(out)]
             hot = np.flatnonzero(slots >= 0)
             if len(hot):
@@ -238,26 +241,25 @@ class WholeTable:
         :meth:`discard_cache`)."""
         d = self.disk
         d.wait_read_ahead()
-        with d.slots_lock:
+        with self.lock:
             d.write_stash()
             if d.above is not None:
                 d.above.forget_rows(np.arange(start, start + len(src)))
-            d.file.write_range(start, src)
+            self.file.write_range(start, src)
             self.changed.add_range(start, start + len(src))
 
     def write_records(self, ids: np.ndarray, src: np.ndarray) -> None:
         """Rows ``ids`` (any order, each once; not cached, as after :meth:`discard_cache`)
         from ``src`` (uint8 ``[len(ids), row_bytes]``) into the file: appended, in a log file."""
-        d = self.disk
-        with d.slots_lock:
-            d.file.write(ids, src)
+        with self.lock:
+            self.file.write(ids, src)
             self.changed.add(ids)
 
     def records(self, per: int, out: np.ndarray):
         """Every row as ``(ids, rows)``, ``per`` file slots at a time, in file order (one large
         sequential read each; dead slots are read and skipped), read into ``out`` (uint8
         ``[per, row_bytes]``): a log file's rows, whose order is not the ids'."""
-        log = self.disk.file
+        log = self.file
         for a in range(0, log.slots, per):
             ids, live = log.live_rows(a, out[:min(per, log.slots - a)])
             yield ids, out[live]
@@ -273,31 +275,31 @@ class WholeTable:
         d = self.disk
         if self.held is not None:
             return self.held
-        if ordered and getattr(d.file, "away", 0):     # a log file: rows home first
+        if ordered and getattr(self.file, "away", 0):     # a log file: rows home first
             d.wait_read_ahead()
-            with d.slots_lock:
+            with self.lock:
                 d.write_stash()
                 self._move_home()
-        d.file.flush()
+        self.file.flush()
         # the table's own descriptor mapped, never its path: a file put at that name since
         # is not what the rows are read from or written to
-        arr = d.file.map_rows(d.num_rows, writable).view(_numpy_dtype(d.dtype))
+        arr = self.file.map_rows(self.num_rows, writable).view(_numpy_dtype(self.dtype))
         if writable:
             self.map = arr
             self.changed.fill(True)       # whatever is written through it is not tracked
         t = torch.from_numpy(arr)
-        if d.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16:
             t = t.view(torch.bfloat16)
-        return t[:, : d.width]
+        return t[:, : self.width]
 
     def _move_home(self) -> None:
         """A log file's rows back in id order (:meth:`nbtools.disk.log.LogFile.identity`), with
         a progress bar when many moved (random reads and writes of each: minutes for tens of
         millions of rows)."""
         from ..units import progress_bar
-        file = self.disk.file
+        file = self.file
         away = file.away
-        bar = progress_bar(away * file.stride, f"table {self.disk.name!r}: rows to id order",
+        bar = progress_bar(away * file.stride, f"table {self.name!r}: rows to id order",
                            None if away >= (1 << 20) else False)
         try:
             file.identity(None if bar is None else (lambda n: bar.update(n * file.stride)))
@@ -307,20 +309,20 @@ class WholeTable:
 
     def sync_mapped(self) -> None:
         """Writes made through :meth:`mapped` reach the file before rows are read again."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         m = self.map
         if m is not None:
             d.wait_read_ahead()         # rows read before the writes reach the file go below
             m.flush()
             self.map = None
-            with d.slots_lock:        # rows cached in RAM may be older than what was written
+            with self.lock:        # rows cached in RAM may be older than what was written
                 ram.forget(np.flatnonzero((ram.id_of >= 0) & ~ram.locked & ~ram.dirty))
 
     def take_changed(self) -> np.ndarray:
         """Sorted ids of the rows written to the file since the last call (every row the first
         time), after writing every dirty row back: what an incremental checkpoint saves."""
         self.flush()
-        with self.disk.slots_lock:
+        with self.lock:
             ids = self.changed.members()
             self.changed.fill(False)
             self.checkpoint = None        # a checkpoint's next save cannot be a delta now
@@ -333,29 +335,29 @@ class WholeTable:
         checkpoint (another one came since, or none): the next save must copy every row."""
         self.flush()
         self.sync_mapped()
-        with self.disk.slots_lock:
+        with self.lock:
             if token is None or self.checkpoint != token:
                 return None
             return self.changed.count()
 
     def changed_ids(self, start: int, stop: int) -> np.ndarray:
         """Sorted ids in ``start:stop`` of the rows written since the last checkpoint."""
-        with self.disk.slots_lock:
+        with self.lock:
             return self.changed.members(start, stop)
 
     def mark_checkpointed(self, token) -> None:
         """The checkpoint ``token`` now holds every row as it is: count changes from here.
         (Called after the checkpoint is committed, so a failed save loses no change.)"""
-        with self.disk.slots_lock:
+        with self.lock:
             self.changed.fill(False)
             self.checkpoint = token
 
     def copy_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Rows ``ids`` (sorted, unique) as stored into ``out`` (uint8 ``[len(ids), row_bytes]``):
         the RAM copy where cached, else the file's (they agree after :meth:`flush`)."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         d.wait_read_ahead()
-        with d.slots_lock:
+        with self.lock:
             if d.above is not None:
                 d.above.flush()
             slots = ram.slot_of[ids]
@@ -364,7 +366,7 @@ class WholeTable:
                 out[hot] = ram.slab_bytes[slots[hot]]
             if not hot.all():
                 cold = np.flatnonzero(~hot)
-                d.file.read(ids[cold], out, at=cold)
+                self.file.read(ids[cold], out, at=cold)
 
     @contextlib.contextmanager
     def hold_mapping(self, writable: bool = False):
@@ -373,12 +375,12 @@ class WholeTable:
         never reading them) and can hand the same views back to ``load_state_dict`` (which then
         copies nothing)."""
         if self.held is not None:
-            raise RuntimeError(f"table {self.disk.name!r}: its mapping is held already")
+            raise RuntimeError(f"table {self.name!r}: its mapping is held already")
         # No row moves home for it: a save reads rows through the file (every view of the
         # held mapping is saved by reference or refused, never read), and a restore's views
         # are only copied onto themselves; a log file whose rows moved is mapped
         # copy-on-write, so that nothing could reach the file through its unordered bytes.
-        away = getattr(self.disk.file, "away", 0) > 0
+        away = getattr(self.file, "away", 0) > 0
         self.held = self.mapped(writable and not away, ordered=False)
         try:
             yield self.held
@@ -394,8 +396,8 @@ class WholeTable:
         d = self.disk
         d.wait_read_ahead()
         self.sync_mapped()
-        with d.slots_lock:
-            d.ram.discard()
+        with self.lock:
+            self.ram.discard()
             if d.above is not None:
                 d.above.discard()
             if d.reader is not None:
