@@ -111,6 +111,9 @@ class GpuLevel:
 
     def __init__(self, disk, capacity: int, device):
         self.disk = disk
+        # the RAM level below, its lock and the table's counts, for the table's life
+        self.ram, self.lock, self.disk_stats = disk.ram, disk.slots_lock, disk.stats
+        self.row_bytes = disk.row_bytes
         self.num_ids = disk.num_rows               # GPU slot g is addressed as num_ids + g
         self.capacity = max(1, min(int(capacity), disk.num_rows))
         self.device = torch.device(device)
@@ -146,7 +149,7 @@ class GpuLevel:
     @property
     def host_bytes(self) -> int:
         """Host RAM of the maps: row -> slot, and per slot its row and flags."""
-        return 4 * self.disk.num_rows + (self.disk.ram.index_dtype(0).itemsize + 3) * self.capacity
+        return 4 * self.disk.num_rows + (self.ram.index_dtype(0).itemsize + 3) * self.capacity
 
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
         """GPU slot of each address of a batch (int32; -1: a RAM slot, or the sentinel);
@@ -189,7 +192,7 @@ class GpuLevel:
         self.counts["lookups"] += len(uniq)
         self.counts["hits"] += int(hit.sum())
         self._lock(g[hit])
-        with d.slots_lock:
+        with self.lock:
             new = self._take(len(rest))
             k = len(new)
             if k:
@@ -197,20 +200,20 @@ class GpuLevel:
                 self.slot_of[up] = new
                 self.id_of[new] = up
                 self._lock(new)
-                self.index_lists.copy(d.slab.view(), from_slots, self.rows, new)
+                self.index_lists.copy(self.ram.slab.view(), from_slots, self.rows, new)
                 # stale from now on: reclaimed first (once the copy has run), never read.
                 # They stay locked until the step is queued: the step's list of slots holds
                 # them and unlocks them then (unlocked now, CLOCK could hand one to a
                 # read-ahead's row, whose slot the step would unlock while it loads)
-                d.ram.moved_up(from_slots)
-                d.ram.mark_used(from_slots)
+                self.ram.moved_up(from_slots)
+                self.ram.mark_used(from_slots)
                 self.counts["admitted"] += k
                 out[rest[:k]] = self.num_ids + new
         # over PCIe: the rows from RAM read once (up, or gathered), those left in RAM written
         # back; saved: a hit's read and write, an admitted row's write
         hits = int(hit.sum())
-        count_transfer(h2d=len(rest) * d.row_bytes, d2h=(len(rest) - k) * d.row_bytes)
-        count_cache(len(uniq), hits, (2 * hits + k) * d.row_bytes)
+        count_transfer(h2d=len(rest) * self.row_bytes, d2h=(len(rest) - k) * self.row_bytes)
+        count_cache(len(uniq), hits, (2 * hits + k) * self.row_bytes)
         return out, ram
 
     def _lock(self, slots: np.ndarray) -> None:
@@ -248,15 +251,15 @@ class GpuLevel:
         dirty and busy until the copy has run. Under the disk's lock."""
         d = self.disk
         ids = self.id_of[slots]
-        ram = d.ram.slot_of[ids].astype(np.int64)
+        ram = self.ram.slot_of[ids].astype(np.int64)
         new = np.flatnonzero(ram < 0)
         if len(new):
-            with d.ram.sparing(ram[ram >= 0]):       # the others' slots are not taken for these
-                ram[new] = d.ram.take_slots(len(new), wait=True, grow=d.grow)
-        d.ram.placed(ids, ram, dirty=True)
-        self.index_lists.copy(self.rows, slots, d.slab.view(), ram)
-        d.ram.mark_used(ram)
-        count_transfer(d2h=len(slots) * d.row_bytes)
+            with self.ram.sparing(ram[ram >= 0]):       # the others' slots are not taken for these
+                ram[new] = self.ram.take_slots(len(new), wait=True, grow=d.grow)
+        self.ram.placed(ids, ram, dirty=True)
+        self.index_lists.copy(self.rows, slots, self.ram.slab.view(), ram)
+        self.ram.mark_used(ram)
+        count_transfer(d2h=len(slots) * self.row_bytes)
         self.slot_of[ids] = -1
         self.id_of[slots] = -1
         self.dirty[slots] = False
@@ -279,7 +282,7 @@ class GpuLevel:
         self.slot_of[ids] = slots
         self.id_of[slots] = ids
         self.ref[slots] = True
-        d.ram.give_back(ids)
+        self.ram.give_back(ids)
 
     def flush(self, drop: bool = False) -> None:
         """Copy every row the GPU changed down (into its RAM slot where it has one, else into
@@ -288,18 +291,18 @@ class GpuLevel:
         d = self.disk
         synchronize(self.device)
         dirty = np.flatnonzero(self.dirty & (self.id_of >= 0))
-        step = max(1, (64 << 20) // d.row_bytes)
+        step = max(1, (64 << 20) // self.row_bytes)
         for a in range(0, len(dirty), step):
             slots = dirty[a:a + step]
             ids = self.id_of[slots]
             order = np.argsort(ids, kind="stable")
             slots, ids = slots[order], ids[order]
             raw = self.rows.index_select(0, torch.from_numpy(slots).to(self.device)).cpu()
-            raw = raw.contiguous().view(torch.uint8).numpy().reshape(len(slots), d.row_bytes)
-            ram = d.ram.slot_of[ids]
+            raw = raw.contiguous().view(torch.uint8).numpy().reshape(len(slots), self.row_bytes)
+            ram = self.ram.slot_of[ids]
             mapped = ram >= 0
-            d.ram.put_rows(ram[mapped], raw[mapped])
-            d.ram.mark_dirty(ram[mapped])
+            self.ram.put_rows(ram[mapped], raw[mapped])
+            self.ram.mark_dirty(ram[mapped])
             if not mapped.all():
                 d.write_file(ids[~mapped], np.ascontiguousarray(raw[~mapped]))
         self.dirty[dirty] = False
@@ -332,7 +335,7 @@ class GpuLevel:
         """``table.cache_stats()`` of a disk table with a GPU cache: this level's counts, and
         RAM's below it."""
         c = self.counts
-        s = self.disk.stats
+        s = self.disk_stats
         return {"lookups": c["lookups"], "hits": c["hits"],
                 "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
                 "admitted": c["admitted"], "evicted": c["evicted"],

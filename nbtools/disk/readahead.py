@@ -103,6 +103,11 @@ class ReadAhead:
 
     def __init__(self, disk):
         self.disk = disk
+        # the parts it works through, for the table's life: the file, the RAM slots, the lock
+        # every change of them takes and the table's counts
+        self.file, self.ram, self.lock = disk.file, disk.ram, disk.slots_lock
+        self.stats = disk.stats
+        self.num_rows = disk.num_rows
         self.queue: collections.deque[Ahead] = collections.deque()
         self.loads: list[Ahead] = []
         self.writes: collections.deque[Ahead] = collections.deque()   # oldest first
@@ -124,7 +129,7 @@ class ReadAhead:
         # just for the misses first cost a 2-core machine's read-ahead thread ~5 ms a step of
         # 65,536 ids, and the reads are needed steps later anyway)
         d = self.disk
-        item.prepared = prepare(item.ids, d.num_rows, padding_idx)
+        item.prepared = prepare(item.ids, self.num_rows, padding_idx)
         want = item.prepared.uniq.astype(np.int64, copy=False)
         while len(self.writes) > WRITES:    # the write-back thread is behind: no more evicted
             try:                            # copies queue up (waiting outside the lock)
@@ -132,14 +137,14 @@ class ReadAhead:
             except IndexError:              # (forgotten meanwhile by a lookup)
                 break
             oldest.write.exception()
-            with d.slots_lock:
+            with self.lock:
                 self._written()
-        with d.slots_lock:
+        with self.lock:
             self.settle_done()
             if d.above is not None:         # rows in the GPU cache: never read from here
                 want = want[~d.above.holds(want)]
-            where = d.ram.slot_of[want]
-            d.ram.mark_referenced(where[where >= 0])  # rows in RAM this step needs: CLOCK
+            where = self.ram.slot_of[want]
+            self.ram.mark_referenced(where[where >= 0])  # rows in RAM this step needs: CLOCK
             self.start(item, want[where < 0])       # spares them once more before its lookup
 
     def load_beside(self, ids: np.ndarray) -> None:
@@ -147,11 +152,10 @@ class ReadAhead:
         would, and waits for its loads outside the lock, so that a coming step's read-ahead
         starts its reads meanwhile. (Whatever changes before the lookup takes the lock again
         is settled under it, as without read-ahead.)"""
-        d = self.disk
-        with d.slots_lock:
+        with self.lock:
             self.settle_done()
-            slots = d.ram.slot_of[ids]
-            with d.ram.sparing(slots[slots >= 0]):
+            slots = self.ram.slot_of[ids]
+            with self.ram.sparing(slots[slots >= 0]):
                 self.start(Ahead(None), ids[slots < 0])
             pending = self.pending_for(ids)
         for f in pending:
@@ -161,7 +165,7 @@ class ReadAhead:
         """Under the lock: start loading rows ``miss`` (sorted, not in RAM): slots taken
         (as many as free or evictable without waiting), rows still queued for write-back
         copied from there, the rest read on a loader thread; the rows it evicts written back."""
-        d, ram = self.disk, self.disk.ram
+        d, ram = self.disk, self.ram
         if not len(miss):
             return
         ram.advance_clock()
@@ -192,7 +196,6 @@ class ReadAhead:
         instead of waiting for its write and reading it back. (Its slot is to be marked dirty:
         the file may not have it yet.)"""
         got = np.zeros(len(ids), dtype=bool)
-        d = self.disk
         for item in reversed(self.writes):
             for sid, rows in item.stash:
                 if not len(sid) or not len(ids):
@@ -200,9 +203,9 @@ class ReadAhead:
                 pos, hit = _lookup(sid, ids)
                 hit &= ~got
                 if hit.any():
-                    d.ram.put_rows(slots[hit], rows[pos[hit]])
+                    self.ram.put_rows(slots[hit], rows[pos[hit]])
                     got |= hit
-        d.stats["from_write_back"] += int(got.sum())
+        self.stats["from_write_back"] += int(got.sum())
         return got
 
     def track_write(self, stash: list, future) -> None:
@@ -219,13 +222,13 @@ class ReadAhead:
         thread)."""
         d = self.disk
         t0 = time.perf_counter()
-        d.file.read(item.rows, d.ram.slab_bytes, at=item.slots)
+        self.file.read(item.rows, self.ram.slab_bytes, at=item.slots)
         d.count_read(item.rows, time.perf_counter() - t0)
 
     def _settle(self, item: Ahead) -> None:
         """Under the lock: wait for ``item``'s load and make its rows ordinary RAM rows (on a
         failed load, the slots are freed again and the error raised)."""
-        ram = self.disk.ram
+        ram = self.ram
         self.loads.remove(item)
         try:
             item.io.result()
@@ -268,7 +271,7 @@ class ReadAhead:
         lock is held meanwhile, and a step's lookup asks with ~20K ids against up to
         DEPTH loads of ~2K rows each: only the ids' loading slots are looked for, each in
         a load's sorted slots.)"""
-        ram = self.disk.ram
+        ram = self.ram
         if not self.loads:
             return []
         slots = ram.slot_of[ids]
@@ -312,7 +315,7 @@ class ReadAhead:
             except BaseException as e:          # its deduplication is left to the lookup
                 self.queue.remove(item)
                 errors.append(e)
-        with self.disk.slots_lock:
+        with self.lock:
             for item in list(self.loads):
                 try:
                     self._settle(item)
