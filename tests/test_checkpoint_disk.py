@@ -25,6 +25,7 @@ from nbtools.checkpoint import (CheckpointConfig, CheckpointError, CheckpointMan
 from nbtools.devices import resolve_device
 from nbtools.rowfile import RowFile, RowFileError, leftovers, remove_leftovers
 from test_checkpoint_faults import disk_fills, tiny_fs  # noqa: F401  (a disk that fills up)
+from test_checkpoint_faults import start_child
 
 DEVICE = resolve_device()
 QUIET = dict(verbose=False, progress=False)
@@ -549,13 +550,8 @@ def test_sigkill_in_steps_write_backs_and_saves_loses_no_row(tmp_path, monkeypat
     threads = torch.get_num_threads()
     for trial in range(KILLS + 1):
         phase = ctx.Value("i", 0, lock=False)
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_trainer, args=(directory, disk_dir, phase, child),
-                           daemon=True)
         complete = _complete_steps(directory)  # (before the child starts saving more)
-        proc.start()
-        child.close()
-        assert parent.poll(60), "trainer child did not start"
+        proc, parent = start_child(ctx, _trainer, directory, disk_dir, phase)
         kind, step, got, path = parent.recv()
         # the newest complete checkpoint was restored, in a fresh process: its rows are the
         # replay's of exactly that many steps (zero lost or torn rows)

@@ -47,6 +47,17 @@ def _complete_steps(directory):
                   if n.startswith("step-") and os.path.exists(os.path.join(directory, n, "MANIFEST")))
 
 
+def start_child(ctx, target, *args):
+    """``target(*args, child)`` started in a process of ``ctx``: ``(process, parent)``, the
+    parent end of the pipe it reports on, once it has said its first word."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()
+    assert parent.poll(60), f"{target.__name__} child did not start"
+    return proc, parent
+
+
 def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_path):
     ctx = mp.get_context("forkserver")
     # Python 3.11's forkserver ignores sys.path when preloading, so this test module itself is
@@ -61,11 +72,7 @@ def test_sigkill_at_random_points_never_loses_the_last_complete_checkpoint(tmp_p
     window = max(0.2, 4 * (time.perf_counter() - t0))
     last_reported, mid_save, stalled = 0, 0, 0
     for trial in range(KILLS):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_saver, args=(directory, child), daemon=True)
-        proc.start()
-        child.close()
-        assert parent.poll(60), "saver child did not start"
+        proc, parent = start_child(ctx, _saver, directory)
         kind, start = parent.recv()
         assert kind == "ready" and start >= last_reported, (trial, start, last_reported)
         before = last_reported

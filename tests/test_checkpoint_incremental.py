@@ -18,6 +18,7 @@ import torch
 from nbtools import OffloadedEmbedding, OffloadOptimizer
 from nbtools.checkpoint import CheckpointConfig, CheckpointManager, CheckpointSpaceError
 from test_checkpoint_faults import disk_fills  # noqa: F401  (a disk that fills up)
+from test_checkpoint_faults import start_child
 
 QUIET = dict(verbose=False, progress=False)
 N, D, BATCH = 2000, 8, 100
@@ -220,11 +221,7 @@ def test_sigkill_while_saving_deltas_loses_no_row(tmp_path):
     twin, topt = _table("host", torch.device("cpu"))
     twin_step, kinds, mid_save, threads = 0, set(), 0, torch.get_num_threads()
     for trial in range(KILLS):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_trainer, args=(directory, child), daemon=True)
-        proc.start()
-        child.close()
-        assert parent.poll(60), "trainer child did not start"
+        proc, parent = start_child(ctx, _trainer, directory)
         with warnings.catch_warnings():
             warnings.simplefilter("error")      # no checkpoint may ever look damaged
             kind, step, got = parent.recv()

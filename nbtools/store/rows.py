@@ -255,7 +255,8 @@ class RowStore:
         # the rows as a whole (``used``: the columns a row uses, without the padding of rows
         # in memory), and which of them changed since a checkpoint
         self._whole = WholeRows(host.tensor, self.width if used is None else used,
-                                getattr(host, "name", "rows"), self.device)
+                                getattr(host, "name", "rows"), self.device) \
+            if self.in_memory else None     # (a disk tier's rows as a whole are its file's)
 
     # --- what a table asks of its rows, whatever tier holds them ----------------------------
     @property
