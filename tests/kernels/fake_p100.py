@@ -29,4 +29,17 @@ def pytest_configure(config):
     torch.cuda.get_device_capability = _p100
     if os.environ.get("FAKE_P100", "unloadable") == "unloadable":
         common.probe = _no_image
+    else:
+        _triton_builds_for_the_real_gpu()
     common.forget()
+
+
+def _triton_builds_for_the_real_gpu():
+    """Triton asks torch for the capability it compiles for: told 6.0, it would build sm_60
+    kernel images, which this (newer) GPU cannot load, and every family would be off. In
+    ``capability`` mode the kernels must run, so Triton keeps the real capability."""
+    try:
+        from triton.runtime import driver
+        driver.active.get_device_capability = _real
+    except Exception:                   # noqa: BLE001  (no Triton: no kernels to build)
+        pass

@@ -118,7 +118,8 @@ def test_the_fast_path_tests_pass_on_a_p100(mode):
     env = dict(os.environ, FAKE_P100=mode,
                PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("NBTOOLS_KERNELS", None)
-    check = ("import fake_p100, torch; from nbtools.kernels import common as c; "
+    check = ("import fake_p100, torch; fake_p100.pytest_configure(None); "
+             "from nbtools.kernels import common as c; "
              "print(sorted(f for f, w in c.unavailable(torch.device('cuda')).items() if w))")
     got = subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
