@@ -168,7 +168,12 @@ def _recorded_install(site: Path):
 
 
 def _git_commit(root: Path) -> str:
-    """``commit <HEAD>``, with a note when tracked files differ from it."""
+    """``commit <HEAD>``, with a note when tracked files differ from it; where the variable
+    ``NBTOOLS_COMMIT`` names a commit (a copy of a checkout whose own git state is not that
+    commit's, as on a machine that is sent the working tree), that commit."""
+    named = os.environ.get("NBTOOLS_COMMIT", "").strip()
+    if named:
+        return f"commit {named} (NBTOOLS_COMMIT)"
     def git(*args):
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               timeout=10)

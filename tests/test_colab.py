@@ -326,6 +326,22 @@ def test_installed_reports_a_checkouts_commit(tmp_path):
     assert colab.installed(repo / "nbtools") == want + ", with uncommitted changes)"
 
 
+def test_installed_reports_the_commit_a_copied_tree_names(tmp_path, monkeypatch):
+    """A machine sent a copy of the working tree (whose git state is not the commit's) is told
+    the commit through NBTOOLS_COMMIT, and reports that one."""
+    import nbtools
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "copy"
+    (repo / "nbtools").mkdir(parents=True)
+    (repo / "nbtools" / "__init__.py").write_text("")
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    monkeypatch.setenv("NBTOOLS_COMMIT", "0123abc")
+    assert colab.installed(repo / "nbtools") == (
+        f"nbtools {nbtools.__version__} from the git checkout at {repo.resolve()} "
+        "(commit 0123abc (NBTOOLS_COMMIT))")
+
+
 def test_describe_shows_what_is_installed():
     import io
 

@@ -405,6 +405,7 @@ class MatrixFactorization(nn.Module):
                          f"values in {' and '.join(rows) or 'its head'}; retrain (a lower "
                          "learning rate, or check the data) or restore a checkpoint")
 
+    @torch.no_grad()
     def recommend(self, users, k: int = 10, *, exclude=None, exclude_seen: bool = True,
                   batch_users: int = 1024, chunk_items: int = 65536):
         """The ``k`` best-scored items for one user or many at once.
