@@ -8,7 +8,8 @@
 # first 5M tokens), and a fresh 20M-row disk table whose GPU level is warmed from the stream's
 # shares, its first 182 steps. Results: $OUT (default artifacts/colab), one JSON folder per run,
 # and a table of colab / full per figure at the end (benchmarks/colab/compare.py).
-# --quick: the scripts' smoke sizes (any machine, a CPU included).
+# --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
+# DISK_S, STEP_S, WORD2VEC_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/colab}
@@ -24,8 +25,9 @@ status=0
 one() {
   local name=$1 limit=$2 profile rc
   shift 2
-  for profile in full colab; do
+  for profile in colab full; do
     mkdir -p "$out/$profile"
+    rm -rf /tmp/nbtools-colab-disk              # (a fresh disk table for each run)
     echo "=== $profile $name"
     if [ $profile = colab ]; then
       timeout "$limit" env NBTOOLS_HOST_BUDGET=12GiB NBTOOLS_GPU_CAP_GIB=15 \
@@ -51,12 +53,13 @@ else
   [ -f "$gz" ] || "$py" -c "import gzip, shutil, sys, zipfile
 z = zipfile.ZipFile(sys.argv[1]); src = z.open(z.namelist()[0])
 shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
-  one step 200 "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu"
-  one word2vec 200 "$py" benchmarks/bench_word2vec.py --systems host,gpu --epochs 1 \
-    --corpus "$gz" --max-tokens 5000000
-  one disk 290 "$py" benchmarks/bench_disk.py --rows 20000000 --cache-gib 1.4 --gpu-cache-gib 2 \
-    --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 182 --uniform-rounds 0 \
-    --also-ahead "" --dir /tmp/nbtools-colab-disk
+  # the warm-start target's run first (each run stopped at its limit, in seconds)
+  one disk "${DISK_S:-290}" "$py" benchmarks/bench_disk.py --rows 20000000 --cache-gib 1.4 \
+    --gpu-cache-gib 2 --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 182 \
+    --uniform-rounds 0 --rounds "${DISK_ROUNDS:-4}" --also-ahead "" --dir /tmp/nbtools-colab-disk
+  one step "${STEP_S:-200}" "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu"
+  one word2vec "${WORD2VEC_S:-200}" "$py" benchmarks/bench_word2vec.py --systems host,gpu \
+    --epochs 1 --corpus "$gz" --max-tokens "${WORD2VEC_TOKENS:-5000000}"
 fi
 rm -rf /tmp/nbtools-colab-disk
 "$py" benchmarks/colab/compare.py "$out"
