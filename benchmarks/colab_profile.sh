@@ -10,6 +10,7 @@
 # and a table of colab / full per figure at the end (benchmarks/colab/compare.py).
 # --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
 # DISK_S, STEP_S, WORD2VEC_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
+# ONLY="disk step": these runs only; PROFILES="colab": that profile only.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-artifacts/colab}
@@ -25,7 +26,8 @@ status=0
 one() {
   local name=$1 limit=$2 profile rc
   shift 2
-  for profile in colab full; do
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  for profile in ${PROFILES:-colab full}; do
     mkdir -p "$out/$profile"
     rm -rf /tmp/nbtools-colab-disk              # (a fresh disk table for each run)
     echo "=== $profile $name"

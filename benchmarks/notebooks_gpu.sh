@@ -58,7 +58,7 @@ RUNS=(
   "word2vec     word2vec               120"
   "recommender  recommender            120"
   "dashboard    dashboard               90"
-  "disk         disk                   100"
+  "disk         disk                   240"
   "word2vec     word2vec-past_t4       150"
   "recommender  recommender-past_t4    200"
 )
