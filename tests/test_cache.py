@@ -305,6 +305,7 @@ def test_cache_options_are_checked():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels("admission")      # one sync a step: the fused path's property
 def test_cache_keeps_one_host_sync_per_step():
     from test_step import syncs_during
     table = OffloadedEmbedding(5000, 16, device="cuda", name="t", cache_rows=1024)
@@ -327,6 +328,7 @@ def test_cache_keeps_one_host_sync_per_step():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels("rows")           # lookups are captured only where the rows kernels run
 def test_captured_lookups_count_each_row_once():
     """A lookup captured as a CUDA graph runs twice first (warm-ups); the cache counts only
     the model's lookups: counts, ticks and statistics equal those of the same training with

@@ -420,6 +420,7 @@ def test_gpu_placement_trains_like_host_placement(cls, kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels("rows")           # lookups are captured only where the rows kernels run
 @pytest.mark.parametrize("placement", ["host", "gpu"])
 @pytest.mark.parametrize("lookups", [1, 2, 3])
 def test_cuda_graph_lookups_train_like_eager_ones(placement, lookups):
