@@ -43,6 +43,7 @@ import nbformat
 name = sys.argv[1]
 src, out = Path(f"notebooks/{name}.ipynb"), Path(f"artifacts/{name}.ipynb")
 nb = nbformat.read(src, as_version=4)
+nb.metadata.pop("nbtools", None)    # the shipped full-size run's record: not this smoke run's
 print(f"executing {src} (smoke setting) ...", flush=True)
 t0 = time.perf_counter()
 client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,

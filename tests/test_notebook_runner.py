@@ -119,24 +119,30 @@ def _full(nb) -> bool:
     return nb["metadata"].get("nbtools", {}).get("run") == "full"
 
 
+# Notebooks whose full-size GPU run is still to be made: they ship clean (no outputs at all).
+# Every other one ships a whole full-size run's outputs. The set only shrinks: a notebook listed
+# here that ships outputs fails, as does one not listed that ships none.
+NOT_RUN_YET = {"disk"}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_notebook_has_a_full_size_gpu_runs_outputs(name):
-    """Once any notebook ships with a full-size run's outputs, all four must: benchmarks/
-    notebooks_gpu.sh makes them on a GPU machine, and its $OUT/<name>.ipynb replaces
-    notebooks/<name>.ipynb."""
-    shipped = [n for n in NAMES if _full(_shipped(n))]
-    if not shipped:
-        pytest.skip("no full-size outputs shipped yet")
+    """benchmarks/notebooks_gpu.sh makes the outputs on a GPU machine, and its
+    $OUT/<name>.ipynb replaces notebooks/<name>.ipynb."""
     nb = _shipped(name)
     meta = nb["metadata"].get("nbtools", {})
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    if name in NOT_RUN_YET:
+        assert not meta and not any(c.get("outputs") for c in code), (
+            f"{name}.ipynb ships outputs: take it out of NOT_RUN_YET (its run is then checked)")
+        return
     assert meta.get("run") == "full", (
-        f"{name}.ipynb has no full-size run's outputs while {shipped} have: run "
-        f"benchmarks/notebooks_gpu.sh on a GPU machine and copy its {name}.ipynb here")
+        f"{name}.ipynb has no full-size run's outputs: run benchmarks/notebooks_gpu.sh on a GPU "
+        f"machine and copy its {name}.ipynb here")
     assert meta.get("completed") is True, f"{name}.ipynb: its run stopped at a cell"
     assert meta.get("gpu") and meta.get("gpu_memory_gib"), f"{name}.ipynb: not run on a GPU: {meta}"
     assert "past_t4" not in str(meta.get("parameters", {})), \
         f"{name}.ipynb ships the past-the-GPU run; notebooks/ ships the full-size one"
-    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     with_outputs = [c for c in code if c.get("outputs")]
     figures = [o for c in code for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(with_outputs) >= 3, f"{name}.ipynb: {len(with_outputs)} cells with outputs"
