@@ -715,15 +715,29 @@ def regrow(old, layout, init, copy_rows, make) -> DiskRows:
         read = lambda a, b: old.tensor[a:b].cpu()      # noqa: E731
     new = make(layout.width, layout.unit)
     step = chunk_rows(new)
-    for start in range(0, new.num_rows, step):
-        stop = min(new.num_rows, start + step)
-        src = read(start, stop)          # (drawn on the compute device, rows are built there)
-        dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
-        copy_rows(dst, src, init, layout)
-        new.write_range(start, dst)
+    bar = write_bar(new, "its rows with the optimizer's state, written once")
+    try:
+        for start in range(0, new.num_rows, step):
+            stop = min(new.num_rows, start + step)
+            src = read(start, stop)      # (drawn on the compute device, rows are built there)
+            dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
+            copy_rows(dst, src, init, layout)
+            new.write_range(start, dst)
+            if bar is not None:
+                bar.update((stop - start) * new.row_bytes)
+    finally:
+        if bar is not None:
+            bar.close()
     if old is not None:
         old.close()
     return new
+
+
+def write_bar(disk: DiskRows, what: str):
+    """The progress bar of a write of every row of ``disk`` (shown past a second: a table
+    of tens of GB takes minutes), or None."""
+    from ..units import progress_bar
+    return progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
 
 
 def check_dir(folder) -> None:

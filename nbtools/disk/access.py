@@ -65,10 +65,18 @@ class WholeTable:
         initial, d.initial = d.initial, None
         if initial is None:
             return
+        from . import write_bar
         step = chunk_rows(d)
-        for start in range(0, self.num_rows, step):
-            stop = min(self.num_rows, start + step)
-            self.write_range(start, initial(start, stop))
+        bar = write_bar(d, "its initial rows, written once")
+        try:
+            for start in range(0, self.num_rows, step):
+                stop = min(self.num_rows, start + step)
+                self.write_range(start, initial(start, stop))
+                if bar is not None:
+                    bar.update((stop - start) * d.row_bytes)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def warm(self, ids, level=None, ram_too: bool = False) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts

@@ -583,3 +583,36 @@ def test_auto_table_moved_to_ram_draws_the_weights_a_disk_table_would(tmp_path, 
     ref = OffloadedEmbedding(N, dim, device="cpu", placement="disk", disk_dir=str(tmp_path))
     OffloadOptimizer(RowWiseAdagrad, ref, lr=0.1)
     assert torch.equal(t.weight, ref.weight)
+
+
+def test_a_fresh_tables_first_whole_write_shows_a_progress_bar(tmp_path, monkeypatch):
+    """The one write of every row a fresh disk table makes (its initial rows at the first
+    lookup; with the optimizer's state when the optimizer attaches) is minutes for tens of
+    GB: it shows a bar of its bytes, filled to the end."""
+    from nbtools import units
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            self.total, self.desc, self.done, self.closed = total, desc, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+    monkeypatch.setattr(units, "progress_bar", lambda total, desc, progress: Bar(total, desc))
+    t = OffloadedEmbedding(5000, D, name="fresh", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path))
+    t(torch.tensor([3, 4000], device=DEVICE))        # the first lookup writes the initial rows
+    (bar,) = bars
+    assert bar.desc == "table 'fresh': its initial rows, written once"
+    assert bar.total == bar.done == 5000 * D * 4 and bar.closed
+    u = OffloadedEmbedding(5000, D, name="with-state", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path))
+    OffloadOptimizer(torch.optim.Adam, u, lr=0.1)    # rows and Adam's two state columns
+    assert bars[1].desc == "table 'with-state': its rows with the optimizer's state, written once"
+    assert bars[1].total == bars[1].done == 5000 * 3 * D * 4 and bars[1].closed
+    t.close()
+    u.close()
