@@ -51,7 +51,7 @@ from .. import NbtoolsError
 from . import log as disklog
 from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
-from .access import WholeTable, chunk_rows
+from .access import WholeTable, chunk_rows, write_bar
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..rowfile.format import make_folder, remove_unheld
 from ..hostmem import HostTensor, keep_freed_memory_small
@@ -731,13 +731,6 @@ def regrow(old, layout, init, copy_rows, make) -> DiskRows:
     if old is not None:
         old.close()
     return new
-
-
-def write_bar(disk: DiskRows, what: str):
-    """The progress bar of a write of every row of ``disk`` (shown past a second: a table
-    of tens of GB takes minutes), or None."""
-    from ..units import progress_bar
-    return progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
 
 
 def check_dir(folder) -> None:

@@ -29,6 +29,13 @@ def _numpy_dtype(dtype: torch.dtype):
 WARM_CHUNK = 1 << 20       # ids warm() looks at at a time
 
 
+def write_bar(disk, what: str):
+    """The progress bar of a write of every row of ``disk`` (a :class:`DiskRows`; shown past
+    a second: a table of tens of GB takes minutes), or None."""
+    from ..units import progress_bar
+    return progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
+
+
 def chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
@@ -65,7 +72,6 @@ class WholeTable:
         initial, d.initial = d.initial, None
         if initial is None:
             return
-        from . import write_bar
         step = chunk_rows(d)
         bar = write_bar(d, "its initial rows, written once")
         try:

@@ -113,6 +113,19 @@ class ClickStream:
         s, n = 1.0 - self.exponent, self.num_items
         return ((k + 1) ** s - 1) / ((n + 1) ** s - 1)
 
+    def shares(self) -> torch.Tensor:
+        """Each item's share of the popularity draws, in id order (float32 ``[num_items]``,
+        summing to 1): what :meth:`nbtools.OffloadedEmbedding.warm_cache` takes to load the
+        most clicked items first. (Anchors and negatives are such draws; a positive keeps
+        nearly its draw's popularity.)"""
+        s, top = 1.0 - self.exponent, float(self.num_items + 1)
+        r = torch.arange(self.num_items, dtype=torch.float64)
+        p = ((r + 2.0) ** s - (r + 1.0) ** s) / (top ** s - 1.0)   # P(rank r), see _ranks
+        p[-1] += 1.0 - float(p.sum())       # (the clamp to the last rank)
+        out = torch.empty(self.num_items, dtype=torch.float32)
+        out[self.ids_of(torch.arange(self.num_items))] = p.float()
+        return out
+
     # --- batches --------------------------------------------------------------------------
     def _ranks(self, gen: torch.Generator, n: int) -> torch.Tensor:
         s, top = 1.0 - self.exponent, float(self.num_items + 1)
@@ -166,7 +179,8 @@ def _loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
 
 
 def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, dashboard=None,
-               log_every: int | None = None, read_ahead: bool | int = True) -> dict:
+               log_every: int | None = None, read_ahead: bool | int = True,
+               warm: bool = True) -> dict:
     """Train ``model`` on ``steps`` batches of ``stream``, from the stream's step 0.
 
     Each step looks its triples up, starts the read-ahead of a coming step's rows
@@ -174,14 +188,18 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
     the optimizer. ``read_ahead``: steps read ahead (True: :data:`nbtools.disk.readahead.AHEAD`,
     8, the fastest measured on the GPU machine's disk; False or 0: none; tables not on disk prefetch
     one step, the one lookup their prefetch holds). ``dashboard``: a
-    :class:`~nbtools.Dashboard`, stepped from this loop.
+    :class:`~nbtools.Dashboard`, stepped from this loop. ``warm``: where the table keeps hot
+    rows in a cache (a disk table's RAM and GPU levels, a ``cache_bytes`` GPU cache), the
+    stream's most popular items are loaded into it before the first step
+    (``table.warm_cache(stream.shares())``), so the first steps already hit.
 
     Returns the history: ``step``, ``loss`` (mean over each ``log_every`` steps),
     ``pair_accuracy`` (share of those steps' triples whose positive outscored the negative,
     measured before the step that trains on them: a held-out figure for the rows seen so far),
     ``ram_hit_rate`` (share of those steps' unique rows that a disk table found in its RAM
     cache without reading them from disk, by the step or by its read-ahead; None for other
-    tables), ``time_s``; and ``pairs_per_s`` over the whole run.
+    tables), ``time_s``; ``pairs_per_s`` over the whole run, and ``warm_s``, the seconds the
+    warming took (before the first step; not in ``time_s``).
     """
     if steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -202,6 +220,10 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
         ids = stream.batch(k)
         return ids.pin_memory() if pin else ids
     loss_sum = right = None
+    t0 = time.perf_counter()
+    if warm and (disk is not None or getattr(table, "cache", None) is not None):
+        table.warm_cache(stream.shares())
+    warm_s = time.perf_counter() - t0
     seen = dict(disk.stats) if disk is not None else None   # (before any read-ahead counts)
     t0 = time.perf_counter()
     coming = collections.deque(batch(k) for k in range(min(steps, lead)))
@@ -235,6 +257,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
             seen = dict(disk.stats) if disk is not None else None
     synchronize(table.device)
     history["pairs_per_s"] = steps * stream.batch_size / (time.perf_counter() - t0)
+    history["warm_s"] = warm_s
     return history
 
 
