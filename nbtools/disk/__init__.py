@@ -51,7 +51,7 @@ from .. import NbtoolsError
 from . import log as disklog
 from .slots import RamSlots
 from ..devices import hold_host, host_memory_bytes, release_host
-from .access import WholeTable, chunk_rows, write_bar
+from .access import WholeTable, write_all
 from ..rowfile.fileio import default_engine, uninterrupted
 from ..rowfile.format import make_folder, remove_unheld
 from ..hostmem import HostTensor, keep_freed_memory_small
@@ -714,20 +714,13 @@ def regrow(old, layout, init, copy_rows, make) -> DiskRows:
     else:
         read = lambda a, b: old.tensor[a:b].cpu()      # noqa: E731
     new = make(layout.width, layout.unit)
-    step = chunk_rows(new)
-    bar = write_bar(new, "its rows with the optimizer's state, written once")
-    try:
-        for start in range(0, new.num_rows, step):
-            stop = min(new.num_rows, start + step)
-            src = read(start, stop)      # (drawn on the compute device, rows are built there)
-            dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
-            copy_rows(dst, src, init, layout)
-            new.write_range(start, dst)
-            if bar is not None:
-                bar.update((stop - start) * new.row_bytes)
-    finally:
-        if bar is not None:
-            bar.close()
+
+    def build(start: int, stop: int) -> torch.Tensor:
+        src = read(start, stop)          # (drawn on the compute device, rows are built there)
+        dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
+        copy_rows(dst, src, init, layout)
+        return dst
+    write_all(new, build, new.write_range, "its rows with the optimizer's state, written once")
     if old is not None:
         old.close()
     return new

@@ -40,6 +40,35 @@ def chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
 
+def write_all(disk, make, write, what: str) -> None:
+    """Every row of ``disk`` written once, :func:`chunk_rows` at a time: ``write(start,
+    make(start, stop))``, the next chunk made (drawn, built) while one thread writes the last
+    (packs it and hands it to the disk), with a progress bar (:func:`write_bar`). An error of
+    either is raised once the writer has stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+    step = chunk_rows(disk)
+    bar = write_bar(disk, what)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="nbtools-first-write") as writer:
+            pending = None
+            for start in range(0, disk.num_rows, step):
+                stop = min(disk.num_rows, start + step)
+                rows = make(start, stop)
+                if pending is not None:
+                    pending.result()
+                    if bar is not None:
+                        bar.update(len(pending.rows) * disk.row_bytes)
+                pending = writer.submit(write, start, rows)
+                pending.rows = rows
+            if pending is not None:
+                pending.result()
+                if bar is not None:
+                    bar.update(len(pending.rows) * disk.row_bytes)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 class WholeTable:
     """Whole-table access to a :class:`~nbtools.disk.DiskRows` (its ``whole``: the table's
     methods of the same names call these), through the table's file, RAM slots and lock.
@@ -72,17 +101,7 @@ class WholeTable:
         initial, d.initial = d.initial, None
         if initial is None:
             return
-        step = chunk_rows(d)
-        bar = write_bar(d, "its initial rows, written once")
-        try:
-            for start in range(0, self.num_rows, step):
-                stop = min(self.num_rows, start + step)
-                self.write_range(start, initial(start, stop))
-                if bar is not None:
-                    bar.update((stop - start) * d.row_bytes)
-        finally:
-            if bar is not None:
-                bar.close()
+        write_all(d, initial, self.write_range, "its initial rows, written once")
 
     def warm(self, ids, level=None, ram_too: bool = False) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts

@@ -616,3 +616,42 @@ def test_a_fresh_tables_first_whole_write_shows_a_progress_bar(tmp_path, monkeyp
     assert bars[1].total == bars[1].done == 5000 * 3 * D * 4 and bars[1].closed
     t.close()
     u.close()
+
+
+def test_write_all_writes_every_chunk_once_in_order_and_raises_either_sides_error():
+    """The first write of every row: each chunk made in the caller's thread while the one
+    before is written by another; an error of either side is raised, after the writer stops."""
+    import threading
+    from types import SimpleNamespace
+
+    from nbtools.disk.access import chunk_rows, write_all
+    disk = SimpleNamespace(name="t", num_rows=10, row_bytes=(64 << 20) // 3)   # 3 rows a chunk
+    assert chunk_rows(disk) == 3
+    made, written, caller = [], [], threading.get_ident()
+
+    def make(a, b):
+        assert threading.get_ident() == caller
+        made.append((a, b))
+        return torch.arange(a, b)
+
+    def write(start, rows):
+        assert threading.get_ident() != caller
+        written.append((start, rows.tolist()))
+    write_all(disk, make, write, "rows")
+    assert made == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert written == [(0, [0, 1, 2]), (3, [3, 4, 5]), (6, [6, 7, 8]), (9, [9])]
+
+    def bad_write(start, rows):
+        if start == 3:
+            raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        write_all(disk, make, bad_write, "rows")
+
+    def bad_make(a, b):
+        if a == 6:
+            raise RuntimeError("out of memory")
+        return torch.arange(a, b)
+    written.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        write_all(disk, bad_make, write, "rows")
+    assert [s for s, _ in written] == [0, 3]           # the writer finished what it had
