@@ -209,6 +209,12 @@ def test_shares_are_the_draws_frequencies_in_id_order():
     assert (seen - shares.double()).abs().max() < 2e-3          # (sd of the top share: 3.4e-4)
     assert shares.topk(5).indices.tolist() == stream.hottest(5).tolist()
     assert abs(float(shares[stream.hottest(100)].sum()) - stream.click_share(100)) < 1e-5
+    k = stream.head(0.8)                                # the head: 80% of the draws, no fewer
+    assert stream.click_share(k) >= 0.8 > stream.click_share(k - 1)
+    head = stream.shares(0.8)
+    assert (head > 0).sum() == k and torch.equal(head[stream.hottest(k)], shares[stream.hottest(k)])
+    with pytest.raises(ValueError, match="share must be in"):
+        stream.head(0)
 
 
 def test_fit_stream_warms_a_disk_tables_ram_with_the_hottest_items(tmp_path):
