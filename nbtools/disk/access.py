@@ -19,6 +19,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..units import progress_bar
 from .bits import BitSet
 
 
@@ -32,7 +33,6 @@ WARM_CHUNK = 1 << 20       # ids warm() looks at at a time
 def write_bar(disk, what: str):
     """The progress bar of a write of every row of ``disk`` (a :class:`DiskRows`; shown past
     a second: a table of tens of GB takes minutes), or None."""
-    from ..units import progress_bar
     return progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
 
 
@@ -156,36 +156,48 @@ class WholeTable:
                 if not room:
                     break
             span = max(1, (64 << 20) // self.file.stride)          # rows per sequential stretch
+            starts = np.arange(0, self.num_rows, span)
+            per = np.add.reduceat((want > 0).astype(np.int64), starts) if len(starts) else starts
+            ends = np.minimum(starts + span, self.num_rows)
+            total = int(np.where(per * 16 >= span, ends - starts, per).sum()) * self.row_bytes
+            bar = progress_bar(total, f"table {self.name!r}: warming its caches", None)
             loaded = 0
-            for at in range(0, self.num_rows, span):
-                stretch = want[at:at + span]
-                part = np.flatnonzero(stretch) + at
-                if not len(part):
-                    continue
-                dense = len(part) * 16 >= span
-                if dense:
-                    start = int(part[0]) // span * span
-                    buf = np.empty((min(self.num_rows, start + span) - start, self.row_bytes),
-                                   dtype=np.uint8)
-                    self.file.read_range(start, buf)
-                gpu = part[stretch[part - at] == 1]
-                if len(gpu):
+            try:
+                for at, n in zip(starts.tolist(), per.tolist()):
+                    if not n:
+                        continue
+                    stretch = want[at:at + span]
+                    part = np.flatnonzero(stretch) + at
+                    dense = len(part) * 16 >= span
+                    if bar is not None:
+                        bar.update((min(span, self.num_rows - at) if dense else len(part))
+                                   * self.row_bytes)
                     if dense:
-                        level.place(gpu, buf[gpu - start])
-                    else:
-                        rows = np.empty((len(gpu), self.row_bytes), dtype=np.uint8)
-                        self.file.read(gpu, rows)
-                        level.place(gpu, rows)
-                    loaded += len(gpu)
-                part = part[stretch[part - at] == 2]
-                slots = ram.take_free(len(part))
-                part = part[: len(slots)]
-                if dense and len(part):
-                    ram.put_rows(slots, buf[part - start])
-                    ram.placed(part, slots)
-                elif len(part):
-                    d.load_rows(part, slots)
-                loaded += len(part)
+                        start = int(part[0]) // span * span
+                        buf = np.empty((min(self.num_rows, start + span) - start, self.row_bytes),
+                                       dtype=np.uint8)
+                        self.file.read_range(start, buf)
+                    gpu = part[stretch[part - at] == 1]
+                    if len(gpu):
+                        if dense:
+                            level.place(gpu, buf[gpu - start])
+                        else:
+                            rows = np.empty((len(gpu), self.row_bytes), dtype=np.uint8)
+                            self.file.read(gpu, rows)
+                            level.place(gpu, rows)
+                        loaded += len(gpu)
+                    part = part[stretch[part - at] == 2]
+                    slots = ram.take_free(len(part))
+                    part = part[: len(slots)]
+                    if dense and len(part):
+                        ram.put_rows(slots, buf[part - start])
+                        ram.placed(part, slots)
+                    elif len(part):
+                        d.load_rows(part, slots)
+                    loaded += len(part)
+            finally:
+                if bar is not None:
+                    bar.close()
         return loaded
 
     # --- whole-table access ---------------------------------------------------------------
@@ -329,7 +341,6 @@ class WholeTable:
         """A log file's rows back in id order (:meth:`nbtools.disk.log.LogFile.identity`), with
         a progress bar when many moved (random reads and writes of each: minutes for tens of
         millions of rows)."""
-        from ..units import progress_bar
         file = self.file
         away = file.away
         bar = progress_bar(away * file.stride, f"table {self.name!r}: rows to id order",

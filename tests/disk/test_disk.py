@@ -589,7 +589,7 @@ def test_a_fresh_tables_first_whole_write_shows_a_progress_bar(tmp_path, monkeyp
     """The one write of every row a fresh disk table makes (its initial rows at the first
     lookup; with the optimizer's state when the optimizer attaches) is minutes for tens of
     GB: it shows a bar of its bytes, filled to the end."""
-    from nbtools import units
+    from nbtools.disk import access
     bars = []
 
     class Bar:
@@ -602,7 +602,7 @@ def test_a_fresh_tables_first_whole_write_shows_a_progress_bar(tmp_path, monkeyp
 
         def close(self):
             self.closed = True
-    monkeypatch.setattr(units, "progress_bar", lambda total, desc, progress: Bar(total, desc))
+    monkeypatch.setattr(access, "progress_bar", lambda total, desc, progress: Bar(total, desc))
     t = OffloadedEmbedding(5000, D, name="fresh", device=DEVICE, placement="disk",
                            disk_dir=str(tmp_path))
     t(torch.tensor([3, 4000], device=DEVICE))        # the first lookup writes the initial rows
@@ -616,6 +616,17 @@ def test_a_fresh_tables_first_whole_write_shows_a_progress_bar(tmp_path, monkeyp
     assert bars[1].total == bars[1].done == 5000 * 3 * D * 4 and bars[1].closed
     t.close()
     u.close()
+    # warming a RAM cache reads the rows it loads: a stretch whole where they are dense in it
+    w = OffloadedEmbedding(40_000, D, name="warmed", device=DEVICE, placement="disk",
+                           disk_dir=str(tmp_path), host_cache_bytes=4_000 * 3 * D * 4)
+    OffloadOptimizer(torch.optim.Adam, w, lr=0.1)
+    counts = torch.zeros(40_000, dtype=torch.long)
+    counts[torch.arange(0, 40_000, 40)] = 5                # one row in 40: sparse
+    w.warm_cache(counts)
+    warm = bars[-1]
+    assert warm.desc == "table 'warmed': warming its caches" and warm.closed
+    assert warm.total == warm.done == 1_000 * 3 * D * 4
+    w.close()
 
 
 def test_write_all_writes_every_chunk_once_in_order_and_raises_either_sides_error():
