@@ -720,6 +720,7 @@ def regrow(old, layout, init, copy_rows, make) -> DiskRows:
         dst = torch.empty((stop - start, layout.width), dtype=layout.unit, device=src.device)
         copy_rows(dst, src, init, layout)
         return dst
+    # (overlapped: ``new`` is this function's own, its lock held by nobody)
     write_all(new, build, new.write_range, "its rows with the optimizer's state, written once")
     if old is not None:
         old.close()

@@ -40,15 +40,23 @@ def chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
 
-def write_all(disk, make, write, what: str) -> None:
+def write_all(disk, make, write, what: str, overlap: bool = True) -> None:
     """Every row of ``disk`` written once, :func:`chunk_rows` at a time: ``write(start,
-    make(start, stop))``, the next chunk made (drawn, built) while one thread writes the last
-    (packs it and hands it to the disk), with a progress bar (:func:`write_bar`). An error of
-    either is raised once the writer has stopped."""
+    make(start, stop))``, with a progress bar (:func:`write_bar`). ``overlap``: the next chunk
+    is made (drawn, built) while one thread writes the last (packs it and hands it to the
+    disk), so ``write`` must not need a lock the caller may hold; an error of either side is
+    raised once the writer has stopped. Without, one after the other in this thread."""
     from concurrent.futures import ThreadPoolExecutor
     step = chunk_rows(disk)
     bar = write_bar(disk, what)
     try:
+        if not overlap:
+            for start in range(0, disk.num_rows, step):
+                stop = min(disk.num_rows, start + step)
+                write(start, make(start, stop))
+                if bar is not None:
+                    bar.update((stop - start) * disk.row_bytes)
+            return
         with ThreadPoolExecutor(1, thread_name_prefix="nbtools-first-write") as writer:
             pending = None
             for start in range(0, disk.num_rows, step):
@@ -101,7 +109,8 @@ class WholeTable:
         initial, d.initial = d.initial, None
         if initial is None:
             return
-        write_all(d, initial, self.write_range, "its initial rows, written once")
+        # (in this thread: its writes take the table's lock, which a caller may hold)
+        write_all(d, initial, self.write_range, "its initial rows, written once", overlap=False)
 
     def warm(self, ids, level=None, ram_too: bool = False) -> int:
         """Load rows ``ids`` (hottest first) into free RAM slots until they are full; evicts

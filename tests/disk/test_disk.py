@@ -651,6 +651,11 @@ def test_write_all_writes_every_chunk_once_in_order_and_raises_either_sides_erro
     write_all(disk, make, write, "rows")
     assert made == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert written == [(0, [0, 1, 2]), (3, [3, 4, 5]), (6, [6, 7, 8]), (9, [9])]
+    here = []                                           # overlap=False: all in this thread
+    write_all(disk, lambda a, b: torch.arange(a, b),
+              lambda start, rows: here.append((threading.get_ident(), start)), "rows",
+              overlap=False)
+    assert here == [(caller, 0), (caller, 3), (caller, 6), (caller, 9)]
 
     def bad_write(start, rows):
         if start == 3:
