@@ -5,11 +5,12 @@
 # 15 GiB (NBTOOLS_GPU_CAP_GIB, through benchmarks/colab/sitecustomize.py, child processes too);
 # "full": the machine as it is. Runs: the step (a host table and a GPU-placed one), word2vec
 # (host and placement="auto", one epoch of CORPUS, default .scratch/offline/corpus.txt.zip, the
-# first 5M tokens), and a fresh 20M-row disk table whose GPU level is warmed from the stream's
-# shares, its first 182 steps. Results: $OUT (default artifacts/colab), one JSON folder per run,
+# first 5M tokens), a fresh 20M-row disk table whose GPU level is warmed from the stream's
+# shares, its first 182 steps, and training beside a checkpoint's copy to a slow mirror
+# (bench_mirror.py: a 3 GB checkpoint copied at 100 MB/s, as to Drive). Results: $OUT (default artifacts/colab), one JSON folder per run,
 # and a table of colab / full per figure at the end (benchmarks/colab/compare.py).
 # --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
-# DISK_S, STEP_S, WORD2VEC_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
+# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
 # ONLY="disk step": these runs only; PROFILES="colab": that profile only.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +48,7 @@ one() {
 if [ "$quick" = --quick ]; then
   one step 300 "$py" benchmarks/bench_step.py --quick
   one word2vec 300 "$py" benchmarks/bench_word2vec.py --quick --systems host,gpu
+  one mirror 300 "$py" benchmarks/bench_mirror.py --quick
   one disk 300 "$py" benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02 \
     --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead "" \
     --dir /tmp/nbtools-colab-disk
@@ -62,6 +64,7 @@ shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
   one step "${STEP_S:-200}" "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu"
   one word2vec "${WORD2VEC_S:-200}" "$py" benchmarks/bench_word2vec.py --systems host,gpu \
     --epochs 1 --corpus "$gz" --max-tokens "${WORD2VEC_TOKENS:-5000000}"
+  one mirror "${MIRROR_S:-150}" "$py" benchmarks/bench_mirror.py
 fi
 rm -rf /tmp/nbtools-colab-disk
 "$py" benchmarks/colab/compare.py "$out"
