@@ -18,6 +18,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import types
 
 import harness
 import numpy as np
@@ -30,8 +31,6 @@ from nbtools.checkpoint import CheckpointConfig, CheckpointManager, mirror
 
 def paced_copy(mbps: float):
     """shutil.copyfileobj at no more than ``mbps`` MB/s (it sleeps between chunks)."""
-    real = shutil.copyfileobj
-
     def copy(fsrc, fdst, length=16 << 20):
         start, done = time.perf_counter(), 0
         while True:
@@ -43,7 +42,6 @@ def paced_copy(mbps: float):
             ahead = done / (mbps * 1e6) - (time.perf_counter() - start)
             if ahead > 0:
                 time.sleep(ahead)
-    copy.real = real
     return copy
 
 
@@ -77,7 +75,8 @@ def main():
         step()
     manager = CheckpointManager(f"{root}/local", keep=2, mirror=f"{root}/mirror",
                                 config=CheckpointConfig(verbose=False))
-    shutil_copy = mirror.shutil.copyfileobj
+    # the mirror's own view of shutil, its copies paced (the shutil module itself unchanged)
+    mirror.shutil = types.SimpleNamespace(**vars(shutil))
     mirror.shutil.copyfileobj = paced_copy(args.mirror_mbps)
     try:
         saved = manager.save(1, table=table, opt=opt)
@@ -95,7 +94,7 @@ def main():
             step()
             after.append(time.perf_counter() - t)
     finally:
-        mirror.shutil.copyfileobj = shutil_copy
+        mirror.shutil = shutil
         manager.sync.finalize(unmount=False)
         table.close()
         if args.dir is None:
