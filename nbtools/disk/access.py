@@ -48,30 +48,29 @@ def write_all(disk, make, write, what: str, overlap: bool = True) -> None:
     raised once the writer has stopped. Without, one after the other in this thread."""
     from concurrent.futures import ThreadPoolExecutor
     step = chunk_rows(disk)
+    chunks = [(a, min(disk.num_rows, a + step)) for a in range(0, disk.num_rows, step)]
     bar = write_bar(disk, what)
+
+    def written(a: int, b: int) -> None:
+        if bar is not None:
+            bar.update((b - a) * disk.row_bytes)
     try:
         if not overlap:
-            for start in range(0, disk.num_rows, step):
-                stop = min(disk.num_rows, start + step)
-                write(start, make(start, stop))
-                if bar is not None:
-                    bar.update((stop - start) * disk.row_bytes)
+            for a, b in chunks:
+                write(a, make(a, b))
+                written(a, b)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="nbtools-first-write") as writer:
-            pending = None
-            for start in range(0, disk.num_rows, step):
-                stop = min(disk.num_rows, start + step)
-                rows = make(start, stop)
+            pending = None                  # (the write in flight, its chunk)
+            for a, b in chunks:
+                rows = make(a, b)
                 if pending is not None:
-                    pending.result()
-                    if bar is not None:
-                        bar.update(len(pending.rows) * disk.row_bytes)
-                pending = writer.submit(write, start, rows)
-                pending.rows = rows
+                    pending[0].result()
+                    written(*pending[1])
+                pending = writer.submit(write, a, rows), (a, b)
             if pending is not None:
-                pending.result()
-                if bar is not None:
-                    bar.update(len(pending.rows) * disk.row_bytes)
+                pending[0].result()
+                written(*pending[1])
     finally:
         if bar is not None:
             bar.close()

@@ -239,7 +239,7 @@ def fit_stream(model: Item2Vec, stream: ClickStream, optimizer, steps: int, *, d
         return ids.pin_memory() if pin else ids
     loss_sum = right = None
     t0 = time.perf_counter()
-    if warm and (disk is not None or getattr(table, "cache", None) is not None):
+    if warm and (table.rows.own_cache or table.rows.cache is not None):    # a cache to warm
         table.warm_cache(stream.shares(WARM_HEAD))
     warm_s = time.perf_counter() - t0
     seen = dict(disk.stats) if disk is not None else None   # (before any read-ahead counts)
