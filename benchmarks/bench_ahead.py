@@ -61,10 +61,14 @@ def main():
     ap.add_argument("--cache-gib", type=float, default=1.4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--gpu-cache-gib", type=float, default=0.0,
+                    help="a GPU level of this size above the RAM cache, warmed from the "
+                         "stream's shares (as a model warms it)")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.dim, args.ids, args.steps, args.cache_gib, args.rounds = \
             50_000, 16, 1024, 6, 0.0005, 1
+        args.gpu_cache_gib = min(args.gpu_cache_gib, 0.001)
     device = harness.setup(args)
     table = nbtools.OffloadedEmbedding(args.rows, args.dim, device=device, placement="disk",
                                        dtype=torch.bfloat16, disk_dir=args.dir,
@@ -72,6 +76,14 @@ def main():
     opt = nbtools.OffloadOptimizer(nbtools.RowWiseAdagrad, table, lr=0.01)
     t0 = time.perf_counter()
     table.disk.warm(hottest(args.rows, table.disk.ram.capacity_rows))
+    if args.gpu_cache_gib:
+        from nbtools.disk.gpu import attach
+        attach(table.disk, int(args.gpu_cache_gib * (1 << 30)) // table.disk.row_bytes, device)
+        shares = torch.zeros(args.rows, dtype=torch.float64)     # the stream's Zipf(1.1)
+        shares[torch.from_numpy(hottest(args.rows, args.rows)).long()] = \
+            torch.arange(1, args.rows + 1, dtype=torch.float64) ** -1.1
+        table.warm_cache(shares / shares.sum())
+        del shares
     print(f"{table!r}\nwarmed in {time.perf_counter() - t0:.0f} s", flush=True)
     gen = np.random.default_rng(0)
     kinds = ("plain", "prefetch", "copied")
@@ -98,6 +110,7 @@ def main():
         [[k, ", ".join(f"{x:.1f}" for x in times[k]), f"{med[k]:.1f}",
           f"{med[k] / med['prefetch']:.2f}"] for k in kinds],
         f"{args.rows:,} x {args.dim} bf16 on disk, {args.cache_gib} GiB RAM cache, "
+        + (f"{args.gpu_cache_gib} GiB GPU level, " if args.gpu_cache_gib else "") +
         f"{args.ids:,} Zipf ids a step")
     table.close()
     harness.save(args, "bench_ahead.json", res)

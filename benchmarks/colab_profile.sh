@@ -6,11 +6,13 @@
 # "full": the machine as it is. Runs: the step (a host table and a GPU-placed one), word2vec
 # (host and placement="auto", one epoch of CORPUS, default .scratch/offline/corpus.txt.zip, the
 # first 5M tokens), a fresh 20M-row disk table whose GPU level is warmed from the stream's
-# shares, its first 182 steps, and training beside a checkpoint's copy to a slow mirror
-# (bench_mirror.py: a 3 GB checkpoint copied at 100 MB/s, as to Drive). Results: $OUT (default artifacts/colab), one JSON folder per run,
-# and a table of colab / full per figure at the end (benchmarks/colab/compare.py).
+# shares, its first 182 steps, training beside a checkpoint's copy to a slow mirror
+# (bench_mirror.py: a 3 GB checkpoint copied at 100 MB/s, as to Drive), and a plain PinnedLoader
+# loop over such a table with its GPU level against explicit read-ahead (bench_ahead.py).
+# Results: $OUT (default artifacts/colab), one JSON folder per run, and a table of colab / full
+# per figure at the end (benchmarks/colab/compare.py).
 # --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
-# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
+# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S, AHEAD_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
 # ONLY="disk step": these runs only; PROFILES="colab": that profile only.
 set -u
 cd "$(dirname "$0")/.."
@@ -49,6 +51,7 @@ if [ "$quick" = --quick ]; then
   one step 300 "$py" benchmarks/bench_step.py --quick
   one word2vec 300 "$py" benchmarks/bench_word2vec.py --quick --systems host,gpu
   one mirror 300 "$py" benchmarks/bench_mirror.py --quick
+  one ahead 300 "$py" benchmarks/bench_ahead.py --quick --gpu-cache-gib 1 --dir /tmp/nbtools-colab-disk
   one disk 300 "$py" benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02 \
     --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead "" \
     --dir /tmp/nbtools-colab-disk
@@ -65,6 +68,8 @@ shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
   one word2vec "${WORD2VEC_S:-200}" "$py" benchmarks/bench_word2vec.py --systems host,gpu \
     --epochs 1 --corpus "$gz" --max-tokens "${WORD2VEC_TOKENS:-5000000}"
   one mirror "${MIRROR_S:-150}" "$py" benchmarks/bench_mirror.py
+  one ahead "${AHEAD_S:-200}" "$py" benchmarks/bench_ahead.py --gpu-cache-gib 2 --rounds 2 \
+    --dir /tmp/nbtools-colab-disk
 fi
 rm -rf /tmp/nbtools-colab-disk
 "$py" benchmarks/colab/compare.py "$out"
