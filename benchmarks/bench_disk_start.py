@@ -50,13 +50,25 @@ def compiled_kernels(device) -> int:
     return total
 
 
+def unwritten_mib() -> float:
+    """The page cache's bytes not yet on disk (Dirty + Writeback in /proc/meminfo), MiB: a
+    fresh table's file is written through it, and reads queue behind its flush (nan where there
+    is no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+        return (kib["Dirty"] + kib["Writeback"]) / 1024
+    except (OSError, KeyError, ValueError):
+        return float("nan")
+
+
 class StepTimer:
     """What fit_stream's ``dashboard`` argument is stepped with: each step's seconds (from the
     last call) and the kernels compiled during it."""
 
     def __init__(self, device):
         self.device = device
-        self.seconds, self.compiles = [], []
+        self.seconds, self.compiles, self.unwritten = [], [], []
         self.t = time.perf_counter()
         self.seen = compiled_kernels(device)
 
@@ -65,6 +77,7 @@ class StepTimer:
         now, seen = time.perf_counter(), compiled_kernels(self.device)
         self.seconds.append(now - self.t)
         self.compiles.append(seen - self.seen)
+        self.unwritten.append(unwritten_mib())
         self.t, self.seen = now, seen
 
 
@@ -92,6 +105,7 @@ def main():
     t = time.perf_counter()
     opt = nbtools.OffloadOptimizer(nbtools.RowWiseAdagrad, table, lr=0.3)
     times["optimizer_s"] = time.perf_counter() - t
+    times["unwritten_mib_after_optimizer"] = unwritten_mib()
     stream = ClickStream(args.rows, args.batch, topics=64, seed=0)
     timer = StepTimer(device)
     profile = cProfile.Profile()
@@ -111,15 +125,18 @@ def main():
     print(f"{args.rows:,} x {args.dim} bf16 rows with RowWiseAdagrad on disk, "
           f"{args.batch:,} triples a step, {harness.device_name(device)}")
     print(f"  make the table {times['make_s']:.2f} s; attach the optimizer (every row written "
-          f"once) {times['optimizer_s']:.2f} s; warm the RAM cache {times['warm_s']:.2f} s")
-    harness.print_table(["step", "seconds", "Triton kernels compiled"],
-                        [[i, f"{s:.3f}", c] for i, (s, c) in
-                         enumerate(zip(timer.seconds, timer.compiles))])
+          f"once) {times['optimizer_s']:.2f} s, leaving "
+          f"{times['unwritten_mib_after_optimizer']:,.0f} MiB not yet on disk; warm the RAM "
+          f"cache {times['warm_s']:.2f} s")
+    harness.print_table(["step", "seconds", "Triton kernels compiled", "MiB not yet on disk"],
+                        [[i, f"{s:.3f}", c, f"{u:,.0f}"] for i, (s, c, u) in
+                         enumerate(zip(timer.seconds, timer.compiles, timer.unwritten))])
     print("host time by function, the whole loop (cProfile, own time):")
     print("\n".join(top))
     harness.save(args, "bench_disk_start.json", {
         "args": vars(args), "device": harness.device_name(device), **times,
-        "step_s": timer.seconds, "compiled": timer.compiles, "profile": top,
+        "step_s": timer.seconds, "compiled": timer.compiles,
+        "unwritten_mib": timer.unwritten, "profile": top,
         "ram_hit_rate": history["ram_hit_rate"]})
 
 
