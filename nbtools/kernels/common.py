@@ -40,6 +40,12 @@ MIN_CAPABILITY = {family: (6, 0) for family in FAMILIES}
 
 # Per CUDA device index: each family's reason not to run there ("" where it runs).
 _decided: dict = {}
+# usable_on's answers once decided, per (device with its index, family, NBTOOLS_KERNELS): a step
+# asks several times, and deciding again costs microseconds a question (the environment, the
+# current device, the capability), which a GPU step of half a millisecond feels.
+_answers: dict = {}
+# Per CUDA device index: whether the admission's atomics take their pre-sm_70 form.
+_plain: dict = {}
 
 
 def family_ok_for_capability(family: str, capability: tuple) -> bool:
@@ -53,7 +59,13 @@ def plain_atomics_for(capability: tuple) -> bool:
 
 
 def plain_atomics(device: torch.device) -> bool:
-    return device.type == "cuda" and plain_atomics_for(torch.cuda.get_device_capability(device))
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _plain.get(index)
+    if got is None:
+        got = _plain[index] = plain_atomics_for(torch.cuda.get_device_capability(index))
+    return got
 
 
 def forced_torch() -> bool:
@@ -70,6 +82,10 @@ def usable_on(device: torch.device, family: str | None = None) -> bool:
     the GPU's compute capability, then a first launch of each family on a few rows, whose
     error (a compile that fails, a kernel image the GPU cannot load) is caught there, never
     in a step; one line names the GPU and what runs on the exact torch path instead."""
+    key = (device, family, os.environ.get("NBTOOLS_KERNELS"))
+    got = _answers.get(key)
+    if got is not None:
+        return got
     if family is not None and family not in MIN_CAPABILITY:
         raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
     if not triton_ok() or forced_torch():
@@ -77,7 +93,10 @@ def usable_on(device: torch.device, family: str | None = None) -> bool:
     if device.type != "cuda":
         return os.environ.get("TRITON_INTERPRET") == "1"
     why = unavailable(device)
-    return not (why.get(family) if family else any(why.values()))
+    got = not (why.get(family) if family else any(why.values()))
+    if device.index is not None and device.index in _decided:    # (not while capturing)
+        _answers[key] = got
+    return got
 
 
 def unavailable(device: torch.device) -> dict:
@@ -114,6 +133,8 @@ def unavailable(device: torch.device) -> dict:
 def forget() -> None:
     """Decide again on the next question (tests that change what a device reports)."""
     _decided.clear()
+    _answers.clear()
+    _plain.clear()
 
 
 def describe_line(device: torch.device) -> str:

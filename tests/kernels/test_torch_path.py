@@ -76,6 +76,26 @@ def test_a_family_whose_first_launch_fails_takes_the_torch_path_said_once(fake_g
     assert "torch path for admission" in common.describe_line(GPU)
 
 
+def test_a_decided_answer_asks_the_device_nothing_again(fake_gpu, monkeypatch):
+    """A step asks several times a step: once decided, the answers (and the admission's form
+    of atomics) come without the capability, a probe or the current device; forget() decides
+    again, with what the device reports then."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda d=None: asked.append(d) or fake_gpu["capability"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append("current") or 0)
+    assert kernels.usable_on(GPU, "rows") and not common.plain_atomics(GPU)
+    before = (len(asked), len(fake_gpu["probed"]))
+    for _ in range(3):
+        assert kernels.usable_on(GPU, "rows") and kernels.usable_on(GPU)
+        assert not common.plain_atomics(GPU)
+    assert (len(asked), len(fake_gpu["probed"])) == (before[0], len(kernels.FAMILIES))
+    fake_gpu["capability"] = (6, 0)
+    assert not common.plain_atomics(GPU)          # (still the decided answer)
+    common.forget()
+    assert common.plain_atomics(GPU) and kernels.usable_on(GPU, "rows")
+
+
 def test_a_gpu_older_than_a_familys_minimum_never_launches_it(fake_gpu, monkeypatch):
     monkeypatch.setitem(common.MIN_CAPABILITY, "update", (7, 0))
     fake_gpu["capability"] = (6, 1)
