@@ -364,7 +364,8 @@ def skipgram_config(system: str) -> dict:
 
 
 def train_skipgram(ids, words, counts, system, device, *, optimizer="adam", lr=0.02, seed=1,
-                   epochs=5, batch_size=131072, log_every=None, autograd_threads=False):
+                   epochs=5, batch_size=131072, log_every=None, autograd_threads=False,
+                   chunk_tokens=1 << 22):
     """SkipGram trained with OffloadOptimizer and a linear lr decay: (model, setup seconds,
     train seconds, history)."""
     t0 = time.perf_counter()
@@ -375,7 +376,7 @@ def train_skipgram(ids, words, counts, system, device, *, optimizer="adam", lr=0
     opt = nbtools.OffloadOptimizer(OPTIMIZERS[optimizer], model, lr=lr)
     keep = models.keep_probabilities(counts, W2V["sample"])
     loader = models.CorpusLoader(ids, batch_size, window=W2V["window"], keep_prob=keep,
-                                 seed=seed, device=device)
+                                 seed=seed, device=device, chunk_tokens=chunk_tokens)
     config = models.TrainConfig(progress=False, lr_decay="linear", log_every=log_every,
                                 backward_on_loop_thread=not autograd_threads)
     len(loader)                              # the first epoch's pairs: part of setup
