@@ -37,6 +37,12 @@ def strided_piece(loader, piece: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def score(quality, test: str, measure: str) -> str:
+    """One score of ``quality`` (harness.word_scores), or N/A where it has none."""
+    got = (quality or {}).get(test) or {}
+    return f"{got[measure]:.3f}" if isinstance(got.get(measure), float) else "N/A"
+
+
 def main():
     ap = harness.parser(__doc__)
     harness.corpus_args(ap)
@@ -48,6 +54,7 @@ def main():
     chunk = 1 << 22
     if args.quick:
         args.corpus, eval_dir, batch, chunk = harness.QUICK_CORPUS, None, 4096, 1 << 14
+        args.log_every = 1
     lines, tokens = harness.read_corpus(args.corpus, args.max_tokens)
     ids, words, counts = harness.encode(lines, harness.W2V["min_count"])
     res = {"device": harness.device_name(device), "tokens": tokens, "vocab": len(words),
@@ -65,7 +72,7 @@ def main():
         finally:
             word2vec.CorpusLoader._piece_args = plain
         loss = np.asarray(history["loss"], dtype=float)
-        rises = np.diff(loss) if len(loss) > 1 else np.zeros(1)
+        rises = np.diff(loss) if len(loss) > 1 else np.zeros(1)     # (a run of one step)
         res["runs"][mode] = {"train_s": train_s, "losses": loss.tolist(),
                              "last_loss": float(loss[-1]) if len(loss) else None,
                              "largest_rise": float(rises.max()),
@@ -74,10 +81,10 @@ def main():
         del model
     harness.print_table(
         ["pieces", "largest rise", "rises > 0.05", "last loss", "WS353", "SimLex", "analogy"],
-        [[m, f"{r['largest_rise']:.3f}", r["rises_over_0.05"], f"{r['last_loss']:.3f}",
-          *(f"{r['quality'][k][v]:.3f}" if r["quality"] else "N/A"
-            for k, v in (("ws353", "spearman"), ("simlex", "spearman"),
-                         ("analogy", "accuracy")))]
+        [[m, f"{r['largest_rise']:.3f}", r["rises_over_0.05"], f"{r['last_loss'] or float('nan'):.3f}",
+          *(score(r["quality"], k, v) for k, v in (("ws353", "spearman"),
+                                                   ("simlex", "spearman"),
+                                                   ("analogy", "accuracy")))]
          for m, r in res["runs"].items()],
         f"{tokens:,} tokens, {len(words):,} words, pieces of {chunk:,} tokens, one epoch, "
         f"logged every {args.log_every} steps")
