@@ -79,11 +79,7 @@ def main():
     if args.gpu_cache_gib:
         from nbtools.disk.gpu import attach
         attach(table.disk, int(args.gpu_cache_gib * (1 << 30)) // table.disk.row_bytes, device)
-        shares = torch.zeros(args.rows, dtype=torch.float64)     # the stream's Zipf(1.1)
-        shares[torch.from_numpy(hottest(args.rows, args.rows)).long()] = \
-            torch.arange(1, args.rows + 1, dtype=torch.float64) ** -1.1
-        table.warm_cache(shares / shares.sum())
-        del shares
+        table.warm_cache(harness.zipf_shares(args.rows))
     print(f"{table!r}\nwarmed in {time.perf_counter() - t0:.0f} s", flush=True)
     gen = np.random.default_rng(0)
     kinds = ("plain", "prefetch", "copied")

@@ -267,12 +267,8 @@ def gpu_cache_rounds(args, res, table, opt, device, zipf_batches, mem) -> None:
         del hot
         d.ram.dirty[d.ram.id_of >= 0] = True    # as after a long run: RAM's rows came down changed
         level.dirty[level.id_of >= 0] = True
-    elif args.gpu_start == "shares":            # what a model hands warm_cache: the stream's
-        shares = torch.zeros(args.rows, dtype=torch.float64)     # Zipf(1.1) frequencies
-        shares[torch.from_numpy(hottest(args.rows, args.rows)).long()] = \
-            torch.arange(1, args.rows + 1, dtype=torch.float64) ** -1.1
-        table.warm_cache(shares / shares.sum())
-        del shares
+    elif args.gpu_start == "shares":            # the stream's shares, as a model warms it
+        table.warm_cache(harness.zipf_shares(args.rows))
     t1 = time.perf_counter()                    # ("cold": the level fills from the steps)
     mem.mark("gpu cache warm")
     if args.gpu_settle:

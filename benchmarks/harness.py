@@ -169,6 +169,15 @@ def hottest(n_rows: int, k: int) -> np.ndarray:
     return out
 
 
+def zipf_shares(n_rows: int, a: float = 1.1) -> torch.Tensor:
+    """Each row's share of :func:`zipf_ids`' draws (float64 ``[n_rows]``, summing to 1): what
+    a model hands ``table.warm_cache``."""
+    shares = torch.zeros(n_rows, dtype=torch.float64)
+    shares[torch.from_numpy(hottest(n_rows, n_rows)).long()] = \
+        torch.arange(1, n_rows + 1, dtype=torch.float64) ** -a
+    return shares / shares.sum()
+
+
 def uniform_batches(n: int, ids: int, count: int, device, seed: int = 0) -> list:
     """``count`` batches of ``ids`` uniform ids below ``n`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -30,26 +31,20 @@ def _numpy_dtype(dtype: torch.dtype):
 WARM_CHUNK = 1 << 20       # ids warm() looks at at a time
 
 
-def write_bar(disk, what: str):
-    """The progress bar of a write of every row of ``disk`` (a :class:`DiskRows`; shown past
-    a second: a table of tens of GB takes minutes), or None."""
-    return progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
-
-
 def chunk_rows(disk) -> int:
     return max(1, (64 << 20) // disk.row_bytes)          # 64 MiB of rows at a time
 
 
 def write_all(disk, make, write, what: str, overlap: bool = True) -> None:
     """Every row of ``disk`` written once, :func:`chunk_rows` at a time: ``write(start,
-    make(start, stop))``, with a progress bar (:func:`write_bar`). ``overlap``: the next chunk
+    make(start, stop))``, with a progress bar (shown past a second: a table of tens of GB takes
+    minutes). ``overlap``: the next chunk
     is made (drawn, built) while one thread writes the last (packs it and hands it to the
     disk), so ``write`` must not need a lock the caller may hold; an error of either side is
     raised once the writer has stopped. Without, one after the other in this thread."""
-    from concurrent.futures import ThreadPoolExecutor
     step = chunk_rows(disk)
     chunks = [(a, min(disk.num_rows, a + step)) for a in range(0, disk.num_rows, step)]
-    bar = write_bar(disk, what)
+    bar = progress_bar(disk.num_rows * disk.row_bytes, f"table {disk.name!r}: {what}", None)
 
     def written(a: int, b: int) -> None:
         if bar is not None:
@@ -167,28 +162,28 @@ class WholeTable:
             starts = np.arange(0, self.num_rows, span)
             per = np.add.reduceat((want > 0).astype(np.int64), starts) if len(starts) else starts
             ends = np.minimum(starts + span, self.num_rows)
-            total = int(np.where(per * 16 >= span, ends - starts, per).sum()) * self.row_bytes
-            bar = progress_bar(total, f"table {self.name!r}: warming its caches", None)
+            # a stretch with a sixteenth of its rows wanted is read whole, in one sequential read
+            dense_of = per * 16 >= span
+            reads = np.where(dense_of, ends - starts, per)            # rows read per stretch
+            bar = progress_bar(int(reads.sum()) * self.row_bytes,
+                               f"table {self.name!r}: warming its caches", None)
             loaded = 0
             try:
-                for at, n in zip(starts.tolist(), per.tolist()):
+                for at, end, dense, n in zip(starts.tolist(), ends.tolist(), dense_of.tolist(),
+                                             reads.tolist()):
                     if not n:
                         continue
-                    stretch = want[at:at + span]
-                    part = np.flatnonzero(stretch) + at
-                    dense = len(part) * 16 >= span
                     if bar is not None:
-                        bar.update((min(span, self.num_rows - at) if dense else len(part))
-                                   * self.row_bytes)
+                        bar.update(n * self.row_bytes)
+                    stretch = want[at:end]
+                    part = np.flatnonzero(stretch) + at
                     if dense:
-                        start = int(part[0]) // span * span
-                        buf = np.empty((min(self.num_rows, start + span) - start, self.row_bytes),
-                                       dtype=np.uint8)
-                        self.file.read_range(start, buf)
+                        buf = np.empty((end - at, self.row_bytes), dtype=np.uint8)
+                        self.file.read_range(at, buf)
                     gpu = part[stretch[part - at] == 1]
                     if len(gpu):
                         if dense:
-                            level.place(gpu, buf[gpu - start])
+                            level.place(gpu, buf[gpu - at])
                         else:
                             rows = np.empty((len(gpu), self.row_bytes), dtype=np.uint8)
                             self.file.read(gpu, rows)
@@ -198,7 +193,7 @@ class WholeTable:
                     slots = ram.take_free(len(part))
                     part = part[: len(slots)]
                     if dense and len(part):
-                        ram.put_rows(slots, buf[part - start])
+                        ram.put_rows(slots, buf[part - at])
                         ram.placed(part, slots)
                     elif len(part):
                         d.load_rows(part, slots)
