@@ -22,4 +22,12 @@ done
 echo "=== benchmarks/regress.sh (this tree against itself, --quick)"
 OUT=$out ARGS=--quick bash benchmarks/regress.sh . "nbtools host" > "$out/regress.log" 2>&1 || {
   tail -40 "$out/regress.log"; echo "smoke: benchmarks/regress.sh failed"; exit 1; }
+echo "=== benchmarks/profile_step.py and sample_threads.py (this tree against itself, tiny)"
+{ python benchmarks/profile_step.py --rows 2000 --steps 3 --ids 64 --system "nbtools host" --out "$out/profile/a.json" &&
+  python benchmarks/profile_step.py --rows 2000 --steps 3 --ids 64 --system "nbtools host" --out "$out/profile/b.json" &&
+  python benchmarks/profile_step.py --diff "$out/profile/a.json" "$out/profile/b.json" &&
+  python benchmarks/sample_threads.py --within run_steps --out "$out/profile/threads.txt" benchmarks/bench_disk.py \
+    --rows 20000 --cache-gib 0.001 --steps 3 --uniform-rounds 0 --rounds 1 --also-ahead "" --out "$out/profile" &&
+  grep -q "inside run_steps" "$out/profile/threads.txt"; } > "$out/profile.log" 2>&1 || {
+  tail -40 "$out/profile.log"; echo "smoke: the profiling tools failed"; exit 1; }
 python benchmarks/summarize.py "$out"
