@@ -29,15 +29,15 @@ import nbtools
 from nbtools.models.clickstream import ClickStream, Item2Vec, fit_stream
 
 
-def compiled_kernels(device) -> int:
-    """Kernels Triton has compiled so far for ``device`` in the families loaded (0 without
-    Triton or on the torch path)."""
-    total = 0
+def compiled_by_kernel(device) -> dict:
+    """Per Triton kernel ("family.name") of the families loaded, the specialisations compiled
+    so far (entries in its caches; none without Triton or on the torch path)."""
+    out = {}
     for family in ("rows", "update", "admission", "segsum"):
         module = sys.modules.get(f"nbtools.kernels._{family}")    # (loaded at a first launch)
         if module is None:
             continue
-        for value in vars(module).values():
+        for name, value in vars(module).items():
             for _ in range(3):          # (an autotuner or heuristics wraps the JIT function)
                 if hasattr(value, "device_caches") or not hasattr(value, "fn"):
                     break
@@ -46,8 +46,14 @@ def compiled_kernels(device) -> int:
             if isinstance(cache, dict):
                 for per_device in cache.values():
                     entries = per_device[0] if isinstance(per_device, tuple) else per_device
-                    total += len(entries) if hasattr(entries, "__len__") else 0
-    return total
+                    if hasattr(entries, "__len__") and len(entries):
+                        out[f"{family}.{name}"] = out.get(f"{family}.{name}", 0) + len(entries)
+    return out
+
+
+def compiled_kernels(device) -> int:
+    """Kernels Triton has compiled so far in the families loaded."""
+    return sum(compiled_by_kernel(device).values())
 
 
 def unwritten_mib() -> float:
@@ -131,11 +137,14 @@ def main():
     harness.print_table(["step", "seconds", "Triton kernels compiled", "MiB not yet on disk"],
                         [[i, f"{s:.3f}", c, f"{u:,.0f}"] for i, (s, c, u) in
                          enumerate(zip(timer.seconds, timer.compiles, timer.unwritten))])
+    kinds = compiled_by_kernel(device)
+    print("specialisations compiled, per kernel: " +
+          (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"))
     print("host time by function, the whole loop (cProfile, own time):")
     print("\n".join(top))
     harness.save(args, "bench_disk_start.json", {
         "args": vars(args), "device": harness.device_name(device), **times,
-        "step_s": timer.seconds, "compiled": timer.compiles,
+        "step_s": timer.seconds, "compiled": timer.compiles, "compiled_by_kernel": kinds,
         "unwritten_mib": timer.unwritten, "profile": top,
         "ram_hit_rate": history["ram_hit_rate"]})
 

@@ -128,11 +128,11 @@ def main():
         diff(*(json.load(open(p)) for p in args.diff))
         return
     res = profile(args)
-    show(res)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(res, f)
+    show(res)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ class IndexLists:
         if buf is None or buf.tensor.shape[1] < n:
             if buf is not None:
                 buf.close()
-            buf = self.bufs[i] = HostTensor((2, max(n, 1 << 14)), torch.int64,
+            # (an even row length: the second list starts on a 16-byte boundary, as Triton
+            # compiled the copy for)
+            buf = self.bufs[i] = HostTensor((2, max(n + (n & 1), 1 << 14)), torch.int64,
                                             name="GPU cache index lists", device=self.device)
             self.events[i] = torch.cuda.Event()
         host = buf.tensor.numpy()

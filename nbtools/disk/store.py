@@ -126,13 +126,18 @@ def lookup(disk: DiskRows, dev: torch.device, ids: torch.Tensor, training: bool,
     m = len(where)
     k, inv = m + int(p.sentinel), p.inverse.reshape(-1)
     # [addresses | meta | inverse] in one buffer: one pinned copy to the GPU (a pageable copy
-    # would wait for the GPU)
-    buf = torch.empty(k + 3 + inv.numel(), dtype=torch.long,
+    # would wait for the GPU). Each part starts on a 16-byte boundary, whatever k: Triton
+    # compiles a kernel once per alignment of its pointers, so parts that moved with k's
+    # parity would compile the step's kernels twice over, seconds each, at random steps.
+    meta = k + (k & 1)
+    first = meta + 4
+    buf = torch.empty(first + inv.numel(), dtype=torch.long,
                       pin_memory=dev.type == "cuda")
     buf[:m] = torch.from_numpy(where)
     buf[m:k] = n
-    buf[k:k + 3] = torch.tensor([int(p.bad), k, int(p.sentinel)])
-    buf[k + 3:] = inv
+    buf[meta:meta + 3] = torch.tensor([int(p.bad), k, int(p.sentinel)])
+    buf[first:] = inv
     if dev.type == "cuda":
         buf = buf.to(dev, non_blocking=True)
-    return RowBatch(buf[:k], buf[k + 3:].view(p.inverse.shape), buf[k:k + 3], n), slots
+    return (RowBatch(buf[:k], buf[first:].view(p.inverse.shape), buf[meta:meta + 3], n),
+            slots)

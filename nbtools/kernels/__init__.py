@@ -22,6 +22,14 @@ functions live in one private module per family, each imported with Triton on it
 ``_update`` (the fused updates: one kernel, a rule per optimizer family), ``_admission`` (the
 GPU cache's admission, :func:`admit`) and ``_segsum`` (the fixed-order gradient sum,
 :func:`segment_sum`).
+
+Triton compiles a kernel once per specialisation of its arguments (an integer's divisibility
+by 16, a pointer's 16-byte alignment), seconds each, on the first launch in a session. So the
+sizes that change from one launch to the next, or from one table to another (a lookup's rows,
+a table's row count), are ``do_not_specialize`` in the kernels, and the index tensors a step
+hands them start on 16-byte boundaries: a table's kernels compile in its first steps and never
+again (tests/kernels/test_specialisation.py). Row strides do choose a specialisation: rows
+move in 16-byte vectors where the stride allows it.
 """
 from __future__ import annotations
 

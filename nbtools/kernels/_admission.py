@@ -39,7 +39,7 @@ def _add(ptr, val, PLAIN: tl.constexpr):
         tl.atomic_add(ptr, val, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "n_rows"])
 def admit_count(ids, count_ptr, cap, n_rows, freq, slot_of, stamp, tick_ptr, best, sets,
                 stats, HASH: tl.constexpr, BLOCK: tl.constexpr, PLAIN: tl.constexpr = False):
     # The cache's admission, pass 1, over a lookup's unique ids (each at most once, so no

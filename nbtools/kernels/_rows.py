@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "row_blocks", "n_rows"])
 def gather(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride, cap, width,
            cache, cache_stride, slots, row_blocks,
            HAS_CACHE: tl.constexpr, KEEP: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -54,7 +54,7 @@ def _gather_block(src, src_stride, col0, ids, count_ptr, n_rows, out, out_stride
                  mask=(r < cap)[:, None] & cmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "row_blocks", "n_rows"])
 def put(dst, dst_stride, ids, count_ptr, guard_ptr, n_rows, src, src_stride, cap, width,
         row_blocks, HAS_GUARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # gather's mirror: dst[ids[r]] = src[r] for r < count and 0 <= ids[r] < n_rows (nothing
@@ -74,7 +74,7 @@ def put(dst, dst_stride, ids, count_ptr, guard_ptr, n_rows, src, src_stride, cap
         tl.store(dst + idx[:, None] * dst_stride + c[None, :], vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["steps", "n_rows"])
 def patch(out, out_stride, ids, count_ptr, n_rows, src, src_stride, src_ids, src_count_ptr,
           width, steps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # out[r] = src[j] where src_ids[j] == ids[r], for r < count, ids in range and j <
@@ -101,7 +101,7 @@ def patch(out, out_stride, ids, count_ptr, n_rows, src, src_stride, src_ids, src
     tl.store(out + r[:, None] * out_stride + c[None, :], vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap"])
 def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # dst[didx[r]] = src[sidx[r]] for r < cap where both are >= 0 (whole rows).
@@ -114,7 +114,7 @@ def copy(src, src_stride, sidx, dst, dst_stride, didx, cap, width,
     tl.store(dst + t[:, None] * dst_stride + c[None, :], vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def take(src, src_stride, idx, n, out, out_stride, width,
          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # out[r] = src[idx[r]] for r < n, converted to out's dtype (a lookup's rows in the

@@ -25,7 +25,7 @@ def _flag_nonfinite(found, acc, mask):
     tl.store(found, 1.0, mask=bad > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "cap"])
 def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride, cap,
                    part_first, part_last, d, found, CHUNK: tl.constexpr,
                    BLOCK_C: tl.constexpr, CHECK: tl.constexpr):
@@ -76,7 +76,7 @@ def segment_chunks(src, src_stride, src_cstride, order, slot, n, out, out_stride
     tl.store(part_last + here, acc, mask=m2 & (at_end & ~tail & ~through)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "chunks"])
 def segment_join(slot, n, chunks, out, out_stride, part_first, part_last, d, found,
                  CHUNK: tl.constexpr, PARTS: tl.constexpr, BLOCK_C: tl.constexpr,
                  CHECK: tl.constexpr):

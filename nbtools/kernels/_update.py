@@ -160,7 +160,7 @@ def _row_sum_sq(g, R: tl.constexpr, C: tl.constexpr):
 # optimizer family's arithmetic at compile time (one compiled kernel per rule, as five
 # kernels would be); the options after HAS_WD belong to one rule each, and the others leave
 # them at their defaults.
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "n_rows"])
 def update(rows, rows_stride, rows_w, rows_w_stride, grad, grad_stride, dst, dst_stride, dst_w,
            dst_w_stride, ids, count_ptr, guard_ptr, cache, cache_stride, cache_w, cache_w_stride,
            slots, n_rows, cap, d, s0, hyper, RULE: tl.constexpr, ROUND_W: tl.constexpr,

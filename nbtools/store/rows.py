@@ -98,9 +98,10 @@ def unique_ids(flat: torch.Tensor, num_rows: int, padding_idx=None) -> RowBatch:
         valid &= flat != padding_idx
     safe = torch.where(valid, flat, num_rows)
     # inverse, order and slot in one allocation (RowBatch: a prefetch made on a side stream
-    # records `inverse` on the main one, and with it the other two)
-    maps = torch.empty(3, n, dtype=torch.long, device=device)
-    inverse, order, slot = maps[0], maps[1], maps[2]
+    # records `inverse` on the main one, and with it the other two), each on a 16-byte
+    # boundary whatever n: Triton compiles a kernel once per alignment of its pointers
+    maps = torch.empty(3, n + (n & 1), dtype=torch.long, device=device)
+    inverse, order, slot = maps[0, :n], maps[1, :n], maps[2, :n]
     # stable: equal ids keep their positions' order, so each id's gradient rows are summed in
     # the order of the lookup (sum_by_slot), the same on every run
     if num_rows < 2 ** 31 - 1:        # int32 keys: a radix sort of half the passes
