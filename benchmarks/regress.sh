@@ -7,6 +7,7 @@
 #     gzip -c .scratch/w2vbuild/combined.txt > .scratch/w2v/corpus.txt.gz &&
 #     cp -r .scratch/w2vbuild/eval .scratch/w2v/      # the word2vec corpus (~20 MB), here, once
 #   bash benchmarks/regress.sh [.scratch/old] [systems]     # ARGS=--quick: small sizes (CPU)
+#   REPEATS=3 bash benchmarks/regress.sh ...    # old and new alternated 3 times: medians
 # Results: $OUT/regress/<old|new>-<system>/step.json (and -w2v/word2vec.json), two levels
 # deep (the GPU machine's tool brings back no deeper); the table at the end.
 set -u
@@ -17,14 +18,16 @@ export PYTHONUNBUFFERED=1
 new=$PWD
 failed=0
 IFS=, read -r -a names <<< "$systems"
-for s in "${names[@]}"; do
-  for side in old new; do
-    tree=$old; [ "$side" = new ] && tree=$new
-    dir="$out/$side-${s// /_}"
-    mkdir -p "$dir"
-    (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 150 python3 benchmarks/bench_step.py ${ARGS:-} \
-      --only "$s" --out "$(cd "$new" && realpath "$dir")" > "$(cd "$new" && realpath "$dir")/log" 2>&1) \
-      || { echo "$side $s: failed (see $dir/log)"; failed=1; }
+for r in $(seq 1 "${REPEATS:-1}"); do      # REPEATS: old and new alternated, the median taken
+  for s in "${names[@]}"; do
+    for side in old new; do
+      tree=$old; [ "$side" = new ] && tree=$new
+      dir="$out/$side-${s// /_}"; [ "$r" -gt 1 ] && dir="$dir-$r"
+      mkdir -p "$dir"
+      (cd "$tree" && PYTHONPATH="$PWD:${SITE:-}" timeout 150 python3 benchmarks/bench_step.py ${ARGS:-} \
+        --only "$s" --out "$(cd "$new" && realpath "$dir")" > "$(cd "$new" && realpath "$dir")/log" 2>&1) \
+        || { echo "$side $s: failed (see $dir/log)"; failed=1; }
+    done
   done
 done
 if [ -f .scratch/w2v/corpus.txt.gz ]; then
@@ -39,21 +42,28 @@ if [ -f .scratch/w2v/corpus.txt.gz ]; then
   done
 fi
 python3 - "$out" <<'EOF'
-import glob, json, os, sys
+import glob, json, os, statistics, sys
 out = sys.argv[1]
 def figures(side):
+    """figure -> its values, one per repeat (in the order run)."""
     got = {}
-    for f in glob.glob(f"{out}/{side}-*/step.json"):
-        got.update({k: v for k, v in json.load(open(f)).get("ms", {}).items()
-                    if isinstance(v, (int, float))})
+    for f in sorted(glob.glob(f"{out}/{side}-*/step.json"),
+                    key=lambda f: (len(f), f)):           # (repeat 1's folder has no suffix)
+        for k, v in json.load(open(f)).get("ms", {}).items():
+            if isinstance(v, (int, float)):
+                got.setdefault(k, []).append(v)
     w = f"{out}/{side}-w2v/word2vec.json"
     if os.path.exists(w):
         for name, r in json.load(open(w)).get("systems", {}).items():
-            got[f"word2vec {name} (words/s)"] = r["words_per_s"]
+            got[f"word2vec {name} (words/s)"] = [r["words_per_s"]]
     return got
 old, new = figures("old"), figures("new")
-print(f"{'figure':<60} {'old':>10} {'new':>10} {'new/old':>8}")
+print(f"{'figure':<60} {'old':>10} {'new':>10} {'new/old':>8}" +
+      ("   (medians of the repeats; new/old: the median of each repeat's ratio)"
+       if any(len(v) > 1 for v in old.values()) else ""))
 for k in sorted(set(old) & set(new)):
-    print(f"{k:<60} {old[k]:>10.4g} {new[k]:>10.4g} {new[k] / old[k]:>8.3f}")
+    ratios = [b / a for a, b in zip(old[k], new[k])]
+    print(f"{k:<60} {statistics.median(old[k]):>10.4g} {statistics.median(new[k]):>10.4g} "
+          f"{statistics.median(ratios):>8.3f}")
 EOF
 exit $failed
