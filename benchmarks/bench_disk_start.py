@@ -26,34 +26,8 @@ import torch
 from harness import synchronize
 
 import nbtools
+from nbtools.kernels.common import compiled, compiled_by_kernel
 from nbtools.models.clickstream import ClickStream, Item2Vec, fit_stream
-
-
-def compiled_by_kernel(device) -> dict:
-    """Per Triton kernel ("family.name") of the families loaded, the specialisations compiled
-    so far (entries in its caches; none without Triton or on the torch path)."""
-    out = {}
-    for family in ("rows", "update", "admission", "segsum"):
-        module = sys.modules.get(f"nbtools.kernels._{family}")    # (loaded at a first launch)
-        if module is None:
-            continue
-        for name, value in vars(module).items():
-            for _ in range(3):          # (an autotuner or heuristics wraps the JIT function)
-                if hasattr(value, "device_caches") or not hasattr(value, "fn"):
-                    break
-                value = value.fn
-            cache = getattr(value, "device_caches", None)
-            if isinstance(cache, dict):
-                for per_device in cache.values():
-                    entries = per_device[0] if isinstance(per_device, tuple) else per_device
-                    if hasattr(entries, "__len__") and len(entries):
-                        out[f"{family}.{name}"] = out.get(f"{family}.{name}", 0) + len(entries)
-    return out
-
-
-def compiled_kernels(device) -> int:
-    """Kernels Triton has compiled so far in the families loaded."""
-    return sum(compiled_by_kernel(device).values())
 
 
 def unwritten_mib() -> float:
@@ -76,11 +50,11 @@ class StepTimer:
         self.device = device
         self.seconds, self.compiles, self.unwritten = [], [], []
         self.t = time.perf_counter()
-        self.seen = compiled_kernels(device)
+        self.seen = compiled()
 
     def step(self, n):
         synchronize(self.device)
-        now, seen = time.perf_counter(), compiled_kernels(self.device)
+        now, seen = time.perf_counter(), compiled()
         self.seconds.append(now - self.t)
         self.compiles.append(seen - self.seen)
         self.unwritten.append(unwritten_mib())
@@ -137,7 +111,7 @@ def main():
     harness.print_table(["step", "seconds", "Triton kernels compiled", "MiB not yet on disk"],
                         [[i, f"{s:.3f}", c, f"{u:,.0f}"] for i, (s, c, u) in
                          enumerate(zip(timer.seconds, timer.compiles, timer.unwritten))])
-    kinds = compiled_by_kernel(device)
+    kinds = compiled_by_kernel()
     print("specialisations compiled, per kernel: " +
           (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"))
     print("host time by function, the whole loop (cProfile, own time):")

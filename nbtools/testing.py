@@ -48,6 +48,7 @@ class FakeBackend:
         "host_available_bytes": 44 << 30, "process_rss_bytes": 12 << 30,
         "nbtools_pinned_bytes": 8 << 30, "nbtools_h2d_bytes": 0, "nbtools_d2h_bytes": 0,
         "nbtools_cache_lookup_rows": 0, "nbtools_cache_hit_rows": 0, "nbtools_cache_saved_bytes": 0,
+        "nbtools_compiled_kernels": 0,
         # no disk table: N/A until disk_io() pretends one moved rows
         **dict.fromkeys(DISK_KEYS),
         "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * PCIE_LANE_BYTES_PER_S[5],
@@ -89,6 +90,10 @@ class FakeBackend:
         self.values["nbtools_cache_lookup_rows"] += lookups
         self.values["nbtools_cache_hit_rows"] += hits
         self.values["nbtools_cache_saved_bytes"] += saved_bytes
+
+    def compile(self, kernels: int = 1) -> None:
+        """Pretend ``kernels`` GPU kernels compiled (a first launch in a session)."""
+        self.values["nbtools_compiled_kernels"] += kernels
 
     def disk_io(self, **counts) -> None:
         """Pretend disk tables moved rows: adds to the :func:`nbtools.disk.disk_counters`

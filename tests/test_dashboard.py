@@ -544,3 +544,27 @@ def test_a_disk_table_trained_on_cpu_shows_its_reads(tmp_path):
     assert r["whole_run"] and r["nbtools_disk_read_bytes_per_s"] > 0 and r["disk_wait_total_s"] > 0
     assert "disk read" in out.getvalue() and ">disk read</div>" in dash.snapshot_html()
     table.close()
+
+
+def test_a_pause_while_gpu_kernels_compile_is_named_and_not_warned_of_as_a_drop():
+    """A fresh session's first launches compile the kernels, seconds each: mid-run (a kernel
+    first launched at step 600) the dashboard says so, instead of "throughput dropped"."""
+    b = FakeBackend(gpu_util_percent=90.0)
+    dash = make(backend=b)
+    _loop(dash, b, steps=1500)                  # 15 s at full speed: the best rate is known
+    b.compile(3)
+    dash.clock.advance(9.0)                     # one step waits for three compiles
+    dash.step(256)
+    assert dash.record["diagnosis"].startswith("compiling GPU kernels: 3 compiled")
+    assert dash.warnings == []
+    assert "compiling GPU kernels" in dash.out.getvalue()
+    _loop(dash, b, steps=500)
+    assert dash.record["diagnosis"].startswith("compute-bound")
+    assert dash.warnings == []
+    # the same pause without a compile is a drop
+    b2 = FakeBackend(gpu_util_percent=90.0)
+    other = make(backend=b2)
+    _loop(other, b2, steps=1500)
+    other.clock.advance(9.0)
+    other.step(256)
+    assert other.warnings and other.warnings[0].startswith("throughput dropped")

@@ -130,6 +130,30 @@ def unavailable(device: torch.device) -> dict:
     return why
 
 
+def compiled_by_kernel() -> dict:
+    """Per kernel (``"family.name"``) of the families loaded so far, the specialisations Triton
+    has compiled (or loaded from its cache) in this process: each is a pause of seconds at its
+    first launch on a machine with an empty Triton cache (every new Colab session). Empty
+    without Triton, on the torch path or before a first launch; imports nothing."""
+    import sys
+    out = {}
+    for family in FAMILIES:
+        module = sys.modules.get(f"nbtools.kernels._{family}")
+        for name, fn in (vars(module) if module is not None else {}).items():
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            n = sum(len(c[0]) if isinstance(c, tuple) else len(c) for c in caches.values())
+            if n:
+                out[f"{family}.{name}"] = n
+    return out
+
+
+def compiled() -> int:
+    """The specialisations :func:`compiled_by_kernel` counts, all together."""
+    return sum(compiled_by_kernel().values())
+
+
 def forget() -> None:
     """Decide again on the next question (tests that change what a device reports)."""
     _decided.clear()

@@ -18,7 +18,8 @@ TORCH_KEYS = ("torch_allocated_bytes", "torch_reserved_bytes", "torch_peak_bytes
               "torch_pinned_bytes")
 HOST_KEYS = ("host_total_bytes", "host_used_bytes", "host_available_bytes", "process_rss_bytes")
 NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes",
-                "nbtools_cache_lookup_rows", "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes")
+                "nbtools_cache_lookup_rows", "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes",
+                "nbtools_compiled_kernels")
 LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
 # nbtools.disk.disk_counters(), every disk table's cumulative traffic, under these names
 DISK_COUNTERS = ("read_bytes", "write_bytes", "read_s", "write_s", "lookup_rows", "hit_rows",
@@ -230,7 +231,9 @@ class SystemBackend:
                 "nbtools_h2d_bytes": c["h2d_bytes"], "nbtools_d2h_bytes": c["d2h_bytes"],
                 "nbtools_cache_lookup_rows": cache["lookup_rows"],
                 "nbtools_cache_hit_rows": cache["hit_rows"],
-                "nbtools_cache_saved_bytes": cache["saved_bytes"]}
+                "nbtools_cache_saved_bytes": cache["saved_bytes"],
+                # the Triton kernels compiled so far (seconds each, at a first launch)
+                "nbtools_compiled_kernels": _kernels_compiled()}
 
     def disk(self):
         """The disk tier's cumulative counters (:func:`nbtools.disk.disk_counters`): bytes read
@@ -258,6 +261,12 @@ class SystemBackend:
             except Exception:
                 pass
             self._nvml = None
+
+
+def _kernels_compiled() -> int:
+    """:func:`nbtools.kernels.common.compiled` (0 while the kernels were never imported)."""
+    module = sys.modules.get("nbtools.kernels.common")
+    return module.compiled() if module is not None else 0
 
 
 def safe_reading(fn, keys, *args):

@@ -132,7 +132,9 @@ def _disk_share(r: dict):
 def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     """One line saying what bounds the run, from one record.
 
-    First the disk tier: **disk-bound** when ``disk_wait_s`` (mean seconds per step that the
+    First, **compiling** while GPU kernels compiled since the last reading
+    (``compiled_kernels``): a session's first launches pause for seconds each, and the rates
+    of that interval say nothing about the run. Then the disk tier: **disk-bound** when ``disk_wait_s`` (mean seconds per step that the
     training loop's thread waited for disk tables: their reads, write-backs of evicted rows,
     and the wait for a read-ahead still in flight) is the largest of the four parts a step is
     split into: that wait, ``data_wait_s``, ``transfer_s``, and the rest of ``step_s`` (compute
@@ -149,6 +151,8 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     >>> diagnose({"nbtools_h2d_bytes_per_s": 18e9, "nbtools_d2h_bytes_per_s": 18e9,
     ...           "link_bytes_per_s": 63e9, "gpu_util_percent": 88})[:58]
     'transfer-bound: nbtools moves 36 GB/s of rows (18 in, 18 o'
+    >>> diagnose({"compiled_kernels": 3, "gpu_util_percent": 2.0})[:49]
+    'compiling GPU kernels: 3 compiled since the last '
     >>> diagnose({"gpu_util_percent": 97.0, "step_s": 0.005})
     'compute-bound: GPU busy 97%; a larger batch or mixed precision helps'
     >>> diagnose({"disk_wait_s": 0.006, "step_s": 0.010, "host_cache_hit_percent": 91.0,
@@ -161,6 +165,10 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     r = record
     link = link_bytes_per_s or r.get("link_bytes_per_s")
     step = r.get("step_s")
+    if r.get("compiled_kernels"):
+        return (f"compiling GPU kernels: {r['compiled_kernels']} compiled since the last "
+                "reading, each at its first launch in this session (seconds each, once); the "
+                "steps after them run at full speed")
     disk = _disk_share(r)
     if disk is not None:
         hits = r.get("host_cache_hit_percent")
@@ -216,7 +224,8 @@ class Warnings:
 
     Kinds: ``gpu_memory`` (GPU memory used, or reserved by torch, near its total),
     ``host_memory`` (host RAM, pinned pages included, near the machine's total) and
-    ``throughput_drop`` (rate below ``drop_fraction`` of the best seen after a warm-up).
+    ``throughput_drop`` (rate below ``drop_fraction`` of the best seen after a warm-up; not
+    within ``warmup_s`` of GPU kernels compiling, a first launch's pause of seconds).
 
     >>> w = Warnings()
     >>> w.check({"gpu_used_bytes": 79 << 30, "gpu_total_bytes": 80 << 30})
@@ -233,6 +242,7 @@ class Warnings:
         self.warmup_s = warmup_s
         self.fired: dict[str, str] = {}
         self._best_rate = None
+        self._compiled_at = None      # elapsed_s when kernels last compiled
 
     def check(self, r: dict) -> list[str]:
         """New warnings for this record (each kind at most once per run)."""
@@ -254,7 +264,12 @@ class Warnings:
                               f"used ({f:.0%}){of_it}: the kernel may kill the process; "
                               "free memory or use a smaller table / fewer state tensors")
         rate = r.get("samples_per_s")
-        if rate is not None and (r.get("elapsed_s") or 0) >= self.warmup_s:
+        elapsed = r.get("elapsed_s") or 0
+        if r.get("compiled_kernels"):
+            self._compiled_at = elapsed
+        if self._compiled_at is not None and elapsed - self._compiled_at < self.warmup_s:
+            rate = None         # a window with a first launch's compile in it: not a drop
+        if rate is not None and elapsed >= self.warmup_s:
             if self._best_rate is not None and rate < self.drop_fraction * self._best_rate:
                 unit = r.get("unit", "samples")
                 new += self._fire("throughput_drop",

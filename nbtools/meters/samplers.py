@@ -14,7 +14,8 @@ from .backends import (DISK_KEYS, LINK_KEYS, PCIE_LANE_BYTES_PER_S, READERS, Sys
 
 # nbtools' cumulative counters that Meters.read turns into per-interval figures
 _COUNTERS = ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_lookup_rows",
-             "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes") + DISK_KEYS
+             "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes",
+             "nbtools_compiled_kernels") + DISK_KEYS
 # the disk counters that say a disk table has been used (time counters do not: they only grow
 # while rows move)
 _DISK_USE = ("nbtools_disk_lookup_rows", "nbtools_disk_read_bytes", "nbtools_disk_write_bytes")
@@ -245,6 +246,8 @@ class Meters:
         for k in ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_saved_bytes"):
             d = delta(k)
             rec[f"{k}_per_s"] = None if d is None else d / dt
+        # GPU kernels compiled in this interval (their first launches: seconds each)
+        rec["compiled_kernels"] = delta("nbtools_compiled_kernels")
         looked, hit = delta("nbtools_cache_lookup_rows"), delta("nbtools_cache_hit_rows")
         rec["cache_hit_percent"] = 100.0 * hit / looked if looked and hit is not None else None
         # the disk tier, once disk tables have been used since these meters started

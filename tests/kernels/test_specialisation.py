@@ -139,15 +139,7 @@ def test_a_disk_lookups_batch_starts_each_part_on_a_16_byte_boundary(tmp_path, u
                     reason="CUDA with the Triton kernels")
 @pytest.mark.parametrize("placement", ["host", "disk"])
 def test_steps_of_changing_sizes_compile_nothing_after_the_first_ones(tmp_path, placement):
-    from nbtools.kernels import _rows, _segsum, _update
-
-    def compiled():
-        total = 0
-        for module in (_rows, _segsum, _update):
-            for fn in vars(module).values():
-                for per_device in getattr(fn, "device_caches", {}).values():
-                    total += len(per_device[0])
-        return total
+    from nbtools.kernels.common import compiled
 
     extra = dict(disk_dir=str(tmp_path), cache_rows=256) if placement == "disk" else {}
     t = OffloadedEmbedding(5000, 40, device=DEVICE, placement=placement, dtype=torch.bfloat16,

@@ -35,7 +35,7 @@ def test_meters_read_has_every_key_with_units():
     assert rec["gpu_used_bytes"] == 6 << 30
     assert rec["pinned_bytes"] == (8 << 30) + 0       # nbtools + torch host allocator
     assert all(k.endswith(("_bytes", "_s", "_per_s", "_percent", "_gen", "_width", "_source",
-                           "_rows"))
+                           "_rows", "_kernels"))
                for k in rec), sorted(rec)
 
 
