@@ -290,8 +290,14 @@ def main():
                     help="OffloadConfig.deterministic of the nbtools systems: on (the default), "
                     "off (atomics), both (the host, GPU and small-model systems in each mode, "
                     "their time ratios, and 'repeat diff': how far two identical runs end apart)")
+    ap.add_argument("--backward-on-loop-thread", action="store_true",
+                    help="each backward on the loop's thread (torch.autograd."
+                    "set_multithreading_enabled(False), as nbtools' train() does by default), "
+                    "not handed to autograd's device thread")
     args = ap.parse_args()
     device = harness.setup(args)
+    if args.backward_on_loop_thread:
+        torch.autograd.set_multithreading_enabled(False)
     if args.quick:
         args.rows, args.dim, args.steps = 100_000, 32, 3
         args.only = args.only or ",".join(QUICK)
@@ -318,7 +324,8 @@ def main():
         cmd = [sys.executable, __file__, "--system", name, "--rows", str(args.rows), "--dim",
                str(args.dim), "--steps", str(args.steps), "--device", args.device,
                "--deterministic", args.deterministic] + (["--quick"] if args.quick else []) + \
-            (["--own-floors"] if args.own_floors else [])
+            (["--own-floors"] if args.own_floors else []) + \
+            (["--backward-on-loop-thread"] if args.backward_on_loop_thread else [])
         got = harness.run_child(name, cmd)
         if got is None:
             continue

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks as on Colab's free tier, beside the same runs unrestricted, in one call:
 #   bash benchmarks/colab_profile.sh [--quick]
-# "colab": 2 cores (taskset -c 0,1), a 12 GiB host budget (NBTOOLS_HOST_BUDGET) and a GPU capped at
+# "colab": 2 cores (taskset -c 0,1; COLAB_CORES=2,3 picks others: 0 and 1 may serve the
+# machine's interrupts), a 12 GiB host budget (NBTOOLS_HOST_BUDGET) and a GPU capped at
 # 15 GiB (NBTOOLS_GPU_CAP_GIB, through benchmarks/colab/sitecustomize.py, child processes too);
 # "full": the machine as it is. Runs: the step (a host table and a GPU-placed one), word2vec
 # (host and placement="auto", one epoch of CORPUS, default .scratch/offline/corpus.txt.zip, the
@@ -12,7 +13,8 @@
 # Results: $OUT (default artifacts/colab), one JSON folder per run, and a table of colab / full
 # per figure at the end (benchmarks/colab/compare.py).
 # --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
-# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S, AHEAD_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS.
+# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S, AHEAD_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS;
+# STEP_ARGS: more bench_step.py flags (e.g. --backward-on-loop-thread).
 # ONLY="disk step": these runs only; PROFILES="colab": that profile only.
 set -u
 cd "$(dirname "$0")/.."
@@ -36,7 +38,7 @@ one() {
     echo "=== $profile $name"
     if [ $profile = colab ]; then
       timeout "$limit" env NBTOOLS_HOST_BUDGET=12GiB NBTOOLS_GPU_CAP_GIB=15 \
-        PYTHONPATH="$PWD/benchmarks/colab:$PYTHONPATH" taskset -c 0,1 "$@" --out "$out/$profile" \
+        PYTHONPATH="$PWD/benchmarks/colab:$PYTHONPATH" taskset -c "${COLAB_CORES:-0,1}" "$@" --out "$out/$profile" \
         > "$out/$profile/$name.log" 2>&1
     else
       timeout "$limit" "$@" --out "$out/$profile" > "$out/$profile/$name.log" 2>&1
@@ -74,7 +76,7 @@ shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
   one disk "${DISK_S:-290}" "$py" benchmarks/bench_disk.py --rows 20000000 --cache-gib 1.4 \
     --gpu-cache-gib 2 --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 182 \
     --uniform-rounds 0 --rounds "${DISK_ROUNDS:-4}" --also-ahead "" --dir /tmp/nbtools-colab-disk
-  one step "${STEP_S:-200}" "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu"
+  one step "${STEP_S:-200}" "$py" benchmarks/bench_step.py --only "nbtools host,nbtools gpu" ${STEP_ARGS:-}
   one word2vec "${WORD2VEC_S:-200}" "$py" benchmarks/bench_word2vec.py --systems host,gpu \
     --epochs 1 --corpus "$gz" --max-tokens "${WORD2VEC_TOKENS:-5000000}"
   one mirror "${MIRROR_S:-150}" "$py" benchmarks/bench_mirror.py
