@@ -135,8 +135,8 @@ def test_a_disk_lookups_batch_starts_each_part_on_a_16_byte_boundary(tmp_path, u
     t.close()
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda" or not kernels.usable_on(DEVICE),
-                    reason="CUDA with the Triton kernels")
+@pytest.mark.gpu
+@pytest.mark.kernels("rows")
 @pytest.mark.parametrize("placement", ["host", "disk"])
 def test_steps_of_changing_sizes_compile_nothing_after_the_first_ones(tmp_path, placement):
     from nbtools.kernels.common import compiled
