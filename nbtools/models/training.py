@@ -60,6 +60,19 @@ def lr_factor(config: TrainConfig, progress: float) -> float:
     return 1.0 - (1.0 - config.min_lr_ratio) * progress
 
 
+COMPILE_NOTE = "the first steps compile the GPU kernels (seconds each, once a session)"
+
+
+def compile_note(model: nn.Module) -> str | None:
+    """What the progress bar says before a loop's first step where that step will compile
+    nbtools' GPU kernels (a model on CUDA, Triton there, none compiled yet in this process):
+    tens of seconds with the GPU idle, which would otherwise look like a hang. None elsewhere."""
+    from ..kernels import common
+    on_gpu = any(p.is_cuda for p in model.parameters()) or any(
+        getattr(getattr(m, "device", None), "type", None) == "cuda" for m in model.modules())
+    return COMPILE_NOTE if on_gpu and common.triton_ok() and common.compiled() == 0 else None
+
+
 def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *, epochs: int,
           config: TrainConfig | None = None, dashboard=None, checkpoints=None,
           **options) -> dict:
@@ -124,6 +137,9 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
     if config.progress and dashboard is None:
         from tqdm.auto import tqdm     # only when asked: import nbtools stays light
         bar = tqdm(total=total, initial=min(step, total), unit="step", desc="training")
+    note = compile_note(model) if bar is not None else None
+    if note:
+        bar.set_postfix_str(note)
     running, count = None, 0            # loss summed on the device since the last record
     threads = torch.autograd.set_multithreading_enabled(not config.backward_on_loop_thread)
     t0 = time.perf_counter()
@@ -150,6 +166,9 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                 if dashboard is not None:
                     dashboard.step(batch[0].shape[0])
                 if bar is not None:
+                    if note and step % log_every:   # (a loss record replaces it anyway)
+                        note = None
+                        bar.set_postfix_str("")
                     bar.update(1)
                 if step % log_every == 0:
                     mean = float(running) / count       # note: a CPU-GPU sync point

@@ -352,3 +352,42 @@ def test_train_runs_backward_on_its_own_thread_and_restores_autograds_setting(lo
             assert torch.equal(other.state_dict()[k], v), k
     with pytest.raises(TypeError, match="backward_on_loop_thread"):
         train(model, loader, opt, epochs=1, backward_on_loop_thread="yes")
+
+
+def test_the_progress_bar_says_the_first_steps_compile_the_gpu_kernels(monkeypatch):
+    """A session's first steps on a GPU compile the kernels, tens of seconds with the GPU idle:
+    the bar says so until the first step is done, and only where that is what happens."""
+    from nbtools.kernels import common
+    from nbtools.models import training
+    model, opt, loader = _w2v_setup(0)
+    assert training.compile_note(model) is None               # the CPU: nothing compiles
+    monkeypatch.setattr(common, "triton_ok", lambda: True)
+    monkeypatch.setattr(common, "compiled", lambda: 0)
+    probe = torch.nn.Module()                    # (a part on a GPU, as a table there shows it;
+    probe.device = torch.device("cuda")          # the model still runs on the CPU)
+    model.add_module("probe", probe)
+    assert training.compile_note(model) == training.COMPILE_NOTE
+    monkeypatch.setattr(common, "compiled", lambda: 12)         # compiled already
+    assert training.compile_note(model) is None
+    monkeypatch.setattr(common, "compiled", lambda: 0)
+    shown = []
+
+    class Bar:
+        def __init__(self, *a, **kw):
+            pass
+
+        def set_postfix_str(self, text):
+            shown.append(text)
+
+        def set_postfix(self, **kw):
+            shown.append(kw)
+
+        def update(self, n):
+            shown.append(n)
+
+        def close(self):
+            pass
+    import tqdm.auto
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    train(model, loader, opt, epochs=1, log_every=1000)
+    assert shown[:3] == [training.COMPILE_NOTE, "", 1] and training.COMPILE_NOTE not in shown[3:]
