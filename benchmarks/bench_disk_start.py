@@ -17,7 +17,6 @@ import cProfile
 import io
 import pstats
 import shutil
-import sys
 import tempfile
 import time
 

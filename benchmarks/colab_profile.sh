@@ -49,14 +49,18 @@ one() {
   done
 }
 
+# the disk runs at small sizes: --quick's runs, and the untimed twins that compile the kernels
+small_disk=(benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02
+  --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead ""
+  --dir /tmp/nbtools-colab-disk)
+small_ahead=(benchmarks/bench_ahead.py --quick --gpu-cache-gib 1 --dir /tmp/nbtools-colab-disk)
+
 if [ "$quick" = --quick ]; then
   one step 300 "$py" benchmarks/bench_step.py --quick
   one word2vec 300 "$py" benchmarks/bench_word2vec.py --quick --systems host,gpu
   one mirror 300 "$py" benchmarks/bench_mirror.py --quick
-  one ahead 300 "$py" benchmarks/bench_ahead.py --quick --gpu-cache-gib 1 --dir /tmp/nbtools-colab-disk
-  one disk 300 "$py" benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02 \
-    --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead "" \
-    --dir /tmp/nbtools-colab-disk
+  one ahead 300 "$py" "${small_ahead[@]}"
+  one disk 300 "$py" "${small_disk[@]}"
 else
   gz=/tmp/nbtools-colab-corpus.txt.gz
   [ -f "$gz" ] || "$py" -c "import gzip, shutil, sys, zipfile
@@ -66,12 +70,10 @@ shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"
   # on a fresh machine each kernel compiles at its first launch, seconds each, and the
   # profile that ran first would pay for both (the kernels take no table or lookup size)
   echo "=== compiling the kernels (small runs, untimed)"
-  "$py" benchmarks/bench_disk.py --rows 200000 --cache-gib 0.01 --gpu-cache-gib 0.02 \
-    --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 5 --uniform-rounds 0 --also-ahead "" \
-    --dir /tmp/nbtools-colab-disk --out "$out/compile" > "$out/compile.log" 2>&1 || echo "    (failed: $out/compile.log)"
-  rm -rf /tmp/nbtools-colab-disk
-  "$py" benchmarks/bench_ahead.py --quick --gpu-cache-gib 1 --dir /tmp/nbtools-colab-disk \
-    --out "$out/compile" >> "$out/compile.log" 2>&1 || echo "    (failed: $out/compile.log)"
+  for twin in "small_disk[@]" "small_ahead[@]"; do
+    rm -rf /tmp/nbtools-colab-disk
+    "$py" "${!twin}" --out "$out/compile" >> "$out/compile.log" 2>&1 || echo "    (failed: $out/compile.log)"
+  done
   # the warm-start target's run first (each run stopped at its limit, in seconds)
   one disk "${DISK_S:-290}" "$py" benchmarks/bench_disk.py --rows 20000000 --cache-gib 1.4 \
     --gpu-cache-gib 2 --gpu-start shares --gpu-settle 0 --gpu-rounds 1 --steps 182 \

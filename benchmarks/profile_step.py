@@ -17,19 +17,16 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import sys
+
+from sample_threads import short_path     # (this script's folder; before --tree's is added)
 
 
 def where(code) -> str:
-    """A function's name as a tree-independent key: path below the tree's package, line, name."""
+    """A function's name as a tree-independent key: its file (:func:`short_path`) and name."""
     path, line, name = code
-    for mark in ("/nbtools/", "/benchmarks/", "/torch/", "/triton/"):
-        if mark in path:
-            path = mark.strip("/") + "/" + path.split(mark, 1)[1]
-            break
-    else:
-        path = os.path.basename(path)
-    return f"{path}:{name}"
+    return f"{short_path(path)}:{re.sub(r' at 0x[0-9a-f]+', '', name)}"    # (no addresses)
 
 
 def profile(args) -> dict:

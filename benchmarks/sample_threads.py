@@ -22,6 +22,17 @@ import threading
 import time
 
 
+def short_path(path: str) -> str:
+    """A source file's name as a key the same in any checkout: the path below the package
+    it belongs to (nbtools/..., torch/...), else its base name."""
+    if "/site-packages/" in path:
+        return path.rsplit("/site-packages/", 1)[1]
+    for mark in ("/nbtools/", "/benchmarks/", "/concurrent/"):
+        if mark in path:
+            return mark.strip("/") + "/" + path.rsplit(mark, 1)[1]
+    return os.path.basename(path)
+
+
 class Sampler:
     IDLE = ("concurrent/futures/thread.py:_worker", "threading.py:wait")
 
@@ -38,16 +49,7 @@ class Sampler:
 
     @staticmethod
     def _name(frame) -> str:
-        code = frame.f_code
-        path = code.co_filename
-        for mark in ("/nbtools/", "/benchmarks/", "/torch/", "/concurrent/", "/threading"):
-            if mark in path:
-                path = mark.strip("/") + "/" + path.split(mark, 1)[1] if mark != "/threading" \
-                    else "threading.py"
-                break
-        else:
-            path = os.path.basename(path)
-        return f"{path}:{code.co_name}"
+        return f"{short_path(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
     def _run(self):
         me, main = threading.get_ident(), threading.main_thread().ident

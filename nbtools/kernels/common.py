@@ -13,6 +13,7 @@ import functools
 import importlib
 import math
 import os
+import sys
 import types
 
 import torch
@@ -135,7 +136,6 @@ def compiled_by_kernel() -> dict:
     has compiled (or loaded from its cache) in this process: each is a pause of seconds at its
     first launch on a machine with an empty Triton cache (every new Colab session). Empty
     without Triton, on the torch path or before a first launch; imports nothing."""
-    import sys
     out = {}
     for family in FAMILIES:
         module = sys.modules.get(f"nbtools.kernels._{family}")

@@ -133,17 +133,17 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     """One line saying what bounds the run, from one record.
 
     First, **compiling** while GPU kernels compiled since the last reading
-    (``compiled_kernels``): a session's first launches pause for seconds each, and the rates
-    of that interval say nothing about the run. Then the disk tier: **disk-bound** when ``disk_wait_s`` (mean seconds per step that the
-    training loop's thread waited for disk tables: their reads, write-backs of evicted rows,
-    and the wait for a read-ahead still in flight) is the largest of the four parts a step is
-    split into: that wait, ``data_wait_s``, ``transfer_s``, and the rest of ``step_s`` (compute
-    and everything else: ``compute_s`` is not used, as the lookups that wait usually run inside
-    the compute block). Ties go to the disk. Over a refresh interval these are means over its
-    steps; in the summary on close, over the run's steps. The other checks, in order: the
-    loader (data wait), the PCIe link (NVML rates, or the bytes nbtools
-    moved, against the link's speed; nbtools' zero-copy reads plus writes against it), the step
-    timer's transfer share, then GPU utilisation.
+    (``compiled_kernels``): a session's first launches pause for seconds each, and the rates of
+    that interval say nothing about the run. Then the disk tier: **disk-bound** when
+    ``disk_wait_s`` (mean seconds per step that the training loop's thread waited for disk
+    tables: their reads, write-backs of evicted rows, and the wait for a read-ahead still in
+    flight) is the largest of the four parts a step is split into: that wait, ``data_wait_s``,
+    ``transfer_s``, and the rest of ``step_s`` (compute and everything else: ``compute_s`` is
+    not used, as the lookups that wait usually run inside the compute block). Ties go to the
+    disk. Over a refresh interval these are means over its steps; in the summary on close, over
+    the run's steps. The other checks, in order: the loader (data wait), the PCIe link (NVML
+    rates, or the bytes nbtools moved, against the link's speed; nbtools' zero-copy reads plus
+    writes against it), the step timer's transfer share, then GPU utilisation.
     PCIe comes before utilisation because ``utilization.gpu`` reads ~100% during pure copies.
 
     >>> diagnose({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "step_s": 0.005})

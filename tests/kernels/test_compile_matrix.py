@@ -47,17 +47,22 @@ class _Recorder:
         return Launch()
 
 
-def _launches() -> list:
-    """Every (family, kernel, args, constexprs, warps) the launchers make for the cases below."""
+def record_launches(call) -> list:
+    """The launches ``call()`` makes through the launchers, (family, kernel, args, constexprs,
+    warps), each recorded instead of run."""
     log = []
-    jit = lambda family: _Recorder(family, log)
     real = kernels.jit
-    kernels.jit = jit
+    kernels.jit = lambda family: _Recorder(family, log)
     try:
-        _call_launchers()
+        call()
     finally:
         kernels.jit = real
     return log
+
+
+def _launches() -> list:
+    """Every (family, kernel, args, constexprs, warps) the launchers make for the cases below."""
+    return record_launches(_call_launchers)
 
 
 def _call_launchers() -> None:

@@ -16,34 +16,10 @@ from nbtools import OffloadedEmbedding, OffloadOptimizer, kernels
 from nbtools.devices import resolve_device
 from nbtools.rowwise import RowWiseAdagrad
 from nbtools.store.rows import unique_ids
+from test_compile_matrix import record_launches      # (this folder's: the launches, recorded)
 
 DEVICE = resolve_device()
 needs_triton = pytest.mark.skipif(not kernels.triton_ok(), reason="Triton is not installed")
-
-
-def _record(call) -> list:
-    """The launches ``call()`` makes: (family, kernel, args), the kernels not run."""
-    log = []
-
-    class Family:
-        def __init__(self, family):
-            self.family = family
-
-        def __getattr__(self, name):
-            family = self.family
-
-            class Launch:
-                def __getitem__(self, grid):
-                    return lambda *args, **kw: log.append((family, name, args))
-            return Launch()
-
-    real = kernels.jit
-    kernels.jit = Family
-    try:
-        call()
-    finally:
-        kernels.jit = real
-    return log
 
 
 def _unspecialised(fn) -> set:
@@ -85,7 +61,7 @@ def _launches(n: int, N: int = 4000) -> list:
                       best=torch.full((8,), -1, **i64), stats=torch.zeros(4, **i64), ways=4)
         kernels.segment_sum(torch.zeros(2 * n, d), torch.arange(2 * n), torch.arange(2 * n) // 2,
                             torch.zeros(n, d))
-    return _record(call)
+    return record_launches(call)
 
 
 @needs_triton
@@ -95,7 +71,7 @@ def test_no_kernel_specialises_on_a_size_that_changes_from_launch_to_launch():
     runs = [_launches(n) for n in (1, 16, 37, 50, 1000)] + [_launches(37, N) for N in (4001, 4096)]
     assert all(len(r) == len(runs[0]) for r in runs)
     checked = 0
-    for k, (family, name, args) in enumerate(runs[0]):
+    for k, (family, name, args, _, _) in enumerate(runs[0]):
         fn = getattr(kernels.jit(family), name)
         free = _unspecialised(fn)
         for i, value in enumerate(args):
