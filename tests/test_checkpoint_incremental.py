@@ -1,9 +1,11 @@
 """Incremental checkpoints of tables in RAM and on the GPU: a base, then only the rows changed
 since the previous save (deltas), as disk tables have (tests/test_checkpoint_disk.py).
 
-References: the live table itself, a twin host table trained on the same batches, a full save
-(a base) taken at the same step, and the set of ids the steps looked up, kept in Python;
-every comparison is ``torch.equal`` on weights and optimizer state.
+References: the live table itself, a twin table trained on the same batches without a
+checkpoint (the same placement on the same device, so the same arithmetic: a CUDA update need
+not match the CPU's bit for bit), a full save (a base) taken at the same step, and the set of
+ids the steps looked up, kept in Python; every comparison is ``torch.equal`` on weights and
+optimizer state.
 """
 import multiprocessing as mp
 import os
@@ -86,7 +88,7 @@ def _kind(info):
 def test_base_and_deltas_restore_what_a_full_save_and_the_live_table_hold(tmp_path, device,
                                                                          placement, opt):
     t, o = _table(placement, device, opt)
-    twin, topt = _table("host", torch.device("cpu"), opt)
+    twin, topt = _table(placement, device, opt)
     ck = CheckpointManager(tmp_path / "ck", keep=4, config=_cfg(base_every=3))
     kinds, since = [], set()
     for s in range(1, 6):
@@ -127,7 +129,7 @@ def test_a_restore_into_the_live_table_drops_what_its_caches_hold(tmp_path, devi
     write-backs hold rows newer than the checkpoint's): the checkpoint's rows, and the same
     training after, as the twin that stopped there."""
     t, o = _table(placement, device)
-    twin, topt = _table("host", torch.device("cpu"))
+    twin, topt = _table(placement, device)
     ck = CheckpointManager(tmp_path / "ck", config=_cfg())
     for s in (1, 2):
         _train(t, o, [s])
@@ -161,7 +163,7 @@ def test_a_failed_save_loses_no_change(tmp_path, device, disk_fills):
     """A save that fails midway (the disk fills) leaves the last checkpoint restorable, and the
     next delta still holds every row changed since it."""
     t, o = _table("host-cached", device)
-    twin, topt = _table("host", torch.device("cpu"))
+    twin, topt = _table("host-cached", device)
     ck = CheckpointManager(tmp_path / "ck", keep=3, config=_cfg())
     _train(t, o, [1, 2])
     _train(twin, topt, [1, 2])
