@@ -38,7 +38,10 @@ class Sampler:
 
     def __init__(self, interval_s: float, within: str | None = None):
         self.interval = interval_s
-        self.within = within          # count only while the main thread is in this function
+        # count only while the main thread is in these functions, outermost first
+        # ("gpu_cache_rounds/measure": measure called, at any depth, from gpu_cache_rounds)
+        self.within = within
+        self._path = within.split("/") if within else []
         self.idle = collections.Counter()
         self.own = collections.defaultdict(collections.Counter)      # thread -> frame -> n
         self.total = collections.defaultdict(collections.Counter)
@@ -56,7 +59,7 @@ class Sampler:
         while not self._stop.wait(self.interval):
             names = {t.ident: t.name for t in threading.enumerate()}
             frames = sys._current_frames()
-            if self.within and not self._inside(frames.get(main), self.within):
+            if self._path and not self._inside(frames.get(main), self._path):
                 continue
             self.windows += 1
             for ident, frame in frames.items():
@@ -81,12 +84,16 @@ class Sampler:
 
     windows = 0
 
-    def _inside(self, frame, name: str) -> bool:
-        while frame is not None:
-            if frame.f_code.co_name == name:
-                return True
+    @staticmethod
+    def _inside(frame, path: list[str]) -> bool:
+        """Whether the stack ending at ``frame`` calls ``path``'s functions in its order,
+        outermost first (others may come between)."""
+        want = len(path) - 1                # matched from the innermost frame outwards
+        while frame is not None and want >= 0:
+            if frame.f_code.co_name == path[want]:
+                want -= 1
             frame = frame.f_back
-        return False
+        return want < 0
 
     def start(self):
         self._thread.start()
@@ -119,7 +126,8 @@ def main():
     ap.add_argument("--interval", type=float, default=2.0, help="ms between samples")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--within", default=None, help="count only while the main thread is in "
-                    "this function (e.g. run_steps)")
+                    "this function (e.g. run_steps), or in a path of them, outermost first "
+                    "(gpu_cache_rounds/measure: bench_disk.py's GPU-level loops, not its warming)")
     ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)

@@ -26,8 +26,9 @@ echo "=== benchmarks/profile_step.py and sample_threads.py (this tree against it
 { python benchmarks/profile_step.py --rows 2000 --steps 3 --ids 64 --system "nbtools host" --out "$out/profile/a.json" &&
   python benchmarks/profile_step.py --rows 2000 --steps 3 --ids 64 --system "nbtools host" --out "$out/profile/b.json" &&
   python benchmarks/profile_step.py --diff "$out/profile/a.json" "$out/profile/b.json" &&
-  python benchmarks/sample_threads.py --within run_steps --out "$out/profile/threads.txt" benchmarks/bench_disk.py \
+  python benchmarks/sample_threads.py --within main/run_steps --out "$out/profile/threads.txt" benchmarks/bench_disk.py \
     --rows 20000 --cache-gib 0.001 --steps 3 --uniform-rounds 0 --rounds 1 --also-ahead "" --out "$out/profile" &&
-  grep -q "inside run_steps" "$out/profile/threads.txt"; } > "$out/profile.log" 2>&1 || {
+  grep -q "inside main/run_steps" "$out/profile/threads.txt" &&
+  ! grep -q "^0 sampling moments" "$out/profile/threads.txt"; } > "$out/profile.log" 2>&1 || {
   tail -40 "$out/profile.log"; echo "smoke: the profiling tools failed"; exit 1; }
 python benchmarks/summarize.py "$out"
