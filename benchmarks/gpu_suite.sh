@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call, ending with a summary table (benchmarks/summarize.py):
-#   bash benchmarks/gpu_suite.sh [all|tests|tests1|tests2|bench|lean|disk] [filter]
+#   bash benchmarks/gpu_suite.sh [all|tests|tests1|tests2|testsKofM|bench|lean|disk] [filter]
 #     all      the CUDA tests, then every benchmarks/bench_*.py at its full size (the default)
-#     tests    the test suite on CUDA; tests1 / tests2: each half of the test files (the suite
-#              takes ~4-9 minutes: one half fits a 10-minute call)
+#     tests    the test suite on CUDA; tests1 / tests2: each half of the test files; testsKofM:
+#              the K-th of M parts (tests1of3 ...). On a fresh machine every worker compiles
+#              the kernels first: the whole suite took more than 10 minutes with 6 workers and
+#              the second half 73 s, so where a call's 10 minutes are tight use thirds
 #     bench    every benchmarks/bench_*.py whose name contains [filter] (each stopped at 420 s)
 #     lean     bench_step.py: every storage combination and its prefetching twin against its own
 #              traffic floor, and the GPU-placed row-wise step (~5 minutes)
@@ -51,11 +53,15 @@ run() {
 }
 
 mapfile -t files < <(find tests -name 'test_*.py' | sort)   # (tests/<wing>/ too)
-half=$(( (${#files[@]} + 1) / 2 ))
-case "$what" in
-  tests1) TESTS=${TESTS:-"${files[*]:0:$half}"}; what=tests ;;
-  tests2) TESTS=${TESTS:-"${files[*]:$half} nbtools/"}; what=tests ;;
-esac
+case "$what" in tests1) what=tests1of2 ;; tests2) what=tests2of2 ;; esac
+if [[ "$what" =~ ^tests([0-9]+)of([0-9]+)$ ]]; then
+  k=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]}
+  if [ "$k" -lt 1 ] || [ "$k" -gt "$m" ]; then echo "gpu_suite.sh: $what: no such part" >&2; exit 2; fi
+  part=$(( (${#files[@]} + m - 1) / m ))            # files a part (the last takes nbtools/ too)
+  extra=""; [ "$k" = "$m" ] && extra=" nbtools/"
+  TESTS=${TESTS:-"${files[*]:$(( (k - 1) * part )):$part}$extra"}
+  what=tests
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # the notebooks are CPU smoke tests (CI runs them); everything else on CUDA
   workers=()
