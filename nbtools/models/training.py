@@ -166,7 +166,7 @@ def train(model: nn.Module, loader: PinnedLoader, optimizer: OffloadOptimizer, *
                 if dashboard is not None:
                     dashboard.step(batch[0].shape[0])
                 if bar is not None:
-                    if note and step % log_every:   # (a loss record replaces it anyway)
+                    if note:        # (the first step is done; a loss record may follow)
                         note = None
                         bar.set_postfix_str("")
                     bar.update(1)
