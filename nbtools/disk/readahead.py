@@ -59,13 +59,15 @@ class Prepared:
 
 def prepare(ids: torch.Tensor, num_rows: int, padding_idx=None) -> Prepared:
     """Deduplicate ``ids`` (any shape, any device: GPU ids are a sync) on the CPU."""
-    flat = ids.reshape(-1).to("cpu").long()         # note: a sync point for GPU ids
+    flat = ids.reshape(-1).to("cpu").long().numpy()  # note: a sync point for GPU ids
+    # The checks in numpy, on this thread alone: torch would split them over its thread pool,
+    # which the step's thread shares (on a 2-core machine they wait for each other).
     valid = (flat >= 0) & (flat < num_rows)
-    bad = not bool(valid.all())
+    bad = not valid.all()
     if padding_idx is not None:
         valid &= flat != padding_idx
-    uniq, inverse = torch.unique(torch.where(valid, flat, num_rows), sorted=True,
-                                 return_inverse=True)
+    uniq, inverse = torch.unique(torch.from_numpy(np.where(valid, flat, num_rows)),
+                                 sorted=True, return_inverse=True)
     sentinel = bool(uniq.numel()) and int(uniq[-1]) == num_rows
     uniq = uniq.numpy()
     return Prepared(ids, uniq[: len(uniq) - int(sentinel)], inverse, bad, sentinel)
