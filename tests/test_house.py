@@ -351,3 +351,43 @@ def test_few_parts_take_the_whole_table():
     takers = [f"{p.relative_to(NBTOOLS)}: {name}" for p in sorted(files)
               for name in _table_takers(p.read_text())]
     assert len(takers) <= 5, "\n".join(takers)
+
+
+# --- the table's methods are its own, not forwards for its parts to call back ----------------
+FORWARDS_MAX = 8
+
+
+def _forwards(source: str, cls: str) -> list:
+    """Methods of ``cls`` whose body (past a docstring) is one call on another object the
+    instance holds: ``return self.a.b(...)`` or ``self.a.b(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        for f in node.body:
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = [s for s in f.body
+                    if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+                continue
+            call = body[0].value
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+                continue
+            owner = call.func.value             # self.a (or deeper): another object's verb
+            if isinstance(owner, ast.Attribute) and ast.unparse(owner).startswith("self."):
+                found.append(f.name)
+    return found
+
+
+def test_forwards_are_found():
+    source = ("class T:\n    def a(self):\n        'doc'\n        return self.x.f(1)\n"
+              "    def b(self):\n        self.x.y.g()\n    def c(self):\n        return self.h()\n"
+              "    def d(self):\n        y = 1\n        return self.x.f(y)\n"
+              "    def e(self):\n        return f(self)\n")
+    assert _forwards(source, "T") == ["a", "b"]
+
+
+def test_the_table_has_few_one_line_forwards():
+    found = _forwards((NBTOOLS / "tables.py").read_text(), "OffloadedEmbedding")
+    assert 0 < len(found) <= FORWARDS_MAX, found
