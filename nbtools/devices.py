@@ -198,6 +198,53 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+# At most this many cores, nbtools' background threads keep torch's CPU ops to themselves
+# (:func:`torch_on_this_thread_alone`): the step's thread needs a core of its own.
+FEW_CORES = 4
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its share (``taskset``, a container's CPU set),
+    not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:              # (not Linux)
+        return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=None)
+def _openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def torch_on_this_thread_alone() -> bool:
+    """From now on, torch's CPU ops called on this thread run on it alone, not split over a
+    team of threads; every other thread's count, and the count a new thread starts from, stay
+    as they were. For a background thread on a machine of few cores: its ops (a read-ahead's
+    deduplication of 65,536 ids) would otherwise take every core for a moment, the step's
+    thread's too. Only where torch runs its CPU ops on OpenMP, whose thread count belongs to
+    each thread; elsewhere nothing changes and it returns False."""
+    if not _openmp():
+        return False
+    before = torch.get_num_threads()    # (a new thread's count: the one new threads start from)
+    if before == 1:
+        return True
+    torch.set_num_threads(1)            # this thread's count, and the one new threads start from
+    # ...which a thread of its own puts back (its own count ends with it)
+    restore = threading.Thread(target=torch.set_num_threads, args=(before,),
+                               name="nbtools-threads")
+    restore.start()
+    restore.join()
+    return True
+
+
+def few_cores_thread() -> None:
+    """The initializer of nbtools' background threads that run torch's CPU ops beside the
+    step: on a machine of at most :data:`FEW_CORES` cores, they run those ops alone."""
+    if usable_cores() <= FEW_CORES:
+        torch_on_this_thread_alone()
+
+
 def synchronize(device) -> None:
     """Wait for queued GPU work on ``device`` (no-op on the CPU).
 

@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .. import devices
+
 # Coming steps whose rows may be in flight at once (table.prefetch calls not yet looked up).
 DEPTH = 8
 # Steps a loop reads ahead by default (fit_stream): on a cloud disk a step comes nearer its
@@ -113,7 +115,8 @@ class ReadAhead:
         self.queue: collections.deque[Ahead] = collections.deque()
         self.loads: list[Ahead] = []
         self.writes: collections.deque[Ahead] = collections.deque()   # oldest first
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="nbtools-readahead",
+                                          initializer=devices.few_cores_thread)
         self._io = ThreadPoolExecutor(DEPTH, thread_name_prefix="nbtools-load")
 
     def submit(self, ids: torch.Tensor, padding_idx, key=None) -> None:

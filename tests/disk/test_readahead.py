@@ -424,3 +424,62 @@ def test_a_lookup_finds_exactly_the_loads_that_bring_its_rows(tmp_path):
         d.file.read = read
     assert d.read_rows(30, 31)[:, 0].tolist() == [60.0]
     d.close()
+
+
+def _count_on_a_new_thread():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@pytest.mark.parametrize("cores, alone", [(2, True), (4, True), (16, False)])
+def test_the_read_ahead_dedups_on_its_own_thread_alone_where_cores_are_few(
+        tmp_path, monkeypatch, cores, alone):
+    """On a machine of few cores the read-ahead's deduplication runs on its thread alone (a
+    team of torch threads would take the step's core as well); on more, with torch's count.
+    The step's thread, and a thread started afterwards, keep torch's count either way."""
+    from nbtools import devices
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(devices, "usable_cores", lambda: cores)
+        seen = []
+        prepare = readahead.prepare
+
+        def counting(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return prepare(*args, **kwargs)
+        monkeypatch.setattr(readahead, "prepare", counting)
+        d = _table(tmp_path, ahead=torch.tensor([1, 2, 3]))
+        assert d.resolve(np.array([1, 2, 3]), training=False).shape == (3,)
+        assert seen == [1 if alone and OPENMP else 2]
+        assert torch.get_num_threads() == 2
+        assert _count_on_a_new_thread() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_on_this_thread_alone_changes_no_other_thread():
+    from nbtools import devices
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = []
+
+        def alone():
+            got.append(devices.torch_on_this_thread_alone())
+            got.append(torch.get_num_threads())
+            got.append(torch.unique(torch.tensor([3, 1, 3])).tolist())   # still computes
+        t = threading.Thread(target=alone)
+        t.start()
+        t.join()
+        assert got == ([True, 1, [1, 3]] if OPENMP else [False, 3, [1, 3]])
+        assert torch.get_num_threads() == 3
+        assert _count_on_a_new_thread() == 3
+    finally:
+        torch.set_num_threads(before)
