@@ -12,8 +12,8 @@ import torch
 
 from . import colab, disk, hostmem
 from .rowfile import fileio
-from .devices import (cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes, memlock_limit,
-                      resolve_device)
+from .devices import (FEW_CORES, cuda_ok, gpu_free_bytes, host_budget, host_memory_bytes,
+                      memlock_limit, resolve_device, usable_cores)
 from .units import human_bytes as _human
 
 
@@ -38,6 +38,8 @@ def describe(file=None) -> dict:
         "device": str(resolve_device()),
         "gpu": None,
         "gpu_memory_bytes": None,
+        "cores": usable_cores(),                     # this process's share (taskset, container)
+        "torch_threads": torch.get_num_threads(),
         "host_total_bytes": mem["total"],
         "host_available_bytes": mem["available"],
         "memlock_limit_bytes": memlock_limit(),
@@ -67,6 +69,9 @@ def describe(file=None) -> dict:
         info["nbtools"],
         f"python   {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or 'N/A'}",
         f"device   {info['device']}  GPU {info['gpu'] or 'none'}  GPU memory {_human(info['gpu_memory_bytes'])}",
+        f"CPU      {info['cores']} cores for this process, torch {info['torch_threads']} threads"
+        + ("; few: a disk table's read-ahead dedups on one thread" if info["cores"] <= FEW_CORES
+           else ""),
         f"host RAM {_human(info['host_available_bytes'])} available of {_human(info['host_total_bytes'])}"
         f"  memlock limit {_human(info['memlock_limit_bytes']) if info['memlock_limit_bytes'] else 'unlimited'}",
         f"pinning  {info['pinning']}  (nbtools holds {_human(info['pinned_bytes'])} pinned)",

@@ -225,6 +225,21 @@ def test_describe_and_counters():
     assert info["disk_engine"] == fileio.default_engine(direct=True) and \
         info["disk_engine"] in fileio.ENGINES
     assert set(nbtools.transfer_counters()) == {"h2d_bytes", "d2h_bytes"}
+    import os
+    assert info["cores"] == len(os.sched_getaffinity(0))
+    assert info["torch_threads"] == torch.get_num_threads()
+
+
+def test_describe_says_when_the_cores_are_few(monkeypatch):
+    import io
+    from nbtools import devices, env
+    for cores, few in ((2, True), (devices.FEW_CORES + 1, False)):
+        monkeypatch.setattr(env, "usable_cores", lambda: cores)
+        out = io.StringIO()
+        nbtools.describe(file=out)
+        line = next(x for x in out.getvalue().splitlines() if x.startswith("CPU "))
+        assert f"{cores} cores for this process" in line
+        assert ("read-ahead dedups on one thread" in line) == few
 
 
 @pytest.mark.gpu
