@@ -240,9 +240,13 @@ def torch_on_this_thread_alone() -> bool:
 
 def few_cores_thread() -> None:
     """The initializer of nbtools' background threads that run torch's CPU ops beside the
-    step: on a machine of at most :data:`FEW_CORES` cores, they run those ops alone."""
-    if usable_cores() <= FEW_CORES:
-        torch_on_this_thread_alone()
+    step: on a machine of at most :data:`FEW_CORES` cores, they run those ops alone. Never
+    raises (an executor whose initializer raised refuses all work): the count is a tuning."""
+    try:
+        if usable_cores() <= FEW_CORES:
+            torch_on_this_thread_alone()
+    except Exception:                   # noqa: BLE001 (a tuning: the thread works either way)
+        pass
 
 
 def synchronize(device) -> None:

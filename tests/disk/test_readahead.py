@@ -483,3 +483,15 @@ def test_torch_on_this_thread_alone_changes_no_other_thread():
         assert _count_on_a_new_thread() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_read_ahead_works_when_its_threads_count_cannot_be_set(tmp_path, monkeypatch):
+    from nbtools import devices
+
+    def broken():
+        raise RuntimeError("no thread count here")
+    monkeypatch.setattr(devices, "usable_cores", lambda: 2)
+    monkeypatch.setattr(devices, "torch_on_this_thread_alone", broken)
+    d = _table(tmp_path, ahead=torch.tensor([1, 2, 3]))
+    got = d.resolve(np.array([1, 2, 3]), training=False)
+    assert torch.equal(d.slab.tensor[torch.as_tensor(got)], torch.tensor([[2., 3.], [4., 5.], [6., 7.]]))
