@@ -126,18 +126,20 @@ def main():
     rows = []
     for mode in ("none", "team", "alone"):
         with Beside(batches, args.rows, mode, args.gap_ms / 1e3) as beside:
+            count, wall = beside.count, beside.wall
             cpu, own = time.process_time(), time.thread_time()
             got = {name: timed(fn, args.reps) for name, fn in work.items()}
             # the CPU of every thread but this one: the read-ahead's and any team it starts
             others = (time.process_time() - cpu) - (time.thread_time() - own)
-        per = beside.count or 1
-        got["readahead"] = {"dedups": beside.count, "wall_ms": beside.wall / per * 1e3,
+            count, wall = beside.count - count, beside.wall - wall
+        per = count or 1
+        got["readahead"] = {"dedups": count, "wall_ms": wall / per * 1e3,
                             "cpu_ms": others / per * 1e3}
         res["modes"][mode] = got
         for name in work:
             rows.append([f"{mode}: {name}", f"{got[name]['median_ms']:.3f}",
                          f"{got[name]['mean_ms']:.3f}", f"{got[name]['p90_ms']:.3f}"])
-        if beside.count:
+        if count:
             rows.append([f"{mode}: a dedup's wall ms / CPU ms of all other threads",
                          f"{got['readahead']['wall_ms']:.3f}", f"{got['readahead']['cpu_ms']:.3f}",
                          ""])

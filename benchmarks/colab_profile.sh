@@ -9,11 +9,12 @@
 # first 5M tokens), a fresh 20M-row disk table whose GPU level is warmed from the stream's
 # shares, its first 182 steps, training beside a checkpoint's copy to a slow mirror
 # (bench_mirror.py: a 3 GB checkpoint copied at 100 MB/s, as to Drive), and a plain PinnedLoader
-# loop over such a table with its GPU level against explicit read-ahead (bench_ahead.py).
+# loop over such a table with its GPU level against explicit read-ahead (bench_ahead.py), and what
+# a read-ahead's dedup costs the step thread's host work beside it (bench_beside.py, CPU only).
 # Results: $OUT (default artifacts/colab), one JSON folder per run, and a table of colab / full
 # per figure at the end (benchmarks/colab/compare.py).
 # --quick: the scripts' smoke sizes (any machine, a CPU included). Limits per run (seconds):
-# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S, AHEAD_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS;
+# DISK_S, STEP_S, WORD2VEC_S, MIRROR_S, AHEAD_S, BESIDE_S; DISK_ROUNDS (the RAM cache's rounds, default 4), WORD2VEC_TOKENS;
 # STEP_ARGS: more bench_step.py flags (e.g. --backward-on-loop-thread).
 # ONLY="disk step": these runs only; PROFILES="colab": that profile only.
 set -u
@@ -61,6 +62,7 @@ if [ "$quick" = --quick ]; then
   one mirror 300 "$py" benchmarks/bench_mirror.py --quick
   one ahead 300 "$py" "${small_ahead[@]}"
   one disk 300 "$py" "${small_disk[@]}"
+  one beside 300 "$py" benchmarks/bench_beside.py --quick
 else
   gz=/tmp/nbtools-colab-corpus.txt.gz
   # (the corpus only where word2vec runs)
@@ -85,6 +87,7 @@ shutil.copyfileobj(src, gzip.open(sys.argv[2], 'wb'))" "$corpus" "$gz"; fi
   one mirror "${MIRROR_S:-150}" "$py" benchmarks/bench_mirror.py
   one ahead "${AHEAD_S:-200}" "$py" benchmarks/bench_ahead.py --gpu-cache-gib 2 --rounds 2 \
     --dir /tmp/nbtools-colab-disk
+  one beside "${BESIDE_S:-120}" "$py" benchmarks/bench_beside.py
 fi
 rm -rf /tmp/nbtools-colab-disk
 "$py" benchmarks/colab/compare.py "$out"
