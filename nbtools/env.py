@@ -27,7 +27,7 @@ def describe(file=None) -> dict:
 
     >>> info = describe(file=open(os.devnull, "w"))
     >>> sorted(info)[:3]
-    ['auto_gpu_budget_bytes', 'cuda', 'device']
+    ['auto_gpu_budget_bytes', 'cores', 'cuda']
     """
     mem = host_memory_bytes()
     info = {

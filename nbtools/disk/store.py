@@ -135,7 +135,8 @@ def lookup(disk: DiskRows, dev: torch.device, ids: torch.Tensor, training: bool,
                       pin_memory=dev.type == "cuda")
     # Filled through numpy, on this thread alone: a torch copy of 65,536 ids splits over
     # torch's thread pool, which on a 2-core machine waits behind the read-ahead's own work
-    # (0.6 ms a step, benchmarks/RESULTS.md "the GPU level on two cores").
+    # (~0.6 ms a step on 2 cores: benchmarks/RESULTS.md, "what the GPU level's step does on two
+    # cores").
     host = buf.numpy()
     host[:m] = where
     host[m:k] = n
