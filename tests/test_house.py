@@ -391,3 +391,28 @@ def test_forwards_are_found():
 def test_the_table_has_few_one_line_forwards():
     found = _forwards((NBTOOLS / "tables.py").read_text(), "OffloadedEmbedding")
     assert 0 < len(found) <= FORWARDS_MAX, found
+
+
+# --- the code speaks of itself, not of the lab's history --------------------------------------
+_HISTORY = re.compile(r"git show|\b[Ss]ession \d|\b[Ii]ssue #?\d|\b(?:first|second|third|"
+                      r"fourth|fifth|sixth|seventh|eighth|ninth|tenth|this|last|next) sitting\b")
+
+
+def history_references(source: str) -> list:
+    """``(line, text)`` of each reference to the project's history in ``source``: a commit
+    to look up (``git show``), a numbered session or issue, a sitting."""
+    return [(i, line.strip()) for i, line in enumerate(source.splitlines(), 1)
+            if _HISTORY.search(line)]
+
+
+def test_history_references_are_found():
+    source = ("x = 1  # see git show abc:f.py\n# Session 12 found\n# a Colab session\n"
+              "# (issue 58)\n# requests are issued\n# the rows sitting in the file\n"
+              "# the sixth sitting\n")
+    assert [line for line, _ in history_references(source)] == [1, 2, 4, 7]
+
+
+def test_nbtools_speaks_of_itself_not_its_history():
+    found = [f"{p.relative_to(NBTOOLS)}:{line}: {text}" for p in sorted(NBTOOLS.rglob("*.py"))
+             for line, text in history_references(p.read_text())]
+    assert not found, "\n".join(found)
