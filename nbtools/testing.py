@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import collections
 
-from .meters.backends import (PCIE_LANE_BYTES_PER_S, DISK_COUNTERS, DISK_KEYS, GPU_KEYS,
-                              HOST_KEYS, LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
+from .meters.backends import (PCIE_LANE_BYTES_PER_S, CPU_KEYS, DISK_COUNTERS, DISK_KEYS,
+                              GPU_KEYS, HOST_KEYS, LINK_KEYS, NBTOOLS_KEYS, TORCH_KEYS)
 
 
 class FakeClock:
@@ -49,6 +49,7 @@ class FakeBackend:
         "nbtools_pinned_bytes": 8 << 30, "nbtools_h2d_bytes": 0, "nbtools_d2h_bytes": 0,
         "nbtools_cache_lookup_rows": 0, "nbtools_cache_hit_rows": 0, "nbtools_cache_saved_bytes": 0,
         "nbtools_compiled_kernels": 0,
+        "process_cores": 8, "host_cores": 8, "process_cpu_s": 0.0, "host_cpu_busy_s": 0.0,
         # no disk table: N/A until disk_io() pretends one moved rows
         **dict.fromkeys(DISK_KEYS),
         "pcie_gen": 5, "pcie_width": 16, "link_bytes_per_s": 16 * PCIE_LANE_BYTES_PER_S[5],
@@ -91,6 +92,12 @@ class FakeBackend:
         self.values["nbtools_cache_hit_rows"] += hits
         self.values["nbtools_cache_saved_bytes"] += saved_bytes
 
+    def use_cpu(self, process_s: float = 0.0, host_s: float | None = None) -> None:
+        """Pretend this process spent ``process_s`` CPU seconds and the whole machine
+        ``host_s`` (default: the same) busy seconds, summed over cores."""
+        self.values["process_cpu_s"] += process_s
+        self.values["host_cpu_busy_s"] += process_s if host_s is None else host_s
+
     def compile(self, kernels: int = 1) -> None:
         """Pretend ``kernels`` GPU kernels compiled (a first launch in a session)."""
         self.values["nbtools_compiled_kernels"] += kernels
@@ -130,6 +137,9 @@ class FakeBackend:
 
     def host(self):
         return self._read("host", HOST_KEYS)
+
+    def cpu(self):
+        return self._read("cpu", CPU_KEYS)
 
     def nbtools(self):
         return self._read("nbtools", NBTOOLS_KEYS)

@@ -127,7 +127,7 @@ def test_widget_updates_throttled_with_badges_bars_and_plot():
     run(dash, steps=100, dt=0.05)       # 5 s of fake time: 5-6 refreshes
     assert 5 <= len(values) <= 6
     html = text.value
-    assert html.count('class="nbtools-badge"') == 10 and "5.12k" in html
+    assert html.count('class="nbtools-badge"') == 11 and "5.12k" in html
     assert "GPU memory</b> 6.0 GiB / 80.0 GiB (8%)" in html
     assert "⚑" in html and "border:2px" not in html          # the VBox draws the frame
     assert bytes(image.value).startswith(PNG) and image.layout.display == ""
@@ -287,7 +287,7 @@ def test_cache_of_hot_rows_shows_only_when_in_use():
     last = dash.out.getvalue().splitlines()[-1]
     assert "cache 75% hits, saved 3.1 GB/s" in last          # 300 MiB per 0.1 s step
     html = render_html(dash.monitor.record)
-    assert ">cache hits</div>" in html and ">75%</div>" in html and html.count('class="nbtools-badge"') == 11
+    assert ">cache hits</div>" in html and ">75%</div>" in html and html.count('class="nbtools-badge"') == 12
     dash.close()
 
 
@@ -467,7 +467,7 @@ def test_no_disk_row_without_disk_tables():
     _loop(dash, b, steps=300)
     html = render_html(dash.record)
     assert "disk" not in dash.out.getvalue() and "disk" not in html.lower()
-    assert html.count('class="nbtools-badge"') == 10
+    assert html.count('class="nbtools-badge"') == 11
     dash.close()
     assert "disk" not in dash.out.getvalue() and "disk" not in dash.snapshot_html().lower()
 
@@ -486,7 +486,7 @@ def test_disk_row_rates_and_the_disk_bound_verdict():
     last = dash.out.getvalue().splitlines()[-1]
     assert "disk read 41.0 MB/s write 10.2 MB/s, RAM hits 90%, wait 60% of step" in last
     html = render_html(r)
-    assert html.count('class="nbtools-badge"') == 13
+    assert html.count('class="nbtools-badge"') == 14
     assert ">disk read</div>" in html and ">41.0 MB/s</div>" in html and ">90%</div>" in html
     assert "60% of a step" in html and "disk-bound: 60%" in html
     # the disk stops being the wait: the rest of the step (host work) is the largest share
@@ -568,3 +568,16 @@ def test_a_pause_while_gpu_kernels_compile_is_named_and_not_warned_of_as_a_drop(
     other.clock.advance(9.0)
     other.step(256)
     assert other.warnings and other.warnings[0].startswith("throughput dropped")
+
+
+def test_the_cpu_badge_and_line_show_cores_busy():
+    from nbtools.dashboard.render import render_text
+    rec = {"process_cpu_cores": 1.8, "process_cores": 2, "host_cpu_busy_cores": 1.9,
+           "host_cores": 4}
+    html = render_html(rec)
+    assert ">CPU busy</div>" in html and ">1.8 of 2 cores</div>" in html
+    assert ">machine 1.9 of 4 cores</div>" in html
+    assert "CPU 1.8 of 2 cores" in render_text(rec)
+    empty = render_html({})
+    assert ">CPU busy</div>" in empty and ">machine N/A</div>" in empty
+    assert not any(p.startswith("CPU") for p in render_text({}).split(" | "))

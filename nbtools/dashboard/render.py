@@ -63,6 +63,13 @@ def _pct(part, whole) -> str:
     return f"{100 * part / whole:.0f}%" if part is not None and whole else "N/A"
 
 
+def _cores(busy, of) -> str:
+    """``1.8 of 2 cores``: cores busy on average, of how many."""
+    if busy is None:
+        return "N/A"
+    return f"{busy:.1f} of {of} cores" if of else f"{busy:.1f} cores"
+
+
 def _cache_in_use(r: dict) -> bool:
     """Whether a table's GPU cache of hot rows has served a training lookup in this run."""
     return bool(r.get("nbtools_cache_lookup_rows"))
@@ -149,6 +156,11 @@ def render_html(rec: dict, *, state: str = "running", title: str = "", warnings_
                else f"{r['gpu_util_percent']:.0f}%",
                "mean over the run" if run else "utilization.gpu",
                "NVML; reads ~100% during pure copies too"),
+        _badge("CPU busy", _cores(r.get("process_cpu_cores"), r.get("process_cores")),
+               "machine " + _cores(r.get("host_cpu_busy_cores"), r.get("host_cores")),
+               "cores busy on average" + (" over the run" if run else "") + ": this "
+               "process's threads, of the cores it may use; below, every process on the "
+               "machine, of its cores"),
         _badge("PCIe → GPU", fmt_rate(r.get("pcie_rx_bytes_per_s")), of_link,
                f"NVML RX ({r.get('pcie_source') or 'N/A'})"),
         _badge("PCIe → host", fmt_rate(r.get("pcie_tx_bytes_per_s")), of_link,
@@ -246,6 +258,8 @@ def render_text(rec: dict, *, state: str = "running", title: str = "") -> str:
                         if util is not None else ""))
     parts.append(f"host {fmt_bytes(r.get('host_used_bytes'))}/{fmt_bytes(r.get('host_total_bytes'))}"
                  f" pinned {fmt_bytes(r.get('pinned_bytes'))}")
+    if r.get("process_cpu_cores") is not None:
+        parts.append(f"CPU {_cores(r['process_cpu_cores'], r.get('process_cores'))}")
     if r.get("pcie_rx_bytes_per_s") is not None or r.get("pcie_tx_bytes_per_s") is not None:
         parts.append(f"PCIe RX {fmt_rate(r.get('pcie_rx_bytes_per_s'))} "
                      f"TX {fmt_rate(r.get('pcie_tx_bytes_per_s'))}")

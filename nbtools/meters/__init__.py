@@ -43,13 +43,14 @@ Example (fake backend and clock, as in the tests)::
 from __future__ import annotations
 
 from ..units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
-from .backends import (DISK_KEYS, GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS, TORCH_KEYS,
-                       SystemBackend)
+from .backends import (CPU_KEYS, DISK_KEYS, GPU_KEYS, HOST_KEYS, LINK_KEYS, NA, NBTOOLS_KEYS,
+                       TORCH_KEYS, SystemBackend)
 from .bandwidth import measure_bandwidth
 from .monitor import RUN_MEAN_KEYS, History, Monitor, MonitorConfig, RunMeans, Warnings, diagnose
 from .samplers import CounterUnwrapper, Meters, PcieSampler, StepTimer, ThroughputMeter
 
-__all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "NBTOOLS_KEYS", "DISK_KEYS", "LINK_KEYS",
+__all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "CPU_KEYS", "NBTOOLS_KEYS", "DISK_KEYS",
+           "LINK_KEYS",
            "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
            "CounterUnwrapper", "PcieSampler", "Meters", "ThroughputMeter", "StepTimer",
            "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "RunMeans", "RUN_MEAN_KEYS",

@@ -21,11 +21,14 @@ NBTOOLS_KEYS = ("nbtools_pinned_bytes", "nbtools_h2d_bytes", "nbtools_d2h_bytes"
                 "nbtools_cache_lookup_rows", "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes",
                 "nbtools_compiled_kernels")
 LINK_KEYS = ("pcie_gen", "pcie_width", "link_bytes_per_s")
+# the cores this process may use and the machine's; CPU seconds so far, this process's (all its
+# threads) and the whole machine's busy time (every process, summed over cores)
+CPU_KEYS = ("process_cores", "host_cores", "process_cpu_s", "host_cpu_busy_s")
 # nbtools.disk.disk_counters(), every disk table's cumulative traffic, under these names
 DISK_COUNTERS = ("read_bytes", "write_bytes", "read_s", "write_s", "lookup_rows", "hit_rows",
                  "wait_s", "ahead_rows")
 DISK_KEYS = tuple(f"nbtools_disk_{k}" for k in DISK_COUNTERS)
-READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS,
+READERS = {"gpu": GPU_KEYS, "torch_memory": TORCH_KEYS, "host": HOST_KEYS, "cpu": CPU_KEYS,
             "nbtools": NBTOOLS_KEYS, "disk": DISK_KEYS, "link": LINK_KEYS}
 
 
@@ -221,6 +224,26 @@ class SystemBackend:
         if out["host_total_bytes"] is not None and out["host_available_bytes"] is not None:
             # "used" = what cannot be handed to a new allocation (includes pinned pages)
             out["host_used_bytes"] = out["host_total_bytes"] - out["host_available_bytes"]
+        return out
+
+    def cpu(self):
+        """The cores this process may run on (``taskset``, a container's share) and the
+        machine's; this process's CPU seconds so far (user + system, every thread), and the
+        machine's busy seconds summed over its cores (``/proc/stat``; psutil elsewhere)."""
+        from ..devices import usable_cores
+        times = os.times()
+        out = {"process_cores": usable_cores(), "host_cores": os.cpu_count(),
+               "process_cpu_s": times.user + times.system, "host_cpu_busy_s": None}
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+            # user nice system idle iowait irq softirq steal (guest time is in user already)
+            out["host_cpu_busy_s"] = (sum(ticks[:8]) - ticks[3] - ticks[4]) / \
+                os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            if self._psutil is not None:
+                t = self._psutil.cpu_times()
+                out["host_cpu_busy_s"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
         return out
 
     def nbtools(self):

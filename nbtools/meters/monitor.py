@@ -129,6 +129,21 @@ def _disk_share(r: dict):
     return disk if disk > 0 and disk >= max(data, xfer, rest) else None
 
 
+def _cpu_full(r: dict) -> str | None:
+    """Why the CPU is full, where it is: this process keeps 90% of the cores it may use busy,
+    or the machine 90% of its own (other processes: a data loader's workers, another
+    notebook); else None."""
+    mine, cores = r.get("process_cpu_cores"), r.get("process_cores")
+    busy, count = r.get("host_cpu_busy_cores"), r.get("host_cores")
+    machine = (f"; the machine {busy:.1f} of {count}" if busy is not None and count else "")
+    if mine is not None and cores and mine >= 0.9 * cores:
+        return f"this process keeps {mine:.1f} of its {cores} cores busy{machine}"
+    if busy is not None and count and busy >= 0.9 * count:
+        share = f", this process {mine:.1f}" if mine is not None else ""
+        return f"the machine keeps {busy:.1f} of its {count} cores busy{share}"
+    return None
+
+
 def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     """One line saying what bounds the run, from one record.
 
@@ -143,7 +158,9 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     disk. Over a refresh interval these are means over its steps; in the summary on close, over
     the run's steps. The other checks, in order: the loader (data wait), the PCIe link (NVML
     rates, or the bytes nbtools moved, against the link's speed; nbtools' zero-copy reads plus
-    writes against it), the step timer's transfer share, then GPU utilisation.
+    writes against it), the step timer's transfer share, then GPU utilisation. A GPU busy under
+    half the time while the CPU is full (this process keeps 90% of the cores it may use busy,
+    or the machine 90% of its own) is **CPU-bound**.
     PCIe comes before utilisation because ``utilization.gpu`` reads ~100% during pure copies.
 
     >>> diagnose({"pcie_rx_bytes_per_s": 48e9, "link_bytes_per_s": 55e9, "step_s": 0.005})
@@ -155,6 +172,9 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
     'compiling GPU kernels: 3 compiled since the last '
     >>> diagnose({"gpu_util_percent": 97.0, "step_s": 0.005})
     'compute-bound: GPU busy 97%; a larger batch or mixed precision helps'
+    >>> diagnose({"gpu_util_percent": 30.0, "step_s": 0.005, "process_cpu_cores": 1.9,
+    ...           "process_cores": 2, "host_cpu_busy_cores": 2.0, "host_cores": 2}).split("; ")[0]
+    'CPU-bound: GPU busy only 30% and the CPU is full (this process keeps 1.9 of its 2 cores busy'
     >>> diagnose({"disk_wait_s": 0.006, "step_s": 0.010, "host_cache_hit_percent": 91.0,
     ...           "nbtools_disk_read_bytes_per_s": 200e6, "gpu_util_percent": 40})[:86]
     'disk-bound: 60% of each step waits for the disk (reads 200.0 MB/s, RAM cache hits 91%)'
@@ -206,12 +226,20 @@ def diagnose(record: dict, *, link_bytes_per_s: float | None = None) -> str:
         if util >= 85:
             return f"compute-bound: GPU busy {util:.0f}%; a larger batch or mixed precision helps"
         if step is not None and util < 50:
+            full = _cpu_full(r)
+            if full:
+                return (f"CPU-bound: GPU busy only {util:.0f}% and the CPU is full ({full}); "
+                        "keep other CPU work out of the loop (loader workers, logging) and use "
+                        "larger batches")
             return (f"host-bound: GPU busy only {util:.0f}%; Python or CPU work between kernels "
                     "(larger batches amortise it)")
         pcie = f", PCIe RX {fmt_rate(rx)}" if rx is not None else ""
         return f"balanced: GPU busy {util:.0f}%{pcie}"
     if step is None:
         return "warming up: no steps measured yet"
+    mine, cores = r.get("process_cpu_cores"), r.get("process_cores")
+    if mine is not None and cores:
+        return f"no GPU readings: CPU run, this process keeps {mine:.1f} of its {cores} cores busy"
     return "no GPU readings: CPU run (step time and throughput only)"
 
 
@@ -292,7 +320,8 @@ RUN_MEAN_KEYS = ("gpu_util_percent", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s
                  "nbtools_h2d_bytes_per_s", "nbtools_d2h_bytes_per_s",
                  "nbtools_cache_saved_bytes_per_s", "cache_hit_percent",
                  "nbtools_disk_read_bytes_per_s", "nbtools_disk_write_bytes_per_s",
-                 "nbtools_disk_ahead_rows_per_s", "host_cache_hit_percent")
+                 "nbtools_disk_ahead_rows_per_s", "host_cache_hit_percent",
+                 "process_cpu_cores", "host_cpu_busy_cores")
 
 
 class RunMeans:

@@ -15,7 +15,7 @@ from .backends import (DISK_KEYS, LINK_KEYS, PCIE_LANE_BYTES_PER_S, READERS, Sys
 # nbtools' cumulative counters that Meters.read turns into per-interval figures
 _COUNTERS = ("nbtools_h2d_bytes", "nbtools_d2h_bytes", "nbtools_cache_lookup_rows",
              "nbtools_cache_hit_rows", "nbtools_cache_saved_bytes",
-             "nbtools_compiled_kernels") + DISK_KEYS
+             "nbtools_compiled_kernels", "process_cpu_s", "host_cpu_busy_s") + DISK_KEYS
 # the disk counters that say a disk table has been used (time counters do not: they only grow
 # while rows move)
 _DISK_USE = ("nbtools_disk_lookup_rows", "nbtools_disk_read_bytes", "nbtools_disk_write_bytes")
@@ -175,7 +175,9 @@ class Meters:
 
     nbtools' cumulative counters become rates over the interval since the previous
     :meth:`read`: ``nbtools_h2d_bytes_per_s``, ``cache_hit_percent`` (the GPU cache of hot
-    rows), and for the disk tier ``nbtools_disk_read_bytes_per_s``,
+    rows), ``process_cpu_cores`` and ``host_cpu_busy_cores`` (cores busy on average: this
+    process's threads, and every process on the machine; of ``process_cores`` this process may use
+    and the machine's ``host_cores``), and for the disk tier ``nbtools_disk_read_bytes_per_s``,
     ``nbtools_disk_write_bytes_per_s``, ``nbtools_disk_ahead_rows_per_s`` (rows read ahead by
     ``table.prefetch``) and ``host_cache_hit_percent`` (the share of the unique
     rows disk tables looked up that were already in their RAM cache). The disk rates are N/A
@@ -248,6 +250,11 @@ class Meters:
             rec[f"{k}_per_s"] = None if d is None else d / dt
         # GPU kernels compiled in this interval (their first launches: seconds each)
         rec["compiled_kernels"] = delta("nbtools_compiled_kernels")
+        # cores busy on average in this interval: this process's threads, and the machine's
+        for k, name in (("process_cpu_s", "process_cpu_cores"),
+                        ("host_cpu_busy_s", "host_cpu_busy_cores")):
+            d = delta(k)
+            rec[name] = None if d is None else max(0.0, d / dt)
         looked, hit = delta("nbtools_cache_lookup_rows"), delta("nbtools_cache_hit_rows")
         rec["cache_hit_percent"] = 100.0 * hit / looked if looked and hit is not None else None
         # the disk tier, once disk tables have been used since these meters started

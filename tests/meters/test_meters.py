@@ -30,16 +30,16 @@ def monitor(unit="samples", backend=None, clock=None, **cfg):
 def test_meters_read_has_every_key_with_units():
     rec = Meters(FakeBackend(), clock=FakeClock(), pcie="manual").read()
     for keys in (meters.GPU_KEYS, meters.TORCH_KEYS, meters.HOST_KEYS, meters.NBTOOLS_KEYS,
-                 meters.LINK_KEYS):
+                 meters.LINK_KEYS, meters.CPU_KEYS):
         assert set(keys) <= set(rec)
     assert rec["gpu_used_bytes"] == 6 << 30
     assert rec["pinned_bytes"] == (8 << 30) + 0       # nbtools + torch host allocator
     assert all(k.endswith(("_bytes", "_s", "_per_s", "_percent", "_gen", "_width", "_source",
-                           "_rows", "_kernels"))
+                           "_rows", "_kernels", "_cores"))
                for k in rec), sorted(rec)
 
 
-@pytest.mark.parametrize("reader", ["gpu", "torch_memory", "host", "nbtools", "disk",
+@pytest.mark.parametrize("reader", ["gpu", "torch_memory", "host", "cpu", "nbtools", "disk",
                                     "pcie_counters", "pcie_throughput"],
                          ids=lambda r: f"{r}_reader")  # not the gpu marker
 def test_a_failing_reader_reads_as_na(reader):
@@ -50,10 +50,13 @@ def test_a_failing_reader_reads_as_na(reader):
     m.pcie.poll()
     rec = m.read()   # never raises
     keys = {"gpu": meters.GPU_KEYS, "torch_memory": meters.TORCH_KEYS, "host": meters.HOST_KEYS,
-            "nbtools": meters.NBTOOLS_KEYS, "disk": meters.DISK_KEYS}.get(reader, ())
+            "nbtools": meters.NBTOOLS_KEYS, "disk": meters.DISK_KEYS,
+            "cpu": meters.CPU_KEYS}.get(reader, ())
     assert all(rec[k] is None for k in keys)
     if reader == "disk":
         assert rec["nbtools_disk_read_bytes_per_s"] is None and rec["host_cache_hit_percent"] is None
+    if reader == "cpu":
+        assert rec["process_cpu_cores"] is None and rec["host_cpu_busy_cores"] is None
     if reader == "nbtools":
         assert rec["pinned_bytes"] == 0          # torch's part is still there
         assert rec["nbtools_h2d_bytes_per_s"] is None and rec["cache_hit_percent"] is None
@@ -809,3 +812,65 @@ def test_whole_run_readings_leave_out_the_idle_tail_and_add_totals():
     assert r["step_total_s"] == pytest.approx(10.0) and r["compute_total_s"] == pytest.approx(5.0)
     assert r["data_wait_total_s"] is None and r["transfer_total_s"] is None
     assert "step_total_s" not in st.read()                             # live reads: no totals
+
+
+# --- the CPU ------------------------------------------------------------------------------------
+
+def test_cpu_seconds_become_cores_busy_over_the_interval():
+    b, clock = FakeBackend(process_cores=2, host_cores=4), FakeClock()
+    m = Meters(b, clock=clock, pcie="manual")
+    first = m.read()
+    assert first["process_cpu_cores"] is None and first["host_cpu_busy_cores"] is None
+    clock.advance(2.0)
+    b.use_cpu(process_s=3.6, host_s=5.0)          # 1.8 and 2.5 cores busy over 2 s
+    rec = m.read()
+    assert rec["process_cpu_cores"] == pytest.approx(1.8)
+    assert rec["host_cpu_busy_cores"] == pytest.approx(2.5)
+    assert (rec["process_cores"], rec["host_cores"]) == (2, 4)
+
+
+def test_the_system_reads_this_processs_cpu_and_the_machines():
+    import os
+    b = SystemBackend("cpu", nvml=False)
+    before = b.cpu()
+    assert before["process_cores"] == len(os.sched_getaffinity(0))
+    assert before["host_cores"] == os.cpu_count()
+    t = time.process_time()
+    while time.process_time() - t < 0.3:          # 0.3 s of this process's CPU
+        sum(range(1000))
+    after = b.cpu()
+    spent = after["process_cpu_s"] - before["process_cpu_s"]
+    assert 0.25 <= spent <= 1.0
+    # the machine's busy seconds include this process's (to the kernel's 10 ms ticks)
+    assert after["host_cpu_busy_s"] - before["host_cpu_busy_s"] >= 0.5 * spent
+
+
+@pytest.mark.parametrize("rec, verdict", [
+    ({"process_cpu_cores": 1.9, "process_cores": 2, "host_cpu_busy_cores": 2.0, "host_cores": 2},
+     "CPU-bound: GPU busy only 30% and the CPU is full (this process keeps 1.9 of its 2 cores"),
+    ({"process_cpu_cores": 0.4, "process_cores": 2, "host_cpu_busy_cores": 1.9, "host_cores": 2},
+     "CPU-bound: GPU busy only 30% and the CPU is full (the machine keeps 1.9 of its 2 cores "
+     "busy, this process 0.4)"),
+    ({"process_cpu_cores": 1.0, "process_cores": 2, "host_cpu_busy_cores": 1.1, "host_cores": 2},
+     "host-bound: GPU busy only 30%; Python or CPU work"),
+    ({"process_cpu_cores": 3.0, "process_cores": 16, "host_cpu_busy_cores": 15.0,
+      "host_cores": 16}, "CPU-bound: GPU busy only 30% and the CPU is full (the machine"),
+])
+def test_diagnose_says_cpu_bound_where_the_cpu_is_full(rec, verdict):
+    assert diagnose({"gpu_util_percent": 30.0, "step_s": 0.005, **rec}).startswith(verdict)
+
+
+def test_a_cpu_run_says_how_busy_its_cores_are():
+    assert diagnose({"step_s": 0.01, "process_cpu_cores": 1.5, "process_cores": 2}) == \
+        "no GPU readings: CPU run, this process keeps 1.5 of its 2 cores busy"
+
+
+def test_the_run_summary_averages_the_cores_busy():
+    mon, b, clock = monitor()
+    for busy in (1.0, 2.0):
+        for _ in range(10):
+            clock.advance(0.1)
+            b.use_cpu(process_s=0.1 * busy)
+            mon.step(10)
+    summary = mon.refresh(final=True)
+    assert 1.0 < summary["process_cpu_cores"] < 2.0
