@@ -581,3 +581,24 @@ def test_the_cpu_badge_and_line_show_cores_busy():
     empty = render_html({})
     assert ">CPU busy</div>" in empty and ">machine N/A</div>" in empty
     assert not any(p.startswith("CPU") for p in render_text({}).split(" | "))
+
+
+def test_the_plot_draws_the_cpu_beside_the_throughput():
+    from nbtools.dashboard.plot import Plotter
+    from nbtools.meters import History
+    h = History()
+    for t in range(5):
+        h.append({"time_s": float(t), "samples_per_s": 100.0 * t, "process_cpu_cores": 0.5 * t,
+                  "process_cores": 2})
+    p = Plotter("rows")
+    assert p.render(h)[:4] == b"\x89PNG"
+    assert list(p.cpu_line.get_ydata()) == [0.0, 0.5, 1.0, 1.5, 2.0]
+    labels = [t.get_text() for t in p.ax[2].get_legend().get_texts()]
+    assert labels == ["rows/s", "CPU cores busy (right)"]
+    assert p.cpu_ax.get_ylim()[1] >= 2.0
+    bare = History()
+    bare.append({"time_s": 0.0, "samples_per_s": 1.0})
+    bare.append({"time_s": 1.0, "samples_per_s": 2.0})
+    p = Plotter("rows")
+    p.render(bare)
+    assert [t.get_text() for t in p.ax[2].get_legend().get_texts()] == ["rows/s"]

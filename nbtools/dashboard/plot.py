@@ -1,5 +1,6 @@
-"""The dashboard's history plot: memory, PCIe and throughput on one time axis, drawn with
-matplotlib's Agg backend into PNG bytes (the one kind of live plot that works in Colab), and
+"""The dashboard's history plot: memory, PCIe and throughput (with the CPU cores busy) on one
+time axis, drawn with matplotlib's Agg backend into PNG bytes (the one kind of live plot that
+works in Colab), and
 :func:`plot_history` to re-plot a saved history. matplotlib is imported when a plot is made,
 never by ``import nbtools.dashboard``.
 """
@@ -56,8 +57,15 @@ class Plotter:
             a.tick_params(labelsize=7)
             a.grid(True, lw=0.4, alpha=0.5)
             a.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: fmt_count(v)))
+        # the CPU cores this process keeps busy, on the throughput's panel (its own axis on the
+        # right): a rate that drops while the cores are full is waiting for the host
+        self.cpu_ax = self.ax[2].twinx()
+        (self.cpu_line,) = self.cpu_ax.plot([], [], ":", color=C["muted"], lw=1.2,
+                                            label="CPU cores busy (right)")
+        self.cpu_ax.set_ylabel("CPU cores", fontsize=8)
+        self.cpu_ax.tick_params(labelsize=7)
         self._extra = []
-        self.fig.subplots_adjust(left=0.075, right=0.99, top=0.98, bottom=0.09, hspace=0.12)
+        self.fig.subplots_adjust(left=0.075, right=0.95, top=0.98, bottom=0.09, hspace=0.12)
 
     def render(self, history: History, link_bytes_per_s=None) -> bytes:
         # a run's summary (written on close) holds means over the run, not a point in time
@@ -77,6 +85,13 @@ class Plotter:
             if finite:                     # a legend entry only for series with readings
                 shown[i].append(line)
                 seen[i] = seen[i] or any(v == v and v != 0 for v in y)
+        cores = [math.nan if r.get("process_cpu_cores") is None else r["process_cpu_cores"]
+                 for r in recs]
+        self.cpu_line.set_data(x, cores)
+        of = max([r.get("process_cores") or 0 for r in recs] + [0])
+        self.cpu_ax.set_ylim(0, max([of] + [v for v in cores if v == v] + [1]) * 1.3)
+        if any(v == v for v in cores):
+            shown[2].append(self.cpu_line)
         for a, lines in zip(self.ax, shown):
             if lines:
                 a.legend(handles=lines, loc="upper left", fontsize=7, frameon=False, ncol=4)
