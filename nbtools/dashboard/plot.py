@@ -1,8 +1,7 @@
 """The dashboard's history plot: memory, PCIe and throughput (with the CPU cores busy) on one
 time axis, drawn with matplotlib's Agg backend into PNG bytes (the one kind of live plot that
-works in Colab), and
-:func:`plot_history` to re-plot a saved history. matplotlib is imported when a plot is made,
-never by ``import nbtools.dashboard``.
+works in Colab), and :func:`plot_history` to re-plot a saved history. matplotlib is imported
+when a plot is made, never by ``import nbtools.dashboard``.
 """
 from __future__ import annotations
 
