@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import resource
 import signal
@@ -203,13 +204,41 @@ def memlock_limit() -> int | None:
 FEW_CORES = 4
 
 
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """The cores a container's CPU quota allows (cgroup v2 ``cpu.max``; v1
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), or None where none is set."""
+    for quota_file, period_file in (("cpu.max", None),
+                                    ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us"),
+                                    ("cpu,cpuacct/cpu.cfs_quota_us",
+                                     "cpu,cpuacct/cpu.cfs_period_us")):
+        try:
+            with open(os.path.join(root, quota_file)) as f:
+                words = f.read().split()
+            if period_file is None:                 # v2: "<quota> <period>" or "max <period>"
+                if words[0] == "max":
+                    return None
+                quota, period = int(words[0]), int(words[1])
+            else:
+                quota = int(words[0])
+                if quota < 0:                       # v1: -1, no quota
+                    return None
+                with open(os.path.join(root, period_file)) as f:
+                    period = int(f.read())
+        except (OSError, ValueError, IndexError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
 def usable_cores() -> int:
-    """The CPU cores this process may run on: its share (``taskset``, a container's CPU set),
-    not the host's count."""
+    """The CPU cores this process may run on: its share (``taskset``, a container's CPU set
+    and its CPU quota, rounded up), not the host's count."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:              # (not Linux)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return min(cores, max(1, math.ceil(quota))) if quota else cores
 
 
 @functools.lru_cache(maxsize=None)

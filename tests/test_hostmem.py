@@ -118,3 +118,36 @@ def test_a_refused_registration_leaves_later_cuda_calls_working():
         assert x.sum().item() == 16
     finally:
         hostmem.cuda_unregister(ptr)
+
+
+# --- the cores this process may use ------------------------------------------------------------
+
+def _cgroup(tmp_path, files: dict):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),                       # cgroup v2: 2 cores
+    ({"cpu.max": "max 100000\n"}, None),                         # v2, no quota
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),   # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     0.5),
+    ({"cpu.max": "garbage\n"}, None),
+    ({}, None),
+])
+def test_a_containers_cpu_quota_is_read(tmp_path, files, quota):
+    from nbtools import devices
+    assert devices.cgroup_cpu_quota(_cgroup(tmp_path, files)) == quota
+
+
+@pytest.mark.parametrize("quota, cores", [(None, None), (1.5, 2), (0.5, 1), (1000.0, None)])
+def test_usable_cores_take_the_affinity_and_the_quota(monkeypatch, quota, cores):
+    import os
+    from nbtools import devices
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(devices, "cgroup_cpu_quota", lambda root="": quota)
+    assert devices.usable_cores() == (affinity if cores is None else min(affinity, cores))

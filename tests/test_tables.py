@@ -225,8 +225,8 @@ def test_describe_and_counters():
     assert info["disk_engine"] == fileio.default_engine(direct=True) and \
         info["disk_engine"] in fileio.ENGINES
     assert set(nbtools.transfer_counters()) == {"h2d_bytes", "d2h_bytes"}
-    import os
-    assert info["cores"] == len(os.sched_getaffinity(0))
+    from nbtools import devices
+    assert info["cores"] == devices.usable_cores()
     assert info["torch_threads"] == torch.get_num_threads()
 
 
