@@ -50,8 +50,7 @@ from .monitor import RUN_MEAN_KEYS, History, Monitor, MonitorConfig, RunMeans, W
 from .samplers import CounterUnwrapper, Meters, PcieSampler, StepTimer, ThroughputMeter
 
 __all__ = ["NA", "GPU_KEYS", "TORCH_KEYS", "HOST_KEYS", "CPU_KEYS", "NBTOOLS_KEYS", "DISK_KEYS",
-           "LINK_KEYS",
-           "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
+           "LINK_KEYS", "fmt_bytes", "fmt_rate", "fmt_count", "fmt_seconds", "SystemBackend",
            "CounterUnwrapper", "PcieSampler", "Meters", "ThroughputMeter", "StepTimer",
            "History", "diagnose", "Warnings", "MonitorConfig", "Monitor", "RunMeans", "RUN_MEAN_KEYS",
            "measure_bandwidth"]
