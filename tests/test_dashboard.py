@@ -595,7 +595,12 @@ def test_the_plot_draws_the_cpu_beside_the_throughput():
     assert list(p.cpu_line.get_ydata()) == [0.0, 0.5, 1.0, 1.5, 2.0]
     labels = [t.get_text() for t in p.ax[2].get_legend().get_texts()]
     assert labels == ["rows/s", "CPU cores busy (right)"]
-    assert p.cpu_ax.get_ylim()[1] >= 2.0
+    assert p.cpu_ax.get_ylim()[1] >= 2.0 and p.cpu_line.get_marker() in ("", "None")
+    few = History()
+    few.append({"time_s": 0.0, "process_cpu_cores": 1.0, "process_cores": 2})
+    p = Plotter("rows")
+    p.render(few)
+    assert p.cpu_line.get_marker() == "o"           # a short run: its readings as points
     bare = History()
     bare.append({"time_s": 0.0, "samples_per_s": 1.0})
     bare.append({"time_s": 1.0, "samples_per_s": 2.0})

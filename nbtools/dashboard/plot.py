@@ -87,6 +87,8 @@ class Plotter:
         cores = [math.nan if r.get("process_cpu_cores") is None else r["process_cpu_cores"]
                  for r in recs]
         self.cpu_line.set_data(x, cores)
+        self.cpu_line.set_marker("o" if 0 < sum(v == v for v in cores) <= 3 else "")
+        self.cpu_line.set_markersize(3)
         of = max([r.get("process_cores") or 0 for r in recs] + [0])
         self.cpu_ax.set_ylim(0, max([of] + [v for v in cores if v == v] + [1]) * 1.3)
         if any(v == v for v in cores):
