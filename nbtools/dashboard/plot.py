@@ -86,12 +86,13 @@ class Plotter:
                 seen[i] = seen[i] or any(v == v and v != 0 for v in y)
         cores = [math.nan if r.get("process_cpu_cores") is None else r["process_cpu_cores"]
                  for r in recs]
+        finite = [v for v in cores if v == v]
         self.cpu_line.set_data(x, cores)
-        self.cpu_line.set_marker("o" if 0 < sum(v == v for v in cores) <= 3 else "")
+        self.cpu_line.set_marker("o" if 0 < len(finite) <= 3 else "")
         self.cpu_line.set_markersize(3)
         of = max([r.get("process_cores") or 0 for r in recs] + [0])
-        self.cpu_ax.set_ylim(0, max([of] + [v for v in cores if v == v] + [1]) * 1.3)
-        if any(v == v for v in cores):
+        self.cpu_ax.set_ylim(0, max([of, 1] + finite) * 1.3)
+        if finite:
             shown[2].append(self.cpu_line)
         for a, lines in zip(self.ax, shown):
             if lines:

@@ -47,9 +47,8 @@ def _worker(rank, fn, world, port, args, results, timeout_s, backend="gloo"):
     import os
     import sys
 
-    # the cores this process may run on (taskset, a container's CPU set), not the machine's
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // world))
+    from ..devices import usable_cores     # (this process's share of the cores)
+    torch.set_num_threads(max(1, usable_cores() // world))
     extra = {}
     if backend == "nccl":           # one GPU a rank: cuda:rank, current in this process
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast off (docs/distributed.md)
