@@ -201,26 +201,87 @@ def _check_2d(what: str, shape) -> None:
 
 
 def _path_source(path, column: bool = False) -> _Source:
+    """A ``.npy`` file at ``path``, memory-mapped (read with ``pread``; see the module). It
+    is data someone may have handed over: opened once, without blocking (a FIFO or a device
+    is refused, not waited on or read forever; a symbolic link to a regular file is
+    followed, since nothing is written), its header checked against its size, and its rows
+    read through that descriptor."""
+    from .rowfile.format import open_regular
     p = os.fspath(path)
     if not os.path.exists(p):
         raise FileNotFoundError(f"no file {p!r} (from_pretrained reads a .npy file, memory-"
                                 "mapped)")
+    fd = open_regular(p, follow=True, what=".npy file", error=ValueError)
     try:
-        arr = np.load(p, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        raise ValueError(f"{p!r} cannot be memory-mapped as one array ({e}); save the table with "
-                         "np.save(path, array) as a .npy file of floats") from e
-    if not isinstance(arr, np.ndarray):              # an .npz archive
-        names = list(getattr(arr, "files", []))
-        arr.close()
-        raise ValueError(f"{p!r} is an .npz archive ({names}), whose arrays cannot be memory-"
-                         "mapped; pass np.load(path)[name] (read into RAM) or save the table "
-                         "with np.save as a .npy file")
-    return _numpy_source(arr, kind=f"memory-mapped file {p!r}", column=column)
+        arr, offset = _map_npy(fd, p)
+        file = _File(fd, offset, arr.dtype.itemsize * (arr.shape[1] if arr.ndim == 2 else 1)) \
+            if arr.flags.c_contiguous and arr.dtype.isnative and arr.size else None
+    except BaseException:
+        os.close(fd)
+        raise
+    if file is None:
+        os.close(fd)                 # (the map holds its own descriptor)
+    try:
+        return _numpy_source(arr, kind=f"memory-mapped file {p!r}", column=column, file=file)
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
+
+
+def _map_npy(fd: int, p: str) -> tuple[np.memmap, int]:
+    """The array of the ``.npy`` file open as ``fd`` (at ``p``, for messages), mapped
+    read-only, and the offset of its data; a ValueError says why a file is not one."""
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{p!r} cannot be memory-mapped as one array ({why}); save the table "
+                          "with np.save(path, array) as a .npy file of floats")
+
+    fmt = np.lib.format
+    with open(fd, "rb", closefd=False) as f:
+        if f.read(len(fmt.MAGIC_PREFIX)) != fmt.MAGIC_PREFIX:
+            f.seek(0)
+            try:
+                got = np.load(f, allow_pickle=False)   # an .npz archive's names, or refused
+            except Exception as e:
+                raise refuse(str(e)) from e
+            names = list(getattr(got, "files", []))
+            if hasattr(got, "close"):
+                got.close()
+            raise ValueError(f"{p!r} is an .npz archive ({names}), whose arrays cannot be memory-"
+                             "mapped; pass np.load(path)[name] (read into RAM) or save the table "
+                             "with np.save as a .npy file")
+        f.seek(0)
+        try:
+            version = fmt.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = fmt.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = fmt.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version[0]}.{version[1]}, written only "
+                                 "for arrays with unicode field names")
+        except ValueError as e:
+            raise refuse(str(e)) from e
+        if dtype.hasobject:
+            raise refuse("its dtype holds Python objects")
+        if any(k < 0 for k in shape):
+            raise refuse(f"its header's shape {shape} is negative")
+        offset = f.tell()
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        size = os.fstat(fd).st_size
+        if offset + nbytes > size:
+            raise ValueError(f"{p!r} is truncated or its header is damaged: the header says "
+                             f"{dtype} values of shape {shape}, {nbytes:,} bytes after "
+                             f"{offset}, but the file has {size:,} bytes")
+        arr = np.memmap(f, dtype=dtype, shape=shape, order="F" if fortran else "C", mode="r",
+                        offset=offset)
+    return arr, offset
 
 
 def _numpy_source(arr: np.ndarray, kind: str | None = None, keep=None,
-                  column: bool = False) -> _Source:
+                  column: bool = False, file: "_File | None" = None) -> _Source:
+    """A NumPy array; ``file``: a reader of its rows from its file (else one is made for a
+    row-major memory map, :meth:`_File.of`)."""
     kind = kind or ("memory-mapped NumPy array" if isinstance(arr, np.memmap) else "NumPy array")
     what = _describe(kind, arr.shape, arr.dtype)
     if column and arr.ndim == 1:
@@ -243,7 +304,7 @@ def _numpy_source(arr: np.ndarray, kind: str | None = None, keep=None,
         return t.view(torch.bfloat16) if bf16 else t
 
     src = _Source(what, tuple(arr.shape), dtype, torch.device("cpu"), rows, keep=(arr, keep))
-    src.file = _File.of(arr, src.row_bytes)
+    src.file = file if file is not None else _File.of(arr, src.row_bytes)
     if src.file is None:
         src.release = _mapped_pages(arr)
     return src
@@ -301,10 +362,12 @@ class _File:
     """The rows of a row-major memory map, read with ``pread`` from its file (no mapping, so
     no resident pages), dropped from the page cache behind each read."""
 
-    def __init__(self, path: str, offset: int, row_bytes: int):
-        self.path, self.offset, self.row_bytes = path, offset, row_bytes
-        self.fd = self._pool = None
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, fd: int, offset: int, row_bytes: int):
+        """Rows of ``row_bytes`` from byte ``offset`` of the file open as ``fd`` (which this
+        reader now owns: :meth:`close` closes it)."""
+        self.offset, self.row_bytes = offset, row_bytes
+        self._pool = None
+        self.fd = fd
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
@@ -323,9 +386,15 @@ class _File:
             return None
         start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + arr.ctypes.data - base
-        if offset < 0 or offset + arr.nbytes > os.path.getsize(path):
+        from .rowfile.format import open_regular
+        try:            # (whatever is at its name now: a FIFO put there is not waited on)
+            fd = open_regular(path, follow=True, error=ValueError)
+        except (OSError, ValueError):
             return None
-        f = cls(path, offset, row_bytes)
+        if offset < 0 or offset + arr.nbytes > os.fstat(fd).st_size:
+            os.close(fd)
+            return None
+        f = cls(fd, offset, row_bytes)
         head = min(arr.nbytes, 4096)                # the file holds what the map shows
         probe = np.empty(head, dtype=np.uint8)
         f.wait(f.start(0, probe), 0, 0)

@@ -83,8 +83,8 @@ import numpy as np
 from .fileio import RequestPool, check_engine, fadvise
 from .packed import TAG, row_requests, packed_io, packed_range
 from .format import (BLOCKS, HEADER, DiskFullError, check_direct, checked_meta,
-                     create_exclusive, direct_block, new_file_folder, _open, remove_if_same,
-                     reserve, round_up, write_header, _writer)
+                     create_exclusive, direct_block, new_file_folder, open_regular,
+                     remove_if_same, reserve, round_up, write_header, _writer)
 from ..units import human_bytes
 # the package's public names that live in its modules
 from .packed import REQUEST  # noqa: F401
@@ -250,23 +250,38 @@ class RowFile:
         ``unclean_ok`` (to rewrite every row, as a checkpoint restore does). Opened
         ``writable``, the file is this process's until :meth:`close` marks it clean again.
 
+        A file handed over by someone else is data, never trusted: ``path`` is opened once,
+        without blocking (a FIFO or a device is refused, not waited on), and everything after
+        goes through that descriptor; every header field the file's reads and writes rely on
+        (``num_rows``, ``row_bytes``, ``stride``, ``data_offset``, ``packed``, ``clean``,
+        ``writer``) is checked, and its size against them. Opened ``writable``, a symbolic
+        link at ``path`` is refused: writing its header and rows would change the file it
+        points to (someone's shared folder holding a link to your own table); pass the real
+        path (``os.path.realpath(path)``) to write that file. Read-only, a link is followed
+        (nothing is written through it).
+
         Raises:
             FileNotFoundError: no file at ``path``.
-            RowFileError: not a row file, another format version, a damaged header, shorter
-                than its header says (truncated), a field differs from ``expect``, or it was
-                not closed cleanly (and ``unclean_ok`` is false).
+            RowFileError: not a row file (a FIFO, a device, a folder, another format), a
+                symbolic link opened ``writable``, another format version, a damaged header
+                ("its header is damaged: ..." names the field), shorter than its header says
+                (truncated), a field differs from ``expect``, or it was not closed cleanly
+                (and ``unclean_ok`` is false).
         """
         path = os.fspath(path)
-        meta = checked_meta(path, expect, unclean_ok)
-        fd, block = _open(path, os.O_RDWR if writable else os.O_RDONLY, direct,
-                          stride=0 if meta.get("packed") else int(meta["stride"]))
-        if writable:                 # this process writes it now: unclean until closed
-            meta = {**meta, "clean": False, "writer": _writer()}
-            try:
+        check_direct(direct, path)
+        fd = open_regular(path, os.O_RDWR if writable else os.O_RDONLY, follow=not writable,
+                          what="row file")
+        try:
+            meta = checked_meta(fd, path, expect, unclean_ok)
+            block = direct_block(fd, path, direct,
+                                 stride=0 if meta.get("packed") else meta["stride"])
+            if writable:             # this process writes it now: unclean until closed
+                meta = {**meta, "clean": False, "writer": _writer()}
                 write_header(fd, meta)
-            except BaseException:
-                os.close(fd)
-                raise
+        except BaseException:
+            os.close(fd)
+            raise
         return cls(path, fd, meta, block, threads, writable)
 
     # --- rows -----------------------------------------------------------------------------

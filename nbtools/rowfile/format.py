@@ -143,13 +143,67 @@ def remove_unheld(path: str) -> int | None:
         os.close(fd)
 
 
-def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
-    """The header's JSON of the row file at ``path``, checked: raises what :meth:`RowFile.open
-    <nbtools.rowfile.RowFile.open>` says."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, f"no row file at {path!r}", path)
-    with open(path, "rb") as f:
-        head = f.read(HEADER)
+def open_regular(path, flags: int = os.O_RDONLY, *, follow: bool = False,
+                 what: str = "file", error: type = None) -> int:
+    """A descriptor of the regular file at ``path``, opened with ``flags``, for a file someone
+    else may have put there: a FIFO, a device or a socket is refused without blocking on it
+    (opened ``O_NONBLOCK``, checked with ``fstat``, then made blocking again), and, unless
+    ``follow``, so is a symbolic link (``O_NOFOLLOW``: a write never lands in the file a link
+    points to). ``what`` names the file in messages; ``error`` is the exception raised for
+    a file that is not a regular one (default :class:`RowFileError`).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ``error``: a symbolic link (unless ``follow``), a FIFO, device, socket or folder.
+        OSError: it cannot be opened otherwise (``PermissionError``...).
+    """
+    error = error or RowFileError
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC
+                     | (0 if follow else os.O_NOFOLLOW))
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no {what} at {path!r}", path) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow and os.path.islink(path):
+            raise error(f"{path!r} is a symbolic link (to {os.path.realpath(path)!r}), which a "
+                        f"{what} is not opened through: what is written would land in the "
+                        "file it points to. Pass the file's real path (os.path.realpath(path)) "
+                        "if you meant to write that file") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):      # a socket; a folder opened to write
+            raise error(f"{path!r} is {file_kind(path)}, not a regular file: not a "
+                        f"{what}") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{path!r} is {file_kind(mode)}, not a regular file: not a {what}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_KINDS = {"p": "a FIFO (named pipe)", "c": "a character device", "b": "a block device",
+          "s": "a socket", "d": "a folder", "l": "a symbolic link", "-": "a regular file"}
+
+
+def file_kind(mode_or_path) -> str:
+    """What a file is, in words ("a FIFO (named pipe)", "a character device"...), from its
+    ``st_mode`` or (not following a link) its path."""
+    if not isinstance(mode_or_path, int):
+        try:
+            mode_or_path = os.lstat(mode_or_path).st_mode
+        except OSError:
+            return "not a regular file"
+    return _KINDS.get(stat.filemode(mode_or_path)[0], "not a regular file")
+
+
+def checked_meta(fd: int, path: str, expect: dict | None, unclean_ok: bool) -> dict:
+    """The header's JSON of the row file open as ``fd`` (at ``path``, for messages),
+    checked: raises what :meth:`RowFile.open <nbtools.rowfile.RowFile.open>` says."""
+    head = os.pread(fd, HEADER, 0)
     if len(head) < 16 or head[:8] != MAGIC:
         raise RowFileError(f"{path!r} is not an nbtools row file (it does not start with "
                            f"{MAGIC!r})")
@@ -157,18 +211,15 @@ def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
     if version != VERSION:
         raise RowFileError(f"{path!r} is row-file format {version}; this nbtools reads "
                            f"format {VERSION}")
-    n = int.from_bytes(head[12:16], "little")
-    try:
-        meta = json.loads(head[16:16 + n])
-        need = int(meta["data_offset"]) + int(meta["num_rows"]) * int(meta["stride"])
-        int(meta["row_bytes"])
-    except (ValueError, KeyError, TypeError):
-        raise RowFileError(f"{path!r}: its header is damaged") from None
-    have = os.path.getsize(path)
+    meta = _checked_fields(head, path)
+    have = os.fstat(fd).st_size
+    used = meta["num_rows"] * meta["stride"]
+    need = meta["data_offset"] + (round_up(used, BLOCKS[-1]) if meta.get("packed") else used)
     if have < need:
         raise RowFileError(f"{path!r} is truncated: {have:,} bytes, its header says "
                            f"{need:,} ({meta['num_rows']:,} rows of {meta['stride']} bytes "
-                           f"after {meta['data_offset']})")
+                           f"after {meta['data_offset']}"
+                           f"{', in whole 4,096-byte blocks' if meta.get('packed') else ''})")
     wrong = [(k, v, meta.get(k, "missing")) for k, v in (expect or {}).items()
              if meta.get(k, "missing") != v]
     if wrong:
@@ -183,6 +234,48 @@ def checked_meta(path: str, expect: dict | None, unclean_ok: bool) -> dict:
             "checkpoint (CheckpointManager.restore rewrites every row of a disk table), or "
             "open it as it is with RowFile.open(path, unclean_ok=True); "
             "nbtools.rowfile.leftovers(folder) lists such files, remove_leftovers deletes them")
+    return meta
+
+
+def _checked_fields(head: bytes, path: str) -> dict:
+    """The JSON of a row file's header ``head`` with the fields this module and
+    :class:`~nbtools.rowfile.RowFile` act on checked (the caller's own keys, ``dtype`` and the
+    like, are only ever compared with an ``expect``): a RowFileError "its header is damaged:
+    <what>" otherwise."""
+    def damaged(why: str) -> RowFileError:
+        return RowFileError(f"{path!r}: its header is damaged: {why}")
+
+    n = int.from_bytes(head[12:16], "little")
+    if n > HEADER - 16:
+        raise damaged(f"its JSON is said to take {n:,} bytes, past the header's {HEADER:,}")
+    try:
+        meta = json.loads(head[16:16 + n])
+    except ValueError as e:
+        raise damaged(f"its JSON does not parse ({e})") from None
+    if not isinstance(meta, dict):
+        raise damaged(f"its JSON is a {type(meta).__name__}, not an object")
+    limit = 1 << 62                    # (offsets stay int64 in numpy's arithmetic)
+    for key, lo in (("num_rows", 0), ("row_bytes", 1), ("stride", 1),
+                    ("data_offset", HEADER)):
+        v = meta.get(key, "missing")
+        if type(v) is not int:
+            raise damaged(f"{key} is {v!r}, not an integer")
+        if not lo <= v < limit:
+            raise damaged(f"{key} is {v:,}; it must be at least {lo:,} (and below 2**62)")
+    if meta["stride"] < meta["row_bytes"]:
+        raise damaged(f"stride {meta['stride']:,} is less than row_bytes "
+                      f"{meta['row_bytes']:,} (rows would overlap)")
+    if meta["data_offset"] % BLOCKS[-1]:
+        raise damaged(f"data_offset {meta['data_offset']:,} is not a multiple of "
+                      f"{BLOCKS[-1]:,}")
+    if meta["num_rows"] * meta["stride"] >= limit:
+        raise damaged(f"{meta['num_rows']:,} rows of {meta['stride']:,} bytes pass 2**62 bytes")
+    for key in ("packed", "clean"):
+        if key in meta and type(meta[key]) is not bool:
+            raise damaged(f"{key} is {meta[key]!r}, not true or false")
+    writer = meta.get("writer")
+    if writer is not None and not isinstance(writer, dict):
+        raise damaged(f"writer is {writer!r}, not an object")
     return meta
 
 
@@ -229,10 +322,15 @@ def write_header(fd: int, info: dict) -> None:
 def _read_meta(path) -> dict | None:
     """The header's JSON of the row file at ``path``, or None when it is not one."""
     try:
-        with open(path, "rb") as f:
-            return _parse_head(f.read(HEADER))
+        fd = open_regular(path)
+    except (OSError, RowFileError):
+        return None
+    try:
+        return _parse_head(os.pread(fd, HEADER, 0))
     except OSError:
         return None
+    finally:
+        os.close(fd)
 
 
 def _parse_head(head: bytes) -> dict | None:
@@ -333,18 +431,6 @@ def reserve(fd: int, size: int, path: str) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)
-
-
-def _open(path: str, flags: int, direct, stride: int = 0):
-    """(fd, O_DIRECT block size or 0) of the existing file at ``path``, opened once with
-    ``flags``; ``direct``: True, False or "auto" (:func:`direct_block`)."""
-    check_direct(direct, path)
-    fd = os.open(path, flags)
-    try:
-        return fd, direct_block(fd, path, direct, stride)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def check_direct(direct, path: str) -> None:
