@@ -38,6 +38,10 @@ EXTRAS = "extras.pt"
 ALIGN = 64                       # every tensor starts at a multiple of this in its data file
 STEP_DIR = re.compile(r"^step-(\d{9,})(?:-r(\d+))?$")   # a checkpoint's directory under its root
 DATA_FILE = re.compile(r"^data-\d{4,}\.bin$")          # its data files
+# A checkpoint holds the user's tables and state: what nbtools creates of one (files, step
+# directories, a root it makes) is the user's alone, whatever the umask, as its table files
+# are. To share a checkpoint, chmod it (or its root) as you mean to.
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
 MANIFEST_MAX_BYTES = 1 << 30     # a manifest is JSON text: one past this is not one nbtools wrote
 
 
@@ -369,7 +373,7 @@ def write_manifest(root: Path, body: dict, fsync: bool) -> None:
     version = body.get("version", FORMAT_VERSION)
     head = f"{FORMAT} {version} crc32={zlib.crc32(data):08x} bytes={len(data)}\n".encode()
     fd = os.open(root / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                 | os.O_CLOEXEC, 0o666)
+                 | os.O_CLOEXEC, PRIVATE_FILE)
     with os.fdopen(fd, "wb") as f:
         f.write(head + data)
         f.flush()
@@ -494,7 +498,8 @@ def create_new(folder, name: str) -> int:
     existing file or a link planted at its name (``O_EXCL | O_NOFOLLOW``)."""
     _check_name(name)
     return os.open(os.path.join(folder, name),
-                   os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+                   os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   PRIVATE_FILE)
 
 
 def _int(v, lo: int = 0) -> bool:
@@ -531,6 +536,7 @@ def check_manifest(m) -> None:
     if extras is not None:
         if (not isinstance(extras, dict) or extras.get("file") != EXTRAS
                 or EXTRAS not in files or not _int(extras.get("bytes"))
+                or extras["bytes"] != files[EXTRAS]
                 or not _int(extras.get("crc32")) or extras["crc32"] >= 1 << 32):
             bad(f"describes its side file as {extras!r}")
     rows = m.get("rows") or []
@@ -593,19 +599,38 @@ def _check_rows_item(item, bad) -> None:
                 "directory of the same root")
 
 
+TREE_MAX_DEPTH = 100   # lists, tuples and dicts a saved state nests at most (save refuses more)
+_JSON_MAX_DEPTH = 4 * TREE_MAX_DEPTH     # what that takes in JSON (a mapping of int keys: 3 a level)
+
+
 def _nodes(tree):
     """Every dict node of an encoded state tree, walked without recursion (a crafted tree
     may nest deeper than Python recurses); leaves (tensors, rows, side-file values) are not
-    entered."""
-    todo = [tree]
+    entered. A tree nested deeper than a save allows raises :class:`Damaged` (decoding it
+    would recurse past Python's limit)."""
+    todo = [(tree, 0)]
     while todo:
-        x = todo.pop()
+        x, depth = todo.pop()
+        if depth > _JSON_MAX_DEPTH:
+            raise Damaged(f"MANIFEST holds a state nested over {_JSON_MAX_DEPTH} levels deep: "
+                          "not one nbtools wrote")
         if type(x) is list:
-            todo.extend([v for v in x if type(v) in (list, dict)])     # (skip the scalars)
+            todo.extend([(v, depth + 1) for v in x if type(v) in (list, dict)])   # (no scalars)
         elif type(x) is dict:
             yield x
             if "$tensor" not in x and "$rows" not in x and "$pickle" not in x:
-                todo.extend([v for v in x.values() if type(v) in (list, dict)])
+                todo.extend([(v, depth + 1) for v in x.values() if type(v) in (list, dict)])
+
+
+def _key_ok(k) -> bool:
+    """An encoded mapping key decodes to something hashable: a scalar, a tuple of keys, or a
+    side-file value (checked when decoded: :func:`nbtools.checkpoint.tree.walk`)."""
+    if k is None or type(k) in (bool, int, float, str):
+        return True
+    if type(k) is dict and len(k) == 1 and "$pickle" in k:
+        return True
+    return (type(k) is dict and len(k) == 1 and type(k.get("$tuple")) is list
+            and all(_key_ok(v) for v in k["$tuple"]))
 
 
 def _check_tree(tree, n_tensors: int, n_rows: int, bad) -> None:
@@ -631,6 +656,8 @@ def _check_tree(tree, n_tensors: int, n_rows: int, bad) -> None:
         elif "$items" in x and (not isinstance(x["$items"], list) or not all(
                 isinstance(p, list) and len(p) == 2 for p in x["$items"])):
             bad("holds a mapping that is not a list of pairs")
+        elif "$items" in x and not all(_key_ok(p[0]) for p in x["$items"]):
+            bad("holds a mapping with a key that is not a number, string or tuple")
         elif "$tuple" in x and not isinstance(x["$tuple"], list):
             bad("holds a tuple that is not a list")
 

@@ -22,8 +22,8 @@ from . import restore as _restore
 from . import rows as _rows
 from . import save as _save
 from . import tree as _tree
-from .format import (CheckpointConfig, CheckpointError, CheckpointSpaceError, CheckpointWarning,
-                     check_files, Damaged)
+from .format import (PRIVATE_DIR, CheckpointConfig, CheckpointError, CheckpointSpaceError,
+                     CheckpointWarning, check_files, Damaged)
 from .layout import Entry, scan, needs, prune
 from .mirror import DriveSync
 from .rng import set_rng_state
@@ -50,7 +50,7 @@ class CheckpointManager:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.directory = Path(directory).expanduser()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as e:   # the path, or a parent, is a file
             raise NotADirectoryError(
                 errno.ENOTDIR, f"CheckpointManager({str(directory)!r}): expected a directory for "

@@ -22,8 +22,8 @@ from pathlib import Path
 from .. import colab
 from ..colab import DriveError
 from ..units import human_bytes
-from .format import (MANIFEST, CheckpointError, CheckpointSpaceError, check_files, create_new,
-                     Damaged, fsync_dir, open_regular, read_manifest, STEP_DIR)
+from .format import (MANIFEST, PRIVATE_DIR, CheckpointError, CheckpointSpaceError, check_files,
+                     create_new, Damaged, fsync_dir, open_regular, read_manifest, STEP_DIR)
 from .layout import remove_dir, tmp_name, needs
 
 
@@ -40,7 +40,7 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
     if not STEP_DIR.match(src.name):
         raise ValueError(f"copy_checkpoint({str(src)!r}): expected a checkpoint directory "
                          "named step-NNNNNNNNN (as CheckpointManager names them)")
-    dst_root.mkdir(parents=True, exist_ok=True)
+    dst_root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     final = dst_root / src.name
     if final.exists():
         try:
@@ -61,7 +61,7 @@ def copy_checkpoint(src, dst_root, *, fsync: bool = True) -> Path:
         raise CheckpointSpaceError(errno.ENOSPC, f"copying {src.name} needs {human_bytes(need)}; "
                                    f"{human_bytes(free)} free on {dst_root}")
     tmp = dst_root / tmp_name(src.name)
-    tmp.mkdir()
+    tmp.mkdir(mode=PRIVATE_DIR)
     try:
         for name in [*manifest["files"], MANIFEST]:     # (names checked by read_manifest)
             with os.fdopen(open_regular(src, name), "rb") as fi, \
@@ -113,7 +113,7 @@ class DriveSync:
 
     def __init__(self, target, *, background: bool = True):
         self.target = Path(target).expanduser()
-        self.target.mkdir(parents=True, exist_ok=True)
+        self.target.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         self.background = background
         self.after_copy = None
         self.copied: list[dict] = []          # {"path", "bytes", "seconds"} per finished copy

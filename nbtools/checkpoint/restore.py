@@ -17,6 +17,7 @@ side file of extras is read first, as data only (:func:`nbtools.checkpoint.tree.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import zlib
@@ -218,7 +219,13 @@ def _same_tensor(key: str, live, saved, half: bool) -> str | None:
 def _mismatch(name: str, obj, state, half: bool) -> str | None:
     """What keeps ``state`` (tensors shape-only) from loading into ``obj``, or None. An
     object that can say so itself has ``check_state_dict(state)`` (raises ValueError):
-    :class:`nbtools.OffloadOptimizer` does."""
+    :class:`nbtools.OffloadOptimizer` does. A module or optimizer that loads as torch's do
+    is also rehearsed (:func:`rehearse`)."""
+    problem = _structure(obj, state, half)
+    return problem if problem is not None else rehearse(obj, state)
+
+
+def _structure(obj, state, half: bool) -> str | None:
     if isinstance(obj, torch.Tensor):
         return _same_tensor("the tensor", obj, state, half)
     if isinstance(obj, dict):
@@ -252,6 +259,94 @@ def _mismatch(name: str, obj, state, half: bool) -> str | None:
             check_groups(state.get("param_groups"), obj.param_groups, "optimizer")
         except ValueError as e:
             return str(e)
+    return None
+
+
+# --- a rehearsal of load_state_dict on shape-only twins -------------------------------------
+# The checks above see keys, shapes and dtypes. load_state_dict can still refuse what they
+# pass (a module's version metadata of the wrong type, an optimizer state value it cannot
+# cast), and by then the tensors would already hold the checkpoint's bytes (they are read in
+# place). So each module and optimizer that loads as torch's do first loads the checkpoint's
+# state into a twin: its own class and settings, its parameters and buffers shape-only (on the
+# meta device, no memory), no load hooks. What the twin refuses is refused with nothing read.
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    twin = torch.empty_like(t, device="meta")
+    return torch.nn.Parameter(twin, t.requires_grad) if isinstance(t, torch.nn.Parameter) else twin
+
+
+def _consumed(*_args) -> None:
+    """A twin's ``_load_from_state_dict`` for a module whose own cannot run shape-only (an
+    nbtools table, a class that loads in its own way), and its ``set_extra_state``: their fit
+    is what preflight checked."""
+
+
+def _module_twin(module: torch.nn.Module) -> torch.nn.Module:
+    twins: dict[int, torch.nn.Module] = {}
+
+    def twin(m):
+        if id(m) in twins:                   # a submodule used twice stays one
+            return twins[id(m)]
+        t = twins[id(m)] = copy.copy(m)      # own __dict__; parameters, buffers, children below
+        t._load_state_dict_pre_hooks = type(m._load_state_dict_pre_hooks)()
+        t._load_state_dict_post_hooks = type(m._load_state_dict_post_hooks)()
+        own = type(m)._load_from_state_dict
+        runs = (own is torch.nn.Module._load_from_state_dict
+                or own.__module__.startswith("torch.")) and not (
+                    m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks)
+        try:
+            t._parameters = {k: None if p is None else _meta_like(p)
+                             for k, p in m._parameters.items()}
+            t._buffers = {k: None if b is None else _meta_like(b) for k, b in m._buffers.items()}
+        except Exception:                    # (lazy or unusual parameters: not rehearsed)
+            runs = False
+            t._parameters, t._buffers = {}, {}
+        if not runs:
+            t._load_from_state_dict = _consumed
+        # (a module's extra state goes to objects the twin shares with it, a generator say:
+        # it is not rehearsed)
+        t.set_extra_state = _consumed
+        t._modules = {k: None if c is None else twin(c) for k, c in m._modules.items()}
+        return t
+    return twin(module)
+
+
+def _optimizer_twin(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    t = copy.copy(opt)
+    metas: dict[int, torch.Tensor] = {}
+    t.param_groups = [{**g, "params": [metas.setdefault(id(p), _meta_like(p)) for p in g["params"]]}
+                      for g in opt.param_groups]
+    t.state = collections.defaultdict(dict)
+    return t
+
+
+def rehearse(obj, state) -> str | None:
+    """Load ``state`` (tensors shape-only) into a shape-only twin of ``obj``: what it raises,
+    as text, or None. Only a module or optimizer whose ``load_state_dict`` is torch's is
+    rehearsed (others say what they accept through ``check_state_dict``); an optimizer with
+    load hooks of its own is not (they may reshape the state the twin sees)."""
+    try:
+        if isinstance(obj, torch.nn.Module):
+            if type(obj).load_state_dict is not torch.nn.Module.load_state_dict:
+                return None
+            twin = _module_twin(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            if (type(obj).load_state_dict is not torch.optim.Optimizer.load_state_dict
+                    or getattr(obj, "_optimizer_load_state_dict_pre_hooks", None)
+                    or getattr(obj, "_optimizer_load_state_dict_post_hooks", None)):
+                return None
+            twin = _optimizer_twin(obj)
+        else:
+            return None
+    except Exception:                        # no twin to be had: the structural checks stand
+        return None
+    try:
+        with torch.no_grad():
+            twin.load_state_dict(state)
+    except Exception as e:
+        text = str(e).strip().replace("\n", " ")
+        return f"its load_state_dict refuses the checkpoint's state ({type(e).__name__}: " \
+               f"{text[:300]})"
     return None
 
 
@@ -333,4 +428,13 @@ def hand_over(m: dict, objects: dict, tensors: list, extras: list, matched: dict
             obj.clear()
             obj.update(state)
         else:
-            obj.load_state_dict(state)
+            try:
+                obj.load_state_dict(state)
+            except Exception as e:
+                # (preflight's checks and rehearsal passed: a refusal that depends on the values)
+                raise CheckpointError(
+                    f"checkpoint of step {m['step']}: {name!r} refused its state after the "
+                    f"tensors were read ({type(e).__name__}: {str(e).strip()[:300]}). The "
+                    "tensors read in place hold the checkpoint's values; the small objects "
+                    "loaded before are put back. Re-create the objects before training on "
+                    "them.") from e

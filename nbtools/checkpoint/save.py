@@ -29,9 +29,9 @@ from .. import __version__
 from ..units import human_bytes, progress_bar
 from . import rows as _rows
 from . import tree as _tree
-from .format import (ALIGN, EXTRAS, FORMAT, CheckpointConfig, CheckpointError,
-                     CheckpointSpaceError, DataWriter, _dtype, create_new, dtype_name, fsync_dir,
-                     save_chunks, Staging, write_manifest)
+from .format import (ALIGN, EXTRAS, FORMAT, PRIVATE_DIR, CheckpointConfig, CheckpointError,
+                     CheckpointSpaceError, DataWriter, _dtype, create_new, dtype_name,
+                     fsync_dir, save_chunks, Staging, write_manifest)
 from .layout import clean_leftovers, tmp_name
 from .rng import rng_state
 
@@ -127,7 +127,7 @@ def write(directory: Path, plan: SavePlan, step: int, seq: int, final: Path,
     tmp = directory / tmp_name(final.name)
     bar = progress_bar(plan.total, f"saving step {step}", cfg.progress)
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=PRIVATE_DIR)
         files = _write_tensors(tmp, plan, cfg, bar)
         extras = _write_extras(tmp, plan.extras_blob, files, cfg.fsync)
         body = {

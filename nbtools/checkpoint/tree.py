@@ -25,9 +25,12 @@ import collections
 import io
 import pickle
 import re
+import zipfile
 
 import numpy as np
 import torch
+
+from .format import TREE_MAX_DEPTH, Damaged
 
 
 def _streamable(x: torch.Tensor) -> bool:
@@ -45,9 +48,14 @@ class Packer:
         self.extra_paths: list[str] = []     # where each extra sits (for messages)
         self.ref = ref
 
-    def encode(self, x, path: str):
+    def encode(self, x, path: str, depth: int = 0):
         if x is None or type(x) in (bool, int, float, str):
             return x
+        if depth >= TREE_MAX_DEPTH:
+            where = path if len(path) <= 80 else path[:60] + "/..."
+            raise TypeError(f"cannot checkpoint {where!r}: it nests over {TREE_MAX_DEPTH} "
+                            "levels deep (lists, tuples, dicts), deeper than a checkpoint "
+                            "holds; flatten it in state_dict()")
         if isinstance(x, torch.Tensor) and self.ref is not None:
             node = self.ref(x, path)
             if node is not None:
@@ -56,20 +64,21 @@ class Packer:
             self.tensors.append((path, x))
             return {"$tensor": len(self.tensors) - 1}
         if type(x) is list:
-            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(x)]
+            return [self.encode(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
         if type(x) is tuple:
-            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(x)]}
+            return {"$tuple": [self.encode(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if type(x) in (dict, collections.OrderedDict):
             plain = type(x) is dict and all(type(k) is str and not k.startswith("$") for k in x)
             if plain:
-                return {k: self.encode(v, f"{path}/{k}") for k, v in x.items()}
-            out = {"$items": [[self.encode(k, f"{path}/<key>"), self.encode(v, f"{path}/{k}")]
+                return {k: self.encode(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
+            out = {"$items": [[self.encode(k, f"{path}/<key>", depth + 1),
+                                self.encode(v, f"{path}/{k}", depth + 1)]
                               for k, v in x.items()]}
             if type(x) is collections.OrderedDict:
                 out["$odict"] = True
                 meta = getattr(x, "_metadata", None)     # module state_dict versions
                 if meta is not None:
-                    out["$meta"] = self.encode(meta, f"{path}/<metadata>")
+                    out["$meta"] = self.encode(meta, f"{path}/<metadata>", depth + 1)
             return out
         self.extras.append(x)
         self.extra_paths.append(path)
@@ -104,6 +113,11 @@ def walk(x, on_tensor, extras=(), live=None, on_rows=None):
         items = []
         for k, v in x["$items"]:
             key = walk(k, on_tensor, extras)
+            try:
+                hash(key)
+            except TypeError:        # (a side-file value that cannot be a key: not ours)
+                raise Damaged(f"a mapping's key is a {type(key).__name__}, which cannot be "
+                              "one: not a state nbtools saved") from None
             part = None
             if (isinstance(live, dict) and isinstance(key, (str, int))
                     and not isinstance(key, bool)):
@@ -167,6 +181,7 @@ def load_extras(blob: bytes) -> list:
     """The side file's values, unpickled as data only: ``weights_only=True`` with
     :func:`_safe_globals`. Anything else (a function, a class, ``os.system``) raises
     :class:`UnsafeValueError` naming it; nothing of it runs."""
+    _stored_only(blob)
     with torch.serialization.safe_globals(_safe_globals()):
         try:
             return torch.load(io.BytesIO(blob), weights_only=True)
@@ -180,6 +195,25 @@ def load_extras(blob: bytes) -> list:
             names = _globals_in(blob)
             raise UnsafeValueError(f"{why}; it refers to {', '.join(names)}" if names else why) \
                 from None
+
+
+def _stored_only(blob: bytes) -> None:
+    """Raise ValueError where ``blob``, a zip archive, holds a compressed record: torch.save
+    stores its records as they are, and a compressed one could inflate a few MB of file into
+    GBs of memory. (Not a zip archive: torch.load reads it as a plain pickle, which holds its
+    bytes as they are.)"""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            records = z.infolist()
+    except zipfile.BadZipFile as e:
+        if blob[:4] == b"PK\x03\x04":      # (what torch.load takes for an archive)
+            raise ValueError(f"a damaged zip archive ({e})") from None
+        return
+    packed = [r.filename for r in records
+              if r.compress_type != zipfile.ZIP_STORED or r.file_size > len(blob)]
+    if packed:
+        raise ValueError(f"its record(s) {packed[:3]} are compressed; torch.save stores them "
+                         "as they are")
 
 
 def _globals_in(blob: bytes) -> list[str]:
