@@ -30,6 +30,7 @@ import torch
 from .. import NbtoolsError
 from ..devices import cuda_ok
 from ..rowfile import fadvise
+from ..rowfile.format import regular_or_refuse
 
 FORMAT = "nbtools-checkpoint"
 FORMAT_VERSION = 2                # what this reads; checkpoints without disk tables are written as 1
@@ -482,15 +483,10 @@ def open_regular(folder, name: str, flags: int = os.O_RDONLY) -> int:
             raise Damaged(f"{name} is a symbolic link; a checkpoint holds regular files "
                           "only") from None
         raise Damaged(f"{name} unreadable ({e.strerror})") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise Damaged(f"{name} is {_kind(mode)}, not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+
+    def refuse(mode):
+        raise Damaged(f"{name} is {_kind(mode)}, not a regular file")
+    return regular_or_refuse(fd, refuse)
 
 
 def create_new(folder, name: str) -> int:

@@ -174,10 +174,19 @@ def open_regular(path, flags: int = os.O_RDONLY, *, follow: bool = False,
             raise error(f"{path!r} is {file_kind(path)}, not a regular file: not a "
                         f"{what}") from None
         raise
+
+    def refuse(mode):
+        raise error(f"{path!r} is {file_kind(mode)}, not a regular file: not a {what}")
+    return regular_or_refuse(fd, refuse)
+
+
+def regular_or_refuse(fd: int, refuse) -> int:
+    """``fd`` (opened ``O_NONBLOCK``) made blocking, if it is a regular file; else it is
+    closed and ``refuse(st_mode)`` raises."""
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{path!r} is {file_kind(mode)}, not a regular file: not a {what}")
+            refuse(mode)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
