@@ -41,6 +41,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -72,6 +73,13 @@ class DriveQuotaError(NbtoolsError, RuntimeError):
 
 class DatasetNotFoundError(NbtoolsError, FileNotFoundError):
     """``load`` got neither a registry name nor an existing path."""
+
+
+class UnsafeFileError(NbtoolsError, OSError):
+    """A file or folder nbtools was handed is not what it must be: a symbolic link below the
+    data cache's root or inside a dataset folder, or a FIFO, a device, a socket or a folder
+    where a regular file belongs. Nothing was read from it or written through it; the message
+    names it, says what was expected and how to fix it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +217,110 @@ def default_cache_dir() -> Path:
     return Path("~/.cache/nbtools/datasets").expanduser()
 
 
-def file_hashes(path, chunk_bytes: int = 8 << 20) -> dict:
-    """``{"bytes", "md5", "sha256"}`` of a file, in one pass."""
+# --- files handed over by others: read only regular files, write nothing through a link -------
+#
+# A cache or dataset folder may come from anyone (a shared Drive folder, a lab server). Below
+# the folder the user named, a symbolic link is refused (it could lead the read or the write
+# anywhere), a FIFO or device is refused without blocking on it (opened O_NONBLOCK, checked with
+# fstat), and what nbtools writes goes to a new name (O_EXCL | O_NOFOLLOW) renamed into place.
+# What nbtools makes is its user's alone, as elsewhere in the package: folders 0700, files 0600.
+
+def _what_is(path, mode: int) -> str:
+    """``path``'s kind in words, from its lstat mode (a link's target named)."""
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)!r})"
+        except OSError:
+            return "a symbolic link"
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)",
+             stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFSOCK: "a socket", stat.S_IFREG: "a regular file"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _open_regular(path, fix: str, follow_symlinks: bool = False) -> int:
+    """A read descriptor of the regular file ``path``, blocking as usual. A symbolic link is
+    refused (``O_NOFOLLOW``) unless ``follow_symlinks`` (the path the user named), and a FIFO,
+    device, socket or folder is refused without blocking on it (opened ``O_NONBLOCK``, checked
+    with ``fstat``). Raises :class:`UnsafeFileError` naming the file, with ``fix`` appended."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP or follow_symlinks:
+            raise
+        raise UnsafeFileError(f"{path} is {_what_is(path, os.lstat(path).st_mode)}, not a "
+                              f"regular file: nbtools does not read through links here. {fix}"
+                              ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFileError(f"{path} is {_what_is(path, mode)}, not a regular file: "
+                                  f"nothing was read from it. {fix}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_new(path) -> int:
+    """A write descriptor of a new file at ``path``, mode 0600: never an existing file or a
+    link planted at the name (``O_EXCL | O_NOFOLLOW``)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600)
+
+
+def _make_folders(path: Path) -> None:
+    """``path`` and the folders above it that are missing, each made with mode 0700; those that
+    exist are left as they are (the cache root may be a link the user made, to Drive say)."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:        # made meanwhile by another process
+            pass
+
+
+def _real_folder(folder: Path) -> Path:
+    """``folder`` (inside the cache root), made with mode 0700 where missing, checked with lstat
+    to be a real folder: never a symbolic link, which could send downloads anywhere."""
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    mode = os.lstat(folder).st_mode
+    if not stat.S_ISDIR(mode):
+        raise UnsafeFileError(
+            f"{folder} is {_what_is(folder, mode)}, where the data cache keeps a folder of its "
+            "own: below the cache root nbtools follows no link (it could lead a download "
+            f"anywhere), and nothing was written. Remove it (rm {folder}) and fetch again; to "
+            "keep the cache on another disk, pass cache_dir= or set NBTOOLS_DATA_DIR there "
+            "(the cache root itself may be a link).")
+    return folder
+
+
+def _check_name(name: str, what: str) -> str:
+    """``name`` when it is one plain file or folder name (no separator, not ``.`` or ``..``)."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name or \
+            (os.altsep and os.altsep in name):
+        raise ValueError(f"fetch(): {what} {name!r} is not a plain file name (no '/', not '.' "
+                         "or '..'); the cache keeps every file directly in its source's folder")
+    return name
+
+
+def file_hashes(path, chunk_bytes: int = 8 << 20, *, follow_symlinks: bool = False) -> dict:
+    """``{"bytes", "md5", "sha256"}`` of a regular file, in one pass.
+
+    A FIFO, device or folder raises :class:`UnsafeFileError` at once (instead of hashing
+    forever or blocking), and so does a symbolic link unless ``follow_symlinks``."""
     md5, sha = hashlib.md5(), hashlib.sha256()
     n = 0
-    with open(path, "rb") as f:
+    fix = "Hash the regular file itself."
+    with open(_open_regular(path, fix, follow_symlinks), "rb") as f:
         while block := f.read(chunk_bytes):
             md5.update(block)
             sha.update(block)
@@ -250,7 +357,7 @@ def _url_download(source: str, output: str, quiet: bool) -> str:
     with urllib.request.urlopen(req, timeout=60) as resp:
         if output.endswith(os.sep):
             tail = resp.url.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
-            output += re.sub(r"[^\w.-]", "_", tail) or "download"
+            output += re.sub(r"[^\w.-]", "_", tail).lstrip(".") or "download"
         total = int(resp.headers.get("Content-Length") or 0) or None
         bar = None
         if not quiet:
@@ -262,7 +369,7 @@ def _url_download(source: str, output: str, quiet: bool) -> str:
                 pass
         got = 0
         try:
-            with open(output, "wb") as f:
+            with open(_create_new(output), "wb") as f:
                 while True:
                     chunk = resp.read(1 << 20)
                     if not chunk:
@@ -366,10 +473,25 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
         config: :class:`FetchConfig`; its fields can also be passed by name (``cache_dir=``,
             ``retries=``, ``backoff_s=``, ``quiet=``, ``sleep=``).
 
+    The cache may be handed over by anyone (a shared Drive folder, a lab server), so below
+    its root (which may itself be a link: to Drive, say) nothing is followed and only regular
+    files are read. A source's folder that is a symbolic link or not a folder raises
+    :class:`UnsafeFileError` (nothing is written; remove it). A cached file or sidecar that is
+    a link, a FIFO, a device or a socket is a miss: never read (no hang, nothing read through a
+    link), named in a warning, removed (the link itself, not its target) and downloaded again.
+    Downloads and sidecars are written to new names (``O_EXCL | O_NOFOLLOW``) in a folder
+    checked to be a real one and renamed into place, so a link planted at a name is replaced,
+    never written through. What ``fetch`` makes is its user's alone, as elsewhere in nbtools:
+    folders it creates (the cache root's missing ones included) have mode 0700, files 0600;
+    existing folders keep theirs (``chmod`` a cache you mean to share).
+
     Raises:
         HashMismatchError: the file is not the expected one (it is deleted).
         DriveQuotaError: Drive's download quota; the message says how to get around it.
         DownloadError: still failing after the retries, or a failure retrying cannot fix.
+        UnsafeFileError: the source's folder in the cache is a link or not a folder, or a
+            folder stands where the cached file belongs.
+        ValueError: ``filename`` is not a plain file name (a '/', or '.' or '..').
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(FetchConfig)}
     if unknown:
@@ -394,13 +516,15 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
         else:
             key = "url-" + hashlib.sha1(source.encode()).hexdigest()[:12]
             tail = source.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
-            filename = filename or re.sub(r"[^\w.-]", "_", tail) or "download"
+            filename = filename or re.sub(r"[^\w.-]", "_", tail).lstrip(".") or "download"
     link = f"https://drive.google.com/uc?id={source}" if kind == "drive" else source
     want = {k: v.lower() for k, v in (("md5", md5), ("sha256", sha256)) if v}
 
-    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    folder = folder / key
-    folder.mkdir(parents=True, exist_ok=True)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    _make_folders(root)
+    folder = _real_folder(root / _check_name(key, "the source's cache folder"))
+    if filename:
+        _check_name(filename, "filename")
     hit = _cached(folder, filename, want, expected_bytes)
     if hit is not None:
         return hit
@@ -416,12 +540,17 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
             say(f"  attempt {attempt} of {retries + 1} failed ({last}); retrying in {wait:.0f} s")
             sleep(wait)
         tmp = folder / f".fetch-{os.getpid()}-{time.time_ns():x}"
-        tmp.mkdir()
+        os.mkdir(tmp, 0o700)
         try:
             download = _gdown_download if kind == "drive" else \
                 (lambda _kind, *args: _url_download(*args))
-            out = Path(download(kind, source, str(tmp / filename) if filename
-                                else str(tmp) + os.sep, quiet))
+            got_name = Path(download(kind, source, str(tmp / filename) if filename
+                                     else str(tmp) + os.sep, quiet)).name
+            out = tmp / _check_name(got_name, "the download's name")
+            if not stat.S_ISREG(os.lstat(out).st_mode):
+                raise DownloadError(f"{link}: the downloader left {out} as "
+                                    f"{_what_is(out, os.lstat(out).st_mode)}, not a file")
+            os.chmod(out, 0o600)              # gdown's file too: the user's alone
             page = _looks_like_error_page(out, filename or out.name)
             if page is not None:
                 if "too many users" in page.lower():
@@ -439,14 +568,14 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
                         f"({got['bytes']:,} bytes). The server now serves a different file, or "
                         "the expected hash is wrong; the file was deleted. Check the source, or "
                         f"pass {alg}=None to accept it.")
-            final = folder / (filename or out.name)
-            os.replace(out, final)            # same directory tree: works on Drive too
+            final = _real_folder(folder) / (filename or out.name.lstrip(".") or "download")
+            os.replace(out, final)     # replaces a link at the name, never writes through it
             _write_sidecar(final, got, link, verified=bool(want))
             if not want:
                 say(f"  {final.name}: no published hash; recorded md5 {got['md5']} "
                     f"sha256 {got['sha256']} (pass them to fetch() to pin this file)")
             return final
-        except (HashMismatchError, DriveQuotaError):
+        except (HashMismatchError, DriveQuotaError, UnsafeFileError):
             raise
         except Exception as e:
             verdict = _classify(e, link)
@@ -467,9 +596,39 @@ def sidecar_path(path: Path) -> Path:
 
 
 def _write_sidecar(path: Path, hashes: dict, link: str, verified: bool) -> None:
-    st = path.stat()
-    sidecar_path(path).write_text(json.dumps({**hashes, "url": link, "verified": verified,
-                                          "mtime_ns": st.st_mtime_ns}))
+    """The sidecar of the cached file ``path``: written to a new name (mode 0600, never through
+    a link) and renamed over whatever was at the sidecar's name."""
+    body = json.dumps({**hashes, "url": link, "verified": verified,
+                       "mtime_ns": os.lstat(path).st_mtime_ns}).encode()
+    side = sidecar_path(path)
+    tmp = side.with_name(f"{side.name}.{os.getpid()}-{time.time_ns():x}.tmp")
+    try:
+        with open(_create_new(tmp), "wb") as f:
+            f.write(body)
+        os.replace(tmp, side)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+_SIDECAR_MAX_BYTES = 1 << 16      # a sidecar is ~250 bytes: anything larger is not one
+
+
+def _read_sidecar(path: Path):
+    """The record beside the cached file ``path``: a dict, or None where there is none or it is
+    not JSON. A sidecar that is not a regular file raises :class:`UnsafeFileError`."""
+    try:
+        fd = _open_regular(sidecar_path(path), "")
+    except UnsafeFileError:
+        raise
+    except OSError:                    # none, or unreadable: no record
+        return None
+    with open(fd, "rb") as f:
+        raw = f.read(_SIDECAR_MAX_BYTES + 1)
+    try:
+        meta = json.loads(raw) if len(raw) <= _SIDECAR_MAX_BYTES else None
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _cached(folder: Path, filename: str | None, want: dict,
@@ -489,16 +648,44 @@ def _cached(folder: Path, filename: str | None, want: dict,
     reference, and the file is hashed again only when its size or mtime differ from the
     sidecar's: trust on first use. Whoever can write the cache can rewrite the sidecar too;
     pin the hashes (``fetch`` prints them at the first download) to close that.
+
+    A download leaves regular files only, so a cached file or sidecar that is a symbolic link,
+    a FIFO, a device or a socket is never read (no hang, nothing read through a link): it is a
+    miss, named in a warning and removed (a link itself, never what it points to), and the new
+    download is renamed into its place. A folder at the file's name cannot be replaced that
+    way, and removing someone's folder is not the cache's to do: :class:`UnsafeFileError`.
     """
-    names = [filename] if filename else [p.name for p in folder.iterdir()
-                                         if not p.name.startswith(".")]
+    names = [filename] if filename else sorted(p.name for p in folder.iterdir()
+                                               if not p.name.startswith("."))
     for name in names:
         path = folder / name
         try:
-            meta = json.loads(sidecar_path(path).read_text())
-            st = path.stat()
-        except (OSError, ValueError):
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
             continue
+        if stat.S_ISDIR(mode):
+            if not filename:
+                continue
+            raise UnsafeFileError(
+                f"{path} is a folder, where the data cache keeps the downloaded file {name!r}; "
+                "nothing was written. Move or remove that folder and fetch again, or pass "
+                "filename= another name.")
+        bad = None if stat.S_ISREG(mode) else f"{path} is {_what_is(path, mode)}"
+        try:
+            meta = _read_sidecar(path)
+        except UnsafeFileError:
+            side = sidecar_path(path)
+            meta, bad = {}, f"{side} is {_what_is(side, os.lstat(side).st_mode)}"
+        if meta is None:
+            continue
+        if bad is not None:
+            _drop(path, f"{bad}, where a download leaves a regular file: the cache was handed "
+                        "over or altered by hand. Nothing was read from it or through it; "
+                        f"removed {name} and its sidecar (a link itself, never what it points "
+                        "to); fetching it again. To use a copy of your own, pass its path to "
+                        "load().")
+            continue
+        st = os.lstat(path)
         if want:
             expected = dict(want, **({} if expected_bytes is None else {"bytes": expected_bytes}))
             source = "pinned"
@@ -514,15 +701,21 @@ def _cached(folder: Path, filename: str | None, want: dict,
                 _write_sidecar(path, got, meta.get("url", ""), meta.get("verified", False))
             return path
         what = "; ".join(f"{k} is {got[k]}, expected {expected[k]}" for k in wrong)
-        warnings.warn(f"{path}: the cached file is not the expected one ({what}, {source}): it "
-                      "was damaged or replaced after its download. Removed it and its sidecar; "
-                      "fetching it again.", stacklevel=3)
-        for p in (path, sidecar_path(path)):
-            try:
-                p.unlink(missing_ok=True)
-            except OSError:                 # read-only cache: the download replaces it
-                pass
+        _drop(path, f"{path}: the cached file is not the expected one ({what}, {source}): it "
+                    "was damaged or replaced after its download. Removed it and its sidecar; "
+                    "fetching it again.")
     return None
+
+
+def _drop(path: Path, message: str) -> None:
+    """Warn ``message`` and remove the cached ``path`` and its sidecar (a link itself, never
+    what it points to); a read-only cache keeps them, and the download's rename replaces them."""
+    warnings.warn(message, stacklevel=4)
+    for p in (path, sidecar_path(path)):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 # --- loaders ------------------------------------------------------------------------------------
@@ -563,7 +756,8 @@ _RATIO_FREE_BYTES = 16 << 20
 
 
 class ArchiveLimitError(NbtoolsError, ValueError):
-    """An archive member is larger than the loader's cap, or expands more than real data does."""
+    """An archive member or a plain file is larger than the loader's cap, or a member expands
+    more than real data does."""
 
 
 def _open_member(path: Path, candidates, max_bytes: int | None = MAX_MEMBER_BYTES,
@@ -572,27 +766,59 @@ def _open_member(path: Path, candidates, max_bytes: int | None = MAX_MEMBER_BYTE
     as ``*.inter``; a zip or a directory), or the file itself, and its name.
 
     A zip member is read streaming under ``max_bytes`` and ``max_ratio`` (see
-    :func:`_read_member`). Files in a directory and the file itself are read whole: their size
-    is what is on disk, with no expansion to bound.
+    :func:`_read_member`). A file in a directory, or the file itself, is read whole under
+    ``max_bytes`` too (its size is what is on disk). Only regular files are read: a FIFO or
+    device is refused without blocking on it, and inside a directory a symbolic link is
+    refused as well (it could lead outside); ``path`` itself may be a link, the user named it.
     """
     if path.is_dir():
         for c in candidates:
-            hits = sorted(path.rglob(c))
+            hits = sorted(path.rglob(c))      # (rglob does not descend into linked folders)
             if hits:
-                return hits[0].read_bytes(), hits[0].name
+                fd = _open_regular(hits[0], (
+                    f"A dataset folder holds regular files only. Replace {hits[0].name} with "
+                    f"the file itself, or pass the path of the file you mean to load()."))
+                with open(fd, "rb") as f:
+                    return _read_capped(f, hits[0], max_bytes), hits[0].name
         raise FileNotFoundError(f"{path} holds none of {list(candidates)}")
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            infos = [i for i in z.infolist() if not i.is_dir()]
-            pick = next((i for c in candidates for i in infos if _matches(i.filename, c)), None)
-            if pick is None and len(infos) == 1:
-                pick = infos[0]
-            if pick is None:
-                raise FileNotFoundError(f"{path} holds none of {list(candidates)}: "
-                                        f"{z.namelist()[:10]}")
-            return (_read_member(z, pick, path, max_bytes, max_ratio),
-                    pick.filename.rsplit("/", 1)[-1])
-    return path.read_bytes(), path.name
+    fd = _open_regular(path, "Pass the path of a regular file (a zip, a text or CSV file) or a "
+                             "folder.", follow_symlinks=True)
+    with open(fd, "rb") as f:
+        if zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as z:
+                infos = [i for i in z.infolist() if not i.is_dir()]
+                pick = next((i for c in candidates for i in infos if _matches(i.filename, c)),
+                            None)
+                if pick is None and len(infos) == 1:
+                    pick = infos[0]
+                if pick is None:
+                    raise FileNotFoundError(f"{path} holds none of {list(candidates)}: "
+                                            f"{z.namelist()[:10]}")
+                return (_read_member(z, pick, path, max_bytes, max_ratio),
+                        pick.filename.rsplit("/", 1)[-1])
+        f.seek(0)
+        return _read_capped(f, path, max_bytes), path.name
+
+
+def _read_capped(f, path: Path, max_bytes: int | None, chunk_bytes: int = 1 << 24) -> bytes:
+    """The whole of the open regular file ``f``, refused before it is read when it is larger
+    than ``max_bytes``, and while it is read when it goes on past it (None: no cap)."""
+    how = ("The whole file is read into memory. If it is the file you meant to load and you "
+           "have the memory, pass a larger max_member_bytes= (None for no limit) to load(), "
+           "load_text8() or load_ratings().")
+    size = os.fstat(f.fileno()).st_size
+    if max_bytes is not None and size > max_bytes:
+        raise ArchiveLimitError(f"{path} is {size:,} bytes, over the cap of {max_bytes:,} "
+                                f"bytes. {how}")
+    data = f.read(size)                 # what fstat said, in one read; then whatever grew
+    rest = io.BytesIO()
+    while chunk := f.read(chunk_bytes if max_bytes is None else
+                          min(chunk_bytes, max_bytes + 1 - len(data) - rest.tell())):
+        rest.write(chunk)
+        if max_bytes is not None and len(data) + rest.tell() > max_bytes:
+            raise ArchiveLimitError(f"{path} goes on past the cap of {max_bytes:,} bytes while "
+                                    f"it is read (it said {size:,}); reading stopped. {how}")
+    return data + rest.getvalue() if rest.tell() else data
 
 
 def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, archive: Path,
@@ -737,7 +963,10 @@ def load_ratings(path, *, user_col="user", item_col="item", rating_col="rating",
     (temporal splits need them); a file without ratings gets 1.0 for every interaction.
 
     ``max_member_bytes`` and ``max_member_ratio`` bound what a zip member may expand to (it is
-    read into memory whole): over either, :class:`ArchiveLimitError` says so; None turns one off.
+    read into memory whole), and ``max_member_bytes`` a plain file's size too: over either,
+    :class:`ArchiveLimitError` says so; None turns one off. Only regular files are read: a FIFO
+    or device raises :class:`UnsafeFileError` at once, and so does a symbolic link inside a
+    directory (the path you pass may be a link).
     """
     path = Path(path)
     data, name = _open_member(path, ("ratings.csv", "ratings.dat", "u.data", "*.inter"),
@@ -778,7 +1007,10 @@ def load_text8(path, *, min_count: int = 5, max_vocab: int | None = None,
     Words seen fewer than ``min_count`` times are dropped (as word2vec does); ``max_vocab`` keeps
     only the most frequent words. Ids are ranks: 0 is the most frequent word.
     ``max_member_bytes`` and ``max_member_ratio`` bound what a zip member may expand to (it is
-    read into memory whole): over either, :class:`ArchiveLimitError` says so; None turns one off.
+    read into memory whole), and ``max_member_bytes`` a plain file's size too: over either,
+    :class:`ArchiveLimitError` says so; None turns one off. Only regular files are read: a FIFO
+    or device raises :class:`UnsafeFileError` at once, and so does a symbolic link inside a
+    directory (the path you pass may be a link).
     """
     data, _ = _open_member(Path(path), ("text8",), max_member_bytes, max_member_ratio)
     words = data.split()
@@ -1012,11 +1244,19 @@ def make_planted_ratings(users: int, items: int, *, genres: int = SAMPLE_GENRES,
 
 # --- word-vector evaluation files (nbtools.models.wordsim scores them) ---------------------------
 
+def _read_text(path) -> str:
+    """A regular file's text (``path`` may be a link; a FIFO or device raises
+    :class:`UnsafeFileError` at once), under the loaders' cap."""
+    with open(_open_regular(path, "Pass the path of the text file itself.",
+                            follow_symlinks=True), "rb") as f:
+        return _read_capped(f, Path(path), MAX_MEMBER_BYTES).decode("utf-8")
+
+
 def load_word_pairs(path) -> list:
     """``[(word1, word2, score), ...]`` from a WS353 / SimLex-999 file (tab separated, ``#``
     comments)."""
     pairs = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         cols = line.split("\t")
@@ -1029,7 +1269,7 @@ def load_word_pairs(path) -> list:
 def load_analogies(path) -> list:
     """``[(section, a, b, c, d), ...]`` from ``questions-words.txt`` (``a : b = c : d``)."""
     out, section = [], ""
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         if line.startswith(":"):
