@@ -261,3 +261,32 @@ def test_a_root_the_user_made_keeps_its_mode(tmp_path):
     CheckpointManager(tmp_path / "ck", config=QUIET).save(1, model=model, opt=opt)
     assert stat.S_IMODE((tmp_path / "ck").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "ck" / "step-000000001").stat().st_mode) == 0o700
+
+
+# --- a training history from someone else ------------------------------------------------------
+
+def test_a_history_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
+    import threading
+    from nbtools.meters import History
+    fifo = tmp_path / "history.jsonl"
+    os.mkfifo(fifo)
+    dev = tmp_path / "zero.jsonl"
+    dev.symlink_to("/dev/zero")
+    for path in (fifo, dev):
+        got = {}
+
+        def load(path=path, got=got):
+            try:
+                History.load(path)
+            except ValueError as e:
+                got["error"] = str(e)
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(20)
+        if t.is_alive():                       # (release the reader stuck on the FIFO)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)) if path == fifo else None
+        assert "not a regular file" in got.get("error", ""), path
+    real = tmp_path / "real.jsonl"
+    real.write_text('{"step": 1}\n')
+    (tmp_path / "link.jsonl").symlink_to(real)
+    assert History.load(tmp_path / "link.jsonl").records == [{"step": 1}]

@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+from ..rowfile.format import open_regular
 from ..units import fmt_bytes, fmt_count, fmt_rate
 from .samplers import Meters, StepTimer, ThroughputMeter
 
@@ -78,9 +79,12 @@ class History:
 
     @classmethod
     def load(cls, path, *, append: bool = False) -> "History":
-        """Read a JSONL history; ``append=True`` keeps writing new records to the same file."""
+        """Read a JSONL history; ``append=True`` keeps writing new records to the same file.
+        A history from someone else is data: a FIFO or a device at ``path`` raises ValueError
+        at once (nothing waits on it); a link to a regular file is followed."""
         h = cls(path if append else None)
-        with open(path, encoding="utf-8") as f:
+        fd = open_regular(path, follow=True, what="history file", error=ValueError)
+        with open(fd, encoding="utf-8") as f:
             for line in f:
                 line = line.strip()
                 if not line:
