@@ -63,8 +63,8 @@ _LAZY = {
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
 _SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "disk", "distributed", "env",
-               "hostmem", "loader", "meters", "models", "optim", "placement", "rowfile", "rowwise",
-               "tables", "testing", "units")
+               "hostmem", "loader", "meters", "models", "optim", "placement", "pretrained",
+               "rowfile", "rowwise", "sizing", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]
 

@@ -264,8 +264,10 @@ class OffloadedEmbedding(nn.Module):
     def cache_stats(self) -> dict:
         """The cache of hot rows as of the last optimizer step (no host sync): unique rows
         looked up in training, cache hits, hit rate, rows admitted and evicted, PCIe bytes
-        saved (a hit reads and writes nothing over PCIe), capacity; for a disk table, also
-        RAM's lookups and hit rate below it. Empty without a cache."""
+        saved (a hit reads and writes nothing over PCIe), capacity. A disk table adds its RAM
+        cache's figures (``ram_lookups``, ``ram_hits``, ``ram_hit_rate``, ...; rows looked up
+        in RAM, per lookup), and gives those alone without a GPU cache. Empty for a table in
+        memory without a cache."""
         return self.hot.summary(self._rows)
 
     @property

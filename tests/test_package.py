@@ -116,6 +116,111 @@ def test_every_name_the_docs_use_resolves(name):
         pytest.fail(f"{name} (named in {', '.join(doc_names()[name])}) does not resolve: {e}")
 
 
+# --- names written nbtools.x.y: reachable after a plain `import nbtools` ----------------------
+# resolve() above imports what a name needs, so it only says a name exists. A user who writes
+# `nbtools.sizing.rows_for(...)` after `import nbtools` gets an AttributeError unless loading
+# what comes before each step imports that submodule. That is checked here, from the source, so
+# that no other test's imports (nor the order of the names) make a name reachable.
+USER_DOCS = [p for p in DOCS if p.name != "CONTRACT.md"]     # (CONTRACT.md: for contributors)
+
+
+def chain_names(docs=USER_DOCS) -> dict:
+    """``{dotted name: [documents]}``: the names ``docs`` write as a chain (``nbtools.x.y``,
+    or ``models.x`` / ``data.x`` in code), each with the modules its document imports by an
+    ``import nbtools.x`` statement (``{name: [(document, (modules...))]}``)."""
+    found = {}
+    for path in docs:
+        text = path.read_text()
+        code = "\n".join(m.group(0) for m in _CODE.finditer(text))
+        imported = tuple(m.group(1) for m in _IMPORT.finditer(code))
+        names = {"nbtools" + m.group(1) for m in _CHAIN.finditer(text)}
+        names |= {"nbtools." + m.group(1) + m.group(2) for m in _SHORT_CHAIN.finditer(code)}
+        for name in names:
+            found.setdefault(name.rstrip("."), []).append((path.name, imported))
+    return found
+
+
+def lazy_submodules() -> tuple:
+    """The submodules ``nbtools.__getattr__`` imports on first access (``nbtools.sizing``), as
+    ``nbtools/__init__.py`` lists them."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["_SUBMODULES"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("nbtools/__init__.py lists no _SUBMODULES")
+
+
+def unreachable(dotted: str, imported=(), submodules=None, graph=None) -> str | None:
+    """The first submodule in ``dotted`` that is not an attribute of its package after
+    ``import nbtools`` (and ``import`` of the modules ``imported``) and getting the names
+    before it; None if there is none. A submodule is an attribute of its package once anything
+    imported it, so what is loaded is followed through the module-level imports
+    (:func:`import_graph`); ``submodules``: the package's lazily reachable ones
+    (:func:`lazy_submodules`)."""
+    graph = import_graph(lazy=False) if graph is None else graph
+    submodules = lazy_submodules() if submodules is None else submodules
+    loaded = set()
+
+    def load(module):
+        todo = [module]
+        while todo:
+            m = todo.pop()
+            if m not in loaded:
+                loaded.add(m)
+                todo.extend(graph.get(m, ()))
+                todo.extend(".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1))
+
+    for module in imported:
+        load(module)
+    parts = dotted.split(".")
+    if parts[1] in nbtools.__all__:
+        return None                  # an object (its attributes are checked by resolve)
+    if parts[1] in submodules:
+        load(f"nbtools.{parts[1]}")
+    for i in range(1, len(parts)):
+        here = ".".join(parts[:i + 1])
+        if here not in graph:
+            return None              # an attribute of a module (resolve checks it exists)
+        if here not in loaded:
+            return here
+    return None
+
+
+def test_the_reachability_check_finds_an_unreachable_submodule():
+    graph = import_graph(lazy=False)
+    assert unreachable("nbtools.models.RANKING_DEFAULTS", graph=graph) is None
+    assert unreachable("nbtools.OffloadedEmbedding", graph=graph) is None
+    # nothing imports nbtools.sizing: reachable only as a lazy submodule of nbtools
+    assert "sizing" in lazy_submodules() and "disk" in lazy_submodules()
+    without = tuple(m for m in lazy_submodules() if m != "sizing")
+    assert unreachable("nbtools.sizing.rows_for", submodules=without,
+                       graph=graph) == "nbtools.sizing"
+    assert unreachable("nbtools.sizing.rows_for", imported=("nbtools.sizing",),
+                       submodules=without, graph=graph) is None
+    # nbtools.disk does not import its table's row store (which imports nbtools.disk)
+    assert unreachable("nbtools.disk.store.lookup", graph=graph) == "nbtools.disk.store"
+    names = chain_names()
+    assert "nbtools.plan" in names and "nbtools.models.RANKING_DEFAULTS" in names
+
+
+@pytest.mark.parametrize("name", sorted(chain_names()))
+def test_every_chain_the_user_docs_write_is_reachable_after_import_nbtools(name):
+    graph = import_graph(lazy=False)
+    for doc, imported in chain_names()[name]:
+        missing = unreachable(name, imported, graph=graph)
+        assert missing is None, (
+            f"{doc} writes {name}, but after `import nbtools` {missing} is not an attribute "
+            f"(write `from {missing} import ...`, or make it reachable)")
+
+
+def test_import_nbtools_stays_cheap():
+    """``import nbtools`` and reaching a lazy submodule load neither cupy nor ipywidgets."""
+    code = ("import sys, nbtools; nbtools.sizing; nbtools.disk; "
+            "print(sorted(m for m in ('cupy', 'ipywidgets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)

@@ -753,10 +753,23 @@ def free_bytes(folder) -> int:
     return shutil.disk_usage(path).free
 
 
+def ram_summary(disk: DiskRows) -> dict:
+    """The RAM cache's part of a disk table's ``cache_stats()``: rows looked up in RAM, those
+    found there (``ram_hits``; rows a read-ahead brought in count apart, as
+    ``ram_ahead_hits``: they were read from disk all the same, only earlier), those read from
+    the file at their lookup, the hit rate (NaN before a lookup; ``repr(table)`` shows the same
+    figure) and the cache's size."""
+    s = disk.stats
+    return {"ram_lookups": s["lookups"], "ram_hits": s["hits"],
+            "ram_ahead_hits": s["ahead_hits"], "ram_misses": s["misses"],
+            "ram_hit_rate": s["hits"] / s["lookups"] if s["lookups"] else float("nan"),
+            "ram_capacity_rows": disk.ram.capacity_rows}
+
+
 def describe(disk: DiskRows) -> str:
     """What ``repr(table)`` says of a disk table's file and RAM cache."""
-    s = disk.stats
-    rate = f"{s['hits'] / s['lookups']:.0%}" if s["lookups"] else "n/a"
+    ram = ram_summary(disk)
+    rate = "n/a" if not ram["ram_lookups"] else f"{ram['ram_hit_rate']:.0%}"
     log = getattr(disk.file, "stats", None)
     layout = "" if log is None else (
         f", log-structured ({disk.file.slots - disk.num_rows:,} spare slots; "

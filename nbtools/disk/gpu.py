@@ -41,6 +41,7 @@ import torch
 from .. import devices, kernels
 from ..devices import hold_host, release_host, synchronize
 from ..hostmem import HostTensor, count_cache, count_transfer
+from . import ram_summary
 from .slots import clock_sweep, take_free
 
 
@@ -337,14 +338,12 @@ class GpuLevel:
         """``table.cache_stats()`` of a disk table with a GPU cache: this level's counts, and
         RAM's below it."""
         c = self.counts
-        s = self.disk_stats
         return {"lookups": c["lookups"], "hits": c["hits"],
                 "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else float("nan"),
                 "admitted": c["admitted"], "evicted": c["evicted"],
                 "bytes_saved": (2 * c["hits"] - c["admitted"] - c["evicted"]) * row_bytes,
                 "capacity_rows": self.capacity, "cache_bytes": self.nbytes,
-                "ram_lookups": s["lookups"], "ram_hit_rate":
-                    (s["hits"] + s["ahead_hits"]) / s["lookups"] if s["lookups"] else float("nan")}
+                **ram_summary(self.disk)}
 
     def describe(self) -> str:
         c = self.counts

@@ -8,7 +8,7 @@ import torch
 
 from ..devices import synchronize
 from ..store.rows import RowBatch, RowStore
-from . import DiskRows, describe, init_normal
+from . import DiskRows, describe, init_normal, ram_summary
 from .gpu import attach
 from .readahead import prepare
 
@@ -40,6 +40,13 @@ class DiskStore(RowStore):
         hot = hot[counts[hot] > 0].numpy()
         self.disk.warm(hot, level=self.disk.above, ram_too=True)
         return True
+
+    def own_cache_stats(self) -> dict:
+        """``table.cache_stats()``: the GPU level's figures and RAM's below them
+        (:meth:`nbtools.disk.gpu.GpuLevel.summary`), or RAM's alone
+        (:func:`nbtools.disk.ram_summary`)."""
+        above = self.disk.above
+        return above.summary(self.row_bytes) if above is not None else ram_summary(self.disk)
 
     @property
     def kind(self) -> str:

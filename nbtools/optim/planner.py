@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..devices import host_memory_bytes, resolve_device
-from ..placement import NoRoomError, auto_placement, check_table_args, disk_bytes
+from ..placement import NoRoomError, TableConfig, auto_placement, disk_bytes
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad
 from ..store.layout import RowLayout, row_padding
 from ..units import human_bytes
@@ -61,6 +61,7 @@ class Plan:
     # None without CUDA). The levels hold different rows.
     ram_cache_rows: int | None = None
     gpu_cache_rows: int | None = None
+    state_dtype: str = ""      # what the per-row state is stored in ("" without state)
 
     def _disk_file(self) -> str:
         """The file a disk table of this plan makes: a log of packed rows with its spare slots
@@ -78,7 +79,8 @@ class Plan:
         avail = human_bytes(self.host_available_bytes)
         verdict = "fits" if self.fits else "does NOT fit"
         return (f"{self.num_rows:,} x {self.dim} {self.dtype} with {self.optimizer} "
-                f"(per-row state: {', '.join(self.row_state) or 'none'})\n"
+                f"(per-row state: {', '.join(self.row_state) or 'none'}"
+                + (f" in {self.state_dtype}" if self.row_state else "") + ")\n"
                 f"  table {human_bytes(self.table_bytes)} + state {human_bytes(self.state_bytes)}"
                 + (f" + sector padding {human_bytes(self.pad_bytes)}" if self.pad_bytes else "") +
                 f" = {human_bytes(self.host_bytes)} host (pinned); available {avail}: {verdict}\n"
@@ -120,13 +122,13 @@ def _check_hyperparameters(optimizer, kwargs: dict) -> None:
         takes = [n for n, p in params.items() if n not in ("self", "params") and
                  p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise TypeError(f"plan() got keyword(s) {unknown} that are neither its own (device, "
-                        f"gpu_fraction, disk_dir, dtype, unique_ids_per_step) nor "
+                        f"gpu_fraction, disk_dir, dtype, state_dtype, unique_ids_per_step) nor "
                         f"hyper-parameters of {optimizer.__name__}, which takes {takes}")
 
 
 def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float32,
-         unique_ids_per_step: int = 65536, *, device="auto", gpu_fraction: float = 0.5,
-         disk_dir=None, **optimizer_kwargs) -> Plan:
+         unique_ids_per_step: int = 65536, *, state_dtype=None, device="auto",
+         gpu_fraction: float = 0.5, disk_dir=None, **optimizer_kwargs) -> Plan:
     """Size a table and its optimizer state before allocating anything.
 
     Args:
@@ -134,6 +136,8 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
         optimizer: optimizer class (or its name, e.g. ``"adam"``, ``"rowwise_adagrad"``,
             ``"partial_rowwise_adam"``: :func:`optimizer_names`).
         dtype: table dtype.
+        state_dtype: what the optimizer state is stored in, as the table's ``state_dtype``
+            (None: float32 for bf16/fp16 weights, else the weights' dtype).
         unique_ids_per_step: expected distinct ids per step, for the GPU estimate.
         device, gpu_fraction, disk_dir: for what ``placement="auto"`` would choose now
             (:func:`~nbtools.placement.auto_placement`: the GPU when rows + state take at most
@@ -147,11 +151,13 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
     >>> p.row_state, p.host_bytes // 10_000_000      # 256 weight + 4 state, padded to 288
     (['sum'], 288)
     """
-    num_rows, dim, unique_ids_per_step = check_table_args(
-        {"num_rows": num_rows, "dim": dim, "unique_ids_per_step": unique_ids_per_step}, dtype,
-        gpu_fraction=gpu_fraction, disk_dir=disk_dir)
+    # (checked as the table checks them: shape, dtype, state_dtype, gpu_fraction, disk_dir)
+    config = TableConfig(dtype=dtype, state_dtype=state_dtype, gpu_fraction=gpu_fraction,
+                         disk_dir=disk_dir)
+    num_rows, dim, unique_ids_per_step = config.check("auto", {
+        "num_rows": num_rows, "dim": dim, "unique_ids_per_step": unique_ids_per_step})
     table_options = {"placement", "name", "device_ids", "padding_idx", "pin", "cache_bytes",
-                     "cache_fraction", "cache_rows", "host_cache_bytes", "state_dtype",
+                     "cache_fraction", "cache_rows", "host_cache_bytes",
                      "rounding", "write_behind", "cuda_graphs"} & set(optimizer_kwargs)
     if table_options:
         raise TypeError(f"plan() got table option(s) {sorted(table_options)}: plan() sizes "
@@ -177,10 +183,11 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                                                  torch.device("cpu"),
                                                  torch.float32 if low else dtype,
                                                  check_separable=False)
-    # Rows as a table stores them (nbtools.store.layout.RowLayout): state in the table's state dtype
-    # (float32 for bf16/fp16 weights), the weights packed into its columns.
-    layout = RowLayout(dim, dtype, torch.float32 if low and row_state else dtype,
-                       len(row_state), tuple(math.prod(s) for s in shapes.values()))
+    # Rows as a table stores them (nbtools.store.layout.RowLayout): state in the table's state
+    # dtype (default float32 for bf16/fp16 weights), the weights packed into its columns.
+    stored = config.storage_state_dtype if row_state else dtype
+    layout = RowLayout(dim, dtype, stored, len(row_state),
+                       tuple(math.prod(s) for s in shapes.values()))
     disk_row = layout.used * layout.unit.itemsize
     if row_state:                          # rows with state are padded in RAM (not on disk)
         layout = dataclasses.replace(layout, pad=row_padding(layout))
@@ -225,4 +232,5 @@ def plan(num_rows: int, dim: int, optimizer=torch.optim.Adam, dtype=torch.float3
                 fits=available is None or host <= 0.9 * available,
                 placement=placement, placement_reason=why,
                 disk_free_bytes=disk.free_bytes(disk_dir or disk.default_dir()),
-                disk_row_bytes=disk_row, pad_bytes=pad_bytes, **levels)
+                disk_row_bytes=disk_row, pad_bytes=pad_bytes,
+                state_dtype=str(stored).replace("torch.", "") if row_state else "", **levels)

@@ -58,6 +58,7 @@ class RowTier(Protocol):
     def own_cache(self) -> bool: ...               # a cache of its own (a disk table's levels)
     def cache_cost(self, num_rows: int) -> tuple[int, int]: ...  # a GPU cache's bytes
     def warm_rows(self, counts: torch.Tensor) -> bool: ...       # into its own cache, now
+    def own_cache_stats(self) -> dict: ...      # its own cache's table.cache_stats()
     # the table as a whole (nbtools.store.whole.WholeRows; a disk table's
     # nbtools.disk.access.WholeTable): ranges and rows as stored, the rows changed since a
     # checkpoint; ``written(ids)``: a step's update of those rows is queued next

@@ -425,8 +425,8 @@ class TableCache:
 
     def summary(self, rows) -> dict:
         """:meth:`nbtools.OffloadedEmbedding.cache_stats` of a table over tier ``rows``."""
-        if rows.own_cache and rows.cache is not None:      # (a disk table's GPU level)
-            return rows.cache.summary(rows.row_bytes)
+        if rows.own_cache:               # (a disk table's levels: GPU and RAM, or RAM alone)
+            return rows.own_cache_stats()
         return self.counts.summary(rows)
 
     def describe(self, rows) -> str:
