@@ -605,7 +605,15 @@ def _write_sidecar(path: Path, hashes: dict, link: str, verified: bool) -> None:
     try:
         with open(_create_new(tmp), "wb") as f:
             f.write(body)
-        os.replace(tmp, side)
+        try:
+            os.replace(tmp, side)
+        except (IsADirectoryError, OSError) as e:
+            if not stat.S_ISDIR(os.lstat(side).st_mode):
+                raise
+            raise UnsafeFileError(
+                f"{side} is a folder, where the data cache keeps the record of {path.name!r} "
+                f"(its hashes); the download itself is at {path}. Move or remove that folder "
+                "and fetch again.") from e
     finally:
         tmp.unlink(missing_ok=True)
 

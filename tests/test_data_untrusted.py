@@ -278,3 +278,19 @@ def test_plain_file_is_read_under_the_cap(tmp_path):
     with pytest.raises(data.ArchiveLimitError, match="over the cap"):
         data.load(tmp_path, max_member_bytes=10)                    # in a folder too
     assert data.load_ratings(path, max_member_bytes=len(BODY)).num_users == 2
+
+
+def test_a_folder_at_the_sidecars_name_is_named_not_a_raw_error(tmp_path, site):
+    """The record of a download cannot replace a folder planted at its name: a clear error
+    naming it (the download itself is kept)."""
+    url, _ = site
+    cache = tmp_path / "cache"
+    path = fetch(url, cache_dir=cache, quiet=True)
+    side = data.sidecar_path(path)
+    side.unlink()
+    path.unlink()
+    side.mkdir()
+    with pytest.raises(UnsafeFileError, match="is a folder, where the data cache keeps the "
+                                              "record"):
+        fetch(url, cache_dir=cache, quiet=True)
+    assert side.is_dir() and path.is_file()
