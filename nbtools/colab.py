@@ -123,7 +123,7 @@ def installed(package=None) -> str:
         package: the ``nbtools`` package directory to report on; default the one imported.
 
     Returns:
-        One line, e.g. ``nbtools 0.1.0 from git+https://github.com/nbtools-dev/nbtools@v0.1.0
+        One line, e.g. ``nbtools 0.2.0 from git+https://github.com/nbtools-dev/nbtools@v0.2.0
         (commit 0123abc...)``.
 
     >>> installed().startswith(f"nbtools {__version__} from ")
