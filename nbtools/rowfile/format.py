@@ -20,6 +20,8 @@ import stat
 import numpy as np
 
 from .. import NbtoolsError
+from .. import files as _files
+from ..files import file_kind, make_folder, regular_or_refuse  # noqa: F401 (importable here)
 from .fileio import _aligned, pwrite_all
 from ..units import human_bytes
 
@@ -57,19 +59,6 @@ def new_file_folder(path: str, overwrite: bool) -> str:
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{path!r} exists already (overwrite=True replaces it)")
     return folder
-
-
-def make_folder(folder: str) -> None:
-    """``folder`` and the folders above it that are missing, each made with mode 0700 (what
-    nbtools makes is its user's alone; a folder that exists is left as it is)."""
-    parent = os.path.dirname(folder)
-    if parent != folder and not os.path.isdir(parent):
-        make_folder(parent)
-    try:
-        os.mkdir(folder, 0o700)
-    except FileExistsError:
-        if not os.path.isdir(folder):
-            raise
 
 
 def create_exclusive(path: str) -> int:
@@ -145,68 +134,8 @@ def remove_unheld(path: str) -> int | None:
 
 def open_regular(path, flags: int = os.O_RDONLY, *, follow: bool = False,
                  what: str = "file", error: type = None) -> int:
-    """A descriptor of the regular file at ``path``, opened with ``flags``, for a file someone
-    else may have put there: a FIFO, a device or a socket is refused without blocking on it
-    (opened ``O_NONBLOCK``, checked with ``fstat``, then made blocking again), and, unless
-    ``follow``, so is a symbolic link (``O_NOFOLLOW``: a write never lands in the file a link
-    points to). ``what`` names the file in messages; ``error`` is the exception raised for
-    a file that is not a regular one (default :class:`RowFileError`).
-
-    Raises:
-        FileNotFoundError: nothing at ``path``.
-        ``error``: a symbolic link (unless ``follow``), a FIFO, device, socket or folder.
-        OSError: it cannot be opened otherwise (``PermissionError``...).
-    """
-    error = error or RowFileError
-    path = os.fspath(path)
-    try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC
-                     | (0 if follow else os.O_NOFOLLOW))
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"no {what} at {path!r}", path) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow and os.path.islink(path):
-            raise error(f"{path!r} is a symbolic link (to {os.path.realpath(path)!r}), which a "
-                        f"{what} is not opened through: what is written would land in the "
-                        "file it points to. Pass the file's real path (os.path.realpath(path)) "
-                        "if you meant to write that file") from None
-        if e.errno in (errno.ENXIO, errno.EISDIR):      # a socket; a folder opened to write
-            raise error(f"{path!r} is {file_kind(path)}, not a regular file: not a "
-                        f"{what}") from None
-        raise
-
-    def refuse(mode):
-        raise error(f"{path!r} is {file_kind(mode)}, not a regular file: not a {what}")
-    return regular_or_refuse(fd, refuse)
-
-
-def regular_or_refuse(fd: int, refuse) -> int:
-    """``fd`` (opened ``O_NONBLOCK``) made blocking, if it is a regular file; else it is
-    closed and ``refuse(st_mode)`` raises."""
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            refuse(mode)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-_KINDS = {"p": "a FIFO (named pipe)", "c": "a character device", "b": "a block device",
-          "s": "a socket", "d": "a folder", "l": "a symbolic link", "-": "a regular file"}
-
-
-def file_kind(mode_or_path) -> str:
-    """What a file is, in words ("a FIFO (named pipe)", "a character device"...), from its
-    ``st_mode`` or (not following a link) its path."""
-    if not isinstance(mode_or_path, int):
-        try:
-            mode_or_path = os.lstat(mode_or_path).st_mode
-        except OSError:
-            return "not a regular file"
-    return _KINDS.get(stat.filemode(mode_or_path)[0], "not a regular file")
+    """:func:`nbtools.files.open_regular`, refusing with :class:`RowFileError` by default."""
+    return _files.open_regular(path, flags, follow=follow, what=what, error=error or RowFileError)
 
 
 def checked_meta(fd: int, path: str, expect: dict | None, unclean_ok: bool) -> dict:
