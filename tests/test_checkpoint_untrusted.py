@@ -290,3 +290,57 @@ def test_a_history_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
     real.write_text('{"step": 1}\n')
     (tmp_path / "link.jsonl").symlink_to(real)
     assert History.load(tmp_path / "link.jsonl").records == [{"step": 1}]
+
+
+def test_a_history_writes_through_no_link_and_blocks_on_no_fifo(tmp_path):
+    """Appending, saving and appending after a load never write into the file a planted link
+    names; a FIFO at the path is refused at once; what is written is 0600."""
+    import threading
+    from nbtools.files import UnsafeFileError
+    from nbtools.meters import History
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+
+    def refused(make, path):
+        with pytest.raises((UnsafeFileError, ValueError)):
+            make(path)
+        assert victim.read_bytes() == b"precious\n"
+    link = tmp_path / "run.jsonl"
+    link.symlink_to(victim)
+    refused(lambda p: History(p).append({"step": 1}), link)
+    refused(lambda p: History.load(p, append=True), link)
+    dangling = tmp_path / "new.jsonl"
+    dangling.symlink_to(tmp_path / "made-through-the-link.jsonl")
+    refused(lambda p: History(p).append({"step": 1}), dangling)
+    assert not (tmp_path / "made-through-the-link.jsonl").exists()
+    # save() replaces a link at its path (never writes through it) and a planted temporary name
+    # cannot catch the write (it is a new, unpredictable name made O_EXCL)
+    h = History()
+    h.append({"step": 2})
+    h.save(link)
+    assert victim.read_bytes() == b"precious\n" and not link.is_symlink()
+    assert History.load(link).records == [{"step": 2}]
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    done = {}
+
+    def append():
+        try:
+            History(fifo).append({"step": 1})
+        except (UnsafeFileError, ValueError) as e:
+            done["error"] = e
+    t = threading.Thread(target=append, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and "error" in done
+    old = os.umask(0o022)
+    try:
+        mine = History(tmp_path / "logs" / "mine.jsonl")
+        mine.append({"step": 1})
+        mine.close()
+        h.save(tmp_path / "saved.jsonl")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
+    for p in (tmp_path / "logs" / "mine.jsonl", tmp_path / "saved.jsonl"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p

@@ -9,7 +9,7 @@ import math
 import os
 import time
 
-from ..rowfile.format import open_regular
+from ..files import make_folder, open_append_private, open_regular, write_private
 from ..units import fmt_bytes, fmt_count, fmt_rate
 from .samplers import Meters, StepTimer, ThroughputMeter
 
@@ -54,8 +54,10 @@ class History:
             self.records[:half] = self.records[:half:2]
         if self.path is not None:
             if self._file is None:
-                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
+                # (the user's alone, never through a link, never blocking on a FIFO)
+                make_folder(os.path.dirname(os.path.abspath(self.path)))
+                self._file = open(open_append_private(self.path, "history file"), "a",
+                                  encoding="utf-8")
             self._file.write(_dumps(record) + "\n")
             self._file.flush()
 
@@ -66,24 +68,20 @@ class History:
         return len(self.records)
 
     def save(self, path) -> None:
-        """Write all records to ``path`` atomically: a temporary name in the same folder, then a
-        rename there (``os.replace`` across file systems, e.g. into a Drive mount, fails)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in self.records:
-                f.write(_dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write all records to ``path`` atomically: a new file (mode 0600) in the same folder,
+        then a rename there (``os.replace`` across file systems, e.g. into a Drive mount,
+        fails); a link at ``path`` is replaced, never written through."""
+        write_private(path, "".join(_dumps(r) + "\n" for r in self.records).encode(),
+                      fsync=True)
 
     @classmethod
     def load(cls, path, *, append: bool = False) -> "History":
         """Read a JSONL history; ``append=True`` keeps writing new records to the same file.
         A history from someone else is data: a FIFO or a device at ``path`` raises ValueError
-        at once (nothing waits on it); a link to a regular file is followed."""
+        at once (nothing waits on it). A link to a regular file is followed to read it, not to
+        append to it (``append=True`` refuses a link: pass the file's real path)."""
         h = cls(path if append else None)
-        fd = open_regular(path, follow=True, what="history file", error=ValueError)
+        fd = open_regular(path, follow=not append, what="history file", error=ValueError)
         with open(fd, encoding="utf-8") as f:
             for line in f:
                 line = line.strip()
@@ -95,7 +93,8 @@ class History:
                     h.skipped_lines += 1
         if append:
             # a torn last line would glue onto the next record: start on a fresh line
-            with open(path, "rb+") as f:
+            with open(open_regular(path, os.O_RDWR, what="history file", error=ValueError),
+                      "rb+") as f:
                 if f.seek(0, os.SEEK_END) > 0:
                     f.seek(-1, os.SEEK_END)
                     if f.read(1) != b"\n":
