@@ -58,12 +58,13 @@ _LAZY = {
     "HostBudgetError": "nbtools.devices",
     "set_host_budget": "nbtools.devices",
     "PinningError": "nbtools.hostmem",
+    "UnsafeFileError": "nbtools.files",
     "UnconsumedGradientWarning": "nbtools.engine.lookups",
 }
 
 # Submodules reachable as attributes after a plain `import nbtools` (nbtools.colab.drive_dir).
 _SUBMODULES = ("checkpoint", "colab", "dashboard", "data", "devices", "disk", "distributed", "env",
-               "hostmem", "loader", "meters", "models", "optim", "placement", "pretrained",
+               "files", "hostmem", "loader", "meters", "models", "optim", "placement", "pretrained",
                "rowfile", "rowwise", "sizing", "tables", "testing", "units")
 
 __all__ = ["NbtoolsError", "__version__", *_LAZY]

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from . import NbtoolsError
+from .files import UnsafeFileError, make_folder, regular_or_refuse
 
 SAMPLES_DIR = Path(__file__).parent / "datasets"
 
@@ -73,13 +74,6 @@ class DriveQuotaError(NbtoolsError, RuntimeError):
 
 class DatasetNotFoundError(NbtoolsError, FileNotFoundError):
     """``load`` got neither a registry name nor an existing path."""
-
-
-class UnsafeFileError(NbtoolsError, OSError):
-    """A file or folder nbtools was handed is not what it must be: a symbolic link below the
-    data cache's root or inside a dataset folder, or a FIFO, a device, a socket or a folder
-    where a regular file belongs. Nothing was read from it or written through it; the message
-    names it, says what was expected and how to fix it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,16 +246,11 @@ def _open_regular(path, fix: str, follow_symlinks: bool = False) -> int:
         raise UnsafeFileError(f"{path} is {_what_is(path, os.lstat(path).st_mode)}, not a "
                               f"regular file: nbtools does not read through links here. {fix}"
                               ) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafeFileError(f"{path} is {_what_is(path, mode)}, not a regular file: "
-                                  f"nothing was read from it. {fix}")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+
+    def refuse(mode):
+        raise UnsafeFileError(f"{path} is {_what_is(path, mode)}, not a regular file: "
+                              f"nothing was read from it. {fix}")
+    return regular_or_refuse(fd, refuse)
 
 
 def _create_new(path) -> int:
@@ -269,20 +258,6 @@ def _create_new(path) -> int:
     link planted at the name (``O_EXCL | O_NOFOLLOW``)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                    0o600)
-
-
-def _make_folders(path: Path) -> None:
-    """``path`` and the folders above it that are missing, each made with mode 0700; those that
-    exist are left as they are (the cache root may be a link the user made, to Drive say)."""
-    missing = []
-    while not os.path.lexists(path) and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for p in reversed(missing):
-        try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:        # made meanwhile by another process
-            pass
 
 
 def _real_folder(folder: Path) -> Path:
@@ -521,7 +496,7 @@ def fetch(name_or_url: str, *, md5: str | None = None, sha256: str | None = None
     want = {k: v.lower() for k, v in (("md5", md5), ("sha256", sha256)) if v}
 
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    _make_folders(root)
+    make_folder(os.fspath(root))   # (missing ones 0700; the root may be a link the user made)
     folder = _real_folder(root / _check_name(key, "the source's cache folder"))
     if filename:
         _check_name(filename, "filename")
