@@ -48,6 +48,7 @@ import time
 import typing
 import warnings
 
+from ..files import write_private
 from ..meters import History, Monitor, MonitorConfig, measure_bandwidth
 from ..units import fmt_count, fmt_seconds
 from .plot import INSTALL, HistoryPlot, Plotter, plot_history  # noqa: F401  (re-exported)
@@ -368,14 +369,15 @@ class Dashboard:
 
     def save_png(self, path) -> str:
         """Write the history plot, as the dashboard last drew it (drawn now in text mode or
-        before the first plot), to ``path`` as PNG; returns the path."""
+        before the first plot), to ``path`` as PNG; returns the path. The file is made new
+        (mode 0600) and renamed over ``path``: a link or FIFO someone put at ``path`` is
+        replaced, never written through or blocked on."""
         png = self._png
         if png is None:
             png = Plotter(self.monitor.unit, self.config.width_px).render(
                 self.monitor.history, self.config.link_bytes_per_s)
         path = os.fspath(path)
-        with open(path, "wb") as f:
-            f.write(png)
+        write_private(path, png)
         return path
 
     def _freeze(self, rec: dict) -> None:
