@@ -126,7 +126,9 @@ def drive_dir(subdir: str = "nbtools", *, mount: bool = True, root=None) -> Path
 
 def _own_private_folder(path: Path, base: Path) -> None:
     """Raise :class:`DriveError` unless ``path`` (below ``base``) is a folder, not a symbolic
-    link, owned by this user and not writable by group or others."""
+    link, owned by this user and not writable by others. (A folder its group may write is
+    accepted: with a group of one's own, the default on many Linux machines under umask 002,
+    that is the user alone.)"""
     st = os.lstat(path)
     elsewhere = ("Remove or rename it, or choose a folder of your own: another subdir, or "
                  "another root (root=... or $NBTOOLS_DRIVE_DIR)")
@@ -142,11 +144,11 @@ def _own_private_folder(path: Path, base: Path) -> None:
         raise DriveError(f"{path} below {base} belongs to another user (uid {st.st_uid}): "
                          f"what nbtools wrote there would be theirs to read and replace. "
                          f"{elsewhere}")
-    if st.st_mode & 0o022:
-        raise DriveError(f"{path} below {base} may be written by group or others (mode "
+    if st.st_mode & stat.S_IWOTH:
+        raise DriveError(f"{path} below {base} may be written by others (mode "
                          f"{stat.S_IMODE(st.st_mode):04o}): anyone who can write there could "
-                         f"replace what nbtools writes. Run `chmod go-w {path}` if it is meant "
-                         f"to be yours alone; else: {elsewhere}")
+                         f"replace what nbtools writes. Run `chmod o-w {path}` if it is meant "
+                         f"to be yours; else: {elsewhere}")
 
 
 def flush_drive(unmount: bool = True) -> None:

@@ -213,8 +213,11 @@ def test_drive_dir_refuses_another_users_folder(shared_root):
 def test_drive_dir_refuses_a_folder_others_may_write(shared_root):
     (shared_root / "open").mkdir()
     (shared_root / "open").chmod(0o777)
-    with pytest.raises(DriveError, match="chmod go-w"):
+    with pytest.raises(DriveError, match="chmod o-w"):
         drive_dir("open", root=shared_root)
+    (shared_root / "mine").mkdir()
+    (shared_root / "mine").chmod(0o775)          # (umask 002 with a group of one's own)
+    assert drive_dir("mine", root=shared_root) == shared_root / "mine"
     (shared_root / "file").write_text("")
     with pytest.raises(DriveError, match="not a folder"):
         drive_dir("file/x", root=shared_root)
