@@ -200,9 +200,10 @@ class CorpusLoader:
     def num_pieces(self) -> int:
         return max(1, -(-self.ids.numel() // self.chunk_tokens))
 
-    def _piece_args(self, epoch: int, piece: int):
-        """(token ids, seeded generator, key) of one piece in ``epoch``."""
-        key = mix_int(mix_int(mix_int(self.seed) + epoch) + piece)
+    def _piece_args(self, epoch: int, piece: int, seed: int | None = None):
+        """(token ids, seeded generator, key) of one piece in ``epoch`` (with ``seed``, default
+        the loader's)."""
+        key = mix_int(mix_int(mix_int(self.seed if seed is None else seed) + epoch) + piece)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(key & ((1 << 63) - 1))
         lo = piece * self.chunk_tokens
@@ -226,13 +227,15 @@ class CorpusLoader:
         with the draws that will make them, without making them."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._sizes is None or self._sizes[0] != epoch:
-            sizes = []
-            for p in range(self.num_pieces):
-                ids, gen, _ = self._piece_args(epoch, p)
-                sizes.append(count_pairs(ids, self.window, keep_prob=self.keep_prob,
-                                         generator=gen))
-            self._sizes = (epoch, sizes)
+            self._sizes = (epoch, self._count_pairs(epoch, self.seed))
         return self._sizes[1]
+
+    def _count_pairs(self, epoch: int, seed: int) -> list:
+        sizes = []
+        for p in range(self.num_pieces):
+            ids, gen, _ = self._piece_args(epoch, p, seed)
+            sizes.append(count_pairs(ids, self.window, keep_prob=self.keep_prob, generator=gen))
+        return sizes
 
     @property
     def num_samples(self) -> int:
@@ -241,7 +244,13 @@ class CorpusLoader:
 
     def __len__(self) -> int:
         """Batches in the current epoch (the same on every rank)."""
-        n, step = self.num_samples, self.batch_size * self.world
+        return self._batches(self.epoch, self.seed)
+
+    def _batches(self, epoch: int, seed: int) -> int:
+        """Batches in ``epoch`` drawn with ``seed`` (pairs differ from epoch to epoch with
+        ``keep_prob``); the loader's caches are kept for its own seed."""
+        sizes = self.piece_sizes(epoch) if seed == self.seed else self._count_pairs(epoch, seed)
+        n, step = sum(sizes), self.batch_size * self.world
         return n // step + (n % step >= self.world)
 
     def _bounds(self, b: int, total: int) -> tuple[int, int]:
@@ -265,17 +274,33 @@ class CorpusLoader:
                 "rank": self.rank, "world": self.world}
 
     def check_state_dict(self, state: dict) -> None:
-        """Raise (KeyError, ValueError) where ``state`` would not resume this loader (another
-        corpus or settings); changes nothing."""
+        """Raise (KeyError, ValueError) where ``state`` would not resume this loader: another
+        corpus or settings, a seed, epoch or position that is not a whole number, or a
+        position outside its epoch. Changes nothing; a checkpoint's restore runs it before it
+        touches any object."""
+        if not isinstance(state, dict):
+            raise ValueError(f"CorpusLoader state is a {type(state).__name__}, expected the "
+                             "dict returned by CorpusLoader.state_dict()")
         check_resume(state, self.state_dict(),
                      ("batch_size", "window", "tokens", "chunk_tokens", "rank", "world"),
                      "CorpusLoader", "corpus")
-        # (values load_state_dict converts: a bad one raises here, before anything changes)
-        int(state["seed"]), int(state["epoch"]), int(state["position"])
+        for key in ("seed", "epoch", "position"):
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"CorpusLoader state has {key}={value!r} "
+                                 f"({type(value).__name__}), expected a whole number (int)")
+        if state["epoch"] < 0:
+            raise ValueError(f"CorpusLoader state has epoch={state['epoch']}, expected >= 0")
+        batches = self._batches(state["epoch"], state["seed"])
+        if not 0 <= state["position"] <= batches:
+            raise ValueError(f"CorpusLoader state has position={state['position']}, outside "
+                             f"0..{batches} (batches in its epoch {state['epoch']})")
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""
         self.check_state_dict(state)
+        if state["seed"] != self.seed:        # the pieces made and counted were another seed's
+            self._sizes = self._piece = None
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self.position = int(state["position"])
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import load_analogies, load_word_pairs
+from ..files import make_folder, write_private
 
 FILES = {"ws353": "wordsim353.tsv", "simlex": "simlex999.txt", "analogy": "questions-words.txt"}
 DATASETS = {"ws353": "ws353", "simlex": "simlex999", "analogy": "questions-words"}  # nbtools.data
@@ -243,7 +244,7 @@ def make_samples(folder, seed: int = 0) -> None:
     rnd = random.Random(seed)
     topics = [t.split() for t in SAMPLE_TOPICS.values()]
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(str(folder))
     made_up = ("# Made up for nbtools' smoke runs (nbtools.models.wordsim.make_samples): words of "
                "the bundled text8 sample,\n# scored 6-10 within a topic and 0-4 across topics. "
                "Not a measure of quality.\n")
@@ -259,7 +260,7 @@ def make_samples(folder, seed: int = 0) -> None:
             score = rnd.uniform(6, 10) if same else rnd.uniform(0, 4)
             lines.append(f"{a}\t{b}\t{score:.2f}")
         lines.append("tiger\tcat\t7.35")                 # not in the sample: coverage < 1
-        (folder / _SAMPLE_FILES[key]).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write_private(folder / _SAMPLE_FILES[key], ("\n".join(lines) + "\n").encode("utf-8"))
     lines = []
     for section in ("topic-to-topic", "numbers-to-topic"):
         lines.append(f": {section}")
@@ -270,4 +271,4 @@ def make_samples(folder, seed: int = 0) -> None:
             c, d = rnd.sample(topics[t2], 2)
             lines.append(f"{a} {b} {c} {d}")
     lines.append("Athens Greece Baghdad Iraq")            # not in the sample
-    (folder / _SAMPLE_FILES["analogy"]).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_private(folder / _SAMPLE_FILES["analogy"], ("\n".join(lines) + "\n").encode("utf-8"))
