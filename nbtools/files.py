@@ -49,10 +49,12 @@ def open_regular(path, flags: int = os.O_RDONLY, *, follow: bool = False,
         raise FileNotFoundError(errno.ENOENT, f"no {what} at {path!r}", path) from None
     except OSError as e:
         if e.errno == errno.ELOOP and not follow and os.path.islink(path):
+            writes = flags & (os.O_WRONLY | os.O_RDWR)
+            risk = ("what is written would land in the file it points to" if writes else
+                    "what is read would come from wherever it points")
             raise error(f"{path!r} is a symbolic link (to {os.path.realpath(path)!r}), which a "
-                        f"{what} is not opened through: what is written would land in the "
-                        "file it points to. Pass the file's real path (os.path.realpath(path)) "
-                        "if you meant to write that file") from None
+                        f"{what} is not opened through: {risk}. Pass the file's real path "
+                        "(os.path.realpath(path)) if you meant that file") from None
         if e.errno in (errno.ENXIO, errno.EISDIR):      # a socket; a folder opened to write
             raise error(f"{path!r} is {file_kind(path)}, not a regular file: not a "
                         f"{what}") from None
