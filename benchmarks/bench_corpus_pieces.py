@@ -61,8 +61,8 @@ def main():
            "chunk_tokens": chunk, "runs": {}}
     plain = word2vec.CorpusLoader._piece_args
     for mode in ("in_order", "strided"):
-        def piece_args(self, epoch, piece, _plain=plain, _mode=mode):
-            got, gen, key = _plain(self, epoch, piece)
+        def piece_args(self, epoch, piece, seed=None, *, _plain=plain, _mode=mode):
+            got, gen, key = _plain(self, epoch, piece, seed)
             return (got if _mode == "in_order" else strided_piece(self, piece)), gen, key
         word2vec.CorpusLoader._piece_args = piece_args
         try:
