@@ -344,3 +344,34 @@ def test_a_history_writes_through_no_link_and_blocks_on_no_fifo(tmp_path):
     assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
     for p in (tmp_path / "logs" / "mine.jsonl", tmp_path / "saved.jsonl"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+
+
+class _Unpicklable(torch.nn.Module):
+    """A model that refuses to be pickled (it holds a handle, say): its twin is still made."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+    def __getstate__(self):
+        raise TypeError("this model holds a handle and cannot be pickled")
+
+
+def test_a_model_that_cannot_be_pickled_is_rehearsed_too(tmp_path):
+    torch.manual_seed(0)
+    model = _Unpicklable()
+    mgr = CheckpointManager(tmp_path / "ck", config=QUIET)
+    mgr.save(1, model=model)
+    ck = tmp_path / "ck" / "step-000000001"
+
+    def change(m):
+        meta = _state(m, "model")["$meta"]["$items"]
+        next(v for k, v in meta if k == "body.1")["version"] = "x"
+    edit(ck, change)
+    torch.manual_seed(1)
+    other = _Unpicklable()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="load_state_dict refuses"):
+        mgr.restore(model=other)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k]), k

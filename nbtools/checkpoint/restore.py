@@ -270,6 +270,14 @@ def _structure(obj, state, half: bool) -> str | None:
 # state into a twin: its own class and settings, its parameters and buffers shape-only (on the
 # meta device, no memory), no load hooks. What the twin refuses is refused with nothing read.
 
+def _shallow(obj):
+    """A new object of ``obj``'s class holding what its ``__dict__`` holds (the same values):
+    not through ``__reduce__``/``__getstate__``, which a class may narrow for pickling."""
+    twin = object.__new__(type(obj))
+    twin.__dict__.update(obj.__dict__)
+    return twin
+
+
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     twin = torch.empty_like(t, device="meta")
     return torch.nn.Parameter(twin, t.requires_grad) if isinstance(t, torch.nn.Parameter) else twin
@@ -287,7 +295,7 @@ def _module_twin(module: torch.nn.Module) -> torch.nn.Module:
     def twin(m):
         if id(m) in twins:                   # a submodule used twice stays one
             return twins[id(m)]
-        t = twins[id(m)] = copy.copy(m)      # own __dict__; parameters, buffers, children below
+        t = twins[id(m)] = _shallow(m)       # own __dict__; parameters, buffers, children below
         t._load_state_dict_pre_hooks = type(m._load_state_dict_pre_hooks)()
         t._load_state_dict_post_hooks = type(m._load_state_dict_post_hooks)()
         own = type(m)._load_from_state_dict
@@ -312,7 +320,7 @@ def _module_twin(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _optimizer_twin(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    t = copy.copy(opt)
+    t = _shallow(opt)
     metas: dict[int, torch.Tensor] = {}
     t.param_groups = [{**g, "params": [metas.setdefault(id(p), _meta_like(p)) for p in g["params"]]}
                       for g in opt.param_groups]
