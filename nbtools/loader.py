@@ -404,15 +404,24 @@ class PinnedLoader:
         """Raise (KeyError, ValueError) where ``state`` would not resume this loader: other
         data or settings, or a position outside the epoch. Changes nothing; a checkpoint's
         restore runs it before it touches any object."""
+        if not isinstance(state, dict):
+            raise ValueError(f"PinnedLoader state is a {type(state).__name__}, expected the "
+                             "dict returned by PinnedLoader.state_dict()")
         check_resume(state, self.state_dict(),
                      ("num_samples", "batch_size", "shuffle", "drop_last", "rank", "world"),
                      "PinnedLoader", "data")
+        for key in ("seed", "epoch", "position"):
+            # (a float, a string or a bool would be cut to another whole number, or overflow)
+            value = state[key]
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"PinnedLoader state has {key}={value!r:.40} "
+                                 f"({type(value).__name__}), expected a whole number (int)")
+        if state["epoch"] < 0:
+            raise ValueError(f"PinnedLoader state has epoch={state['epoch']}, expected >= 0")
         position = int(state["position"])
         if not 0 <= position <= len(self):
             raise ValueError(f"saved position {position} is outside 0..{len(self)} "
                              "(batches per epoch)")
-        # (values load_state_dict converts: a bad one raises here, before anything changes)
-        int(state["seed"]), int(state["epoch"])
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that would have followed."""

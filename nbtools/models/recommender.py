@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 
 import torch
@@ -19,6 +20,7 @@ from ..devices import resolve_device
 from ..distributed import ShardedEmbedding, world_of
 from ..loader import mix_int
 from ..tables import OffloadedEmbedding
+from .word2vec import check_generator_state
 from .ranking import Interactions, leave_last_out, ranking_metrics, recency, sample_candidates, take
 
 # --- recommender ------------------------------------------------------------------------------
@@ -292,9 +294,22 @@ class MatrixFactorization(nn.Module):
     def get_extra_state(self):
         return {"generator": self.generator.get_state(), "observed_range": self.observed_range}
 
+    def check_extra_state(self, state) -> None:
+        """Raise (ValueError, TypeError, KeyError) where :meth:`set_extra_state` would refuse
+        ``state`` or take a value that breaks later calls; changes nothing."""
+        check_generator_state(state, self.generator, "MatrixFactorization")
+        rng = state.get("observed_range")
+        if rng is not None and not (
+                isinstance(rng, (tuple, list)) and len(rng) == 2
+                and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in rng)):
+            raise ValueError(f"MatrixFactorization state has observed_range={rng!r:.60}, "
+                             "expected None or (lowest, highest) rating")
+
     def set_extra_state(self, state) -> None:
+        self.check_extra_state(state)
         self.generator.set_state(state["generator"].cpu())
-        self.observed_range = state.get("observed_range", self.observed_range)
+        rng = state.get("observed_range", self.observed_range)
+        self.observed_range = None if rng is None else tuple(float(v) for v in rng)
 
     def _score(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Predictions from rows ``[factors | bias]`` of matching shapes [..., dim + 1]."""

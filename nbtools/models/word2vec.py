@@ -115,6 +115,30 @@ def _windows(ids, window, keep_prob, dynamic, generator):
         yield d, left, right, fwd, bwd
 
 
+def check_generator_state(state, generator: torch.Generator, kind: str) -> None:
+    """Raise (ValueError) where ``state["generator"]`` would not load into ``generator``
+    (a model's extra state; :meth:`SkipGram.set_extra_state`): not a dict, no generator
+    state, or one of another dtype or size. A state with its values (not shape-only) is tried
+    on a scratch generator of the same kind."""
+    if not isinstance(state, dict) or "generator" not in state:
+        raise ValueError(f"{kind} extra state is {type(state).__name__}"
+                         f"{'' if not isinstance(state, dict) else ' without a generator'}, "
+                         "expected a dict holding the negatives' generator state")
+    saved, live = state["generator"], generator.get_state()
+    if not isinstance(saved, torch.Tensor) or saved.dtype != live.dtype \
+            or tuple(saved.shape) != tuple(live.shape):
+        shown = f"{saved.dtype} {tuple(saved.shape)}" if isinstance(saved, torch.Tensor) \
+            else type(saved).__name__
+        raise ValueError(f"{kind} extra state's generator state is {shown}, expected "
+                         f"{live.dtype} {tuple(live.shape)}")
+    if saved.device.type != "meta":
+        try:
+            torch.Generator(device=generator.device).set_state(saved.cpu())
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{kind} extra state's generator state does not load "
+                             f"({type(e).__name__}: {str(e)[:120]})") from None
+
+
 class CorpusLoader:
     """Batches of (center, context) pairs whose subsampling and windows are redrawn each epoch.
 
@@ -516,7 +540,13 @@ class SkipGram(nn.Module):
     def get_extra_state(self):
         return {"generator": self.generator.get_state()}
 
+    def check_extra_state(self, state) -> None:
+        """Raise (ValueError, TypeError, KeyError) where :meth:`set_extra_state` would refuse
+        ``state``; changes nothing."""
+        check_generator_state(state, self.generator, "SkipGram")
+
     def set_extra_state(self, state) -> None:
+        self.check_extra_state(state)
         self.generator.set_state(state["generator"].cpu())
 
     # --- looking at the vectors ---------------------------------------------------------------

@@ -34,7 +34,7 @@ from ..devices import deferred_interrupts, on_tables
 from ..engine.stepper import NonFiniteGradientError, StepEngine
 from ..rowwise import PartialRowWiseAdam, RowWiseAdagrad  # noqa: F401  (optimizers, in __all__)
 from ..tables import OffloadedEmbedding
-from .config import OffloadConfig, check_groups
+from .config import OffloadConfig, check_groups, concrete, rehearse_step
 from .planner import Plan, plan
 from .probe import UnsupportedOptimizerError, initial_row_state
 from .slot import TableSlot
@@ -392,6 +392,55 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 raise ValueError("state_dict's ordinary parameters have no optimizer state")
             check_groups(dense.get("param_groups"), self._dense.param_groups,
                          "ordinary parameters")
+            self._check_dense(dense)
+
+    def _check_dense(self, dense: dict) -> None:
+        """Refuse the ordinary parameters' saved state where torch's ``load_state_dict``
+        would raise, or the next step would: parameters listed out of order or twice, a
+        state that is not a dict, state tensors of other shapes, a hyper-parameter missing or
+        of a value the optimizer refuses. Rehearsed on stand-ins of one element per
+        dimension (state that is not per element, Adafactor's factors, is not rehearsed)."""
+        if "state" not in dense:
+            raise ValueError("ordinary parameters: the saved optimizer state has no state entry")
+        opt = self._dense
+        live = [p for g in opt.param_groups for p in g["params"]]
+        ids = [i for g in dense["param_groups"] for i in g["params"]]
+        if ids != list(range(len(live))):
+            raise ValueError(f"ordinary parameters: the saved groups list parameters {ids[:20]}, "
+                             f"expected 0..{len(live) - 1} in order")
+        small, state = {}, {}
+        for p in live:
+            small[id(p)] = nn.Parameter(torch.zeros([1] * p.dim(), dtype=p.dtype, device=p.device),
+                                        p.requires_grad)
+        for i, st in dense["state"].items():
+            if not isinstance(i, int) or not 0 <= i < len(live):
+                continue                        # torch keeps it aside; no step reads it
+            if not isinstance(st, dict):
+                raise ValueError(f"ordinary parameters: the state of parameter {i} is a "
+                                 f"{type(st).__name__}, expected a dict")
+            p, state[i] = live[i], {}
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
+                    v = torch.zeros(small[id(p)].shape, dtype=v.dtype)
+                elif isinstance(v, torch.Tensor) and v.numel() != 1:
+                    return                      # not per element: left to the optimizer
+                state[i][key] = concrete(v)
+        groups = [{**concrete(g), "params": [small[id(p)] for p in h["params"]]}
+                  for g, h in zip(dense["param_groups"], opt.param_groups)]
+
+        def build(_params):
+            twin = type(opt)([{**h, "params": g["params"]}
+                              for g, h in zip(groups, opt.param_groups)])
+            twin.load_state_dict({"state": state, "param_groups": [
+                {**g, "params": list(range(sum(len(x["params"]) for x in groups[:j]),
+                                           sum(len(x["params"]) for x in groups[:j + 1])))}
+                for j, g in enumerate(groups)]})
+            return twin
+        rehearse_step(type(opt), [({**{k: v for k, v in h.items() if k != "params"},
+                                    **{k: v for k, v in g.items() if k != "params"}},
+                                   [(q, None) for q in g["params"]])
+                                  for g, h in zip(groups, opt.param_groups)],
+                      "ordinary parameters", build)
 
     @on_tables
     def load_state_dict(self, state_dict: dict) -> None:

@@ -4,6 +4,7 @@ that its ``check_state_dict`` and a checkpoint's restore share."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 
 import torch
@@ -97,3 +98,61 @@ def check_groups(saved, live: list, what: str) -> None:
             raise ValueError(f"{what}: parameter group {i} holds {len(g['params'])} parameters, "
                              f"this optimizer's {len(h['params'])}")
         check_group(g, h, f"{what}, parameter group {i}")
+
+
+def _ctor_args(cls, hyper: dict) -> dict:
+    """The hyper-parameters that ``cls``'s constructor takes by name."""
+    try:
+        names = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in names.values()):
+        return {k: v for k, v in hyper.items() if k != "params"}
+    return {k: v for k, v in hyper.items() if k in names and k not in ("self", "params")}
+
+
+def concrete(value):
+    """``value`` with shape-only (meta) tensors replaced by zeros on the CPU: what a
+    rehearsal can compute with (a checkpoint's preflight hands over shape-only tensors)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype) if value.device.type == "meta" \
+            else value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(concrete(v) for v in value)
+    if isinstance(value, dict):
+        return {k: concrete(v) for k, v in value.items()}
+    return value
+
+
+def rehearse_step(cls, groups: list, what: str, build=None, grad=None) -> list:
+    """Raise ValueError where ``cls`` would refuse saved hyper-parameters or fail its next
+    step on saved state: ``groups`` is ``[(hyper, [(stand-in parameter, state or None)])]``,
+    small stand-ins (a row, one element per dimension) for the real parameters. Each
+    group's hyper-parameters go through ``cls``'s own checks (its constructor: ``lr >= 0``,
+    ``betas`` in [0, 1), ...), then one step runs on the stand-ins with a gradient of ones
+    (``build(params) -> optimizer`` makes the optimizer as its owner does; default: ``cls``
+    with the groups; ``grad(p)`` sets a stand-in's gradient). Returns each stand-in's state
+    after the step."""
+    try:
+        for hyper, params in groups:
+            cls([torch.zeros(1, requires_grad=True)], **_ctor_args(cls, hyper))
+        if build is None:
+            opt = cls([{"params": [p for p, _ in params], **hyper} for hyper, params in groups])
+        else:
+            opt = build([p for _, params in groups for p, _ in params])
+        for _, params in groups:
+            for p, state in params:
+                if state is not None:
+                    opt.state[p] = state
+        for _, params in groups:
+            for p, _ in params:
+                if grad is None:
+                    p.grad = torch.ones_like(p)
+                else:
+                    grad(p)
+        opt.step()
+        return [opt.state.get(p) for _, params in groups for p, _ in params]
+    except Exception as e:
+        text = str(e).strip().replace("\n", " ")[:200]
+        raise ValueError(f"{what}: {cls.__name__} refuses the saved hyper-parameters or "
+                         f"state ({type(e).__name__}: {text})") from None

@@ -34,7 +34,7 @@ from .. import kernels
 from ..engine import steps
 from ..engine.lookups import StepRows
 from ..placement import copy_unless_same
-from .config import check_group
+from .config import check_group, concrete, rehearse_step
 from .probe import (NOT_HYPER, UnsupportedOptimizerError, check_hyper, initial_row_state,
                     set_grad, probe_row_state)
 from ..tables import OffloadedEmbedding
@@ -303,17 +303,74 @@ class TableSlot:
         if scalar is not None and not isinstance(scalar, dict):
             raise ValueError(f"table {self.name!r}: scalar state is a {type(scalar).__name__}, "
                              "expected a dict")
-        if not isinstance(sd.get("rounds", 0), int):
-            raise ValueError(f"table {self.name!r}: rounds is {sd['rounds']!r}, expected an int")
+        rounds = sd.get("rounds", 0)
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+            raise ValueError(f"table {self.name!r}: rounds is {rounds!r:.40}, expected an int >= 0")
         if set(self.names) != set(sd["row_state"]):
             raise ValueError(f"table {self.name!r}: state has per-row tensors "
                              f"{sorted(sd['row_state'])}, this optimizer keeps {sorted(self.names)}")
         shapes = self.row_state_shapes()
         for key, shape in shapes.items():
             src = sd["row_state"][key]
+            if not isinstance(src, torch.Tensor):
+                raise ValueError(f"table {self.name!r}: state {key!r} is a {type(src).__name__}, "
+                                 "expected a tensor")
             if tuple(src.shape) != shape:
                 raise ValueError(f"table {self.name!r}: state {key!r} has shape {tuple(src.shape)},"
                                  f" expected {shape}")
+        if "params" in sd["group"]:
+            raise ValueError(f"table {self.name!r}: its hyper-parameters hold 'params' (a table's "
+                             "group lists no parameters)")
+        if scalar is not None:
+            self._check_scalar(scalar)
+        self._rehearse(concrete(sd["group"]), None if scalar is None else concrete(scalar))
+
+    def _check_scalar(self, scalar: dict) -> None:
+        """Refuse scalar state (Adam's ``step``) of other names or kinds than the optimizer
+        keeps (:attr:`scalar_template`, from the probe's steps)."""
+        if set(scalar) != set(self.scalar_template):
+            raise ValueError(f"table {self.name!r}: scalar state has {sorted(scalar)}, "
+                             f"{self.cls.__name__} keeps {sorted(self.scalar_template)}")
+        for key, template in self.scalar_template.items():
+            value = scalar[key]
+            if torch.is_tensor(template):
+                ok = (torch.is_tensor(value) and tuple(value.shape) == tuple(template.shape)
+                      and not value.dtype.is_complex and value.dtype != torch.bool)
+            else:
+                ok = isinstance(value, type(template)) and not isinstance(value, bool)
+            if not ok:
+                shown = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else repr(value)[:40]
+                raise ValueError(f"table {self.name!r}: scalar state {key!r} is {shown} "
+                                 f"({type(value).__name__}), expected one like {template!r:.40}")
+
+    def _rehearse(self, group: dict, scalar: dict | None) -> None:
+        """One step of the optimizer on a one-row stand-in, as :meth:`apply` runs it, with the
+        saved hyper-parameters and scalar state: what would fail there (``lr=None``, a flag
+        that adds per-row state, ``capturable`` on the CPU) is refused before anything loads."""
+        merged = {**self.hyper(), **group}
+        check_hyper(self.cls, merged)
+        dev, dtype = self.table.device, self.table.compute_dtype
+        p = nn.Parameter(torch.zeros(1, self.table.embedding_dim, dtype=dtype, device=dev))
+        state = None
+        if scalar is not None:
+            state = {k: torch.zeros(1, *self.row_shapes[k], dtype=dtype, device=dev)
+                     for k in self.names}
+            state.update(scalar)
+
+        def build(params):
+            opt = self.cls(params, **self.ctor_kwargs)
+            opt.param_groups[0].update(merged)
+            return opt
+        (after,) = rehearse_step(self.cls, [(merged, [(p, state)])], f"table {self.name!r}",
+                                 build, lambda q: set_grad(q, torch.ones_like(q), self.sparse))
+        after = after or {}
+        missing = [k for k in self.names if k not in after]
+        extra = sorted(set(after) - set(self.names) - set(self.scalar_template))
+        if missing or extra:
+            raise ValueError(f"table {self.name!r}: with the saved hyper-parameters "
+                             f"{self.cls.__name__} keeps other state ("
+                             + (f"lacks {missing}" if missing else f"adds {extra}")
+                             + f") than the table holds, {self.names}")
 
     def load_state_dict(self, sd: dict) -> None:
         self.check_state_dict(sd)
