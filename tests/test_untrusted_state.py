@@ -264,10 +264,6 @@ def test_a_recommenders_observed_range_must_be_a_pair():
     assert model.observed_range == (0.0, 4.0)
 
 
-@pytest.mark.xfail(strict=True, reason="a module's extra state is not rehearsed by the restore "
-                   "(nbtools/checkpoint/restore.py _module_twin replaces set_extra_state with "
-                   "_consumed): the tables are read in place before set_extra_state refuses. "
-                   "Fixed once the twin calls the module's check_extra_state.")
 @pytest.mark.parametrize("kind", ["mf", "skipgram"])
 def test_a_models_crafted_extra_state_changes_nothing_in_a_restore(tmp_path, kind):
     model = _model(kind, 0)

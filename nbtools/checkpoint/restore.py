@@ -285,8 +285,8 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 
 def _consumed(*_args) -> None:
     """A twin's ``_load_from_state_dict`` for a module whose own cannot run shape-only (an
-    nbtools table, a class that loads in its own way), and its ``set_extra_state``: their fit
-    is what preflight checked."""
+    nbtools table, a class that loads in its own way), and its ``set_extra_state`` where the
+    module has no ``check_extra_state(state)``: their fit is what preflight checked."""
 
 
 def _module_twin(module: torch.nn.Module) -> torch.nn.Module:
@@ -311,9 +311,10 @@ def _module_twin(module: torch.nn.Module) -> torch.nn.Module:
             t._parameters, t._buffers = {}, {}
         if not runs:
             t._load_from_state_dict = _consumed
-        # (a module's extra state goes to objects the twin shares with it, a generator say:
-        # it is not rehearsed)
-        t.set_extra_state = _consumed
+        # (a module's extra state goes to objects the twin shares with it, a generator say: it
+        # is not loaded there, only checked, where the module can check it)
+        check = getattr(m, "check_extra_state", None)
+        t.set_extra_state = check if callable(check) else _consumed
         t._modules = {k: None if c is None else twin(c) for k, c in m._modules.items()}
         return t
     return twin(module)
