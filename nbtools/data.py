@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from . import NbtoolsError
-from .files import UnsafeFileError, make_folder, regular_or_refuse
+from .files import (UnsafeFileError, create_private, file_kind, make_folder, regular_or_refuse,
+                    write_private)
 
 SAMPLES_DIR = Path(__file__).parent / "datasets"
 
@@ -226,10 +227,7 @@ def _what_is(path, mode: int) -> str:
             return f"a symbolic link (to {os.readlink(path)!r})"
         except OSError:
             return "a symbolic link"
-    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)",
-             stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-             stat.S_IFSOCK: "a socket", stat.S_IFREG: "a regular file"}
-    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+    return file_kind(mode)
 
 
 def _open_regular(path, fix: str, follow_symlinks: bool = False) -> int:
@@ -251,13 +249,6 @@ def _open_regular(path, fix: str, follow_symlinks: bool = False) -> int:
         raise UnsafeFileError(f"{path} is {_what_is(path, mode)}, not a regular file: "
                               f"nothing was read from it. {fix}")
     return regular_or_refuse(fd, refuse)
-
-
-def _create_new(path) -> int:
-    """A write descriptor of a new file at ``path``, mode 0600: never an existing file or a
-    link planted at the name (``O_EXCL | O_NOFOLLOW``)."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                   0o600)
 
 
 def _real_folder(folder: Path) -> Path:
@@ -344,7 +335,7 @@ def _url_download(source: str, output: str, quiet: bool) -> str:
                 pass
         got = 0
         try:
-            with open(_create_new(output), "wb") as f:
+            with open(create_private(output), "wb") as f:
                 while True:
                     chunk = resp.read(1 << 20)
                     if not chunk:
@@ -576,21 +567,13 @@ def _write_sidecar(path: Path, hashes: dict, link: str, verified: bool) -> None:
     body = json.dumps({**hashes, "url": link, "verified": verified,
                        "mtime_ns": os.lstat(path).st_mtime_ns}).encode()
     side = sidecar_path(path)
-    tmp = side.with_name(f"{side.name}.{os.getpid()}-{time.time_ns():x}.tmp")
     try:
-        with open(_create_new(tmp), "wb") as f:
-            f.write(body)
-        try:
-            os.replace(tmp, side)
-        except (IsADirectoryError, OSError) as e:
-            if not stat.S_ISDIR(os.lstat(side).st_mode):
-                raise
-            raise UnsafeFileError(
-                f"{side} is a folder, where the data cache keeps the record of {path.name!r} "
-                f"(its hashes); the download itself is at {path}. Move or remove that folder "
-                "and fetch again.") from e
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_private(side, body)
+    except UnsafeFileError as e:         # (a folder at the sidecar's name)
+        raise UnsafeFileError(
+            f"{side} is a folder, where the data cache keeps the record of {path.name!r} "
+            f"(its hashes); the download itself is at {path}. Move or remove that folder "
+            "and fetch again.") from e
 
 
 _SIDECAR_MAX_BYTES = 1 << 16      # a sidecar is ~250 bytes: anything larger is not one

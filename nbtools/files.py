@@ -107,6 +107,13 @@ def make_folder(folder: str) -> None:
             raise
 
 
+def create_private(path) -> int:
+    """A write descriptor of a new file at ``path``, mode 0600: never an existing file or a
+    link planted at the name (``O_EXCL | O_NOFOLLOW``)."""
+    return os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                   | os.O_CLOEXEC, 0o600)
+
+
 def write_private(path, data: bytes, *, fsync: bool = False) -> None:
     """Write ``data`` as the file ``path``, whole or not at all: to a new name beside it
     (``O_EXCL | O_NOFOLLOW``, mode 0600: never an existing file or a link planted there), then
@@ -114,7 +121,7 @@ def write_private(path, data: bytes, *, fsync: bool = False) -> None:
     ``path`` raises :class:`UnsafeFileError`."""
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}-{time.time_ns():x}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = create_private(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -206,7 +206,7 @@ def _path_source(path, column: bool = False) -> _Source:
     is refused, not waited on or read forever; a symbolic link to a regular file is
     followed, since nothing is written), its header checked against its size, and its rows
     read through that descriptor."""
-    from .rowfile.format import open_regular
+    from .files import open_regular
     p = os.fspath(path)
     if not os.path.exists(p):
         raise FileNotFoundError(f"no file {p!r} (from_pretrained reads a .npy file, memory-"
@@ -386,7 +386,7 @@ class _File:
             return None
         start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + arr.ctypes.data - base
-        from .rowfile.format import open_regular
+        from .files import open_regular
         try:            # (whatever is at its name now: a FIFO put there is not waited on)
             fd = open_regular(path, follow=True, error=ValueError)
         except (OSError, ValueError):

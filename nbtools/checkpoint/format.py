@@ -30,7 +30,7 @@ import torch
 from .. import NbtoolsError
 from ..devices import cuda_ok
 from ..rowfile import fadvise
-from ..rowfile.format import regular_or_refuse
+from ..files import create_private, regular_or_refuse
 
 FORMAT = "nbtools-checkpoint"
 FORMAT_VERSION = 2                # what this reads; checkpoints without disk tables are written as 1
@@ -491,11 +491,9 @@ def open_regular(folder, name: str, flags: int = os.O_RDONLY) -> int:
 
 def create_new(folder, name: str) -> int:
     """A descriptor of the new file ``name`` in ``folder``, opened for writing: never an
-    existing file or a link planted at its name (``O_EXCL | O_NOFOLLOW``)."""
+    existing file or a link planted at its name (:func:`nbtools.files.create_private`)."""
     _check_name(name)
-    return os.open(os.path.join(folder, name),
-                   os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                   PRIVATE_FILE)
+    return create_private(os.path.join(folder, name))
 
 
 def _int(v, lo: int = 0) -> bool:

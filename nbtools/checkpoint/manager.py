@@ -147,14 +147,17 @@ class CheckpointManager:
         return out
 
     # -- restoring ---------------------------------------------------------------------------
-    def restore(self, *, rng: bool = True, allow_half: bool | None = None, **objects) -> int | None:
+    def restore(self, *, rng: bool = True, allow_half: bool | None = None,
+                fall_back: bool = True, **objects) -> int | None:
         """Load the newest checkpoint that verifies into ``objects``; return its step.
 
         Falls back to older checkpoints when the newest is damaged (with a warning); returns
         None when there is no checkpoint at all; raises :class:`CheckpointError` when there are
         checkpoints but none can be read (so a run never silently starts over). A checkpoint
         with half-precision tables is restored only with ``allow_half=True`` (default: the
-        config's ``half_tables``).
+        config's ``half_tables``). ``fall_back=False`` tries the newest checkpoint alone: all
+        of it, or (damaged) nothing, never an older step (a sharded restore needs every rank at
+        one step).
         """
         t0 = time.perf_counter()
         self._rows_touched = False
@@ -162,6 +165,8 @@ class CheckpointManager:
         for name, obj in objects.items():
             state_of(name, obj)             # type check before touching anything
         candidates = self._entries()
+        if not fall_back:
+            candidates = candidates[:1]
         if not candidates:
             if self.config.verbose:
                 print(f"checkpoint: none in {self.directory}"

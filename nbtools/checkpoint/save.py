@@ -35,7 +35,7 @@ from .format import (ALIGN, EXTRAS, FORMAT, PRIVATE_DIR, CheckpointConfig, Check
 from .layout import clean_leftovers, tmp_name
 from .rng import rng_state
 
-_RESERVED = ("rng", "half_tables", "allow_half")
+_RESERVED = ("rng", "half_tables", "allow_half", "fall_back")
 
 
 def state_of(name: str, obj):

@@ -5,8 +5,6 @@ and then ``SHARDS.json``; :func:`restore_sharded` reads them back on any number 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -131,19 +129,6 @@ def check_shards(m, path=SHARDS) -> None:
             _damaged(path, f"has {key} {m.get(key)!r}, expected a string")
 
 
-@functools.cache
-def _newest_only():
-    """A CheckpointManager that restores its newest checkpoint or nothing, never an older one
-    (which would load another step into live objects before restore_sharded refuses it). Made
-    on first use: the checkpoint package imports this one."""
-    from ..checkpoint import CheckpointManager
-
-    class NewestOnly(CheckpointManager):
-        def _entries(self):
-            return super()._entries()[:1]
-    return NewestOnly
-
-
 def _check_shards_there(root, m: dict, config) -> None:
     """Every saved rank's folder is there, a folder, and its newest checkpoint is the
     manifest's step and complete (files present with their sizes): checked on every rank for
@@ -151,7 +136,7 @@ def _check_shards_there(root, m: dict, config) -> None:
     import os
     import re
 
-    from ..checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError, CheckpointManager
 
     world, step = m["world"], m["step"]
     present = set()
@@ -173,7 +158,7 @@ def _check_shards_there(root, m: dict, config) -> None:
             ": the copy is incomplete. Nothing was restored; restore an intact copy of the whole "
             "directory.")
     for k in range(world):
-        rows = _newest_only()(root / _rank_dir(k, world), config=config).checkpoints()
+        rows = CheckpointManager(root / _rank_dir(k, world), config=config).checkpoints()
         if not rows or rows[0]["step"] != step or rows[0]["status"] != "ok":
             newest = (f"step {rows[0]['step']} ({rows[0]['status']})" if rows
                       else "no checkpoint")
@@ -199,7 +184,7 @@ def restore_sharded(directory, table: ShardedEmbedding, opt, *, config=None):
     """
     from pathlib import Path
 
-    from ..checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError, CheckpointManager
 
     root = Path(directory).expanduser()
     m = read_shards(root)
@@ -217,8 +202,8 @@ def restore_sharded(directory, table: ShardedEmbedding, opt, *, config=None):
 
     def restore_one(rank, shard, shard_opt):
         # the newest checkpoint only (checked above): all of it or, if damaged, nothing
-        got = _newest_only()(root / _rank_dir(rank, saved_world), config=config).restore(
-            table=shard, opt=shard_opt, rng=False)
+        got = CheckpointManager(root / _rank_dir(rank, saved_world), config=config).restore(
+            table=shard, opt=shard_opt, rng=False, fall_back=False)
         if got != m["step"]:
             raise CheckpointError(
                 f"rank {rank}'s newest readable checkpoint in {root} is step {got}, the manifest "
